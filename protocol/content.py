@@ -1,0 +1,49 @@
+"""Content IDs: SHA-256 of bytes, streamed for files.
+
+SHA-256 rather than BLAKE3 because it needs no extra dependency, runs at ≈1.5–2 GB/s per core
+with the SHA-NI instructions OpenSSL uses on current x86 and ARM CPUs (faster than a loopback
+HTTP transfer, so it is never the bottleneck), and is what libp2p multihashes and most tooling
+understand (``sha256sum`` verifies a piece by hand). See ``docs/protocol.md`` §4.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import BinaryIO, NewType
+
+ContentId = NewType("ContentId", bytes)
+
+CONTENT_ID_BYTES = 32
+_READ_CHUNK_BYTES = 1 << 20
+
+
+def content_id(data: bytes | bytearray | memoryview) -> ContentId:
+    """The 32-byte content ID (SHA-256) of ``data``."""
+    return ContentId(hashlib.sha256(data).digest())
+
+
+def content_id_of_stream(stream: BinaryIO, length: int | None = None) -> ContentId:
+    """Hash ``length`` bytes (or everything) read from ``stream`` in 1 MiB chunks; flat memory."""
+    h = hashlib.sha256()
+    remaining = length
+    while remaining is None or remaining > 0:
+        n = _READ_CHUNK_BYTES if remaining is None else min(_READ_CHUNK_BYTES, remaining)
+        chunk = stream.read(n)
+        if not chunk:
+            break
+        h.update(chunk)
+        if remaining is not None:
+            remaining -= len(chunk)
+    return ContentId(h.digest())
+
+
+def content_id_of_file(path: Path) -> ContentId:
+    """The content ID of a whole file, streamed (memory stays flat for any size)."""
+    with open(path, "rb") as f:
+        return content_id_of_stream(f)
+
+
+def hex_id(cid: bytes) -> str:
+    """Lower-case hex spelling of a content ID, as used in URLs and file names."""
+    return cid.hex()

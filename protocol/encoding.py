@@ -1,0 +1,115 @@
+"""Canonical msgpack: the one byte encoding of everything that is hashed or signed.
+
+Rules (normative, see ``docs/protocol.md`` §2):
+
+* maps have ``str`` keys only and are written in ascending order of the keys' UTF-8 bytes;
+* ``bytes`` are msgpack *bin*, ``str`` are msgpack *str* (UTF-8);
+* integers use the shortest msgpack form; floats are always float64 and never NaN or ±inf;
+* no extension types, no ``None`` keys, nesting at most :data:`MAX_DEPTH` levels.
+
+Decoding re-encodes the result and requires the identical bytes, so each value has exactly one
+accepted encoding and a content ID or signature over it cannot be malleated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgpack
+
+from protocol.errors import DecodeError
+
+MAX_DEPTH = 16
+
+
+def _normalise(obj: Any, depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise DecodeError(f"value nested deeper than {MAX_DEPTH} levels")
+    if obj is None or isinstance(obj, (bool, int, str, bytes)):
+        return obj
+    if isinstance(obj, float):
+        if not math.isfinite(obj):
+            raise DecodeError("NaN and infinite floats are not allowed in canonical msgpack")
+        return obj
+    if isinstance(obj, (bytearray, memoryview)):
+        return bytes(obj)
+    if isinstance(obj, (list, tuple)):
+        return [_normalise(x, depth + 1) for x in obj]
+    if isinstance(obj, dict):
+        items = []
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise DecodeError(f"map key {k!r} is not a string")
+            items.append((k.encode("utf-8"), k, _normalise(v, depth + 1)))
+        items.sort(key=lambda kv: kv[0])
+        return {k: v for _, k, v in items}
+    raise DecodeError(f"type {type(obj).__name__} has no canonical msgpack encoding")
+
+
+def packb(obj: Any) -> bytes:
+    """Encode ``obj`` canonically.
+
+    Args:
+        obj: ``None``, bool, int (−2⁶³ … 2⁶⁴−1), finite float, str, bytes, list/tuple, or dict with
+            str keys, nested at most :data:`MAX_DEPTH` deep.
+
+    Returns:
+        The canonical msgpack bytes.
+
+    Raises:
+        DecodeError: a value that has no canonical encoding (NaN, non-str key, unknown type).
+    """
+    try:
+        return msgpack.packb(_normalise(obj, 0), use_bin_type=True, use_single_float=False)
+    except (OverflowError, ValueError) as e:  # ints out of msgpack's range
+        raise DecodeError(f"cannot encode: {e}") from e
+
+
+def unpackb(data: bytes, max_size: int) -> Any:
+    """Decode canonical msgpack with hard limits.
+
+    Args:
+        data: the encoded bytes.
+        max_size: largest accepted input, in bytes; also bounds every bin/str/array/map inside.
+
+    Returns:
+        The decoded value (dicts, lists, str, bytes, int, float, bool, None).
+
+    Raises:
+        DecodeError: oversized, truncated, trailing bytes, invalid UTF-8, extension types,
+            too deep, or not in canonical form.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise DecodeError(f"expected bytes, got {type(data).__name__}")
+    data = bytes(data)
+    if len(data) > max_size:
+        raise DecodeError(f"message of {len(data)} bytes exceeds the limit of {max_size} bytes")
+    if not data:
+        raise DecodeError("empty message")
+    try:
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_buffer_size=max(max_size, 1),
+            max_bin_len=max_size,
+            max_str_len=max_size,
+            max_array_len=max_size,
+            max_map_len=max_size,
+            max_ext_len=0,
+        )
+    except msgpack.ExtraData as e:
+        raise DecodeError("trailing bytes after the message") from e
+    except RecursionError as e:
+        raise DecodeError("message nested too deeply") from e
+    except Exception as e:  # msgpack raises ValueError/UnpackValueError/FormatError/StackError/...
+        raise DecodeError(f"malformed msgpack: {type(e).__name__}: {e}") from e
+    try:
+        again = packb(obj)
+    except RecursionError as e:
+        raise DecodeError("message nested too deeply") from e
+    if again != data:
+        raise DecodeError("message is not in canonical msgpack form")
+    return obj

@@ -1,0 +1,229 @@
+"""Signed envelopes: the one wire format of every message (``docs/protocol.md`` §2).
+
+An envelope is a canonical msgpack map with exactly these keys::
+
+    v       int    1 (format version)
+    type    str    message type tag, e.g. "verdict/1"
+    run     bin32  run ID (SHA-256 of the run spec's canonical content)
+    signer  bin32  raw ed25519 public key of the signer (its peer ID is derived from it)
+    ts_ms   int    signer's wall clock, milliseconds since the Unix epoch
+    nonce   bin16  random; makes two envelopes with equal content distinct
+    body    map    the message fields (schema chosen by ``type``)
+    sig     bin64  ed25519 signature over DOMAIN || canonical(map without "sig")
+
+The signed bytes carry the type tag and the run ID (domain separation), so a signature made for
+one message type or run can never be replayed as another.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from pydantic import ValidationError
+
+from protocol import encoding
+from protocol.content import ContentId, content_id
+from protocol.errors import DecodeError, SchemaError, SignatureError, WrongRunError
+from protocol.identity import NodeKey, PeerId, peer_id_from_public_key, verify_signature
+from protocol.messages import MESSAGE_TYPES, Message
+
+ENVELOPE_VERSION = 1
+DOMAIN = b"intellect-node/envelope/1\x00"
+NONCE_BYTES = 16
+MAX_ENVELOPE_BYTES = max(cls.MAX_BYTES for cls in MESSAGE_TYPES.values())
+_KEYS = {"v", "type", "run", "signer", "ts_ms", "nonce", "body", "sig"}
+
+M = TypeVar("M", bound=Message)
+
+
+@dataclass(frozen=True)
+class Authorities:
+    """Who may sign what in a run: the coordinator key and the validator keys (raw 32 bytes)."""
+
+    coordinator: bytes
+    validators: frozenset[bytes]
+
+    def allows(self, signer_kind: str, public_key: bytes) -> bool:
+        """Whether ``public_key`` may sign a message whose ``SIGNER`` is ``signer_kind``."""
+        if signer_kind == "any":
+            return True
+        if signer_kind == "coordinator":
+            return public_key == self.coordinator
+        if signer_kind == "validator":
+            return public_key in self.validators
+        return False
+
+
+@dataclass(frozen=True)
+class Envelope(Generic[M]):
+    """A decoded, verified envelope.
+
+    Attributes:
+        body: the typed message.
+        run_id: 32-byte run ID.
+        signer: 32-byte public key of the signer.
+        ts_ms: signer's timestamp, milliseconds since the epoch.
+        nonce: 16 random bytes.
+        raw: the exact bytes received (what is stored and forwarded).
+    """
+
+    body: M
+    run_id: bytes
+    signer: bytes
+    ts_ms: int
+    nonce: bytes
+    raw: bytes
+
+    @property
+    def type(self) -> str:
+        return self.body.TYPE
+
+    @property
+    def peer_id(self) -> PeerId:
+        """The signer's libp2p peer ID."""
+        return peer_id_from_public_key(self.signer)
+
+    @property
+    def id(self) -> ContentId:
+        """Content ID of the envelope bytes (submission IDs, manifest IDs, dedup keys)."""
+        return content_id(self.raw)
+
+
+def seal(key: NodeKey, run_id: bytes, body: Message, *, ts_ms: int | None = None, nonce: bytes | None = None) -> bytes:
+    """Sign ``body`` for run ``run_id`` and return the envelope bytes.
+
+    Args:
+        key: the signer's key.
+        run_id: 32-byte run ID.
+        body: the message; its schema is re-checked so nothing invalid is ever sent.
+        ts_ms: timestamp override (milliseconds since the epoch); default now.
+        nonce: 16-byte nonce override; default random.
+
+    Raises:
+        SchemaError: ``body`` fails its own schema or exceeds its type's size limit.
+    """
+    if len(run_id) != 32:
+        raise SchemaError("run ID must be 32 bytes", "run")
+    body_map = body.model_dump(mode="python")
+    _check_body(type(body), body_map)
+    unsigned = {
+        "v": ENVELOPE_VERSION,
+        "type": body.TYPE,
+        "run": bytes(run_id),
+        "signer": key.public_key,
+        "ts_ms": int(time.time() * 1000) if ts_ms is None else ts_ms,
+        "nonce": os.urandom(NONCE_BYTES) if nonce is None else nonce,
+        "body": body_map,
+    }
+    sig = key.sign(DOMAIN + encoding.packb(unsigned))
+    data = encoding.packb({**unsigned, "sig": sig})
+    if len(data) > body.MAX_BYTES:
+        raise SchemaError(f"{body.TYPE} envelope is {len(data)} bytes, over its limit of {body.MAX_BYTES}")
+    return data
+
+
+def _check_body(cls: type[M], body_map: object) -> M:
+    try:
+        return cls.model_validate(body_map)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = "body." + ".".join(str(p) for p in err["loc"]) if err["loc"] else "body"
+        raise SchemaError(err["msg"], field) from None
+
+
+def open_envelope(
+    data: bytes,
+    *,
+    run_id: bytes,
+    authorities: Authorities | None = None,
+    expect: type[M] | tuple[type[Message], ...] | None = None,
+    max_bytes: int | None = None,
+    now_ms: int | None = None,
+    max_age_s: float | None = None,
+    max_future_s: float = 30.0,
+) -> Envelope[M]:
+    """Decode and verify an envelope; nothing of the body is trusted before this returns.
+
+    Order of checks: size → canonical msgpack → envelope shape and field types → known type
+    (and one of ``expect``) → run ID → signature → signer allowed for the type → freshness →
+    body schema → body subject (e.g. a node record's ``peer_id``) equals the signer.
+
+    Args:
+        data: the received bytes.
+        run_id: this node's 32-byte run ID; envelopes of other runs are rejected.
+        authorities: keys of the run spec; required to accept coordinator/validator-signed types.
+        expect: the message class (or classes) acceptable here; ``None`` accepts any known type.
+        max_bytes: tighter size limit than the type's own ``MAX_BYTES``.
+        now_ms: the receiver's clock for freshness checks (default: now).
+        max_age_s: reject envelopes older than this many seconds (``None``: no age limit).
+        max_future_s: reject timestamps further than this many seconds ahead of ``now_ms``.
+
+    Returns:
+        The verified envelope with a typed body.
+
+    Raises:
+        DecodeError: size, msgpack or canonical-form failures.
+        SchemaError: wrong envelope or body fields; the message names the field.
+        WrongRunError: the envelope is for another run.
+        SignatureError: bad signature, or a signer not allowed to sign this type.
+    """
+    limit = MAX_ENVELOPE_BYTES if max_bytes is None else min(max_bytes, MAX_ENVELOPE_BYTES)
+    obj = encoding.unpackb(data, limit)
+    if not isinstance(obj, dict):
+        raise DecodeError(f"envelope must be a map, got {type(obj).__name__}")
+    missing, extra = _KEYS - obj.keys(), obj.keys() - _KEYS
+    if missing:
+        raise SchemaError("missing", sorted(missing)[0])
+    if extra:
+        raise SchemaError("unknown field", sorted(extra)[0])
+    _typed(obj, "v", int)
+    if obj["v"] != ENVELOPE_VERSION or isinstance(obj["v"], bool):
+        raise SchemaError(f"unsupported envelope version {obj['v']!r}", "v")
+    type_tag = _typed(obj, "type", str)
+    cls = MESSAGE_TYPES.get(type_tag)
+    if cls is None:
+        raise SchemaError(f"unknown message type {type_tag[:64]!r}", "type")
+    allowed = expect if isinstance(expect, tuple) else ((expect,) if expect is not None else None)
+    if allowed is not None and cls not in allowed:
+        raise SchemaError(f"{type_tag} not acceptable here (expected {', '.join(c.TYPE for c in allowed)})", "type")
+    if len(data) > cls.MAX_BYTES:
+        raise DecodeError(f"{type_tag} envelope of {len(data)} bytes exceeds its limit of {cls.MAX_BYTES}")
+    run = _typed(obj, "run", bytes, 32)
+    signer = _typed(obj, "signer", bytes, 32)
+    ts_ms = _typed(obj, "ts_ms", int)
+    if not 0 <= ts_ms < 2**63:
+        raise SchemaError("timestamp out of range", "ts_ms")
+    nonce = _typed(obj, "nonce", bytes, NONCE_BYTES)
+    sig = _typed(obj, "sig", bytes, 64)
+    if not isinstance(obj["body"], dict):
+        raise SchemaError("must be a map", "body")
+    if run != run_id:
+        raise WrongRunError(f"envelope is for run {run.hex()[:16]}…, this node is in run {run_id.hex()[:16]}…")
+    unsigned = {k: v for k, v in obj.items() if k != "sig"}
+    verify_signature(signer, sig, DOMAIN + encoding.packb(unsigned))
+    if cls.SIGNER != "any" and (authorities is None or not authorities.allows(cls.SIGNER, signer)):
+        raise SignatureError(f"{type_tag} must be signed by the {cls.SIGNER} of the run, not {peer_id_from_public_key(signer)}")
+    if now_ms is None:
+        now_ms = int(time.time() * 1000)
+    if ts_ms > now_ms + max_future_s * 1000:
+        raise SchemaError(f"timestamp is {(ts_ms - now_ms) / 1000:.1f} s in the future", "ts_ms")
+    if max_age_s is not None and ts_ms < now_ms - max_age_s * 1000:
+        raise SchemaError(f"stale: {(now_ms - ts_ms) / 1000:.1f} s old, limit {max_age_s} s", "ts_ms")
+    body = _check_body(cls, obj["body"])
+    if cls.SIGNER_IS_SUBJECT is not None:
+        subject = getattr(body, cls.SIGNER_IS_SUBJECT)
+        if subject != peer_id_from_public_key(signer):
+            raise SignatureError(f"body.{cls.SIGNER_IS_SUBJECT} {subject} is not the signer {peer_id_from_public_key(signer)}")
+    return Envelope(body=body, run_id=run, signer=signer, ts_ms=ts_ms, nonce=nonce, raw=bytes(data))  # type: ignore[arg-type]
+
+
+def _typed(obj: dict, key: str, typ: type, length: int | None = None):  # noqa: ANN202
+    v = obj[key]
+    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+        raise SchemaError(f"must be {typ.__name__}, got {type(v).__name__}", key)
+    if length is not None and len(v) != length:
+        raise SchemaError(f"must be {length} bytes, got {len(v)}", key)
+    return v

@@ -1,0 +1,226 @@
+"""Typed message bodies carried in signed envelopes (``docs/protocol.md`` §3).
+
+Each class is one message type: its ``TYPE`` tag (versioned, ``name/1``), the largest envelope
+accepted for it (``MAX_BYTES``), who may sign it (``SIGNER``), and a strict schema: exact types
+(no coercion, ``bool`` is not an ``int``), bounded lengths and ranges, no extra fields.
+
+Producers and consumers:
+
+================================ ============ ===========================================
+type                              signed by    read by
+================================ ============ ===========================================
+``node_record/1``                 any node     peer table of every node (gossip heartbeats)
+``manifest/1``                    coordinator  relays, workers, validators (Shardcast HTTP)
+``checkpoint_announcement/1``     coordinator  relays, workers, validators (gossip)
+``submission/1``                  any worker   coordinator ingest, validators (HTTP)
+``verdict/1``                     validators   coordinator ingest, workers (HTTP, gossip)
+``ban_list/1``                    coordinator  everyone (gossip, HTTP)
+================================ ============ ===========================================
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+from protocol.content import CONTENT_ID_BYTES
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
+Step = Annotated[int, Field(ge=0, le=2**40)]
+Count = Annotated[int, Field(ge=0, le=2**40)]
+ContentIdBytes = Annotated[bytes, Field(min_length=CONTENT_ID_BYTES, max_length=CONTENT_ID_BYTES)]
+PeerIdStr = Annotated[str, StringConstraints(min_length=46, max_length=60, pattern=r"^12D3KooW[1-9A-HJ-NP-Za-km-z]+$")]
+ShortStr = Annotated[str, StringConstraints(max_length=256)]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+Signer = Literal["coordinator", "validator", "any"]
+
+
+class Message(BaseModel):
+    """Base of all message bodies: strict, frozen, no extra fields."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    TYPE: ClassVar[str]
+    MAX_BYTES: ClassVar[int]
+    SIGNER: ClassVar[Signer]
+    SIGNER_IS_SUBJECT: ClassVar[str | None] = None  # field that must equal the signer's peer ID
+
+
+class Hardware(Message):
+    """What a node reports about its machine (informational, not trusted)."""
+
+    cpu_count: Annotated[int, Field(ge=0, le=1 << 16)]
+    memory_bytes: Annotated[int, Field(ge=0, le=1 << 60)]
+    accelerator: Annotated[str, StringConstraints(max_length=128)] = ""
+    accelerator_count: Annotated[int, Field(ge=0, le=1024)] = 0
+
+
+Role = Literal["coordinator", "worker", "relay", "validator", "observer"]
+
+
+class NodeRecord(Message):
+    """Signed heartbeat of a node, published every ``heartbeat_interval_s`` on the nodes topic.
+
+    ``seq`` increases with every heartbeat of a process; receivers keep the highest.
+    """
+
+    TYPE: ClassVar[str] = "node_record/1"
+    MAX_BYTES: ClassVar[int] = 8 * KiB
+    SIGNER: ClassVar[Signer] = "any"
+    SIGNER_IS_SUBJECT: ClassVar[str | None] = "peer_id"
+
+    peer_id: PeerIdStr
+    role: Role
+    seq: Count
+    addrs: Annotated[list[ShortStr], Field(max_length=16)] = []
+    http_url: Annotated[str, StringConstraints(max_length=256)] = ""
+    version: Annotated[str, StringConstraints(max_length=64)]
+    policy_step: Annotated[int, Field(ge=-1, le=2**40)] = -1
+    held_steps: Annotated[list[Step], Field(max_length=64)] = []
+    hardware: Hardware | None = None
+
+
+class ManifestFile(Message):
+    """One file of a checkpoint: its name, size and the IDs of its pieces in order."""
+
+    name: Name
+    size_bytes: Annotated[int, Field(ge=0, le=1 << 50)]
+    pieces: Annotated[list[ContentIdBytes], Field(max_length=1 << 18)]
+
+
+class Manifest(Message):
+    """The coordinator-signed list of a checkpoint's pieces (Shardcast, ``docs/protocol.md`` §5).
+
+    Piece *i* of a file covers bytes ``[i·piece_size_bytes, min((i+1)·piece_size_bytes, size))``.
+    ``checkpoint_hash`` is the SHA-256 of the files' bytes concatenated in list order.
+    """
+
+    TYPE: ClassVar[str] = "manifest/1"
+    MAX_BYTES: ClassVar[int] = 16 * MiB
+    SIGNER: ClassVar[Signer] = "coordinator"
+
+    step: Step
+    piece_size_bytes: Annotated[int, Field(ge=64 * KiB, le=1 << 30)]
+    files: Annotated[list[ManifestFile], Field(min_length=1, max_length=1024)]
+    checkpoint_hash: ContentIdBytes
+    meta: Annotated[dict[Name, ShortStr], Field(max_length=32)] = {}
+
+    @field_validator("files")
+    @classmethod
+    def _unique_names(cls, files: list[ManifestFile]) -> list[ManifestFile]:
+        names = [f.name for f in files]
+        if len(set(names)) != len(names):
+            raise ValueError("file names must be unique")
+        return files
+
+
+class CheckpointAnnouncement(Message):
+    """Gossiped news that the coordinator published the manifest with ID ``manifest_id``."""
+
+    TYPE: ClassVar[str] = "checkpoint_announcement/1"
+    MAX_BYTES: ClassVar[int] = 4 * KiB
+    SIGNER: ClassVar[Signer] = "coordinator"
+
+    step: Step
+    manifest_id: ContentIdBytes
+    checkpoint_hash: ContentIdBytes
+    origin_url: Annotated[str, StringConstraints(max_length=256)] = ""
+
+
+class SubmissionTask(Message):
+    """A task a submission answers: its index in the run's dataset and the derived parameters."""
+
+    task_index: Count
+    problem_id: ShortStr
+    target_length: Annotated[int, Field(ge=0, le=1 << 20)]
+
+
+class Rollout(Message):
+    """One sampled completion. Arrays are little-endian packed: ``*_ids`` uint32, ``logprobs`` float32.
+
+    ``proofs`` holds one 258-byte TOPLOC proof per ``chunk_size`` completion tokens.
+    """
+
+    task: Annotated[int, Field(ge=0, le=1 << 16)]
+    sample: Annotated[int, Field(ge=0, le=1 << 16)]
+    seed: U64
+    prompt_ids: Annotated[bytes, Field(max_length=4 << 20)]
+    completion_ids: Annotated[bytes, Field(max_length=4 << 20)]
+    logprobs: Annotated[bytes, Field(max_length=4 << 20)]
+    finish: Literal["eos", "length"]
+    task_reward: FiniteFloat
+    reward: FiniteFloat
+    proofs: Annotated[list[Annotated[bytes, Field(max_length=1024)]], Field(max_length=1 << 16)]
+
+    @field_validator("prompt_ids", "completion_ids", "logprobs")
+    @classmethod
+    def _packed_u32(cls, v: bytes) -> bytes:
+        if len(v) % 4:
+            raise ValueError("packed array length must be a multiple of 4 bytes")
+        return v
+
+
+class Submission(Message):
+    """A worker's signed answer to its derived tasks: G rollouts per task (``docs/protocol.md`` §6)."""
+
+    TYPE: ClassVar[str] = "submission/1"
+    MAX_BYTES: ClassVar[int] = 32 * MiB
+    SIGNER: ClassVar[Signer] = "any"
+    SIGNER_IS_SUBJECT: ClassVar[str | None] = "worker"
+
+    worker: PeerIdStr
+    policy_step: Step
+    counter: Count
+    tasks: Annotated[list[SubmissionTask], Field(min_length=1, max_length=1024)]
+    rollouts: Annotated[list[Rollout], Field(min_length=1, max_length=1 << 14)]
+
+
+VerdictValue = bool | int | FiniteFloat | ShortStr
+
+
+class Verdict(Message):
+    """A validator's signed judgement of one submission (``reason`` is ``"ok"`` when accepted)."""
+
+    TYPE: ClassVar[str] = "verdict/1"
+    MAX_BYTES: ClassVar[int] = 64 * KiB
+    SIGNER: ClassVar[Signer] = "validator"
+
+    submission_id: ContentIdBytes
+    worker: PeerIdStr
+    policy_step: Step
+    counter: Count
+    accepted: bool
+    reason: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")]
+    evidence: Annotated[dict[Name, VerdictValue], Field(max_length=64)] = {}
+
+
+class BanEntry(Message):
+    """One banned worker and why."""
+
+    peer_id: PeerIdStr
+    reason: Annotated[str, StringConstraints(max_length=64)]
+    since_ms: Annotated[int, Field(ge=0, le=2**63 - 1)]
+    verdict_id: Annotated[bytes, Field(max_length=CONTENT_ID_BYTES)] = b""
+
+
+class BanList(Message):
+    """The coordinator's whole ban list; a higher ``version`` replaces a lower one."""
+
+    TYPE: ClassVar[str] = "ban_list/1"
+    MAX_BYTES: ClassVar[int] = 4 * MiB
+    SIGNER: ClassVar[Signer] = "coordinator"
+
+    version: Count
+    entries: Annotated[list[BanEntry], Field(max_length=1 << 15)]
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls for cls in (NodeRecord, Manifest, CheckpointAnnouncement, Submission, Verdict, BanList)
+}
+"""Every message type a node accepts, by type tag."""

@@ -1,0 +1,256 @@
+"""The run spec: one TOML file, signed by the coordinator, that every node of a run loads.
+
+The content (everything except the ``[signature]`` table) is validated against :class:`RunSpec`;
+its canonical form is the canonical msgpack of the validated model (so comments, key order and
+``1`` vs ``1.0`` do not matter, values do). The **run ID** is the SHA-256 of
+``RUN_ID_DOMAIN || canonical content``; the signature is ed25519 by the coordinator key over
+``SIGNATURE_DOMAIN || run ID``. See ``docs/protocol.md`` §7.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from protocol import encoding
+from protocol.envelope import Authorities
+from protocol.errors import ProtocolError, RunSpecError, SignatureError
+from protocol.identity import NodeKey, PeerId, public_key_from_peer_id, verify_signature
+
+RUN_ID_DOMAIN = b"intellect-node/run-spec/1\x00"
+SIGNATURE_DOMAIN = b"intellect-node/run-spec-signature/1\x00"
+MAX_SPEC_BYTES = 1 << 20
+MiB = 1 << 20
+
+PeerIdField = Annotated[str, Field(pattern=r"^12D3KooW[1-9A-HJ-NP-Za-km-z]{44}$")]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunInfo(_Section):
+    """Identity of the run."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")] = "devnet"
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1, description="run seed: task derivation, sampling seeds")] = 0
+    coordinator: PeerIdField = Field(description="peer ID of the coordinator: the run's root of trust")
+    validators: Annotated[list[PeerIdField], Field(max_length=256)] = Field(
+        default_factory=list, description="peer IDs allowed to sign verdicts"
+    )
+
+
+class ModelSpec(_Section):
+    """The policy model (Qwen2 architecture) and its tokenizer."""
+
+    architecture: Annotated[str, Field(pattern=r"^qwen2$")] = "qwen2"
+    base: Annotated[str, Field(max_length=512, description="'embedded' or a local directory with config + safetensors")] = "embedded"
+    base_hash: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$", description="SHA-256 of the base weights; empty: not pinned")] = ""
+    hidden_size: Annotated[int, Field(ge=128, le=1 << 16, description="≥ TOPLOC top-k (128) so every chunk has k entries")] = 128
+    dtype: Annotated[str, Field(pattern=r"^(float32|bfloat16)$")] = "float32"
+
+
+class DataSpec(_Section):
+    """The task set."""
+
+    tasks: Annotated[str, Field(min_length=1, max_length=512, description="'embedded', a public set name, or a path")] = "embedded"
+    tasks_hash: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")] = ""
+    tasks_per_submission: Annotated[int, Field(ge=1, le=1024)] = 2
+
+
+class SamplingSpec(_Section):
+    """Sampling parameters for generation (semantics: ``docs/toploc.md``)."""
+
+    temperature: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    max_tokens: Annotated[int, Field(ge=1, le=1 << 17, description="tokens")] = 32
+    target_lengths: Annotated[list[Annotated[int, Field(ge=0, le=1 << 17)]], Field(max_length=64)] = Field(
+        default_factory=list, description="length-control targets in tokens; empty: no length prompt"
+    )
+    length_penalty: Annotated[float, Field(ge=0.0, le=1.0, description="λ in r − λ·|len − target|")] = 0.0
+
+
+class ToplocSpec(_Section):
+    """TOPLOC proof parameters and verifier thresholds (arXiv 2501.16007; ``docs/toploc.md``)."""
+
+    chunk_size: Annotated[int, Field(ge=1, le=1024, description="tokens per proof")] = 32
+    topk: Annotated[int, Field(ge=1, le=1024)] = 128
+    max_mismatches: Annotated[int, Field(ge=0, le=1024)] = 38
+    max_mant_err_mean: Annotated[float, Field(ge=0.0)] = 10.0
+    max_mant_err_median: Annotated[float, Field(ge=0.0)] = 8.0
+    eos_min_prob: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
+
+
+class RLSpec(_Section):
+    """Async GRPO settings (INTELLECT-2 values where they fit a one-machine run)."""
+
+    async_level: Annotated[int, Field(ge=0, le=64, description="max trainer_step − policy_step")] = 2
+    group_size: Annotated[int, Field(ge=2, le=1024, description="rollouts per task")] = 8
+
+
+class ShardcastSpec(_Section):
+    """Checkpoint distribution."""
+
+    piece_size_bytes: Annotated[int, Field(ge=64 * 1024, le=1 << 30)] = 16 * MiB
+    keep_steps: Annotated[int, Field(ge=1, le=1024, description="steps a relay keeps; ≥ async_level + 1")] = 3
+
+
+class NetworkSpec(_Section):
+    """Where nodes meet."""
+
+    bootstrap: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=64)] = Field(default_factory=list)
+    ingest_urls: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=16)] = Field(default_factory=list)
+    origin_urls: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=16)] = Field(default_factory=list)
+    heartbeat_interval_s: Annotated[float, Field(gt=0.0, le=3600.0, description="seconds")] = 2.0
+
+
+class RunSpec(_Section):
+    """The whole run spec (``docs/protocol.md`` §7). Load with :func:`load_run_spec`."""
+
+    run: RunInfo
+    model: ModelSpec = ModelSpec()
+    data: DataSpec = DataSpec()
+    sampling: SamplingSpec = SamplingSpec()
+    toploc: ToplocSpec = ToplocSpec()
+    rl: RLSpec = RLSpec()
+    shardcast: ShardcastSpec = ShardcastSpec()
+    network: NetworkSpec = NetworkSpec()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunSpec:
+        if self.model.hidden_size * self.toploc.chunk_size < self.toploc.topk:
+            raise ValueError("a TOPLOC chunk must hold at least top-k activations")
+        if self.model.hidden_size < self.toploc.topk:
+            raise ValueError(f"model.hidden_size {self.model.hidden_size} < toploc.topk {self.toploc.topk}: a last chunk of one token could not be proven")
+        if self.toploc.max_mismatches > self.toploc.topk:
+            raise ValueError("toploc.max_mismatches exceeds toploc.topk")
+        if self.shardcast.keep_steps < self.rl.async_level + 1:
+            raise ValueError(f"shardcast.keep_steps must be ≥ rl.async_level + 1 = {self.rl.async_level + 1}")
+        return self
+
+    def canonical_bytes(self) -> bytes:
+        """Canonical msgpack of the content (what the run ID hashes)."""
+        return encoding.packb(self.model_dump(mode="python"))
+
+    @property
+    def run_id(self) -> bytes:
+        """32-byte run ID: SHA-256 of the domain tag and the canonical content."""
+        return hashlib.sha256(RUN_ID_DOMAIN + self.canonical_bytes()).digest()
+
+    @property
+    def authorities(self) -> Authorities:
+        """Who may sign coordinator- and validator-only messages in this run."""
+        return Authorities(
+            coordinator=public_key_from_peer_id(self.run.coordinator),
+            validators=frozenset(public_key_from_peer_id(v) for v in self.run.validators),
+        )
+
+    def is_validator(self, peer_id: str) -> bool:
+        return peer_id in self.run.validators
+
+
+class SignedRunSpec(BaseModel):
+    """A run spec with the coordinator's signature over its run ID."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    spec: RunSpec
+    signature: bytes
+
+    @property
+    def run_id(self) -> bytes:
+        return self.spec.run_id
+
+
+def sign_run_spec(spec: RunSpec, key: NodeKey) -> SignedRunSpec:
+    """Sign ``spec`` with the coordinator key.
+
+    Raises:
+        RunSpecError: ``key`` is not the spec's coordinator key.
+    """
+    if key.peer_id != spec.run.coordinator:
+        raise RunSpecError(f"key {key.peer_id} is not the spec's coordinator {spec.run.coordinator}")
+    return SignedRunSpec(spec=spec, signature=key.sign(SIGNATURE_DOMAIN + spec.run_id))
+
+
+def dump_run_spec(signed: SignedRunSpec) -> str:
+    """The TOML text of a signed spec (content tables, then ``[signature]``)."""
+    doc: dict[str, Any] = signed.spec.model_dump(mode="python")
+    doc["signature"] = {"run_id": signed.run_id.hex(), "ed25519": signed.signature.hex()}
+    header = (
+        "# intellect-node run spec. Signed by the coordinator: editing any value invalidates it;\n"
+        "# re-create it with `intellect-node spec init` and sign it with the coordinator key.\n"
+    )
+    return header + tomli_w.dumps(doc)
+
+
+def parse_run_spec(text: str, *, require_signature: bool = True) -> SignedRunSpec:
+    """Parse, validate and verify a run spec.
+
+    Raises:
+        RunSpecError: bad TOML, a schema violation (naming the field), a missing or wrong
+            signature, or a ``run_id`` line that does not match the content.
+    """
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise RunSpecError(f"run spec is not valid TOML: {e}") from e
+    sig_table = doc.pop("signature", None)
+    try:
+        spec = RunSpec.model_validate(doc)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise RunSpecError(f"run spec field {where}: {err['msg']}") from None
+    except ProtocolError as e:
+        raise RunSpecError(f"run spec: {e}") from e
+    if sig_table is None:
+        if require_signature:
+            raise RunSpecError("run spec is unsigned (no [signature] table); sign it with the coordinator key")
+        return SignedRunSpec(spec=spec, signature=b"")
+    if not isinstance(sig_table, dict) or set(sig_table) != {"run_id", "ed25519"}:
+        raise RunSpecError("[signature] must hold exactly run_id and ed25519")
+    try:
+        claimed_id = bytes.fromhex(str(sig_table["run_id"]))
+        signature = bytes.fromhex(str(sig_table["ed25519"]))
+    except ValueError as e:
+        raise RunSpecError("[signature] values must be hex") from e
+    if claimed_id != spec.run_id:
+        raise RunSpecError("run spec content does not match its signed run ID: it was modified after signing")
+    try:
+        verify_signature(public_key_from_peer_id(spec.run.coordinator), signature, SIGNATURE_DOMAIN + spec.run_id)
+    except (SignatureError, ProtocolError) as e:
+        raise RunSpecError(f"run spec signature does not verify for coordinator {spec.run.coordinator}") from e
+    return SignedRunSpec(spec=spec, signature=signature)
+
+
+def load_run_spec(path: Path) -> SignedRunSpec:
+    """Read and verify the run spec at ``path`` (see :func:`parse_run_spec`).
+
+    Raises:
+        RunSpecError: unreadable, too large, malformed, unsigned or tampered.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise RunSpecError(f"cannot read run spec {path}: {e.strerror}") from e
+    if len(data) > MAX_SPEC_BYTES:
+        raise RunSpecError(f"run spec {path} is {len(data)} bytes, over the {MAX_SPEC_BYTES}-byte limit")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RunSpecError(f"run spec {path} is not UTF-8") from e
+    try:
+        return parse_run_spec(text)
+    except RunSpecError as e:
+        raise RunSpecError(f"{path}: {e}") from None
+
+
+def coordinator_peer_id(spec: RunSpec) -> PeerId:
+    return PeerId(spec.run.coordinator)

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install intellect-node with its test extra into ./.venv and run the test suite.
+# torch is pinned first: 2.13.0 is the local CPU wheel; an unpinned torch would pull a CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --disable-pip-version-check torch==2.13.0
+python -m pip install -q --disable-pip-version-check -e '.[test]'
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+set +e
+python -m pytest -q "$@"
+rc=$?
+set -e
+# pytest exits 5 when no test ran: that is a failure here, never a silent pass.
+[ "$rc" = 5 ] && { echo "no tests ran: failing"; exit 1; }
+exit "$rc"

@@ -1,0 +1,39 @@
+"""Shared fixtures: shared-data location, child-process reaping, single-threaded torch."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def shared_dir() -> Path:
+    """``$INTELLECT_SHARED`` or ``<repo>/../shared`` (public task sets and reference vectors)."""
+    return Path(os.environ.get("INTELLECT_SHARED", REPO.parent / "shared"))
+
+
+@pytest.fixture
+def shared() -> Path:
+    d = shared_dir()
+    if not d.is_dir():
+        pytest.skip(f"shared data not found at {d} (set INTELLECT_SHARED)")
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _reap_children():
+    """Fail loudly rather than leak: kill any child process a test left running."""
+    yield
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover
+        return
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
