@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from protocol import encoding
 from protocol.envelope import Authorities
