@@ -95,6 +95,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-
-if __name__ == "__main__":
-    sys.exit(main())

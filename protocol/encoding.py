@@ -93,7 +93,6 @@ def unpackb(data: bytes, max_size: int) -> Any:
             raw=False,
             strict_map_key=True,
             use_list=True,
-            max_buffer_size=max(max_size, 1),
             max_bin_len=max_size,
             max_str_len=max_size,
             max_array_len=max_size,
@@ -104,7 +103,7 @@ def unpackb(data: bytes, max_size: int) -> Any:
         raise DecodeError("trailing bytes after the message") from e
     except RecursionError as e:
         raise DecodeError("message nested too deeply") from e
-    except Exception as e:  # msgpack raises ValueError/UnpackValueError/FormatError/StackError/...
+    except (ValueError, TypeError, OverflowError) as e:  # msgpack's FormatError/StackError/UnicodeDecodeError are ValueErrors
         raise DecodeError(f"malformed msgpack: {type(e).__name__}: {e}") from e
     try:
         again = packb(obj)

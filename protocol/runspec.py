@@ -87,10 +87,56 @@ class ToplocSpec(_Section):
 
 
 class RLSpec(_Section):
-    """Async GRPO settings (INTELLECT-2 values where they fit a one-machine run)."""
+    """Async GRPO settings: the INTELLECT-2 recipe (arXiv 2505.07291 §3; ``docs/trainer.md``).
+
+    INTELLECT-2 values are the defaults where they fit a one-machine run (ε = 0.2, δ = 4, grad
+    clip 0.1, async level 2, KL β = 0, entropy 0); the learning rate, warmup and batch size are
+    sized so that a tiny model on a CPU visibly learns (INTELLECT-2: lr 3e-7 on a 32B model,
+    group 16).
+    """
 
     async_level: Annotated[int, Field(ge=0, le=64, description="max trainer_step − policy_step")] = 2
     group_size: Annotated[int, Field(ge=2, le=1024, description="rollouts per task")] = 8
+    learning_rate: Annotated[float, Field(gt=0.0, le=1.0, description="AdamW peak learning rate (INTELLECT-2: 3e-7)")] = 1e-5
+    adam_beta1: Annotated[float, Field(ge=0.0, lt=1.0, description="AdamW β1")] = 0.9
+    adam_beta2: Annotated[float, Field(ge=0.0, lt=1.0, description="AdamW β2")] = 0.99
+    adam_eps: Annotated[float, Field(gt=0.0, le=1.0, description="AdamW ε")] = 1e-8
+    weight_decay: Annotated[float, Field(ge=0.0, le=1.0, description="AdamW decoupled weight decay")] = 0.0
+    warmup_steps: Annotated[int, Field(ge=0, le=1 << 20, description="optimizer steps of linear learning-rate warmup from 0")] = 5
+    max_grad_norm: Annotated[float, Field(gt=0.0, le=1e6, description="global L2 gradient-norm clip (INTELLECT-2: 0.1)")] = 0.1
+    clip_eps: Annotated[float, Field(gt=0.0, lt=1.0, description="ε: the ratio is clipped to [1 − ε, 1 + ε] (INTELLECT-2: 0.2)")] = 0.2
+    clip_delta: Annotated[
+        float, Field(gt=1.0, le=1e3, description="δ: upper bound on the ratio before clipping, bounds negative-advantage loss (INTELLECT-2: 4)")
+    ] = 4.0
+    kl_beta: Annotated[float, Field(ge=0.0, le=10.0, description="β of the KL penalty (k3 estimator); 0 disables it (INTELLECT-2: 0)")] = 0.0
+    kl_reference: Annotated[
+        str, Field(pattern=r"^(old|base)$", description="KL reference: 'old' (log-probs recomputed at step start) or 'base' (frozen initial model)")
+    ] = "old"
+    entropy_coef: Annotated[float, Field(ge=0.0, le=10.0, description="weight of the entropy bonus; 0 disables it")] = 0.0
+    loss_norm_tokens: Annotated[
+        int,
+        Field(ge=0, le=1 << 40, description="Dr. GRPO loss divisor in tokens; 0: rollouts per optimizer step × sampling.max_tokens"),
+    ] = 0
+    batch_groups: Annotated[
+        int, Field(ge=1, le=1 << 16, description="whole groups per trainer step (batch_groups × group_size rollouts)")
+    ] = 4
+    optimizer_steps_per_batch: Annotated[
+        int, Field(ge=1, le=64, description="optimizer steps per trainer step, each on a slice of whole groups (1: one update per batch)")
+    ] = 1
+    micro_batch_tokens: Annotated[
+        int, Field(ge=16, le=1 << 24, description="tokens per packed micro-batch row (gradient accumulation unit)")
+    ] = 2048
+    publish_every: Annotated[int, Field(ge=1, le=1 << 20, description="trainer steps between published checkpoints")] = 1
+    adv_eps: Annotated[float, Field(gt=0.0, le=1.0, description="ε in A = (r − mean) / (std + ε)")] = 1e-4
+
+    @model_validator(mode="after")
+    def _steps_fit_batch(self) -> RLSpec:
+        if self.optimizer_steps_per_batch > self.batch_groups:
+            raise ValueError(
+                f"optimizer_steps_per_batch {self.optimizer_steps_per_batch} exceeds batch_groups {self.batch_groups}: "
+                "each optimizer step needs at least one whole group"
+            )
+        return self
 
 
 class ShardcastSpec(_Section):

@@ -1,0 +1,26 @@
+"""Reward functions, one implementation shared by the worker and the validator.
+
+* ``compute.py`` — :func:`compute_reward`, the entry point: task reward by type, then the
+  length penalty.
+* ``math.py`` — ``verifiable_math``: final answer after ``</think>``, last ``\\boxed{}`` (GSM8K
+  number fallback), ``math-verify``.
+* ``code.py`` — ``prime_rl_code``: last fenced block, run against all tests.
+* ``sandbox.py`` / ``_sandbox_child.py`` — the child process that runs untrusted programs.
+* ``length.py`` — r = r_task − λ·|len − target| (INTELLECT-2, λ = 0.0003).
+* ``base.py`` — :class:`RewardError`, :class:`RewardLimits`, :class:`SandboxLimits`,
+  :class:`RewardResult`.
+"""
+
+from protocol.rewards.base import RewardError, RewardLimits, RewardResult, SandboxLimits
+from protocol.rewards.compute import compute_reward
+from protocol.rewards.length import INTELLECT2_LENGTH_PENALTY_LAMBDA, length_penalty
+
+__all__ = [
+    "INTELLECT2_LENGTH_PENALTY_LAMBDA",
+    "RewardError",
+    "RewardLimits",
+    "RewardResult",
+    "SandboxLimits",
+    "compute_reward",
+    "length_penalty",
+]

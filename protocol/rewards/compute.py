@@ -1,0 +1,58 @@
+"""The single reward entry point used by the worker and the validator alike."""
+
+from __future__ import annotations
+
+import logging
+
+from protocol.rewards.base import RewardError, RewardLimits, RewardResult
+from protocol.rewards.code import code_reward
+from protocol.rewards.length import length_penalty
+from protocol.rewards.math import math_reward
+from protocol.tasks import Task, TaskError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["compute_reward"]
+
+
+def compute_reward(
+    task: Task,
+    completion_text: str,
+    completion_len_tokens: int,
+    target_length: int | None,
+    lam: float,
+    limits: RewardLimits | None = None,
+) -> RewardResult:
+    """Reward of one completion: r_task by task type, then INTELLECT-2's length penalty.
+
+    Deterministic for given inputs, except where a resource limit (CPU or wall seconds) is hit
+    near its boundary: a program that needs about as long as the limit may pass on one machine
+    and fail on another.
+
+    Args:
+        task: the task the completion answers.
+        completion_text: the decoded completion (without the prompt).
+        completion_len_tokens: completion length, in tokens.
+        target_length: the length-control target, in tokens, or ``None``.
+        lam: λ of the length penalty (INTELLECT-2: 0.0003).
+        limits: resource bounds; defaults when ``None``.
+
+    Returns:
+        ``RewardResult(task_reward, reward, detail)``.
+
+    Raises:
+        RewardError: on a malformed task, bad lengths or λ, or a sandbox that cannot start.
+    """
+    limits = limits or RewardLimits()
+    try:
+        if task.task_type == "verifiable_math":
+            task_reward, detail = math_reward(completion_text, task.ground_truth, limits)
+        elif task.task_type == "prime_rl_code":
+            task_reward, detail = code_reward(completion_text, task.test_cases, limits.sandbox)
+        else:
+            raise RewardError(f"task {task.problem_id}: unknown task_type {task.task_type!r}")
+    except TaskError as e:
+        raise RewardError(f"task {task.problem_id} cannot be scored: {e}") from e
+    reward = length_penalty(task_reward, completion_len_tokens, target_length, lam)
+    logger.debug("reward %s: r_task=%.1f r=%.4f (%s)", task.problem_id, task_reward, reward, detail)
+    return RewardResult(task_reward=task_reward, reward=reward, detail=detail)

@@ -1,0 +1,72 @@
+"""The CLI as a user runs it: real subprocesses of the installed entry point."""
+
+import os
+import re
+import stat
+import subprocess
+import sys
+
+import pytest
+
+PEER_ID = re.compile(r"12D3KooW[1-9A-HJ-NP-Za-km-z]{44}")
+
+
+def cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "node", *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_help_lists_commands_and_is_fast():
+    r = cli("--help")
+    assert r.returncode == 0
+    for name in ("keygen", "id", "spec"):
+        assert name in r.stdout
+
+
+def test_keygen_id_agree_mode_and_no_overwrite(tmp_path):
+    key = tmp_path / "k"
+    a = cli("keygen", "--key", str(key))
+    b = cli("id", "--key", str(key))
+    assert a.returncode == 0 and b.returncode == 0
+    assert PEER_ID.search(a.stdout).group() == PEER_ID.search(b.stdout).group()
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    c = cli("keygen", "--key", str(key))
+    assert c.returncode == 2 and "refusing to overwrite" in c.stderr
+    assert PEER_ID.search(cli("id", "--key", str(key)).stdout).group() == PEER_ID.search(a.stdout).group()
+
+
+def test_default_key_location(tmp_path):
+    env = dict(os.environ, INTELLECT_NODE_HOME=str(tmp_path / "home"))
+    a = cli("keygen", env=env)
+    assert a.returncode == 0 and (tmp_path / "home" / "node.key").exists()
+    assert PEER_ID.search(cli("id", env=env).stdout).group() == PEER_ID.search(a.stdout).group()
+
+
+def test_id_without_key_is_a_clear_error(tmp_path):
+    r = cli("id", "--key", str(tmp_path / "nope"))
+    assert r.returncode == 2 and "keygen" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_spec_init_show_and_tamper(tmp_path):
+    key = tmp_path / "coord"
+    cli("keygen", "--key", str(key))
+    v = tmp_path / "val"
+    vid = PEER_ID.search(cli("keygen", "--key", str(v)).stdout).group()
+    run = tmp_path / "run.toml"
+    r = cli("spec", "init", "--coordinator-key", str(key), "--out", str(run), "--validator", vid, "--async-level", "1")
+    assert r.returncode == 0, r.stderr
+    show = cli("spec", "show", str(run))
+    assert show.returncode == 0 and "signature: valid" in show.stdout and vid in show.stdout
+    assert "keep_steps = 2" in show.stdout
+    assert cli("spec", "init", "--coordinator-key", str(key), "--out", str(run)).returncode == 2  # no silent overwrite
+    text = run.read_text()
+    run.write_text(text.replace("async_level = 1", "async_level = 0"))
+    bad = cli("spec", "show", str(run))
+    assert bad.returncode == 2 and "modified after signing" in bad.stderr
+
+
+@pytest.mark.parametrize("opt", [["--async-level", "-3"], ["--piece-size", "10"]])
+def test_spec_init_rejects_bad_options(tmp_path, opt):
+    key = tmp_path / "coord"
+    cli("keygen", "--key", str(key))
+    r = cli("spec", "init", "--coordinator-key", str(key), "--out", str(tmp_path / "r.toml"), *opt)
+    assert r.returncode == 2 and "invalid option" in r.stderr

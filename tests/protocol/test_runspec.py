@@ -1,0 +1,72 @@
+import re
+
+import pytest
+
+from protocol.errors import RunSpecError
+from protocol.identity import NodeKey
+from protocol.runspec import RLSpec, RunInfo, RunSpec, ShardcastSpec, ModelSpec, dump_run_spec, load_run_spec, parse_run_spec, sign_run_spec
+
+COORD = NodeKey.from_seed(b"c" * 32)
+
+
+def spec(**kw) -> RunSpec:
+    return RunSpec(run=RunInfo(coordinator=COORD.peer_id, seed=42), **kw)
+
+
+def test_round_trip_and_run_id_stable():
+    signed = sign_run_spec(spec(), COORD)
+    text = dump_run_spec(signed)
+    back = parse_run_spec(text)
+    assert back.spec == signed.spec and back.run_id == signed.run_id
+    # formatting does not matter, values do
+    assert parse_run_spec(text.replace("temperature = 1.0", "temperature = 1")).run_id == signed.run_id
+
+
+def test_every_numeric_tamper_is_refused():
+    text = dump_run_spec(sign_run_spec(spec(), COORD))
+    for m in re.finditer(r"(?m)^(\w+ = )(\d+)$", text):
+        tampered = text[: m.start(2)] + str(int(m.group(2)) + 1) + text[m.end(2):]
+        with pytest.raises(RunSpecError):
+            parse_run_spec(tampered)
+
+
+def test_unsigned_and_wrong_signer():
+    text = dump_run_spec(sign_run_spec(spec(), COORD))
+    unsigned = text[: text.index("[signature]")]
+    with pytest.raises(RunSpecError, match="unsigned"):
+        parse_run_spec(unsigned)
+    assert parse_run_spec(unsigned, require_signature=False).spec == spec()
+    with pytest.raises(RunSpecError, match="not the spec's coordinator"):
+        sign_run_spec(spec(), NodeKey.generate())
+    other = NodeKey.generate()
+    forged = dump_run_spec(sign_run_spec(RunSpec(run=RunInfo(coordinator=other.peer_id, seed=42)), other))
+    # swap in the victim's coordinator: the run ID no longer matches
+    with pytest.raises(RunSpecError):
+        parse_run_spec(forged.replace(other.peer_id, COORD.peer_id))
+
+
+def test_schema_errors_name_the_field(tmp_path):
+    text = dump_run_spec(sign_run_spec(spec(), COORD))
+    with pytest.raises(RunSpecError, match="rl.async_level"):
+        parse_run_spec(text.replace("async_level = 2", "async_level = -1"))
+    with pytest.raises(RunSpecError, match="bogus"):
+        parse_run_spec(text.replace("[rl]", "[rl]\nbogus = 1"))
+    with pytest.raises(RunSpecError, match="TOML"):
+        parse_run_spec("[[[")
+    with pytest.raises(RunSpecError, match="cannot read"):
+        load_run_spec(tmp_path / "none.toml")
+
+
+def test_consistency_rules():
+    with pytest.raises(ValueError, match="keep_steps"):
+        spec(rl=RLSpec(async_level=4), shardcast=ShardcastSpec(keep_steps=2))
+    with pytest.raises(ValueError, match="hidden_size"):
+        spec(model=ModelSpec(hidden_size=64))
+
+
+def test_authorities():
+    v = NodeKey.generate()
+    s = RunSpec(run=RunInfo(coordinator=COORD.peer_id, validators=[v.peer_id]))
+    assert s.authorities.allows("coordinator", COORD.public_key)
+    assert s.authorities.allows("validator", v.public_key)
+    assert not s.authorities.allows("validator", COORD.public_key)
