@@ -1,0 +1,150 @@
+"""The model forward pass shared by worker, validator and trainer.
+
+One implementation, so that the rows a worker commits with TOPLOC and the rows a validator
+recomputes can never drift (``docs/toploc.md`` §1):
+
+* :func:`forward` — one forward pass returning the **final-norm hidden states** (the LM-head
+  input; for Qwen2 that is ``model.model(...).last_hidden_state``) and the logits.
+* :func:`pad_left` — left padding with matching attention mask and position IDs, so a padded
+  sequence gets exactly the positions it would get alone.
+* :func:`prefill_completions` — the validator's batched prefill of prompt + completion,
+  returning per sequence the committed rows (positions ``P-1 … P+n-2``) and their logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ForwardOut:
+    """Outputs of :func:`forward`.
+
+    Attributes:
+        hidden: ``[B, T, H]`` final-norm hidden states, model dtype.
+        logits: ``[B, T, V]`` float32.
+        cache: the KV cache to continue decoding from (``None`` if not requested).
+    """
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    cache: Any
+
+
+def forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: Any = None,
+    *,
+    use_cache: bool = False,
+    logits_positions: torch.Tensor | None = None,
+    with_logits: bool = True,
+) -> ForwardOut:
+    """Run the decoder and the LM head.
+
+    Args:
+        model: a ``Qwen2ForCausalLM`` (or any causal LM with ``.model`` and ``.lm_head``).
+        input_ids: ``[B, T]`` int64 token IDs.
+        attention_mask: ``[B, T_past + T]`` int64, 0 on padding.
+        position_ids: ``[B, T]`` int64.
+        cache: a transformers ``Cache`` from a previous call, or ``None``.
+        use_cache: return a cache to continue from.
+        logits_positions: optional ``[T']`` indices along T for which to compute logits (saves
+            the LM-head matmul on prompt positions); default all.
+        with_logits: ``False`` skips the LM head (``logits`` is then an empty tensor).
+
+    Returns:
+        :class:`ForwardOut`.
+    """
+    out = model.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=use_cache,
+    )
+    hidden = out.last_hidden_state  # [B, T, H], already through the final RMSNorm
+    if not with_logits:
+        return ForwardOut(hidden=hidden, logits=hidden.new_empty(0), cache=out.past_key_values if use_cache else None)
+    h = hidden if logits_positions is None else hidden[:, logits_positions]
+    logits = model.lm_head(h).float()  # [B, T', V]
+    return ForwardOut(hidden=hidden, logits=logits, cache=out.past_key_values if use_cache else None)
+
+
+def pad_left(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-pad token sequences into a batch.
+
+    Returns:
+        ``(input_ids [B, T] int64, attention_mask [B, T] int64, position_ids [B, T] int64)``, where
+        each sequence's real tokens get positions ``0 … len-1`` (padding gets 0 and is masked).
+
+    Raises:
+        ValueError: an empty batch or an empty sequence.
+    """
+    if not seqs or any(len(s) == 0 for s in seqs):
+        raise ValueError("pad_left needs a non-empty batch of non-empty sequences")
+    t = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), t), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), t), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, t - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
+        mask[i, t - len(s):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, pos
+
+
+@dataclass
+class Prefill:
+    """Committed rows of one prompt + completion (``docs/toploc.md`` §1).
+
+    Attributes:
+        hidden: ``[n, H]`` bfloat16 final-norm rows at positions ``P-1 … P+n-2``.
+        logits: ``[n, V]`` float32 logits from those rows (row i predicts completion token i).
+    """
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+
+
+@torch.no_grad()
+def prefill_completions(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    pad_id: int,
+) -> list[Prefill]:
+    """Batched prefill of ``prompt + completion`` sequences (one forward, no sampling).
+
+    Args:
+        model: the policy.
+        prompts: B prompts of P_b ≥ 1 tokens.
+        completions: B completions of n_b ≥ 1 tokens.
+        pad_id: padding token ID.
+
+    Returns:
+        One :class:`Prefill` per sequence.
+
+    Raises:
+        ValueError: mismatched lengths or an empty prompt/completion.
+    """
+    if len(prompts) != len(completions):
+        raise ValueError("prompts and completions differ in number")
+    if any(len(c) == 0 for c in completions):
+        raise ValueError("every completion needs at least one token")
+    seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
+    ids, mask, pos = pad_left(seqs, pad_id)
+    out = forward(model, ids, mask, pos, with_logits=False)
+    t = ids.shape[1]
+    result = []
+    for b, c in enumerate(completions):
+        start = t - len(c) - 1  # padded index of position P-1
+        rows = out.hidden[b, start : start + len(c)]  # [n, H]
+        # LM head only on the committed rows: [n, V] instead of [T, V]
+        result.append(Prefill(hidden=rows.to(torch.bfloat16), logits=model.lm_head(rows).float()))
+    return result
