@@ -1,0 +1,130 @@
+"""Transformers engine: batched generation with a KV cache, seeded sampling and TOPLOC capture."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from node.engine.base import Engine, Generation, SamplingParams
+from protocol import sampling
+from protocol.inference import forward, pad_left
+from protocol.models import load_model, load_state_dict, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class TransformersEngine(Engine):
+    """Runs a Qwen2 policy through transformers on CPU or CUDA.
+
+    Generation (``generate``): left-padded prefill of the whole batch, then one batched decode
+    step per token with the KV cache. Every step samples with :func:`protocol.sampling.sample`
+    keyed by (sequence seed, completion index), and writes the token, its log-prob and the
+    final-norm row that produced it into preallocated ``[B, max_tokens]`` tensors, so the loop
+    does no per-sequence Python work. Finished sequences keep stepping (masked) until all are done.
+
+    Attributes:
+        model: the policy (eval mode).
+        tokenizer: its tokenizer (left padding).
+        device: ``"cpu"`` or ``"cuda"``.
+        max_batch: sequences per forward pass; larger batches are split.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, *, device: str = "cpu", max_batch: int = 64) -> None:
+        self.model = model.to(device).eval()
+        self.tokenizer = tokenizer
+        self.device = device
+        self.max_batch = max_batch
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    @classmethod
+    def from_dir(cls, model_dir: Path, *, device: str = "cpu", max_batch: int = 64) -> TransformersEngine:
+        """Load model and tokenizer from a local directory (safetensors only)."""
+        return cls(load_model(Path(model_dir), device=device), load_tokenizer(Path(model_dir)), device=device, max_batch=max_batch)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    def load_weights(self, model_dir: Path) -> None:
+        """Swap in the weights of ``model_dir`` in place (same architecture), safetensors only."""
+        state: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(model_dir).glob("*.safetensors")):
+            state.update(load_file(str(f), device=self.device))
+        with torch.no_grad():
+            load_state_dict(self.model, state, strict=True)
+        self.model.to(self.device).eval()
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams) -> list[Generation]:
+        """Sample one completion per prompt.
+
+        Args:
+            prompts: token IDs per prompt (each non-empty).
+            seeds: per-prompt sequence seeds (u64), from :func:`protocol.sampling.derive_sequence_seed`.
+            params: sampling parameters.
+
+        Returns:
+            One :class:`Generation` per prompt, in order.
+        """
+        if len(prompts) != len(seeds):
+            raise ValueError("one seed per prompt")
+        out: list[Generation] = []
+        for i in range(0, len(prompts), self.max_batch):
+            out.extend(self._generate_batch(prompts[i : i + self.max_batch], seeds[i : i + self.max_batch], params))
+        return out
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams) -> list[Generation]:
+        b, n_max = len(prompts), params.max_tokens
+        ids, mask, pos = (t.to(self.device) for t in pad_left(prompts, self.pad_id))
+        seed_t = _seeds_tensor(seeds, self.device)  # [B] int64
+        hidden_size = int(self.model.config.hidden_size)
+        tokens = torch.full((b, n_max), self.pad_id, dtype=torch.long, device=self.device)  # [B, N]
+        logps = torch.zeros((b, n_max), dtype=torch.float32, device=self.device)  # [B, N]
+        rows = torch.zeros((b, n_max, hidden_size), dtype=torch.bfloat16, device=self.device)  # [B, N, H]
+        lengths = torch.full((b,), n_max, dtype=torch.long, device=self.device)  # [B]
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        last = torch.tensor([ids.shape[1] - 1], device=self.device)
+        step_out = forward(self.model, ids, mask, pos, use_cache=True, logits_positions=last)
+        cache = step_out.cache
+        for i in range(n_max):
+            h = step_out.hidden[:, -1]  # [B, H] row that predicts completion token i
+            logits = step_out.logits[:, -1]  # [B, V]
+            positions = torch.full((b,), i, dtype=torch.int64, device=self.device)
+            tok, lp = sampling.sample(logits, seed_t, positions, params.temperature, params.top_p)
+            tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
+            tokens[:, i] = tok
+            logps[:, i] = lp
+            rows[:, i] = h.to(torch.bfloat16)
+            newly = (~done) & (tok == params.eos_id)
+            lengths = torch.where(newly, torch.full_like(lengths, i + 1), lengths)
+            done = done | newly
+            if i + 1 == n_max or bool(done.all()):
+                break
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
+            pos = pos[:, -1:] + 1
+            step_out = forward(self.model, tok.unsqueeze(1), mask, pos, cache, use_cache=True)
+            cache = step_out.cache
+        result = []
+        lengths_l = lengths.tolist()
+        done_l = done.tolist()
+        for j in range(b):
+            n = lengths_l[j]
+            result.append(
+                Generation(
+                    completion_ids=tokens[j, :n].cpu(),
+                    logprobs=logps[j, :n].cpu(),
+                    hidden=rows[j, :n].cpu(),
+                    finish="eos" if done_l[j] else "length",
+                )
+            )
+        return result
+
+
+def _seeds_tensor(seeds: list[int], device: str) -> torch.Tensor:
+    """u64 seeds as an int64 tensor (two's-complement wrap, the bits are what matter)."""
+    wrapped = [s - (1 << 64) if s >= (1 << 63) else s for s in (int(x) & ((1 << 64) - 1) for x in seeds)]
+    return torch.tensor(wrapped, dtype=torch.int64, device=device)
