@@ -27,12 +27,11 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from node.errors import StoreError
 from protocol.content import hex_id
 from protocol.envelope import Authorities, Envelope
 from protocol.messages import Manifest
 from protocol.shardcast import PieceId, PieceRef, iter_pieces, open_manifest
-
-from node.errors import StoreError
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,40 @@
+"""`join`: run a node in one role of a run. Each role is a function in ``node/roles/``."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from node.cli import command
+from node.paths import default_data_dir, default_key_path
+
+
+def _join_relay(args: argparse.Namespace) -> int:
+    from node.roles.relay import run_relay_from_args
+
+    return run_relay_from_args(args)
+
+
+ROLES: dict[str, Callable[[argparse.Namespace], int]] = {"relay": _join_relay}
+"""Role name → runner; a new role adds an entry here and its flags below."""
+
+
+@command
+def _join(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("join", help="run a node of a run in one role (relay: mirror and serve checkpoints)")
+    p.add_argument("--role", required=True, choices=sorted(ROLES), help="what this node does")
+    p.add_argument("--run", required=True, help="the signed run spec (TOML)")
+    p.add_argument("--data-dir", default=None, help=f"node data directory (default: {default_data_dir()})")
+    p.add_argument("--key", default=None, help=f"node key file; created if absent (default: <data-dir>/{default_key_path().name})")
+    relay = p.add_argument_group("relay")
+    relay.add_argument("--http-port", type=int, default=0, help="Shardcast HTTP port (default: any free port, printed at start)")
+    relay.add_argument("--host", default="127.0.0.1", help="interface to serve on (default 127.0.0.1; 0.0.0.0 for everyone)")
+    relay.add_argument(
+        "--upstream", action="append", default=[], metavar="URL",
+        help="origin or relay to follow (repeatable); without any, this node is the origin and serves its store",
+    )
+    p.set_defaults(handler=_run_join)
+
+
+def _run_join(args: argparse.Namespace) -> int:
+    return ROLES[args.role](args)

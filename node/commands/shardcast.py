@@ -1,0 +1,108 @@
+"""`publish` and `fetch`: put a checkpoint into a Shardcast store; download one from sources."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from node.cli import CliError, command, load_key, load_spec
+from node.paths import default_data_dir
+
+
+def _step_arg(text: str) -> int | None:
+    if text == "latest":
+        return None
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError("must be a non-negative integer or 'latest'")
+    return int(text)
+
+
+def _meta_arg(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError("must be KEY=VALUE")
+    return key, value
+
+
+@command
+def _publish(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("publish", help="cut a checkpoint into pieces and sign its manifest into a Shardcast store")
+    p.add_argument("path", help="a safetensors file, or a directory whose top-level files form the checkpoint")
+    p.add_argument("--step", type=int, required=True, help="policy step of the checkpoint")
+    p.add_argument("--run", required=True, help="the signed run spec (TOML)")
+    p.add_argument("--key", required=True, help="the coordinator's key file")
+    p.add_argument("--data-dir", default=None, help=f"node data directory holding the store (default: {default_data_dir()})")
+    p.add_argument("--meta", type=_meta_arg, action="append", default=[], metavar="KEY=VALUE", help="manifest annotation (repeatable)")
+    p.set_defaults(handler=_run_publish)
+
+
+def _run_publish(args: argparse.Namespace) -> int:
+    from node.errors import ShardcastError
+    from node.shardcast.publish import checkpoint_files, publish_checkpoint
+    from node.shardcast.store import ShardcastStore
+    from protocol.shardcast import iter_pieces, total_size_bytes
+
+    signed = load_spec(args.run)
+    key = load_key(args.key)
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    spec = signed.spec
+    try:
+        store = ShardcastStore(data_dir, run_id=signed.run_id, authorities=spec.authorities, keep_steps=spec.shardcast.keep_steps)
+        env = publish_checkpoint(
+            store, checkpoint_files(Path(args.path)), step=args.step, key=key,
+            piece_size_bytes=spec.shardcast.piece_size_bytes, meta=dict(args.meta),
+        )
+    except ShardcastError as e:
+        raise CliError(str(e)) from None
+    m = env.body
+    print(
+        f"published step {m.step}: {len(m.files)} file(s), {total_size_bytes(m)} bytes, "
+        f"{sum(1 for _ in iter_pieces(m))} pieces of {m.piece_size_bytes} bytes; manifest {env.id.hex()}; store {store.root}"
+    )
+    return 0
+
+
+@command
+def _fetch(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fetch", help="download a checkpoint from Shardcast sources, verifying every piece")
+    p.add_argument("--run", required=True, help="the signed run spec (TOML)")
+    p.add_argument("--step", type=_step_arg, default=None, metavar="N|latest", help="policy step (default: latest)")
+    p.add_argument("--source", action="append", default=[], metavar="URL", help="origin or relay base URL (repeatable; default: the run spec's origin_urls)")
+    p.add_argument("--out", required=True, help="directory to create with the checkpoint files")
+    p.add_argument("--concurrency", type=int, default=8, help="pieces downloaded at once (default 8)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds (default 3600)")
+    p.set_defaults(handler=_run_fetch)
+
+
+def _run_fetch(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from node.errors import FetchError
+    from node.shardcast.client import fetch_checkpoint
+    from node.shardcast.download import DownloadConfig
+
+    signed = load_spec(args.run)
+    sources = args.source or list(signed.spec.network.origin_urls)
+    if not sources:
+        raise CliError("no sources: pass --source URL (or set network.origin_urls in the run spec)")
+    if args.concurrency < 1 or args.timeout <= 0:
+        raise CliError("--concurrency must be ≥ 1 and --timeout > 0")
+    cfg = DownloadConfig(max_concurrency=args.concurrency, deadline_s=args.timeout)
+    try:
+        res = asyncio.run(
+            fetch_checkpoint(sources, Path(args.out), run_id=signed.run_id, authorities=signed.spec.authorities, step=args.step, config=cfg)
+        )
+    except FetchError as e:
+        print(f"error: fetch failed: {e}", file=sys.stderr)
+        for url, reason in e.faulty_sources.items():
+            print(f"faulty source: {url} ({reason})", file=sys.stderr)
+        return 1
+    for url, reason in res.faulty_sources.items():
+        print(f"faulty source: {url} ({reason})", file=sys.stderr)
+    mib = res.bytes_downloaded / 2**20
+    print(
+        f"fetched step {res.step} into {res.out_dir}: {mib:.1f} MiB downloaded in {res.elapsed_s:.2f} s"
+        f" ({mib / max(res.elapsed_s, 1e-9):.0f} MiB/s), {res.pieces_resumed} pieces resumed"
+    )
+    return 0

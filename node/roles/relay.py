@@ -1,0 +1,69 @@
+"""The relay role: serve a Shardcast store and follow upstreams until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from node.cli import CliError, load_key, load_spec
+from node.errors import NodeError
+from node.paths import default_data_dir
+from node.shardcast.relay import Relay, RelayConfig
+from node.shardcast.store import ShardcastStore
+from protocol.identity import NodeKey
+from protocol.runspec import SignedRunSpec
+
+logger = logging.getLogger(__name__)
+
+
+async def run_relay(
+    signed: SignedRunSpec, key: NodeKey, *, data_dir: Path, host: str, port: int, upstreams: Sequence[str]
+) -> None:
+    """Run a relay until SIGINT or SIGTERM.
+
+    Args:
+        signed: the verified run spec (run ID, coordinator key, ``shardcast.keep_steps``).
+        key: this node's key (its peer ID is reported by ``/held``).
+        data_dir: node data directory; the store lives below it.
+        host: interface to serve on.
+        port: TCP port (0: any free one).
+        upstreams: base URLs to follow; empty makes this node the origin.
+    """
+    spec = signed.spec
+    store = await asyncio.to_thread(
+        ShardcastStore, data_dir, run_id=signed.run_id, authorities=spec.authorities, keep_steps=spec.shardcast.keep_steps
+    )
+    relay = Relay(store, RelayConfig(host=host, port=port, upstreams=tuple(upstreams), peer_id=key.peer_id))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(relay.stop()))
+    await relay.start()
+    role = f"following {', '.join(relay.pool.urls)}" if relay.pool.urls else "origin"
+    print(f"relay {key.peer_id} serving {relay.url} ({role}); holds steps {store.held_steps()}", flush=True)
+    logger.info("relay started", extra={"peer_id": key.peer_id, "url": relay.url, "keep_steps": store.keep_steps})
+    try:
+        await relay.run()
+    finally:
+        await relay.stop()
+
+
+def run_relay_from_args(args: argparse.Namespace) -> int:
+    """``join --role relay``: load spec and key, then :func:`run_relay`."""
+    signed = load_spec(args.run)
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    key = load_key(args.key, str(data_dir), create=True)
+    if not 0 <= args.http_port <= 65535:
+        raise CliError("--http-port must be 0…65535")
+    try:
+        asyncio.run(run_relay(signed, key, data_dir=data_dir, host=args.host, port=args.http_port, upstreams=args.upstream))
+    except OSError as e:
+        print(f"error: cannot serve on {args.host}:{args.http_port}: {e.strerror}", file=sys.stderr)
+        return 1
+    except NodeError as e:
+        raise CliError(str(e)) from None
+    return 0

@@ -1,0 +1,347 @@
+"""Fetch a checkpoint from several untrusted sources into a directory (workers, validators, CLI).
+
+:func:`fetch_checkpoint` resolves the coordinator-signed manifest, downloads the pieces in
+parallel from the sources (throughput-weighted choice with exploration, :mod:`sources`),
+verifies each piece as it streams to disk, bans a source that serves a bad piece and takes the
+piece from another, and finally checks the whole-checkpoint hash and moves the directory into
+place with one rename.
+
+Files are written straight into a staging directory next to ``out_dir`` named after the
+checkpoint hash (``.<out name>.<hash prefix>.partial``); a fetch that is killed leaves it
+behind, and the next fetch of the same checkpoint re-hashes what is there and downloads only
+the pieces that do not verify. Memory stays flat: about 1 MiB per piece in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from node.errors import FetchError, SourceError
+from node.shardcast.download import DownloadConfig, PieceDownloader, get_manifest, make_session
+from node.shardcast.sources import SourcePool
+from protocol.content import hex_id
+from protocol.envelope import Authorities, Envelope, open_envelope
+from protocol.errors import ProtocolError
+from protocol.messages import Manifest
+from protocol.shardcast import READ_CHUNK_BYTES, PieceRef, iter_pieces, total_size_bytes
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_FILE_NAME = ".shardcast-manifest"
+"""The manifest envelope, written next to the checkpoint files of a fetched directory."""
+
+
+@dataclass
+class FetchResult:
+    """Outcome of :func:`fetch_checkpoint`.
+
+    Attributes:
+        step: policy step of the checkpoint.
+        manifest: the verified manifest envelope.
+        out_dir: the directory holding the files.
+        files: paths of the checkpoint files, in manifest order.
+        bytes_downloaded: verified piece bytes received in this call, in bytes.
+        bytes_resumed: bytes already verified on disk from an earlier, interrupted call.
+        pieces_downloaded: pieces received in this call.
+        pieces_resumed: pieces found verified on disk.
+        wasted_bytes: bytes received and thrown away (bad pieces, broken transfers).
+        elapsed_s: wall time of the call, seconds.
+        faulty_sources: sources caught serving bad data, with the reason.
+        source_bytes: verified bytes received per source.
+    """
+
+    step: int
+    manifest: Envelope[Manifest]
+    out_dir: Path
+    files: list[Path]
+    bytes_downloaded: int = 0
+    bytes_resumed: int = 0
+    pieces_downloaded: int = 0
+    pieces_resumed: int = 0
+    wasted_bytes: int = 0
+    elapsed_s: float = 0.0
+    faulty_sources: dict[str, str] = field(default_factory=dict)
+    source_bytes: dict[str, int] = field(default_factory=dict)
+
+
+class _StagingWriter:
+    """Writes one piece at its position(s) in the staging files, hashing as it goes."""
+
+    def __init__(self, fds: list[int], refs: list[PieceRef]) -> None:
+        self._fds = fds
+        self._refs = refs
+        self._piece = refs[0]
+        self._hash = hashlib.sha256()
+        self._pos = 0
+
+    def write(self, chunk: bytes | memoryview) -> None:
+        for r in self._refs:
+            os.pwrite(self._fds[r.file_index], chunk, r.offset_bytes + self._pos)
+        self._hash.update(chunk)
+        self._pos += len(chunk)
+
+    def digest_matches(self) -> bool:
+        return self._pos == self._piece.size_bytes and self._hash.digest() == self._piece.piece_id
+
+    def commit(self) -> None:
+        """Nothing to move: the bytes are in place and verified."""
+
+    def abort(self) -> None:
+        """Nothing to undo: unverified bytes in place are overwritten or re-checked on resume."""
+
+
+async def resolve_manifest(
+    session: aiohttp.ClientSession,
+    pool: SourcePool,
+    step: int | None,
+    *,
+    run_id: bytes,
+    authorities: Authorities,
+    cfg: DownloadConfig,
+) -> Envelope[Manifest]:
+    """Ask every usable source for the manifest of ``step`` (``None``: the newest any has).
+
+    Sources that answer with a manifest that does not verify get evidence against them.
+
+    Raises:
+        FetchError: no source has a valid manifest of that step (the message lists why).
+    """
+    srcs = pool.usable()
+    results = await asyncio.gather(
+        *(get_manifest(session, s.url, step, run_id=run_id, authorities=authorities, timeout_s=cfg.manifest_timeout_s) for s in srcs),
+        return_exceptions=True,
+    )
+    best: Envelope[Manifest] | None = None
+    problems: list[str] = []
+    for src, res in zip(srcs, results, strict=True):
+        if isinstance(res, SourceError):
+            problems.append(str(res))
+            if res.evidence:
+                pool.record_evidence(src, res.reason)
+            else:
+                pool.record_failure(src, res.reason)
+        elif isinstance(res, BaseException):
+            raise res
+        elif res is None:
+            problems.append(f"{src.url}: has no manifest of {'any step' if step is None else f'step {step}'}")
+        elif best is None or res.body.step > best.body.step:
+            best = res
+    if best is None:
+        what = "any step" if step is None else f"step {step}"
+        raise FetchError(f"no source has a valid manifest of {what}: " + "; ".join(problems or ["no sources"]), pool.faulty())
+    return best
+
+
+def _read_existing(out_dir: Path, run_id: bytes, authorities: Authorities) -> Envelope[Manifest] | None:
+    try:
+        raw = (out_dir / MANIFEST_FILE_NAME).read_bytes()
+        return open_envelope(raw, run_id=run_id, authorities=authorities, expect=Manifest)
+    except (OSError, ProtocolError):
+        return None
+
+
+def _verified_on_disk(staging: Path, manifest: Manifest) -> set[tuple[int, int]]:
+    """``(file_index, piece index)`` of the pieces already correct in the staging files (blocking)."""
+    ok: set[tuple[int, int]] = set()
+    handles = {}
+    try:
+        for fi, f in enumerate(manifest.files):
+            p = staging / f.name
+            if p.exists():
+                handles[fi] = open(p, "rb")  # noqa: SIM115 - closed below
+        for ref in iter_pieces(manifest):
+            fh = handles.get(ref.file_index)
+            if fh is None:
+                continue
+            fh.seek(ref.offset_bytes)
+            h = hashlib.sha256()
+            left = ref.size_bytes
+            while left > 0:
+                chunk = fh.read(min(READ_CHUNK_BYTES, left))
+                if not chunk:
+                    break
+                h.update(chunk)
+                left -= len(chunk)
+            if left == 0 and h.digest() == ref.piece_id:
+                ok.add((ref.file_index, ref.index))
+    finally:
+        for fh in handles.values():
+            fh.close()
+    return ok
+
+
+def _open_staging(staging: Path, manifest: Manifest) -> list[int]:
+    staging.mkdir(parents=True, exist_ok=True)
+    fds = []
+    for f in manifest.files:
+        fd = os.open(staging / f.name, os.O_RDWR | os.O_CREAT, 0o644)
+        if os.fstat(fd).st_size != f.size_bytes:
+            os.ftruncate(fd, f.size_bytes)
+        fds.append(fd)
+    return fds
+
+
+def _finish(staging: Path, out_dir: Path, fds: list[int], env: Envelope[Manifest]) -> None:
+    """Check the whole-checkpoint hash, then move the staging directory into place (blocking)."""
+    h = hashlib.sha256()
+    for fd, f in zip(fds, env.body.files, strict=True):
+        os.fsync(fd)
+        pos = 0
+        while pos < f.size_bytes:
+            chunk = os.pread(fd, min(READ_CHUNK_BYTES, f.size_bytes - pos), pos)
+            if not chunk:
+                break
+            h.update(chunk)
+            pos += len(chunk)
+    if h.digest() != env.body.checkpoint_hash:
+        raise FetchError(f"assembled checkpoint does not match the manifest's checkpoint hash (staging dir {staging} kept)")
+    mpath = staging / MANIFEST_FILE_NAME
+    with open(mpath, "wb") as mf:
+        mf.write(env.raw)
+        mf.flush()
+        os.fsync(mf.fileno())
+    if out_dir.exists():
+        out_dir.rmdir()  # checked empty before the download
+    os.replace(staging, out_dir)
+    dfd = os.open(out_dir.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+class _Progress:
+    """A rich progress bar on a terminal, nothing otherwise."""
+
+    def __init__(self, enabled: bool, total_bytes: int, done_bytes: int, label: str) -> None:
+        self._bar = None
+        if enabled:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+            self._bar = Progress(
+                "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                transient=True,
+            )
+            self._task = self._bar.add_task(label, total=total_bytes, completed=done_bytes)
+            self._bar.start()
+
+    def advance(self, n: int) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task, n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+async def fetch_checkpoint(
+    sources: Sequence[str],
+    out_dir: Path,
+    *,
+    run_id: bytes,
+    authorities: Authorities,
+    step: int | None = None,
+    config: DownloadConfig | None = None,
+    progress: bool | None = None,
+    session: aiohttp.ClientSession | None = None,
+) -> FetchResult:
+    """Download and verify a checkpoint into ``out_dir``.
+
+    Args:
+        sources: base URLs of origins/relays (``http://host:port``).
+        out_dir: directory to create with the checkpoint files (plus ``.shardcast-manifest``);
+            it must not exist, be empty, or already hold this exact checkpoint.
+        run_id: this node's 32-byte run ID.
+        authorities: the run spec's keys (the manifest must be signed by its coordinator).
+        step: the policy step; ``None`` fetches the newest step any source has.
+        config: limits and timeouts (default :class:`DownloadConfig`).
+        progress: show a progress bar (default: when stderr is a terminal).
+        session: an HTTP session to reuse (default: one made for this call).
+
+    Returns:
+        What was fetched and from where (:class:`FetchResult`).
+
+    Raises:
+        FetchError: no valid manifest, every source faulty, stalled, deadline passed, or
+            ``out_dir`` holds something else. A partial download is kept for the next call.
+    """
+    cfg = config or DownloadConfig()
+    out_dir = Path(out_dir)
+    t0 = time.monotonic()
+    pool = SourcePool(sources, exploration=cfg.exploration, max_in_flight_per_source=cfg.max_in_flight_per_source)
+    if not pool.urls:
+        raise FetchError("no sources given")
+    own_session = session is None
+    sess = session or make_session(cfg)
+    try:
+        env = await resolve_manifest(sess, pool, step, run_id=run_id, authorities=authorities, cfg=cfg)
+        m = env.body
+        files = [out_dir / f.name for f in m.files]
+        if out_dir.exists():
+            have = await asyncio.to_thread(_read_existing, out_dir, run_id, authorities)
+            if have is not None and have.body.checkpoint_hash == m.checkpoint_hash:
+                logger.info("step %d already in %s", m.step, out_dir, extra={"step": m.step})
+                return FetchResult(m.step, have, out_dir, files, elapsed_s=time.monotonic() - t0)
+            if not out_dir.is_dir() or any(out_dir.iterdir()):
+                raise FetchError(f"{out_dir} exists and holds something else; choose another --out or remove it")
+        staging = out_dir.parent / f".{out_dir.name}.{hex_id(m.checkpoint_hash)[:16]}.partial"
+        resumed = await asyncio.to_thread(_verified_on_disk, staging, m) if staging.exists() else set()
+        fds = await asyncio.to_thread(_open_staging, staging, m)
+        try:
+            refs = list(iter_pieces(m))
+            pending: dict[bytes, list[PieceRef]] = defaultdict(list)
+            for r in refs:
+                if (r.file_index, r.index) not in resumed:
+                    pending[r.piece_id].append(r)
+            resumed_bytes = sum(r.size_bytes for r in refs if (r.file_index, r.index) in resumed)
+            if resumed:
+                logger.info("resuming step %d: %d pieces already verified on disk", m.step, len(resumed), extra={"step": m.step})
+            bar = _Progress(sys.stderr.isatty() if progress is None else progress, total_size_bytes(m), resumed_bytes, f"step {m.step}")
+            downloader = PieceDownloader(sess, pool, cfg, on_bytes=bar.advance)
+
+            async def open_writer(piece: PieceRef) -> _StagingWriter:
+                return _StagingWriter(fds, pending[piece.piece_id])
+
+            try:
+                stats = await downloader.run([rs[0] for rs in pending.values()], open_writer)
+            finally:
+                bar.close()
+            await asyncio.to_thread(_finish, staging, out_dir, fds, env)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        result = FetchResult(
+            step=m.step,
+            manifest=env,
+            out_dir=out_dir,
+            files=files,
+            bytes_downloaded=stats.bytes,
+            bytes_resumed=resumed_bytes,
+            pieces_downloaded=stats.pieces,
+            pieces_resumed=len(resumed),
+            wasted_bytes=stats.wasted_bytes,
+            elapsed_s=time.monotonic() - t0,
+            faulty_sources=pool.faulty(),
+            source_bytes={s.url: s.bytes_received for s in pool.states()},
+        )
+        logger.info(
+            "fetched step %d into %s: %d bytes in %.2f s%s",
+            m.step, out_dir, stats.bytes, result.elapsed_s,
+            f"; faulty sources: {', '.join(result.faulty_sources)}" if result.faulty_sources else "",
+            extra={"step": m.step},
+        )
+        return result
+    finally:
+        if own_session:
+            await sess.close()

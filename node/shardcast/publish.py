@@ -1,0 +1,112 @@
+"""Publish a checkpoint: cut it into pieces, store them, sign the manifest (origin side).
+
+The trainer calls :func:`publish_checkpoint` with the store its origin server serves; the
+``intellect-node publish`` command calls it with a store on ``--data-dir``. Pieces are written
+first and the manifest last, so a server that picks the manifest up (``store.refresh()``) finds
+the step complete.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+from node.errors import ShardcastError
+from node.shardcast.store import ShardcastStore
+from protocol.envelope import Envelope, seal
+from protocol.errors import ProtocolError
+from protocol.identity import NodeKey
+from protocol.messages import Manifest
+from protocol.shardcast import DEFAULT_PIECE_SIZE_BYTES, build_manifest
+
+logger = logging.getLogger(__name__)
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+"""Weight formats that unpickle on load; never published (weights travel as safetensors)."""
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The files of a checkpoint at ``path``: the file itself, or a directory's regular,
+    non-hidden top-level files in name order (weights ``*.safetensors`` plus config files).
+
+    Raises:
+        ShardcastError: missing path, empty directory, or a pickle-based weight file.
+    """
+    path = Path(path)
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+        if not files:
+            raise ShardcastError(f"{path} holds no files to publish")
+    else:
+        raise ShardcastError(f"no checkpoint at {path}")
+    for f in files:
+        if f.suffix.lower() in PICKLE_SUFFIXES:
+            raise ShardcastError(f"{f} is a pickle-based weight file; save weights as safetensors")
+    return files
+
+
+def publish_checkpoint(
+    store: ShardcastStore,
+    files: Sequence[Path],
+    *,
+    step: int,
+    key: NodeKey,
+    piece_size_bytes: int = DEFAULT_PIECE_SIZE_BYTES,
+    meta: Mapping[str, str] | None = None,
+    prune: bool = True,
+) -> Envelope[Manifest]:
+    """Cut ``files`` into pieces in ``store`` and store the manifest signed by ``key``.
+
+    Blocking (reads every byte once, hashing and writing as it goes; memory stays flat); from
+    asyncio call it through ``asyncio.to_thread``.
+
+    Args:
+        store: the origin's store (its run ID and coordinator key decide what is valid).
+        files: checkpoint files in manifest order; each is published under its base name.
+        step: the policy step.
+        key: the coordinator key of the run.
+        piece_size_bytes: piece size (the run spec's ``shardcast.piece_size_bytes``).
+        meta: small string annotations put in the manifest.
+        prune: apply the store's retention afterwards.
+
+    Returns:
+        The signed manifest as stored.
+
+    Raises:
+        ShardcastError: unreadable files, duplicate names, a step already published with other
+            content, or a key that is not the run's coordinator.
+    """
+    if key.public_key != store.authorities.coordinator:
+        raise ShardcastError(f"key {key.peer_id} is not the coordinator of this run; only it can publish")
+    existing = store.manifest(step)
+    names = [Path(f).name for f in files]
+    if len(set(names)) != len(names):
+        raise ShardcastError(f"checkpoint file names must be unique: {names}")
+    sink = store.sink()
+    try:
+        with ExitStack() as stack:
+            streams = [(Path(f).name, stack.enter_context(open(f, "rb"))) for f in files]
+            manifest = build_manifest(step, streams, piece_size_bytes=piece_size_bytes, meta=meta, sink=sink)
+    except OSError as e:
+        raise ShardcastError(f"cannot read checkpoint file: {e}") from e
+    except (ValueError, ProtocolError) as e:
+        raise ShardcastError(f"cannot publish: {e}") from e
+    finally:
+        sink.close()
+    if existing is not None:
+        if existing.body.checkpoint_hash != manifest.checkpoint_hash:
+            raise ShardcastError(f"step {step} is already published with different content")
+        return existing
+    env = store.add_manifest(seal(key, store.run_id, manifest))
+    if not store.check_complete(step):
+        raise ShardcastError(f"step {step} is incomplete after publishing (pieces were removed meanwhile)")
+    logger.info(
+        "published step %d: %d files, %d bytes", step, len(files), sum(f.size_bytes for f in manifest.files), extra={"step": step}
+    )
+    if prune:
+        store.prune()
+    return env

@@ -1,0 +1,128 @@
+"""Shardcast HTTP server: serves a :class:`ShardcastStore` under ``/shardcast/1``.
+
+Routes (``docs/shardcast.md``)::
+
+    GET       /shardcast/1/held               JSON: run_id, peer_id, held_steps, steps, latest
+    GET       /shardcast/1/manifests/latest   the newest stored manifest (raw envelope bytes)
+    GET       /shardcast/1/manifests/{step}   the manifest of one step
+    GET|HEAD  /shardcast/1/pieces/{id}        one piece (64 hex digits); HTTP Range supported
+
+Pieces are served with ``sendfile`` from their files as soon as they are stored (cut-through:
+a relay serves a verified piece of a step it is still filling). The server accepts no request
+bodies, and every malformed path, step or range is a 4xx answer, never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+
+from aiohttp import web
+
+from node.shardcast.store import ShardcastStore
+from protocol.content import hex_id
+from protocol.shardcast import ROUTE_PREFIX
+
+logger = logging.getLogger(__name__)
+
+MSGPACK_TYPE = "application/x-msgpack"
+_HEX_ID = re.compile(r"^[0-9a-f]{64}$")
+_MAX_STEP = 2**40
+IMMUTABLE = "public, max-age=31536000, immutable"
+
+
+class ShardcastServer:
+    """An aiohttp server for one store.
+
+    Args:
+        store: what to serve.
+        host: interface to bind (``127.0.0.1`` by default; ``0.0.0.0`` to serve others).
+        port: TCP port; 0 picks a free one (read :attr:`port` after :meth:`start`).
+        peer_id: the serving node's peer ID, reported in ``/held`` (informational).
+
+    Attributes:
+        pieces_served: piece responses with status 200 or 206 started so far.
+    """
+
+    def __init__(self, store: ShardcastStore, *, host: str = "127.0.0.1", port: int = 0, peer_id: str = "") -> None:
+        self.store = store
+        self.host = host
+        self.port = port
+        self.peer_id = peer_id
+        self.pieces_served = 0
+        self._runner: web.AppRunner | None = None
+
+    def make_app(self) -> web.Application:
+        """The aiohttp application with the Shardcast routes (no request bodies accepted)."""
+        app = web.Application(client_max_size=1024)
+        app.router.add_get(f"{ROUTE_PREFIX}/held", self._held)
+        app.router.add_get(f"{ROUTE_PREFIX}/manifests/{{step}}", self._manifest)
+        app.router.add_get(f"{ROUTE_PREFIX}/pieces/{{piece_id}}", self._piece)  # GET also answers HEAD
+        return app
+
+    async def start(self) -> None:
+        """Bind and start serving."""
+        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        await web.SockSite(self._runner, sock, shutdown_timeout=1.0).start()
+        logger.info("Shardcast server on %s", self.url)
+
+    async def stop(self) -> None:
+        """Stop serving and close connections."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @property
+    def url(self) -> str:
+        """Base URL of this server (what clients pass as a source)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def _held(self, request: web.Request) -> web.Response:
+        steps = self.store.steps()
+        doc = {
+            "run_id": self.store.run_id.hex(),
+            "peer_id": self.peer_id,
+            "held_steps": self.store.held_steps()[-512:],
+            "steps": steps[-512:],
+            "latest": steps[-1] if steps else None,
+        }
+        return web.Response(text=json.dumps(doc), content_type="application/json", headers={"Cache-Control": "no-cache"})
+
+    async def _manifest(self, request: web.Request) -> web.Response:
+        name = request.match_info["step"]
+        if name == "latest":
+            step = self.store.latest_step()
+            if step is None:
+                raise web.HTTPNotFound(text="no manifest yet\n")
+        else:
+            if not name.isdigit() or len(name) > 13 or int(name) > _MAX_STEP:
+                raise web.HTTPBadRequest(text="step must be a non-negative integer or 'latest'\n")
+            step = int(name)
+        env = self.store.manifest(step)
+        if env is None:
+            raise web.HTTPNotFound(text=f"no manifest for step {step}\n")
+        headers = {
+            "X-Shardcast-Step": str(step),
+            "X-Shardcast-Complete": "1" if self.store.is_complete(step) else "0",
+            "ETag": f'"{hex_id(env.id)}"',
+            "Cache-Control": "no-cache" if name == "latest" else IMMUTABLE,
+        }
+        return web.Response(body=env.raw, content_type=MSGPACK_TYPE, headers=headers)
+
+    async def _piece(self, request: web.Request) -> web.StreamResponse:
+        pid = request.match_info["piece_id"]
+        if not _HEX_ID.match(pid):
+            raise web.HTTPBadRequest(text="piece ID must be 64 lower-case hex digits\n")
+        path = self.store.piece_path(bytes.fromhex(pid))
+        if not path.is_file():
+            raise web.HTTPNotFound(text="piece not held\n")
+        self.pieces_served += 1
+        return web.FileResponse(path, headers={"Cache-Control": IMMUTABLE, "Content-Type": "application/octet-stream"})
