@@ -24,6 +24,9 @@ _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
 COMMAND_MODULES = (
     "node.commands.identity",
     "node.commands.spec",
+    "node.commands.status",
+    "node.commands.shardcast",
+    "node.commands.join",
 )
 
 
