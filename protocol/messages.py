@@ -15,6 +15,7 @@ type                              signed by    read by
 ``submission/1``                  any worker   coordinator ingest, validators (HTTP)
 ``verdict/1``                     validators   coordinator ingest, workers (HTTP, gossip)
 ``ban_list/1``                    coordinator  everyone (gossip, HTTP)
+``lease_request/1``               validators   coordinator ingest (HTTP)
 ================================ ============ ===========================================
 """
 
@@ -220,7 +221,21 @@ class BanList(Message):
     entries: Annotated[list[BanEntry], Field(max_length=1 << 15)]
 
 
+class LeaseRequest(Message):
+    """A validator asking the ingest for up to ``limit`` pending submissions, leased for ``lease_s``.
+
+    Signed so that only the run's validators can lease work (a stranger cannot starve them).
+    """
+
+    TYPE: ClassVar[str] = "lease_request/1"
+    MAX_BYTES: ClassVar[int] = 1 * KiB
+    SIGNER: ClassVar[Signer] = "validator"
+
+    limit: Annotated[int, Field(ge=1, le=256)]
+    lease_s: Annotated[float, Field(gt=0.0, le=3600.0, allow_inf_nan=False)]
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TYPE: cls for cls in (NodeRecord, Manifest, CheckpointAnnouncement, Submission, Verdict, BanList)
+    cls.TYPE: cls for cls in (NodeRecord, Manifest, CheckpointAnnouncement, Submission, Verdict, BanList, LeaseRequest)
 }
 """Every message type a node accepts, by type tag."""
