@@ -1,0 +1,69 @@
+"""The exception family of ``trainer/``.
+
+:class:`TrainerError` is the root; a coordinator catches it at its own fault-tolerance points
+(log, report the status, retry the step or stop cleanly). Programming errors (wrong shapes,
+wrong types) stay ``ValueError`` / ``TypeError`` and are never caught.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BatchError", "NotEnoughRolloutsError", "StateError", "TrainerError"]
+
+
+class TrainerError(Exception):
+    """Root of every error raised by ``trainer/``."""
+
+
+class BatchError(TrainerError):
+    """A rollout record or batch that cannot be trained on (inconsistent group, bad lengths)."""
+
+
+class NotEnoughRolloutsError(BatchError):
+    """Batch assembly found fewer usable groups than a trainer step needs.
+
+    The fields say why, so a waiting coordinator can show it in its status and time out with a
+    reason instead of hanging silently.
+
+    Attributes:
+        step: the trainer step the batch was for.
+        needed_groups: whole groups the step needs.
+        usable_groups: groups that passed every filter.
+        stale_groups: groups dropped because a rollout's policy step < step − async_level.
+        zero_advantage_groups: groups dropped because every advantage was zero.
+        incomplete_groups: groups skipped because they hold fewer (or more) than group_size rollouts.
+    """
+
+    def __init__(
+        self,
+        *,
+        step: int,
+        needed_groups: int,
+        usable_groups: int,
+        stale_groups: int,
+        zero_advantage_groups: int,
+        incomplete_groups: int,
+    ) -> None:
+        super().__init__(
+            f"step {step}: {usable_groups}/{needed_groups} usable groups "
+            f"({stale_groups} stale, {zero_advantage_groups} all-zero advantage, {incomplete_groups} incomplete); "
+            "wait for more accepted submissions"
+        )
+        self.step = step
+        self.needed_groups = needed_groups
+        self.usable_groups = usable_groups
+        self.stale_groups = stale_groups
+        self.zero_advantage_groups = zero_advantage_groups
+        self.incomplete_groups = incomplete_groups
+
+
+class StateError(TrainerError):
+    """A training-state or checkpoint directory that is missing, incomplete, or does not match the
+    model and optimizer it is loaded into (other shapes, parameter names, world size).
+
+    Attributes:
+        path: the file or directory at fault.
+    """
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(f"{path}: {message}" if path else message)
+        self.path = path
