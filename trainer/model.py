@@ -1,0 +1,133 @@
+"""The policy model on the trainer side: building it, sharding it with FSDP2, and the one forward
+that gives per-token log-probs and entropies (used for old, reference and new log-probs alike).
+
+FSDP2 layout (``docs/trainer.md`` §6): ``fully_shard`` on each ``Qwen2DecoderLayer`` (one
+all-gather/reduce-scatter unit per layer), then on the whole model (embeddings, final norm and
+``lm_head`` form the root unit). Parameters are float32 masters; with ``compute_dtype`` bfloat16
+the layers compute in bf16 (``MixedPrecisionPolicy``) and reduce gradients in float32.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from trainer.batch import MicroBatch
+from trainer.errors import StateError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["build_model", "shard_model", "tiny_qwen2_config", "token_logprobs"]
+
+
+def tiny_qwen2_config(
+    *,
+    vocab_size: int = 64,
+    hidden_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
+) -> Qwen2Config:
+    """A small Qwen2 configuration for tests and CPU runs (sdpa attention)."""
+    cfg = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        attention_dropout=0.0,
+    )
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def build_model(source: str | Path | Qwen2Config, *, seed: int | None = None) -> Qwen2ForCausalLM:
+    """A float32 Qwen2 policy in training mode.
+
+    Args:
+        source: a local directory holding ``config.json`` and ``*.safetensors`` (loaded with
+            safetensors only, never pickle), or a ``Qwen2Config`` for fresh weights.
+        seed: seeds torch's RNG before initialising fresh weights (ignored for a directory).
+
+    Returns:
+        The model, on CPU, float32, ``train()`` mode.
+
+    Raises:
+        StateError: the directory lacks ``config.json`` or safetensors weights.
+    """
+    if isinstance(source, Qwen2Config):
+        if seed is not None:
+            torch.manual_seed(seed)
+        if getattr(source, "_attn_implementation", None) is None:
+            source._attn_implementation = "sdpa"
+        model = Qwen2ForCausalLM(source)
+    else:
+        d = Path(source)
+        if not (d / "config.json").is_file() or not any(d.glob("*.safetensors")):
+            raise StateError("expected config.json and *.safetensors", str(d))
+        model = Qwen2ForCausalLM.from_pretrained(d, dtype=torch.float32, use_safetensors=True, attn_implementation="sdpa")
+    model.to(torch.float32)
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+def shard_model(model: Qwen2ForCausalLM, mesh: object, *, compute_dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:
+    """Apply FSDP2 in place: ``fully_shard`` per decoder layer, then the root.
+
+    Args:
+        model: the full model, on the target device.
+        mesh: a 1-D ``DeviceMesh`` over the data-parallel ranks.
+        compute_dtype: float32, or bfloat16 for mixed precision (float32 gradient reduction).
+
+    Returns:
+        The same module, now holding ``DTensor`` shards.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def token_logprobs(
+    model: torch.nn.Module, mb: MicroBatch, *, temperature: float = 1.0, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of each position's target token, and the entropy there, for one packed row.
+
+    Logits are divided by the sampling temperature first, so the distribution matches the one
+    the worker sampled from (prime-rl does the same).
+
+    Args:
+        model: the policy (plain or FSDP2-sharded); gradients flow if enabled by the caller.
+        mb: the packed row, on the model's device.
+        temperature: sampling temperature (> 0).
+        with_entropy: also return the entropy.
+
+    Returns:
+        ``logprobs [1, T] float32`` (log π(targets[t] | prefix of its sequence)) and
+        ``entropy [1, T] float32`` in nats (or ``None``). Positions outside ``loss_mask`` hold
+        meaningless values.
+    """
+    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
+    logits = out.logits.float() / temperature  # [1, T, V]
+    logz = torch.logsumexp(logits, dim=-1)  # [1, T]
+    picked = torch.gather(logits, -1, mb.targets.unsqueeze(-1)).squeeze(-1)  # [1, T]
+    logprobs = picked - logz  # [1, T]
+    entropy = None
+    if with_entropy:
+        p = F.softmax(logits, dim=-1)  # [1, T, V]
+        entropy = logz - (p * logits).sum(-1)  # [1, T]
+    return logprobs, entropy
