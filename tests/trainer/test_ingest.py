@@ -1,0 +1,194 @@
+"""Ingest: durable store, HTTP checks, verdicts and bans, concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import ClientSession, web
+
+from protocol import encoding
+from protocol.envelope import open_envelope, seal
+from protocol.identity import NodeKey
+from protocol.messages import BanList, LeaseRequest, Rollout, Submission, SubmissionTask, Verdict
+from protocol.runspec import RunInfo, RunSpec
+from trainer.ingest import BanBook, SubmissionStore
+from trainer.ingest.service import IngestLimits, IngestService, error_middleware
+
+COORD = NodeKey.from_seed(b"c" * 32)
+VALIDATOR = NodeKey.from_seed(b"v" * 32)
+SPEC = RunSpec(run=RunInfo(coordinator=COORD.peer_id, validators=[VALIDATOR.peer_id], seed=1))
+RUN = SPEC.run_id
+
+
+def submission(worker: NodeKey, counter: int = 0, step: int = 0, payload: int = 4) -> bytes:
+    r = Rollout(task=0, sample=0, seed=1, prompt_ids=b"\x01\x00\x00\x00", completion_ids=b"\x02\x00\x00\x00" * payload,
+                logprobs=b"\x00\x00\x00\x00" * payload, finish="length", task_reward=0.0, reward=0.0, proofs=[b"\x00" * 258])
+    body = Submission(worker=worker.peer_id, policy_step=step, counter=counter,
+                      tasks=[SubmissionTask(task_index=0, problem_id="p0", target_length=0)], rollouts=[r])
+    return seal(worker, RUN, body)
+
+
+def verdict(sub: bytes, accepted: bool, reason: str, key: NodeKey = VALIDATOR) -> bytes:
+    env = open_envelope(sub, run_id=RUN, expect=Submission)
+    return seal(key, RUN, Verdict(submission_id=env.id, worker=env.body.worker, policy_step=env.body.policy_step,
+                                  counter=env.body.counter, accepted=accepted, reason=reason))
+
+
+class Coordinator:
+    def __init__(self, root, limits=None):
+        self.step = 0
+        self.store = SubmissionStore(root / "ingest", RUN)
+        self.bans = BanBook(root / "bans.msgpack", COORD, RUN)
+        self.gossiped: list[bytes] = []
+        self.service = IngestService(SPEC, self.store, self.bans, trainer_step=lambda: self.step, latest_policy_step=lambda: self.step,
+                                     on_ban=self.gossiped.append, limits=limits)
+
+
+@pytest.fixture
+async def ingest(tmp_path):
+    coord = Coordinator(tmp_path)
+    app = web.Application(middlewares=[error_middleware], client_max_size=64 << 20)
+    coord.service.add_routes(app)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    async with ClientSession(base_url=f"http://127.0.0.1:{port}") as http:
+        yield coord, http
+    await runner.cleanup()
+    coord.store.close()
+
+
+async def post(http, path, data):
+    async with http.post(path, data=data) as r:
+        return r.status, await r.json()
+
+
+async def test_store_ack_duplicate_and_state(ingest):
+    coord, http = ingest
+    w = NodeKey.generate()
+    sub = submission(w)
+    status, body = await post(http, "/ingest/1/submissions", sub)
+    assert status == 200 and body["stored"] is True
+    status, body2 = await post(http, "/ingest/1/submissions", sub)
+    assert status == 200 and body2 == {"id": body["id"], "stored": False, "duplicate": True, "state": "pending"}
+    assert coord.store.counts()["pending"] == 1
+
+
+async def test_rejections_have_clear_errors(ingest):
+    coord, http = ingest
+    w = NodeKey.generate()
+    good = submission(w)
+    obj = encoding.unpackb(good, 1 << 26)
+    obj["sig"] = bytes([obj["sig"][0] ^ 1]) + obj["sig"][1:]
+    status, body = await post(http, "/ingest/1/submissions", encoding.packb(obj))
+    assert status == 400 and body["error"] == "malformed" and "signature" in body["detail"]
+    status, body = await post(http, "/ingest/1/submissions", b"\x93garbage")
+    assert status == 400 and body["error"] == "malformed"
+    status, body = await post(http, "/ingest/1/submissions", submission(w, step=5))
+    assert status == 409 and body["error"] == "stale_policy"
+    status, body = await post(http, "/ingest/1/submissions", b"\x00" * (Submission.MAX_BYTES + 1))
+    assert status == 413
+    other_run = seal(w, bytes(32), open_envelope(good, run_id=RUN).body)
+    status, body = await post(http, "/ingest/1/submissions", other_run)
+    assert status == 400 and "run" in body["detail"]
+    assert coord.store.counts()["pending"] == 0
+
+
+async def test_staleness_window(ingest):
+    coord, http = ingest
+    coord.step = 5  # async level 2: policy steps 3..5 are accepted
+    w = NodeKey.generate()
+    assert (await post(http, "/ingest/1/submissions", submission(w, counter=1, step=3)))[0] == 200
+    assert (await post(http, "/ingest/1/submissions", submission(w, counter=2, step=2)))[0] == 409
+
+
+async def test_verdicts_bans_and_lease(ingest):
+    coord, http = ingest
+    honest, cheat = NodeKey.generate(), NodeKey.generate()
+    s1, s2, s3 = submission(honest), submission(cheat, counter=0), submission(cheat, counter=1)
+    for s in (s1, s2, s3):
+        assert (await post(http, "/ingest/1/submissions", s))[0] == 200
+    lease = seal(VALIDATOR, RUN, LeaseRequest(limit=10, lease_s=30.0))
+    async with http.post("/ingest/1/lease", data=lease) as r:
+        got = encoding.unpackb(await r.read(), 1 << 26)["submissions"]
+    assert sorted(got) == sorted([s1, s2, s3])
+    async with http.post("/ingest/1/lease", data=lease) as r:  # all leased now
+        assert encoding.unpackb(await r.read(), 1 << 26)["submissions"] == []
+    # a worker cannot lease or judge
+    status, body = await post(http, "/ingest/1/lease", seal(honest, RUN, LeaseRequest(limit=1, lease_s=1.0)))
+    assert status == 403
+    status, body = await post(http, "/ingest/1/verdicts", verdict(s1, True, "ok", key=honest))
+    assert status == 400 and "validator" in body["detail"]
+    assert (await post(http, "/ingest/1/verdicts", verdict(s1, True, "ok")))[1] == {"applied": True}
+    assert (await post(http, "/ingest/1/verdicts", verdict(s2, False, "toploc")))[1] == {"applied": True}
+    assert coord.bans.is_banned(cheat.peer_id) and not coord.bans.is_banned(honest.peer_id)
+    assert coord.store.get(open_envelope(s3, run_id=RUN).id.hex()).state == "rejected"  # pending work of a banned peer
+    ban_env = open_envelope(coord.gossiped[-1], run_id=RUN, expect=BanList, authorities=SPEC.authorities)
+    assert [e.peer_id for e in ban_env.body.entries] == [cheat.peer_id]
+    status, body = await post(http, "/ingest/1/submissions", submission(cheat, counter=7))
+    assert status == 403 and body["error"] == "banned"
+    async with http.get("/ingest/1/bans") as r:
+        assert await r.read() == coord.bans.envelope
+    async with http.get("/status") as r:
+        st = await r.json()
+    assert st["submissions"]["accepted"] == 1 and st["verdicts_by_reason"] == {"ok": 1, "toploc": 1}
+    async with http.get("/metrics") as r:
+        text = await r.text()
+    assert 'intellect_ingest_verdicts_total{reason="toploc"} 1.0' in text
+
+
+async def test_benign_rejection_does_not_ban(ingest):
+    coord, http = ingest
+    w = NodeKey.generate()
+    s = submission(w)
+    await post(http, "/ingest/1/submissions", s)
+    await post(http, "/ingest/1/verdicts", verdict(s, False, "stale_policy"))
+    assert not coord.bans.is_banned(w.peer_id)
+
+
+async def test_fifty_workers_at_once_none_lost(ingest):
+    coord, http = ingest
+    workers = [NodeKey.generate() for _ in range(50)]
+    subs = [submission(w, payload=2000) for w in workers]
+    results = await asyncio.gather(*(post(http, "/ingest/1/submissions", s) for s in subs))
+    stored = [r for r in results if r[0] == 200]
+    refused = [r for r in results if r[0] != 200]
+    assert all(r[0] in (429, 507) for r in refused)
+    assert len(stored) + len(refused) == 50
+    assert coord.store.counts()["pending"] == len(stored) == 50
+
+
+def test_acked_submission_survives_crash_and_orphans_are_recovered(tmp_path):
+    store = SubmissionStore(tmp_path, RUN)
+    w = NodeKey.generate()
+    env = open_envelope(submission(w), run_id=RUN)
+    assert store.add(env)
+    # crash after the file was written but before the index row: simulate by deleting the row
+    env2 = open_envelope(submission(w, counter=1), run_id=RUN)
+    (tmp_path / "submissions" / f"{env2.id.hex()}.sub").write_bytes(env2.raw)
+    (tmp_path / "submissions" / "junk.tmp").write_bytes(b"half")
+    store.close()
+    again = SubmissionStore(tmp_path, RUN)
+    assert again.get(env.id.hex()) is not None
+    assert again.get(env2.id.hex()) is not None  # re-indexed on start
+    assert not (tmp_path / "submissions" / "junk.tmp").exists()
+    again.record_verdict("v1", env.id.hex(), VALIDATOR.peer_id, True, "ok")
+    assert [s.id for s in again.accepted_unconsumed(0)] == [env.id.hex()]
+    again.mark_consumed([env.id.hex()], step=3)
+    assert again.accepted_unconsumed(0) == []
+    assert again.unconsume_after(2) == 1  # resume from step 2: step 3's rollouts become trainable again
+    assert [s.id for s in again.accepted_unconsumed(0)] == [env.id.hex()]
+
+
+def test_rate_limiter():
+    from trainer.ingest.limits import RateLimiter
+
+    rl = RateLimiter(rate_per_s=1.0, burst=2.0)
+    assert rl.allow("a", now_s=0.0) and rl.allow("a", now_s=0.0)
+    assert not rl.allow("a", now_s=0.0)
+    assert rl.retry_after_s("a") > 0
+    assert rl.allow("b", now_s=0.0)
+    assert rl.allow("a", now_s=1.0)

@@ -1,0 +1,77 @@
+"""The coordinator-signed ban list (``ban_list/1``), persisted and versioned."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+from protocol.envelope import open_envelope, seal
+from protocol.errors import ProtocolError
+from protocol.identity import NodeKey
+from protocol.messages import BanEntry, BanList
+
+logger = logging.getLogger(__name__)
+
+
+class BanBook:
+    """Banned peer IDs with reasons; every change bumps the version and re-signs the list.
+
+    The signed list is written to ``path`` atomically so a restarted coordinator keeps its bans.
+
+    Args:
+        path: file holding the latest signed ``ban_list/1`` envelope.
+        key: the coordinator key (signs the list).
+        run_id: the run's 32-byte ID.
+    """
+
+    def __init__(self, path: Path, key: NodeKey, run_id: bytes) -> None:
+        self.path = Path(path)
+        self.key = key
+        self.run_id = run_id
+        self._lock = threading.Lock()
+        self._entries: dict[str, BanEntry] = {}
+        self.version = 0
+        self.envelope: bytes = b""
+        if self.path.exists():
+            try:
+                env = open_envelope(self.path.read_bytes(), run_id=run_id, expect=BanList, authorities=_self_auth(key))
+                self.version = env.body.version
+                self._entries = {e.peer_id: e for e in env.body.entries}
+                self.envelope = env.raw
+            except (OSError, ProtocolError) as e:
+                logger.error("ignoring unreadable ban list %s: %s", self.path, e)
+        if not self.envelope:
+            self._publish()
+
+    def is_banned(self, peer_id: str) -> bool:
+        return peer_id in self._entries
+
+    def ban(self, peer_id: str, reason: str, verdict_id: bytes = b"") -> bool:
+        """Ban ``peer_id``; returns ``False`` if it already was."""
+        with self._lock:
+            if peer_id in self._entries:
+                return False
+            self._entries[peer_id] = BanEntry(peer_id=peer_id, reason=reason[:64], since_ms=int(time.time() * 1000), verdict_id=verdict_id)
+            self._publish()
+        logger.warning("banned %s (%s)", peer_id, reason, extra={"peer_id": peer_id})
+        return True
+
+    def entries(self) -> list[BanEntry]:
+        return list(self._entries.values())
+
+    def _publish(self) -> None:
+        self.version += 1
+        body = BanList(version=self.version, entries=sorted(self._entries.values(), key=lambda e: e.peer_id))
+        self.envelope = seal(self.key, self.run_id, body)
+        tmp = self.path.with_suffix(".tmp")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(self.envelope)
+        tmp.replace(self.path)
+
+
+def _self_auth(key: NodeKey):  # noqa: ANN202
+    from protocol.envelope import Authorities
+
+    return Authorities(coordinator=key.public_key, validators=frozenset())

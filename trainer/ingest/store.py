@@ -1,0 +1,296 @@
+"""Durable submission store: envelope files plus a SQLite index.
+
+Write path of :meth:`SubmissionStore.add` (the ingest acknowledges only after it returns):
+write ``<id>.sub`` to a temporary file, ``fsync``, rename into place, ``fsync`` the directory,
+then insert the index row in a SQLite transaction (WAL, ``synchronous=FULL``). A crash before the
+row commits leaves an orphan file that :meth:`recover` re-indexes on start, so an acknowledged
+submission is never lost and an unacknowledged one is at worst accepted late.
+
+States: ``pending`` → (leased to a validator for ``lease_s``) → ``accepted`` | ``rejected``.
+The trainer reads accepted submissions in arrival order and marks them ``consumed`` only when the
+training state that used them is saved (see :meth:`mark_consumed`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.envelope import Envelope, open_envelope
+from protocol.errors import ProtocolError
+from protocol.messages import Submission
+
+logger = logging.getLogger(__name__)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS submissions (
+    id TEXT PRIMARY KEY,           -- hex SHA-256 of the envelope bytes
+    worker TEXT NOT NULL,
+    policy_step INTEGER NOT NULL,
+    counter INTEGER NOT NULL,
+    n_rollouts INTEGER NOT NULL,
+    size_bytes INTEGER NOT NULL,
+    received_ms INTEGER NOT NULL,
+    state TEXT NOT NULL DEFAULT 'pending',  -- pending | accepted | rejected
+    reason TEXT NOT NULL DEFAULT '',
+    verdict_by TEXT NOT NULL DEFAULT '',
+    lease_until_ms INTEGER NOT NULL DEFAULT 0,
+    consumed_step INTEGER NOT NULL DEFAULT -1,
+    seq INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS submissions_state ON submissions(state, seq);
+CREATE INDEX IF NOT EXISTS submissions_worker ON submissions(worker, counter);
+CREATE TABLE IF NOT EXISTS verdicts (
+    id TEXT PRIMARY KEY,           -- hex SHA-256 of the verdict envelope
+    submission_id TEXT NOT NULL,
+    validator TEXT NOT NULL,
+    accepted INTEGER NOT NULL,
+    reason TEXT NOT NULL,
+    received_ms INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS verdicts_submission ON verdicts(submission_id);
+"""
+
+
+@dataclass(frozen=True)
+class StoredSubmission:
+    """An index row of the store (no body)."""
+
+    id: str
+    worker: str
+    policy_step: int
+    counter: int
+    n_rollouts: int
+    size_bytes: int
+    received_ms: int
+    state: str
+    reason: str
+
+
+class SubmissionStore:
+    """Submissions on disk under ``root``: ``root/submissions/<id>.sub`` and ``root/index.sqlite``.
+
+    Thread-safe (one connection guarded by a lock; SQLite work is milliseconds).
+
+    Args:
+        root: directory (created).
+        run_id: the run's 32-byte ID, to re-open stored envelopes.
+    """
+
+    def __init__(self, root: Path, run_id: bytes) -> None:
+        self.root = Path(root)
+        self.dir = self.root / "submissions"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.run_id = run_id
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+        self.recover()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # --- write path --------------------------------------------------------------------------
+
+    def add(self, env: Envelope[Submission], now_ms: int | None = None) -> bool:
+        """Store a verified submission durably.
+
+        Args:
+            env: the verified envelope (its raw bytes are what is stored).
+            now_ms: arrival time, ms since the epoch.
+
+        Returns:
+            ``True`` if stored now, ``False`` if this exact envelope was already stored (idempotent).
+        """
+        sid = env.id.hex()
+        if self.get(sid) is not None:
+            return False
+        path = self.dir / f"{sid}.sub"
+        _write_durably(path, env.raw)
+        self._index(sid, env, now_ms or int(time.time() * 1000))
+        return True
+
+    def _index(self, sid: str, env: Envelope[Submission], now_ms: int) -> None:
+        body = env.body
+        with self._lock:
+            seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM submissions").fetchone()[0]
+            self._db.execute(
+                "INSERT OR IGNORE INTO submissions (id, worker, policy_step, counter, n_rollouts, size_bytes, received_ms, seq)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (sid, body.worker, body.policy_step, body.counter, len(body.rollouts), len(env.raw), now_ms, seq),
+            )
+
+    def recover(self) -> int:
+        """Index submission files a crash left unindexed; remove stray temporary files.
+
+        Returns:
+            How many files were re-indexed.
+        """
+        n = 0
+        for tmp in self.dir.glob("*.tmp"):
+            tmp.unlink(missing_ok=True)
+        with self._lock:
+            known = {row[0] for row in self._db.execute("SELECT id FROM submissions")}
+        for path in sorted(self.dir.glob("*.sub"), key=lambda p: p.stat().st_mtime):
+            sid = path.stem
+            if sid in known:
+                continue
+            try:
+                env = open_envelope(path.read_bytes(), run_id=self.run_id, expect=Submission)
+            except (OSError, ProtocolError) as e:
+                logger.warning("dropping unreadable stored submission %s: %s", path.name, e)
+                path.unlink(missing_ok=True)
+                continue
+            self._index(sid, env, int(path.stat().st_mtime * 1000))
+            n += 1
+        if n:
+            logger.info("re-indexed %d submissions after an unclean stop", n)
+        return n
+
+    # --- reads -------------------------------------------------------------------------------
+
+    def get(self, sid: str) -> StoredSubmission | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT id, worker, policy_step, counter, n_rollouts, size_bytes, received_ms, state, reason FROM submissions WHERE id = ?",
+                (sid,),
+            ).fetchone()
+        return StoredSubmission(*row) if row else None
+
+    def read(self, sid: str) -> bytes:
+        """The stored envelope bytes of submission ``sid``."""
+        return (self.dir / f"{sid}.sub").read_bytes()
+
+    def counter_used(self, worker: str, counter: int, exclude_id: str) -> bool:
+        """Whether ``worker`` already has another stored submission with this counter."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT 1 FROM submissions WHERE worker = ? AND counter = ? AND id != ? LIMIT 1", (worker, counter, exclude_id)
+            ).fetchone()
+        return row is not None
+
+    def pending_bytes(self, worker: str) -> int:
+        """Bytes of ``worker``'s submissions not yet judged (its share of the disk)."""
+        with self._lock:
+            row = self._db.execute("SELECT COALESCE(SUM(size_bytes), 0) FROM submissions WHERE worker = ? AND state = 'pending'", (worker,)).fetchone()
+        return int(row[0])
+
+    def lease_pending(self, limit: int, lease_s: float, now_ms: int | None = None) -> list[str]:
+        """Hand out up to ``limit`` pending submissions not leased in the last ``lease_s`` seconds.
+
+        Returns:
+            Submission IDs, oldest first; each is leased until ``now + lease_s``.
+        """
+        now = now_ms or int(time.time() * 1000)
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id FROM submissions WHERE state = 'pending' AND lease_until_ms <= ? ORDER BY seq LIMIT ?", (now, limit)
+            ).fetchall()
+            ids = [r[0] for r in rows]
+            self._db.executemany("UPDATE submissions SET lease_until_ms = ? WHERE id = ?", [(now + int(lease_s * 1000), i) for i in ids])
+        return ids
+
+    def record_verdict(self, verdict_id: str, submission_id: str, validator: str, accepted: bool, reason: str, now_ms: int | None = None) -> bool:
+        """Apply a validator's verdict; the first verdict on a submission decides its state.
+
+        Returns:
+            ``True`` if it decided the submission's state, ``False`` if it was a repeat or late.
+        """
+        now = now_ms or int(time.time() * 1000)
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute(
+                    "INSERT OR IGNORE INTO verdicts (id, submission_id, validator, accepted, reason, received_ms) VALUES (?, ?, ?, ?, ?, ?)",
+                    (verdict_id, submission_id, validator, int(accepted), reason, now),
+                )
+                cur = self._db.execute(
+                    "UPDATE submissions SET state = ?, reason = ?, verdict_by = ? WHERE id = ? AND state = 'pending'",
+                    ("accepted" if accepted else "rejected", reason, validator, submission_id),
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return cur.rowcount == 1
+
+    def reject_worker_pending(self, worker: str, reason: str) -> int:
+        """Reject every pending submission of a banned worker; returns how many."""
+        with self._lock:
+            cur = self._db.execute(
+                "UPDATE submissions SET state = 'rejected', reason = ? WHERE worker = ? AND state = 'pending'", (reason, worker)
+            )
+        return cur.rowcount
+
+    def accepted_unconsumed(self, min_policy_step: int) -> list[StoredSubmission]:
+        """Accepted submissions not yet trained on, with policy step ≥ ``min_policy_step``, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id, worker, policy_step, counter, n_rollouts, size_bytes, received_ms, state, reason FROM submissions"
+                " WHERE state = 'accepted' AND consumed_step < 0 AND policy_step >= ? ORDER BY seq",
+                (min_policy_step,),
+            ).fetchall()
+        return [StoredSubmission(*r) for r in rows]
+
+    def mark_consumed(self, ids: list[str], step: int) -> None:
+        """Record that trainer step ``step`` used these submissions (call after saving its state)."""
+        with self._lock:
+            self._db.executemany("UPDATE submissions SET consumed_step = ? WHERE id = ?", [(step, i) for i in ids])
+
+    def unconsume_after(self, step: int) -> int:
+        """Make submissions consumed by steps > ``step`` trainable again (resume from ``step``)."""
+        with self._lock:
+            cur = self._db.execute("UPDATE submissions SET consumed_step = -1 WHERE consumed_step > ?", (step,))
+        return cur.rowcount
+
+    def counts(self) -> dict[str, int]:
+        """Submissions by state, plus ``consumed``."""
+        with self._lock:
+            rows = self._db.execute("SELECT state, COUNT(*) FROM submissions GROUP BY state").fetchall()
+            consumed = self._db.execute("SELECT COUNT(*) FROM submissions WHERE consumed_step >= 0").fetchone()[0]
+        out = {"pending": 0, "accepted": 0, "rejected": 0}
+        out.update({k: int(v) for k, v in rows})
+        out["consumed"] = int(consumed)
+        return out
+
+    def verdict_reasons(self) -> dict[str, int]:
+        """Verdicts received, by reason."""
+        with self._lock:
+            rows = self._db.execute("SELECT reason, COUNT(*) FROM verdicts GROUP BY reason").fetchall()
+        return {k: int(v) for k, v in rows}
+
+    def worker_stats(self) -> dict[str, dict[str, int]]:
+        """Per worker: submissions by state."""
+        with self._lock:
+            rows = self._db.execute("SELECT worker, state, COUNT(*) FROM submissions GROUP BY worker, state").fetchall()
+        out: dict[str, dict[str, int]] = {}
+        for worker, state, n in rows:
+            out.setdefault(worker, {})[state] = int(n)
+        return out
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically and durably (tmp file, fsync, rename, fsync dir)."""
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
