@@ -1,0 +1,245 @@
+"""The verification pipeline of one submission, cheapest checks first (``docs/validator.md``).
+
+Order: banned → policy window → replay → task derivation (tasks, targets, prompts, seeds) →
+format and bounds → declared termination → TOPLOC by batched prefill → sampling replay and
+log-probs → termination (P(EOS)) → rewards. The first failing check decides the verdict; its
+reason code (``protocol.verdicts``) and evidence (which rollout, which chunk, the numbers) go
+into the signed verdict.
+
+The model work (prefill) uses :func:`protocol.inference.prefill_completions`, the very code whose
+rows the worker's engine commits, and the reward work :func:`protocol.rewards.compute_reward`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from protocol import sampling, toploc
+from protocol.envelope import Envelope
+from protocol.inference import prefill_completions
+from protocol.messages import Submission
+from protocol.rewards import RewardError, RewardLimits, compute_reward
+from protocol.rollout import completion_text, plan_submission, unpack_f32, unpack_u32
+from protocol.runspec import RunSpec
+from protocol.tasks import Task
+from protocol.verdicts import OK
+
+logger = logging.getLogger(__name__)
+
+Evidence = dict[str, bool | int | float | str]
+
+
+@dataclass
+class CheckResult:
+    """The outcome of checking one submission.
+
+    Attributes:
+        accepted: whether every check passed.
+        reason: ``"ok"`` or the first failing check's reason code.
+        evidence: what was seen (rollout index, chunk, numbers), at most a few dozen entries.
+        seconds: wall time spent, seconds.
+        timings: seconds per stage.
+    """
+
+    accepted: bool
+    reason: str
+    evidence: Evidence = field(default_factory=dict)
+    seconds: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Rejection(Exception):
+    """Raised inside the pipeline to stop at the first failing check."""
+
+    def __init__(self, reason: str, **evidence: bool | int | float | str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.evidence = evidence
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Numeric tolerances of the sampling checks (``docs/toploc.md``).
+
+    Attributes:
+        replay_eps: a recomputed token may differ only where the top two Gumbel-perturbed scores
+            are within this margin (near-ties from numeric noise).
+        max_tie_fraction: at most this fraction of a completion's tokens may be such near-tie
+            differences.
+        logprob_abs_tol: reported vs recomputed sampling log-prob, absolute.
+        reward_tol: reported vs recomputed reward, absolute.
+    """
+
+    replay_eps: float = 1e-3
+    max_tie_fraction: float = 0.05
+    logprob_abs_tol: float = 1e-2
+    reward_tol: float = 1e-6
+
+
+class SubmissionChecker:
+    """Checks submissions of one run against a loaded policy.
+
+    Args:
+        spec: the run spec.
+        tasks: the run's dataset in canonical order.
+        tokenizer: the policy's tokenizer.
+        model_for_step: returns the policy model of a step, or ``None`` if it cannot be had.
+        trainer_step: returns the coordinator's current step (the async window's upper end).
+        counter_seen: returns whether (worker, counter) was already judged in another submission.
+        tolerances: numeric tolerances.
+        reward_limits: sandbox limits for code rewards.
+    """
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        tasks: Sequence[Task],
+        tokenizer: Any,
+        model_for_step: Callable[[int], torch.nn.Module | None],
+        *,
+        trainer_step: Callable[[], int],
+        counter_seen: Callable[[str, int, str], bool],
+        tolerances: Tolerances | None = None,
+        reward_limits: RewardLimits | None = None,
+    ) -> None:
+        self.spec = spec
+        self.tasks = tasks
+        self.tokenizer = tokenizer
+        self.model_for_step = model_for_step
+        self.trainer_step = trainer_step
+        self.counter_seen = counter_seen
+        self.tol = tolerances or Tolerances()
+        self.reward_limits = reward_limits
+        self.eos_id = int(tokenizer.eos_token_id)
+        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id)
+
+    def check(self, env: Envelope[Submission]) -> CheckResult:
+        """Run every check on a verified envelope; never raises on bad submissions."""
+        t0 = time.perf_counter()
+        timings: dict[str, float] = {}
+        try:
+            self._check(env, timings)
+        except Rejection as r:
+            return CheckResult(False, r.reason, dict(list(r.evidence.items())[:32]), time.perf_counter() - t0, timings)
+        return CheckResult(True, OK, {}, time.perf_counter() - t0, timings)
+
+    # --- the stages --------------------------------------------------------------------------
+
+    def _check(self, env: Envelope[Submission], timings: dict[str, float]) -> None:
+        sub = env.body
+        spec = self.spec
+        # policy window
+        now = self.trainer_step()
+        if sub.policy_step < now - spec.rl.async_level or sub.policy_step > now:
+            raise Rejection("stale_policy", policy_step=sub.policy_step, trainer_step=now, async_level=spec.rl.async_level)
+        # replay
+        if self.counter_seen(sub.worker, sub.counter, env.id.hex()):
+            raise Rejection("replay", counter=sub.counter)
+        # task derivation
+        t = time.perf_counter()
+        plan = plan_submission(spec, self.tasks, self.tokenizer, sub.worker, sub.policy_step, sub.counter)
+        if len(sub.tasks) != len(plan):
+            raise Rejection("task_mismatch", tasks=len(sub.tasks), expected=len(plan))
+        for i, (got, want) in enumerate(zip(sub.tasks, plan)):
+            if got.task_index != want.task_index or got.problem_id != want.task.problem_id[:256] or got.target_length != (want.target_length or 0):
+                raise Rejection("task_mismatch", task=i, task_index=got.task_index, expected_index=want.task_index)
+        g = spec.rl.group_size
+        if len(sub.rollouts) != g * len(plan):
+            raise Rejection("malformed", rollouts=len(sub.rollouts), expected=g * len(plan))
+        seqs = []
+        for j, ro in enumerate(sub.rollouts):
+            p = plan[j // g]
+            if ro.task != p.position or ro.sample != j % g:
+                raise Rejection("malformed", rollout=j, detail="rollouts must be task-major, samples 0..G-1")
+            if ro.seed != p.seeds[ro.sample]:
+                raise Rejection("task_mismatch", rollout=j, detail="sampling seed is not the derived one")
+            prompt = unpack_u32(ro.prompt_ids)
+            if tuple(prompt) != p.prompt_ids:
+                raise Rejection("task_mismatch", rollout=j, detail="prompt tokens are not the derived prompt")
+            seqs.append(self._bounds(j, ro, prompt))
+        timings["derive"] = time.perf_counter() - t
+        # model work
+        model = self.model_for_step(sub.policy_step)
+        if model is None:
+            raise Rejection("unknown_checkpoint", policy_step=sub.policy_step)
+        t = time.perf_counter()
+        prefills = prefill_completions(model, [s[0] for s in seqs], [s[1] for s in seqs], self.pad_id)
+        timings["prefill"] = time.perf_counter() - t
+        t = time.perf_counter()
+        for j, (ro, pre) in enumerate(zip(sub.rollouts, prefills)):
+            results = toploc.verify_proofs(
+                pre.hidden, list(ro.proofs), chunk_size=spec.toploc.chunk_size, topk=spec.toploc.topk,
+                max_mismatches=spec.toploc.max_mismatches, max_mant_err_mean=spec.toploc.max_mant_err_mean,
+                max_mant_err_median=spec.toploc.max_mant_err_median,
+            )
+            bad = next((r for r in results if not r.ok), None)
+            if bad is not None:
+                raise Rejection("toploc", rollout=j, chunk=bad.index, mismatches=bad.mismatches,
+                                mant_err_mean=_finite(bad.mant_err_mean), mant_err_median=_finite(bad.mant_err_median), detail=bad.reason[:200])
+        timings["toploc"] = time.perf_counter() - t
+        t = time.perf_counter()
+        for j, (ro, pre, (_, completion, logprobs)) in enumerate(zip(sub.rollouts, prefills, seqs)):
+            self._sampling(j, ro.seed, pre.logits, completion, logprobs, ro.finish)
+        timings["sampling"] = time.perf_counter() - t
+        t = time.perf_counter()
+        for j, (ro, (_, completion, _)) in enumerate(zip(sub.rollouts, seqs)):
+            p = plan[j // g]
+            try:
+                r = compute_reward(p.task, completion_text(self.tokenizer, completion, self.eos_id), len(completion), p.target_length,
+                                   spec.sampling.length_penalty, self.reward_limits)
+            except RewardError as e:
+                raise Rejection("reward", rollout=j, detail=str(e)[:200]) from None
+            if r.task_reward != ro.task_reward or abs(r.reward - ro.reward) > self.tol.reward_tol:
+                raise Rejection("reward", rollout=j, reported=ro.reward, recomputed=r.reward, reported_task=ro.task_reward, recomputed_task=r.task_reward)
+        timings["reward"] = time.perf_counter() - t
+
+    def _bounds(self, j: int, ro: Any, prompt: list[int]) -> tuple[list[int], list[int], list[float]]:
+        spec = self.spec
+        completion = unpack_u32(ro.completion_ids)
+        logprobs = unpack_f32(ro.logprobs)
+        n = len(completion)
+        vocab = int(getattr(self.tokenizer, "vocab_size", 0) or 0)
+        if not 1 <= n <= spec.sampling.max_tokens:
+            raise Rejection("bounds", rollout=j, length=n, max_tokens=spec.sampling.max_tokens)
+        if vocab and max(completion) >= max(vocab, len(self.tokenizer)):
+            raise Rejection("bounds", rollout=j, token=max(completion))
+        if len(logprobs) != n or not all(math.isfinite(x) and x <= 0.0 for x in logprobs):
+            raise Rejection("bounds", rollout=j, detail="one finite log-prob ≤ 0 per completion token")
+        want_proofs = -(-n // spec.toploc.chunk_size)
+        if len(ro.proofs) != want_proofs:
+            raise Rejection("malformed", rollout=j, proofs=len(ro.proofs), expected=want_proofs)
+        lo = -spec.sampling.length_penalty * (spec.sampling.max_tokens + max(spec.sampling.target_lengths, default=0))
+        if not (0.0 <= ro.task_reward <= 1.0 and lo - 1e-9 <= ro.reward <= 1.0):
+            raise Rejection("bounds", rollout=j, reward=ro.reward, task_reward=ro.task_reward)
+        eos_at = [i for i, tok in enumerate(completion) if tok == self.eos_id]
+        if ro.finish == "eos" and eos_at != [n - 1]:
+            raise Rejection("termination", rollout=j, detail="finish=eos needs exactly one EOS, at the end")
+        if ro.finish == "length" and (eos_at or n != spec.sampling.max_tokens):
+            raise Rejection("termination", rollout=j, length=n, detail="finish=length needs max_tokens tokens and no EOS")
+        return prompt, completion, logprobs
+
+    def _sampling(self, j: int, seed: int, logits: torch.Tensor, completion: list[int], logprobs: list[float], finish: str) -> None:
+        s = self.spec.sampling
+        tokens = torch.tensor(completion, dtype=torch.long)
+        replay = sampling.replay_check(logits, tokens, seed, 0, s.temperature, s.top_p, self.tol.replay_eps, self.tol.max_tie_fraction)
+        if not replay.ok:
+            raise Rejection("sampling", rollout=j, hard_mismatches=replay.hard_mismatches, near_ties=replay.near_ties, detail=replay.reason[:200])
+        recomputed = torch.log_softmax(logits.float() / s.temperature, dim=-1).gather(-1, tokens[:, None])[:, 0]  # [n]
+        diff = (recomputed - torch.tensor(logprobs, dtype=torch.float32)).abs()
+        worst = float(diff.max())
+        if not worst <= self.tol.logprob_abs_tol:
+            raise Rejection("logprobs", rollout=j, position=int(diff.argmax()), max_abs_diff=_finite(worst))
+        term = sampling.termination_check(logits[-1], tokens, [self.eos_id], s.max_tokens, s.temperature, self.spec.toploc.eos_min_prob)
+        if not term.ok:
+            raise Rejection("termination", rollout=j, p_eos=_finite(term.p_eos), min_p_eos=self.spec.toploc.eos_min_prob, detail=term.reason[:200])
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else 1e9
