@@ -64,13 +64,13 @@ class ShardcastServer:
 
     async def start(self) -> None:
         """Bind and start serving."""
-        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
-        await web.SockSite(self._runner, sock, shutdown_timeout=1.0).start()
+        await web.SockSite(self._runner, sock).start()
         logger.info("Shardcast server on %s", self.url)
 
     async def stop(self) -> None:
