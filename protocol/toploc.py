@@ -160,102 +160,114 @@ def rows_for_completion(prompt_len: int, n_completion: int) -> slice:
 # --------------------------------------------------------------------------------------------
 
 
+FloatArray = npt.NDArray[np.float64]
+_P_FLOAT = float(FIELD_PRIME)
+_INV_P = 1.0 / FIELD_PRIME
+_ORDER = FIELD_PRIME - 1  # order of GF(p)*: 2^3 * 3 * 2729
+
+
 @functools.cache
-def _log_tables() -> tuple[IntArray, IntArray, IntArray]:
-    """Discrete log/exp tables of GF(p)* for a generator g (found once, ~10 ms).
+def _log_tables() -> tuple[IntArray, FloatArray, IntArray]:
+    """Discrete log/exp tables of GF(p)* for its smallest generator g (built once, a few ms).
 
     Returns:
-        ``(log, exp, log_diff)``: ``log [p]`` with ``g^log[x] = x`` (``log[0] = 0``, unused);
-        ``exp [p-1]`` with ``exp[e] = g^e``; ``log_diff [2p]`` with ``log_diff[d + p] = log[d mod p]``
-        for ``d ≠ 0`` and ``log_diff[p] = 0`` (so a zero difference on a diagonal contributes 1).
+        ``(log, exp, exp_int)``: ``log [p]`` int64 with ``g^log[x] = x`` (``log[0] = 0``, unused);
+        ``exp [p]`` float64 with ``exp[e] = g^(e mod (p-1))`` (so ``exp[p-1] = 1``); ``exp_int``
+        the same as int64.
     """
-    order = FIELD_PRIME - 1  # 2^3 * 3 * 2729
-    gen = next(g for g in range(2, FIELD_PRIME) if all(pow(g, order // q, FIELD_PRIME) != 1 for q in (2, 3, 2729)))
-    exp = np.empty(order, dtype=np.int64)
+    gen = next(g for g in range(2, FIELD_PRIME) if all(pow(g, _ORDER // q, FIELD_PRIME) != 1 for q in (2, 3, 2729)))
     block = np.ones(1, dtype=np.int64)
     step = gen
-    while block.size < order:  # exp[0:2n] = concat(exp[0:n], exp[0:n] * g^n)
+    while block.size < _ORDER:  # g^[0:2n] = concat(g^[0:n], g^[0:n] * g^n)
         block = np.concatenate([block, block * step % FIELD_PRIME])
         step = step * step % FIELD_PRIME
-    exp[:] = block[:order]
+    exp_int = np.concatenate([block[:_ORDER], np.ones(1, dtype=np.int64)])
     log = np.zeros(FIELD_PRIME, dtype=np.int64)
-    log[exp] = np.arange(order, dtype=np.int64)
-    log_diff = np.concatenate([log, np.zeros(1, dtype=np.int64), log[1:]])
-    return log, exp, log_diff
+    log[exp_int[:_ORDER]] = np.arange(_ORDER, dtype=np.int64)
+    return log, exp_int.astype(np.float64), exp_int
 
 
-def _power_matrix(x: IntArray, k: int) -> npt.NDArray[np.float64]:
-    """``x [..., n]`` residues in ``[0, p)`` → ``[..., n, k]`` float64 with entry ``x^e mod p``."""
+def _reduce(t: FloatArray) -> FloatArray:
+    """Residues of exact non-negative integers ``t < 2^52`` held in float64, in ``[0, p]``.
+
+    The result may be ``p`` itself (≡ 0) when the quotient rounds down at an exact multiple; every
+    consumer accepts any representative in ``[0, p]`` and the final outputs go through :func:`_exact`.
+    """
+    q = np.floor(t * _INV_P)
+    return t - q * _P_FLOAT
+
+
+def _exact(t: FloatArray) -> IntArray:
+    """Float64 representatives (exact integers) → int64 residues in ``[0, p)``."""
+    return t.astype(np.int64) % FIELD_PRIME
+
+
+def _powers(x: IntArray, exps: FloatArray) -> FloatArray:
+    """``x [..., n]`` residues in ``[0, p)`` → ``[..., n, len(exps)]`` float64 entries ``x^e mod p``.
+
+    ``x^e = g^(log(x)·e mod (p-1))``; the exponent reduction uses the float quotient trick
+    (``log(x)·e < 2^40``, so the only rounding case is an exact multiple, which maps to index
+    p-1, where the table also holds ``g^0 = 1``).
+    """
     log, exp, _ = _log_tables()
-    e = (log[x][..., None] * np.arange(k, dtype=np.int64)) % (FIELD_PRIME - 1)  # [..., n, k]
-    pw = exp[e]
+    t = log[x].astype(np.float64)[..., None] * exps  # [..., n, len(exps)]
+    r = t - np.floor(t * (1.0 / _ORDER)) * _ORDER
+    pw = exp[r.astype(np.intp)]
     zero = x == 0
     if zero.any():  # 0^0 = 1, 0^e = 0
-        pw[zero] = 0
-        pw[zero, 0] = 1
-    return pw.astype(np.float64)
+        pw[zero] = np.where(exps == 0, 1.0, 0.0)
+    return pw
 
 
-def _matvec_mod(mat: npt.NDArray[np.float64], vec: IntArray) -> IntArray:
-    """``mat [..., a, b] @ vec [..., b] mod p``, exact in float64 (all terms < p, b ≤ 4096)."""
-    out = np.matmul(mat, vec.astype(np.float64)[..., None])[..., 0]
-    return out.astype(np.int64) % FIELD_PRIME
+def _split(k: int) -> tuple[int, int]:
+    """Baby-step/giant-step sizes ``(b, g)`` with ``b·g ≥ k``, ``b`` a power of two near √k."""
+    b = 1 << ((max(k - 1, 1).bit_length() + 1) // 2)
+    return b, -(-k // b)
 
 
-def _lagrange_weights(x: IntArray) -> IntArray:
-    """``x [C, k]`` distinct residues → ``[C, k]`` weights ``1 / ∏_{j≠i} (x_i − x_j)`` mod p (via logs)."""
-    log, exp, log_diff = _log_tables()
-    logs = log_diff[x[..., :, None] - x[..., None, :] + FIELD_PRIME].sum(axis=-1)  # [C, k]
-    return exp[(-logs) % (FIELD_PRIME - 1)]
+def _bsgs_powers(x: IntArray, k: int) -> tuple[FloatArray, FloatArray]:
+    """``x [..., n]`` → baby powers ``x^0 … x^(b-1)`` ``[..., n, b]`` and giant powers
+    ``x^0, x^b, …, x^(b(g-1))`` ``[..., n, g]`` for :func:`_split` ``(b, g)`` of ``k``."""
+    b, g = _split(k)
+    return _powers(x, np.arange(b, dtype=np.float64)), _powers(x, np.arange(g, dtype=np.float64) * b)
 
 
-@functools.cache
-def _toeplitz_index(d: int) -> IntArray:
-    """``[2d-1, d]`` gather index: ``n - i`` where ``0 ≤ n - i < d``, else ``d`` (a zero pad)."""
-    n = np.arange(2 * d - 1)[:, None]
-    i = np.arange(d)[None, :]
-    diff = n - i
-    return np.where((diff >= 0) & (diff < d), diff, d).astype(np.int64)
+def _matvec(mat: FloatArray, vec: FloatArray) -> FloatArray:
+    """``mat [..., a, b] @ vec [..., b]`` reduced to ``[0, p]``; exact while ``b·(p+1)² < 2^52``."""
+    return _reduce(np.matmul(mat, vec[..., None])[..., 0])
 
 
-def _master_poly(x: IntArray) -> IntArray:
-    """``x [C, k]`` residues → ``[C, k+1]`` coefficients (ascending) of ∏(z − x_i) mod p.
+def _master_poly(x: IntArray) -> FloatArray:
+    """``x [C, k]`` residues → ``[C, k+1]`` coefficients (ascending, representatives in ``[0, p]``)
+    of ∏(z − x_i) mod p.
 
-    A balanced tree: the first level forms quadratics directly, each further level multiplies
-    neighbouring polynomials through a gathered Toeplitz matrix and one batched float64 product
-    (exact: at most k/2+1 products < p² per sum).
+    A balanced tree: the first level forms ``(z − r0)(z − r1)`` directly; each further level
+    multiplies neighbouring polynomials as a batched product of a sliding-window (Toeplitz) view
+    with the reversed left factor (exact: at most k/2+1 products ≤ (p+1)² per sum).
     """
     c, k = x.shape
     width = 1 << max(1, (k - 1).bit_length())
-    roots = np.zeros((c, width), dtype=np.int64)
+    roots = np.zeros((c, width), dtype=np.float64)
     roots[:, :k] = x
-    live = np.zeros(width, dtype=np.int64)
-    live[:k] = 1  # padding factors are the constant 1
-    r0, r1, l0, l1 = roots[:, 0::2], roots[:, 1::2], live[0::2], live[1::2]
-    # (l0 z - r0)(l1 z - r1) with padding (l = 0, r = -1): [C, width/2, 3]
-    polys = np.stack([r0 * r1 % FIELD_PRIME, (-(r0 * l1 + r1 * l0)) % FIELD_PRIME, np.broadcast_to(l0 * l1, r0.shape)], axis=-1)
-    pad_a = live[0::2] == 0
-    pad_b = live[1::2] == 0
-    polys[:, pad_a & pad_b, :] = np.array([1, 0, 0])
-    only_a = ~pad_a & pad_b  # (z - r0) * 1
-    polys[:, only_a, 0] = (-r0[:, only_a]) % FIELD_PRIME
-    polys[:, only_a, 1] = 1
-    polys[:, only_a, 2] = 0
+    r0, r1 = roots[:, 0::2], roots[:, 1::2]  # [C, width/2]
+    polys = np.empty((c, width // 2, 3), dtype=np.float64)
+    polys[..., 0] = _reduce(r0 * r1)
+    polys[..., 1] = 2 * _P_FLOAT - (r0 + r1)
+    polys[..., 2] = 1.0
+    n_pairs_full, odd = divmod(k, 2)
+    if odd:  # (z - r0) * 1
+        polys[:, n_pairs_full] = (_P_FLOAT - r0[:, n_pairs_full, None]) * np.array([1.0, 0.0, 0.0]) + np.array([0.0, 1.0, 0.0])
+    polys[:, n_pairs_full + odd :] = np.array([1.0, 0.0, 0.0])  # padding factors are the constant 1
     while polys.shape[1] > 1:
         d = polys.shape[2]
         left, right = polys[:, 0::2, :], polys[:, 1::2, :]  # [C, L, d] each
-        right_pad = np.concatenate([right, np.zeros(right.shape[:2] + (1,), dtype=np.int64)], axis=-1)
-        toeplitz = right_pad[..., _toeplitz_index(d)].astype(np.float64)  # [C, L, 2d-1, d]
-        polys = _matvec_mod(toeplitz, left)  # [C, L, 2d-1]
+        padded = np.zeros(right.shape[:2] + (3 * d - 2,), dtype=np.float64)
+        padded[..., d - 1 : 2 * d - 1] = right
+        s0, s1, s2 = padded.strides
+        windows = np.ndarray(padded.shape[:2] + (2 * d - 1, d), np.float64, padded, 0, (s0, s1, s2, s2))  # [C, L, 2d-1, d] view
+        # conv(left, right)[n] = Σ_i left[i] right[n-i] = windows[n] · reversed(left)
+        polys = _matvec(windows, left[..., ::-1])  # [C, L, 2d-1]
     return polys[:, 0, : k + 1]
-
-
-@functools.cache
-def _hankel_index(k: int) -> IntArray:
-    """``[k, k]`` gather index ``j + e + 1`` (clamped to ``k + 1``, a zero pad)."""
-    j = np.arange(k)[:, None]
-    e = np.arange(k)[None, :]
-    return np.minimum(j + e + 1, k + 1).astype(np.int64)
 
 
 def _interpolate_batch(x: IntArray, y: IntArray) -> IntArray:
@@ -268,23 +280,54 @@ def _interpolate_batch(x: IntArray, y: IntArray) -> IntArray:
     Returns:
         ``[C, k]`` int64 coefficients, ascending degree, each in ``[0, p)``.
 
-    With ``M(z) = ∏(z − x_i) = Σ a_l z^l`` and weights ``w_i = 1 / ∏_{j≠i}(x_i − x_j)``, the
-    coefficient of ``z^j`` is ``Σ_e a_{j+e+1} v_e`` where ``v_e = Σ_i y_i w_i x_i^e`` (synthetic
-    division of ``M`` by ``z − x_i``, summed over i): one mat-vec and one Hankel mat-vec.
+    With ``M(z) = ∏(z − x_i) = Σ a_l z^l`` and weights ``w_i = 1 / M'(x_i)``, the coefficient of
+    ``z^j`` is ``Σ_e a_{j+e+1} v_e`` where ``v_e = Σ_i y_i w_i x_i^e`` (synthetic division of ``M``
+    by ``z − x_i``, summed over i): baby-step/giant-step products for ``M'(x_i)`` and ``v``, and one
+    mat-vec with a Hankel view of ``a``.
     """
-    k = x.shape[-1]
-    yw = (y % FIELD_PRIME) * _lagrange_weights(x) % FIELD_PRIME  # [C, k]
-    powers = _power_matrix(x, k)  # [C, k, k]
-    v = _matvec_mod(np.swapaxes(powers, -1, -2), yw)  # power sums, [C, k]
+    c, k = x.shape
+    log, _, exp_int = _log_tables()
+    baby, giant = _bsgs_powers(x, k)  # [C, k, b], [C, k, g]
     a = _master_poly(x)  # [C, k+1]
-    a_pad = np.concatenate([a, np.zeros((a.shape[0], 1), dtype=np.int64)], axis=-1)  # [C, k+2]
-    hankel = a_pad[:, _hankel_index(k)].astype(np.float64)  # [C, k, k]
-    return _matvec_mod(hankel, v)
+    d_master = _reduce(a[:, 1:] * np.arange(1, k + 1, dtype=np.float64))  # M' coefficients, [C, k]
+    m_prime = _exact(_evaluate_float(d_master, baby, giant))  # M'(x_i) ≠ 0 for distinct x, [C, k]
+    weights = exp_int[(-log[m_prime]) % _ORDER]  # 1 / M'(x_i), [C, k]
+    yw = ((y % FIELD_PRIME) * weights % FIELD_PRIME).astype(np.float64)  # [C, k]
+    v = _power_sums(yw, baby, giant, k)  # Σ_i y_i w_i x_i^e, [C, k]
+    a_pad = np.zeros((c, 2 * k + 1), dtype=np.float64)
+    a_pad[:, : k + 1] = a
+    s0, s1 = a_pad.strides
+    hankel = np.ndarray((c, k, k), np.float64, a_pad, s1, (s0, s1, s1))  # view: hankel[:, j, e] = a[j+e+1]
+    return _exact(_matvec(hankel, v))
 
 
 def _evaluate_batch(coeffs: IntArray, x: IntArray) -> IntArray:
-    """``coeffs [C, k]``, residues ``x [C, n]`` → ``[C, n]`` values of the polynomials mod p."""
-    return _matvec_mod(_power_matrix(x, coeffs.shape[-1]), coeffs)
+    """``coeffs [C, k]``, residues ``x [C, n]`` → ``[C, n]`` values of the polynomials mod p.
+
+    Baby-step/giant-step: ``P(x) = Σ_a x^(ab) Σ_j c_(ab+j) x^j``, one batched matmul and one
+    row-wise dot product, never forming the ``[n, k]`` power matrix.
+    """
+    return _exact(_evaluate_float(coeffs.astype(np.float64), *_bsgs_powers(x, coeffs.shape[-1])))
+
+
+def _evaluate_float(coeffs: FloatArray, baby: FloatArray, giant: FloatArray) -> FloatArray:
+    """``coeffs [C, k]`` (representatives in ``[0, p]``) at the points whose powers are
+    ``baby [C, n, b]`` / ``giant [C, n, g]`` → ``[C, n]`` representatives in ``[0, p]``."""
+    c, k = coeffs.shape
+    b, g = baby.shape[-1], giant.shape[-1]
+    cm = np.zeros((c, g * b), dtype=np.float64)
+    cm[:, :k] = coeffs
+    inner = _reduce(np.matmul(baby, np.swapaxes(cm.reshape(c, g, b), 1, 2)))  # [C, n, g]
+    return _reduce(np.einsum("cng,cng->cn", inner, giant))
+
+
+def _power_sums(weights: FloatArray, baby: FloatArray, giant: FloatArray, k: int) -> FloatArray:
+    """``v_e = Σ_i weights_i x_i^e`` for ``e < k`` → ``[C, k]``, from the points' powers
+    (``baby [C, n, b]``, ``giant [C, n, g]``): ``v[ab + j] = Σ_i (w_i x_i^j) x_i^(ab)``."""
+    c = weights.shape[0]
+    scaled = _reduce(baby * weights[..., None])  # [C, n, b]
+    table = _reduce(np.matmul(np.swapaxes(scaled, 1, 2), giant))  # [C, b, g]
+    return np.swapaxes(table, 1, 2).reshape(c, -1)[:, :k]
 
 
 def _find_moduli(x: IntArray) -> IntArray:
