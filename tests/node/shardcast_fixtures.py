@@ -137,6 +137,8 @@ class EvilProxy:
             self._transports.add(transport)  # type: ignore[arg-type]
         try:
             return await self._forward(request)
+        except ConnectionResetError:  # the client went away (aiohttp's reset error subclasses it)
+            return web.Response(status=499)
         finally:
             if transport is not None:
                 self._transports.discard(transport)  # type: ignore[arg-type]
