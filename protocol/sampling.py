@@ -1,0 +1,466 @@
+"""Replayable sampling: counter-based Gumbel-max, its replay check, termination and log-prob rules.
+
+TOPLOC (arXiv 2501.16007) proves which hidden states produced a completion but not that its
+tokens were *sampled* from them: a worker could generate with a cheap model and then prefill the
+policy to make valid proofs. So sampling is made a deterministic function of the policy's logits
+and a seed the worker cannot choose, and the validator recomputes every token
+(``docs/toploc.md``, "Sampling").
+
+The rule (normative):
+
+* **Seed.** :func:`derive_sequence_seed` hashes (run seed, policy step, peer ID, task ID, sample
+  index) into a 63-bit sequence seed.
+* **Noise.** For token id ``v`` at completion position ``t`` (0 for the first generated token),
+  ``r = Philox4x32-10(counter=(v, t mod 2^32, t >> 32, 0x47554D42), key=(seed mod 2^32, seed >> 32))``
+  word 0 (Salmon et al., SC'11, "Parallel random numbers: as easy as 1, 2, 3"),
+  ``u = (r + 0.5) / 2^32`` and ``g = −log(−log u)`` in float64. The integer stream is computed
+  with int64 tensor ops that never overflow, so it is bit-identical on every device.
+* **Temperature.** ``z = float64(logits) / temperature``, ``temperature > 0``.
+* **Top-p.** Sort ``softmax(z)`` descending (equal probabilities by lower token id) and keep the
+  shortest prefix whose cumulative probability reaches ``top_p``: token ``v`` is kept iff the
+  total probability of the tokens ranked before it is ``< top_p`` (the top token always is).
+  ``top_p = 1.0`` keeps every token.
+* **Choice.** ``token = argmax over kept v of (z_v + g_v)`` (lowest id on an exact tie).
+* **Log-prob.** ``logprob = log_softmax(z)[token]`` of the *unfiltered* tempered distribution,
+  computed in float64 and returned as float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "LogprobResult",
+    "ReplayResult",
+    "TerminationResult",
+    "derive_sequence_seed",
+    "gumbel_noise",
+    "logprob_check",
+    "philox4x32",
+    "replay_check",
+    "sample",
+    "termination_check",
+]
+
+SEED_DOMAIN = b"intellect-node/sequence-seed/v1\x00"
+"""Domain-separation prefix of the sequence-seed hash input (32 bytes)."""
+COUNTER_TAG = 0x47554D42
+"""Fourth Philox counter word ("GUMB"), reserving other values for other streams."""
+DEFAULT_REPLAY_EPS = 0.1
+"""Replay tolerance ε, in units of the perturbed score ``z + g`` (nats at temperature 1)."""
+DEFAULT_MAX_NEAR_TIE_FRACTION = 0.1
+"""Near-tie mismatches tolerated per completion: at most ``ceil(fraction · T)`` of T tokens."""
+DEFAULT_NUCLEUS_SLACK = 1e-3
+"""Probability slack when deciding whether a claimed token lies inside the validator's nucleus."""
+DEFAULT_MIN_EOS_PROB = 0.1
+"""A completion may stop with EOS only where the recomputed P(EOS) is at least this."""
+DEFAULT_LOGPROB_MAX_ABS = 0.5
+"""Largest tolerated per-token |reported − recomputed| sampling log-prob, nats."""
+DEFAULT_LOGPROB_MEAN_ABS = 0.05
+"""Largest tolerated mean |reported − recomputed| sampling log-prob over a completion, nats."""
+_ROW_BLOCK = 64  # rows of [T, V] scored at once in replay (bounds memory for large vocabularies)
+
+_M32 = 0xFFFFFFFF
+_PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+_PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+
+
+# --------------------------------------------------------------------------------------------
+# Seed derivation
+# --------------------------------------------------------------------------------------------
+
+
+def derive_sequence_seed(run_seed: int, step: int, peer_id: str, task_id: str, sample_index: int) -> int:
+    """The sequence seed of one completion; the worker cannot choose it.
+
+    Byte layout hashed with SHA-256 (all integers big-endian)::
+
+        b"intellect-node/sequence-seed/v1\\x00"     32 bytes
+        u64(run_seed) || u64(step)                  16 bytes
+        u16(len(peer)) || peer                      peer = peer_id.encode("utf-8")
+        u16(len(task)) || task                      task = task_id.encode("utf-8")
+        u32(sample_index)
+
+    The seed is the first 8 digest bytes as a big-endian integer, shifted right by one bit, so
+    it lies in ``[0, 2^63)`` and fits an int64 tensor.
+
+    Args:
+        run_seed: the run spec's seed, ``0 ≤ run_seed < 2^64``.
+        step: policy step the completion is generated with, ``0 ≤ step < 2^64``.
+        peer_id: the worker's libp2p peer ID string (``12D3KooW…``), ≤ 65535 UTF-8 bytes.
+        task_id: the task's ID, ≤ 65535 UTF-8 bytes.
+        sample_index: index of the completion within its group, ``0 ≤ sample_index < 2^32``.
+
+    Returns:
+        The 63-bit sequence seed.
+
+    Raises:
+        ValueError: an argument out of range.
+    """
+    if not (0 <= run_seed < 1 << 64 and 0 <= step < 1 << 64 and 0 <= sample_index < 1 << 32):
+        raise ValueError("run_seed and step must be in [0, 2^64), sample_index in [0, 2^32)")
+    peer, task = peer_id.encode("utf-8"), task_id.encode("utf-8")
+    if len(peer) > 0xFFFF or len(task) > 0xFFFF:
+        raise ValueError("peer_id and task_id must be at most 65535 UTF-8 bytes")
+    data = b"".join(
+        [
+            SEED_DOMAIN,
+            run_seed.to_bytes(8, "big"),
+            step.to_bytes(8, "big"),
+            len(peer).to_bytes(2, "big"),
+            peer,
+            len(task).to_bytes(2, "big"),
+            task,
+            sample_index.to_bytes(4, "big"),
+        ]
+    )
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big") >> 1
+
+
+# --------------------------------------------------------------------------------------------
+# Counter-based generator
+# --------------------------------------------------------------------------------------------
+
+
+def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32-bit words of ``a · b`` for a 32-bit constant ``a`` and int64 ``b`` in
+    ``[0, 2^32)``, splitting ``b`` into 16-bit halves so no intermediate exceeds 2^49."""
+    p_lo = a * (b & 0xFFFF)  # < 2^48
+    p_hi = a * (b >> 16)  # < 2^48
+    lo = (((p_hi & 0xFFFF) << 16) + p_lo) & _M32
+    hi = (p_hi + (p_lo >> 16)) >> 16
+    return hi, lo
+
+
+def philox4x32(
+    counter: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], key: tuple[torch.Tensor, torch.Tensor], rounds: int = 10
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Philox4x32 (Random123) on int64 tensors holding 32-bit words.
+
+    Args:
+        counter: four broadcastable int64 tensors with values in ``[0, 2^32)``.
+        key: two broadcastable int64 tensors with values in ``[0, 2^32)``.
+        rounds: 10 for Philox4x32-10.
+
+    Returns:
+        Four int64 tensors in ``[0, 2^32)`` (the broadcast shape), identical on every device.
+    """
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for r in range(rounds):
+        if r:
+            k0 = (k0 + _PHILOX_W0) & _M32
+            k1 = (k1 + _PHILOX_W1) & _M32
+        hi0, lo0 = _mulhilo(_PHILOX_M0, c0)
+        hi1, lo1 = _mulhilo(_PHILOX_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Standard Gumbel noise for each (sequence, position) and every token id.
+
+    Args:
+        seeds: ``[B]`` int64 sequence seeds (all 64 bits are used, two's complement).
+        positions: ``[B]`` int64 completion positions, ``≥ 0`` (0 = first generated token).
+        vocab_size: V.
+
+    Returns:
+        ``[B, V]`` float64 ``−log(−log u)`` on the device of ``seeds``.
+    """
+    device = seeds.device
+    seeds = seeds.to(torch.int64).reshape(-1, 1)  # [B, 1]
+    positions = positions.to(device=device, dtype=torch.int64).reshape(-1, 1)  # [B, 1]
+    vocab = torch.arange(vocab_size, dtype=torch.int64, device=device).reshape(1, -1)  # [1, V]
+    zero = torch.zeros_like(positions)
+    key = (seeds & _M32, (seeds >> 32) & _M32)
+    counter = (vocab, positions & _M32, (positions >> 32) & _M32, zero + COUNTER_TAG)
+    r = philox4x32(counter, key)[0]  # [B, V] in [0, 2^32)
+    u = (r.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)  # (0, 1), exact
+    return -torch.log(-torch.log(u))
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling
+# --------------------------------------------------------------------------------------------
+
+
+def _check_params(temperature: float, top_p: float) -> None:
+    if not (temperature > 0.0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def _nucleus_exclusive_mass(z: torch.Tensor) -> torch.Tensor:
+    """``z [B, V]`` float64 → ``[B, V]`` probability mass of the tokens ranked before each token
+    (descending probability, equal probabilities by lower id)."""
+    probs = torch.softmax(z, dim=-1)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    exclusive = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    return torch.empty_like(exclusive).scatter_(-1, order, exclusive)
+
+
+def _scores(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tempered logits ``z``, perturbed scores ``z + g`` (−inf outside the nucleus) and the
+    exclusive nucleus mass (zeros when ``top_p == 1``), all ``[B, V]`` float64."""
+    z = logits.to(torch.float64) / temperature  # [B, V]
+    scores = z + gumbel_noise(seeds, positions, z.shape[-1])  # [B, V]
+    if top_p < 1.0:
+        exclusive = _nucleus_exclusive_mass(z)
+        scores = scores.masked_fill(exclusive >= top_p, -math.inf)
+    else:
+        exclusive = torch.zeros_like(z)
+    return z, scores, exclusive
+
+
+def sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row by seeded Gumbel-max (rule in the module docstring).
+
+    Args:
+        logits: ``[B, V]`` float32 (any float dtype) next-token logits.
+        seeds: ``[B]`` int64 sequence seeds (:func:`derive_sequence_seed`).
+        positions: ``[B]`` int64 completion positions of the tokens being sampled (0-based).
+        temperature: > 0.
+        top_p: in ``(0, 1]``; 1.0 disables the nucleus filter.
+
+    Returns:
+        ``(tokens, logprobs)``: ``[B]`` int64 token ids and ``[B]`` float32
+        ``log_softmax(logits / temperature)[token]`` (unfiltered distribution).
+
+    Raises:
+        ValueError: bad temperature/top_p or mismatched shapes.
+    """
+    _check_params(temperature, top_p)
+    if logits.dim() != 2 or seeds.shape != (logits.shape[0],) or positions.shape != (logits.shape[0],):
+        raise ValueError("need logits [B, V], seeds [B] and positions [B]")
+    z, scores, _ = _scores(logits, seeds.to(logits.device), positions.to(logits.device), temperature, top_p)
+    tokens = torch.argmax(scores, dim=-1)  # [B]
+    logprobs = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, None])[:, 0]  # [B]
+    return tokens, logprobs.to(torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Validator checks
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayResult:
+    """Outcome of :func:`replay_check` over one completion of T tokens.
+
+    Attributes:
+        tokens: ``[T]`` int64 tokens the validator's logits select.
+        margins: ``[T]`` float64 gap between the top two perturbed scores (+inf if one candidate).
+        gaps: ``[T]`` float64 ``score(recomputed) − score(claimed)``; 0 where they agree, +inf where
+            the claimed token lies outside the nucleus (beyond the slack).
+        hard_mismatches: positions whose claimed token differs with a gap > ε.
+        near_ties: positions whose claimed token differs with a gap ≤ ε.
+        allowed_near_ties: ``ceil(max_near_tie_fraction · T)``.
+        ok: no hard mismatch and ``near_ties ≤ allowed_near_ties``.
+        reason: why it failed, ``""`` when ok.
+    """
+
+    tokens: torch.Tensor
+    margins: torch.Tensor
+    gaps: torch.Tensor
+    hard_mismatches: int
+    near_ties: int
+    allowed_near_ties: int
+    ok: bool
+    reason: str = ""
+
+
+def replay_check(
+    logits: torch.Tensor,
+    tokens: torch.Tensor | Sequence[int],
+    seed: int,
+    start_position: int = 0,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    eps: float = DEFAULT_REPLAY_EPS,
+    max_near_tie_fraction: float = DEFAULT_MAX_NEAR_TIE_FRACTION,
+    nucleus_slack: float = DEFAULT_NUCLEUS_SLACK,
+) -> ReplayResult:
+    """Recompute every sampled token from the validator's logits.
+
+    Position ``i`` uses completion position ``start_position + i``. A claimed token that differs
+    from the recomputed one is a *near tie* if ``score(recomputed) − score(claimed) ≤ eps``
+    (numeric noise between the worker's and the validator's forward passes can flip such
+    tokens) and a *hard mismatch* otherwise; so is a claimed token outside the validator's
+    nucleus by more than ``nucleus_slack`` of probability mass.
+
+    Args:
+        logits: ``[T, V]`` the validator's logits at the committed rows (row i produced token i).
+        tokens: ``[T]`` the worker's claimed tokens (untrusted; ids ≥ V are hard mismatches).
+        seed: the completion's sequence seed.
+        start_position: completion position of ``tokens[0]``.
+        temperature: > 0, from the run spec.
+        top_p: in ``(0, 1]``, from the run spec.
+        eps: near-tie tolerance in perturbed-score units.
+        max_near_tie_fraction: tolerated share of near ties.
+        nucleus_slack: probability slack for the claimed token's nucleus membership.
+
+    Returns:
+        A :class:`ReplayResult`.
+
+    Raises:
+        ValueError: bad parameters or shapes (the validator's own inputs).
+    """
+    _check_params(temperature, top_p)
+    claimed = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1).to(logits.device)
+    if logits.dim() != 2 or claimed.numel() != logits.shape[0] or logits.shape[0] == 0:
+        raise ValueError("need logits [T, V] with T >= 1 and one claimed token per row")
+    n_tok, vocab = logits.shape
+    in_vocab = (claimed >= 0) & (claimed < vocab)
+    safe = torch.where(in_vocab, claimed, torch.zeros_like(claimed))
+    seeds = torch.full((n_tok,), seed, dtype=torch.int64, device=logits.device)
+    positions = start_position + torch.arange(n_tok, dtype=torch.int64, device=logits.device)
+    rec, margins, gaps = [], [], []
+    for lo in range(0, n_tok, _ROW_BLOCK):
+        hi = min(n_tok, lo + _ROW_BLOCK)
+        z, scores, exclusive = _scores(logits[lo:hi], seeds[lo:hi], positions[lo:hi], temperature, top_p)
+        top2 = torch.topk(scores, k=min(2, vocab), dim=-1).values  # [b, 2]
+        best = top2[:, 0]
+        margins.append(top2[:, 0] - top2[:, 1] if vocab > 1 else torch.full_like(best, math.inf))
+        rec.append(torch.argmax(scores, dim=-1))
+        raw = z + gumbel_noise(seeds[lo:hi], positions[lo:hi], vocab)  # unmasked scores
+        claimed_score = raw.gather(-1, safe[lo:hi, None])[:, 0]
+        inside = exclusive.gather(-1, safe[lo:hi, None])[:, 0] < top_p + nucleus_slack
+        gap = torch.where(inside & in_vocab[lo:hi], best - claimed_score, torch.full_like(best, math.inf))
+        gaps.append(gap)
+    recomputed = torch.cat(rec)
+    margin = torch.cat(margins)
+    gap = torch.where(recomputed == claimed, torch.zeros_like(margin), torch.cat(gaps).clamp_min(0.0))
+    differs = recomputed != claimed
+    hard = int((differs & (gap > eps)).sum())
+    near = int((differs & (gap <= eps)).sum())
+    allowed = math.ceil(max_near_tie_fraction * n_tok)
+    problems = []
+    if hard:
+        first = int(torch.nonzero(differs & (gap > eps))[0, 0])
+        problems.append(f"{hard} sampled tokens differ from the replay beyond eps={eps} (first at position {start_position + first})")
+    if near > allowed:
+        problems.append(f"{near} near-tie mismatches > {allowed} allowed")
+    return ReplayResult(recomputed, margin, gap, hard, near, allowed, ok=not problems, reason="; ".join(problems))
+
+
+@dataclasses.dataclass(frozen=True)
+class TerminationResult:
+    """Outcome of :func:`termination_check`.
+
+    Attributes:
+        ok: the completion ends legitimately.
+        p_eos: recomputed probability of the EOS set at the last position (NaN if not computed).
+        reason: why it failed, ``""`` when ok.
+    """
+
+    ok: bool
+    p_eos: float
+    reason: str = ""
+
+
+def termination_check(
+    last_logits: torch.Tensor,
+    tokens: torch.Tensor | Sequence[int],
+    eos_token_ids: Sequence[int],
+    max_tokens: int,
+    temperature: float = 1.0,
+    min_eos_prob: float = DEFAULT_MIN_EOS_PROB,
+) -> TerminationResult:
+    """Check how a completion ends.
+
+    Rules: a completion has 1 … ``max_tokens`` tokens; an EOS token may only be its last token
+    (generation stops at the first EOS); if it ends with EOS, the recomputed probability
+    ``Σ_{e ∈ EOS} softmax(last_logits / temperature)[e]`` (unfiltered, before top-p) must be
+    ``≥ min_eos_prob``; otherwise it must have exactly ``max_tokens`` tokens.
+
+    Args:
+        last_logits: ``[V]`` the validator's logits at the row that produced the last token.
+        tokens: ``[n]`` the claimed completion.
+        eos_token_ids: ids that end generation.
+        max_tokens: the run spec's ``sampling.max_tokens``.
+        temperature: > 0.
+        min_eos_prob: threshold on P(EOS).
+
+    Returns:
+        A :class:`TerminationResult`.
+    """
+    toks = [int(t) for t in torch.as_tensor(tokens).reshape(-1).tolist()]
+    eos = set(int(e) for e in eos_token_ids)
+    if not toks:
+        return TerminationResult(False, math.nan, "empty completion")
+    if len(toks) > max_tokens:
+        return TerminationResult(False, math.nan, f"{len(toks)} tokens > max_tokens={max_tokens}")
+    early = [i for i, t in enumerate(toks[:-1]) if t in eos]
+    if early:
+        return TerminationResult(False, math.nan, f"EOS at position {early[0]} before the end")
+    if toks[-1] not in eos:
+        if len(toks) != max_tokens:
+            return TerminationResult(False, math.nan, f"no EOS but {len(toks)} tokens != max_tokens={max_tokens}")
+        return TerminationResult(True, math.nan)
+    probs = torch.softmax(last_logits.to(torch.float64).reshape(-1) / temperature, dim=-1)
+    ids = [e for e in eos if 0 <= e < probs.numel()]
+    p_eos = float(probs[ids].sum()) if ids else 0.0
+    if p_eos < min_eos_prob:
+        return TerminationResult(False, p_eos, f"ends with EOS but recomputed P(EOS)={p_eos:.4f} < {min_eos_prob}")
+    return TerminationResult(True, p_eos)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogprobResult:
+    """Outcome of :func:`logprob_check`.
+
+    Attributes:
+        ok: both tolerances hold.
+        max_abs_err: largest per-token |reported − recomputed|, nats.
+        mean_abs_err: mean of the same, nats.
+        reason: why it failed, ``""`` when ok.
+    """
+
+    ok: bool
+    max_abs_err: float
+    mean_abs_err: float
+    reason: str = ""
+
+
+def logprob_check(
+    reported: torch.Tensor | Sequence[float],
+    recomputed: torch.Tensor,
+    max_abs: float = DEFAULT_LOGPROB_MAX_ABS,
+    mean_abs: float = DEFAULT_LOGPROB_MEAN_ABS,
+) -> LogprobResult:
+    """Compare the worker's reported sampling log-probs with the validator's.
+
+    Args:
+        reported: ``[T]`` the worker's log-probs (untrusted; NaN/inf fail).
+        recomputed: ``[T]`` ``log_softmax(logits / temperature)[claimed token]`` from the
+            validator's prefill (as :func:`sample` defines it).
+        max_abs: per-token tolerance, nats.
+        mean_abs: mean tolerance, nats.
+
+    Returns:
+        A :class:`LogprobResult`.
+    """
+    rep = torch.as_tensor(reported, dtype=torch.float64).reshape(-1)
+    ref = recomputed.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+    if rep.numel() != ref.numel() or rep.numel() == 0:
+        return LogprobResult(False, math.inf, math.inf, f"{rep.numel()} log-probs reported for {ref.numel()} tokens")
+    err = (rep - ref).abs()
+    if not bool(torch.isfinite(err).all()):
+        return LogprobResult(False, math.inf, math.inf, "non-finite reported log-prob")
+    worst, mean = float(err.max()), float(err.mean())
+    problems = []
+    if worst > max_abs:
+        problems.append(f"max |Δ logprob| {worst:.4f} > {max_abs}")
+    if mean > mean_abs:
+        problems.append(f"mean |Δ logprob| {mean:.4f} > {mean_abs}")
+    return LogprobResult(not problems, worst, mean, "; ".join(problems))
