@@ -46,8 +46,8 @@ from protocol.errors import ProtocolError
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "LENGTH_CONTROL_TEMPLATE",
     "CONVERTER_NAMES",
+    "LENGTH_CONTROL_TEMPLATE",
     "CodeTests",
     "Task",
     "TaskError",
@@ -156,8 +156,7 @@ def _parse_test_cases(raw: Any, source: str) -> CodeTests:
         raise TaskError("test_cases needs lists 'inputs' and 'outputs'", source)
     if len(inputs) != len(outputs) or not inputs:
         raise TaskError(
-            f"test_cases needs as many outputs as inputs, at least one "
-            f"(got {len(inputs)} inputs, {len(outputs)} outputs)",
+            f"test_cases needs as many outputs as inputs, at least one (got {len(inputs)} inputs, {len(outputs)} outputs)",
             source,
         )
     if fn_name is None:
@@ -217,9 +216,7 @@ class Task:
             raise TaskError(f"missing field(s) {missing}", source)
         extra = set(row) - _ALLOWED_KEYS
         if extra:
-            raise TaskError(
-                f"unknown field(s) {sorted(extra)}; allowed: {sorted(_ALLOWED_KEYS)}", source
-            )
+            raise TaskError(f"unknown field(s) {sorted(extra)}; allowed: {sorted(_ALLOWED_KEYS)}", source)
         rates = [row[k] for k in _SOLVE_RATE_KEYS if row.get(k) is not None]
         if len(rates) > 1:
             raise TaskError(f"give only one of {list(_SOLVE_RATE_KEYS)}", source)
@@ -250,9 +247,7 @@ class Task:
             raise TaskError("prompt must be a non-empty string", source)
         if self.solve_rate is not None:
             rate = self.solve_rate
-            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (
-                math.isfinite(rate) and 0.0 <= rate <= 1.0
-            ):
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (math.isfinite(rate) and 0.0 <= rate <= 1.0):
                 raise TaskError(f"solve_rate must be a number in [0, 1], got {rate!r}", source)
         self._parsed(source)
 
@@ -269,12 +264,12 @@ class Task:
             gt = info.get("ground_truth")
             if set(info) != {"ground_truth"} or not isinstance(gt, str) or not gt.strip():
                 raise TaskError(
-                    "a verifiable_math task needs verification_info {\"ground_truth\": <non-empty string>}",
+                    'a verifiable_math task needs verification_info {"ground_truth": <non-empty string>}',
                     source,
                 )
             return gt
         if set(info) != {"test_cases"}:
-            raise TaskError("a prime_rl_code task needs verification_info {\"test_cases\": ...}", source)
+            raise TaskError('a prime_rl_code task needs verification_info {"test_cases": ...}', source)
         return _parse_test_cases(info["test_cases"], source)
 
     @property
@@ -495,9 +490,7 @@ def _top_level_imports(source: str) -> str:
     """The top-level import statements of a HumanEval prompt, one per line."""
     tree = ast.parse(source)
     return "\n".join(
-        ast.get_source_segment(source, node) or ""
-        for node in tree.body
-        if isinstance(node, (ast.Import, ast.ImportFrom))
+        ast.get_source_segment(source, node) or "" for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
     )
 
 
@@ -585,9 +578,7 @@ def convert(name_or_path: str | Path, data_root: str | Path | None = None) -> li
     else:
         path = Path(name_or_path)
         if not path.is_file():
-            raise TaskError(
-                f"neither a set name ({', '.join(CONVERTER_NAMES)}) nor an existing file", str(path)
-            )
+            raise TaskError(f"neither a set name ({', '.join(CONVERTER_NAMES)}) nor an existing file", str(path))
         rows = _raw_rows(path)
         name = _sniff(rows, path)
     if name in ("gsm8k", "gsm8k_train"):
@@ -611,10 +602,9 @@ def convert(name_or_path: str | Path, data_root: str | Path | None = None) -> li
 def canonical_task_line(task: Task) -> bytes:
     """One task as a canonical JSON line: sorted keys, no spaces, UTF-8, ``\\n``-terminated,
     ``solve_rate`` as a JSON number or ``null``."""
-    return (
-        json.dumps(task.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        + "\n"
-    ).encode("utf-8")
+    return (json.dumps(task.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False) + "\n").encode(
+        "utf-8"
+    )
 
 
 def dataset_hash(tasks: Iterable[Task]) -> str:

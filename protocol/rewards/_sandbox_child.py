@@ -14,12 +14,17 @@ the program as ``__main__`` with the real stdin/stdout and reports through its e
 Everything here is standard library only.
 """
 
+# ruff: noqa: S102 - running the candidate's code is this file's purpose
+
+import ctypes  # noqa: F401 - imported before the audit hook: its import dlopens the main program
 import json
 import os
 import resource
 import socket
 import sys
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 _BLOCKED_EVENTS = frozenset(
     {
@@ -43,7 +48,11 @@ _BLOCKED_EVENTS = frozenset(
         "socket.gethostbyaddr",
         "ctypes.dlopen",
         "ctypes.dlsym",
+        "ctypes.dlsym/handle",
         "ctypes.call_function",
+        "ctypes.cdata",
+        "ctypes.string_at",
+        "ctypes.wstring_at",
         "resource.setrlimit",
         "resource.prlimit",
         "os.chroot",
@@ -75,25 +84,25 @@ _PATH_EVENTS = {
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 
-def _make_hook(root):
+def _make_hook(root: str) -> Callable[[str, tuple[Any, ...]], None]:
     realpath, join, isabs, fspath = os.path.realpath, os.path.join, os.path.isabs, os.fspath
     prefix = root + os.sep
 
-    def inside(path):
+    def inside(path: Any) -> bool:
         if isinstance(path, int):
             return True
         try:
-            p = fspath(path)
+            p: str | bytes = fspath(path)
         except TypeError:
             return False
         if isinstance(p, bytes):
             p = p.decode("utf-8", "surrogateescape")
         if not isabs(p):
             p = join(os.getcwd(), p)
-        p = realpath(p)
-        return p == root or p.startswith(prefix)
+        resolved: str = realpath(p)
+        return resolved == root or resolved.startswith(prefix)
 
-    def hook(event, args):
+    def hook(event: str, args: tuple[Any, ...]) -> None:
         if event == "open":
             path, mode, flags = args
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
@@ -114,25 +123,25 @@ def _make_hook(root):
                 if i < len(args) and not inside(args[i]):
                     raise PermissionError(f"sandbox: {event} outside the working folder: {args[i]!r}")
             for i in dir_fds:
-                if i < len(args) and args[i] is not None:
+                if i < len(args) and args[i] not in (None, -1):  # CPython reports "none" as -1
                     raise PermissionError(f"sandbox: {event} with dir_fd is not allowed")
 
     return hook
 
 
-def _disable_sockets():
-    def refuse(*_a, **_k):
+def _disable_sockets() -> None:
+    def refuse(*_a: Any, **_k: Any) -> Any:
         raise PermissionError("sandbox: network access is not allowed")
 
     class NoSocket(socket.socket):
         connect = connect_ex = bind = sendto = listen = refuse
 
-    socket.socket = NoSocket
+    socket.socket = NoSocket  # type: ignore[misc]
     for name in ("create_connection", "create_server", "getaddrinfo", "gethostbyname", "socketpair"):
         setattr(socket, name, refuse)
 
 
-def _set_limits(spec):
+def _set_limits(spec: dict[str, Any]) -> None:
     cpu = int(spec["cpu_time_s"])
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     resource.setrlimit(resource.RLIMIT_AS, (int(spec["memory_bytes"]),) * 2)
@@ -140,12 +149,12 @@ def _set_limits(spec):
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def _normalise(value):
+def _normalise(value: Any) -> Any:
     """JSON round trip: tuples become lists, and custom ``__eq__`` objects lose their tricks."""
     return json.loads(json.dumps(value, allow_nan=False))
 
 
-def _run_call(ns, tests):
+def _run_call(ns: dict[str, Any], tests: dict[str, Any]) -> tuple[int, str]:
     fn_name = tests["fn_name"]
     sol = ns.get("Solution")
     if isinstance(sol, type) and hasattr(sol, fn_name):
@@ -167,7 +176,7 @@ def _run_call(ns, tests):
     return passed, ""
 
 
-def _run_assert(ns, tests):
+def _run_assert(ns: dict[str, Any], tests: dict[str, Any]) -> tuple[int, str]:
     passed = 0
     if tests.get("setup_code"):
         exec(compile(tests["setup_code"], "<setup_code>", "exec"), ns)
@@ -180,7 +189,7 @@ def _run_assert(ns, tests):
     return passed, ""
 
 
-def _main():
+def _main() -> None:
     spec_path = os.path.join(os.getcwd(), "spec.json")
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
@@ -193,7 +202,7 @@ def _main():
     del spec_path
 
     if mode == "stdio":
-        ns = {"__name__": "__main__", "__builtins__": __builtins__}
+        ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
         try:
             exec(compile(spec["code"], "<solution>", "exec"), ns)
         except SystemExit as e:
@@ -208,7 +217,7 @@ def _main():
         sys.stdout.flush()
         os._exit(0)
 
-    ns = {"__name__": "__solution__", "__builtins__": __builtins__}
+    ns = {"__name__": "__solution__", "__builtins__": __builtins__}  # not run as __main__
     passed, error = 0, ""
     try:
         if tests.get("prelude"):
@@ -220,7 +229,7 @@ def _main():
     line = json.dumps({"nonce": nonce, "passed": passed, "total": total, "error": error})
     try:
         sys.stdout.flush()
-    except BaseException:  # noqa: BLE001
+    except BaseException:  # noqa: BLE001, S110 - a broken stdout must not hide the result
         pass
     os.write(result_fd, (line + "\n").encode("utf-8"))
     os._exit(0)

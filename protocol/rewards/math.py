@@ -70,7 +70,7 @@ def extract_boxed(text: str) -> str | None:
                 if depth == 0:
                     return text[start:i]
             i += 1
-    spaced = _BOXED_SPACE_RE.findall(text)
+    spaced: list[str] = _BOXED_SPACE_RE.findall(text)
     return spaced[-1] if spaced else None
 
 
@@ -92,10 +92,10 @@ def extract_math_answer(completion: str, ground_truth: str) -> str | None:
         return boxed.strip()
     if not _INT_RE.fullmatch(ground_truth.strip().replace(",", "")):
         return None
-    gsm = _GSM8K_RE.findall(region)
+    gsm: list[str] = _GSM8K_RE.findall(region)
     if gsm:
         return gsm[-1]
-    numbers = _NUMBER_RE.findall(region)
+    numbers: list[str] = _NUMBER_RE.findall(region)
     return numbers[-1] if numbers else None
 
 

@@ -97,6 +97,7 @@ def isolation_prefix() -> tuple[str, ...]:
         try:
             probe = subprocess.run(
                 [*prefix, *_python_cmd(), "-c", "pass"],
+                check=False,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +32,12 @@ FAST = RewardLimits(sandbox=SandboxLimits(cpu_time_s=2, wall_time_s=3.0, total_w
 N_SAMPLE = 20
 
 
+def shared_data_dir() -> Path:
+    """``$INTELLECT_SHARED/data``, default ``<repo>/../shared/data``."""
+    repo = Path(__file__).resolve().parents[2]
+    return Path(os.environ.get("INTELLECT_SHARED", repo.parent / "shared")) / "data"
+
+
 def reward(task: Task, text: str, limits: RewardLimits = FAST) -> float:
     return compute_reward(task, text, 10, None, 0.0, limits).task_reward
 
@@ -42,10 +50,8 @@ def fenced(code: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def data(request):
-    from tests.conftest import shared_dir  # the shared-data location the suite uses
-
-    d = shared_dir() / "data"
+def data():
+    d = shared_data_dir()
     if not d.is_dir():
         pytest.skip(f"shared data not found at {d} (set INTELLECT_SHARED)")
     return d
@@ -65,7 +71,8 @@ def math500(data):
 
 @pytest.fixture(scope="module")
 def humaneval(data):
-    raw = [json.loads(line) for line in gzip.open(data / "code" / "HumanEval.jsonl.gz", "rt")]
+    with gzip.open(data / "code" / "HumanEval.jsonl.gz", "rt") as f:
+        raw = [json.loads(line) for line in f]
     return list(zip(convert("humaneval", data), raw))
 
 
@@ -146,7 +153,7 @@ def test_math500_fraction(math500):
 
 
 def test_math500_tuple(math500):
-    task, raw = _pick(math500, lambda a: a == "\\left( 3, \\frac{\\pi}{2} \\right)")
+    task, _ = _pick(math500, lambda a: a == "\\left( 3, \\frac{\\pi}{2} \\right)")
     assert reward(task, "<think>r=3</think>\\boxed{(3, \\frac{\\pi}{2})}") == 1.0
     assert reward(task, "\\boxed{(3,\\pi/2)}") == 1.0
     assert reward(task, "\\boxed{(\\frac{\\pi}{2}, 3)}") == 0.0
@@ -154,11 +161,11 @@ def test_math500_tuple(math500):
 
 
 def test_math500_text(math500):
-    task, raw = _pick(math500, lambda a: a == "\\text{Evelyn}")
+    task, _ = _pick(math500, lambda a: a == "\\text{Evelyn}")
     assert reward(task, "\\boxed{\\text{Evelyn}}") == 1.0
     assert reward(task, "\\boxed{Evelyn}") == 1.0
     assert reward(task, "\\boxed{\\text{Bob}}") == 0.0
-    task, raw = _pick(math500, lambda a: a == "\\text{(C)}")
+    task, _ = _pick(math500, lambda a: a == "\\text{(C)}")
     assert reward(task, "\\boxed{\\text{(C)}}") == 1.0
     assert reward(task, "\\boxed{(C)}") == 1.0
     assert reward(task, "\\boxed{\\text{(D)}}") == 0.0
@@ -348,13 +355,17 @@ def test_writes_outside_are_refused(humaneval, tmp_path):
         f"import os\nos.chdir({str(tmp_path)!r})\nopen('pwned.txt', 'w').write('x')",
         f"import subprocess\nsubprocess.run(['touch', {str(target)!r}])",
         f"import os\nos.system('touch {target}')",
+        f"import ctypes\nctypes.CDLL(None).system(b'touch {target}')",
+        f"import ctypes\nctypes.pythonapi.system(b'touch {target}')",
     ]
     for code in attempts:
         assert reward(task, fenced(code + "\n" + he_solution(raw))) == 0.0, code
     assert not target.exists()
     assert victim.read_text() == "keep me"
-    # writing inside its own folder is fine
-    assert reward(task, fenced("open('scratch.txt', 'w').write('ok')\n" + he_solution(raw))) == 1.0
+    # writing inside its own folder, temporary files and numpy are fine
+    ok = "import tempfile\nimport numpy\nopen('scratch.txt', 'w').write('ok')\n"
+    ok += "with tempfile.NamedTemporaryFile('w') as f:\n    f.write('ok')\n"
+    assert reward(task, fenced(ok + he_solution(raw))) == 1.0
 
 
 def test_output_flood_is_bounded(humaneval):

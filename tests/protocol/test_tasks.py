@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,17 @@ from protocol.tasks import (
     derive_task_indices,
     load_tasks,
 )
+
+
+@pytest.fixture(scope="module")
+def data() -> Path:
+    """``$INTELLECT_SHARED/data``, default ``<repo>/../shared/data``; skips when absent."""
+    repo = Path(__file__).resolve().parents[2]
+    d = Path(os.environ.get("INTELLECT_SHARED", repo.parent / "shared")) / "data"
+    if not d.is_dir():
+        pytest.skip(f"shared data not found at {d} (set INTELLECT_SHARED)")
+    return d
+
 
 SUFFIX = "Think for 1000 tokens before giving a response."
 
@@ -162,8 +174,8 @@ EXPECTED_COUNTS = {
 
 
 @pytest.mark.parametrize("name", CONVERTER_NAMES)
-def test_converter_counts_and_schema(shared, name):
-    tasks = convert(name, shared / "data")
+def test_converter_counts_and_schema(data, name):
+    tasks = convert(name, data)
     assert len(tasks) == EXPECTED_COUNTS[name]
     assert len({t.problem_id for t in tasks}) == len(tasks)
     for t in tasks:
@@ -172,8 +184,7 @@ def test_converter_counts_and_schema(shared, name):
     assert {t.task_type for t in tasks} == {kind}
 
 
-def test_converter_details(shared):
-    data = shared / "data"
+def test_converter_details(data):
     gsm = convert("gsm8k", data)
     assert gsm[0].problem_id == "gsm8k/test/0" and gsm[0].ground_truth == "18"
     assert all("," not in t.ground_truth for t in gsm)
@@ -191,8 +202,7 @@ def test_converter_details(shared):
     assert all("\r" not in t.prompt and "\r" not in t.verification_info for t in mbpp)
 
 
-def test_convert_by_path_sniffs_the_set(shared):
-    data = shared / "data"
+def test_convert_by_path_sniffs_the_set(data):
     assert convert(data / "code" / "mbpp.jsonl") == convert("mbpp", data)
     assert convert(data / "math" / "math500_test.jsonl") == convert("math500", data)
     with pytest.raises(TaskError, match="data_root"):
@@ -214,9 +224,9 @@ def test_dataset_hash_pins_content_and_order():
     assert dataset_hash([*tasks[:2], Task.from_dict(_row(problem_id="p2", solve_rate=0.5))]) != h
 
 
-def test_dataset_hash_of_real_set_is_stable(shared):
-    a = convert("gsm8k", shared / "data")
-    b = convert("gsm8k", shared / "data")
+def test_dataset_hash_of_real_set_is_stable(data):
+    a = convert("gsm8k", data)
+    b = convert("gsm8k", data)
     assert dataset_hash(a) == dataset_hash(b)
 
 
@@ -304,8 +314,6 @@ def test_build_messages():
         {"role": "system", "content": SUFFIX},
         {"role": "user", "content": task.prompt},
     ]
-    assert build_messages(task, None, length_prompt_location="system_prompt") == [
-        {"role": "user", "content": task.prompt}
-    ]
+    assert build_messages(task, None, length_prompt_location="system_prompt") == [{"role": "user", "content": task.prompt}]
     with pytest.raises(TaskError):
         build_messages(task, 10, length_prompt_location="elsewhere")  # type: ignore[arg-type]
