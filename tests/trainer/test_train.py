@@ -1,0 +1,61 @@
+"""Trainer settings from the run spec, the warmup schedule and step metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trainer_toy as toy
+from protocol.runspec import RLSpec, RunSpec, RunInfo, SamplingSpec
+from trainer.train import Trainer, TrainerConfig
+
+PEER = "12D3KooW" + "A" * 44
+
+
+def test_config_from_spec_and_defaults() -> None:
+    spec = RunSpec(run=RunInfo(coordinator=PEER), sampling=SamplingSpec(max_tokens=100, temperature=0.8))
+    cfg = TrainerConfig.from_spec(spec)
+    rl = RLSpec()
+    assert (rl.clip_eps, rl.clip_delta, rl.max_grad_norm, rl.async_level, rl.kl_beta) == (0.2, 4.0, 0.1, 2, 0.0)
+    assert cfg.loss.clip_eps == 0.2 and cfg.loss.clip_delta == 4.0 and cfg.max_grad_norm == 0.1
+    assert cfg.loss.norm_tokens == rl.batch_groups * rl.group_size * 100  # Dr. GRPO constant
+    assert cfg.temperature == 0.8
+    spec2 = RunSpec(run=RunInfo(coordinator=PEER), rl=RLSpec(loss_norm_tokens=4096, optimizer_steps_per_batch=2))
+    assert TrainerConfig.from_spec(spec2).loss.norm_tokens == 4096
+    with pytest.raises(ValueError, match="optimizer_steps_per_batch"):
+        RLSpec(batch_groups=2, optimizer_steps_per_batch=3)
+
+
+def test_warmup_and_metrics() -> None:
+    torch.set_num_threads(1)
+    t = Trainer(toy.toy_model(seed=0), toy.toy_trainer_config(learning_rate=1e-3, warmup_steps=4, optimizer_steps_per_batch=2))
+    assert [t.lr_at(i) for i in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    batch = toy.toy_batch(seed=0, step=0)
+    m = t.train_step(batch)
+    assert t.step == 1 and t.optimizer_steps == 2 and m.step == 1
+    assert m.lr == pytest.approx(5e-4)
+    assert m.num_groups == 4 and m.num_rollouts == 4 * toy.GROUP
+    assert m.loss_tokens == sum(s.record.completion_ids.size for s in batch.sequences)
+    assert m.tokens == batch.num_tokens
+    assert m.staleness == {0: 4 * toy.GROUP}
+    assert m.ratio_mean == pytest.approx(1.0, abs=0.05) and 0 <= m.clipped_frac <= 1 and m.entropy_mean > 0
+    assert m.grad_norm > 0 and m.tokens_per_s > 0
+    assert set(m.as_dict()["staleness"]) == {"0"}
+    assert any(not torch.equal(p, before[n]) for n, p in t.model.named_parameters())
+
+
+@pytest.mark.parametrize("reference", ["old", "base"])
+def test_kl_reference(reference: str) -> None:
+    torch.set_num_threads(1)
+    from trainer.loss import LossConfig
+
+    cfg = toy.toy_trainer_config(loss=LossConfig(norm_tokens=64.0, kl_beta=0.1), kl_reference=reference, optimizer_steps_per_batch=1)
+    t = Trainer(toy.toy_model(seed=0), cfg)
+    m1 = t.train_step(toy.toy_batch(seed=0, step=0))
+    assert m1.kl_mean == pytest.approx(0.0, abs=1e-6)  # first step: the reference equals the weights
+    m2 = t.train_step(toy.toy_batch(seed=0, step=1))
+    if reference == "base":
+        assert m2.kl_mean > 0  # the weights moved away from the frozen base
+    else:
+        assert m2.kl_mean == pytest.approx(0.0, abs=1e-6)  # one update per batch: old == current

@@ -1,0 +1,131 @@
+"""Test-only helpers for the trainer tests: a tiny model, synthetic batches, and a worker process.
+
+As a script (``python tests/trainer/trainer_toy.py fsdp|resume ...``) it runs one training process
+for ``test_fsdp.py`` (one rank of a gloo group) or ``test_resume.py`` (train, save, wait to be
+killed). Results go to safetensors/JSON files only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from trainer.batch import Batch, RolloutRecord, assemble_batch  # noqa: E402
+from trainer.loss import LossConfig  # noqa: E402
+from trainer.model import build_model, tiny_qwen2_config  # noqa: E402
+from trainer.train import Trainer, TrainerConfig  # noqa: E402
+
+VOCAB = 32
+GROUP = 4
+
+
+def toy_config(tied: bool = True):
+    return tiny_qwen2_config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, intermediate_size=96, tie_word_embeddings=tied)
+
+
+def toy_model(seed: int = 0, tied: bool = True):
+    return build_model(toy_config(tied), seed=seed)
+
+
+def toy_records(seed: int, step: int, n_groups: int = 4, group: int = GROUP) -> list[RolloutRecord]:
+    """Random rollouts of ``n_groups`` groups, interleaved, with varied lengths and 0/1 rewards."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(group):
+        for g in range(n_groups):
+            p, c = int(rng.integers(2, 7)), int(rng.integers(1, 9))
+            reward = float(i % 2) if g % 2 == 0 else float(rng.random())
+            out.append(
+                RolloutRecord(
+                    submission_id=f"sub{seed}-{g}",
+                    worker="w",
+                    policy_step=step,
+                    task_key=f"task{g}",
+                    group_seed=seed * 1000 + g,
+                    sample=i,
+                    prompt_ids=rng.integers(3, VOCAB, p),
+                    completion_ids=rng.integers(3, VOCAB, c),
+                    logprobs=np.zeros(c, np.float32),
+                    reward=reward,
+                    task_reward=reward,
+                )
+            )
+    return out
+
+
+def toy_batch(seed: int, step: int) -> Batch:
+    return assemble_batch(toy_records(seed, step), step=step, async_level=1, group_size=GROUP, num_groups=4, adv_eps=1e-4)
+
+
+def toy_trainer_config(**kw) -> TrainerConfig:
+    base = dict(
+        learning_rate=1e-3,
+        warmup_steps=2,
+        max_grad_norm=0.1,
+        loss=LossConfig(norm_tokens=64.0),
+        micro_batch_tokens=24,
+        optimizer_steps_per_batch=2,
+    )
+    base.update(kw)
+    return TrainerConfig(**base)
+
+
+def params_of(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Full parameters (collective under FSDP; full on every rank)."""
+    out = {}
+    for name, p in trainer.model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = full.detach().cpu().clone()
+    return out
+
+
+def _fsdp(args: argparse.Namespace) -> None:
+    from safetensors.torch import save_file
+
+    from trainer.distributed import broadcast_batch, init_distributed
+
+    torch.set_num_threads(1)
+    ctx = init_distributed("gloo")
+    trainer = Trainer(toy_model(seed=ctx.rank + 7), toy_trainer_config(), ctx)  # rank 0's weights win
+    losses = []
+    for step in range(2):
+        batch = toy_batch(seed=step, step=step) if ctx.is_main else None
+        m = trainer.train_step(broadcast_batch(batch, ctx))
+        losses.append(m.loss)
+    out = Path(args.out)
+    params = params_of(trainer)
+    trainer.save_checkpoint(out / "ckpt")
+    state_dir = trainer.save_state(out / "state", {"rank_written": ctx.rank})
+    if ctx.is_main:
+        save_file(params, str(out / "params.safetensors"))
+        (out / "metrics.json").write_text(json.dumps({"losses": losses, "state_dir": str(state_dir)}))
+
+
+def _resume(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    trainer = Trainer(toy_model(seed=0), toy_trainer_config())
+    for step in range(args.steps):
+        trainer.train_step(toy_batch(seed=step, step=step))
+    trainer.save_state(Path(args.out), {"next_batch_seed": args.steps})
+    (Path(args.out) / "SAVED").write_text("1")
+    while True:  # wait to be killed
+        time.sleep(1)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["fsdp", "resume"])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=2)
+    a = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    {"fsdp": _fsdp, "resume": _resume}[a.mode](a)
