@@ -48,6 +48,7 @@ async def test_pieces_with_range(served):
     url = f"{server.url}{ROUTE_PREFIX}/pieces/{ref.piece_id.hex()}"
     st, h, body = await _get(s, url)
     assert st == 200 and body == want and int(h["Content-Length"]) == ref.size_bytes and "immutable" in h["Cache-Control"]
+    assert h["Accept-Ranges"] == "bytes"
     st, h, body = await _get(s, url, headers={"Range": "bytes=100-199"})
     assert st == 206 and body == want[100:200] and h["Content-Range"] == f"bytes 100-199/{ref.size_bytes}"
     st, _, body = await _get(s, url, headers={"Range": "bytes=-10"})
