@@ -209,17 +209,17 @@ def _nucleus_exclusive_mass(z: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(exclusive).scatter_(-1, order, exclusive)
 
 
-def _scores(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tempered logits ``z``, perturbed scores ``z + g`` (−inf outside the nucleus) and the
-    exclusive nucleus mass (zeros when ``top_p == 1``), all ``[B, V]`` float64."""
+def _scores(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tempered logits ``z``, unmasked perturbed scores ``z + g``, the same with −inf outside the
+    nucleus, and the exclusive nucleus mass (zeros when ``top_p == 1``), all ``[B, V]`` float64."""
     z = logits.to(torch.float64) / temperature  # [B, V]
-    scores = z + gumbel_noise(seeds, positions, z.shape[-1])  # [B, V]
+    raw = z + gumbel_noise(seeds, positions, z.shape[-1])  # [B, V]
     if top_p < 1.0:
         exclusive = _nucleus_exclusive_mass(z)
-        scores = scores.masked_fill(exclusive >= top_p, -math.inf)
+        scores = raw.masked_fill(exclusive >= top_p, -math.inf)
     else:
-        exclusive = torch.zeros_like(z)
-    return z, scores, exclusive
+        exclusive, scores = torch.zeros_like(z), raw
+    return z, raw, scores, exclusive
 
 
 def sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,7 +242,7 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, t
     _check_params(temperature, top_p)
     if logits.dim() != 2 or seeds.shape != (logits.shape[0],) or positions.shape != (logits.shape[0],):
         raise ValueError("need logits [B, V], seeds [B] and positions [B]")
-    z, scores, _ = _scores(logits, seeds.to(logits.device), positions.to(logits.device), temperature, top_p)
+    z, _, scores, _ = _scores(logits, seeds.to(logits.device), positions.to(logits.device), temperature, top_p)
     tokens = torch.argmax(scores, dim=-1)  # [B]
     logprobs = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, None])[:, 0]  # [B]
     return tokens, logprobs.to(torch.float32)
@@ -327,12 +327,11 @@ def replay_check(
     rec, margins, gaps = [], [], []
     for lo in range(0, n_tok, _ROW_BLOCK):
         hi = min(n_tok, lo + _ROW_BLOCK)
-        z, scores, exclusive = _scores(logits[lo:hi], seeds[lo:hi], positions[lo:hi], temperature, top_p)
+        _, raw, scores, exclusive = _scores(logits[lo:hi], seeds[lo:hi], positions[lo:hi], temperature, top_p)
         top2 = torch.topk(scores, k=min(2, vocab), dim=-1).values  # [b, 2]
         best = top2[:, 0]
         margins.append(top2[:, 0] - top2[:, 1] if vocab > 1 else torch.full_like(best, math.inf))
         rec.append(torch.argmax(scores, dim=-1))
-        raw = z + gumbel_noise(seeds[lo:hi], positions[lo:hi], vocab)  # unmasked scores
         claimed_score = raw.gather(-1, safe[lo:hi, None])[:, 0]
         inside = exclusive.gather(-1, safe[lo:hi, None])[:, 0] < top_p + nucleus_slack
         gap = torch.where(inside & in_vocab[lo:hi], best - claimed_score, torch.full_like(best, math.inf))
