@@ -207,6 +207,7 @@ class Batch:
         reward_mean: mean reward over the fresh groups examined (selected + zero-advantage).
         pass_rate: fraction of those rollouts with ``task_reward == 1``.
         completion_len_mean: their mean completion length in tokens.
+        group_submissions: examined group → IDs of the submissions its rollouts came from.
     """
 
     step: int
@@ -218,11 +219,22 @@ class Batch:
     reward_mean: float = 0.0
     pass_rate: float = 0.0
     completion_len_mean: float = 0.0
+    group_submissions: dict[GroupKey, frozenset[str]] = field(default_factory=dict)
 
     @property
     def consumed_groups(self) -> list[GroupKey]:
         """Groups the store may retire after this step: trained, all-zero, or too stale to ever train."""
         return self.group_keys + self.zero_advantage_groups + self.stale_groups
+
+    @property
+    def consumed_submission_ids(self) -> list[str]:
+        """Submission IDs of :attr:`consumed_groups`, sorted (only on the rank that assembled the batch).
+
+        A submission answering several tasks may also hold groups this batch did not examine (the
+        batch was full); a store that retires whole submissions loses those, a store that tracks
+        groups does not.
+        """
+        return sorted({sid for key in self.consumed_groups for sid in self.group_submissions.get(key, ())})
 
     @property
     def num_tokens(self) -> int:
@@ -293,6 +305,7 @@ def assemble_batch(
     for key, rows in groups.items():
         if len(batch.group_keys) >= num_groups:
             break
+        batch.group_submissions[key] = frozenset(r.submission_id for r in rows)
         steps = [r.policy_step for r in rows]
         if min(steps) < step - async_level:
             batch.stale_groups.append(key)

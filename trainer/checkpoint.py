@@ -94,12 +94,12 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _full_model_state(model: torch.nn.Module) -> dict[str, Any]:
     """Full (unsharded) CPU state dict on rank 0; empty on other ranks of a group. Collective."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def _write_policy(model: torch.nn.Module, state: dict[str, torch.Tensor], directory: Path, dtype: torch.dtype) -> list[Path]:
+def _write_policy(model: Any, state: dict[str, Any], directory: Path, dtype: torch.dtype) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items() if not (tied and k == TIED_HEAD)}
@@ -110,7 +110,9 @@ def _write_policy(model: torch.nn.Module, state: dict[str, torch.Tensor], direct
     return [cfg_path, model_path]
 
 
-def save_policy(model: torch.nn.Module, directory: Path, ctx: DistContext, *, dtype: torch.dtype = torch.float32) -> list[Path]:
+def save_policy(
+    model: torch.nn.Module, directory: Path, ctx: DistContext, *, dtype: torch.dtype = torch.float32, tokenizer: Any = None
+) -> list[Path]:
     """Write the full policy as ``config.json`` + ``model.safetensors`` (rank 0 writes). Collective.
 
     Args:
@@ -118,12 +120,20 @@ def save_policy(model: torch.nn.Module, directory: Path, ctx: DistContext, *, dt
         directory: created if missing; existing files of the same names are replaced atomically.
         ctx: the distributed context.
         dtype: dtype of the written weights (the run spec's ``model.dtype``).
+        tokenizer: if given, its files are saved alongside (``save_pretrained``), so the directory
+            is a complete model directory for ``protocol.models.load_model`` / ``load_tokenizer``.
 
     Returns:
-        The written paths on rank 0; ``[]`` on other ranks.
+        The written paths, sorted, on rank 0; ``[]`` on other ranks.
     """
     state = _full_model_state(model)
-    paths = _write_policy(model, state, Path(directory), dtype) if ctx.is_main else []
+    paths: list[Path] = []
+    if ctx.is_main:
+        directory = Path(directory)
+        paths = _write_policy(model, state, directory, dtype)
+        if tokenizer is not None:
+            paths += [Path(p) for p in tokenizer.save_pretrained(str(directory)) if Path(p).is_file()]
+        paths = sorted(set(paths))
     if ctx.distributed:
         dist.barrier()
     return paths
@@ -176,7 +186,7 @@ def save_training_state(
     root = Path(root)
     final = root / f"step-{step:08d}"
     model_state = _full_model_state(model)
-    optim_state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    optim_state: Any = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     rng = _rng_states(ctx)
     if ctx.is_main:
         try:
@@ -277,8 +287,8 @@ def load_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
             raise StateError("'latest' names no complete state directory", str(path))
         path = found
     meta: dict[str, Any] = {}
-    model_sd: dict[str, torch.Tensor] = {}
-    optim_sd: dict[str, Any] = {}
+    model_sd: dict[str, Any] = {}
+    optim_sd: Any = {}
     rng: dict[str, torch.Tensor] = {}
     error: StateError | None = None
     if ctx.is_main:

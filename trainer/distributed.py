@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from trainer.batch import Batch, RolloutRecord, TrainSequence
 
@@ -40,8 +41,8 @@ class DistContext:
 
     rank: int = 0
     world_size: int = 1
-    device: torch.device = torch.device("cpu")
-    mesh: object | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    mesh: DeviceMesh | None = None
 
     @property
     def distributed(self) -> bool:

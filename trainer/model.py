@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from trainer.batch import MicroBatch
-from trainer.errors import StateError
 
 logger = logging.getLogger(__name__)
 
@@ -55,34 +55,34 @@ def build_model(source: str | Path | Qwen2Config, *, seed: int | None = None) ->
     """A float32 Qwen2 policy in training mode.
 
     Args:
-        source: a local directory holding ``config.json`` and ``*.safetensors`` (loaded with
-            safetensors only, never pickle), or a ``Qwen2Config`` for fresh weights.
+        source: a local directory holding ``config.json`` and ``*.safetensors`` (loaded by
+            ``protocol.models.load_model``, the loader every role shares: safetensors only, tied
+            embeddings re-tied), or a ``Qwen2Config`` for fresh weights.
         seed: seeds torch's RNG before initialising fresh weights (ignored for a directory).
 
     Returns:
-        The model, on CPU, float32, ``train()`` mode.
+        The model, on CPU, float32, sdpa attention, ``train()`` mode.
 
     Raises:
-        StateError: the directory lacks ``config.json`` or safetensors weights.
+        protocol.models.ModelLoadError: the directory lacks a config or weights, or they do not match.
     """
     if isinstance(source, Qwen2Config):
         if seed is not None:
             torch.manual_seed(seed)
-        if getattr(source, "_attn_implementation", None) is None:
-            source._attn_implementation = "sdpa"
+        source._attn_implementation = "sdpa"
         model = Qwen2ForCausalLM(source)
     else:
-        d = Path(source)
-        if not (d / "config.json").is_file() or not any(d.glob("*.safetensors")):
-            raise StateError("expected config.json and *.safetensors", str(d))
-        model = Qwen2ForCausalLM.from_pretrained(d, dtype=torch.float32, use_safetensors=True, attn_implementation="sdpa")
+        from protocol.models import load_model
+
+        model = load_model(Path(source), dtype=torch.float32)  # type: ignore[assignment]
+        model.config._attn_implementation = "sdpa"
     model.to(torch.float32)
     model.config.use_cache = False
     model.train()
     return model
 
 
-def shard_model(model: Qwen2ForCausalLM, mesh: object, *, compute_dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh | None, *, compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Apply FSDP2 in place: ``fully_shard`` per decoder layer, then the root.
 
     Args:
@@ -96,7 +96,7 @@ def shard_model(model: Qwen2ForCausalLM, mesh: object, *, compute_dtype: torch.d
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
+    for layer in model.model.layers:  # type: ignore[union-attr]
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model

@@ -312,8 +312,8 @@ class Trainer:
             ratio_mean=means["ratio_mean"],
             entropy_mean=means["entropy_mean"],
             kl_mean=means["kl_mean"],
-            loss_tokens=int(round(means["loss_tokens"])),
-            tokens=int(round(totals.get("tokens_fwd", 0.0))),
+            loss_tokens=round(means["loss_tokens"]),
+            tokens=round(totals.get("tokens_fwd", 0.0)),
             tokens_per_s=totals.get("tokens_fwd", 0.0) / elapsed if elapsed > 0 else 0.0,
             step_time_s=elapsed,
             micro_batches=sum(len(r) for r in slices),
@@ -347,15 +347,15 @@ class Trainer:
         self.optimizer_steps += 1
         return value
 
-    def save_checkpoint(self, directory: Path, *, dtype: torch.dtype = torch.float32) -> list[Path]:
-        """Write the current policy as ``config.json`` + ``model.safetensors`` for publishing.
-
-        Collective; rank 0 gathers the full weights (CPU offload) and writes.
+    def save_checkpoint(self, directory: Path, *, dtype: torch.dtype = torch.float32, tokenizer: Any = None) -> list[Path]:
+        """Write the current policy as ``config.json`` + ``model.safetensors`` (+ the tokenizer's
+        files when given) for publishing. Collective; rank 0 gathers the full weights (CPU
+        offload) and writes.
 
         Returns:
-            The two written paths on rank 0, ``[]`` elsewhere.
+            The written paths, sorted, on rank 0; ``[]`` elsewhere.
         """
-        return save_policy(self.model, Path(directory), self.ctx, dtype=dtype)
+        return save_policy(self.model, Path(directory), self.ctx, dtype=dtype, tokenizer=tokenizer)
 
     def save_state(self, root: Path, data_position: dict[str, Any] | None = None, *, keep: int = 2) -> Path:
         """Save weights, optimizer state, step counters, RNG states and ``data_position`` under
@@ -388,4 +388,3 @@ class Trainer:
         self.step = info["step"]
         self.optimizer_steps = info["optimizer_steps"]
         return dict(info["data_position"])
-

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import trainer_toy as toy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import trainer_toy as toy
 from trainer.advantages import compute_group_advantages, group_advantages
 from trainer.batch import RolloutRecord, assemble_batch
 from trainer.errors import NotEnoughRolloutsError
@@ -83,6 +83,7 @@ def test_zero_advantage_groups_are_dropped_whole() -> None:
     assert batch.reward_mean == pytest.approx(0.75)  # over examined fresh groups: 1, 1, 1, 0
     assert batch.pass_rate == pytest.approx(0.75)
     assert ("all-one", 1) in batch.consumed_groups and ("all-zero", 3) not in batch.consumed_groups
+    assert batch.consumed_submission_ids == ["s-all-one-1", "s-mixed-2"]
 
     with pytest.raises(NotEnoughRolloutsError) as e:
         assemble_batch(recs, step=0, async_level=0, group_size=2, num_groups=2, adv_eps=1e-4)
@@ -103,5 +104,5 @@ def test_advantages_do_not_depend_on_order(rnd) -> None:
     rnd.shuffle(shuffled)
     a = assemble_batch(recs, step=0, async_level=0, group_size=toy.GROUP, num_groups=4, adv_eps=1e-4)
     b = assemble_batch(shuffled, step=0, async_level=0, group_size=toy.GROUP, num_groups=4, adv_eps=1e-4)
-    key = lambda s: (s.record.task_key, s.record.sample)  # noqa: E731
+    key = lambda s: (s.record.task_key, s.record.sample)
     assert {key(s): s.advantage for s in a.sequences} == {key(s): s.advantage for s in b.sequences}

@@ -19,10 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trainer.batch import Batch, RolloutRecord, assemble_batch  # noqa: E402
-from trainer.loss import LossConfig  # noqa: E402
-from trainer.model import build_model, tiny_qwen2_config  # noqa: E402
-from trainer.train import Trainer, TrainerConfig  # noqa: E402
+from trainer.batch import Batch, RolloutRecord, assemble_batch
+from trainer.loss import LossConfig
+from trainer.model import build_model, tiny_qwen2_config
+from trainer.train import Trainer, TrainerConfig
 
 VOCAB = 32
 GROUP = 4
@@ -67,14 +67,14 @@ def toy_batch(seed: int, step: int) -> Batch:
 
 
 def toy_trainer_config(**kw) -> TrainerConfig:
-    base = dict(
-        learning_rate=1e-3,
-        warmup_steps=2,
-        max_grad_norm=0.1,
-        loss=LossConfig(norm_tokens=64.0),
-        micro_batch_tokens=24,
-        optimizer_steps_per_batch=2,
-    )
+    base = {
+        "learning_rate": 1e-3,
+        "warmup_steps": 2,
+        "max_grad_norm": 0.1,
+        "loss": LossConfig(norm_tokens=64.0),
+        "micro_batch_tokens": 24,
+        "optimizer_steps_per_batch": 2,
+    }
     base.update(kw)
     return TrainerConfig(**base)
 
