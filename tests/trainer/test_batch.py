@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 import trainer_toy as toy
+
 from protocol.messages import Rollout, Submission, SubmissionTask
 from trainer.batch import (
     MicroBatch,

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import trainer_toy as toy
 from safetensors.torch import load_file
 
-import trainer_toy as toy
 from trainer.checkpoint import latest_state_dir
 from trainer.train import Trainer
 

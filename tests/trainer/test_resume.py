@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import trainer_toy as toy
+
 from trainer.checkpoint import STATE_FILE, latest_state_dir
 from trainer.errors import StateError
 from trainer.model import build_model, tiny_qwen2_config

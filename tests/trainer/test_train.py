@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import trainer_toy as toy
-from protocol.runspec import RLSpec, RunSpec, RunInfo, SamplingSpec
+
+from protocol.runspec import RLSpec, RunInfo, RunSpec, SamplingSpec
 from trainer.train import Trainer, TrainerConfig
 
 PEER = "12D3KooW" + "A" * 44
