@@ -14,6 +14,7 @@ import torch
 import trainer_toy as toy
 from safetensors.torch import load_file
 
+from trainer.batch import pack_sequences, shard_sequences
 from trainer.checkpoint import latest_state_dir
 from trainer.train import Trainer
 
@@ -56,11 +57,14 @@ def _run_two_ranks(out: Path) -> None:
 def test_two_gloo_ranks_match_one_process(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     _run_two_ranks(tmp_path)
-    dist_losses = json.loads((tmp_path / "metrics.json").read_text())["losses"]
+    result = json.loads((tmp_path / "metrics.json").read_text())
+    dist_losses = result["losses"]
     dist_params = load_file(str(tmp_path / "params.safetensors"))
 
     ref = Trainer(toy.toy_model(seed=7), toy.toy_trainer_config())  # rank 0 of the group built seed 7
-    ref_losses = [ref.train_step(toy.toy_batch(seed=s, step=s)).loss for s in range(2)]
+    ref_losses = [ref.train_step(b).loss for b in toy.toy_batches()]
+    uneven = toy.toy_batches()[-1].slices(2)[0]
+    assert [len(pack_sequences(shard_sequences(uneven, 2, r), 24)) for r in range(2)] == [2, 1]  # rank 1 pads
     assert dist_losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-7)
     ref_params = toy.params_of(ref)
     assert set(dist_params) == set(ref_params)
@@ -78,8 +82,8 @@ def test_two_gloo_ranks_match_one_process(tmp_path: Path) -> None:
     assert state_dir is not None
     fresh = Trainer(toy.toy_model(seed=99), toy.toy_trainer_config())
     fresh.load_state(state_dir)
-    assert fresh.step == ref.step == 2
-    assert fresh.optimizer_steps == ref.optimizer_steps == 4
+    assert fresh.step == ref.step == 3
+    assert fresh.optimizer_steps == ref.optimizer_steps == 6
     ref_opt = {n: ref.optimizer.state[p] for n, p in ref.model.named_parameters()}
     for n, p in fresh.model.named_parameters():
         for key in ("exp_avg", "exp_avg_sq", "step"):

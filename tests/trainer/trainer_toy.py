@@ -66,6 +66,35 @@ def toy_batch(seed: int, step: int) -> Batch:
     return assemble_batch(toy_records(seed, step), step=step, async_level=1, group_size=GROUP, num_groups=4, adv_eps=1e-4)
 
 
+def toy_uneven_batch(step: int) -> Batch:
+    """Two groups whose sequences (20, 20, 20, 3 tokens) split over 2 ranks as 2 rows vs 1 row at
+    24 tokens per row: the second rank must run a padding row."""
+    rng = np.random.default_rng(100 + step)
+    recs = [
+        RolloutRecord(
+            submission_id=f"uneven{g}",
+            worker="w",
+            policy_step=step,
+            task_key=f"uneven{g}",
+            group_seed=g,
+            sample=i,
+            prompt_ids=rng.integers(3, VOCAB, 2),
+            completion_ids=rng.integers(3, VOCAB, n - 2),
+            logprobs=np.zeros(n - 2, np.float32),
+            reward=float(i % 2),
+            task_reward=float(i % 2),
+        )
+        for g in range(2)
+        for i, n in enumerate((20, 20, 20, 3))
+    ]
+    return assemble_batch(recs, step=step, async_level=0, group_size=GROUP, num_groups=2, adv_eps=1e-4)
+
+
+def toy_batches() -> list[Batch]:
+    """The batches of the FSDP parity run (the last one forces padding rows)."""
+    return [toy_batch(seed=0, step=0), toy_batch(seed=1, step=1), toy_uneven_batch(step=2)]
+
+
 def toy_trainer_config(**kw) -> TrainerConfig:
     base = {
         "learning_rate": 1e-3,
@@ -96,18 +125,18 @@ def _fsdp(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     ctx = init_distributed("gloo")
     trainer = Trainer(toy_model(seed=ctx.rank + 7), toy_trainer_config(), ctx)  # rank 0's weights win
-    losses = []
-    for step in range(2):
-        batch = toy_batch(seed=step, step=step) if ctx.is_main else None
-        m = trainer.train_step(broadcast_batch(batch, ctx))
+    losses, rows = [], []
+    for b in toy_batches():
+        m = trainer.train_step(broadcast_batch(b if ctx.is_main else None, ctx))
         losses.append(m.loss)
+        rows.append(m.micro_batches)
     out = Path(args.out)
     params = params_of(trainer)
     trainer.save_checkpoint(out / "ckpt")
     state_dir = trainer.save_state(out / "state", {"rank_written": ctx.rank})
     if ctx.is_main:
         save_file(params, str(out / "params.safetensors"))
-        (out / "metrics.json").write_text(json.dumps({"losses": losses, "state_dir": str(state_dir)}))
+        (out / "metrics.json").write_text(json.dumps({"losses": losses, "micro_batches": rows, "state_dir": str(state_dir)}))
 
 
 def _resume(args: argparse.Namespace) -> None:
