@@ -141,7 +141,9 @@ def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def philox4x32(
-    counter: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], key: tuple[torch.Tensor, torch.Tensor], rounds: int = 10
+    counter: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    key: tuple[torch.Tensor, torch.Tensor],
+    rounds: int = 10,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Philox4x32 (Random123) on int64 tensors holding 32-bit words.
 
@@ -209,7 +211,9 @@ def _nucleus_exclusive_mass(z: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(exclusive).scatter_(-1, order, exclusive)
 
 
-def _scores(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _scores(
+    logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tempered logits ``z``, unmasked perturbed scores ``z + g``, the same with −inf outside the
     nucleus, and the exclusive nucleus mass (zeros when ``top_p == 1``), all ``[B, V]`` float64."""
     z = logits.to(torch.float64) / temperature  # [B, V]
@@ -222,7 +226,9 @@ def _scores(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, 
     return z, raw, scores, exclusive
 
 
-def sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row by seeded Gumbel-max (rule in the module docstring).
 
     Args:
@@ -346,7 +352,9 @@ def replay_check(
     problems = []
     if hard:
         first = int(torch.nonzero(differs & (gap > eps))[0, 0])
-        problems.append(f"{hard} sampled tokens differ from the replay beyond eps={eps} (first at position {start_position + first})")
+        problems.append(
+            f"{hard} sampled tokens differ from the replay beyond eps={eps} (first at position {start_position + first})"
+        )
     if near > allowed:
         problems.append(f"{near} near-tie mismatches > {allowed} allowed")
     return ReplayResult(recomputed, margin, gap, hard, near, allowed, ok=not problems, reason="; ".join(problems))
@@ -394,7 +402,7 @@ def termination_check(
         A :class:`TerminationResult`.
     """
     toks = [int(t) for t in torch.as_tensor(tokens).reshape(-1).tolist()]
-    eos = set(int(e) for e in eos_token_ids)
+    eos = {int(e) for e in eos_token_ids}
     if not toks:
         return TerminationResult(False, math.nan, "empty completion")
     if len(toks) > max_tokens:

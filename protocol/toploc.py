@@ -14,9 +14,10 @@ Per chunk of ``chunk_size`` rows of a ``[T, H]`` bfloat16 tensor (normative, ``d
 3. The unique polynomial ``P`` of degree < k over GF(65497) with ``P(x_i mod m) ≡ y_i``.
 4. Bytes: ``u16be(m) || u16be(c_0) || … || u16be(c_{k-1})`` (ascending degree), 2 + 2k bytes.
 
-All GF(p) arithmetic is vectorised over points and chunks: powers by doubling, the master
-polynomial ``∏(x − x_i)`` by a tree of batched convolutions, and every O(k²) sum as a float64
-matrix product, which is exact because each sum stays below 2^53 (k · p² < 2^46 for k ≤ 4096).
+All GF(p) arithmetic is vectorised over points and chunks: powers through discrete log/exp
+tables, the master polynomial ``∏(z − x_i)`` by a tree of batched convolutions, evaluation and
+power sums by baby-step/giant-step matrix products, and every O(k²) sum as a float64 matrix
+product, exact because each sum stays below 2^53 (k · (p+1)² < 2^46 for k ≤ 4096).
 
 Which rows a completion commits is fixed by :func:`rows_for_completion`.
 """
@@ -212,7 +213,7 @@ def _powers(x: IntArray, exps: FloatArray) -> FloatArray:
     log, exp, _ = _log_tables()
     t = log[x].astype(np.float64)[..., None] * exps  # [..., n, len(exps)]
     r = t - np.floor(t * (1.0 / _ORDER)) * _ORDER
-    pw = exp[r.astype(np.intp)]
+    pw: FloatArray = exp[r.astype(np.intp)]
     zero = x == 0
     if zero.any():  # 0^0 = 1, 0^e = 0
         pw[zero] = np.where(exps == 0, 1.0, 0.0)
@@ -229,7 +230,8 @@ def _bsgs_powers(x: IntArray, k: int) -> tuple[FloatArray, FloatArray]:
     """``x [..., n]`` → baby powers ``x^0 … x^(b-1)`` ``[..., n, b]`` and giant powers
     ``x^0, x^b, …, x^(b(g-1))`` ``[..., n, g]`` for :func:`_split` ``(b, g)`` of ``k``."""
     b, g = _split(k)
-    return _powers(x, np.arange(b, dtype=np.float64)), _powers(x, np.arange(g, dtype=np.float64) * b)
+    both = _powers(x, np.concatenate([np.arange(b, dtype=np.float64), np.arange(g, dtype=np.float64) * b]))
+    return both[..., :b], both[..., b:]
 
 
 def _matvec(mat: FloatArray, vec: FloatArray) -> FloatArray:
@@ -237,9 +239,9 @@ def _matvec(mat: FloatArray, vec: FloatArray) -> FloatArray:
     return _reduce(np.matmul(mat, vec[..., None])[..., 0])
 
 
-def _master_poly(x: IntArray) -> FloatArray:
+def _master_poly_tree(x: IntArray) -> FloatArray:
     """``x [C, k]`` residues → ``[C, k+1]`` coefficients (ascending, representatives in ``[0, p]``)
-    of ∏(z − x_i) mod p.
+    of ∏(z − x_i) mod p (used once per k to build :func:`_vandermonde_inverse`).
 
     A balanced tree: the first level forms ``(z − r0)(z − r1)`` directly; each further level
     multiplies neighbouring polynomials as a batched product of a sliding-window (Toeplitz) view
@@ -270,6 +272,42 @@ def _master_poly(x: IntArray) -> FloatArray:
     return polys[:, 0, : k + 1]
 
 
+@functools.cache
+def _vandermonde_inverse(k: int) -> FloatArray:
+    """``[k+1, k+1]`` float64 inverse mod p of the Vandermonde matrix of the points ``0 … k``:
+    row ``e``, column ``j`` is the coefficient of ``z^e`` in the Lagrange basis polynomial of point j."""
+    pts = np.tile(np.arange(k + 1, dtype=np.int64), (k + 1, 1))  # [k+1, k+1]
+    master = _master_poly_tree(pts)  # [k+1, k+2], all rows equal
+    basis = np.eye(k + 1, dtype=np.int64)
+    coeffs = _interpolate_with_master(pts, basis, master)  # [k+1 (basis j), k+1 (degree e)]
+    return np.ascontiguousarray(coeffs.T).astype(np.float64)
+
+
+@functools.cache
+def _log_diff_table() -> npt.NDArray[np.int32]:
+    """``[2p]`` int32 with entry ``d + p`` = log of ``d mod p`` for ``d ≠ 0`` (entry p unused, 0)."""
+    log = _log_tables()[0].astype(np.int32)
+    return np.concatenate([log, np.zeros(1, dtype=np.int32), log[1:]])
+
+
+def _master_poly(x: IntArray) -> FloatArray:
+    """``x [C, k]`` residues → ``[C, k+1]`` coefficients (representatives in ``[0, p]``) of
+    ``M(z) = ∏(z − x_i)`` mod p.
+
+    Evaluates ``M`` at the fixed points ``j = 0 … k`` through discrete logs
+    (``M(j) = g^(Σ_i log(j − x_i))``, zero where ``j`` is one of the ``x_i``) and maps the values
+    to coefficients with the precomputed inverse Vandermonde matrix of those points.
+    """
+    k = x.shape[1]
+    _, exp, _ = _log_tables()
+    pts = np.arange(k + 1, dtype=np.int64)
+    logs = _log_diff_table()[pts[None, :, None] - x[:, None, :] + FIELD_PRIME].sum(axis=-1, dtype=np.int64)  # [C, k+1]
+    values = exp[logs % _ORDER]  # M(j), [C, k+1]
+    hit_rows, hit_cols = np.nonzero(x <= k)
+    values[hit_rows, x[hit_rows, hit_cols]] = 0.0  # j = x_i is a root
+    return _reduce(np.matmul(values, _vandermonde_inverse(k).T))
+
+
 def _interpolate_batch(x: IntArray, y: IntArray) -> IntArray:
     """Lagrange interpolation over GF(p), batched.
 
@@ -285,10 +323,14 @@ def _interpolate_batch(x: IntArray, y: IntArray) -> IntArray:
     by ``z − x_i``, summed over i): baby-step/giant-step products for ``M'(x_i)`` and ``v``, and one
     mat-vec with a Hankel view of ``a``.
     """
+    return _interpolate_with_master(x, y, _master_poly(x))
+
+
+def _interpolate_with_master(x: IntArray, y: IntArray, a: FloatArray) -> IntArray:
+    """:func:`_interpolate_batch` given the coefficients ``a [C, k+1]`` of ``∏(z − x_i)``."""
     c, k = x.shape
     log, _, exp_int = _log_tables()
     baby, giant = _bsgs_powers(x, k)  # [C, k, b], [C, k, g]
-    a = _master_poly(x)  # [C, k+1]
     d_master = _reduce(a[:, 1:] * np.arange(1, k + 1, dtype=np.float64))  # M' coefficients, [C, k]
     m_prime = _exact(_evaluate_float(d_master, baby, giant))  # M'(x_i) ≠ 0 for distinct x, [C, k]
     weights = exp_int[(-log[m_prime]) % _ORDER]  # 1 / M'(x_i), [C, k]
@@ -492,7 +534,9 @@ def _check_hidden(hidden: torch.Tensor, chunk_size: int, topk: int) -> None:
         raise ToplocError("hidden has no rows: a completion has at least one token")
     last_rows = t - (math.ceil(t / chunk_size) - 1) * chunk_size
     if last_rows * h < topk:
-        raise ToplocError(f"a chunk of {last_rows} rows x {h} holds fewer than topk={topk} entries (run spec: hidden_size >= topk)")
+        raise ToplocError(
+            f"a chunk of {last_rows} rows x {h} holds fewer than topk={topk} entries (run spec: hidden_size >= topk)"
+        )
 
 
 def _chunk_groups(hidden: torch.Tensor, chunk_size: int) -> list[torch.Tensor]:

@@ -22,7 +22,11 @@ def _t(*values: int) -> tuple[torch.Tensor, ...]:
     [  # Random123 kat_vectors, philox4x32 R=10
         ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
         ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-        ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0), (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+        (
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xA4093822, 0x299F31D0),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+        ),
     ],
 )
 def test_philox_known_answers(counter: tuple[int, ...], key: tuple[int, ...], expected: tuple[int, ...]) -> None:
@@ -100,7 +104,9 @@ def test_sample_is_batch_independent() -> None:
 
 def _generate(logits: torch.Tensor, seed: int, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
     n = logits.shape[0]
-    toks, _ = sampling.sample(logits, torch.full((n,), seed, dtype=torch.int64), torch.arange(n, dtype=torch.int64), temperature, top_p)
+    toks, _ = sampling.sample(
+        logits, torch.full((n,), seed, dtype=torch.int64), torch.arange(n, dtype=torch.int64), temperature, top_p
+    )
     return toks
 
 
@@ -208,7 +214,9 @@ def test_derive_sequence_seed_layout() -> None:
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.text(max_size=40), st.text(max_size=40), st.integers(0, 2**32 - 1))
+@given(
+    st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.text(max_size=40), st.text(max_size=40), st.integers(0, 2**32 - 1)
+)
 def test_derive_sequence_seed_is_injective_on_fields(run_seed: int, step: int, peer: str, task: str, idx: int) -> None:
     s = sampling.derive_sequence_seed(run_seed, step, peer, task, idx)
     assert 0 <= s < 2**63
@@ -223,7 +231,12 @@ def test_noise_bits_identical_on_gpu() -> None:
     pos = torch.randint(0, 2**40, (16,), dtype=torch.int64)
     key = (seeds[:, None] & 0xFFFFFFFF, (seeds[:, None] >> 32) & 0xFFFFFFFF)
     vocab = torch.arange(151_936, dtype=torch.int64)[None, :]
-    ctr = (vocab, pos[:, None] & 0xFFFFFFFF, (pos[:, None] >> 32) & 0xFFFFFFFF, torch.zeros_like(pos[:, None]) + sampling.COUNTER_TAG)
+    ctr = (
+        vocab,
+        pos[:, None] & 0xFFFFFFFF,
+        (pos[:, None] >> 32) & 0xFFFFFFFF,
+        torch.zeros_like(pos[:, None]) + sampling.COUNTER_TAG,
+    )
     cpu = sampling.philox4x32(ctr, key)
     gpu = sampling.philox4x32(tuple(c.cuda() for c in ctr), tuple(k.cuda() for k in key))  # type: ignore[arg-type]
     assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu))

@@ -229,7 +229,7 @@ def test_thresholds_are_parameters() -> None:
 def test_rows_for_completion() -> None:
     assert toploc.rows_for_completion(5, 3) == slice(4, 7)
     seq = list(range(10))
-    assert seq[toploc.rows_for_completion(1, 9)] == list(range(0, 9))
+    assert seq[toploc.rows_for_completion(1, 9)] == list(range(9))
     with pytest.raises(ValueError):
         toploc.rows_for_completion(0, 3)
 
@@ -286,7 +286,11 @@ def test_fuzz_malformed_and_mutated_proofs_never_crash() -> None:
             candidates.append(rng.integers(0, 256, size=258, dtype=np.uint8).tobytes())
         elif kind == 2:  # truncated or extended
             cut = int(rng.integers(0, 258))
-            candidates.append(good[:cut] if rng.random() < 0.5 else good + bytes(rng.integers(1, 50, dtype=np.uint8, size=int(rng.integers(1, 8)))))
+            candidates.append(
+                good[:cut]
+                if rng.random() < 0.5
+                else good + bytes(rng.integers(1, 50, dtype=np.uint8, size=int(rng.integers(1, 8))))
+            )
         elif kind == 3:  # modulus out of range
             candidates.append(int(rng.choice([0, int(rng.integers(P + 1, 1 << 16))])).to_bytes(2, "big") + good[2:])
         elif kind == 4:  # one coefficient pushed to >= p

@@ -137,7 +137,9 @@ def prefill(model: torch.nn.Module, pairs: list[tuple[list[int], list[int]]]) ->
 Verdict = tuple[bool, bool, list[toploc.ChunkResult]]
 
 
-def check_profiles(model: torch.nn.Module, rollouts: list[Rollout], profiles: dict[str, dict[str, float]], batch: int = 1) -> dict[str, list[Verdict]]:
+def check_profiles(
+    model: torch.nn.Module, rollouts: list[Rollout], profiles: dict[str, dict[str, float]], batch: int = 1
+) -> dict[str, list[Verdict]]:
     """Validator: per threshold profile, (TOPLOC ok, replay + log-prob ok, chunk results) per rollout."""
     out: dict[str, list[Verdict]] = {name: [] for name in profiles}
     for i in range(0, len(rollouts), batch):
