@@ -7,7 +7,9 @@ reference is installed, built from source against torch 2.13, e.g. ``/work/refen
 it times the reference's tensor path (``build_proofs_bytes`` / ``verify_proofs_bytes`` with
 ``skip_prefill=True``) on the same inputs in a subprocess and prints ours / reference ratios
 (< 1.0 means we are faster). Samples of both sides are interleaved (so load from other processes
-hits both alike); the minimum sample is reported, in microseconds per chunk. "equal proofs" counts byte-identical proofs; on Gaussian inputs a few differ because the
+hits both alike) and measured in process CPU time (``time.process_time``, so time spent
+descheduled on a busy machine does not count); the minimum sample is reported, in microseconds
+of CPU time per chunk. "equal proofs" counts byte-identical proofs; on Gaussian inputs a few differ because the
 reference's ``torch.topk`` breaks ties at the k-th magnitude arbitrarily, ours by lower index.
 
 Usage::
@@ -22,6 +24,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 import timeit
 from pathlib import Path
 
@@ -32,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from protocol import toploc
 
 _REFERENCE_SERVER = r"""
-import json, sys, timeit, torch
+import json, sys, time, timeit, torch
 import toploc
 cfg = json.loads(sys.argv[1])
 torch.set_num_threads(cfg["threads"])
@@ -51,7 +54,7 @@ for line in sys.stdin:
         fn = lambda: toploc.build_proofs_bytes(h, 32, 128, skip_prefill=True)
     else:
         fn = lambda: toploc.verify_proofs_bytes(h, proofs, 32, 128, skip_prefill=True)
-    print(json.dumps(timeit.timeit(fn, number=req["number"]) / req["number"]), flush=True)
+    print(json.dumps(timeit.timeit(fn, number=req["number"], timer=time.process_time) / req["number"]), flush=True)
 """
 """Runs in the reference's interpreter: prints its proofs, then times one request per stdin line."""
 
@@ -99,7 +102,9 @@ def main() -> None:
     for _ in range(args.repeat):  # interleave so load from other processes hits both sides alike
         for (key, op), fn in calls.items():
             n_chunks = -(-inputs[key].shape[0] // 32)
-            ours[(key, op)] = min(ours[(key, op)], timeit.timeit(fn, number=args.number) / args.number / n_chunks)
+            ours[(key, op)] = min(
+                ours[(key, op)], timeit.timeit(fn, number=args.number, timer=time.process_time) / args.number / n_chunks
+            )
             if server:
                 assert server.stdin and server.stdout
                 server.stdin.write(json.dumps({"shape": key, "op": op, "number": args.number}) + "\n")
@@ -111,7 +116,7 @@ def main() -> None:
         server.wait(timeout=60)
 
     print(
-        f"TOPLOC per-chunk time, µs (torch threads={args.threads}; min of {args.repeat} interleaved samples x {args.number} calls)"
+        f"TOPLOC per-chunk CPU time, µs (torch threads={args.threads}; min of {args.repeat} interleaved samples x {args.number} calls)"
     )
     header = f"{'shape':>12} {'op':>7} {'ours':>10}"
     if server:

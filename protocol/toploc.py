@@ -542,7 +542,7 @@ def _check_hidden(hidden: torch.Tensor, chunk_size: int, topk: int) -> None:
 def _chunk_groups(hidden: torch.Tensor, chunk_size: int) -> list[torch.Tensor]:
     """Split ``[T, H]`` into ``[C, chunk_size*H]`` int16 bit views of full chunks (+ the short one)."""
     t, h = hidden.shape
-    bits = hidden.contiguous().view(torch.int16)
+    bits = hidden.detach().contiguous().view(torch.int16)
     n_full = t // chunk_size
     groups = []
     if n_full:
@@ -583,12 +583,13 @@ def _select_topk(bits: torch.Tensor, k: int) -> tuple[IntArray, IntArray]:
             picks.append(np.concatenate([above, cols[rows == r][: k - above.size]]))
         chosen = np.stack(picks)
     else:
-        big = np.int64(1) << 62
-        key = np.where(vals > thresh, -1, np.where(vals == thresh, idx, big))  # above, then ties by index
-        order = np.argsort(key, axis=1, kind="stable")[:, :k]
-        chosen = np.take_along_axis(idx, order, axis=1)  # [C, k]
-    picked = torch.from_numpy(chosen).to(bits.device)
-    y = torch.gather(bits, 1, picked).cpu().numpy().astype(np.int64) & 0xFFFF
+        # Sort key: level (0 above the threshold, 1 tied, 2 below) * 2^40 + flat index.
+        level = (vals <= thresh).astype(np.int64) + (vals < thresh)
+        chosen = np.sort((level << 40) | idx, axis=1)[:, :k] & ((1 << 40) - 1)  # [C, k]
+    if bits.device.type == "cpu":
+        y = bits.numpy()[np.arange(chosen.shape[0])[:, None], chosen].astype(np.int64) & 0xFFFF
+    else:
+        y = torch.gather(bits, 1, torch.from_numpy(chosen).to(bits.device)).cpu().numpy().astype(np.int64) & 0xFFFF
     return chosen, y
 
 
