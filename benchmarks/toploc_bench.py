@@ -64,6 +64,42 @@ def _input(rows: int, hidden: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, hidden, generator=g).to(torch.bfloat16)  # same bits in both processes
 
 
+def _worker_overhead(batch: int, n_new: int) -> tuple[float, float]:
+    """Decode ``batch`` x ``n_new`` tokens with a tiny Qwen2 (hidden 128, 4 layers, vocab 4096,
+    KV cache, seeded sampling) and build the proofs of every sequence.
+
+    Returns:
+        ``(decode_s, proofs_s)``: seconds of CPU time for the decode loop and for the proofs.
+    """
+    import transformers
+
+    from protocol import sampling
+
+    cfg = transformers.Qwen2Config(
+        vocab_size=4096, hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    rows: list[torch.Tensor] = []
+    hook = model.model.norm.register_forward_hook(lambda _m, _i, out: rows.append(out[:, -1].detach()))
+    ids = torch.randint(1, 4096, (batch, 16))
+    seeds = torch.arange(batch, dtype=torch.int64)
+    start = time.process_time()
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        for i in range(n_new):
+            tok, _ = sampling.sample(out.logits[:, -1], seeds, torch.full((batch,), i, dtype=torch.int64))
+            if i + 1 < n_new:
+                out = model(input_ids=tok[:, None], cache=out.cache, use_cache=True)
+    decode_s = time.process_time() - start
+    hook.remove()
+    hidden = torch.stack(rows[:n_new], dim=1).to(torch.bfloat16)  # [B, N, H]
+    start = time.process_time()
+    for b in range(batch):
+        toploc.build_proofs(hidden[b])
+    return decode_s, time.process_time() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, nargs="+", default=[5120, 896], help="hidden sizes H (rows = 32 per chunk)")
@@ -72,6 +108,7 @@ def main() -> None:
     parser.add_argument("--number", type=int, default=20, help="calls per timing sample")
     parser.add_argument("--repeat", type=int, default=15, help="samples per side, interleaved ours/reference (minimum reported)")
     parser.add_argument("--reference-python", default=None, help="interpreter with toploc==0.1.6 installed")
+    parser.add_argument("--worker-tokens", type=int, default=128, help="tokens per sequence for the worker-overhead run; 0: skip")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -129,6 +166,12 @@ def main() -> None:
             same = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
             line += f" {ref[(key, op)] * 1e6:>13.1f} {mine / ref[(key, op)]:>6.2f}x {same:>13}"
         print(line)
+    if args.worker_tokens > 0:
+        decode_s, proofs_s = _worker_overhead(8, args.worker_tokens)
+        print(
+            f"worker (tiny Qwen2, 8 x {args.worker_tokens} tokens): decode {decode_s * 1e3:.0f} ms CPU, "
+            f"proofs {proofs_s * 1e3:.1f} ms CPU = {100 * proofs_s / decode_s:.2f}% of decode"
+        )
 
 
 if __name__ == "__main__":
