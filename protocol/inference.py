@@ -66,15 +66,15 @@ def forward(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=cache,
+        cache=cache,
         use_cache=use_cache,
     )
     hidden = out.last_hidden_state  # [B, T, H], already through the final RMSNorm
     if not with_logits:
-        return ForwardOut(hidden=hidden, logits=hidden.new_empty(0), cache=out.past_key_values if use_cache else None)
+        return ForwardOut(hidden=hidden, logits=hidden.new_empty(0), cache=out.cache if use_cache else None)
     h = hidden if logits_positions is None else hidden[:, logits_positions]
     logits = model.lm_head(h).float()  # [B, T', V]
-    return ForwardOut(hidden=hidden, logits=logits, cache=out.past_key_values if use_cache else None)
+    return ForwardOut(hidden=hidden, logits=logits, cache=out.cache if use_cache else None)
 
 
 def pad_left(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,53 @@
+"""A small aiohttp server for a role's ``/status`` (JSON) and ``/metrics`` (Prometheus)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+
+class StatusServer:
+    """Serves ``GET /status`` from ``status()`` and ``GET /metrics`` from ``registry`` on 127.0.0.1 by default.
+
+    Args:
+        status: returns the JSON-ready status dict.
+        registry: the role's Prometheus registry.
+        host: interface, port: TCP port (0: any).
+    """
+
+    def __init__(self, status: Callable[[], dict[str, Any]], registry: CollectorRegistry, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.status = status
+        self.registry = registry
+        self.host = host
+        self.port = port
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/status", self._status)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.status(), dumps=lambda o: json.dumps(o, default=str))
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,0 +1,84 @@
+"""The validator's memory: which (worker, counter) pairs it has judged, and each worker's reputation."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from pathlib import Path
+
+from protocol.verdicts import is_cheat
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS judged (
+    worker TEXT NOT NULL,
+    counter INTEGER NOT NULL,
+    submission_id TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    PRIMARY KEY (worker, counter, submission_id)
+);
+CREATE TABLE IF NOT EXISTS reputation (
+    worker TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    n INTEGER NOT NULL,
+    PRIMARY KEY (worker, reason)
+);
+"""
+
+
+class Ledger:
+    """Judged submissions and per-worker verdict counts, in SQLite under ``path`` (survives restarts).
+
+    Args:
+        path: the database file.
+    """
+
+    def __init__(self, path: Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def counter_seen(self, worker: str, counter: int, submission_id: str) -> bool:
+        """Whether ``worker`` used ``counter`` in a *different* submission already judged (a replay)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT 1 FROM judged WHERE worker = ? AND counter = ? AND submission_id != ? LIMIT 1", (worker, counter, submission_id)
+            ).fetchone()
+        return row is not None
+
+    def already_judged(self, submission_id: str) -> str | None:
+        """The reason this validator gave ``submission_id`` before, if any."""
+        with self._lock:
+            row = self._db.execute("SELECT reason FROM judged WHERE submission_id = ? LIMIT 1", (submission_id,)).fetchone()
+        return row[0] if row else None
+
+    def record(self, worker: str, counter: int, submission_id: str, reason: str) -> None:
+        """Remember a verdict and count it in the worker's reputation."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.execute("INSERT OR IGNORE INTO judged (worker, counter, submission_id, reason) VALUES (?, ?, ?, ?)",
+                             (worker, counter, submission_id, reason))
+            self._db.execute("INSERT INTO reputation (worker, reason, n) VALUES (?, ?, 1) ON CONFLICT(worker, reason) DO UPDATE SET n = n + 1",
+                             (worker, reason))
+            self._db.execute("COMMIT")
+
+    def reputation(self) -> dict[str, dict[str, int]]:
+        """Per worker: verdict counts by reason (``ok`` for accepted)."""
+        with self._lock:
+            rows = self._db.execute("SELECT worker, reason, n FROM reputation").fetchall()
+        out: dict[str, dict[str, int]] = {}
+        for worker, reason, n in rows:
+            out.setdefault(worker, {})[reason] = int(n)
+        return out
+
+    def score(self, worker: str) -> float:
+        """A reputation in [0, 1]: accepted / judged, with cheating counted ten times."""
+        counts = self.reputation().get(worker, {})
+        ok = counts.get("ok", 0)
+        bad = sum(n * (10 if is_cheat(r) else 1) for r, n in counts.items() if r != "ok")
+        return ok / (ok + bad) if ok + bad else 1.0
