@@ -317,7 +317,11 @@ class ThreadBridge(TrioBridge):
 
     async def _joined(self, timeout_s: float) -> None:
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, timeout_s)
+            # the trio run is over, so the thread is on its way out: poll rather than park an
+            # executor thread in join()
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            while self._thread.is_alive() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.005)
             if self._thread.is_alive():
                 logger.warning("trio thread %s still alive after %.1f s", self._name, timeout_s)
 
