@@ -1,0 +1,257 @@
+"""The live peer table: what each node's latest signed record says, and when it was last heard.
+
+Fed by the gossip layer with verified records and checkpoint announcements; read by the roles
+(which relays hold step N, who validates, what the latest step is). A peer is *alive* while its
+last record arrived less than ``missed_heartbeats × heartbeat_interval_s`` seconds ago; dead
+peers are hidden from every query and dropped from the table after ten times that.
+
+Plain object, no I/O: use it from one thread (the asyncio loop).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from protocol.identity import PeerId
+from protocol.messages import CheckpointAnnouncement, Hardware, NodeRecord, Role
+
+FORGET_AFTER_DEAD_FACTOR = 10
+"""A peer silent for this many expiry windows is removed from the table altogether."""
+
+
+@dataclass
+class PeerInfo:
+    """One peer as its latest record describes it.
+
+    Attributes:
+        peer_id: the peer's ID (also its record's signer).
+        role: what it says it does (``coordinator`` and ``validator`` claims are key-checked).
+        http_url: its HTTP endpoint (relays, coordinator origin), or ``""``.
+        addrs: its libp2p multiaddrs.
+        version: its software version.
+        policy_step: the policy step it works with (−1: none).
+        held_steps: checkpoint steps it serves (relays).
+        hardware: what it reports about its machine (not verified).
+        seq: heartbeat sequence number of the record.
+        ts_ms: the record's signed timestamp, milliseconds since the epoch.
+        first_seen: local monotonic time of its first record, seconds.
+        last_seen: local monotonic time of its latest record, seconds.
+    """
+
+    peer_id: PeerId
+    role: Role
+    http_url: str
+    addrs: list[str]
+    version: str
+    policy_step: int
+    held_steps: list[int]
+    hardware: Hardware | None
+    seq: int
+    ts_ms: int
+    first_seen: float
+    last_seen: float = field(default=0.0)
+
+    def to_json(self, now: float) -> dict[str, object]:
+        """A JSON-ready dict (``last_seen_s``: seconds since its latest record)."""
+        return {
+            "peer_id": self.peer_id,
+            "role": self.role,
+            "http_url": self.http_url,
+            "addrs": list(self.addrs),
+            "version": self.version,
+            "policy_step": self.policy_step,
+            "held_steps": list(self.held_steps),
+            "hardware": self.hardware.model_dump() if self.hardware is not None else None,
+            "seq": self.seq,
+            "last_seen_s": round(max(0.0, now - self.last_seen), 3),
+        }
+
+
+class PeerTable:
+    """Live view of the run's peers (see the module docstring).
+
+    Args:
+        heartbeat_interval_s: the run's heartbeat interval, seconds.
+        missed_heartbeats: intervals of silence after which a peer is dead.
+        coordinator: the run's coordinator peer ID (its records and announcements set the latest step).
+        clock: monotonic clock, seconds.
+    """
+
+    def __init__(
+        self,
+        heartbeat_interval_s: float,
+        *,
+        missed_heartbeats: int = 3,
+        coordinator: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.expiry_s = missed_heartbeats * heartbeat_interval_s
+        self.coordinator_id = coordinator
+        self._clock = clock
+        self._peers: dict[str, PeerInfo] = {}
+        self._announced_step: int | None = None
+        self._announcement: CheckpointAnnouncement | None = None
+
+    # --- updates (from the gossip layer) -----------------------------------------------------
+
+    def update(self, record: NodeRecord, ts_ms: int) -> bool:
+        """Apply a verified record signed at ``ts_ms``; older or equal records are ignored.
+
+        Records are ordered by ``(ts_ms, seq)``, so a restarted node (``seq`` from 0 again) is
+        taken back as soon as its clock moved on.
+
+        Returns:
+            Whether the peer is new or was dead before this record.
+        """
+        now = self._clock()
+        old = self._peers.get(record.peer_id)
+        if old is not None and (ts_ms, record.seq) <= (old.ts_ms, old.seq):
+            return False
+        revived = old is None or not self._alive(old, now)
+        self._peers[record.peer_id] = PeerInfo(
+            peer_id=PeerId(record.peer_id),
+            role=record.role,
+            http_url=record.http_url,
+            addrs=list(record.addrs),
+            version=record.version,
+            policy_step=record.policy_step,
+            held_steps=sorted(set(record.held_steps)),
+            hardware=record.hardware,
+            seq=record.seq,
+            ts_ms=ts_ms,
+            first_seen=now if revived or old is None else old.first_seen,
+            last_seen=now,
+        )
+        return revived
+
+    def note_announcement(self, announcement: CheckpointAnnouncement) -> bool:
+        """Record a verified checkpoint announcement; returns whether it raised the latest step."""
+        if self._announced_step is None or announcement.step > self._announced_step:
+            self._announced_step = announcement.step
+            self._announcement = announcement
+            return True
+        return False
+
+    def remove(self, peer_id: str) -> None:
+        """Forget a peer now (e.g. banned)."""
+        self._peers.pop(peer_id, None)
+
+    def prune(self) -> list[str]:
+        """Drop peers dead for ``FORGET_AFTER_DEAD_FACTOR`` expiry windows; returns their IDs."""
+        cutoff = self._clock() - FORGET_AFTER_DEAD_FACTOR * self.expiry_s
+        gone = [p.peer_id for p in self._peers.values() if p.last_seen < cutoff]
+        for peer_id in gone:
+            del self._peers[peer_id]
+        return gone
+
+    # --- queries -----------------------------------------------------------------------------
+
+    def alive(self) -> list[PeerInfo]:
+        """Every live peer, ordered by role then peer ID."""
+        now = self._clock()
+        return sorted((p for p in self._peers.values() if self._alive(p, now)), key=lambda p: (p.role, p.peer_id))
+
+    def get(self, peer_id: str) -> PeerInfo | None:
+        """The live peer ``peer_id``, or ``None`` if unknown or dead."""
+        p = self._peers.get(peer_id)
+        return p if p is not None and self._alive(p, self._clock()) else None
+
+    def by_role(self, role: Role) -> list[PeerInfo]:
+        """Live peers of one role."""
+        return [p for p in self.alive() if p.role == role]
+
+    def relays_holding(self, step: int) -> list[PeerInfo]:
+        """Live relays with an HTTP endpoint that say they hold checkpoint ``step``, most recently heard first."""
+        found = [p for p in self.by_role("relay") if step in p.held_steps and p.http_url]
+        return sorted(found, key=lambda p: -p.last_seen)
+
+    def validators(self) -> list[PeerInfo]:
+        """Live validators (their role claims were checked against the run's validator keys)."""
+        return self.by_role("validator")
+
+    def coordinator(self) -> PeerInfo | None:
+        """The run's coordinator, if alive."""
+        found = self.by_role("coordinator")
+        return found[0] if found else None
+
+    def latest_step(self) -> int | None:
+        """The newest checkpoint step the coordinator announced or reports (``None``: none yet)."""
+        steps = [s for s in (self._announced_step,) if s is not None]
+        coord = self.coordinator()
+        if coord is not None and coord.policy_step >= 0:
+            steps.append(coord.policy_step)
+        return max(steps) if steps else None
+
+    @property
+    def latest_announcement(self) -> CheckpointAnnouncement | None:
+        """The announcement of the highest step seen, if any."""
+        return self._announcement
+
+    def __len__(self) -> int:
+        return len(self.alive())
+
+    def __contains__(self, peer_id: object) -> bool:
+        return isinstance(peer_id, str) and self.get(peer_id) is not None
+
+    def __iter__(self) -> Iterator[PeerInfo]:
+        return iter(self.alive())
+
+    def _alive(self, p: PeerInfo, now: float) -> bool:
+        return now - p.last_seen <= self.expiry_s
+
+
+def pick_upstreams(
+    peers: PeerTable,
+    *,
+    own_peer_id: str,
+    own_url: str = "",
+    origin_urls: list[str] | tuple[str, ...] = (),
+    fanout: int = 3,
+) -> list[str]:
+    """Choose the HTTP sources a relay should follow, from gossip (relays form a tree).
+
+    Wanted step: the latest announced step. Up to ``fanout`` live relays that already hold it are
+    preferred over the origin, so the origin's upload is not the bottleneck; the origin (the
+    coordinator's record ``http_url``, the latest announcement's ``origin_url`` and
+    ``origin_urls`` from the run spec) fills the remaining places. Among holders the choice is a
+    rendezvous hash of (``own_peer_id``, their peer ID): stable for one relay, spread across relays.
+    With nothing announced and no origin known the answer is empty (serve only the own store).
+
+    Args:
+        peers: the live peer table.
+        own_peer_id: this relay's peer ID (never chosen).
+        own_url: this relay's HTTP URL (never chosen).
+        origin_urls: origin URLs from the run spec.
+        fanout: how many sources to follow.
+
+    Returns:
+        Base URLs, relays first.
+    """
+    origins: list[str] = []
+    coord = peers.coordinator()
+    if coord is not None and coord.http_url:
+        origins.append(coord.http_url)
+    ann = peers.latest_announcement
+    if ann is not None and ann.origin_url:
+        origins.append(ann.origin_url)
+    origins.extend(origin_urls)
+    origins = [u for u in dict.fromkeys(origins) if u and u != own_url]
+    step = peers.latest_step()
+    holders: list[PeerInfo] = []
+    if step is not None:
+        holders = [p for p in peers.relays_holding(step) if p.peer_id != own_peer_id and p.http_url != own_url]
+
+    def rank(p: PeerInfo) -> bytes:
+        return hashlib.sha256(f"{own_peer_id}|{p.peer_id}".encode()).digest()
+
+    chosen = [p.http_url for p in sorted(holders, key=rank)][:fanout]
+    for url in origins:
+        if len(chosen) >= fanout:
+            break
+        if url not in chosen:
+            chosen.append(url)
+    return chosen
