@@ -1,0 +1,59 @@
+"""Keep a relay's gossip presence and its Shardcast upstreams in step with the peer table.
+
+:func:`follow_relay` is the glue a relay role runs next to its :class:`GossipNode`: every
+heartbeat it puts the relay's complete steps into the node record (``held_steps``) and, for a
+relay started without ``--upstream``, re-picks its sources with :func:`pick_upstreams`.
+The relay is only seen through :class:`RelayLike`, so this module does not import Shardcast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from typing import Protocol
+
+from node.p2p.peers import pick_upstreams
+from node.p2p.service import GossipNode
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_FANOUT = 3
+"""Sources a gossip-following relay fetches from."""
+
+
+class RelayLike(Protocol):
+    """What :func:`follow_relay` needs of a relay (``node.shardcast.relay.Relay`` fits)."""
+
+    @property
+    def url(self) -> str: ...
+
+    def held_steps(self) -> list[int]: ...
+
+    def set_upstreams(self, urls: Iterable[str]) -> None: ...
+
+
+async def follow_relay(node: GossipNode, relay: RelayLike, *, pick_sources: bool, fanout: int = DEFAULT_FANOUT) -> None:
+    """Run until cancelled: announce the relay's held steps and (if ``pick_sources``) choose its upstreams.
+
+    Args:
+        node: the relay's started gossip node.
+        relay: the relay.
+        pick_sources: choose upstreams from gossip (a relay started without ``--upstream``).
+        fanout: how many sources to follow.
+    """
+    held: list[int] | None = None
+    upstreams: list[str] | None = None
+    origin_urls = list(node.spec.network.origin_urls)
+    while True:
+        now_held = relay.held_steps()
+        if now_held != held:
+            held = now_held
+            node.set_record(held_steps=now_held)
+        if pick_sources:
+            chosen = pick_upstreams(node.peers, own_peer_id=node.peer_id, own_url=relay.url, origin_urls=origin_urls, fanout=fanout)
+            if chosen != upstreams:
+                upstreams = chosen
+                relay.set_upstreams(chosen)
+                logger.info("upstreams from gossip: %s", ", ".join(chosen) or "none (serving own store)")
+        await asyncio.sleep(min(1.0, node.heartbeat_interval_s))

@@ -1,0 +1,470 @@
+"""``GossipNode``: the one object a role uses to be on the run's gossip network.
+
+It owns (or shares) a trio bridge, runs a :class:`~node.p2p.host.P2PHost` on it, subscribes the
+run's four topics with an :class:`~node.p2p.gossip.EnvelopeValidator` as the libp2p topic
+validator (so nothing invalid is delivered or forwarded), publishes a signed
+:class:`~protocol.messages.NodeRecord` every heartbeat, keeps the :class:`~node.p2p.peers.PeerTable`
+up to date and calls the role's handlers on the asyncio loop.
+
+Typical use::
+
+    node = await GossipNode.create(spec, key, GossipConfig(bootstrap=[...]), role="relay", http_url=url)
+    node.on_announcement(relay.handle_announcement)      # called with a verified Envelope
+    node.set_record(held_steps=[3, 4])                   # carried by the next heartbeat (sent at once)
+    ...
+    await node.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import trio
+from libp2p.peer.id import ID
+from libp2p.pubsub.pb import rpc_pb2
+from libp2p.pubsub.subscription import TrioSubscriptionAPI
+
+from node import __version__
+from node.errors import GossipError, PublishError
+from node.p2p.bridge import TrioBridge, TrioTaskHandle, make_bridge
+from node.p2p.config import GossipConfig
+from node.p2p.gossip import TOPIC_KINDS, EnvelopeValidator, PeerScores, TopicKind, penalty_for, topic_names
+from node.p2p.host import P2PHost
+from node.p2p.peers import PeerTable
+from protocol.envelope import Envelope, seal
+from protocol.errors import ProtocolError
+from protocol.identity import NodeKey
+from protocol.messages import CheckpointAnnouncement, Hardware, Message, NodeRecord, Role
+from protocol.runspec import RunSpec
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[Envelope[Any]], None | Awaitable[None]]
+"""Called on the asyncio loop with each verified envelope of a topic; may be a coroutine function."""
+
+CALL_TIMEOUT_S = 5.0
+"""Limit of one asyncio → trio call (publish, stats), seconds."""
+ACCEPTED_CACHE = 4096
+"""Envelopes verified by the topic validator kept for delivery (entries), so each is decoded once."""
+MIN_BEAT_GAP_S = 0.05
+"""Shortest gap between two records triggered by :meth:`GossipNode.set_record`, seconds."""
+
+
+def _unwrap(error: BaseException) -> BaseException:
+    """The single exception inside (nested) trio exception groups, or ``error`` itself."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+def local_hardware() -> Hardware:
+    """What this machine reports in its node record (CPU count and physical memory)."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = 0
+    return Hardware(cpu_count=os.cpu_count() or 0, memory_bytes=max(0, memory))
+
+
+class GossipNode:
+    """A node's presence on the run's gossip network (see the module docstring).
+
+    Attributes:
+        spec: the run spec.
+        key: the node key (libp2p identity and record signer).
+        config: host and gossip settings.
+        peer_id: this node's peer ID.
+        topics: gossipsub topic names by kind.
+        peers: the live peer table (read it on the asyncio loop).
+        heartbeat_interval_s: seconds between two node records.
+
+    Args:
+        spec: the run spec.
+        key: the node key.
+        config: host and gossip settings (default: :class:`GossipConfig` defaults).
+        role: the role announced in node records.
+        http_url: this node's HTTP endpoint, announced in node records (``""``: none).
+        bridge: a started trio bridge to share (default: the node starts and owns one).
+    """
+
+    spec: RunSpec
+    key: NodeKey
+    config: GossipConfig
+    peer_id: str
+    topics: dict[TopicKind, str]
+    peers: PeerTable
+    heartbeat_interval_s: float
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        key: NodeKey,
+        config: GossipConfig | None = None,
+        *,
+        role: Role = "observer",
+        http_url: str = "",
+        bridge: TrioBridge | None = None,
+    ) -> None:
+        self.spec = spec
+        self.key = key
+        self.config = config or GossipConfig()
+        self.peer_id = key.peer_id
+        self.run_id = spec.run_id
+        self.topics = topic_names(self.run_id)
+        self.heartbeat_interval_s = self.config.heartbeat_interval_s or spec.network.heartbeat_interval_s
+        self.peers = PeerTable(
+            self.heartbeat_interval_s, missed_heartbeats=self.config.missed_heartbeats, coordinator=spec.run.coordinator
+        )
+        max_age_s = self.config.missed_heartbeats * self.heartbeat_interval_s + self.config.freshness_slack_s
+        self._validator = EnvelopeValidator(
+            self.run_id, spec.authorities, max_age_s=max_age_s, max_future_s=self.config.max_future_s
+        )
+        self._scores = PeerScores(self.config.penalty_limit, self.config.penalty_half_life_s)
+        self._record: dict[str, Any] = {
+            "role": role,
+            "http_url": http_url,
+            "policy_step": -1,
+            "held_steps": [],
+            "hardware": local_hardware(),
+        }
+        self._seq = 0
+        self._handlers: dict[TopicKind, list[Handler]] = {kind: [] for kind in TOPIC_KINDS}
+        self._bridge = bridge
+        self._owns_bridge = bridge is None
+        self._host: P2PHost | None = None
+        self._trio_task: TrioTaskHandle | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._beat_now = asyncio.Event()
+        self._handler_tasks: set[asyncio.Task[None]] = set()
+        self._accepted: OrderedDict[bytes, Envelope[Message]] = OrderedDict()  # trio side only
+        self._rejected: Counter[str] = Counter()  # trio side only
+        self._delivered: Counter[str] = Counter()
+        self._addrs: list[str] = []
+        self._running = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    @classmethod
+    async def create(
+        cls,
+        spec: RunSpec,
+        key: NodeKey,
+        config: GossipConfig | None = None,
+        *,
+        role: Role = "observer",
+        http_url: str = "",
+        bridge: TrioBridge | None = None,
+    ) -> GossipNode:
+        """Construct and :meth:`start` a node (arguments as for the class)."""
+        node = cls(spec, key, config, role=role, http_url=http_url, bridge=bridge)
+        await node.start()
+        return node
+
+    async def start(self) -> None:
+        """Start the bridge (if owned) and the libp2p host, subscribe the topics, begin heartbeats.
+
+        Returns once the host listens; bootstrap dialing continues in the background (forever,
+        with backoff) and never makes start fail.
+
+        Raises:
+            GossipError: the host could not start (e.g. port in use) within ``start_timeout_s``.
+        """
+        if self._running:
+            raise GossipError("GossipNode already started")
+        if self._bridge is None:
+            self._bridge = make_bridge(self.config.bridge)
+        if self._owns_bridge:
+            await self._bridge.start()
+        try:
+            self._trio_task = await self._bridge.start_task(self._trio_main, timeout_s=self.config.start_timeout_s)
+        except BaseException as e:
+            if self._owns_bridge:
+                await self._bridge.stop(self.config.stop_timeout_s)
+            cause = _unwrap(e)
+            if isinstance(cause, TimeoutError):
+                raise GossipError(f"libp2p host did not start within {self.config.start_timeout_s} s") from None
+            if isinstance(cause, GossipError):
+                raise cause from None
+            if isinstance(cause, OSError):
+                raise GossipError(f"libp2p host did not start: {cause}") from cause
+            raise
+        self._addrs = list(self._trio_task.value)
+        self._running = True
+        self._heartbeat = asyncio.create_task(self._heartbeat_loop(), name=f"gossip-heartbeat-{self.peer_id[-6:]}")
+        logger.info(
+            "gossip node %s (%s) listening on %s", self.peer_id, self._record["role"], ", ".join(self._addrs),
+            extra={"peer_id": self.peer_id},
+        )
+
+    async def stop(self) -> None:
+        """Stop heartbeats, handlers and the host, then the bridge if owned. Idempotent; bounded by
+        ``stop_timeout_s`` seconds per stage, never raises on a slow stop."""
+        if not self._running:
+            return
+        self._running = False
+        tasks = [t for t in (self._heartbeat, *self._handler_tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks, timeout=self.config.stop_timeout_s) if tasks else None
+        if self._trio_task is not None:
+            try:
+                await self._trio_task.cancel(self.config.stop_timeout_s)
+            except GossipError as e:
+                logger.warning("libp2p host stop: %s", e)
+        if self._owns_bridge and self._bridge is not None:
+            await self._bridge.stop(self.config.stop_timeout_s)
+        logger.info("gossip node %s stopped", self.peer_id, extra={"peer_id": self.peer_id})
+
+    async def __aenter__(self) -> GossipNode:
+        if not self._running:
+            await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    @property
+    def running(self) -> bool:
+        """Whether the node is started and not stopped."""
+        return self._running
+
+    @property
+    def addrs(self) -> list[str]:
+        """Multiaddrs this node can be dialed at (``…/p2p/<peer ID>``); the first is a bootstrap address."""
+        return list(self._addrs)
+
+    # --- what we say -------------------------------------------------------------------------
+
+    def set_record(
+        self,
+        *,
+        role: Role | None = None,
+        http_url: str | None = None,
+        policy_step: int | None = None,
+        held_steps: Sequence[int] | None = None,
+        hardware: Hardware | None = None,
+    ) -> None:
+        """Change what this node's heartbeat says; a record with the change is published at once.
+
+        Args:
+            role: the announced role.
+            http_url: the node's HTTP endpoint (``""``: none).
+            policy_step: the policy step it works with (−1: none).
+            held_steps: checkpoint steps it serves (relays; at most 64).
+            hardware: machine summary.
+        """
+        updates = {"role": role, "http_url": http_url, "policy_step": policy_step, "hardware": hardware}
+        self._record.update({k: v for k, v in updates.items() if v is not None})
+        if held_steps is not None:
+            self._record["held_steps"] = sorted(set(int(s) for s in held_steps))[-64:]
+        self._beat_now.set()
+
+    def make_record(self) -> NodeRecord:
+        """The node record the next heartbeat would publish (without advancing ``seq``)."""
+        return NodeRecord(
+            peer_id=self.peer_id,
+            role=self._record["role"],
+            seq=self._seq,
+            addrs=self._addrs[:16],
+            http_url=self._record["http_url"],
+            version=__version__,
+            policy_step=self._record["policy_step"],
+            held_steps=self._record["held_steps"],
+            hardware=self._record["hardware"],
+        )
+
+    async def publish(self, kind: TopicKind, envelope: bytes) -> None:
+        """Publish a sealed envelope on the ``kind`` topic after checking it as receivers will.
+
+        Raises:
+            PublishError: not running, or the envelope would be rejected (reason
+                ``"oversized"``, ``"duplicate"``, ``"bad_signer"``, …).
+        """
+        if not self._running or self._bridge is None:
+            raise PublishError(self.topics[kind], "not_running", "the gossip node is not running")
+        try:
+            await self._bridge.run(self._trio_publish, kind, envelope, timeout_s=CALL_TIMEOUT_S)
+        except TimeoutError:
+            raise PublishError(self.topics[kind], "timeout", f"publish did not complete within {CALL_TIMEOUT_S} s") from None
+
+    async def publish_announcement(self, envelope: bytes) -> None:
+        """Publish a coordinator-sealed ``CheckpointAnnouncement`` envelope (see :meth:`publish`)."""
+        await self.publish("checkpoints", envelope)
+
+    async def publish_verdict(self, envelope: bytes) -> None:
+        """Publish a validator-sealed ``Verdict`` envelope (see :meth:`publish`)."""
+        await self.publish("verdicts", envelope)
+
+    async def publish_ban_list(self, envelope: bytes) -> None:
+        """Publish a coordinator-sealed ``BanList`` envelope (see :meth:`publish`)."""
+        await self.publish("bans", envelope)
+
+    def seal(self, body: Message) -> bytes:
+        """Seal ``body`` with this node's key for this run (a convenience for :meth:`publish`)."""
+        return seal(self.key, self.run_id, body)
+
+    # --- what we hear ------------------------------------------------------------------------
+
+    def on_record(self, handler: Handler) -> None:
+        """Call ``handler(envelope)`` for each verified :class:`NodeRecord` of another node."""
+        self._handlers["nodes"].append(handler)
+
+    def on_announcement(self, handler: Handler) -> None:
+        """Call ``handler(envelope)`` for each verified :class:`CheckpointAnnouncement`."""
+        self._handlers["checkpoints"].append(handler)
+
+    def on_verdict(self, handler: Handler) -> None:
+        """Call ``handler(envelope)`` for each verified ``Verdict``."""
+        self._handlers["verdicts"].append(handler)
+
+    def on_ban_list(self, handler: Handler) -> None:
+        """Call ``handler(envelope)`` for each verified ``BanList``."""
+        self._handlers["bans"].append(handler)
+
+    async def wait_for_peers(self, count: int, *, timeout_s: float, role: Role | None = None) -> bool:
+        """Wait until the peer table holds ``count`` live peers (of ``role``, if given).
+
+        Returns:
+            Whether the count was reached within ``timeout_s`` seconds.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            found = len(self.peers.by_role(role)) if role is not None else len(self.peers)
+            if found >= count:
+                return True
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(min(0.05, max(0.0, deadline - loop.time())))
+
+    async def stats(self) -> dict[str, Any]:
+        """Counters: connections, mesh sizes, bans, delivered and rejected messages by reason.
+
+        Raises:
+            GossipError: not running.
+        """
+        if not self._running or self._bridge is None or self._host is None:
+            raise GossipError("the gossip node is not running")
+        host = self._host
+
+        def snapshot() -> dict[str, Any]:
+            return {**host.stats(), "rejected": dict(self._rejected)}
+
+        out = await self._bridge.run_sync(snapshot, timeout_s=CALL_TIMEOUT_S)
+        out["delivered"] = dict(self._delivered)
+        out["peers_alive"] = len(self.peers)
+        return out
+
+    # --- asyncio side ------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            self._beat_now.clear()
+            if self.config.publish_records:
+                await self._beat()
+            self.peers.prune()
+            remaining = self.heartbeat_interval_s - (loop.time() - started)
+            try:
+                await asyncio.wait_for(self._beat_now.wait(), max(0.0, remaining))
+                await asyncio.sleep(MIN_BEAT_GAP_S)
+            except TimeoutError:
+                pass
+
+    async def _beat(self) -> None:
+        self._seq += 1
+        try:
+            await self.publish("nodes", self.seal(self.make_record()))
+        except PublishError as e:
+            logger.warning("heartbeat not published: %s", e)
+
+    def _deliver(self, kind: TopicKind, env: Envelope[Any]) -> None:
+        """Runs on the asyncio loop for each verified message of another node."""
+        if not self._running:
+            return
+        self._delivered[kind] += 1
+        if isinstance(env.body, NodeRecord):
+            if self.peers.update(env.body, env.ts_ms):
+                logger.debug("peer %s (%s) is alive", env.body.peer_id, env.body.role, extra={"peer_id": env.body.peer_id})
+        elif isinstance(env.body, CheckpointAnnouncement):
+            if self.peers.note_announcement(env.body):
+                logger.info("checkpoint step %d announced", env.body.step, extra={"step": env.body.step})
+        for handler in self._handlers[kind]:
+            try:
+                result = handler(env)
+            except Exception:
+                logger.exception("%s handler %r failed", kind, handler)
+                continue
+            if inspect.isawaitable(result):
+                task = asyncio.ensure_future(result)
+                self._handler_tasks.add(task)
+                task.add_done_callback(self._handler_done)
+
+    def _handler_done(self, task: asyncio.Task[None]) -> None:
+        self._handler_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("gossip handler failed", exc_info=task.exception())
+
+    # --- trio side ---------------------------------------------------------------------------
+
+    async def _trio_main(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+        host = P2PHost(self.key, self.config)
+        self._host = host
+        async with trio.open_nursery() as nursery:
+            addrs = await nursery.start(host.serve)
+            for kind, topic in self.topics.items():
+                sub = await host.subscribe(topic, self._make_validator(kind, host))
+                nursery.start_soon(self._read_topic, kind, sub, host)
+            bootstrap = list(dict.fromkeys([*self.config.bootstrap, *self.spec.network.bootstrap]))
+            if bootstrap:
+                nursery.start_soon(host.keep_connected, bootstrap)
+            task_status.started(addrs)
+
+    def _make_validator(self, kind: TopicKind, host: P2PHost) -> Callable[[ID, rpc_pb2.Message], bool]:
+        def validate(forwarder: ID, msg: rpc_pb2.Message) -> bool:
+            try:
+                env = self._validator.check(kind, msg.data)
+            except ProtocolError as e:
+                reason, points = penalty_for(e)
+                self._rejected[reason] += 1
+                sender = forwarder.to_base58()
+                logger.debug("rejected %s message from %s: %s", kind, sender, e, extra={"peer_id": sender})
+                if points and sender != self.peer_id and self._scores.penalize(sender, points):
+                    self._scores.forget(sender)
+                    host.ban(sender)
+                return False
+            self._accepted[host.message_id(msg)] = env
+            while len(self._accepted) > ACCEPTED_CACHE:
+                self._accepted.popitem(last=False)
+            return True
+
+        return validate
+
+    async def _read_topic(self, kind: TopicKind, sub: TrioSubscriptionAPI, host: P2PHost) -> None:
+        assert self._bridge is not None
+        own = ID.from_base58(self.peer_id).to_bytes()
+        while True:
+            msg = await sub.get()
+            env = self._accepted.pop(host.message_id(msg), None)
+            if msg.from_id == own or env is None or env.signer == self.key.public_key:
+                continue
+            if isinstance(env.body, NodeRecord):
+                host.note_peer(env.body.peer_id, env.body.addrs)
+            self._bridge.to_asyncio(self._deliver, kind, env)
+
+    async def _trio_publish(self, kind: TopicKind, data: bytes) -> None:
+        assert self._host is not None
+        try:
+            self._validator.check(kind, data, remember=False)
+        except ProtocolError as e:
+            reason, _ = penalty_for(e)
+            raise PublishError(self.topics[kind], "oversized" if "limit" in str(e) else reason, str(e)) from None
+        await self._host.publish(self.topics[kind], data)
+
