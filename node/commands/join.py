@@ -33,6 +33,14 @@ def _join(sub: argparse._SubParsersAction) -> None:
         "--upstream", action="append", default=[], metavar="URL",
         help="origin or relay to follow (repeatable); without any, this node is the origin and serves its store",
     )
+    gossip = p.add_argument_group("gossip (libp2p)")
+    gossip.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port (default: any free port)")
+    gossip.add_argument("--listen-host", default="127.0.0.1", help="interface for libp2p (default 127.0.0.1; 0.0.0.0 for all)")
+    gossip.add_argument(
+        "--bootstrap", action="append", default=[], metavar="MULTIADDR",
+        help="bootstrap peer /ip4/…/tcp/…/p2p/12D3KooW… (repeatable; added to the run spec's)",
+    )
+    gossip.add_argument("--no-gossip", action="store_true", help="stay off gossip (follow --upstream only; nothing announced)")
     p.set_defaults(handler=_run_join)
 
 

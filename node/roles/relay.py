@@ -12,6 +12,8 @@ from pathlib import Path
 
 from node.cli import CliError, load_key, load_spec
 from node.errors import NodeError
+from node.p2p import GossipConfig, GossipNode
+from node.p2p.follow import follow_relay
 from node.paths import default_data_dir
 from node.shardcast.relay import Relay, RelayConfig
 from node.shardcast.store import ShardcastStore
@@ -22,7 +24,14 @@ logger = logging.getLogger(__name__)
 
 
 async def run_relay(
-    signed: SignedRunSpec, key: NodeKey, *, data_dir: Path, host: str, port: int, upstreams: Sequence[str]
+    signed: SignedRunSpec,
+    key: NodeKey,
+    *,
+    data_dir: Path,
+    host: str,
+    port: int,
+    upstreams: Sequence[str],
+    gossip: GossipConfig | None = None,
 ) -> None:
     """Run a relay until SIGINT or SIGTERM.
 
@@ -32,7 +41,10 @@ async def run_relay(
         data_dir: node data directory; the store lives below it.
         host: interface to serve on.
         port: TCP port (0: any free one).
-        upstreams: base URLs to follow; empty makes this node the origin.
+        upstreams: base URLs to follow; empty makes this node the origin, or (with ``gossip``)
+            lets it pick its sources from gossip.
+        gossip: join the run's gossip with these settings: heartbeats carry the relay's URL and
+            held steps (``None``: stay off gossip).
     """
     spec = signed.spec
     store = await asyncio.to_thread(
@@ -43,12 +55,23 @@ async def run_relay(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(relay.stop()))
     await relay.start()
-    role = f"following {', '.join(relay.pool.urls)}" if relay.pool.urls else "origin"
-    print(f"relay {key.peer_id} serving {relay.url} ({role}); holds steps {store.held_steps()}", flush=True)
-    logger.info("relay started", extra={"peer_id": key.peer_id, "url": relay.url, "keep_steps": store.keep_steps})
+    node: GossipNode | None = None
+    follow: asyncio.Task[None] | None = None
     try:
+        if gossip is not None:
+            node = await GossipNode.create(spec, key, gossip, role="relay", http_url=relay.url)
+            follow = asyncio.create_task(follow_relay(node, relay, pick_sources=not upstreams), name="relay-gossip-follow")
+            print(f"relay {key.peer_id} on gossip at {' '.join(node.addrs)}", flush=True)
+        role = f"following {', '.join(relay.pool.urls)}" if relay.pool.urls else "origin" if gossip is None else "sources from gossip"
+        print(f"relay {key.peer_id} serving {relay.url} ({role}); holds steps {store.held_steps()}", flush=True)
+        logger.info("relay started", extra={"peer_id": key.peer_id, "url": relay.url, "keep_steps": store.keep_steps})
         await relay.run()
     finally:
+        if follow is not None:
+            follow.cancel()
+            await asyncio.gather(follow, return_exceptions=True)
+        if node is not None:
+            await node.stop()
         await relay.stop()
 
 
@@ -59,8 +82,16 @@ def run_relay_from_args(args: argparse.Namespace) -> int:
     key = load_key(args.key, str(data_dir), create=True)
     if not 0 <= args.http_port <= 65535:
         raise CliError("--http-port must be 0…65535")
+    gossip = None
+    if not args.no_gossip:
+        try:
+            gossip = GossipConfig(listen_host=args.listen_host, p2p_port=args.p2p_port, bootstrap=args.bootstrap)
+        except ValueError as e:
+            raise CliError(f"invalid gossip option: {e}") from None
     try:
-        asyncio.run(run_relay(signed, key, data_dir=data_dir, host=args.host, port=args.http_port, upstreams=args.upstream))
+        asyncio.run(
+            run_relay(signed, key, data_dir=data_dir, host=args.host, port=args.http_port, upstreams=args.upstream, gossip=gossip)
+        )
     except OSError as e:
         print(f"error: cannot serve on {args.host}:{args.http_port}: {e.strerror}", file=sys.stderr)
         return 1
