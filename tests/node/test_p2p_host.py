@@ -1,0 +1,69 @@
+"""The libp2p host: identity equals the node key, bootstrap retries forever, bad ports fail cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from p2p_helpers import Run, config, eventually
+
+from node.errors import GossipError
+from node.p2p import GossipNode
+from node.p2p.host import libp2p_key_pair, parse_peer_addr
+from protocol.identity import NodeKey
+
+
+def test_libp2p_peer_id_equals_node_key_peer_id() -> None:
+    from libp2p.peer.id import ID
+
+    for _ in range(5):
+        key = NodeKey.generate()
+        pair = libp2p_key_pair(key)
+        assert ID.from_pubkey(pair.public_key).to_base58() == key.peer_id
+        assert pair.public_key.to_bytes() == key.public_key
+
+
+def test_parse_peer_addr_rejects_addresses_without_peer() -> None:
+    key = NodeKey.generate()
+    assert parse_peer_addr(f"/ip4/127.0.0.1/tcp/4001/p2p/{key.peer_id}").peer_id.to_base58() == key.peer_id
+    for bad in ("/ip4/127.0.0.1/tcp/4001", "not a multiaddr", ""):
+        with pytest.raises(ValueError):
+            parse_peer_addr(bad)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.integration
+async def test_node_survives_a_dead_bootstrap_and_joins_when_it_appears() -> None:
+    run = Run()
+    seed_key = NodeKey.generate()
+    port = free_port()
+    seed_addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{seed_key.peer_id}"
+    joiner = await GossipNode.create(run.spec, NodeKey.generate(), config(bootstrap=[seed_addr, "/ip4/127.0.0.1/tcp/1"]), role="worker")
+    try:
+        assert joiner.addrs[0].startswith("/ip4/127.0.0.1/tcp/") and joiner.addrs[0].endswith(joiner.peer_id)
+        await asyncio.sleep(1.5)  # several failed attempts with backoff; the node keeps running
+        assert joiner.running and len(joiner.peers) == 0
+        seed = await GossipNode.create(run.spec, seed_key, config(p2p_port=port), role="relay")
+        try:
+            await eventually(lambda: seed.peer_id in joiner.peers and joiner.peer_id in seed.peers, 10)
+            assert joiner.peers.get(seed.peer_id).role == "relay"  # type: ignore[union-attr]
+        finally:
+            await seed.stop()
+    finally:
+        await joiner.stop()
+
+
+@pytest.mark.integration
+async def test_port_in_use_is_a_gossip_error() -> None:
+    run = Run()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(GossipError):
+            await GossipNode.create(run.spec, NodeKey.generate(), config(p2p_port=s.getsockname()[1], start_timeout_s=5))

@@ -1,0 +1,191 @@
+"""Gossip discovery end to end on 127.0.0.1: mixed-role swarms, expiry and return of a killed node,
+forged messages neither delivered nor forwarded, and life after the seed node dies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from p2p_helpers import HEARTBEAT_S, REPO, NodeProcess, Run, config, eventually, forge, shared_bridge, swarm
+
+from node.p2p import GossipNode
+from node.p2p.host import P2PHost, parse_peer_addr
+from protocol.envelope import Envelope, seal
+from protocol.identity import NodeKey
+from protocol.messages import CheckpointAnnouncement, NodeRecord, Verdict
+
+pytestmark = pytest.mark.integration
+
+
+def announcement(step: int) -> CheckpointAnnouncement:
+    return CheckpointAnnouncement(step=step, manifest_id=bytes([step]) * 32, checkpoint_hash=b"\2" * 32, origin_url="http://origin")
+
+
+async def test_eight_mixed_nodes_see_each_other_with_roles() -> None:
+    run = Run()
+    roles: list[tuple[str, NodeKey | None]] = [
+        ("relay", None), ("coordinator", run.coordinator), ("validator", run.validator),
+        ("relay", None), ("worker", None), ("worker", None), ("worker", None), ("worker", None),
+    ]
+    async with shared_bridge() as bridge, swarm(run, roles, bridge=bridge) as nodes:
+        start = time.monotonic()
+        expected = {n.peer_id: role for n, (role, _) in zip(nodes, roles)}
+
+        def all_see_all() -> bool:
+            return all(
+                {p.peer_id: p.role for p in n.peers} == {k: v for k, v in expected.items() if k != n.peer_id} for n in nodes
+            )
+
+        await eventually(all_see_all, 10.0)
+        assert time.monotonic() - start < 10.0
+        worker = nodes[4]
+        assert worker.peers.coordinator().peer_id == run.coordinator.peer_id  # type: ignore[union-attr]
+        assert [p.peer_id for p in worker.peers.validators()] == [run.validator.peer_id]
+        assert worker.peer_id not in worker.peers  # own records are filtered
+
+        # announcements and verdicts reach everyone; held steps travel in records
+        got: dict[str, list[Envelope[Any]]] = {n.peer_id: [] for n in nodes}
+        for n in nodes:
+            n.on_announcement(got[n.peer_id].append)
+            n.on_verdict(got[n.peer_id].append)
+        coord, validator, relay = nodes[1], nodes[2], nodes[3]
+        await coord.publish_announcement(coord.seal(announcement(5)))
+        verdict = Verdict(submission_id=b"\0" * 32, worker=worker.peer_id, policy_step=5, counter=0, accepted=True, reason="ok")
+        await validator.publish_verdict(validator.seal(verdict))
+        relay.set_record(held_steps=[5], http_url="http://127.0.0.1:1/")
+        await eventually(lambda: all(len(v) == 2 for k, v in got.items() if k not in (coord.peer_id, validator.peer_id)), 5.0)
+        assert len(got[coord.peer_id]) == 1 and len(got[validator.peer_id]) == 1  # each hears the other's, not its own
+        await eventually(lambda: [p.peer_id for p in worker.peers.relays_holding(5)] == [relay.peer_id], 5.0)
+        assert worker.peers.latest_step() == 5
+        stats = await worker.stats()
+        assert stats["rejected"].get("bad_signer", 0) == 0 and stats["connected"] >= 3
+
+
+async def test_killed_node_expires_and_restarted_node_returns(tmp_path: Path) -> None:
+    run = Run()
+    spec_path = run.write(tmp_path / "run.toml")
+    key_path = tmp_path / "worker.key"
+    worker_key = NodeKey.generate()
+    worker_key.save(key_path)
+    seed = await GossipNode.create(run.spec, NodeKey.generate(), config(), role="relay")
+    procs: list[NodeProcess] = []
+    try:
+        extra = ["--heartbeat", str(HEARTBEAT_S)]
+        proc = NodeProcess(spec_path, key_path, role="worker", bootstrap=[seed.addrs[0]], extra=extra)
+        procs.append(proc)
+        await proc.ready()
+        await eventually(lambda: worker_key.peer_id in seed.peers, 10.0)
+        proc.kill()  # SIGKILL: no goodbye, the records just stop
+        took = await eventually(lambda: worker_key.peer_id not in seed.peers, 3 * HEARTBEAT_S + 3.0)
+        assert took <= 3 * HEARTBEAT_S + 3.0
+        again = NodeProcess(spec_path, key_path, role="worker", bootstrap=[seed.addrs[0]], extra=extra)
+        procs.append(again)
+        await again.ready()
+        await eventually(lambda: worker_key.peer_id in seed.peers, 10.0)
+        assert seed.peers.get(worker_key.peer_id).role == "worker"  # type: ignore[union-attr]
+        assert again.terminate() == 0  # SIGTERM: clean exit
+    finally:
+        for p in procs:
+            p.kill()
+        await seed.stop()
+
+
+async def test_forged_messages_are_not_delivered_nor_forwarded_and_the_sender_is_banned() -> None:
+    run = Run()
+    async with shared_bridge() as bridge, swarm(run, [("relay", None), ("worker", None)], bridge=bridge) as (a, c):
+        # c is connected only to a; mallory is a raw libp2p host with no validators, connected only to a
+        await eventually(lambda: c.peer_id in a.peers and a.peer_id in c.peers, 10.0)
+        mallory_key = NodeKey.generate()
+        mallory = P2PHost(mallory_key, config())
+        handle = await bridge.start_task(mallory.serve, timeout_s=10)
+        delivered: dict[str, list[bytes]] = {a.peer_id: [], c.peer_id: []}
+        for n in (a, c):
+            for register in (n.on_record, n.on_announcement, n.on_verdict, n.on_ban_list):
+                register(lambda env, pid=n.peer_id: delivered[pid].append(env.raw))
+        try:
+            await bridge.run(mallory.host.connect, parse_peer_addr(a.addrs[0]), timeout_s=10)
+
+            def mallory_sees_topics() -> bool:
+                return all(a.topics[k] in mallory.pubsub.peer_topics for k in ("nodes", "verdicts", "checkpoints"))
+
+            await eventually(mallory_sees_topics, 10.0)
+            rid = run.spec.run_id
+            # control: a valid record from mallory is delivered to a and forwarded to c
+            valid = seal(mallory_key, rid, NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=1, version="m"))
+            await bridge.run(mallory.publish, a.topics["nodes"], valid, timeout_s=5)
+            await eventually(lambda: valid in delivered[a.peer_id] and valid in delivered[c.peer_id], 5.0)
+
+            rec = NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=2, version="m").model_dump()
+            old_ms = int(time.time() * 1000) - 3_600_000
+            verdict = Verdict(submission_id=b"\0" * 32, worker=c.peer_id, policy_step=1, counter=0, accepted=False, reason="bad")
+            forged = {
+                "bad signature": ("nodes", forge(mallory_key, rid, "node_record/1", rec, corrupt_sig=True)),
+                "other run": ("nodes", seal(mallory_key, Run().spec.run_id, NodeRecord(**{**rec, "seq": 3}))),
+                "verdict by non-validator": ("verdicts", seal(mallory_key, rid, verdict)),
+                "announcement by non-coordinator": ("checkpoints", seal(mallory_key, rid, announcement(99))),
+                "fake coordinator record": ("nodes", seal(mallory_key, rid, NodeRecord(**{**rec, "role": "coordinator", "seq": 4}))),
+                "replayed old timestamp": ("nodes", seal(mallory_key, rid, NodeRecord(**{**rec, "seq": 5}), ts_ms=old_ms)),
+                "oversized": ("nodes", forge(mallory_key, rid, "node_record/1", {**rec, "version": "x" * 9000})),
+            }
+            for kind, data in forged.values():
+                await bridge.run(mallory.publish, a.topics[kind], data, timeout_s=5)
+            forged_bytes = {data for _, data in forged.values()}
+            deadline = time.monotonic() + 5.0
+            while mallory_key.peer_id not in (await a.stats())["banned"]:
+                assert time.monotonic() < deadline, "mallory was not banned"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)  # time for anything that slipped through to arrive
+            assert not forged_bytes & set(delivered[a.peer_id])
+            assert not forged_bytes & set(delivered[c.peer_id])
+            stats_a, stats_c = await a.stats(), await c.stats()
+            assert sum(stats_a["rejected"].values()) >= len(forged) - 1  # the ban may cut the last one off
+            assert stats_c["rejected"] == {}  # nothing invalid was forwarded to c
+            assert not await bridge.run_sync(mallory.is_connected, a.peer_id, timeout_s=5)
+            assert a.peers.get(mallory_key.peer_id).role == "worker"  # type: ignore[union-attr]  # the forged coordinator claim did not stick
+        finally:
+            await handle.cancel()
+
+
+async def test_network_keeps_working_after_the_seed_dies() -> None:
+    run = Run()
+    roles: list[tuple[str, NodeKey | None]] = [("relay", None), ("coordinator", run.coordinator), ("worker", None), ("worker", None)]
+    async with shared_bridge() as bridge, swarm(run, roles, bridge=bridge) as nodes:
+        seed, coord, w1, w2 = nodes
+        await eventually(lambda: all(len(n.peers) == 3 for n in nodes), 10.0)
+
+        async def meshed() -> bool:
+            counts = [(await n.stats())["connected"] for n in (coord, w1, w2)]
+            return min(counts) >= 2
+
+        deadline = time.monotonic() + 10
+        while not await meshed():
+            assert time.monotonic() < deadline, "peers did not dial each other from records"
+            await asyncio.sleep(0.1)
+        await seed.stop()
+        await eventually(lambda: seed.peer_id not in w1.peers, 3 * HEARTBEAT_S + 3.0)
+        got: list[int] = []
+        w2.on_announcement(lambda env: got.append(env.body.step))
+        await coord.publish_announcement(coord.seal(announcement(7)))
+        await eventually(lambda: got == [7], 5.0)
+        seen_at = w1.peers.get(w2.peer_id).last_seen  # type: ignore[union-attr]
+        await eventually(lambda: w1.peers.get(w2.peer_id) is not None and w1.peers.get(w2.peer_id).last_seen > seen_at, 3.0)  # type: ignore[union-attr]
+        assert {p.peer_id for p in w1.peers} == {coord.peer_id, w2.peer_id}
+
+
+async def test_status_command_lists_peers_as_json(tmp_path: Path) -> None:
+    run = Run()
+    spec_path = run.write(tmp_path / "run.toml")
+    async with shared_bridge() as bridge, swarm(run, [("relay", None), ("coordinator", run.coordinator), ("worker", None)], bridge=bridge) as nodes:
+        await nodes[1].publish_announcement(nodes[1].seal(announcement(3)))
+        cmd = [sys.executable, "-m", "node", "status", "--run", str(spec_path), "--bootstrap", nodes[0].addrs[0], "--json", "--wait", "8"]
+        proc = await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        report = json.loads(proc.stdout)
+        assert {p["peer_id"]: p["role"] for p in report["peers"]} == {n.peer_id: r for n, r in zip(nodes, ["relay", "coordinator", "worker"])}
+        assert report["run_id"] == run.spec.run_id.hex()

@@ -1,0 +1,88 @@
+"""The peer table: liveness by heartbeats, record ordering, queries, and upstream choice."""
+
+from __future__ import annotations
+
+from node.p2p.peers import PeerTable, pick_upstreams
+from protocol.identity import NodeKey
+from protocol.messages import CheckpointAnnouncement, NodeRecord
+
+HB = 2.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def rec(key: NodeKey, role: str = "relay", seq: int = 1, **kw: object) -> NodeRecord:
+    return NodeRecord(peer_id=key.peer_id, role=role, seq=seq, version="t", **kw)  # type: ignore[arg-type]
+
+
+def ann(step: int, origin_url: str = "") -> CheckpointAnnouncement:
+    return CheckpointAnnouncement(step=step, manifest_id=b"\1" * 32, checkpoint_hash=b"\2" * 32, origin_url=origin_url)
+
+
+def test_dead_after_three_missed_heartbeats_and_back_after_restart() -> None:
+    clock = Clock()
+    table = PeerTable(HB, coordinator=None, clock=clock)
+    a = NodeKey.generate()
+    assert table.update(rec(a, seq=5), ts_ms=1_000)
+    assert not table.update(rec(a, seq=6), ts_ms=2_000)  # not new
+    clock.t += 3 * HB - 0.01
+    assert a.peer_id in table
+    clock.t += 0.02
+    assert a.peer_id not in table and len(table) == 0 and table.get(a.peer_id) is None
+    # a restarted process counts seq from 0 again but its clock moved on
+    assert table.update(rec(a, seq=0), ts_ms=9_000)
+    assert table.get(a.peer_id).seq == 0  # type: ignore[union-attr]
+    # an older (replayed) record changes nothing
+    assert not table.update(rec(a, seq=7, http_url="http://old"), ts_ms=8_000)
+    assert table.get(a.peer_id).http_url == ""  # type: ignore[union-attr]
+    clock.t += 10 * 3 * HB + 1
+    assert table.prune() == [a.peer_id]
+
+
+def test_queries() -> None:
+    clock = Clock()
+    coord, v, r1, r2, w = (NodeKey.generate() for _ in range(5))
+    table = PeerTable(HB, coordinator=coord.peer_id, clock=clock)
+    assert table.latest_step() is None and table.coordinator() is None
+    table.update(rec(coord, "coordinator", http_url="http://origin", policy_step=4), 1)
+    table.update(rec(v, "validator"), 1)
+    table.update(rec(r1, http_url="http://r1", held_steps=[3, 4]), 1)
+    table.update(rec(r2, http_url="http://r2", held_steps=[3]), 1)
+    table.update(rec(w, "worker", policy_step=3), 1)
+    assert [p.peer_id for p in table.validators()] == [v.peer_id]
+    assert table.coordinator().peer_id == coord.peer_id  # type: ignore[union-attr]
+    assert {p.peer_id for p in table.relays_holding(3)} == {r1.peer_id, r2.peer_id}
+    assert [p.peer_id for p in table.relays_holding(4)] == [r1.peer_id]
+    assert table.latest_step() == 4
+    assert table.note_announcement(ann(5)) and not table.note_announcement(ann(2))
+    assert table.latest_step() == 5 and table.latest_announcement.step == 5  # type: ignore[union-attr]
+    assert {p["role"] for p in (x.to_json(clock()) for x in table)} == {"coordinator", "validator", "relay", "worker"}
+
+
+def test_pick_upstreams_prefers_relays_holding_the_latest_step() -> None:
+    clock = Clock()
+    coord = NodeKey.generate()
+    me = NodeKey.generate()
+    relays = [NodeKey.generate() for _ in range(5)]
+    table = PeerTable(HB, coordinator=coord.peer_id, clock=clock)
+    # nothing known: serve the own store
+    assert pick_upstreams(table, own_peer_id=me.peer_id) == []
+    table.update(rec(coord, "coordinator", http_url="http://origin"), 1)
+    assert pick_upstreams(table, own_peer_id=me.peer_id) == ["http://origin"]
+    table.note_announcement(ann(7))
+    for i, r in enumerate(relays):
+        table.update(rec(r, http_url=f"http://r{i}", held_steps=[6, 7] if i < 4 else [6]), 1)
+    table.update(rec(me, http_url="http://me", held_steps=[7]), 1)
+    chosen = pick_upstreams(table, own_peer_id=me.peer_id, own_url="http://me", fanout=3)
+    assert len(chosen) == 3 and "http://origin" not in chosen and "http://me" not in chosen and "http://r4" not in chosen
+    assert chosen == pick_upstreams(table, own_peer_id=me.peer_id, own_url="http://me", fanout=3)  # stable
+    other = pick_upstreams(table, own_peer_id=NodeKey.generate().peer_id, fanout=4)
+    assert set(other) == {"http://r0", "http://r1", "http://r2", "http://r3"}
+    # too few holders: the origin fills in
+    assert pick_upstreams(table, own_peer_id=me.peer_id, own_url="http://me", fanout=6)[-1] == "http://origin"
