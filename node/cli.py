@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "node.commands.status",
     "node.commands.shardcast",
     "node.commands.join",
+    "node.commands.validate",
 )
 
 

@@ -20,6 +20,10 @@ The rule (normative):
   shortest prefix whose cumulative probability reaches ``top_p``: token ``v`` is kept iff the
   total probability of the tokens ranked before it is ``< top_p`` (the top token always is).
   ``top_p = 1.0`` keeps every token.
+* **EOS gate.** With EOS ids and a floor ``min_eos_prob`` (the run spec's
+  ``toploc.eos_min_prob``), EOS tokens are not kept where ``P(EOS) = Σ_e softmax(z)[e]``
+  (unfiltered) is below the floor; so an honest completion can only end where the policy gives
+  EOS at least that probability, which is what the termination check demands.
 * **Choice.** ``token = argmax over kept v of (z_v + g_v)`` (lowest id on an exact tie).
 * **Log-prob.** ``logprob = log_softmax(z)[token]`` of the *unfiltered* tempered distribution,
   computed in float64 and returned as float32.
@@ -62,6 +66,8 @@ DEFAULT_NUCLEUS_SLACK = 1e-3
 """Probability slack when deciding whether a claimed token lies inside the validator's nucleus."""
 DEFAULT_MIN_EOS_PROB = 0.1
 """A completion may stop with EOS only where the recomputed P(EOS) is at least this."""
+DEFAULT_EOS_PROB_SLACK = 0.01
+"""Numeric slack around the EOS floor: worker and validator may see P(EOS) differ by this much."""
 DEFAULT_LOGPROB_MAX_ABS = 0.5
 """Largest tolerated per-token |reported − recomputed| sampling log-prob, nats."""
 DEFAULT_LOGPROB_MEAN_ABS = 0.05
@@ -212,10 +218,17 @@ def _nucleus_exclusive_mass(z: torch.Tensor) -> torch.Tensor:
 
 
 def _scores(
-    logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float, top_p: float
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    eos_ids: Sequence[int] = (),
+    eos_floor: float | torch.Tensor = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tempered logits ``z``, unmasked perturbed scores ``z + g``, the same with −inf outside the
-    nucleus, and the exclusive nucleus mass (zeros when ``top_p == 1``), all ``[B, V]`` float64."""
+    nucleus (and on EOS where P(EOS) < ``eos_floor``, a float or ``[B]`` tensor), and the
+    exclusive nucleus mass (zeros when ``top_p == 1``), all ``[B, V]`` float64."""
     z = logits.to(torch.float64) / temperature  # [B, V]
     raw = z + gumbel_noise(seeds, positions, z.shape[-1])  # [B, V]
     if top_p < 1.0:
@@ -223,11 +236,25 @@ def _scores(
         scores = raw.masked_fill(exclusive >= top_p, -math.inf)
     else:
         exclusive, scores = torch.zeros_like(z), raw
+    eos = [e for e in eos_ids if 0 <= e < z.shape[-1]]
+    if eos:
+        p_eos = torch.softmax(z, dim=-1)[:, eos].sum(-1)  # [B]
+        gated = p_eos < torch.as_tensor(eos_floor, dtype=torch.float64, device=z.device)  # [B]
+        if bool(gated.any()):
+            scores = scores.clone()
+            idx = torch.tensor(eos, device=z.device)
+            scores[gated.nonzero()[:, 0][:, None], idx[None, :]] = -math.inf
     return z, raw, scores, exclusive
 
 
 def sample(
-    logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    eos_ids: Sequence[int] = (),
+    min_eos_prob: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row by seeded Gumbel-max (rule in the module docstring).
 
@@ -237,6 +264,8 @@ def sample(
         positions: ``[B]`` int64 completion positions of the tokens being sampled (0-based).
         temperature: > 0.
         top_p: in ``(0, 1]``; 1.0 disables the nucleus filter.
+        eos_ids: token ids that end a completion (for the EOS gate).
+        min_eos_prob: EOS may be drawn only where P(EOS) ≥ this (0 disables the gate).
 
     Returns:
         ``(tokens, logprobs)``: ``[B]`` int64 token ids and ``[B]`` float32
@@ -248,7 +277,7 @@ def sample(
     _check_params(temperature, top_p)
     if logits.dim() != 2 or seeds.shape != (logits.shape[0],) or positions.shape != (logits.shape[0],):
         raise ValueError("need logits [B, V], seeds [B] and positions [B]")
-    z, _, scores, _ = _scores(logits, seeds.to(logits.device), positions.to(logits.device), temperature, top_p)
+    z, _, scores, _ = _scores(logits, seeds.to(logits.device), positions.to(logits.device), temperature, top_p, eos_ids, min_eos_prob)
     tokens = torch.argmax(scores, dim=-1)  # [B]
     logprobs = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, None])[:, 0]  # [B]
     return tokens, logprobs.to(torch.float32)
@@ -295,6 +324,9 @@ def replay_check(
     eps: float = DEFAULT_REPLAY_EPS,
     max_near_tie_fraction: float = DEFAULT_MAX_NEAR_TIE_FRACTION,
     nucleus_slack: float = DEFAULT_NUCLEUS_SLACK,
+    eos_ids: Sequence[int] = (),
+    min_eos_prob: float = 0.0,
+    eos_prob_slack: float = DEFAULT_EOS_PROB_SLACK,
 ) -> ReplayResult:
     """Recompute every sampled token from the validator's logits.
 
@@ -314,6 +346,12 @@ def replay_check(
         eps: near-tie tolerance in perturbed-score units.
         max_near_tie_fraction: tolerated share of near ties.
         nucleus_slack: probability slack for the claimed token's nucleus membership.
+        eos_ids: token ids that end a completion.
+        min_eos_prob: the sampler's EOS floor (0: no gate). Where the claimed token is not EOS,
+            the replay gates EOS below ``min_eos_prob + eos_prob_slack`` (the worker may have seen
+            P(EOS) just under the floor); where it is EOS, the replay does not gate and
+            :func:`termination_check` judges the stop.
+        eos_prob_slack: numeric slack on P(EOS) between worker and validator.
 
     Returns:
         A :class:`ReplayResult`.
@@ -330,10 +368,13 @@ def replay_check(
     safe = torch.where(in_vocab, claimed, torch.zeros_like(claimed))
     seeds = torch.full((n_tok,), seed, dtype=torch.int64, device=logits.device)
     positions = start_position + torch.arange(n_tok, dtype=torch.int64, device=logits.device)
+    eos_list = [int(e) for e in eos_ids]
+    claimed_eos = torch.isin(claimed, torch.tensor(eos_list, dtype=torch.int64, device=logits.device)) if eos_list else torch.zeros_like(claimed, dtype=torch.bool)
+    floor = torch.where(claimed_eos, 0.0, min_eos_prob + eos_prob_slack if min_eos_prob > 0 else 0.0).to(torch.float64)  # [T]
     rec, margins, gaps = [], [], []
     for lo in range(0, n_tok, _ROW_BLOCK):
         hi = min(n_tok, lo + _ROW_BLOCK)
-        _, raw, scores, exclusive = _scores(logits[lo:hi], seeds[lo:hi], positions[lo:hi], temperature, top_p)
+        _, raw, scores, exclusive = _scores(logits[lo:hi], seeds[lo:hi], positions[lo:hi], temperature, top_p, eos_list, floor[lo:hi])
         top2 = torch.topk(scores, k=min(2, vocab), dim=-1).values  # [b, 2]
         best = top2[:, 0]
         margins.append(top2[:, 0] - top2[:, 1] if vocab > 1 else torch.full_like(best, math.inf))
@@ -382,6 +423,7 @@ def termination_check(
     max_tokens: int,
     temperature: float = 1.0,
     min_eos_prob: float = DEFAULT_MIN_EOS_PROB,
+    eos_prob_slack: float = 0.0,
 ) -> TerminationResult:
     """Check how a completion ends.
 
@@ -397,6 +439,8 @@ def termination_check(
         max_tokens: the run spec's ``sampling.max_tokens``.
         temperature: > 0.
         min_eos_prob: threshold on P(EOS).
+        eos_prob_slack: accept P(EOS) down to ``min_eos_prob − eos_prob_slack`` (numeric noise
+            between the worker's and the validator's forward passes).
 
     Returns:
         A :class:`TerminationResult`.
@@ -417,7 +461,7 @@ def termination_check(
     probs = torch.softmax(last_logits.to(torch.float64).reshape(-1) / temperature, dim=-1)
     ids = [e for e in eos if 0 <= e < probs.numel()]
     p_eos = float(probs[ids].sum()) if ids else 0.0
-    if p_eos < min_eos_prob:
+    if p_eos < min_eos_prob - eos_prob_slack:
         return TerminationResult(False, p_eos, f"ends with EOS but recomputed P(EOS)={p_eos:.4f} < {min_eos_prob}")
     return TerminationResult(True, p_eos)
 

@@ -73,14 +73,16 @@ class Tolerances:
             are within this margin (near-ties from numeric noise).
         max_tie_fraction: at most this fraction of a completion's tokens may be such near-tie
             differences.
-        logprob_abs_tol: reported vs recomputed sampling log-prob, absolute.
+        logprob_abs_tol: reported vs recomputed sampling log-prob, absolute nats.
         reward_tol: reported vs recomputed reward, absolute.
+        eos_prob_slack: numeric slack on P(EOS) around the run's EOS floor.
     """
 
-    replay_eps: float = 1e-3
-    max_tie_fraction: float = 0.05
+    replay_eps: float = sampling.DEFAULT_REPLAY_EPS
+    max_tie_fraction: float = sampling.DEFAULT_MAX_NEAR_TIE_FRACTION
     logprob_abs_tol: float = 1e-2
     reward_tol: float = 1e-6
+    eos_prob_slack: float = sampling.DEFAULT_EOS_PROB_SLACK
 
 
 class SubmissionChecker:
@@ -228,7 +230,9 @@ class SubmissionChecker:
     def _sampling(self, j: int, seed: int, logits: torch.Tensor, completion: list[int], logprobs: list[float], finish: str) -> None:
         s = self.spec.sampling
         tokens = torch.tensor(completion, dtype=torch.long)
-        replay = sampling.replay_check(logits, tokens, seed, 0, s.temperature, s.top_p, self.tol.replay_eps, self.tol.max_tie_fraction)
+        eos_floor = self.spec.toploc.eos_min_prob
+        replay = sampling.replay_check(logits, tokens, seed, 0, s.temperature, s.top_p, self.tol.replay_eps, self.tol.max_tie_fraction,
+                                       eos_ids=(self.eos_id,), min_eos_prob=eos_floor, eos_prob_slack=self.tol.eos_prob_slack)
         if not replay.ok:
             raise Rejection("sampling", rollout=j, hard_mismatches=replay.hard_mismatches, near_ties=replay.near_ties, detail=replay.reason[:200])
         recomputed = torch.log_softmax(logits.float() / s.temperature, dim=-1).gather(-1, tokens[:, None])[:, 0]  # [n]
@@ -236,7 +240,7 @@ class SubmissionChecker:
         worst = float(diff.max())
         if not worst <= self.tol.logprob_abs_tol:
             raise Rejection("logprobs", rollout=j, position=int(diff.argmax()), max_abs_diff=_finite(worst))
-        term = sampling.termination_check(logits[-1], tokens, [self.eos_id], s.max_tokens, s.temperature, self.spec.toploc.eos_min_prob)
+        term = sampling.termination_check(logits[-1], tokens, [self.eos_id], s.max_tokens, s.temperature, eos_floor, self.tol.eos_prob_slack)
         if not term.ok:
             raise Rejection("termination", rollout=j, p_eos=_finite(term.p_eos), min_p_eos=self.spec.toploc.eos_min_prob, detail=term.reason[:200])
 

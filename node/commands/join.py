@@ -15,24 +15,38 @@ def _join_relay(args: argparse.Namespace) -> int:
     return run_relay_from_args(args)
 
 
-ROLES: dict[str, Callable[[argparse.Namespace], int]] = {"relay": _join_relay}
+def _join_worker(args: argparse.Namespace) -> int:
+    from node.roles.worker import run_worker_from_args
+
+    return run_worker_from_args(args)
+
+
+ROLES: dict[str, Callable[[argparse.Namespace], int]] = {"relay": _join_relay, "worker": _join_worker}
 """Role name → runner; a new role adds an entry here and its flags below."""
 
 
 @command
 def _join(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("join", help="run a node of a run in one role (relay: mirror and serve checkpoints)")
+    p = sub.add_parser("join", help="run a node of a run in one role (worker: generate rollouts; relay: mirror and serve checkpoints)")
     p.add_argument("--role", required=True, choices=sorted(ROLES), help="what this node does")
     p.add_argument("--run", required=True, help="the signed run spec (TOML)")
     p.add_argument("--data-dir", default=None, help=f"node data directory (default: {default_data_dir()})")
     p.add_argument("--key", default=None, help=f"node key file; created if absent (default: <data-dir>/{default_key_path().name})")
     relay = p.add_argument_group("relay")
-    relay.add_argument("--http-port", type=int, default=0, help="Shardcast HTTP port (default: any free port, printed at start)")
+    relay.add_argument("--http-port", type=int, default=0,
+                       help="relay: Shardcast HTTP port; worker: /status and /metrics port (default: any free port, printed at start)")
     relay.add_argument("--host", default="127.0.0.1", help="interface to serve on (default 127.0.0.1; 0.0.0.0 for everyone)")
     relay.add_argument(
         "--upstream", action="append", default=[], metavar="URL",
         help="origin or relay to follow (repeatable); without any, this node is the origin and serves its store",
     )
+    worker = p.add_argument_group("worker")
+    worker.add_argument("--engine", choices=["transformers"], default="transformers",
+                        help="inference engine")
+    worker.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
+    worker.add_argument("--data-root", default=None, help="directory of public task sets for named data.tasks")
+    worker.add_argument("--ingest-url", action="append", default=[], metavar="URL", help="coordinator ingest URL (default: the run spec's)")
+    worker.add_argument("--max-submissions", type=int, default=None, help="stop after this many submissions (default: run until stopped)")
     gossip = p.add_argument_group("gossip (libp2p)")
     gossip.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port (default: any free port)")
     gossip.add_argument("--listen-host", default="127.0.0.1", help="interface for libp2p (default 127.0.0.1; 0.0.0.0 for all)")

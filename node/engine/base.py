@@ -19,12 +19,14 @@ class SamplingParams:
         temperature: softmax temperature (> 0).
         top_p: nucleus mass (1.0 = off).
         eos_id: token that ends a completion.
+        min_eos_prob: EOS may be sampled only where P(EOS) ≥ this (the run's ``toploc.eos_min_prob``).
     """
 
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     eos_id: int = 1
+    min_eos_prob: float = 0.0
 
 
 @dataclass

@@ -94,7 +94,7 @@ class TransformersEngine(Engine):
             h = step_out.hidden[:, -1]  # [B, H] row that predicts completion token i
             logits = step_out.logits[:, -1]  # [B, V]
             positions = torch.full((b,), i, dtype=torch.int64, device=self.device)
-            tok, lp = sampling.sample(logits, seed_t, positions, params.temperature, params.top_p)
+            tok, lp = sampling.sample(logits, seed_t, positions, params.temperature, params.top_p, (params.eos_id,), params.min_eos_prob)
             tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
             tokens[:, i] = tok
             logps[:, i] = lp

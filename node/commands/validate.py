@@ -1,0 +1,64 @@
+"""`validate`: run a validator of a run (its key must be named in the run spec)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from pathlib import Path
+
+from node.cli import CliError, command, load_key, load_spec
+from node.paths import default_data_dir
+
+
+@command
+def _validate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("validate", help="re-check submissions (TOPLOC, sampling, termination, tasks, rewards) and sign verdicts")
+    p.add_argument("--run", required=True, help="the signed run spec (TOML)")
+    p.add_argument("--key", required=True, help="the validator key (its peer ID must be in the run spec)")
+    p.add_argument("--data-dir", default=None, help=f"node data directory (default: {default_data_dir()})")
+    p.add_argument("--http-port", type=int, default=0, help="status port for /status and /metrics (default: any)")
+    p.add_argument("--fraction", type=float, default=1.0, help="share of submissions fully checked, seeded per validator (default 1: all)")
+    p.add_argument("--ingest-url", action="append", default=[], metavar="URL", help="coordinator ingest URL (default: the run spec's)")
+    p.add_argument("--data-root", default=None, help="directory of public task sets for named data.tasks")
+    p.add_argument("--device", default="cpu", help="torch device for prefill (cpu, cuda)")
+    p.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port (default: any)")
+    p.add_argument("--listen-host", default="127.0.0.1", help="libp2p interface (default 127.0.0.1)")
+    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help="bootstrap peer (repeatable)")
+    p.add_argument("--no-gossip", action="store_true", help="stay off gossip (checkpoints from the run spec's origin URLs)")
+    p.set_defaults(handler=_run_validate)
+
+
+def _run_validate(args: argparse.Namespace) -> int:
+    from node.p2p import GossipConfig
+    from node.roles.validator import ValidatorNode, ValidatorOptions
+
+    signed = load_spec(args.run)
+    key = load_key(args.key)
+    if not signed.spec.is_validator(key.peer_id):
+        raise CliError(f"{args.key} holds {key.peer_id}, which the run spec does not name as a validator; "
+                       f"ask the coordinator to add it (spec init --validator {key.peer_id})")
+    if not 0.0 < args.fraction <= 1.0:
+        raise CliError("--fraction must be in (0, 1]")
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    gossip = None if args.no_gossip else GossipConfig(listen_host=args.listen_host, p2p_port=args.p2p_port, bootstrap=args.bootstrap)
+    options = ValidatorOptions(data_dir=data_dir, data_root=Path(args.data_root) if args.data_root else None, gossip=gossip,
+                               http_port=args.http_port, fraction=args.fraction, ingest_urls=list(args.ingest_url), device=args.device)
+    if not (options.ingest_urls or signed.spec.network.ingest_urls):
+        raise CliError("no ingest URL: the run spec has none; pass --ingest-url")
+
+    async def main() -> None:
+        node = ValidatorNode(signed, key, options)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, node.request_stop)
+        try:
+            await node.start()
+            where = node.status_server.url if node.status_server else "no status server"
+            print(f"validator {key.peer_id} started; status {where}", flush=True)
+            await node.run()
+        finally:
+            await node.stop()
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,48 @@
+"""The run's base model: step 0 of the policy."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from protocol.dataset import RunTasks
+from protocol.models import build_model, embedded_config, embedded_tokenizer, save_model
+from protocol.runspec import RunSpec
+from trainer.warmstart import WarmStartConfig, answer_examples, warm_start
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_WARM_START = WarmStartConfig(steps=150, batch_size=64, learning_rate=3e-3, seed=0)
+"""Supervised steps on the training tasks' answers that make the embedded model solve about a
+third of its held-out problems at the devnet's sampling temperature, so GRPO has signal."""
+
+
+def prepare_base(spec: RunSpec, tasks: RunTasks, cache_dir: Path) -> Path:
+    """Directory of the base policy (config, safetensors, tokenizer), created once and cached.
+
+    ``model.base = "embedded"``: a tiny Qwen2 with the character tokenizer, warm-started on the
+    training tasks' ground truths (:data:`EMBEDDED_WARM_START`), cached under ``cache_dir``
+    keyed by the task hash and hidden size. Otherwise ``model.base`` is a local model directory.
+
+    Raises:
+        FileNotFoundError: a non-embedded base directory that does not exist.
+    """
+    if spec.model.base != "embedded":
+        path = Path(spec.model.base)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model.base {path} has no config.json (a local Qwen2 directory is required; no hub access)")
+        return path
+    out = Path(cache_dir) / f"embedded-h{spec.model.hidden_size}-{tasks.hash[:12]}"
+    if (out / "model.safetensors").exists():
+        return out
+    tok = embedded_tokenizer()
+    model = build_model(embedded_config(len(tok), hidden_size=spec.model.hidden_size), seed=spec.run.seed % (2**31))
+    examples = answer_examples(tok, [t.prompt for t in tasks.train], [t.ground_truth for t in tasks.train])
+    losses = warm_start(model, examples, EMBEDDED_WARM_START)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(model, tok, tmp)
+    tmp.replace(out)
+    logger.info("embedded base model warm-started (%d steps, loss %.3f → %.3f) in %s", len(losses), losses[0], losses[-1], out)
+    return out

@@ -1,0 +1,414 @@
+"""The coordinator: ingest + Shardcast origin on one HTTP port, gossip, and the training loop.
+
+Rank 0 runs the services on the asyncio loop and the trainer in a worker thread; with
+``torchrun --nproc-per-node N`` the other ranks run :func:`follow_rank` (collectives only). Each
+trainer step: wait for a batch of validator-accepted, fresh, whole groups → GRPO step → write the
+policy as safetensors → publish it into the origin store (signed manifest) → announce it on
+gossip → save the training state → retire the consumed rollouts (``docs/trainer.md``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from node.coordinator.base import prepare_base
+from node.coordinator.evaluate import EvalResult, evaluate
+from node.engine.hf import TransformersEngine
+from node.p2p import GossipConfig, GossipNode
+from node.shardcast import ShardcastServer, ShardcastStore, publish_checkpoint
+from protocol.dataset import resolve_tasks
+from protocol.envelope import open_envelope, seal
+from protocol.errors import ProtocolError
+from protocol.identity import NodeKey
+from protocol.messages import CheckpointAnnouncement, Submission
+from protocol.models import load_model, load_tokenizer
+from protocol.runspec import SignedRunSpec
+from trainer.batch import Batch, RolloutRecord, assemble_batch, records_from_submission
+from trainer.distributed import DistContext, broadcast_batch
+from trainer.errors import NotEnoughRolloutsError, TrainerError
+from trainer.ingest import BanBook, SubmissionStore
+from trainer.ingest.service import IngestService, error_middleware
+from trainer.train import Trainer, TrainerConfig
+
+logger = logging.getLogger(__name__)
+
+WAIT_POLL_S = 0.2
+
+
+@dataclass
+class CoordinatorOptions:
+    """Settings of ``intellect-train``.
+
+    Attributes:
+        data_dir: where the ingest store, origin store, policies, state and metrics live.
+        host: HTTP interface; port: HTTP port (0: any) for ingest, origin, ``/status``, ``/metrics``.
+        public_url: URL other nodes use to reach this server (default ``http://host:port``).
+        gossip: gossip settings (``None``: off).
+        max_steps: stop after this many trainer steps (``None``: run until stopped).
+        resume: continue from the latest saved training state.
+        batch_timeout_s: give up (exit with the reason) when no batch filled for this long, seconds.
+        eval_samples: samples per held-out task in each evaluation (0: no evaluation).
+        eval_every: evaluate every this many steps (0: only at start and end).
+        data_root: directory of the public task sets.
+        device: torch device of the trainer.
+    """
+
+    data_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 0
+    public_url: str = ""
+    gossip: GossipConfig | None = field(default_factory=GossipConfig)
+    max_steps: int | None = None
+    resume: bool = False
+    batch_timeout_s: float = 600.0
+    eval_samples: int = 8
+    eval_every: int = 0
+    data_root: Path | None = None
+    device: str = "cpu"
+
+
+class Coordinator:
+    """Rank 0 of the coordinator: ``__init__`` (no I/O) → ``start`` → ``run`` → ``stop``."""
+
+    def __init__(self, signed: SignedRunSpec, key: NodeKey, options: CoordinatorOptions, ctx: DistContext | None = None) -> None:
+        if key.peer_id != signed.spec.run.coordinator:
+            raise ValueError(f"key {key.peer_id} is not this run's coordinator ({signed.spec.run.coordinator})")
+        self.signed = signed
+        self.spec = signed.spec
+        self.key = key
+        self.options = options
+        self.ctx = ctx or DistContext()
+        self.data_dir = Path(options.data_dir)
+        self.tasks = resolve_tasks(self.spec.data.tasks, options.data_root, self.spec.data.tasks_hash)
+        self.store = SubmissionStore(self.data_dir / "ingest", signed.run_id)
+        self.bans = BanBook(self.data_dir / "bans.msgpack", key, signed.run_id)
+        self.origin: ShardcastStore | None = None
+        self.server: ShardcastServer | None = None
+        self.ingest: IngestService | None = None
+        self.gossip: GossipNode | None = None
+        self.trainer: Trainer | None = None
+        self.tokenizer: Any = None
+        self.published_step = -1
+        self.state = "starting"
+        self.metrics_path = self.data_dir / "metrics.jsonl"
+        self.eval_start: EvalResult | None = None
+        self.eval_end: EvalResult | None = None
+        self.busy_s = 0.0
+        self.started_s = time.monotonic()
+        self.broadcast_s: dict[int, float] = {}
+        self._records: dict[str, list[RolloutRecord]] = {}
+        self._consumed_groups: set[tuple[str, int]] = set()
+        self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+        self.error: str | None = None
+        self.base_dir: Path | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.state = "preparing the base model"
+        base = await asyncio.to_thread(prepare_base, self.spec, self.tasks, self.data_dir / "base")
+        self.base_dir = base
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, base)
+        model = await asyncio.to_thread(load_model, base)
+        cfg = TrainerConfig.from_spec(self.spec)
+        cfg = TrainerConfig(**{**cfg.__dict__, "pad_token_id": int(self.tokenizer.pad_token_id or 0)})
+        self.trainer = Trainer(model, cfg, self.ctx)
+        if self.options.resume and (self.data_dir / "state" / "latest").exists():
+            pos = await asyncio.to_thread(self.trainer.load_state, self.data_dir / "state")
+            self._consumed_groups = {(k, int(s)) for k, s in pos.get("consumed_groups", [])}
+            n = self.store.unconsume_after(self.trainer.step)
+            logger.info("resumed at step %d; %d submissions from later steps trainable again", self.trainer.step, n)
+        self.origin = await asyncio.to_thread(
+            ShardcastStore, self.data_dir / "origin", run_id=self.signed.run_id, authorities=self.spec.authorities,
+            keep_steps=self.spec.shardcast.keep_steps,
+        )
+        # one HTTP port: Shardcast origin routes + ingest + status/metrics
+        self.server = ShardcastServer(self.origin, host=self.options.host, port=self.options.port, peer_id=self.key.peer_id)
+        self.ingest = IngestService(
+            self.spec, self.store, self.bans,
+            trainer_step=lambda: self.trainer.step if self.trainer else 0,
+            latest_policy_step=lambda: self.published_step,
+            on_verdict=self._gossip_verdict, on_ban=self._gossip_bans, status_extra=self._status_extra,
+        )
+        app = self.server.make_app()
+        app.middlewares.append(error_middleware)
+        self.ingest.add_routes(app)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.options.host, self.options.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = self.options.public_url or f"http://{self.options.host}:{port}"
+        self.server.port = port
+        if self.options.gossip is not None:
+            self.gossip = await GossipNode.create(self.spec, self.key, self.options.gossip, role="coordinator", http_url=self.url)
+            self.gossip.on_verdict(lambda env: self._apply_gossip_verdict(env.raw))
+        await asyncio.to_thread(self._publish_current)
+        if self.options.eval_samples:
+            self.state = "evaluating the initial policy on held-out tasks"
+            self.eval_start = await asyncio.to_thread(self._evaluate)
+            self._log_metrics({"event": "eval", "step": self.trainer.step, "heldout_pass_rate": self.eval_start.pass_rate,
+                               "heldout_reward_mean": self.eval_start.reward_mean, "samples": self.eval_start.samples})
+            logger.warning("held-out pass rate at step %d: %.3f", self.trainer.step, self.eval_start.pass_rate)
+        self.started_s = time.monotonic()
+
+    async def run(self) -> None:
+        """Train until ``max_steps`` or a stop request; raises :class:`TrainerError` on a batch timeout."""
+        await asyncio.to_thread(self._train_loop)
+        if self.options.eval_samples and self.trainer is not None:
+            self.state = "evaluating the final policy on held-out tasks"
+            self.eval_end = await asyncio.to_thread(self._evaluate)
+            self._log_metrics({"event": "eval", "step": self.trainer.step, "heldout_pass_rate": self.eval_end.pass_rate,
+                               "heldout_reward_mean": self.eval_end.reward_mean, "samples": self.eval_end.samples})
+            logger.warning("held-out pass rate at step %d: %.3f", self.trainer.step, self.eval_end.pass_rate)
+        self.state = "done" if self.error is None else f"stopped: {self.error}"
+        self._log_metrics({"event": "end", "step": self.trainer.step if self.trainer else 0, "error": self.error,
+                           "utilization": self.utilization()})
+        if self.error:
+            raise TrainerError(self.error)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self.gossip is not None:
+            await self.gossip.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self.store.close()
+
+    # --- training (worker thread) --------------------------------------------------------------
+
+    def _train_loop(self) -> None:
+        assert self.trainer is not None
+        while not self._stop.is_set():
+            if self.options.max_steps is not None and self.trainer.step >= self.options.max_steps:
+                break
+            batch = self._wait_for_batch()
+            if batch is None:
+                break
+            if self.ctx.distributed:
+                _control(self.ctx, go=True)
+                broadcast_batch(batch, self.ctx)
+            t0 = time.monotonic()
+            m = self.trainer.train_step(batch)
+            self.busy_s += time.monotonic() - t0
+            self._publish_current()
+            state_dir = self.data_dir / "state"
+            self._consumed_groups.update(batch.consumed_groups)
+            retired = self._retire(batch)
+            self.trainer.save_state(state_dir, {"consumed_groups": sorted([list(k) for k in self._consumed_groups])})
+            self.store.mark_consumed(retired, self.trainer.step)
+            for sid in retired:
+                self._records.pop(sid, None)
+            row = {"event": "step", **m.as_dict(), "utilization": self.utilization(), "broadcast_s": self.broadcast_s.get(self.trainer.step),
+                   "wall_s": round(time.monotonic() - self.started_s, 3), "verdicts": self.store.verdict_reasons(),
+                   "banned": len(self.bans.entries())}
+            self._log_metrics(row)
+            logger.warning("step %d: reward %.3f pass %.3f loss %.4f grad %.3f (%d groups, staleness %s)", m.step, m.reward_mean,
+                           m.pass_rate, m.loss, m.grad_norm, m.num_groups, m.staleness, extra={"step": m.step})
+            if self.options.eval_every and self.trainer.step % self.options.eval_every == 0 and self.options.eval_samples:
+                r = self._evaluate()
+                self._log_metrics({"event": "eval", "step": self.trainer.step, "heldout_pass_rate": r.pass_rate,
+                                   "heldout_reward_mean": r.reward_mean, "samples": r.samples})
+        if self.ctx.distributed:
+            _control(self.ctx, go=False)
+
+    def _wait_for_batch(self) -> Batch | None:
+        assert self.trainer is not None
+        step = self.trainer.step
+        t0 = time.monotonic()
+        last_reason = ""
+        while not self._stop.is_set():
+            records = self._fresh_records(step - self.spec.rl.async_level)
+            try:
+                return assemble_batch(records, step=step, async_level=self.spec.rl.async_level, group_size=self.spec.rl.group_size,
+                                      num_groups=self.spec.rl.batch_groups, adv_eps=self.spec.rl.adv_eps)
+            except NotEnoughRolloutsError as e:
+                last_reason = str(e)
+                self.state = f"waiting for a batch: {last_reason}"
+            waited = time.monotonic() - t0
+            if waited > self.options.batch_timeout_s:
+                self.error = f"no batch for step {step} after {waited:.0f} s: {last_reason}"
+                logger.error(self.error)
+                return None
+            self._stop.wait(WAIT_POLL_S)
+        return None
+
+    def _fresh_records(self, min_policy_step: int) -> list[RolloutRecord]:
+        out: list[RolloutRecord] = []
+        for sub in self.store.accepted_unconsumed(min_policy_step):
+            recs = self._records.get(sub.id)
+            if recs is None:
+                try:
+                    env = open_envelope(self.store.read(sub.id), run_id=self.signed.run_id, expect=Submission)
+                    recs = records_from_submission(env.body, sub.id)
+                except (OSError, ProtocolError, TrainerError) as e:
+                    logger.warning("cannot train on submission %s: %s", sub.id[:12], e)
+                    self.store.mark_consumed([sub.id], -2)
+                    continue
+                self._records[sub.id] = recs
+            out.extend(r for r in recs if r.group_key not in self._consumed_groups)
+        return out
+
+    def _retire(self, batch: Batch) -> list[str]:
+        """Submissions all of whose groups are now consumed."""
+        done = []
+        for sid in batch.consumed_submission_ids:
+            recs = self._records.get(sid, [])
+            if all(r.group_key in self._consumed_groups for r in recs):
+                done.append(sid)
+        self._consumed_groups.difference_update({r.group_key for sid in done for r in self._records.get(sid, [])})
+        return done
+
+    def _publish_current(self) -> None:
+        """Write the current policy, publish it into the origin store and announce it (rank 0)."""
+        assert self.trainer is not None and self.origin is not None
+        step = self.trainer.step
+        if step <= self.published_step or (step % self.spec.rl.publish_every and step != 0):
+            return
+        t0 = time.monotonic()
+        if self.origin.manifest(step) is None:
+            out = self.data_dir / "policies" / f"step-{step}"
+            shutil.rmtree(out, ignore_errors=True)
+            if step == 0 and self.base_dir is not None:
+                # the base model is policy 0 as it is: no collective gather needed
+                shutil.copytree(self.base_dir, out)
+                files = sorted(p for p in out.iterdir() if p.is_file())
+            else:
+                files = self.trainer.save_checkpoint(out, tokenizer=self.tokenizer)
+            env = publish_checkpoint(self.origin, files, step=step, key=self.key, piece_size_bytes=self.spec.shardcast.piece_size_bytes)
+            self._prune_policies(step)
+        else:
+            env = self.origin.manifest(step)
+            assert env is not None
+        self.published_step = step
+        self.broadcast_s[step] = time.monotonic() - t0
+        ann = seal(self.key, self.signed.run_id, CheckpointAnnouncement(step=step, manifest_id=env.id, checkpoint_hash=env.body.checkpoint_hash,
+                                                                        origin_url=self.url))
+        if self.gossip is not None and self._loop is not None:
+            self.gossip.set_record(policy_step=step)
+            asyncio.run_coroutine_threadsafe(self.gossip.publish_announcement(ann), self._loop)
+        logger.info("published policy step %d", step, extra={"step": step})
+
+    def _prune_policies(self, step: int) -> None:
+        keep = self.spec.shardcast.keep_steps + 1
+        for p in (self.data_dir / "policies").glob("step-*"):
+            s = p.name.split("-", 1)[1]
+            if s.isdigit() and int(s) <= step - keep:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def _evaluate(self) -> EvalResult:
+        assert self.trainer is not None
+        path = self.data_dir / "policies" / f"step-{self.published_step}"
+        engine = TransformersEngine.from_dir(path)
+        return evaluate(self.spec, engine, self.tokenizer, self.tasks.heldout, self.options.eval_samples)
+
+    # --- gossip glue (asyncio loop) ------------------------------------------------------------
+
+    def _gossip_verdict(self, raw: bytes) -> None:
+        if self.gossip is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._safe_publish("verdict", raw)))
+
+    def _gossip_bans(self, raw: bytes) -> None:
+        if self.gossip is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._safe_publish("ban", raw)))
+
+    async def _safe_publish(self, kind: str, raw: bytes) -> None:
+        assert self.gossip is not None
+        try:
+            if kind == "verdict":
+                await self.gossip.publish_verdict(raw)
+            else:
+                await self.gossip.publish_ban_list(raw)
+        except Exception as e:  # gossip is best effort: HTTP remains the source of truth
+            logger.debug("gossip publish of %s failed: %s", kind, e)
+
+    def _apply_gossip_verdict(self, raw: bytes) -> None:
+        if self.ingest is None:
+            return
+        try:
+            self.ingest.apply_verdict(raw)
+        except ProtocolError as e:
+            logger.debug("ignoring gossiped verdict: %s", e)
+
+    # --- status -------------------------------------------------------------------------------
+
+    def utilization(self) -> float:
+        """Trainer busy time / wall time since training started."""
+        wall = time.monotonic() - self.started_s
+        return round(self.busy_s / wall, 4) if wall > 0 else 0.0
+
+    def _status_extra(self) -> dict[str, Any]:
+        peers: dict[str, int] = {}
+        if self.gossip is not None:
+            for p in self.gossip.peers.alive():
+                peers[p.role] = peers.get(p.role, 0) + 1
+        return {
+            "role": "coordinator",
+            "peer_id": self.key.peer_id,
+            "state": self.state,
+            "published_step": self.published_step,
+            "utilization": self.utilization(),
+            "heldout_start": self.eval_start.pass_rate if self.eval_start else None,
+            "heldout_end": self.eval_end.pass_rate if self.eval_end else None,
+            "peers_by_role": peers,
+            "broadcast_s": {str(k): round(v, 3) for k, v in list(self.broadcast_s.items())[-5:]},
+        }
+
+    def _log_metrics(self, row: dict[str, Any]) -> None:
+        row = {"ts": round(time.time(), 3), **row}
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row, default=_json_default) + "\n")
+
+
+def _control(ctx: DistContext, *, go: bool) -> bool:
+    """Collective: rank 0 tells the other ranks whether another step follows."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if go else 0], dtype=torch.long, device=ctx.device)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def follow_rank(signed: SignedRunSpec, data_dir: Path, ctx: DistContext, *, resume: bool = False) -> None:
+    """Ranks > 0 under torchrun: join every collective of rank 0's loop (train, gather, save)."""
+    spec = signed.spec
+    tasks = resolve_tasks(spec.data.tasks, None, spec.data.tasks_hash)
+    base = prepare_base(spec, tasks, Path(data_dir) / f"base-rank{ctx.rank}")
+    trainer = Trainer(load_model(base), TrainerConfig.from_spec(spec), ctx)
+    state = Path(data_dir) / "state"
+    if resume and (state / "latest").exists():
+        trainer.load_state(state)
+    while _control(ctx, go=False):
+        batch = broadcast_batch(None, ctx)
+        trainer.train_step(batch)
+        if trainer.step % spec.rl.publish_every == 0:
+            trainer.save_checkpoint(Path(data_dir) / "policies" / f"step-{trainer.step}")
+        trainer.save_state(state, {})
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    return str(o)

@@ -1,0 +1,141 @@
+"""Following the policy: learn new steps from gossip (and polling), fetch them through Shardcast.
+
+Used by workers (to hot-swap the engine's weights) and validators (to prefill with the exact
+checkpoint a submission names). Sources are the relays that gossip says hold the step (tree
+first), then the coordinator's origin; a fetch is verified piece by piece against the
+coordinator-signed manifest, so no source needs to be trusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from node.errors import FetchError, NodeError
+from node.shardcast import DownloadConfig, fetch_checkpoint
+from node.shardcast.download import get_manifest, make_session
+from protocol.errors import ProtocolError
+from protocol.runspec import RunSpec
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 2.0
+"""How often the latest manifest is polled when gossip announced nothing new, seconds."""
+
+
+class PolicyFollower:
+    """Knows the newest policy step and fetches checkpoints of any step into ``root/step-N``.
+
+    Args:
+        spec: the run spec (run ID, coordinator key, origin URLs, keep_steps).
+        root: directory of fetched checkpoints.
+        sources: callable returning candidate base URLs for a step (relays holding it first).
+        keep: how many fetched steps to keep on disk.
+    """
+
+    def __init__(self, spec: RunSpec, root: Path, sources: Callable[[int | None], list[str]], *, keep: int | None = None) -> None:
+        self.spec = spec
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.sources = sources
+        self.keep = keep or spec.shardcast.keep_steps
+        self.latest_step = -1
+        self.fetch_seconds: dict[int, float] = {}
+        self._locks: dict[int, asyncio.Lock] = {}
+        self._cfg = DownloadConfig(stall_timeout_s=30.0, deadline_s=600.0)
+        self._session: Any = None
+        self.last_error = ""
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def note_step(self, step: int) -> None:
+        """Record that ``step`` was announced (from a verified gossip announcement)."""
+        if step > self.latest_step:
+            self.latest_step = step
+            logger.info("policy step %d announced", step, extra={"step": step})
+
+    async def poll_latest(self) -> int:
+        """Ask the sources for their latest signed manifest; returns the newest step known."""
+        if self._session is None:
+            self._session = make_session(self._cfg)
+        for url in self.sources(None):
+            try:
+                env = await get_manifest(self._session, url, None, run_id=self.spec.run_id, authorities=self.spec.authorities,
+                                         timeout_s=self._cfg.manifest_timeout_s)
+            except (NodeError, ProtocolError, OSError, asyncio.TimeoutError) as e:
+                logger.debug("latest manifest from %s failed: %s", url, e)
+                continue
+            if env is not None:
+                self.note_step(env.body.step)
+        return self.latest_step
+
+    def path_for(self, step: int) -> Path:
+        return self.root / f"step-{step}"
+
+    def have(self, step: int) -> bool:
+        return (self.path_for(step) / "config.json").exists() and (self.path_for(step) / ".shardcast-manifest").exists()
+
+    async def fetch(self, step: int) -> Path:
+        """The directory of checkpoint ``step``, downloading it first if needed.
+
+        Raises:
+            FetchError: no source could provide a verified copy.
+        """
+        lock = self._locks.setdefault(step, asyncio.Lock())
+        async with lock:
+            out = self.path_for(step)
+            if self.have(step):
+                return out
+            sources = self.sources(step)
+            if not sources:
+                raise FetchError(f"no source known for policy step {step} yet (no relay or origin in gossip or the run spec)")
+            t0 = time.monotonic()
+            try:
+                result = await fetch_checkpoint(sources, out, run_id=self.spec.run_id, authorities=self.spec.authorities, step=step,
+                                                config=self._cfg, progress=False)
+            except FetchError as e:
+                self.last_error = str(e)
+                raise
+            self.fetch_seconds[step] = time.monotonic() - t0
+            if result.faulty_sources:
+                logger.warning("faulty sources while fetching step %d: %s", step, result.faulty_sources, extra={"step": step})
+            logger.info("fetched policy step %d in %.2f s from %s", step, self.fetch_seconds[step], sorted(result.source_bytes),
+                        extra={"step": step})
+            self.note_step(step)
+            await asyncio.to_thread(self._prune)
+            return out
+
+    def _prune(self) -> None:
+        steps = sorted(int(p.name.split("-", 1)[1]) for p in self.root.glob("step-*") if p.name.split("-", 1)[1].isdigit())
+        for s in steps[: max(0, len(steps) - self.keep)]:
+            shutil.rmtree(self.path_for(s), ignore_errors=True)
+
+
+def gossip_sources(gossip: Any, spec: RunSpec) -> Callable[[int | None], list[str]]:
+    """Source chooser over a :class:`node.p2p.GossipNode`: relays holding the step, then origins."""
+
+    def choose(step: int | None) -> list[str]:
+        urls: list[str] = []
+        if gossip is not None:
+            peers = gossip.peers
+            want = step if step is not None else peers.latest_step()
+            if want is not None:
+                urls.extend(p.http_url for p in peers.relays_holding(want) if p.http_url)
+            coord = peers.coordinator()
+            if coord is not None and coord.http_url:
+                urls.append(coord.http_url)
+            ann = peers.latest_announcement
+            if ann is not None and ann.origin_url:
+                urls.append(ann.origin_url)
+        urls.extend(spec.network.origin_urls)
+        return list(dict.fromkeys(u.rstrip("/") for u in urls if u))
+
+    return choose

@@ -1,0 +1,269 @@
+"""The validator role: lease submissions from the ingest, check them, sign and publish verdicts."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from node.errors import FetchError
+from node.p2p import GossipConfig, GossipNode
+from node.policy import PolicyFollower, gossip_sources
+from node.status_http import StatusServer
+from protocol import encoding
+from protocol.envelope import open_envelope, seal
+from protocol.errors import ProtocolError
+from protocol.identity import NodeKey
+from protocol.messages import BanList, LeaseRequest, Submission, Verdict
+from protocol.models import load_model, load_tokenizer
+from protocol.runspec import SignedRunSpec
+from protocol.dataset import resolve_tasks
+from validator.ledger import Ledger
+from validator.pipeline import CheckResult, SubmissionChecker
+
+logger = logging.getLogger(__name__)
+
+LEASE_S = 120.0
+IDLE_POLL_S = 0.5
+
+
+@dataclass
+class ValidatorOptions:
+    """Settings of a validator process.
+
+    Attributes:
+        data_dir: node data directory (checkpoints, ledger).
+        data_root: directory of the public task sets, for named ``data.tasks``.
+        gossip: gossip settings (``None``: off).
+        http_port: status port (``None``: no status server).
+        fraction: share of submissions fully checked, chosen by a seeded hash of the submission ID
+            (1.0: all; see ``docs/validator.md`` for the detection probability).
+        batch: submissions leased at once.
+        ingest_urls: override of the run spec's ingest URLs.
+        device: torch device for prefill.
+    """
+
+    data_dir: Path
+    data_root: Path | None = None
+    gossip: GossipConfig | None = field(default_factory=GossipConfig)
+    http_port: int | None = 0
+    fraction: float = 1.0
+    batch: int = 8
+    ingest_urls: list[str] = field(default_factory=list)
+    device: str = "cpu"
+
+
+class ValidatorNode:
+    """A validator process: ``__init__`` (no I/O) → ``start`` → ``run`` → ``stop``.
+
+    Raises:
+        ValueError: from ``__init__`` when the key is not a validator of the run spec.
+    """
+
+    def __init__(self, signed: SignedRunSpec, key: NodeKey, options: ValidatorOptions) -> None:
+        if not signed.spec.is_validator(key.peer_id):
+            raise ValueError(f"key {key.peer_id} is not a validator of this run; the run spec names {signed.spec.run.validators or 'none'}")
+        self.signed = signed
+        self.spec = signed.spec
+        self.key = key
+        self.options = options
+        self.data_dir = Path(options.data_dir)
+        self.ingest_urls = [u.rstrip("/") for u in (options.ingest_urls or self.spec.network.ingest_urls)]
+        self.tasks = resolve_tasks(self.spec.data.tasks, options.data_root, self.spec.data.tasks_hash).train
+        self.ledger = Ledger(self.data_dir / "validator.sqlite")
+        self.follower = PolicyFollower(self.spec, self.data_dir / "checkpoints", lambda step: [], keep=self.spec.rl.async_level + 2)
+        self.gossip: GossipNode | None = None
+        self.tokenizer: Any = None
+        self._models: OrderedDict[int, torch.nn.Module] = OrderedDict()
+        self.banned: set[str] = set()
+        self._stop = asyncio.Event()
+        self._http: aiohttp.ClientSession | None = None
+        self.state = "starting"
+        self.checked = 0
+        self.reasons: dict[str, int] = {}
+        self.check_seconds = 0.0
+        self.queue = 0
+        self.registry = CollectorRegistry()
+        self.m_checked = Counter("intellect_validator_checked", "Submissions judged", registry=self.registry)
+        self.m_verdicts = Counter("intellect_validator_verdicts", "Verdicts by reason", ["reason"], registry=self.registry)
+        self.m_seconds = Histogram("intellect_validator_seconds", "Seconds to judge one submission", registry=self.registry,
+                                   buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100))
+        self.m_queue = Gauge("intellect_validator_queue", "Leased submissions waiting to be judged", registry=self.registry)
+        self.status_server: StatusServer | None = None
+
+    async def start(self) -> None:
+        if self.options.gossip is not None:
+            self.gossip = await GossipNode.create(self.spec, self.key, self.options.gossip, role="validator")
+            self.gossip.on_announcement(lambda env: self.follower.note_step(env.body.step))
+            self.gossip.on_ban_list(self._on_ban_list)
+        self.follower.sources = gossip_sources(self.gossip, self.spec)
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
+        if self.options.http_port is not None:
+            self.status_server = StatusServer(self.status, self.registry, port=self.options.http_port)
+            await self.status_server.start()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._http is not None:
+            await self._http.close()
+        await self.follower.close()
+        if self.gossip is not None:
+            await self.gossip.stop()
+        if self.status_server is not None:
+            await self.status_server.stop()
+        self.ledger.close()
+
+    async def run(self) -> None:
+        """Lease, judge and report until stopped."""
+        while not self._stop.is_set():
+            blobs = await self._lease()
+            self.queue = len(blobs)
+            self.m_queue.set(self.queue)
+            if not blobs:
+                self.state = "idle: no pending submissions"
+                await self._sleep(IDLE_POLL_S)
+                continue
+            for blob in blobs:
+                if self._stop.is_set():
+                    break
+                await self._judge(blob)
+                self.queue -= 1
+                self.m_queue.set(self.queue)
+
+    # --- work ----------------------------------------------------------------------------------
+
+    async def _lease(self) -> list[bytes]:
+        req = seal(self.key, self.signed.run_id, LeaseRequest(limit=self.options.batch, lease_s=LEASE_S))
+        assert self._http is not None
+        for url in self.ingest_urls:
+            try:
+                async with self._http.post(f"{url}/ingest/1/lease", data=req) as r:
+                    if r.status != 200:
+                        logger.warning("lease refused by %s: %d %s", url, r.status, (await r.text())[:200])
+                        continue
+                    body = encoding.unpackb(await r.read(), 1 << 30)
+                return [b for b in body.get("submissions", []) if isinstance(b, bytes)]
+            except (aiohttp.ClientError, TimeoutError, ProtocolError) as e:
+                logger.info("ingest %s unreachable: %s", url, e)
+        self.state = "ingest unreachable"
+        return []
+
+    async def _judge(self, blob: bytes) -> None:
+        try:
+            env = open_envelope(blob, run_id=self.signed.run_id, expect=Submission)
+        except ProtocolError as e:
+            logger.warning("ingest handed out an invalid submission: %s", e)
+            return
+        sub = env.body
+        sid = env.id.hex()
+        self.state = f"checking {sid[:12]} from {sub.worker[-8:]} (step {sub.policy_step})"
+        if sub.worker in self.banned:
+            result = CheckResult(False, "banned_worker", {})
+        elif not self._sampled(sid):
+            result = CheckResult(True, "ok", {"sampled_out": True})
+        else:
+            await self._prepare(sub.policy_step)
+            checker = SubmissionChecker(self.spec, self.tasks, self.tokenizer, self._models.get, trainer_step=self._trainer_step,
+                                        counter_seen=self.ledger.counter_seen)
+            result = await asyncio.to_thread(checker.check, env)
+        if result.reason == "banned_worker":
+            return  # the coordinator already rejects a banned worker's pending work
+        self.ledger.record(sub.worker, sub.counter, sid, result.reason)
+        self.checked += 1
+        self.check_seconds += result.seconds
+        self.reasons[result.reason] = self.reasons.get(result.reason, 0) + 1
+        self.m_checked.inc()
+        self.m_verdicts.labels(result.reason).inc()
+        self.m_seconds.observe(result.seconds)
+        verdict = seal(self.key, self.signed.run_id, Verdict(
+            submission_id=env.id, worker=sub.worker, policy_step=sub.policy_step, counter=sub.counter,
+            accepted=result.accepted, reason=result.reason, evidence={k: v for k, v in result.evidence.items()},
+        ))
+        log = logger.info if result.accepted else logger.warning
+        log("verdict %s on %s from %s: %s %s", "accept" if result.accepted else "reject", sid[:12], sub.worker, result.reason,
+            result.evidence or "", extra={"peer_id": sub.worker, "step": sub.policy_step})
+        await self._post_verdict(verdict)
+        if self.gossip is not None:
+            try:
+                await self.gossip.publish_verdict(verdict)
+            except Exception as e:  # gossip is best effort; the ingest got the verdict over HTTP
+                logger.debug("verdict gossip failed: %s", e)
+
+    def _sampled(self, sid: str) -> bool:
+        if self.options.fraction >= 1.0:
+            return True
+        h = hashlib.sha256(self.key.public_key + bytes.fromhex(sid)).digest()
+        return int.from_bytes(h[:8], "big") < self.options.fraction * 2**64
+
+    def _trainer_step(self) -> int:
+        return max(self.follower.latest_step, max(self._models, default=-1))
+
+    async def _prepare(self, step: int) -> None:
+        """Load the checkpoint of ``step`` (fetching it through Shardcast) unless cached."""
+        if step in self._models:
+            self._models.move_to_end(step)
+            return
+        if step > self.follower.latest_step:
+            await self.follower.poll_latest()
+        try:
+            path = await self.follower.fetch(step)
+        except FetchError as e:
+            logger.warning("cannot fetch policy step %d: %s", step, e)
+            return
+        model = await asyncio.to_thread(load_model, path, torch.float32, self.options.device)
+        if self.tokenizer is None:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, path)
+        self._models[step] = model
+        while len(self._models) > self.spec.rl.async_level + 2:
+            self._models.popitem(last=False)
+
+    async def _post_verdict(self, verdict: bytes) -> None:
+        assert self._http is not None
+        for attempt in range(5):
+            for url in self.ingest_urls:
+                try:
+                    async with self._http.post(f"{url}/ingest/1/verdicts", data=verdict) as r:
+                        if r.status == 200:
+                            return
+                        logger.warning("verdict refused by %s: %d %s", url, r.status, (await r.text())[:200])
+                        return
+                except (aiohttp.ClientError, TimeoutError) as e:
+                    logger.info("verdict post to %s failed: %s", url, e)
+            await self._sleep(min(10.0, 0.5 * 2**attempt))
+
+    def _on_ban_list(self, env: Any) -> None:
+        if isinstance(env.body, BanList):
+            self.banned = {e.peer_id for e in env.body.entries}
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+        except TimeoutError:
+            pass
+
+    def status(self) -> dict[str, Any]:
+        """What ``/status`` shows."""
+        return {
+            "role": "validator",
+            "peer_id": self.key.peer_id,
+            "state": self.state,
+            "checked": self.checked,
+            "verdicts_by_reason": self.reasons,
+            "seconds_per_submission": round(self.check_seconds / self.checked, 4) if self.checked else None,
+            "queue": self.queue,
+            "latest_step": self.follower.latest_step,
+            "reputation": self.ledger.reputation(),
+            "fraction": self.options.fraction,
+        }

@@ -1,0 +1,282 @@
+"""The worker role: follow the policy, generate proven rollouts, submit them (``docs/operators.md``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from node.engine import Engine, create_engine
+from node.errors import FetchError
+from node.p2p import GossipConfig, GossipNode
+from node.policy import POLL_INTERVAL_S, PolicyFollower, gossip_sources
+from node.status_http import StatusServer
+from node.worker.rollouts import BuildStats, build_submission
+from node.worker.spool import Spool
+from node.worker.submitter import Submitter
+from protocol.dataset import resolve_tasks
+from protocol.envelope import Envelope
+from protocol.identity import NodeKey
+from protocol.messages import Verdict
+from protocol.models import load_tokenizer
+from protocol.runspec import SignedRunSpec
+
+logger = logging.getLogger(__name__)
+
+LATE_RETRY_S = 2.0
+"""Wait between fetch attempts while the held policy is too old to generate with, seconds."""
+
+
+@dataclass
+class WorkerOptions:
+    """Settings of a worker process (``join --role worker`` flags).
+
+    Attributes:
+        data_dir: node data directory (checkpoints, spool).
+        engine: ``transformers`` or ``vllm``.
+        device: ``cpu`` or ``cuda``.
+        data_root: directory of the public task sets, for named ``data.tasks``.
+        gossip: gossip settings (``None``: static sources only, from the run spec).
+        http_port: status port (``None``: no status server).
+        max_submissions: stop after this many submissions (``None``: run until stopped).
+        ingest_urls: override of the run spec's ingest URLs.
+    """
+
+    data_dir: Path
+    engine: str = "transformers"
+    device: str = "cpu"
+    data_root: Path | None = None
+    gossip: GossipConfig | None = field(default_factory=GossipConfig)
+    http_port: int | None = 0
+    max_submissions: int | None = None
+    ingest_urls: list[str] = field(default_factory=list)
+
+
+class Worker:
+    """A contributor node.
+
+    Lifecycle: ``Worker(signed, key, options)`` (no I/O) → ``await start()`` → ``await run()`` →
+    ``await stop()``. ``run`` loops: make sure the engine holds a policy no older than
+    ``latest − async_level`` (fetching and hot-swapping newer ones), build one submission
+    (:func:`node.worker.rollouts.build_submission`), spool it, and let the submitter deliver it.
+    """
+
+    def __init__(self, signed: SignedRunSpec, key: NodeKey, options: WorkerOptions) -> None:
+        self.signed = signed
+        self.spec = signed.spec
+        self.key = key
+        self.options = options
+        self.data_dir = Path(options.data_dir)
+        self.gossip: GossipNode | None = None
+        self.follower = PolicyFollower(self.spec, self.data_dir / "checkpoints", lambda step: [])
+        self.spool = Spool(self.data_dir / "spool")
+        self.submitter = Submitter(self.spool, options.ingest_urls or list(self.spec.network.ingest_urls))
+        self.engine: Engine | None = None
+        self.tokenizer: Any = None
+        self.tasks = resolve_tasks(self.spec.data.tasks, options.data_root, self.spec.data.tasks_hash).train
+        self.policy_step = -1
+        self.state = "starting"
+        self.submissions = 0
+        self.tokens = 0
+        self.generate_s = 0.0
+        self.verdicts: dict[str, int] = {}
+        self._stop = asyncio.Event()
+        self._kick = asyncio.Event()
+        self._sender: asyncio.Task[None] | None = None
+        self.registry = CollectorRegistry()
+        self.m_tokens = Counter("intellect_worker_tokens", "Completion tokens generated", registry=self.registry)
+        self.m_submissions = Counter("intellect_worker_submissions", "Submissions built", registry=self.registry)
+        self.m_verdicts = Counter("intellect_worker_verdicts", "Verdicts on this worker's submissions", ["reason"], registry=self.registry)
+        self.m_step = Gauge("intellect_worker_policy_step", "Policy step held by the engine", registry=self.registry)
+        self.m_spool = Gauge("intellect_worker_spool", "Submissions waiting in the spool", registry=self.registry)
+        self.status_server: StatusServer | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.options.gossip is not None:
+            self.gossip = await GossipNode.create(self.spec, self.key, self.options.gossip, role="worker")
+            self.gossip.on_announcement(self._on_announcement)
+            self.gossip.on_verdict(self._on_verdict)
+        self.follower.sources = gossip_sources(self.gossip, self.spec)
+        if self.options.http_port is not None:
+            self.status_server = StatusServer(self.status, self.registry, port=self.options.http_port)
+            await self.status_server.start()
+        self._sender = asyncio.create_task(self._send_loop(), name="worker-submitter")
+        if self.spool.pending():
+            logger.info("re-sending %d spooled submissions from an earlier run", len(self.spool.pending()))
+            self._kick.set()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        self._kick.set()
+        if self._sender is not None:
+            try:
+                await asyncio.wait_for(self._sender, timeout=5.0)
+            except (TimeoutError, asyncio.CancelledError):
+                self._sender.cancel()
+        await self.submitter.close()
+        await self.follower.close()
+        if self.gossip is not None:
+            await self.gossip.stop()
+        if self.status_server is not None:
+            await self.status_server.stop()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+        self._kick.set()
+
+    async def run(self) -> None:
+        """Generate and submit until stopped (or ``max_submissions`` reached and delivered)."""
+        while not self._stop.is_set():
+            if self.options.max_submissions is not None and self.submissions >= self.options.max_submissions:
+                break
+            if not await self._ensure_policy():
+                continue
+            counter = self.spool.next_counter()
+            self.state = f"generating (step {self.policy_step}, counter {counter})"
+            stats = BuildStats()
+            assert self.engine is not None
+            data = await asyncio.to_thread(
+                build_submission, self.spec, self.signed.run_id, self.key, self.engine, self.tokenizer, self.tasks,
+                self.policy_step, counter, None, stats,
+            )
+            await asyncio.to_thread(self.spool.put, counter, data)
+            self.submissions += 1
+            self.tokens += stats.tokens
+            self.generate_s += stats.generate_s
+            self.m_tokens.inc(stats.tokens)
+            self.m_submissions.inc()
+            logger.info("submission %d at step %d: %d tokens in %.2f s, mean task reward %.2f", counter, self.policy_step, stats.tokens,
+                        stats.generate_s, sum(stats.task_rewards) / max(1, len(stats.task_rewards)), extra={"step": self.policy_step})
+            self._kick.set()
+        if self.options.max_submissions is not None:
+            await self.submitter.drain(deadline_s=30.0)
+
+    # --- policy --------------------------------------------------------------------------------
+
+    async def _ensure_policy(self) -> bool:
+        """Hold a policy no older than latest − async_level; ``False`` means 'waited, try again'."""
+        latest = self.follower.latest_step
+        if latest < 0 or time.monotonic() - getattr(self, "_last_poll", 0.0) > POLL_INTERVAL_S * 5:
+            self._last_poll = time.monotonic()
+            latest = await self.follower.poll_latest()
+        if latest < 0:
+            self.state = "waiting for the first policy announcement"
+            await self._sleep(LATE_RETRY_S)
+            return False
+        if self.policy_step >= latest:
+            return True
+        try:
+            path = await self.follower.fetch(latest)
+            await asyncio.to_thread(self._load, path)
+            self.policy_step = latest
+            self.m_step.set(latest)
+            if self.gossip is not None:
+                self.gossip.set_record(policy_step=latest)
+            return True
+        except FetchError as e:
+            if self.policy_step >= latest - self.spec.rl.async_level:
+                logger.info("cannot fetch step %d yet (%s); generating with step %d", latest, e, self.policy_step)
+                return True
+            self.state = f"late: hold step {self.policy_step}, need ≥ {latest - self.spec.rl.async_level}; fetch failed: {e}"
+            logger.warning(self.state)
+            await self._sleep(LATE_RETRY_S)
+            return False
+
+    def _load(self, path: Path) -> None:
+        if self.engine is None:
+            self.tokenizer = load_tokenizer(path)
+            self.engine = create_engine(self.options.engine, path, device=self.options.device)
+        else:
+            self.engine.load_weights(path)
+        logger.info("engine holds policy from %s", path)
+
+    def _on_announcement(self, env: Envelope[Any]) -> None:
+        self.follower.note_step(env.body.step)
+
+    def _on_verdict(self, env: Envelope[Verdict]) -> None:
+        if env.body.worker == self.key.peer_id:
+            self.verdicts[env.body.reason] = self.verdicts.get(env.body.reason, 0) + 1
+            self.m_verdicts.labels(env.body.reason).inc()
+
+    async def _send_loop(self) -> None:
+        while not self._stop.is_set() or self.spool.pending():
+            await self._kick.wait()
+            self._kick.clear()
+            await self.submitter.drain(deadline_s=None if not self._stop.is_set() else 5.0)
+            self.m_spool.set(len(self.spool.pending()))
+            if self.submitter.banned:
+                logger.error("the coordinator banned this worker; stopping")
+                self._stop.set()
+            if self._stop.is_set():
+                break
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+        except TimeoutError:
+            pass
+
+    def status(self) -> dict[str, Any]:
+        """What ``/status`` shows."""
+        return {
+            "role": "worker",
+            "peer_id": self.key.peer_id,
+            "state": self.state,
+            "policy_step": self.policy_step,
+            "latest_step": self.follower.latest_step,
+            "submissions": self.submissions,
+            "acked": self.submitter.acked,
+            "refused": self.submitter.refused,
+            "spooled": len(self.spool.pending()),
+            "tokens": self.tokens,
+            "tokens_per_s": round(self.tokens / self.generate_s, 1) if self.generate_s else 0.0,
+            "verdicts": self.verdicts,
+            "peers": len(self.gossip.peers) if self.gossip is not None else 0,
+        }
+
+
+def run_worker_from_args(args: Any) -> int:
+    """``join --role worker``: load spec and key, run a :class:`Worker` until SIGINT/SIGTERM."""
+    import signal
+
+    from node.cli import CliError, load_key, load_spec
+    from node.paths import default_data_dir
+
+    signed = load_spec(args.run)
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    key = load_key(args.key, str(data_dir), create=True)
+    gossip = None
+    if not args.no_gossip:
+        try:
+            gossip = GossipConfig(listen_host=args.listen_host, p2p_port=args.p2p_port, bootstrap=args.bootstrap)
+        except ValueError as e:
+            raise CliError(f"invalid gossip option: {e}") from None
+    if args.engine == "vllm" and args.device != "cuda":
+        raise CliError("--engine vllm needs --device cuda")
+    options = WorkerOptions(
+        data_dir=data_dir, engine=args.engine, device=args.device, data_root=Path(args.data_root) if args.data_root else None,
+        gossip=gossip, http_port=args.http_port, max_submissions=args.max_submissions, ingest_urls=list(args.ingest_url),
+    )
+
+    async def main() -> None:
+        worker = Worker(signed, key, options)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, worker.request_stop)
+        try:
+            await worker.start()
+            where = worker.status_server.url if worker.status_server else "no status server"
+            print(f"worker {key.peer_id} started; status {where}", flush=True)
+            await worker.run()
+        finally:
+            await worker.stop()
+
+    asyncio.run(main())
+    return 0

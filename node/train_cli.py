@@ -1,0 +1,105 @@
+"""``intellect-train``: the coordinator process (one process, or every rank under ``torchrun``).
+
+Rank 0 runs the ingest, the Shardcast origin, gossip and the training loop; other ranks join the
+collectives only. Exit status 0 on success, 1 when training stopped on an error (for example no
+batch within ``--batch-timeout``), 2 on bad usage or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from node import __version__
+from node.paths import default_data_dir
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="intellect-train", description="Coordinator of an intellect-node run: ingest, async GRPO, publishing.")
+    p.add_argument("--version", action="version", version=f"intellect-train {__version__}")
+    p.add_argument("--run", required=True, help="the signed run spec (TOML)")
+    p.add_argument("--key", required=True, help="the coordinator key (must be the run spec's coordinator)")
+    p.add_argument("--data-dir", default=None, help=f"state directory (default: {default_data_dir()}/coordinator)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest saved training state")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP interface for ingest + origin (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int, default=0, help="HTTP port (default: any free port, printed at start)")
+    p.add_argument("--public-url", default="", help="URL other nodes reach this server at (default http://HOST:PORT)")
+    p.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port (default: any)")
+    p.add_argument("--listen-host", default="127.0.0.1", help="libp2p interface (default 127.0.0.1)")
+    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help="bootstrap peer (repeatable)")
+    p.add_argument("--no-gossip", action="store_true", help="stay off gossip (workers must use the run spec's URLs)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many trainer steps")
+    p.add_argument("--batch-timeout", type=float, default=600.0, help="seconds without a full batch before giving up (default 600)")
+    p.add_argument("--eval-samples", type=int, default=8, help="samples per held-out task in evaluations (0: none)")
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (default: start and end only)")
+    p.add_argument("--data-root", default=None, help="directory of public task sets for named data.tasks")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    p.add_argument("--log-json", action="store_true", help="log as JSON lines")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from node.cli import CliError, load_key, load_spec
+    from node.logs import setup_logging
+
+    setup_logging(args.verbose, json_lines=args.log_json)
+    try:
+        signed = load_spec(args.run)
+        key = load_key(args.key)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if key.peer_id != signed.spec.run.coordinator:
+        print(f"error: {args.key} holds {key.peer_id}, not the run's coordinator {signed.spec.run.coordinator}", file=sys.stderr)
+        return 2
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir() / "coordinator"
+    import torch
+
+    if "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+    from node.coordinator.role import Coordinator, CoordinatorOptions, follow_rank
+    from node.p2p import GossipConfig
+    from trainer.distributed import init_distributed
+
+    ctx = init_distributed()
+    if not ctx.is_main:
+        follow_rank(signed, data_dir, ctx, resume=args.resume)
+        return 0
+    gossip = None if args.no_gossip else GossipConfig(listen_host=args.listen_host, p2p_port=args.p2p_port, bootstrap=args.bootstrap)
+    options = CoordinatorOptions(
+        data_dir=data_dir, host=args.host, port=args.http_port, public_url=args.public_url, gossip=gossip, max_steps=args.max_steps,
+        resume=args.resume, batch_timeout_s=args.batch_timeout, eval_samples=args.eval_samples, eval_every=args.eval_every,
+        data_root=Path(args.data_root) if args.data_root else None, device=args.device,
+    )
+    return asyncio.run(_run(signed, key, options, ctx))
+
+
+async def _run(signed, key, options, ctx) -> int:  # noqa: ANN001
+    from node.coordinator.role import Coordinator
+    from trainer.errors import TrainerError
+
+    coord = Coordinator(signed, key, options, ctx)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, coord.request_stop)
+    try:
+        await coord.start()
+        addrs = " ".join(coord.gossip.addrs) if coord.gossip else "(gossip off)"
+        print(f"coordinator {key.peer_id} serving {coord.url}; gossip {addrs}", flush=True)
+        await coord.run()
+    except TrainerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        await coord.stop()
+    return 0
