@@ -10,9 +10,11 @@ asyncio side reaches it only through :class:`node.p2p.service.GossipNode`.
   envelope are one message), a raised per-topic rate limit (py-libp2p's default of 10 messages/s
   per peer drops messages silently) and IP-diversity checks off (every local test peer shares
   127.0.0.1).
-* Connections are kept few (``target_peers``, default 3): py-libp2p's per-connection cost is high,
-  and on a loaded 2-core machine eight nodes that all dial each other fall behind their own
-  gossip (``docs/gossip.md``). Peers learned from records are dialed only below the target.
+* Connections are kept few: peers learned from records are dialed only while we hold fewer than
+  ``target_peers`` (default 3), inbound ones are capped at ``max_peers``, and py-libp2p's own
+  auto-connector (which dials every known peer up to 50–100 connections) is switched off.
+  py-libp2p's per-connection cost is high: eight nodes that all dial each other fall behind their
+  own gossip on a 2-core machine (``docs/gossip.md``).
 * Bootstrap peers are dialed forever while the host runs, with exponential backoff and jitter
   (:meth:`P2PHost.keep_connected`); a node whose bootstrap peers are all down keeps serving.
 """
@@ -30,6 +32,7 @@ from libp2p import new_host
 from libp2p.abc import IHost
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
+from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
@@ -114,7 +117,19 @@ class P2PHost:
         self.key = key
         self.config = config
         self.peer_id = key.peer_id
-        self.host: IHost = new_host(key_pair=libp2p_key_pair(key))
+        # py-libp2p's connection manager otherwise dials every peer it has heard of until it holds
+        # 50–100 connections, which is exactly what overloads it (see the module docstring).
+        connections = ConnectionConfig(
+            min_connections=0,
+            low_watermark=0,
+            high_watermark=config.max_peers,
+            max_connections=config.max_peers,
+            dial_timeout=config.dial_timeout_s,
+        )
+        self.host: IHost = new_host(
+            key_pair=libp2p_key_pair(key), connection_config=connections, disable_identify_address_discovery=True,
+            muxer_preference="MPLEX" if config.muxer == "mplex" else "YAMUX",
+        )
         if self.host.get_id().to_base58() != key.peer_id:
             raise GossipError(f"libp2p derived peer ID {self.host.get_id()} from key {key.peer_id}")
         self.router = GossipSub(
