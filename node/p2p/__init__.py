@@ -34,7 +34,7 @@ _WHERE = {
     "topic_name": "node.p2p.gossip",
 }
 
-__all__ = sorted(_WHERE)
+__all__ = ["GossipConfig", "GossipNode", "PeerInfo", "PeerTable", "TrioBridge", "make_bridge", "pick_upstreams", "topic_name"]
 
 
 def __getattr__(name: str) -> Any:

@@ -72,8 +72,8 @@ class TrioTaskHandle:
         except asyncio.CancelledError:
             if not self.done.done():
                 raise
-        except Exception:  # noqa: BLE001 - the task's own failure was logged where it happened
-            pass
+        except Exception as e:  # noqa: BLE001 - the task's own failure was logged where it happened
+            logger.debug("trio task ended with %r", e)
 
 
 class TrioBridge(abc.ABC):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import multiaddr
 import trio
@@ -166,18 +166,21 @@ class P2PHost:
         """
         listen = listen_multiaddr(self.config.listen_host, self.config.p2p_port)
         try:
-            async with self.host.run(listen_addrs=[listen]):
-                async with background_trio_service(self.pubsub), background_trio_service(self.router):
-                    if not self.host.get_transport_addrs():  # py-libp2p logs a failed bind instead of raising
-                        raise GossipError(f"cannot listen on {listen} (port in use or no such interface)")
-                    with trio.fail_after(self.config.start_timeout_s):
-                        await self.pubsub.wait_until_ready()
-                    async with trio.open_nursery() as nursery:
-                        self._nursery = nursery
-                        nursery.start_soon(self._unban_loop)
-                        nursery.start_soon(self._maintain_loop)
-                        task_status.started(self.advertised_addrs())
-                        await trio.sleep_forever()
+            async with (
+                self.host.run(listen_addrs=[listen]),
+                background_trio_service(self.pubsub),
+                background_trio_service(self.router),
+            ):
+                if not self.host.get_transport_addrs():  # py-libp2p logs a failed bind instead of raising
+                    raise GossipError(f"cannot listen on {listen} (port in use or no such interface)")
+                with trio.fail_after(self.config.start_timeout_s):
+                    await self.pubsub.wait_until_ready()
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    nursery.start_soon(self._unban_loop)
+                    nursery.start_soon(self._maintain_loop)
+                    task_status.started(self.advertised_addrs())
+                    await trio.sleep_forever()
         finally:
             self._nursery = None
             # py-libp2p never stops the sweeper thread of its seen-message cache; we do.
@@ -274,7 +277,8 @@ class P2PHost:
                 if "tcp" not in [p.name for p in m.protocols()]:
                     continue
                 maddrs.append(m)
-            except Exception:  # noqa: BLE001 - a peer's garbage address is just skipped
+            except Exception as e:  # noqa: BLE001 - a peer's garbage address is just skipped
+                logger.debug("skipping address %r of %s: %r", a[:256], peer_id, e)
                 continue
         if maddrs:
             self._dialing.add(peer_id)  # counted from now on, so a burst of records starts few dials
@@ -358,7 +362,7 @@ class P2PHost:
     async def subscribe(self, topic: str, validator: SyncValidator) -> TrioSubscriptionAPI:
         """Register ``validator`` for ``topic`` (run before delivery and forwarding) and subscribe."""
         self.pubsub.set_topic_validator(topic, validator, False)
-        return await self.pubsub.subscribe(topic)
+        return cast(TrioSubscriptionAPI, await self.pubsub.subscribe(topic))
 
     async def publish(self, topic: str, data: bytes) -> None:
         """Publish ``data`` on ``topic`` (our own validator runs on it first)."""
@@ -383,4 +387,4 @@ class P2PHost:
 
 def _is_wildcard(addr: multiaddr.Multiaddr) -> bool:
     text = str(addr)
-    return text.startswith("/ip4/0.0.0.0/") or text.startswith("/ip6/::/")
+    return text.startswith(("/ip4/0.0.0.0/", "/ip6/::/"))

@@ -23,7 +23,7 @@ import logging
 import os
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Self
 
 import trio
 from libp2p.peer.id import ID
@@ -221,7 +221,7 @@ class GossipNode:
             await self._bridge.stop(self.config.stop_timeout_s)
         logger.info("gossip node %s stopped", self.peer_id, extra={"peer_id": self.peer_id})
 
-    async def __aenter__(self) -> GossipNode:
+    async def __aenter__(self) -> Self:
         if not self._running:
             await self.start()
         return self
@@ -262,7 +262,7 @@ class GossipNode:
         updates = {"role": role, "http_url": http_url, "policy_step": policy_step, "hardware": hardware}
         self._record.update({k: v for k, v in updates.items() if v is not None})
         if held_steps is not None:
-            self._record["held_steps"] = sorted(set(int(s) for s in held_steps))[-64:]
+            self._record["held_steps"] = sorted({int(s) for s in held_steps})[-64:]
         self._beat_now.set()
 
     def make_record(self) -> NodeRecord:
@@ -393,9 +393,8 @@ class GossipNode:
         if isinstance(env.body, NodeRecord):
             if self.peers.update(env.body, env.ts_ms):
                 logger.debug("peer %s (%s) is alive", env.body.peer_id, env.body.role, extra={"peer_id": env.body.peer_id})
-        elif isinstance(env.body, CheckpointAnnouncement):
-            if self.peers.note_announcement(env.body):
-                logger.info("checkpoint step %d announced", env.body.step, extra={"step": env.body.step})
+        elif isinstance(env.body, CheckpointAnnouncement) and self.peers.note_announcement(env.body):
+            logger.info("checkpoint step %d announced", env.body.step, extra={"step": env.body.step})
         for handler in self._handlers[kind]:
             try:
                 result = handler(env)

@@ -20,7 +20,7 @@ async def test_run_returns_results_and_errors(kind: str) -> None:
     await bridge.start()
     try:
         async def add(a: int, b: int) -> int:
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
             return a + b
 
         async def boom() -> None:
