@@ -109,17 +109,19 @@ async def propagation(args: argparse.Namespace) -> None:
         await asyncio.sleep(2.0)
         per_pair: list[float] = []
         per_ann: dict[int, list[float]] = {s: [] for s in sent_ns}
+        per_node = [0] * args.nodes
         with lock:
-            for _, line in lines:
+            for i, line in lines:
                 if line.startswith("{"):
                     rec = json.loads(line)
                     if rec["step"] in sent_ns:
                         lat = (rec["recv_ns"] - sent_ns[rec["step"]]) / 1e9
                         per_pair.append(lat)
                         per_ann[rec["step"]].append(lat)
+                        per_node[i] += 1
         expected = args.nodes * args.announcements
         complete = [max(v) for v in per_ann.values() if len(v) == args.nodes]
-        print(f"delivered {len(per_pair)}/{expected} (announcement, node) pairs")
+        print(f"delivered {len(per_pair)}/{expected} (announcement, node) pairs; per node: {per_node}")
         if per_pair:
             print(f"publish → delivered at a node:   p50 {pct(per_pair, 0.5) * 1e3:7.1f} ms   p99 {pct(per_pair, 0.99) * 1e3:7.1f} ms   max {max(per_pair) * 1e3:7.1f} ms")
         if complete:
