@@ -112,6 +112,11 @@ class RLSpec(_Section):
     kl_reference: Annotated[
         str, Field(pattern=r"^(old|base)$", description="KL reference: 'old' (log-probs recomputed at step start) or 'base' (frozen initial model)")
     ] = "old"
+    old_logprobs: Annotated[
+        str,
+        Field(pattern=r"^(recompute|behavior)$",
+              description="ratio denominator: 'recompute' (INTELLECT-2: trainer log-probs at step start) or 'behavior' (validated worker log-probs; corrects staleness)"),
+    ] = "recompute"
     entropy_coef: Annotated[float, Field(ge=0.0, le=10.0, description="weight of the entropy bonus; 0 disables it")] = 0.0
     loss_norm_tokens: Annotated[
         int,

@@ -389,6 +389,8 @@ class MicroBatch:
         advantages: ``[1, T] float32``, the sequence's advantage on each of its tokens.
         sequence_index: ``[1, T] int64``, position of the source sequence in the packed list
             (``-1`` in a padding row).
+        behavior_logprobs: ``[1, T] float32``, the worker's sampling log-prob of ``targets[t]``
+            where ``loss_mask`` is True (validated against the policy it names), 0 elsewhere.
     """
 
     input_ids: torch.Tensor
@@ -397,6 +399,7 @@ class MicroBatch:
     loss_mask: torch.Tensor
     advantages: torch.Tensor
     sequence_index: torch.Tensor
+    behavior_logprobs: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -418,6 +421,7 @@ class MicroBatch:
             loss_mask=torch.zeros(1, 1, dtype=torch.bool),
             advantages=torch.zeros(1, 1, dtype=torch.float32),
             sequence_index=torch.full((1, 1), -1, dtype=torch.long),
+            behavior_logprobs=torch.zeros(1, 1, dtype=torch.float32),
         )
 
     def to(self, device: torch.device | str) -> MicroBatch:
@@ -425,7 +429,7 @@ class MicroBatch:
 
 
 def _build_row(sequences: Sequence[TrainSequence], indices: Sequence[int]) -> MicroBatch:
-    ids, pos, tgt, mask, adv, sidx = [], [], [], [], [], []
+    ids, pos, tgt, mask, adv, sidx, blp = [], [], [], [], [], [], []
     for i in indices:
         s = sequences[i]
         x = s.input_ids  # [L]
@@ -440,12 +444,16 @@ def _build_row(sequences: Sequence[TrainSequence], indices: Sequence[int]) -> Mi
         mask.append(m)
         adv.append(np.full(length, s.advantage, dtype=np.float32))
         sidx.append(np.full(length, i, dtype=np.int64))
+        b = np.zeros(length, dtype=np.float32)
+        b[prompt_len - 1 : length - 1] = s.record.logprobs
+        blp.append(b)
 
     def row(parts: list[np.ndarray]) -> torch.Tensor:
         return torch.from_numpy(np.concatenate(parts))[None, :]
 
     return MicroBatch(
-        input_ids=row(ids), position_ids=row(pos), targets=row(tgt), loss_mask=row(mask), advantages=row(adv), sequence_index=row(sidx)
+        input_ids=row(ids), position_ids=row(pos), targets=row(tgt), loss_mask=row(mask), advantages=row(adv), sequence_index=row(sidx),
+        behavior_logprobs=row(blp),
     )
 
 

@@ -55,6 +55,9 @@ class TrainerConfig:
         max_grad_norm: global L2 gradient-norm clip.
         loss: the GRPO loss constants (``norm_tokens`` resolved).
         kl_reference: ``"old"`` or ``"base"``.
+        old_logprobs: ``"recompute"`` (INTELLECT-2: the trainer's own log-probs at the start of the
+            step) or ``"behavior"`` (the workers' validated sampling log-probs, so the ratio also
+            corrects for the batch's staleness).
         micro_batch_tokens: packed row capacity, tokens.
         optimizer_steps_per_batch: optimizer steps per trainer step.
         temperature: sampling temperature the workers used (logits are divided by it).
@@ -70,6 +73,7 @@ class TrainerConfig:
     max_grad_norm: float = 0.1
     loss: LossConfig = field(default_factory=LossConfig)
     kl_reference: str = "old"
+    old_logprobs: str = "recompute"
     micro_batch_tokens: int = 2048
     optimizer_steps_per_batch: int = 1
     temperature: float = 1.0
@@ -96,6 +100,7 @@ class TrainerConfig:
                 clip_eps=rl.clip_eps, clip_delta=rl.clip_delta, kl_beta=rl.kl_beta, entropy_coef=rl.entropy_coef, norm_tokens=float(norm)
             ),
             kl_reference=rl.kl_reference,
+            old_logprobs=rl.old_logprobs,
             micro_batch_tokens=rl.micro_batch_tokens,
             optimizer_steps_per_batch=rl.optimizer_steps_per_batch,
             temperature=spec.sampling.temperature,
@@ -266,8 +271,9 @@ class Trainer:
         cfg = self.config
         slices = [self._micro_batches(s) for s in batch.slices(cfg.optimizer_steps_per_batch)]
         self.model.train()
-        old = [self._logprobs(self.model, rows) for rows in slices]  # [K][rows] of [1, T]
-        ref = old
+        recomputed = [self._logprobs(self.model, rows) for rows in slices]  # [K][rows] of [1, T]
+        old = recomputed if cfg.old_logprobs == "recompute" else [[mb.behavior_logprobs for mb in rows] for rows in slices]
+        ref = recomputed
         if cfg.loss.kl_beta > 0 and self._ref_model is not None:
             ref = [self._logprobs(self._ref_model, rows) for rows in slices]
         world = float(self.ctx.world_size)

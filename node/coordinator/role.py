@@ -253,7 +253,10 @@ class Coordinator:
 
     def _fresh_records(self, min_policy_step: int) -> list[RolloutRecord]:
         out: list[RolloutRecord] = []
-        for sub in self.store.accepted_unconsumed(min_policy_step):
+        # freshest policy first: the batch stays as close to on-policy as the workers allow;
+        # older groups wait and are retired once they fall out of the async window
+        subs = sorted(self.store.accepted_unconsumed(min_policy_step), key=lambda s: -s.policy_step)
+        for sub in subs:
             recs = self._records.get(sub.id)
             if recs is None:
                 try:
