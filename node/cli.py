@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "node.commands.shardcast",
     "node.commands.join",
     "node.commands.validate",
+    "node.commands.devnet",
 )
 
 

@@ -231,6 +231,10 @@ class SubmissionChecker:
         s = self.spec.sampling
         tokens = torch.tensor(completion, dtype=torch.long)
         eos_floor = self.spec.toploc.eos_min_prob
+        # termination first: a stop where the policy gives EOS little probability is the specific cheat
+        term = sampling.termination_check(logits[-1], tokens, [self.eos_id], s.max_tokens, s.temperature, eos_floor, self.tol.eos_prob_slack)
+        if not term.ok:
+            raise Rejection("termination", rollout=j, p_eos=_finite(term.p_eos), min_p_eos=eos_floor, detail=term.reason[:200])
         replay = sampling.replay_check(logits, tokens, seed, 0, s.temperature, s.top_p, self.tol.replay_eps, self.tol.max_tie_fraction,
                                        eos_ids=(self.eos_id,), min_eos_prob=eos_floor, eos_prob_slack=self.tol.eos_prob_slack)
         if not replay.ok:
@@ -240,9 +244,6 @@ class SubmissionChecker:
         worst = float(diff.max())
         if not worst <= self.tol.logprob_abs_tol:
             raise Rejection("logprobs", rollout=j, position=int(diff.argmax()), max_abs_diff=_finite(worst))
-        term = sampling.termination_check(logits[-1], tokens, [self.eos_id], s.max_tokens, s.temperature, eos_floor, self.tol.eos_prob_slack)
-        if not term.ok:
-            raise Rejection("termination", rollout=j, p_eos=_finite(term.p_eos), min_p_eos=self.spec.toploc.eos_min_prob, detail=term.reason[:200])
 
 
 def _finite(x: float) -> float:

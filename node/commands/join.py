@@ -47,6 +47,10 @@ def _join(sub: argparse._SubParsersAction) -> None:
     worker.add_argument("--data-root", default=None, help="directory of public task sets for named data.tasks")
     worker.add_argument("--ingest-url", action="append", default=[], metavar="URL", help="coordinator ingest URL (default: the run spec's)")
     worker.add_argument("--max-submissions", type=int, default=None, help="stop after this many submissions (default: run until stopped)")
+    from node.worker import ADVERSARIES
+
+    worker.add_argument("--adversary", choices=ADVERSARIES, default=None,
+                        help="chaos testing only: cheat in this way so validators and bans can be seen working")
     gossip = p.add_argument_group("gossip (libp2p)")
     gossip.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port (default: any free port)")
     gossip.add_argument("--listen-host", default="127.0.0.1", help="interface for libp2p (default 127.0.0.1; 0.0.0.0 for all)")

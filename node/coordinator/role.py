@@ -115,6 +115,7 @@ class Coordinator:
         self.url = ""
         self.error: str | None = None
         self.base_dir: Path | None = None
+        self.last_step: dict[str, Any] = {}
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -221,6 +222,7 @@ class Coordinator:
                    "wall_s": round(time.monotonic() - self.started_s, 3), "verdicts": self.store.verdict_reasons(),
                    "banned": len(self.bans.entries())}
             self._log_metrics(row)
+            self.last_step = {k: row[k] for k in ("step", "reward_mean", "pass_rate", "loss", "staleness", "tokens_per_s")}
             logger.warning("step %d: reward %.3f pass %.3f loss %.4f grad %.3f (%d groups, staleness %s)", m.step, m.reward_mean,
                            m.pass_rate, m.loss, m.grad_norm, m.num_groups, m.staleness, extra={"step": m.step})
             if self.options.eval_every and self.trainer.step % self.options.eval_every == 0 and self.options.eval_samples:
@@ -373,6 +375,7 @@ class Coordinator:
             "heldout_end": self.eval_end.pass_rate if self.eval_end else None,
             "peers_by_role": peers,
             "broadcast_s": {str(k): round(v, 3) for k, v in list(self.broadcast_s.items())[-5:]},
+            "last_step": self.last_step,
         }
 
     def _log_metrics(self, row: dict[str, Any]) -> None:

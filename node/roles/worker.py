@@ -45,6 +45,7 @@ class WorkerOptions:
         http_port: status port (``None``: no status server).
         max_submissions: stop after this many submissions (``None``: run until stopped).
         ingest_urls: override of the run spec's ingest URLs.
+        adversary: cheat on purpose (``node.worker.adversary``; devnet chaos mode), ``None`` when honest.
     """
 
     data_dir: Path
@@ -55,6 +56,7 @@ class WorkerOptions:
     http_port: int | None = 0
     max_submissions: int | None = None
     ingest_urls: list[str] = field(default_factory=list)
+    adversary: str | None = None
 
 
 class Worker:
@@ -142,10 +144,18 @@ class Worker:
             self.state = f"generating (step {self.policy_step}, counter {counter})"
             stats = BuildStats()
             assert self.engine is not None
-            data = await asyncio.to_thread(
-                build_submission, self.spec, self.signed.run_id, self.key, self.engine, self.tokenizer, self.tasks,
-                self.policy_step, counter, None, stats,
-            )
+            if self.options.adversary:
+                from node.worker.adversary import build_dishonest_submission
+
+                data = await asyncio.to_thread(
+                    build_dishonest_submission, self.options.adversary, self.spec, self.signed.run_id, self.key, self.engine,
+                    self.tokenizer, self.tasks, self.policy_step, counter, stats,
+                )
+            else:
+                data = await asyncio.to_thread(
+                    build_submission, self.spec, self.signed.run_id, self.key, self.engine, self.tokenizer, self.tasks,
+                    self.policy_step, counter, None, stats,
+                )
             await asyncio.to_thread(self.spool.put, counter, data)
             self.submissions += 1
             self.tokens += stats.tokens
@@ -263,6 +273,7 @@ def run_worker_from_args(args: Any) -> int:
     options = WorkerOptions(
         data_dir=data_dir, engine=args.engine, device=args.device, data_root=Path(args.data_root) if args.data_root else None,
         gossip=gossip, http_port=args.http_port, max_submissions=args.max_submissions, ingest_urls=list(args.ingest_url),
+        adversary=args.adversary,
     )
 
     async def main() -> None:

@@ -5,3 +5,6 @@
 * ``submitter.py`` — :class:`Submitter`: posts the spool with retry and backoff.
 * ``role.py`` — :class:`Worker`: follows the policy and loops over submissions.
 """
+
+ADVERSARIES = ("other-model", "tampered-token", "inflated-reward", "cherry-pick", "replay", "fake-eos")
+"""The cheats of :mod:`node.worker.adversary` (devnet chaos mode, validator tests)."""

@@ -268,12 +268,15 @@ class SubmissionStore:
         return {k: int(v) for k, v in rows}
 
     def worker_stats(self) -> dict[str, dict[str, int]]:
-        """Per worker: submissions by state."""
+        """Per worker: submissions by state, and ``trained`` (submissions a trainer step consumed)."""
         with self._lock:
             rows = self._db.execute("SELECT worker, state, COUNT(*) FROM submissions GROUP BY worker, state").fetchall()
+            trained = self._db.execute("SELECT worker, COUNT(*) FROM submissions WHERE consumed_step >= 0 GROUP BY worker").fetchall()
         out: dict[str, dict[str, int]] = {}
         for worker, state, n in rows:
             out.setdefault(worker, {})[state] = int(n)
+        for worker, n in trained:
+            out.setdefault(worker, {})["trained"] = int(n)
         return out
 
 

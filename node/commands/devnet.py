@@ -1,0 +1,97 @@
+"""`devnet`: run a whole decentralized async GRPO run on this machine (the main job)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from node.cli import CliError, command
+from node.worker import ADVERSARIES
+
+
+def _default_data_root() -> Path | None:
+    env = os.environ.get("INTELLECT_DATA_ROOT")
+    if env:
+        return Path(env)
+    for cand in (Path.cwd() / "../shared/data", Path.cwd() / "shared/data"):
+        if (cand / "math").is_dir():
+            return cand.resolve()
+    return None
+
+
+@command
+def _devnet(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("devnet", help="run every role as its own process on 127.0.0.1 and train (the main job)")
+    p.add_argument("--workers", type=int, default=2, help="honest workers (default 2)")
+    p.add_argument("--relays", type=int, default=2, help="Shardcast relays, in a tree under the origin (default 2)")
+    p.add_argument("--validators", type=int, default=1, help="validators (default 1)")
+    p.add_argument("--steps", type=int, default=40, help="trainer steps (default 40)")
+    p.add_argument("--tasks", default="embedded", help="embedded (default), gsm8k, math500, humaneval, mbpp, … or a path (INTELLECT-2 schema)")
+    p.add_argument("--data-root", default=None, help="where the public task sets are (default: $INTELLECT_DATA_ROOT or ../shared/data)")
+    p.add_argument("--adversary", choices=ADVERSARIES, default=None, help="add one dishonest worker of this kind")
+    p.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP", help="SIGKILL worker-0 at this trainer step, then restart it")
+    p.add_argument("--out", default="devnet-out", help="directory for logs, data and the report (default ./devnet-out; must be empty)")
+    p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
+    p.add_argument("--seed", type=int, default=None, help="run seed (default random)")
+    p.add_argument("--no-dashboard", action="store_true", help="plain progress lines instead of the live view")
+    p.set_defaults(handler=_run_devnet)
+
+
+def _run_devnet(args: argparse.Namespace) -> int:
+    from node.devnet.orchestrator import Devnet, DevnetOptions
+    from node.devnet.report import write_report
+
+    if args.workers < 1 or args.relays < 0 or args.validators < 1 or args.steps < 1:
+        raise CliError("need --workers ≥ 1, --validators ≥ 1, --relays ≥ 0 and --steps ≥ 1")
+    data_root = Path(args.data_root) if args.data_root else _default_data_root()
+    if args.tasks != "embedded" and not Path(args.tasks).exists() and data_root is None:
+        raise CliError(f"--tasks {args.tasks} needs the public task sets: pass --data-root DIR (holding math/ and code/)")
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise CliError(f"{out} is not empty; choose another --out or remove it")
+    options = DevnetOptions(out=out, workers=args.workers, relays=args.relays, validators=args.validators, steps=args.steps,
+                            tasks=args.tasks, data_root=data_root, adversary=args.adversary, kill_worker_at=args.kill_worker_at,
+                            dashboard=not args.no_dashboard and sys.stdout.isatty(), timeout_s=args.timeout, seed=args.seed)
+    live = None
+    last_print = [0.0]
+
+    def tick(dn: Devnet) -> None:
+        import time
+
+        if live is not None:
+            from node.devnet.dashboard import render
+
+            live.update(render(dn))
+        elif time.monotonic() - last_print[0] > 10:
+            last_print[0] = time.monotonic()
+            st = dn.status
+            print(f"[{time.monotonic() - dn.started:5.0f}s] step {st.get('trainer_step', '-')}/{dn.o.steps} "
+                  f"state: {str(st.get('state', 'starting'))[:90]}", flush=True)
+
+    dn = Devnet(options, on_tick=tick)
+    try:
+        if options.dashboard:
+            from rich.live import Live
+
+            from node.devnet.dashboard import render
+
+            with Live(render(dn), refresh_per_second=2, transient=False) as lv:
+                live = lv
+                result = dn.run()
+        else:
+            result = dn.run()
+    except KeyboardInterrupt:
+        print("interrupted; every process was stopped", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    md, png = write_report(dn, result)
+    st = result.coordinator
+    print(f"devnet {'completed' if result.ok else 'FAILED'}: {result.reason} ({result.wall_s:.0f} s)")
+    print(f"held-out pass rate: start {st.get('heldout_start')} -> end {st.get('heldout_end')}")
+    print(f"verdicts: {st.get('verdicts_by_reason')}; banned: {[b['peer_id'] for b in st.get('banned') or []]}")
+    print(f"report: {md} and {png}; logs in {options.out}/logs/")
+    return 0 if result.ok else 1

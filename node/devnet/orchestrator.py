@@ -1,0 +1,258 @@
+"""The devnet: every role as its own OS process on 127.0.0.1, talking only through libp2p gossip,
+Shardcast HTTP and the ingest — the code paths of a real deployment."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from node.devnet.config import devnet_spec
+from node.devnet.procs import Proc, ProcessGroup
+from protocol.identity import NodeKey
+from protocol.runspec import dump_run_spec, sign_run_spec
+
+logger = logging.getLogger(__name__)
+
+DISCOVERY_TIMEOUT_S = 90.0
+STATUS_POLL_S = 0.5
+
+
+@dataclass
+class DevnetOptions:
+    """What ``intellect-node devnet`` runs (its flags).
+
+    Attributes:
+        out: directory for keys, the run spec, per-process logs and data, and the report.
+        workers, relays, validators: how many of each role.
+        steps: trainer steps to run.
+        tasks: ``embedded``, a public set name (``gsm8k``, ``math500``, ``humaneval``, ``mbpp``, …) or a path.
+        data_root: where the public sets are (``math/…``, ``code/…``).
+        adversary: add one dishonest worker of this kind.
+        kill_worker_at: SIGKILL worker 0 when the trainer reaches this step, then restart it.
+        dashboard: show the live terminal view.
+        timeout_s: give up after this many seconds in total.
+        seed: run seed (default random).
+    """
+
+    out: Path
+    workers: int = 2
+    relays: int = 2
+    validators: int = 1
+    steps: int = 40
+    tasks: str = "embedded"
+    data_root: Path | None = None
+    adversary: str | None = None
+    kill_worker_at: int | None = None
+    dashboard: bool = True
+    timeout_s: float = 900.0
+    seed: int | None = None
+
+
+@dataclass
+class DevnetResult:
+    """Outcome: exit status, wall seconds, the coordinator's last status, per-process final status."""
+
+    ok: bool
+    wall_s: float
+    reason: str
+    coordinator: dict[str, Any] = field(default_factory=dict)
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get_json(url: str, timeout_s: float = 2.0) -> dict[str, Any] | None:
+    """GET ``url`` as JSON, ``None`` on any failure (nodes come and go)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - loopback URLs we built
+            return json.loads(r.read())
+    except (OSError, ValueError, urllib.error.URLError):
+        return None
+
+
+class Devnet:
+    """Runs one devnet. ``Devnet(options).run()`` → :class:`DevnetResult`; always stops every child."""
+
+    def __init__(self, options: DevnetOptions, on_tick: Callable[[Devnet], None] | None = None) -> None:
+        self.o = options
+        self.out = Path(options.out).resolve()
+        self.on_tick = on_tick
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        self.group = ProcessGroup(env=env)
+        self.coord_url = ""
+        self.status: dict[str, Any] = {}
+        self.node_urls: dict[str, str] = {}
+        self.node_status: dict[str, dict[str, Any]] = {}
+        self.events: list[str] = []
+        self.started = time.monotonic()
+        self.killed_at: int | None = None
+        self.peer_ids: dict[str, str] = {}
+
+    # --- set-up --------------------------------------------------------------------------------
+
+    def _bin(self, name: str) -> list[str]:
+        exe = shutil.which(name)
+        if exe is not None and Path(exe).parent == Path(sys.executable).parent:
+            return [exe]
+        module = "node" if name == "intellect-node" else "node.train_cli"
+        return [sys.executable, "-c", f"import sys; from {'node.cli' if module == 'node' else module} import main; sys.exit(main())"]
+
+    def setup(self) -> Path:
+        """Create keys and the signed run spec in ``out``; returns the spec path."""
+        if self.out.exists() and any(self.out.iterdir()):
+            raise FileExistsError(f"{self.out} is not empty; choose another --out or remove it")
+        (self.out / "keys").mkdir(parents=True, exist_ok=True)
+        coord = NodeKey.generate()
+        coord.save(self.out / "keys" / "coordinator.key")
+        self.peer_ids["coordinator"] = coord.peer_id
+        validators = []
+        for i in range(self.o.validators):
+            k = NodeKey.generate()
+            k.save(self.out / "keys" / f"validator-{i}.key")
+            validators.append(k.peer_id)
+            self.peer_ids[f"validator-{i}"] = k.peer_id
+        n_workers = self.o.workers + (1 if self.o.adversary else 0)
+        for i in range(n_workers):
+            name = f"worker-{i}" if i < self.o.workers else "adversary"
+            k = NodeKey.generate()
+            k.save(self.out / "keys" / f"{name}.key")
+            self.peer_ids[name] = k.peer_id
+        for i in range(self.o.relays):
+            k = NodeKey.generate()
+            k.save(self.out / "keys" / f"relay-{i}.key")
+            self.peer_ids[f"relay-{i}"] = k.peer_id
+        self.http_port, self.p2p_port = free_port(), free_port()
+        self.coord_url = f"http://127.0.0.1:{self.http_port}"
+        bootstrap = f"/ip4/127.0.0.1/tcp/{self.p2p_port}/p2p/{coord.peer_id}"
+        spec = devnet_spec(coord, validators, tasks=self.o.tasks, http_url=self.coord_url, bootstrap=bootstrap,
+                           seed=self.o.seed if self.o.seed is not None else secrets.randbits(62))
+        path = self.out / "run.toml"
+        path.write_text(dump_run_spec(sign_run_spec(spec, coord)))
+        return path
+
+    def _data_root(self) -> list[str]:
+        return ["--data-root", str(self.o.data_root)] if self.o.data_root else []
+
+    def start_all(self, run: Path) -> None:
+        out = self.out
+        coord = Proc("coordinator", "coordinator", [
+            *self._bin("intellect-train"), "--run", str(run), "--key", str(out / "keys" / "coordinator.key"),
+            "--data-dir", str(out / "coordinator"), "--http-port", str(self.http_port), "--p2p-port", str(self.p2p_port),
+            "--max-steps", str(self.o.steps), "--batch-timeout", "180", "--eval-samples", "8", *self._data_root(),
+        ], out / "logs" / "coordinator.log")
+        self.group.start(coord)
+        self._wait(lambda: get_json(f"{self.coord_url}/status") is not None, 300.0, "the coordinator to come up", coord)
+        # relays: a tree under the origin (relay i follows relay (i-1)//2, relay 0 the origin)
+        relay_urls = []
+        for i in range(self.o.relays):
+            port = free_port()
+            upstream = self.coord_url if i == 0 else relay_urls[(i - 1) // 2]
+            relay_urls.append(f"http://127.0.0.1:{port}")
+            self.group.start(Proc(f"relay-{i}", "relay", [
+                *self._bin("intellect-node"), "join", "--role", "relay", "--run", str(run), "--key", str(out / "keys" / f"relay-{i}.key"),
+                "--data-dir", str(out / f"relay-{i}"), "--http-port", str(port), "--upstream", upstream,
+            ], out / "logs" / f"relay-{i}.log"))
+            self.node_urls[f"relay-{i}"] = f"http://127.0.0.1:{port}/shardcast/1/held"
+        for i in range(self.o.validators):
+            port = free_port()
+            self.group.start(Proc(f"validator-{i}", "validator", [
+                *self._bin("intellect-node"), "validate", "--run", str(run), "--key", str(out / "keys" / f"validator-{i}.key"),
+                "--data-dir", str(out / f"validator-{i}"), "--http-port", str(port), *self._data_root(),
+            ], out / "logs" / f"validator-{i}.log"))
+            self.node_urls[f"validator-{i}"] = f"http://127.0.0.1:{port}/status"
+        names = [f"worker-{i}" for i in range(self.o.workers)] + (["adversary"] if self.o.adversary else [])
+        for name in names:
+            port = free_port()
+            cheat = ["--adversary", self.o.adversary] if name == "adversary" and self.o.adversary else []
+            self.group.start(Proc(name, "worker", [
+                *self._bin("intellect-node"), "join", "--role", "worker", "--run", str(run), "--key", str(out / "keys" / f"{name}.key"),
+                "--data-dir", str(out / name), "--http-port", str(port), *cheat, *self._data_root(),
+            ], out / "logs" / f"{name}.log"))
+            self.node_urls[name] = f"http://127.0.0.1:{port}/status"
+
+    def _wait(self, cond: Callable[[], bool], timeout_s: float, what: str, proc: Proc | None = None) -> None:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if cond():
+                return
+            if proc is not None and not proc.alive:
+                raise RuntimeError(f"{proc.name} exited while waiting for {what}; see {proc.log}")
+            self._tick()
+            time.sleep(STATUS_POLL_S)
+        raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+    # --- the run -------------------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        st = get_json(f"{self.coord_url}/status")
+        if st is not None:
+            self.status = st
+        for name, url in self.node_urls.items():
+            s = get_json(url, timeout_s=0.5)
+            if s is not None:
+                self.node_status[name] = s
+        if self.on_tick is not None:
+            self.on_tick(self)
+
+    def expected_peers(self) -> dict[str, int]:
+        return {"relay": self.o.relays, "validator": self.o.validators, "worker": self.o.workers + (1 if self.o.adversary else 0)}
+
+    def run(self) -> DevnetResult:
+        """Set up, start everything, run the steps, stop everything, and say how it went."""
+        run = self.setup()
+        coord: Proc | None = None
+        try:
+            self.start_all(run)
+            coord = self.group.procs[0]
+            self.events.append(f"{time.monotonic() - self.started:.0f}s all processes started")
+
+            def discovered() -> bool:
+                seen = self.status.get("peers_by_role", {})
+                return all(seen.get(role, 0) >= n for role, n in self.expected_peers().items())
+
+            self._wait(discovered, DISCOVERY_TIMEOUT_S, "all nodes to discover each other over gossip", coord)
+            self.events.append(f"{time.monotonic() - self.started:.0f}s all peers discovered: {self.status.get('peers_by_role')}")
+            deadline = self.started + self.o.timeout_s
+            while coord.alive:
+                if time.monotonic() > deadline:
+                    return DevnetResult(False, time.monotonic() - self.started, f"timed out after {self.o.timeout_s:.0f} s",
+                                        self.status, self.node_status)
+                self._chaos()
+                self._tick()
+                time.sleep(STATUS_POLL_S)
+            self._tick()
+            rc = coord.popen.returncode if coord.popen else -1
+            ok = rc == 0
+            reason = "completed" if ok else f"coordinator exited with status {rc}; see {coord.log}"
+            return DevnetResult(ok, time.monotonic() - self.started, reason, self.status, self.node_status)
+        finally:
+            self.group.stop_all()
+
+    def _chaos(self) -> None:
+        k = self.o.kill_worker_at
+        step = int(self.status.get("trainer_step", 0) or 0)
+        if k is None or self.killed_at is not None or step < k or self.o.workers == 0:
+            return
+        victim = next(p for p in self.group.procs if p.name == "worker-0")
+        self.group.kill(victim)
+        self.killed_at = step
+        self.events.append(f"{time.monotonic() - self.started:.0f}s killed worker-0 at step {step} (SIGKILL)")
+        time.sleep(1.0)
+        self.group.restart(victim)
+        self.events.append(f"{time.monotonic() - self.started:.0f}s restarted worker-0; it re-sends its spool")
