@@ -154,7 +154,7 @@ class Devnet:
         coord = Proc("coordinator", "coordinator", [
             *self._bin("intellect-train"), "--run", str(run), "--key", str(out / "keys" / "coordinator.key"),
             "--data-dir", str(out / "coordinator"), "--http-port", str(self.http_port), "--p2p-port", str(self.p2p_port),
-            "--max-steps", str(self.o.steps), "--batch-timeout", "180", "--eval-samples", "8", *self._data_root(),
+            "--max-steps", str(self.o.steps), "--batch-timeout", "180", "--eval-samples", "8", "-v", *self._data_root(),
         ], out / "logs" / "coordinator.log")
         self.group.start(coord)
         self._wait(lambda: get_json(f"{self.coord_url}/status") is not None, 300.0, "the coordinator to come up", coord)
@@ -165,14 +165,14 @@ class Devnet:
             upstream = self.coord_url if i == 0 else relay_urls[(i - 1) // 2]
             relay_urls.append(f"http://127.0.0.1:{port}")
             self.group.start(Proc(f"relay-{i}", "relay", [
-                *self._bin("intellect-node"), "join", "--role", "relay", "--run", str(run), "--key", str(out / "keys" / f"relay-{i}.key"),
+                *self._bin("intellect-node"), "-v", "join", "--role", "relay", "--run", str(run), "--key", str(out / "keys" / f"relay-{i}.key"),
                 "--data-dir", str(out / f"relay-{i}"), "--http-port", str(port), "--upstream", upstream,
             ], out / "logs" / f"relay-{i}.log"))
             self.node_urls[f"relay-{i}"] = f"http://127.0.0.1:{port}/shardcast/1/held"
         for i in range(self.o.validators):
             port = free_port()
             self.group.start(Proc(f"validator-{i}", "validator", [
-                *self._bin("intellect-node"), "validate", "--run", str(run), "--key", str(out / "keys" / f"validator-{i}.key"),
+                *self._bin("intellect-node"), "-v", "validate", "--run", str(run), "--key", str(out / "keys" / f"validator-{i}.key"),
                 "--data-dir", str(out / f"validator-{i}"), "--http-port", str(port), *self._data_root(),
             ], out / "logs" / f"validator-{i}.log"))
             self.node_urls[f"validator-{i}"] = f"http://127.0.0.1:{port}/status"
@@ -181,7 +181,7 @@ class Devnet:
             port = free_port()
             cheat = ["--adversary", self.o.adversary] if name == "adversary" and self.o.adversary else []
             self.group.start(Proc(name, "worker", [
-                *self._bin("intellect-node"), "join", "--role", "worker", "--run", str(run), "--key", str(out / "keys" / f"{name}.key"),
+                *self._bin("intellect-node"), "-v", "join", "--role", "worker", "--run", str(run), "--key", str(out / "keys" / f"{name}.key"),
                 "--data-dir", str(out / name), "--http-port", str(port), *cheat, *self._data_root(),
             ], out / "logs" / f"{name}.log"))
             self.node_urls[name] = f"http://127.0.0.1:{port}/status"

@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 LATE_RETRY_S = 2.0
 """Wait between fetch attempts while the held policy is too old to generate with, seconds."""
+MAX_SPOOL_AHEAD = 2
+"""Generate no further while this many submissions wait in the spool (the ingest pushes back)."""
 
 
 @dataclass
@@ -77,7 +79,7 @@ class Worker:
         self.gossip: GossipNode | None = None
         self.follower = PolicyFollower(self.spec, self.data_dir / "checkpoints", lambda step: [])
         self.spool = Spool(self.data_dir / "spool")
-        self.submitter = Submitter(self.spool, options.ingest_urls or list(self.spec.network.ingest_urls))
+        self.submitter = Submitter(self.spool, options.ingest_urls or list(self.spec.network.ingest_urls), max_backoff_s=5.0)
         self.engine: Engine | None = None
         self.tokenizer: Any = None
         self.tasks = resolve_tasks(self.spec.data.tasks, options.data_root, self.spec.data.tasks_hash).train
@@ -138,6 +140,11 @@ class Worker:
         while not self._stop.is_set():
             if self.options.max_submissions is not None and self.submissions >= self.options.max_submissions:
                 break
+            if len(self.spool.pending()) >= MAX_SPOOL_AHEAD:
+                self.state = f"waiting: {len(self.spool.pending())} submissions not yet taken by the ingest"
+                self._kick.set()
+                await self._sleep(0.5)
+                continue
             if not await self._ensure_policy():
                 continue
             counter = self.spool.next_counter()

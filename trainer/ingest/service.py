@@ -56,6 +56,8 @@ class IngestLimits:
         requests_per_s: sustained submissions per second per peer (and per IP before decoding).
         burst: bucket size, requests.
         max_pending_bytes_per_worker: a worker's unjudged submissions may not exceed this, bytes.
+        max_pending_per_worker: nor this many submissions: backpressure, so workers generate no
+            faster than validators judge (their excess would only turn stale).
         decode_timeout_s: time allowed to read and decode one request body, seconds.
     """
 
@@ -63,6 +65,7 @@ class IngestLimits:
     requests_per_s: float = 5.0
     burst: float = 50.0
     max_pending_bytes_per_worker: int = 256 << 20
+    max_pending_per_worker: int = 8
     decode_timeout_s: float = 30.0
 
 
@@ -169,6 +172,10 @@ class IngestService:
         if existing is not None:
             self.m_submissions.labels("duplicate").inc()
             return web.json_response({"id": sid, "stored": False, "duplicate": True, "state": existing.state})
+        if self.store.pending_count(sub.worker) >= self.limits.max_pending_per_worker:
+            self.m_submissions.labels("backpressure").inc()
+            raise _error(429, "backpressure", f"worker {sub.worker} has {self.limits.max_pending_per_worker} submissions awaiting verdicts; retry later",
+                         retry_after=1.0)
         if self.store.pending_bytes(sub.worker) + len(data) > self.limits.max_pending_bytes_per_worker:
             self.m_submissions.labels("quota").inc()
             raise _error(507, "quota", f"worker {sub.worker} has too many unjudged bytes; retry later", retry_after=10.0)

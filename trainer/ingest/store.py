@@ -177,6 +177,12 @@ class SubmissionStore:
             ).fetchone()
         return row is not None
 
+    def pending_count(self, worker: str) -> int:
+        """How many of ``worker``'s submissions wait for a verdict."""
+        with self._lock:
+            row = self._db.execute("SELECT COUNT(*) FROM submissions WHERE worker = ? AND state = 'pending'", (worker,)).fetchone()
+        return int(row[0])
+
     def pending_bytes(self, worker: str) -> int:
         """Bytes of ``worker``'s submissions not yet judged (its share of the disk)."""
         with self._lock:

@@ -1,0 +1,65 @@
+"""The main job, shortened: every role as a process, discovery, publishing through relays,
+validation, training, an adversary banned, and nothing left running afterwards."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_short_devnet_with_adversary(tmp_path):
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "node", "devnet", "--steps", "3", "--workers", "1", "--relays", "2", "--validators", "1",
+         "--adversary", "inflated-reward", "--out", str(out), "--no-dashboard", "--timeout", "240"],
+        capture_output=True, text=True, timeout=300,
+    )
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert took < 240
+    report = (out / "report.md").read_text()
+    assert (out / "report.png").stat().st_size > 10_000
+    # at least two policy steps published and fetched through the relays
+    rows = [json.loads(line) for line in (out / "coordinator" / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if row.get("event") == "step"]
+    assert len(steps) == 3
+    spec = (out / "run.toml").read_text()
+    coord_url = re.search(r"ingest_urls = \[\s*\"(http://127.0.0.1:\d+)\"", spec).group(1)
+    relay_urls = {u for name in ("relay-0", "relay-1") for u in re.findall(r"serving (http://127\.0\.0\.1:\d+)", (out / "logs" / f"{name}.log").read_text())}
+    fetches = re.findall(r"fetched policy step (\d+) in [\d.]+ s from \[(.*?)\]", (out / "logs" / "worker-0.log").read_text())
+    assert any(int(step) >= 1 for step, _ in fetches), fetches
+    # workers prefer relays that hold the step over the origin: later steps came through relays
+    assert any(url in srcs for _, srcs in fetches for url in relay_urls), (fetches, relay_urls, coord_url)
+    assert sum(1 for row in rows if row.get("event") == "eval") == 2
+    # submissions were validated and trained on; the adversary was banned and never trained on
+    assert "| ok |" in report
+    adv_line = next(line for line in report.splitlines() if line.startswith("| adversary |"))
+    cells = [c.strip() for c in adv_line.split("|")]
+    assert cells[6] == "0", adv_line  # trained on
+    assert cells[7] == "reward", adv_line  # banned for the inflated reward
+    worker_line = next(line for line in report.splitlines() if line.startswith("| worker-0 |"))
+    assert int(worker_line.split("|")[6]) > 0  # the honest worker's rollouts were trained on
+    # nothing left: no process mentions the out dir, the coordinator's port is free again
+    time.sleep(1)
+    left = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+    assert left == []
+    assert _port_free(int(coord_url.rsplit(":", 1)[1]))
