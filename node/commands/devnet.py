@@ -35,6 +35,7 @@ def _devnet(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="devnet-out", help="directory for logs, data and the report (default ./devnet-out; must be empty)")
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
     p.add_argument("--seed", type=int, default=None, help="run seed (default random)")
+    p.add_argument("--async-level", type=int, default=None, help="max policy staleness in steps (default 2)")
     p.add_argument("--no-dashboard", action="store_true", help="plain progress lines instead of the live view")
     p.set_defaults(handler=_run_devnet)
 
@@ -53,7 +54,8 @@ def _run_devnet(args: argparse.Namespace) -> int:
         raise CliError(f"{out} is not empty; choose another --out or remove it")
     options = DevnetOptions(out=out, workers=args.workers, relays=args.relays, validators=args.validators, steps=args.steps,
                             tasks=args.tasks, data_root=data_root, adversary=args.adversary, kill_worker_at=args.kill_worker_at,
-                            dashboard=not args.no_dashboard and sys.stdout.isatty(), timeout_s=args.timeout, seed=args.seed)
+                            dashboard=not args.no_dashboard and sys.stdout.isatty(), timeout_s=args.timeout, seed=args.seed,
+                            async_level=args.async_level)
     live = None
     last_print = [0.0]
 

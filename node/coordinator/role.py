@@ -146,6 +146,24 @@ class Coordinator:
             latest_policy_step=lambda: self.published_step,
             on_verdict=self._gossip_verdict, on_ban=self._gossip_bans, status_extra=self._status_extra,
         )
+        from prometheus_client import Gauge
+
+        reg = self.ingest.registry
+        self.m_train = {
+            name: Gauge(f"intellect_trainer_{name}", doc, registry=reg)
+            for name, doc in (
+                ("step", "Trainer steps completed (policy step of the current weights)"),
+                ("reward_mean", "Mean reward of the last batch"),
+                ("pass_rate", "Pass rate (task reward 1) of the last batch"),
+                ("loss", "GRPO loss of the last step"),
+                ("grad_norm", "Gradient norm of the last step, before clipping"),
+                ("clipped_frac", "Fraction of loss tokens clipped in the last step"),
+                ("entropy", "Mean policy entropy of the last step, nats"),
+                ("tokens_per_s", "Trainer tokens per second in the last step"),
+                ("utilization", "Trainer busy time over wall time"),
+                ("heldout_pass_rate", "Latest held-out pass rate"),
+            )
+        }
         app = self.server.make_app()
         app.middlewares.append(error_middleware)
         self.ingest.add_routes(app)
@@ -223,6 +241,10 @@ class Coordinator:
                    "banned": len(self.bans.entries())}
             self._log_metrics(row)
             self.last_step = {k: row[k] for k in ("step", "reward_mean", "pass_rate", "loss", "staleness", "tokens_per_s")}
+            for name, value in (("step", m.step), ("reward_mean", m.reward_mean), ("pass_rate", m.pass_rate), ("loss", m.loss),
+                                ("grad_norm", m.grad_norm), ("clipped_frac", m.clipped_frac), ("entropy", m.entropy_mean),
+                                ("tokens_per_s", m.tokens_per_s), ("utilization", self.utilization())):
+                self.m_train[name].set(value)
             logger.warning("step %d: reward %.3f pass %.3f loss %.4f grad %.3f (%d groups, staleness %s)", m.step, m.reward_mean,
                            m.pass_rate, m.loss, m.grad_norm, m.num_groups, m.staleness, extra={"step": m.step})
             if self.options.eval_every and self.trainer.step % self.options.eval_every == 0 and self.options.eval_samples:
@@ -379,6 +401,8 @@ class Coordinator:
         }
 
     def _log_metrics(self, row: dict[str, Any]) -> None:
+        if row.get("event") == "eval" and hasattr(self, "m_train"):
+            self.m_train["heldout_pass_rate"].set(row["heldout_pass_rate"])
         row = {"ts": round(time.time(), 3), **row}
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.metrics_path, "a") as f:

@@ -33,15 +33,19 @@ def devnet_spec(
     bootstrap: str,
     seed: int,
     heartbeat_interval_s: float = 1.0,
+    async_level: int | None = None,
 ) -> RunSpec:
     """The unsigned run spec of a devnet whose coordinator serves at ``http_url``."""
     embedded = tasks == "embedded"
+    rl = EMBEDDED_RL if embedded else REAL_TASKS_RL
+    if async_level is not None:
+        rl = rl.model_copy(update={"async_level": async_level})
     return RunSpec(
         run=RunInfo(name="devnet", seed=seed, coordinator=coordinator.peer_id, validators=validators),
         model=ModelSpec(base="embedded", hidden_size=128),
         data=DataSpec(tasks=tasks, tasks_per_submission=4 if embedded else 2),
         sampling=EMBEDDED_SAMPLING if embedded else REAL_TASKS_SAMPLING,
-        rl=EMBEDDED_RL if embedded else REAL_TASKS_RL,
-        shardcast=ShardcastSpec(piece_size_bytes=256 * 1024, keep_steps=4),
+        rl=rl,
+        shardcast=ShardcastSpec(piece_size_bytes=256 * 1024, keep_steps=rl.async_level + 2),
         network=NetworkSpec(bootstrap=[bootstrap], ingest_urls=[http_url], origin_urls=[http_url], heartbeat_interval_s=heartbeat_interval_s),
     )

@@ -44,6 +44,7 @@ class DevnetOptions:
         dashboard: show the live terminal view.
         timeout_s: give up after this many seconds in total.
         seed: run seed (default random).
+        async_level: override of the run spec's ``rl.async_level`` (``None``: the devnet default, 2).
     """
 
     out: Path
@@ -58,6 +59,7 @@ class DevnetOptions:
     dashboard: bool = True
     timeout_s: float = 900.0
     seed: int | None = None
+    async_level: int | None = None
 
 
 @dataclass
@@ -141,7 +143,7 @@ class Devnet:
         self.coord_url = f"http://127.0.0.1:{self.http_port}"
         bootstrap = f"/ip4/127.0.0.1/tcp/{self.p2p_port}/p2p/{coord.peer_id}"
         spec = devnet_spec(coord, validators, tasks=self.o.tasks, http_url=self.coord_url, bootstrap=bootstrap,
-                           seed=self.o.seed if self.o.seed is not None else secrets.randbits(62))
+                           seed=self.o.seed if self.o.seed is not None else secrets.randbits(62), async_level=self.o.async_level)
         path = self.out / "run.toml"
         path.write_text(dump_run_spec(sign_run_spec(spec, coord)))
         return path
