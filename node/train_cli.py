@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
-    from node.coordinator.role import Coordinator, CoordinatorOptions, follow_rank
+    from node.coordinator.role import CoordinatorOptions, follow_rank
     from node.p2p import GossipConfig
     from trainer.distributed import init_distributed
 

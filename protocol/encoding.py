@@ -61,7 +61,8 @@ def packb(obj: Any) -> bytes:
         DecodeError: a value that has no canonical encoding (NaN, non-str key, unknown type).
     """
     try:
-        return msgpack.packb(_normalise(obj, 0), use_bin_type=True, use_single_float=False)
+        out: bytes = msgpack.packb(_normalise(obj, 0), use_bin_type=True, use_single_float=False)
+        return out
     except (OverflowError, ValueError) as e:  # ints out of msgpack's range
         raise DecodeError(f"cannot encode: {e}") from e
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pydantic import ValidationError
 
@@ -220,10 +220,11 @@ def open_envelope(
     return Envelope(body=body, run_id=run, signer=signer, ts_ms=ts_ms, nonce=nonce, raw=bytes(data))  # type: ignore[arg-type]
 
 
-def _typed(obj: dict, key: str, typ: type, length: int | None = None):  # noqa: ANN202
-    v = obj[key]
+def _typed(obj: dict[str, Any], key: str, typ: type, length: int | None = None) -> Any:
+    v: Any = obj[key]
     if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
         raise SchemaError(f"must be {typ.__name__}, got {type(v).__name__}", key)
-    if length is not None and len(v) != length:
-        raise SchemaError(f"must be {length} bytes, got {len(v)}", key)
-    return v
+    n = len(obj[key]) if length is not None else 0
+    if length is not None and n != length:
+        raise SchemaError(f"must be {length} bytes, got {n}", key)
+    return obj[key]

@@ -36,7 +36,7 @@ class ForwardOut:
 
 
 def forward(
-    model: torch.nn.Module,
+    model: Any,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
@@ -114,7 +114,7 @@ class Prefill:
 
 @torch.no_grad()
 def prefill_completions(
-    model: torch.nn.Module,
+    model: Any,
     prompts: Sequence[Sequence[int]],
     completions: Sequence[Sequence[int]],
     pad_id: int,

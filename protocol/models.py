@@ -49,7 +49,9 @@ def embedded_tokenizer() -> Any:
     tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK, padding_side="left")
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK, padding_side="left"
+    )
 
 
 def embedded_config(vocab_size: int, hidden_size: int = 128, layers: int = 2) -> Any:
@@ -72,18 +74,17 @@ def embedded_config(vocab_size: int, hidden_size: int = 128, layers: int = 2) ->
     )
 
 
-def build_model(config: Any, seed: int = 0) -> torch.nn.Module:
+def build_model(config: Any, seed: int = 0) -> Any:
     """A freshly initialised ``Qwen2ForCausalLM`` (float32, eval mode), deterministic in ``seed``."""
     from transformers import Qwen2ForCausalLM
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
-    model.config._attn_implementation = "sdpa" if hasattr(model.config, "_attn_implementation") else None
+        model: Any = Qwen2ForCausalLM(config)
     return model.eval()
 
 
-def save_model(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> list[Path]:
+def save_model(model: Any, tokenizer: Any, out_dir: Path) -> list[Path]:
     """Write ``config.json``, ``model.safetensors`` and the tokenizer files into ``out_dir``.
 
     Returns:
@@ -114,7 +115,7 @@ def load_tokenizer(model_dir: Path) -> Any:
     return tok
 
 
-def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
     """Load a Qwen2 model from ``model_dir`` (``config.json`` + ``*.safetensors``), safetensors only.
 
     Raises:
@@ -141,10 +142,11 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
         except Exception as e:  # safetensors raises SafetensorError / OSError on corrupt files
             raise ModelLoadError(f"cannot read weights {f}: {e}") from e
     load_state_dict(model, state, strict=True)
-    return model.to(device=device, dtype=dtype).eval()
+    loaded: Any = model
+    return loaded.to(device=device, dtype=dtype).eval()
 
 
-def load_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+def load_state_dict(model: Any, state: dict[str, torch.Tensor], *, strict: bool = True) -> None:
     """Copy ``state`` into ``model`` in place (also onto a meta-device model), re-tying embeddings.
 
     Raises:
@@ -169,7 +171,7 @@ def load_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], *, s
                 setattr(parent, child_name, type(child)(child.config))
 
 
-def model_summary(model: torch.nn.Module) -> dict[str, Any]:
+def model_summary(model: Any) -> dict[str, Any]:
     """Parameters count and the config fields that matter for TOPLOC and sampling."""
     cfg = model.config
     return {
@@ -183,6 +185,7 @@ def model_summary(model: torch.nn.Module) -> dict[str, Any]:
 def read_config(model_dir: Path) -> dict[str, Any]:
     """``config.json`` of ``model_dir`` as a dict."""
     try:
-        return json.loads((Path(model_dir) / "config.json").read_text())
+        config: dict[str, Any] = json.loads((Path(model_dir) / "config.json").read_text())
+        return config
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {model_dir}/config.json: {e}") from e
