@@ -42,7 +42,7 @@ def _devnet(sub: argparse._SubParsersAction) -> None:
 
 def _run_devnet(args: argparse.Namespace) -> int:
     from node.devnet.orchestrator import Devnet, DevnetOptions
-    from node.devnet.report import write_report
+    from node.devnet.report import read_metrics, write_report
 
     if args.workers < 1 or args.relays < 0 or args.validators < 1 or args.steps < 1:
         raise CliError("need --workers ≥ 1, --validators ≥ 1, --relays ≥ 0 and --steps ≥ 1")
@@ -92,8 +92,11 @@ def _run_devnet(args: argparse.Namespace) -> int:
         return 1
     md, png = write_report(dn, result)
     st = result.coordinator
+    evals = [r for r in read_metrics(dn.out / "coordinator" / "metrics.jsonl") if r.get("event") == "eval"]
+    start = f"{evals[0]['heldout_pass_rate']:.3f}" if evals else "-"
+    end = f"{evals[-1]['heldout_pass_rate']:.3f}" if len(evals) > 1 else "-"
     print(f"devnet {'completed' if result.ok else 'FAILED'}: {result.reason} ({result.wall_s:.0f} s)")
-    print(f"held-out pass rate: start {st.get('heldout_start')} -> end {st.get('heldout_end')}")
+    print(f"held-out pass rate: start {start} -> end {end}")
     print(f"verdicts: {st.get('verdicts_by_reason')}; banned: {[b['peer_id'] for b in st.get('banned') or []]}")
     print(f"report: {md} and {png}; logs in {options.out}/logs/")
     return 0 if result.ok else 1

@@ -156,7 +156,7 @@ class Devnet:
         coord = Proc("coordinator", "coordinator", [
             *self._bin("intellect-train"), "--run", str(run), "--key", str(out / "keys" / "coordinator.key"),
             "--data-dir", str(out / "coordinator"), "--http-port", str(self.http_port), "--p2p-port", str(self.p2p_port),
-            "--max-steps", str(self.o.steps), "--batch-timeout", "180", "--eval-samples", "8", "-v", *self._data_root(),
+            "--max-steps", str(self.o.steps), "--batch-timeout", "180", "--eval-samples", "16", "-v", *self._data_root(),
         ], out / "logs" / "coordinator.log")
         self.group.start(coord)
         self._wait(lambda: get_json(f"{self.coord_url}/status") is not None, 300.0, "the coordinator to come up", coord)

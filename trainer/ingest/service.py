@@ -65,7 +65,7 @@ class IngestLimits:
     requests_per_s: float = 5.0
     burst: float = 50.0
     max_pending_bytes_per_worker: int = 256 << 20
-    max_pending_per_worker: int = 8
+    max_pending_per_worker: int = 4
     decode_timeout_s: float = 30.0
 
 

@@ -192,13 +192,17 @@ class SubmissionStore:
     def lease_pending(self, limit: int, lease_s: float, now_ms: int | None = None) -> list[str]:
         """Hand out up to ``limit`` pending submissions not leased in the last ``lease_s`` seconds.
 
+        Newest first: what validators judge first is what the trainer can still use; when they
+        fall behind, the oldest pending work ages out of the async window instead of delaying
+        everything behind it.
+
         Returns:
-            Submission IDs, oldest first; each is leased until ``now + lease_s``.
+            Submission IDs, newest first; each is leased until ``now + lease_s``.
         """
         now = now_ms or int(time.time() * 1000)
         with self._lock:
             rows = self._db.execute(
-                "SELECT id FROM submissions WHERE state = 'pending' AND lease_until_ms <= ? ORDER BY seq LIMIT ?", (now, limit)
+                "SELECT id FROM submissions WHERE state = 'pending' AND lease_until_ms <= ? ORDER BY seq DESC LIMIT ?", (now, limit)
             ).fetchall()
             ids = [r[0] for r in rows]
             self._db.executemany("UPDATE submissions SET lease_until_ms = ? WHERE id = ?", [(now + int(lease_s * 1000), i) for i in ids])
