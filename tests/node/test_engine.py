@@ -1,0 +1,162 @@
+"""Tests of node.engine.hf.TransformersEngine on a tiny Qwen2 (protocol.models, no hub).
+
+Covers: identical outputs across batch sizes and padding, committed rows that line up with the
+validator's prefill (TOPLOC accepts them), finish reasons and the EOS gate, and live weight swaps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from node.engine import SamplingParams, create_engine
+from node.engine.hf import TransformersEngine
+from protocol import sampling, toploc
+from protocol.inference import prefill_completions
+from protocol.models import build_model, embedded_config, embedded_tokenizer, save_model
+
+EOS, PAD = 1, 0
+VOCAB = len(embedded_tokenizer())  # 99: <pad>, <eos>, <unk> and 96 characters
+N_PROMPTS = 12
+EOS_SCALE = 4.0  # norm of the EOS output row: P(EOS) spans ≈ 0.001 … 0.9 over positions
+
+
+def _model(seed: int, eos_row: bool = False) -> torch.nn.Module:
+    """The embedded-size Qwen2 (hidden 128, 2 layers, vocab 99), untied so the EOS row can be set."""
+    cfg = embedded_config(VOCAB)
+    cfg.tie_word_embeddings = False
+    model = build_model(cfg, seed=seed)
+    if eos_row:
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(cfg.hidden_size, generator=g)
+        with torch.no_grad():
+            model.lm_head.weight[EOS] = EOS_SCALE * w / w.norm()  # logit_EOS = h·w ~ N(0, EOS_SCALE²) for RMS-normed h
+    return model
+
+
+def _prompts(n: int = N_PROMPTS) -> list[list[int]]:
+    """Prompts of 3 … 3+2(n-1) tokens (different lengths, so batches are padded)."""
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, VOCAB, (3 + 2 * i,), generator=g).tolist() for i in range(n)]
+
+
+def _seeds(n: int = N_PROMPTS) -> list[int]:
+    return [sampling.derive_sequence_seed(5, 0, "12D3KooWEngineTest", f"t{i}", i % 4) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def engine() -> TransformersEngine:
+    return TransformersEngine(_model(0), embedded_tokenizer(), max_batch=64)
+
+
+def test_outputs_equal_across_batch_sizes(engine: TransformersEngine) -> None:
+    prompts, seeds = _prompts(), _seeds()
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, eos_id=EOS)
+    runs = []
+    for max_batch in (1, 8, 64):
+        engine.max_batch = max_batch
+        runs.append(engine.generate(prompts, seeds, params))
+    engine.max_batch = 64
+    ref = runs[0]
+    assert len({tuple(g.completion_ids.tolist()) for g in ref}) == N_PROMPTS  # the seeds really differ
+    for other in runs[1:]:
+        for a, b in zip(ref, other, strict=True):
+            assert torch.equal(a.completion_ids, b.completion_ids)
+            assert a.finish == b.finish
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+            torch.testing.assert_close(a.hidden.float(), b.hidden.float(), atol=0.05, rtol=0.02)
+    # a prompt's output does not depend on its neighbours either: reordering changes nothing
+    rev = engine.generate(prompts[::-1], seeds[::-1], params)[::-1]
+    assert all(torch.equal(a.completion_ids, b.completion_ids) for a, b in zip(ref, rev, strict=True))
+
+
+def test_shapes_and_logprobs_match_the_sampling_rule(engine: TransformersEngine) -> None:
+    prompts, seeds = _prompts(4), _seeds(4)
+    params = SamplingParams(max_tokens=10, temperature=0.7, eos_id=EOS)
+    gens = engine.generate(prompts, seeds, params)
+    pre = prefill_completions(engine.model, prompts, [g.completion_ids.tolist() for g in gens], PAD)
+    for g, p, seed in zip(gens, pre, seeds, strict=True):
+        n = len(g.completion_ids)
+        assert g.completion_ids.dtype == torch.int64 and g.logprobs.dtype == torch.float32
+        assert g.hidden.dtype == torch.bfloat16 and g.hidden.shape == (n, 128)
+        replay = sampling.replay_check(p.logits, g.completion_ids, seed, temperature=0.7, eos_ids=(EOS,))
+        assert replay.ok and replay.hard_mismatches == 0 and replay.near_ties == 0
+        expected = torch.log_softmax(p.logits.double() / 0.7, -1).gather(-1, g.completion_ids[:, None])[:, 0]
+        torch.testing.assert_close(g.logprobs.double(), expected, atol=1e-4, rtol=0)
+
+
+def test_hidden_rows_line_up_with_toploc_positions(engine: TransformersEngine) -> None:
+    prompts, seeds = _prompts(), _seeds()
+    params = SamplingParams(max_tokens=40, eos_id=EOS, min_eos_prob=1.0)  # 40 rows: a full chunk of 32 and one of 8
+    gens = engine.generate(prompts, seeds, params)
+    completions = [g.completion_ids.tolist() for g in gens]
+    pre = prefill_completions(engine.model, prompts, completions, PAD)
+    for g, p in zip(gens, pre, strict=True):
+        assert g.hidden.shape == p.hidden.shape == (40, 128)
+        torch.testing.assert_close(g.hidden.float(), p.hidden.float(), atol=0.05, rtol=0.02)
+        results = toploc.verify_proofs(p.hidden, toploc.build_proofs(g.hidden))
+        assert len(results) == 2 and all(r.ok for r in results), [r.reason for r in results]
+    # one row off (what a decode-only capture would commit) is rejected
+    shifted = prefill_completions(engine.model, [p + c[:1] for p, c in zip(prompts, completions)], [c[1:] + [5] for c in completions], PAD)
+    bad = toploc.verify_proofs(shifted[0].hidden, toploc.build_proofs(gens[0].hidden))
+    assert not all(r.ok for r in bad)
+
+
+def test_finish_reasons_and_eos_gate() -> None:
+    model = _model(3, eos_row=True)
+    eng = TransformersEngine(model, embedded_tokenizer(), max_batch=64)
+    prompts = _prompts(16) * 4
+    seeds = [sampling.derive_sequence_seed(9, 0, "12D3KooWEosGate", "eos", i) for i in range(len(prompts))]
+    floor, max_tokens = 0.3, 20
+
+    def final_p_eos(gens: list) -> list[float]:
+        pre = prefill_completions(model, prompts, [g.completion_ids.tolist() for g in gens], PAD)
+        return [float(torch.softmax(p.logits[-1].double(), -1)[EOS]) for p in pre]
+
+    ungated = eng.generate(prompts, seeds, SamplingParams(max_tokens=max_tokens, eos_id=EOS, min_eos_prob=0.0))
+    gated = eng.generate(prompts, seeds, SamplingParams(max_tokens=max_tokens, eos_id=EOS, min_eos_prob=floor))
+    for gens in (ungated, gated):
+        for g in gens:
+            ids = g.completion_ids.tolist()
+            assert EOS not in ids[:-1]  # generation stops at the first EOS
+            if g.finish == "eos":
+                assert ids[-1] == EOS and 1 <= len(ids) <= max_tokens
+            else:
+                assert g.finish == "length" and len(ids) == max_tokens and ids[-1] != EOS
+        assert {g.finish for g in gens} == {"eos", "length"}
+    # without the gate some completions stop where P(EOS) < floor; with it none does
+    p_ungated = [p for p, g in zip(final_p_eos(ungated), ungated, strict=True) if g.finish == "eos"]
+    p_gated = [p for p, g in zip(final_p_eos(gated), gated, strict=True) if g.finish == "eos"]
+    assert min(p_ungated) < floor
+    assert p_gated and min(p_gated) >= floor - 1e-4
+    for g, p in zip(gated, prefill_completions(model, prompts, [g.completion_ids.tolist() for g in gated], PAD), strict=True):
+        term = sampling.termination_check(p.logits[-1], g.completion_ids, (EOS,), max_tokens, min_eos_prob=floor, eos_prob_slack=1e-3)
+        assert term.ok, term.reason
+
+
+def test_load_weights_hot_swap_equals_fresh_engine(tmp_path: Path) -> None:
+    tok = embedded_tokenizer()
+    save_model(_model(0), tok, tmp_path / "a")
+    save_model(_model(1), tok, tmp_path / "b")
+    prompts, seeds = _prompts(6), _seeds(6)
+    params = SamplingParams(max_tokens=16, eos_id=EOS)
+    eng = create_engine("transformers", tmp_path / "a", max_batch=4)
+    before = eng.generate(prompts, seeds, params)
+    eng.load_weights(tmp_path / "b")
+    after = eng.generate(prompts, seeds, params)
+    fresh = create_engine("transformers", tmp_path / "b", max_batch=4).generate(prompts, seeds, params)
+    assert any(not torch.equal(x.completion_ids, y.completion_ids) for x, y in zip(before, after, strict=True))
+    for x, y in zip(after, fresh, strict=True):
+        assert torch.equal(x.completion_ids, y.completion_ids)
+        assert torch.equal(x.logprobs, y.logprobs)
+        assert torch.equal(x.hidden, y.hidden)
+    eng.load_weights(tmp_path / "a")  # and back
+    again = eng.generate(prompts, seeds, params)
+    assert all(torch.equal(x.completion_ids, y.completion_ids) for x, y in zip(before, again, strict=True))
+
+
+def test_generate_rejects_mismatched_seeds(engine: TransformersEngine) -> None:
+    with pytest.raises(ValueError):
+        engine.generate(_prompts(2), _seeds(3), SamplingParams(max_tokens=2))

@@ -1,0 +1,215 @@
+"""Tests of node.worker.spool (crash safety) and node.worker.submitter (delivery against a test ingest)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from node.worker.spool import Spool
+from node.worker.submitter import Submitter
+
+REPO = Path(__file__).resolve().parents[2]
+
+INGEST_PATH = "/ingest/1/submissions"
+
+
+# --- spool -------------------------------------------------------------------------------------
+
+
+def test_spool_survives_sigkill_and_never_reuses_a_counter(tmp_path: Path) -> None:
+    root = tmp_path / "spool"
+    child = textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        from node.worker.spool import Spool
+        s = Spool(Path({str(root)!r}))
+        for _ in range(3):
+            c = s.next_counter()
+            s.put(c, b"submission %d" % c)
+        s.next_counter()  # counter 3 taken, then the process dies before spooling it
+        (Path({str(root)!r}) / "half-written.sub.tmp").write_bytes(b"partial")
+        print("spooled", flush=True)
+        time.sleep(60)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "spooled"
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    spool = Spool(root)  # the restarted worker
+    pending = spool.pending()
+    assert [p.name.split("-")[0] for p in pending] == ["000000000000", "000000000001", "000000000002"]
+    assert [p.read_bytes() for p in pending] == [b"submission 0", b"submission 1", b"submission 2"]
+    assert not list(root.glob("*.tmp"))  # half-written files are dropped, never sent
+    assert spool.next_counter() == 4  # 3 was handed out before the crash: never reused
+    assert Spool(root).next_counter() == 5
+
+
+def test_counter_resumes_past_spooled_files_without_a_counter_file(tmp_path: Path) -> None:
+    spool = Spool(tmp_path)
+    spool.put(41, b"x")
+    (tmp_path / "counter").unlink(missing_ok=True)
+    assert Spool(tmp_path).next_counter() == 42
+
+
+# --- submitter -----------------------------------------------------------------------------------
+
+
+class Ingest:
+    """A test ingest: answers each POST with the next status of ``script`` (the last one repeats)."""
+
+    def __init__(self, script: list[int]) -> None:
+        self.script = list(script)
+        self.received: list[bytes] = []
+        self.statuses: list[int] = []
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        status = self.script.pop(0) if len(self.script) > 1 else self.script[0]
+        self.statuses.append(status)
+        if status == 200:
+            self.received.append(body)
+        return web.Response(status=status, text=f"status {status}")
+
+
+@asynccontextmanager
+async def serve(ingest: Ingest, port: int = 0) -> AsyncIterator[str]:
+    app = web.Application()
+    app.router.add_post(INGEST_PATH, ingest.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        bound = runner.addresses[0][1]
+        yield f"http://127.0.0.1:{bound}"
+    finally:
+        await runner.cleanup()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _fill(spool: Spool, n: int) -> list[bytes]:
+    bodies = [b"envelope-%d" % i for i in range(n)]
+    for body in bodies:
+        spool.put(spool.next_counter(), body)
+    return bodies
+
+
+def _submitter(spool: Spool, url: str) -> Submitter:
+    return Submitter(spool, [url], timeout_s=5.0, base_backoff_s=0.05, max_backoff_s=0.2)
+
+
+async def test_acknowledged_submissions_leave_the_spool(tmp_path: Path) -> None:
+    spool = Spool(tmp_path)
+    bodies = _fill(spool, 3)
+    ingest = Ingest([200])
+    async with serve(ingest) as url:
+        sub = _submitter(spool, url)
+        try:
+            assert await asyncio.wait_for(sub.drain(deadline_s=10.0), 20.0) == 3
+        finally:
+            await sub.close()
+    assert ingest.received == bodies  # in counter order
+    assert spool.pending() == [] and sub.acked == 3 and not sub.banned
+
+
+@pytest.mark.parametrize(("status", "reason"), [(409, "stale"), (403, "banned"), (400, "malformed")])
+async def test_permanent_refusals_remove_for_good(tmp_path: Path, status: int, reason: str) -> None:
+    spool = Spool(tmp_path)
+    _fill(spool, 2)
+    ingest = Ingest([status])
+    async with serve(ingest) as url:
+        sub = _submitter(spool, url)
+        try:
+            assert await asyncio.wait_for(sub.drain(deadline_s=10.0), 20.0) == 2
+        finally:
+            await sub.close()
+    assert ingest.statuses == [status, status]  # each tried once, never retried
+    assert spool.pending() == [] and sub.acked == 0
+    assert sub.refused == {reason: 2}
+    assert sub.banned == (status == 403)
+
+
+@pytest.mark.parametrize("transient", [429, 503])
+async def test_transient_refusals_keep_the_file_and_retry_with_backoff(tmp_path: Path, transient: int) -> None:
+    spool = Spool(tmp_path)
+    bodies = _fill(spool, 2)
+    ingest = Ingest([transient, transient, transient, 200])
+    async with serve(ingest) as url:
+        sub = _submitter(spool, url)
+        try:
+            out = await sub.send_one(spool.pending()[0])
+            assert not out.final and out.status == transient and len(spool.pending()) == 2  # kept
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            assert await asyncio.wait_for(sub.drain(deadline_s=10.0), 20.0) == 2
+            waited = loop.time() - t0
+        finally:
+            await sub.close()
+    assert ingest.statuses == [transient] * 3 + [200, 200]
+    assert ingest.received == bodies and spool.pending() == []
+    assert waited >= 0.5 * (0.05 + 0.1)  # two backoffs (with ≥ 0.5× jitter) before the third try succeeded
+
+
+async def test_drain_gives_up_at_its_deadline_and_keeps_everything(tmp_path: Path) -> None:
+    spool = Spool(tmp_path)
+    _fill(spool, 3)
+    sub = _submitter(spool, f"http://127.0.0.1:{_free_port()}")  # connection refused
+    try:
+        assert await asyncio.wait_for(sub.drain(deadline_s=0.5), 10.0) == 0
+    finally:
+        await sub.close()
+    assert len(spool.pending()) == 3
+
+
+async def test_nothing_is_lost_while_the_coordinator_is_down(tmp_path: Path) -> None:
+    spool = Spool(tmp_path)
+    port = _free_port()
+    sub = _submitter(spool, f"http://127.0.0.1:{port}")
+    bodies = _fill(spool, 2)
+    ingest = Ingest([200])
+    try:
+        drain = asyncio.create_task(sub.drain(deadline_s=30.0))  # coordinator down: refused connections
+        await asyncio.sleep(0.6)
+        assert not drain.done() and len(spool.pending()) == 2
+        bodies += _fill(spool, 2)  # the worker keeps generating meanwhile
+        async with serve(ingest, port):  # coordinator comes back on its address
+            assert await asyncio.wait_for(drain, 15.0) == 4
+    finally:
+        await sub.close()
+    assert ingest.received == bodies and spool.pending() == []
+
+
+async def test_second_ingest_url_is_used_when_the_first_is_down(tmp_path: Path) -> None:
+    spool = Spool(tmp_path)
+    bodies = _fill(spool, 2)
+    ingest = Ingest([200])
+    async with serve(ingest) as url:
+        sub = Submitter(spool, [f"http://127.0.0.1:{_free_port()}", url], timeout_s=5.0, base_backoff_s=0.05)
+        try:
+            assert await asyncio.wait_for(sub.drain(deadline_s=10.0), 20.0) == 2
+        finally:
+            await sub.close()
+    assert ingest.received == bodies
+
