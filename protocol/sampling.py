@@ -14,7 +14,8 @@ The rule (normative):
   ``r = Philox4x32-10(counter=(v, t mod 2^32, t >> 32, 0x47554D42), key=(seed mod 2^32, seed >> 32))``
   word 0 (Salmon et al., SC'11, "Parallel random numbers: as easy as 1, 2, 3"),
   ``u = (r + 0.5) / 2^32`` and ``g = −log(−log u)`` in float64. The integer stream is computed
-  with int64 tensor ops that never overflow, so it is bit-identical on every device.
+  with integer ops that never overflow (int64 tensors; on the CPU numpy uint64, whose
+  32×32-bit products are exact), so it is bit-identical on every device.
 * **Temperature.** ``z = float64(logits) / temperature``, ``temperature > 0``.
 * **Top-p.** Sort ``softmax(z)`` descending (equal probabilities by lower token id) and keep the
   shortest prefix whose cumulative probability reaches ``top_p``: token ``v`` is kept iff the
@@ -37,6 +38,7 @@ import logging
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -187,13 +189,53 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
     device = seeds.device
     seeds = seeds.to(torch.int64).reshape(-1, 1)  # [B, 1]
     positions = positions.to(device=device, dtype=torch.int64).reshape(-1, 1)  # [B, 1]
-    vocab = torch.arange(vocab_size, dtype=torch.int64, device=device).reshape(1, -1)  # [1, V]
-    zero = torch.zeros_like(positions)
-    key = (seeds & _M32, (seeds >> 32) & _M32)
-    counter = (vocab, positions & _M32, (positions >> 32) & _M32, zero + COUNTER_TAG)
-    r = philox4x32(counter, key)[0]  # [B, V] in [0, 2^32)
+    if device.type == "cpu":
+        r = _philox_word0_numpy(seeds, positions, vocab_size)  # [B, V] in [0, 2^32)
+    else:
+        vocab = torch.arange(vocab_size, dtype=torch.int64, device=device).reshape(1, -1)  # [1, V]
+        zero = torch.zeros_like(positions)
+        key = (seeds & _M32, (seeds >> 32) & _M32)
+        counter = (vocab, positions & _M32, (positions >> 32) & _M32, zero + COUNTER_TAG)
+        r = philox4x32(counter, key)[0]  # [B, V] in [0, 2^32)
     u = (r.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)  # (0, 1), exact
     return -torch.log(-torch.log(u))
+
+
+def _philox_word0_numpy(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Word 0 of the noise stream's Philox4x32-10 on the CPU, with numpy ``uint64`` words.
+
+    Same integers as :func:`philox4x32` on the counters of :func:`gumbel_noise`, about 3× faster:
+    a product of two 32-bit words is below 2^64, so one exact ``uint64`` multiply replaces the
+    16-bit split that int64 tensors need. The last round computes only word 0.
+
+    Args:
+        seeds: ``[B, 1]`` int64 sequence seeds (two's complement of the u64 seed).
+        positions: ``[B, 1]`` int64 completion positions, ``≥ 0``.
+        vocab_size: V.
+
+    Returns:
+        ``[B, V]`` int64 tensor with values in ``[0, 2^32)``.
+    """
+    m32, s32 = np.uint64(_M32), np.uint64(32)
+    mul0, mul1 = np.uint64(_PHILOX_M0), np.uint64(_PHILOX_M1)
+    s = seeds.numpy().astype(np.uint64)  # [B, 1], two's complement → u64 bits
+    p = positions.numpy().astype(np.uint64)  # [B, 1]
+    k0, k1 = s & m32, s >> s32  # [B, 1] each
+    c0 = np.arange(vocab_size, dtype=np.uint64).reshape(1, -1)  # [1, V]
+    c1, c2, c3 = p & m32, p >> s32, np.full_like(p, COUNTER_TAG)  # [B, 1] each; broadcasting keeps early rounds cheap
+    for r in range(10):
+        if r:
+            k0 = (k0 + np.uint64(_PHILOX_W0)) & m32
+            k1 = (k1 + np.uint64(_PHILOX_W1)) & m32
+        prod1 = c2 * mul1  # exact, < 2^64
+        if r == 9:
+            c0 = (prod1 >> s32) ^ c1 ^ k0
+            break
+        prod0 = c0 * mul0
+        c0, c1, c2, c3 = (prod1 >> s32) ^ c1 ^ k0, prod1 & m32, (prod0 >> s32) ^ c3 ^ k1, prod0 & m32
+    shape = (s.shape[0], vocab_size)
+    out = c0 if c0.shape == shape and c0.flags.writeable else np.broadcast_to(c0, shape).copy()
+    return torch.from_numpy(out.view(np.int64))
 
 
 # --------------------------------------------------------------------------------------------
