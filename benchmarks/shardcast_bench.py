@@ -1,18 +1,24 @@
 """Shardcast benchmark on 127.0.0.1: origin → 2 relays → 4 clients (each using both relays).
 
-Prints, for one checkpoint (default 256 MiB of safetensors):
+What is timed, for ours and for the reference alike: the origin and both relays are running and
+the 4 client processes are started (imports done, polling for the new step) *before* the clock
+starts; the clock starts when the publish starts and stops when the last client holds a verified
+copy (each client reports the ``time.monotonic()`` of its finish; on Linux that clock is shared
+by all processes). So the time covers publish → relays → clients with no process start-up.
 
-* **ours, phased**: publish on a running origin → both relays hold the step (``/held``), then 4
-  ``intellect-node fetch`` processes at once → all hold a verified copy;
-* **ours, pipelined**: the same, but the clients start together with the publish (cut-through);
-* **reference** ``shardcast==0.3.2`` (from a separate virtualenv, ``--ref-python``), same topology
-  and phases, same piece size, relay poll interval 1 s like ours; its client needs ``wget`` and a
-  ``data1.bin`` probe file in every served directory (created here);
-* **limit**: one single-stream HTTP GET of the checkpoint from an aiohttp server to a file;
-* **client peak RSS** of ``intellect-node fetch`` for a 64 MiB and a 256 MiB checkpoint.
+* **ours**: origin and relays are ``intellect-node join --role relay`` processes; the publish is
+  the library call the trainer makes (``publish_checkpoint``, with fsync) into the origin's
+  store; clients call ``fetch_checkpoint`` (the code behind ``intellect-node fetch``). Piece size
+  is a run-spec choice (``--piece-size``, default 4 MiB here so that relays pipeline).
+* **reference** ``shardcast==0.3.2`` (a separate virtualenv, ``--ref-python``), same topology,
+  same shard size, relay check interval 1 s; its client needs ``wget`` and a ``data1.bin`` probe
+  file in every served directory (created here); the origin broadcasts from a running process.
+* **limit**: one single-stream HTTP GET of the checkpoint from an aiohttp server to a file.
+* **client peak RSS** (``VmHWM`` of a client process) for a 64 MiB and a full-size checkpoint.
 
-Every process is separate (as in a deployment); times include process start-up of the clients.
-Run: ``python benchmarks/shardcast_bench.py [--size-mib 256] [--ref-python /work/refenv-shardcast/bin/python]``.
+Each measurement is repeated ``--repeat`` times (fresh checkpoint content each time) and the
+median is reported, since the machine may be shared.
+Run: ``python benchmarks/shardcast_bench.py [--size-mib 256] [--repeat 3] [--ref-python /work/refenv-shardcast/bin/python]``.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -95,35 +102,41 @@ def http_json(url: str) -> dict | None:
         return None
 
 
-def wait_exit_all(procs: list[subprocess.Popen], timeout_s: float) -> list[int]:
-    end = time.monotonic() + timeout_s
-    for p in procs:
-        p.wait(timeout=max(1.0, end - time.monotonic()))
-    return [p.returncode for p in procs]
-
-
-RSS_WRAPPER = """
-import resource, subprocess, sys
-code = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
-print(code, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-"""
-
-
-def peak_rss_mib(args: list[str]) -> tuple[int, float]:
-    """Run ``args`` to completion; return (exit status, peak RSS in MiB).
-
-    Measured from a small wrapper process: a child's ``ru_maxrss`` starts from the RSS of the
-    process it was forked from, so forking from this (large) benchmark process would inflate it.
-    """
-    r = subprocess.run([sys.executable, "-c", RSS_WRAPPER, *args], capture_output=True, text=True, check=True)
-    code, kib = r.stdout.split()
-    return int(code), int(kib) / 1024
-
-
 # --- ours ----------------------------------------------------------------------------------------
 
 
-def run_ours(work: Path, ckpt: Path, args: argparse.Namespace, procs: Procs) -> dict[str, float]:
+def start_clients(procs: Procs, argv_for: list[list[str]], env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Start client processes and wait until each printed READY (imports done, polling)."""
+    cl = [procs.start(a, stdout=subprocess.PIPE, env=env) for a in argv_for]
+    for p in cl:
+        assert p.stdout is not None
+        if p.stdout.readline().strip() != b"READY":
+            raise SystemExit(f"a client did not start (see {procs.log.name})")
+    return cl
+
+
+def client_results(cl: list[subprocess.Popen], timeout_s: float) -> list[tuple[float, float]]:
+    """(finish time, peak RSS MiB) of each client, from its DONE line.
+
+    Peak RSS is the process's ``VmHWM`` (``ru_maxrss`` would include the RSS of this large
+    benchmark process, inherited across fork + exec)."""
+    out = []
+    end = time.monotonic() + timeout_s
+    for p in cl:
+        p.wait(timeout=max(1.0, end - time.monotonic()))
+        assert p.stdout is not None
+        line = p.stdout.read().decode().split()
+        if p.returncode or len(line) != 3 or line[0] != "DONE":
+            raise SystemExit(f"a client failed ({p.returncode}, {line})")
+        out.append((float(line[1]), int(line[2]) / 1024))
+    return out
+
+
+def run_ours(work: Path, args: argparse.Namespace, procs: Procs) -> dict[str, list[float]]:
+    from node.cli import load_key, load_spec
+    from node.shardcast.publish import publish_checkpoint
+    from node.shardcast.store import ShardcastStore
+
     key = work / "coord.key"
     spec = work / "run.toml"
     subprocess.run([*NODE, "keygen", "--key", str(key)], check=True, capture_output=True)
@@ -131,6 +144,7 @@ def run_ours(work: Path, ckpt: Path, args: argparse.Namespace, procs: Procs) -> 
         [*NODE, "spec", "init", "--coordinator-key", str(key), "--out", str(spec), "--piece-size", str(args.piece_size), "--keep-steps", "4"],
         check=True, capture_output=True,
     )
+    signed, coord = load_spec(str(spec)), load_key(str(key))
     p0, pa, pb = free_port(), free_port(), free_port()
     origin = work / "origin"
     procs.start([*NODE, "join", "--role", "relay", "--run", str(spec), "--data-dir", str(origin), "--http-port", str(p0)])
@@ -140,70 +154,85 @@ def run_ours(work: Path, ckpt: Path, args: argparse.Namespace, procs: Procs) -> 
     relays = [f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"]
     for url in [f"http://127.0.0.1:{p0}", *relays]:
         wait_for(lambda u=url: http_json(f"{u}/shardcast/1/held") is not None, 60, f"{url} to serve")
+    store = ShardcastStore(origin, run_id=signed.run_id, authorities=signed.spec.authorities, keep_steps=signed.spec.shardcast.keep_steps)
 
     def relays_hold(step: int) -> bool:
         return all(step in ((http_json(f"{u}/shardcast/1/held") or {}).get("held_steps") or []) for u in relays)
 
-    def clients(step: int, tag: str) -> list[subprocess.Popen]:
-        return [
-            procs.start([sys.executable, str(Path(__file__).resolve()), "--_our-client", str(spec), str(step), str(work / f"out-{tag}-{i}"), *relays])
-            for i in range(args.clients)
-        ]
-
-    out: dict[str, float] = {}
-    # phased: relays first, then the clients
-    t0 = time.monotonic()
-    subprocess.run([*NODE, "publish", str(ckpt), "--step", "1", "--run", str(spec), "--key", str(key), "--data-dir", str(origin)], check=True, capture_output=True)
-    out["publish_s"] = time.monotonic() - t0
-    wait_for(lambda: relays_hold(1), 600, "relays to hold step 1")
-    out["relays_s"] = time.monotonic() - t0
-    t1 = time.monotonic()
-    codes = wait_exit_all(clients(1, "phased"), 600)
-    out["clients_s"] = time.monotonic() - t1
-    out["total_s"] = time.monotonic() - t0
-    if any(codes):
-        raise SystemExit(f"our clients failed: {codes} (see {procs.log.name})")
-    # pipelined: clients start with the publish of step 2
-    ckpt2 = work / "step2.safetensors"
-    make_checkpoint(ckpt2, args.size_mib, seed=2)
-    t0 = time.monotonic()
-    cl = clients(2, "piped")
-    subprocess.run([*NODE, "publish", str(ckpt2), "--step", "2", "--run", str(spec), "--key", str(key), "--data-dir", str(origin)], check=True, capture_output=True)
-    codes = wait_exit_all(cl, 600)
-    out["pipelined_total_s"] = time.monotonic() - t0
-    if any(codes):
-        raise SystemExit(f"our pipelined clients failed: {codes}")
-    for i in range(args.clients):
-        got = work / f"out-phased-{i}" / ckpt.name
-        if got.stat().st_size != ckpt.stat().st_size:
-            raise SystemExit(f"client {i} copy has the wrong size")
-    # client peak RSS for two checkpoint sizes
-    for size in (64, args.size_mib):
-        small = work / f"rss-{size}.safetensors"
-        make_checkpoint(small, size, seed=size)
-        step = 10 + size
-        subprocess.run([*NODE, "publish", str(small), "--step", str(step), "--run", str(spec), "--key", str(key), "--data-dir", str(origin)], check=True, capture_output=True)
-        wait_for(lambda s=step: relays_hold(s), 600, f"relays to hold step {step}")
-        code, rss = peak_rss_mib([*NODE, "fetch", "--run", str(spec), "--step", str(step), "--source", relays[0], "--source", relays[1],
-                                  "--out", str(work / f"rss-out-{size}")])
-        if code:
-            raise SystemExit(f"RSS fetch failed ({code})")
-        out[f"rss_{size}_mib"] = rss
-        small.unlink()
+    out: dict[str, list[float]] = {"publish_s": [], "relays_s": [], "total_s": [], "rss": [], "rss_64": []}
+    runs = [(args.size_mib, r) for r in range(args.repeat)] + [(64, args.repeat)]
+    for size, r in runs:
+        step = r + 1
+        ckpt = work / f"step{step}.safetensors"
+        make_checkpoint(ckpt, size, seed=100 + step)
+        cl = start_clients(procs, [[sys.executable, str(Path(__file__).resolve()), "--_our-client", str(spec), str(step),
+                                    str(work / f"out-{step}-{i}"), *relays] for i in range(args.clients)])
+        t0 = time.monotonic()
+        publish_checkpoint(store, [ckpt], step=step, key=coord, piece_size_bytes=args.piece_size)
+        t_pub = time.monotonic() - t0
+        t_rel = float("nan")
+        while any(p.poll() is None for p in cl) and time.monotonic() - t0 < 600:
+            if math.isnan(t_rel) and relays_hold(step):
+                t_rel = time.monotonic() - t0
+            time.sleep(0.05)
+        res = client_results(cl, 600)
+        total = max(t for t, _ in res) - t0
+        for i in range(args.clients):
+            if (work / f"out-{step}-{i}" / ckpt.name).stat().st_size != ckpt.stat().st_size:
+                raise SystemExit(f"client {i} copy has the wrong size")
+            shutil.rmtree(work / f"out-{step}-{i}")
+        ckpt.unlink()
+        if size == 64 and r == args.repeat:
+            out["rss_64"].append(max(m for _, m in res))
+            print(f"ours       64 MiB checkpoint: total {total:.2f} s, client peak RSS {max(m for _, m in res):.0f} MiB", flush=True)
+            continue
+        out["publish_s"].append(t_pub)
+        out["relays_s"].append(t_rel)
+        out["total_s"].append(total)
+        out["rss"].append(max(m for _, m in res))
+        print(f"ours       run {r + 1}: publish {t_pub:.2f} s, both relays hold {t_rel:.2f} s, all {args.clients} clients verified {total:.2f} s"
+              f" (client peak RSS {out['rss'][-1]:.0f} MiB)", flush=True)
     return out
 
 
-def our_client(spec: str, step: str, out: str, sources: list[str]) -> int:
-    """One benchmark client: retry `fetch` until the step is available (at most 600 s)."""
+OUR_CLIENT = """
+import asyncio, sys, time
+from pathlib import Path
+from node.cli import load_spec
+from node.errors import FetchError
+from node.shardcast.client import fetch_checkpoint
+from node.shardcast.download import DownloadConfig, make_session
+
+async def main(spec, step, out, sources):
+    signed = load_spec(spec)
+    cfg = DownloadConfig()
+    session = make_session(cfg)
+    print("READY", flush=True)
     end = time.monotonic() + 600
-    while time.monotonic() < end:
-        cmd = [*NODE, "fetch", "--run", spec, "--step", step, "--out", out]
-        for s in sources:
-            cmd += ["--source", s]
-        if subprocess.run(cmd, check=False, capture_output=True).returncode == 0:
-            return 0
-        time.sleep(0.2)
-    return 1
+    while True:
+        try:
+            await fetch_checkpoint(sources, Path(out), run_id=signed.run_id, authorities=signed.spec.authorities, step=int(step),
+                                   config=cfg, progress=False, session=session)
+            break
+        except FetchError as e:
+            if "no source has a valid manifest" not in str(e) or time.monotonic() > end:
+                raise
+            await asyncio.sleep(0.02)
+    t = time.monotonic()
+    await session.close()
+    hwm = [line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")][0]
+    print("DONE", t, hwm, flush=True)
+"""
+
+
+def our_client(spec: str, step: str, out: str, sources: list[str]) -> int:
+    """One benchmark client process: ready first, then fetch the step as soon as a relay has its manifest."""
+    import asyncio
+
+    ns: dict = {}
+    exec(OUR_CLIENT, ns)  # noqa: S102 - our own code, kept as text so the child imports only what it needs
+    asyncio.run(ns["main"](spec, step, out, sources))
+    return 0
 
 
 # --- reference -----------------------------------------------------------------------------------
@@ -213,21 +242,22 @@ import sys, time
 from shardcast import OriginServer
 o = OriginServer(sys.argv[1], int(sys.argv[2]))
 print("READY", flush=True)
-path = sys.stdin.readline().strip()
-o.broadcast(path, int(sys.argv[3]))
-print("DONE", flush=True)
-while True:
-    time.sleep(1)
+for line in sys.stdin:
+    o.broadcast(line.strip(), int(sys.argv[3]))
+    print("DONE", flush=True)
 """
 
 REF_CLIENT = """
 import sys, time, logging
 from shardcast import ClientNode
-servers, out_dir, out_file = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
-end = time.time() + 600
+servers, out_dir, out_file, version = sys.argv[1].split(","), sys.argv[2], sys.argv[3], sys.argv[4]
+print("READY", flush=True)
+end = time.time() + 900
 while time.time() < end:
     try:
-        if ClientNode(servers, output_dir=out_dir).download_version("v1", out_file):
+        if ClientNode(servers, output_dir=out_dir).download_version(version, out_file):
+            hwm = [line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")][0]
+            print("DONE", time.monotonic(), hwm, flush=True)
             sys.exit(0)
     except Exception as e:
         pass
@@ -236,7 +266,7 @@ sys.exit(1)
 """
 
 
-def run_reference(work: Path, ckpt: Path, args: argparse.Namespace, procs: Procs) -> dict[str, float]:
+def run_reference(work: Path, args: argparse.Namespace, procs: Procs) -> dict[str, list[float]]:
     py = args.ref_python
     env = {**os.environ, "SHARDCAST_LOG_LEVEL": "WARNING", "SHARDCAST_SHARD_SIZE": str(args.piece_size)}
     p0, pa, pb = free_port(), free_port(), free_port()
@@ -260,29 +290,32 @@ def run_reference(work: Path, ckpt: Path, args: argparse.Namespace, procs: Procs
             except OSError:
                 return False
         wait_for(up, 60, f"reference {url}")
-    n = math.ceil(ckpt.stat().st_size / args.piece_size)
 
-    def relay_holds(d: Path) -> bool:
-        v = d / "v1"
-        return v.is_dir() and len([p for p in v.iterdir() if p.suffix == ".bin"]) == n and not any(p.suffix == ".tmp" for p in v.iterdir())
-
-    out: dict[str, float] = {}
-    t0 = time.monotonic()
-    origin.stdin.write(f"{ckpt}\n".encode())
-    origin.stdin.flush()
-    if origin.stdout.readline().strip() != b"DONE":
-        raise SystemExit("reference broadcast failed")
-    out["publish_s"] = time.monotonic() - t0
-    wait_for(lambda: relay_holds(dirs[pa]) and relay_holds(dirs[pb]), 900, "reference relays", interval_s=0.1)
-    out["relays_s"] = time.monotonic() - t0
-    t1 = time.monotonic()
-    cl = [procs.start([py, "-c", REF_CLIENT, ",".join(relays), str(work / f"ref-dl-{i}"), str(work / f"ref-out-{i}.bin")], env=env)
-          for i in range(args.clients)]
-    codes = wait_exit_all(cl, 900)
-    out["clients_s"] = time.monotonic() - t1
-    out["total_s"] = time.monotonic() - t0
-    if any(codes):
-        raise SystemExit(f"reference clients failed: {codes}")
+    out: dict[str, list[float]] = {"publish_s": [], "total_s": [], "rss": []}
+    for r in range(args.ref_repeat):
+        version = f"v{r + 1}"
+        ckpt = work / f"ref-{version}.safetensors"
+        make_checkpoint(ckpt, args.size_mib, seed=200 + r)
+        cl = start_clients(procs, [[py, "-c", REF_CLIENT, ",".join(relays), str(work / f"ref-dl-{version}-{i}"),
+                                    str(work / f"ref-out-{version}-{i}.bin"), version] for i in range(args.clients)], env=env)
+        t0 = time.monotonic()
+        origin.stdin.write(f"{ckpt}\n".encode())
+        origin.stdin.flush()
+        if origin.stdout.readline().strip() != b"DONE":
+            raise SystemExit("reference broadcast failed")
+        t_pub = time.monotonic() - t0
+        res = client_results(cl, 900)
+        total = max(t for t, _ in res) - t0
+        for i in range(args.clients):
+            got = work / f"ref-out-{version}-{i}.bin"
+            if got.stat().st_size != ckpt.stat().st_size:
+                raise SystemExit(f"reference client {i} copy has the wrong size")
+            got.unlink()
+        out["publish_s"].append(t_pub)
+        out["total_s"].append(total)
+        out["rss"].append(max(m for _, m in res))
+        print(f"reference  run {r + 1}: publish {t_pub:.2f} s, all {args.clients} clients verified {total:.2f} s"
+              f" (client peak RSS {out['rss'][-1]:.0f} MiB)", flush=True)
     return out
 
 
@@ -330,8 +363,10 @@ def run_limit(work: Path, ckpt: Path, procs: Procs) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mib", type=int, default=256, help="checkpoint size in MiB (default 256)")
-    ap.add_argument("--piece-size", type=int, default=16 * MiB, help="piece/shard size in bytes for both systems (default 16 MiB)")
+    ap.add_argument("--piece-size", type=int, default=4 * MiB, help="piece/shard size in bytes for both systems (default 4 MiB)")
     ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=3, help="runs of ours and of the limit; medians are reported (default 3)")
+    ap.add_argument("--ref-repeat", type=int, default=None, help="runs of the reference (default: --repeat)")
     ap.add_argument("--ref-python", default="/work/refenv-shardcast/bin/python", help="python of a virtualenv with shardcast==0.3.2")
     ap.add_argument("--skip-reference", action="store_true")
     ap.add_argument("--workdir", default=None, help="where to put the files (default: a temporary directory)")
@@ -340,31 +375,35 @@ def main() -> int:
     if args._our_client:
         spec, step, out, *sources = args._our_client
         return our_client(spec, step, out, sources)
+    if args.ref_repeat is None:
+        args.ref_repeat = args.repeat
     work = Path(tempfile.mkdtemp(prefix="shardcast-bench-", dir=args.workdir))
     procs = Procs(work / "processes.log")
+    med = statistics.median
     try:
         ckpt = work / "model.safetensors"
         make_checkpoint(ckpt, args.size_mib, seed=1)
-        size = ckpt.stat().st_size
-        print(f"checkpoint {size / MiB:.0f} MiB, piece {args.piece_size / MiB:g} MiB, origin → 2 relays → {args.clients} clients, {os.cpu_count()} CPUs")
-        limit_s = run_limit(work, ckpt, procs)
-        print(f"limit      single-stream aiohttp GET: {limit_s:6.2f} s ({size / MiB / limit_s:6.0f} MiB/s)")
-        ours = run_ours(work, ckpt, args, procs)
-        print(f"ours       publish {ours['publish_s']:.2f} s, relays hold {ours['relays_s']:.2f} s, 4 clients +{ours['clients_s']:.2f} s → total {ours['total_s']:.2f} s")
-        print(f"ours       pipelined (clients start with the publish): total {ours['pipelined_total_s']:.2f} s")
-        ref = None
-        if not args.skip_reference:
-            ref = run_reference(work, ckpt, args, procs)
-            print(f"reference  publish {ref['publish_s']:.2f} s, relays hold {ref['relays_s']:.2f} s, 4 clients +{ref['clients_s']:.2f} s → total {ref['total_s']:.2f} s")
-        print("ratios")
+        size = ckpt.stat().st_size / MiB
+        print(f"checkpoint {size:.0f} MiB, piece {args.piece_size / MiB:g} MiB, origin → 2 relays → {args.clients} clients, "
+              f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; medians of {args.repeat} runs", flush=True)
+        limits = [run_limit(work, ckpt, procs) for _ in range(args.repeat)]
+        ckpt.unlink()
+        limit_s = med(limits)
+        print(f"limit      single-stream aiohttp GET: {', '.join(f'{x:.2f}' for x in limits)} s → median {limit_s:.2f} s ({size / limit_s:.0f} MiB/s)", flush=True)
+        ours = run_ours(work, args, procs)
+        ref = None if args.skip_reference else run_reference(work, args, procs)
+        o_total = med(ours["total_s"])
+        print("summary (medians; time from the start of the publish until all clients hold a verified copy)")
+        print(f"  ours       publish {med(ours['publish_s']):.2f} s, relays hold {med(ours['relays_s']):.2f} s, all clients {o_total:.2f} s")
         if ref:
-            print(f"  reference total / ours total (phased):     {ref['total_s'] / ours['total_s']:5.1f}×   (goal ≥ 5×)")
-            print(f"  reference total / ours total (pipelined):  {ref['total_s'] / ours['pipelined_total_s']:5.1f}×")
-            print(f"  reference clients / ours clients:          {ref['clients_s'] / ours['clients_s']:5.1f}×")
-        per_client = size / MiB / ours["clients_s"]
-        print(f"  ours per-client throughput / limit:       {per_client / (size / MiB / limit_s):5.0%}   ({per_client:.0f} vs {size / MiB / limit_s:.0f} MiB/s; 4 clients share the CPUs)")
-        print(f"  ours aggregate client throughput / limit: {args.clients * per_client / (size / MiB / limit_s):5.0%}   (goal ≥ 50%)")
-        print(f"  client peak RSS: 64 MiB checkpoint {ours['rss_64_mib']:.0f} MiB, {args.size_mib} MiB checkpoint {ours[f'rss_{args.size_mib}_mib']:.0f} MiB")
+            r_total = med(ref["total_s"])
+            print(f"  reference  publish {med(ref['publish_s']):.2f} s, all clients {r_total:.2f} s")
+            print(f"  reference / ours:                          {r_total / o_total:5.1f}×   (goal ≥ 5×)")
+        agg = args.clients * size / o_total
+        print(f"  ours aggregate client throughput / limit:  {agg / (size / limit_s):5.0%}   ({agg:.0f} vs {size / limit_s:.0f} MiB/s; goal ≥ 50%)")
+        print(f"  ours per-client throughput / limit:        {size / o_total / (size / limit_s):5.0%}   ({args.clients} clients, 2 relays and the origin share {os.cpu_count()} CPUs)")
+        print(f"  client peak RSS: 64 MiB checkpoint {med(ours['rss_64']):.0f} MiB, {args.size_mib} MiB checkpoint {med(ours['rss']):.0f} MiB"
+              + (f" (reference {med(ref['rss']):.0f} MiB)" if ref else ""))
         return 0
     finally:
         procs.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import BinaryIO, NewType, Protocol
 
@@ -186,6 +187,35 @@ def build_manifest(
         raise ValueError(f"piece size must be {MIN_PIECE_SIZE_BYTES}…{MAX_PIECE_SIZE_BYTES} bytes, got {piece_size_bytes}")
     whole = hashlib.sha256()
     out: list[ManifestFile] = []
+    # The whole-checkpoint hash runs in a second thread (hashlib releases the GIL), overlapping
+    # the piece hash and the sink's writes; chunks reach it in order, one at a time.
+    ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardcast-hash")
+    prev: Future[None] | None = None
+    try:
+        prev = _cut_files(files, piece_size_bytes, sink, whole, ex, out)
+    finally:
+        if prev is not None:
+            prev.result()
+        ex.shutdown(wait=True)
+    try:
+        manifest = Manifest(
+            step=step, piece_size_bytes=piece_size_bytes, files=out, checkpoint_hash=whole.digest(), meta=dict(meta or {})
+        )
+    except ValidationError as e:
+        raise SchemaError(_first_error(e), "body") from None
+    check_manifest(manifest)
+    return manifest
+
+
+def _cut_files(
+    files: Sequence[tuple[str, BinaryIO]],
+    piece_size_bytes: int,
+    sink: PieceSink | None,
+    whole: hashlib._Hash,
+    ex: ThreadPoolExecutor,
+    out: list[ManifestFile],
+) -> Future[None] | None:
+    prev: Future[None] | None = None
     for name, stream in files:
         pieces: list[bytes] = []
         size = 0
@@ -196,8 +226,10 @@ def build_manifest(
                 chunk = stream.read(min(READ_CHUNK_BYTES, piece_size_bytes - got))
                 if not chunk:
                     break
+                if prev is not None:
+                    prev.result()
+                prev = ex.submit(whole.update, chunk)
                 h.update(chunk)
-                whole.update(chunk)
                 if sink is not None:
                     sink.write(chunk)
                 got += len(chunk)
@@ -214,14 +246,7 @@ def build_manifest(
             out.append(ManifestFile(name=name, size_bytes=size, pieces=pieces))
         except ValidationError as e:
             raise SchemaError(f"file {name!r}: {_first_error(e)}", "body.files") from None
-    try:
-        manifest = Manifest(
-            step=step, piece_size_bytes=piece_size_bytes, files=out, checkpoint_hash=whole.digest(), meta=dict(meta or {})
-        )
-    except ValidationError as e:
-        raise SchemaError(_first_error(e), "body") from None
-    check_manifest(manifest)
-    return manifest
+    return prev
 
 
 def _first_error(e: ValidationError) -> str:

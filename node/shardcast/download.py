@@ -3,8 +3,8 @@
 Shared by the client (:mod:`node.shardcast.client`) and the relay (:mod:`node.shardcast.relay`);
 they differ only in where verified bytes go (a :class:`PieceWriter`). Every request has explicit
 timeouts; every response is bounded before it is read; hashing and disk writes leave the event
-loop in ≤ 1 MiB batches (``asyncio.to_thread``), so memory per piece in flight is ~1 MiB
-whatever the piece size.
+loop in ~2 MiB batches (``asyncio.to_thread``; SHA-256 and file writes release the GIL), so
+memory per piece in flight is a few MiB whatever the piece size.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 MAX_HELD_BYTES = 64 << 10
 """Largest ``/held`` answer read, in bytes."""
+
+WRITE_BATCH_BYTES = 2 << 20
+"""Received bytes are hashed and written off the event loop in batches of about this size."""
 
 
 @dataclass(frozen=True)
@@ -208,7 +211,7 @@ async def download_piece(
             batch: list[bytes] = []
             batch_bytes = 0
             while True:
-                chunk = await resp.content.read(READ_CHUNK_BYTES)
+                chunk = await resp.content.readany()  # whatever arrived, without re-joining buffers
                 if not chunk:
                     break
                 got += len(chunk)
@@ -216,7 +219,7 @@ async def download_piece(
                     raise BadPieceError(source, piece.piece_id, f"sent more than the piece's {piece.size_bytes} bytes", reason="oversized")
                 batch.append(chunk)
                 batch_bytes += len(chunk)
-                if batch_bytes >= READ_CHUNK_BYTES:
+                if batch_bytes >= WRITE_BATCH_BYTES:
                     await asyncio.to_thread(_write_all, writer, batch)
                     batch, batch_bytes = [], 0
                 if on_bytes is not None:
@@ -265,6 +268,7 @@ class PieceDownloader:
         semaphore: shared bound on pieces in flight (a relay syncing several steps passes one);
             default: ``cfg.max_concurrency``.
         on_bytes: called with each received chunk's length in bytes (progress bars).
+        on_piece: called (on the event loop) with each piece once it is verified and committed.
     """
 
     def __init__(
@@ -275,12 +279,14 @@ class PieceDownloader:
         *,
         semaphore: asyncio.Semaphore | None = None,
         on_bytes: Callable[[int], None] | None = None,
+        on_piece: Callable[[PieceRef], None] | None = None,
     ) -> None:
         self._session = session
         self._pool = pool
         self._cfg = cfg
         self._sem = semaphore or asyncio.Semaphore(cfg.max_concurrency)
         self._on_bytes = on_bytes
+        self._on_piece = on_piece
         self._changed = asyncio.Event()
         self.stats = DownloadStats()
         self._last_progress = time.monotonic()
@@ -380,6 +386,8 @@ class PieceDownloader:
         self.stats.pieces += 1
         self.stats.bytes += piece.size_bytes
         self._last_progress = time.monotonic()
+        if self._on_piece is not None:
+            self._on_piece(piece)
         logger.debug("piece %s from %s", hex_id(piece.piece_id)[:16], src.url)
         return True
 

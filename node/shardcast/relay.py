@@ -42,7 +42,8 @@ class RelayConfig:
         host: interface the HTTP server binds.
         port: TCP port (0: any free port).
         upstreams: base URLs to follow (empty: this node is an origin).
-        poll_interval_s: how often upstreams (and the local store) are checked, seconds.
+        poll_interval_s: how often upstreams' ``/held`` (and the local store) are checked, seconds
+            (a tiny JSON request; short, so a new step starts moving at once).
         upstream_ban_s: how long evidence bans an upstream, seconds.
         download: limits and timeouts of piece downloads (``deadline_s`` bounds one attempt at a step).
         peer_id: this node's peer ID, reported by ``/held``.
@@ -51,7 +52,7 @@ class RelayConfig:
     host: str = "127.0.0.1"
     port: int = 0
     upstreams: tuple[str, ...] = ()
-    poll_interval_s: float = 1.0
+    poll_interval_s: float = 0.2
     upstream_ban_s: float = 600.0
     download: DownloadConfig = field(default_factory=lambda: DownloadConfig(stall_timeout_s=120.0))
     peer_id: str = ""
@@ -172,7 +173,8 @@ class Relay:
         known = set(self.store.steps())
         held = self.store.held_steps()
         floor = held[-self.store.keep_steps] if len(held) >= self.store.keep_steps else -1
-        wanted = sorted(s for s in offers if s not in known and s > floor)[-self.store.keep_steps:]
+        newest = set(sorted(known | set(offers))[-self.store.keep_steps:])  # older ones would be pruned at once
+        wanted = sorted(s for s in offers if s not in known and s > floor and s in newest)
         for step in wanted:
             for url in offers[step]:
                 src = self.pool.get(url)
@@ -201,7 +203,10 @@ class Relay:
             missing: list[PieceRef] = await asyncio.to_thread(self.store.missing_pieces, step)
             if missing and self.pool.urls:
                 logger.info("syncing step %d: %d pieces", step, len(missing), extra={"step": step})
-                downloader = PieceDownloader(self._session, self.pool, self.config.download, semaphore=self._sem)
+                downloader = PieceDownloader(
+                    self._session, self.pool, self.config.download, semaphore=self._sem,
+                    on_piece=lambda p: self.server.piece_stored(p.piece_id),
+                )
 
                 async def open_writer(piece: PieceRef) -> PieceWriter:
                     return await asyncio.to_thread(self.store.piece_writer, piece.piece_id, piece.size_bytes)

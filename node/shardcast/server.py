@@ -8,16 +8,21 @@ Routes (``docs/shardcast.md``)::
     GET|HEAD  /shardcast/1/pieces/{id}        one piece (64 hex digits); HTTP Range supported
 
 Pieces are served with ``sendfile`` from their files as soon as they are stored (cut-through:
-a relay serves a verified piece of a step it is still filling). The server accepts no request
+a relay serves a verified piece of a step it is still filling). A request for a piece that a
+stored manifest of a step still being filled lists, but that has not arrived yet, is held (up
+to ``piece_wait_s``, 5 s) and answered the moment the piece is stored, instead of a 404 that
+the client would retry later. The server accepts no request
 bodies, and every malformed path, step or range is a 4xx answer, never a crash.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
 import socket
+from pathlib import Path
 
 from aiohttp import web
 
@@ -31,6 +36,8 @@ MSGPACK_TYPE = "application/x-msgpack"
 _HEX_ID = re.compile(r"^[0-9a-f]{64}$")
 _MAX_STEP = 2**40
 IMMUTABLE = "public, max-age=31536000, immutable"
+PIECE_WAIT_S = 5.0
+"""How long a request for a piece of a step being filled is held until the piece is stored."""
 
 
 class ShardcastServer:
@@ -46,13 +53,45 @@ class ShardcastServer:
         pieces_served: piece responses with status 200 or 206 started so far.
     """
 
-    def __init__(self, store: ShardcastStore, *, host: str = "127.0.0.1", port: int = 0, peer_id: str = "") -> None:
+    def __init__(
+        self, store: ShardcastStore, *, host: str = "127.0.0.1", port: int = 0, peer_id: str = "", piece_wait_s: float = PIECE_WAIT_S
+    ) -> None:
         self.store = store
         self.host = host
         self.port = port
         self.peer_id = peer_id
+        self.piece_wait_s = piece_wait_s
         self.pieces_served = 0
         self._runner: web.AppRunner | None = None
+        self._waiters: dict[bytes, list[asyncio.Future[None]]] = {}
+
+    def piece_stored(self, piece_id: bytes) -> None:
+        """Wake requests waiting for ``piece_id`` (call on the server's event loop once it is stored)."""
+        for fut in self._waiters.pop(piece_id, []):
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _wait_for_piece(self, piece_id: bytes, path: Path) -> bool:
+        """Hold a request for a piece of a step being filled until it is stored (≤ ``piece_wait_s``)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.piece_wait_s
+        while self.store.is_awaited(piece_id):
+            left = end - loop.time()
+            if left <= 0:
+                return False
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiters.setdefault(piece_id, []).append(fut)
+            try:  # woken by piece_stored(); re-check the disk now and then (another process may store it)
+                await asyncio.wait_for(fut, timeout=min(left, 0.25))
+            except TimeoutError:
+                waiting = self._waiters.get(piece_id)
+                if waiting is not None and fut in waiting:
+                    waiting.remove(fut)
+                    if not waiting:
+                        del self._waiters[piece_id]
+            if path.is_file():
+                return True
+        return path.is_file()
 
     def make_app(self) -> web.Application:
         """The aiohttp application with the Shardcast routes (no request bodies accepted)."""
@@ -121,8 +160,9 @@ class ShardcastServer:
         pid = request.match_info["piece_id"]
         if not _HEX_ID.match(pid):
             raise web.HTTPBadRequest(text="piece ID must be 64 lower-case hex digits\n")
-        path = self.store.piece_path(bytes.fromhex(pid))
-        if not path.is_file():
+        piece_id = bytes.fromhex(pid)
+        path = self.store.piece_path(piece_id)
+        if not path.is_file() and not (self.piece_wait_s > 0 and await self._wait_for_piece(piece_id, path)):
             raise web.HTTPNotFound(text="piece not held\n")
         self.pieces_served += 1
         return web.FileResponse(path, headers={"Cache-Control": IMMUTABLE, "Content-Type": "application/octet-stream"})

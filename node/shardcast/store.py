@@ -7,7 +7,16 @@ Layout under ``<data_dir>/shardcast/<run ID hex>/``::
     tmp/                        files being written; renamed into place when complete
 
 Every file appears by atomic rename, so a reader never sees a partial piece or manifest, and
-a piece file exists only once its bytes hashed to its name. A step is *complete* (held) when
+a piece file exists only once its bytes hashed to its name.
+
+Durability is batched: a verified piece is renamed into place at once (and served from the page
+cache) while its ``fsync`` runs in a background thread; :meth:`ShardcastStore.sync` waits for
+those and flushes the piece directories, and a step is marked complete (announced) only after
+that sync, as is a published manifest stored. Before the first unflushed piece is renamed in, a
+marker file ``unsynced.<pid>.<n>`` (holding the pid and the boot ID) is written and flushed; the
+sync removes it. A store that finds a marker from an earlier boot (the machine went down with
+pieces unflushed) re-hashes every piece file and deletes those that do not hash to their name,
+so the store never serves a piece whose bytes are not its ID. Manifests are flushed one by one. A step is *complete* (held) when
 every piece its manifest lists is present. Retention keeps the newest ``keep_steps`` complete
 steps plus any newer step still being filled, and deletes only pieces that no kept manifest
 lists, so a fetch of a kept step is never disturbed (a reader with an open file keeps its data
@@ -25,6 +34,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from node.errors import StoreError
@@ -36,6 +46,8 @@ from protocol.shardcast import PieceId, PieceRef, iter_pieces, open_manifest
 logger = logging.getLogger(__name__)
 
 _STALE_TMP_S = 3600.0
+_VERIFY_CHUNK_BYTES = 4 << 20
+_DIRTY_PREFIX = "unsynced."
 
 
 class PieceWriter:
@@ -49,14 +61,18 @@ class PieceWriter:
         self.piece_id = piece_id
         self.size_bytes = size_bytes
         self._tmp = store.tmp_path(piece_id)
-        self._f = open(self._tmp, "wb")  # noqa: SIM115 - closed by commit/abort
+        self._fd: int | None = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._hash = hashlib.sha256()
         self.written_bytes = 0
 
     def write(self, chunk: bytes | memoryview) -> None:
-        """Append ``chunk`` to the piece (blocking: file write + hash)."""
-        self._f.write(chunk)
-        self._hash.update(chunk)
+        """Append ``chunk`` to the piece (blocking: file write + hash; both release the GIL)."""
+        assert self._fd is not None
+        view = memoryview(chunk)
+        self._hash.update(view)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
         self.written_bytes += len(chunk)
 
     def digest_matches(self) -> bool:
@@ -66,54 +82,102 @@ class PieceWriter:
     def commit(self) -> None:
         """Move the verified piece into place (blocking).
 
+        The file is not flushed here: it is queued for a background ``fsync`` and the step is
+        made durable as a whole by :meth:`ShardcastStore.sync` (see the store's docstring).
+
         Raises:
             StoreError: the written bytes do not form the piece (callers verify first).
         """
         if not self.digest_matches():
             self.abort()
             raise StoreError(f"refusing to store piece {hex_id(self.piece_id)[:16]}…: bytes do not match its ID")
-        if self._store.fsync:
-            self._f.flush()
-            os.fsync(self._f.fileno())
-        self._f.close()
-        dest = self._store.piece_path(self.piece_id)
-        dest.parent.mkdir(exist_ok=True)
-        os.replace(self._tmp, dest)
+        assert self._fd is not None
+        fd, self._fd = self._fd, None
+        self._store._install(fd, self._tmp, self.piece_id)
 
     def abort(self) -> None:
         """Drop what was written (blocking)."""
-        if not self._f.closed:
-            self._f.close()
-        self._tmp.unlink(missing_ok=True)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            self._tmp.unlink(missing_ok=True)
 
 
 class _StoreSink:
-    """:class:`protocol.shardcast.PieceSink` that stores pieces while a checkpoint is cut."""
+    """:class:`protocol.shardcast.PieceSink` that stores pieces while a checkpoint is cut.
+
+    Pieces are renamed into place unflushed (queued for a background ``fsync``); ``close()``
+    makes them all durable (:meth:`ShardcastStore.sync`) before the caller stores the manifest.
+    """
 
     def __init__(self, store: ShardcastStore) -> None:
         self._store = store
         self._tmp = store.tmp_path(b"publish")
-        self._f = open(self._tmp, "wb")  # noqa: SIM115 - closed in end_piece/close
+        self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
     def write(self, chunk: bytes) -> None:
-        self._f.write(chunk)
+        view = memoryview(chunk)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
 
     def end_piece(self, piece_id: PieceId, size_bytes: int) -> None:
-        if self._store.fsync:
-            self._f.flush()
-            os.fsync(self._f.fileno())
-        self._f.close()
-        dest = self._store.piece_path(piece_id)
-        if dest.exists():
-            self._tmp.unlink()
+        fd, tmp = self._fd, self._tmp
+        if self._store.has_piece(piece_id):
+            os.close(fd)
+            tmp.unlink()
         else:
-            dest.parent.mkdir(exist_ok=True)
-            os.replace(self._tmp, dest)
-        self._f = open(self._tmp, "wb")  # noqa: SIM115
+            self._store._install(fd, tmp, piece_id)
+        self._tmp = self._store.tmp_path(b"publish")
+        self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
     def close(self) -> None:
-        self._f.close()
+        os.close(self._fd)
         self._tmp.unlink(missing_ok=True)
+        self._store.sync()
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _hash_file(path: Path) -> bytes | None:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(_VERIFY_CHUNK_BYTES):
+                h.update(chunk)
+    except OSError:
+        return None
+    return h.digest()
 
 
 class ShardcastStore:
@@ -146,12 +210,22 @@ class ShardcastStore:
         self._lock = threading.Lock()
         self._manifests: dict[int, Envelope[Manifest]] = {}
         self._complete: set[int] = set()
+        self._piece_sets: dict[int, frozenset[bytes]] = {}
+        # batched durability (see the module docstring): pieces renamed in but not yet fsynced
+        self._sync_lock = threading.Lock()  # guards the fields below
+        self._sync_mutex = threading.Lock()  # one sync() at a time
+        self._pending: list[Future[None]] = []
+        self._unsynced_dirs: set[Path] = set()
+        self._installs = 0
+        self._marker: Path | None = None
+        self._fsync_pool: ThreadPoolExecutor | None = None
         try:
             for d in (self._manifest_dir, self._piece_dir, self._tmp_dir):
                 d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise StoreError(f"cannot create the Shardcast store at {self.root}: {e.strerror}") from e
         self._clean_tmp()
+        self._recover()
         self.refresh()
 
     # --- paths ------------------------------------------------------------------------------
@@ -176,6 +250,106 @@ class ShardcastStore:
                     p.unlink()
             except (OSError, IndexError):
                 continue
+
+    # --- durability -------------------------------------------------------------------------
+
+    def _install(self, fd: int, tmp: Path, piece_id: bytes) -> None:
+        """Rename a verified piece file (open as ``fd``, which this takes over) into place."""
+        dest = self.piece_path(piece_id)
+        dest.parent.mkdir(exist_ok=True)
+        if not self.fsync:
+            os.close(fd)
+            os.replace(tmp, dest)
+            return
+        self._mark_unsynced()
+        os.replace(tmp, dest)
+        with self._sync_lock:
+            if self._fsync_pool is None:
+                self._fsync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardcast-fsync")
+            self._installs += 1
+            self._unsynced_dirs.add(dest.parent)
+            self._pending.append(self._fsync_pool.submit(_fsync_close, fd))
+
+    def _mark_unsynced(self) -> None:
+        """Make sure a durable marker says "this store may hold unflushed pieces" (blocking)."""
+        with self._sync_lock:
+            if self._marker is not None:
+                return
+            marker = self.root / f"{_DIRTY_PREFIX}{os.getpid()}.{time.monotonic_ns()}"
+            with open(marker, "w") as f:
+                f.write(f"{os.getpid()} {_boot_id()}\n")
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_path(self.root)
+            self._marker = marker
+
+    def sync(self) -> None:
+        """Make every piece stored so far durable (blocking): wait for their background
+        ``fsync``, flush their directories, then drop the unsynced marker. No-op without ``fsync``."""
+        if not self.fsync:
+            return
+        with self._sync_mutex:
+            with self._sync_lock:
+                pending, self._pending = self._pending, []
+                dirs, self._unsynced_dirs = self._unsynced_dirs, set()
+                installs = self._installs
+            for fut in pending:
+                fut.result()
+            for d in dirs:
+                _fsync_path(d)
+            with self._sync_lock:
+                if self._marker is not None and installs == self._installs:
+                    self._marker.unlink(missing_ok=True)
+                    self._marker = None
+
+    def _recover(self) -> None:
+        """Deal with unsynced markers left by processes that are gone (blocking).
+
+        A marker from an earlier boot means the machine went down while pieces were unflushed:
+        every piece file is re-hashed and the ones that do not hash to their name are deleted.
+        A marker from this boot whose process is dead only lost its process (the page cache
+        holds complete files, renamed in after they were written and verified): flush and drop it.
+        """
+        boot = _boot_id()
+        stale: list[Path] = []
+        crashed = False
+        for m in self.root.glob(_DIRTY_PREFIX + "*"):
+            try:
+                pid_text, marker_boot = m.read_text().split()
+                pid = int(pid_text)
+            except (OSError, ValueError):
+                pid, marker_boot = -1, ""
+            if marker_boot == boot and boot != "unknown" and pid != os.getpid() and pid > 0 and _pid_alive(pid):
+                continue  # a live writer (e.g. ``publish`` into a served store)
+            stale.append(m)
+            crashed |= marker_boot != boot or boot == "unknown"
+        if not stale:
+            return
+        if crashed:
+            removed = self.verify_pieces()
+            logger.warning("unclean shutdown with unflushed pieces: re-verified the store, removed %d bad pieces", removed)
+        else:
+            os.sync()
+        for m in stale:
+            m.unlink(missing_ok=True)
+
+    def verify_pieces(self) -> int:
+        """Re-hash every piece file and delete those whose bytes do not hash to their name (blocking).
+
+        Returns:
+            How many piece files were removed.
+        """
+        paths = [p for d in self._piece_dir.iterdir() if d.is_dir() for p in d.iterdir()]
+        removed = 0
+        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+            for p, digest in zip(paths, pool.map(_hash_file, paths), strict=True):
+                if digest is None or digest.hex() != p.name or p.parent.name != p.name[:2]:
+                    p.unlink(missing_ok=True)
+                    removed += 1
+        for d in self._piece_dir.iterdir():
+            if d.is_dir():
+                _fsync_path(d)
+        return removed
 
     # --- manifests --------------------------------------------------------------------------
 
@@ -202,13 +376,17 @@ class ShardcastStore:
             if env.body.step != step:
                 logger.warning("ignoring manifest %s: it is for step %d", p, env.body.step)
                 continue
-            with self._lock:
+            with self._lock:  # prune() unlinks under this lock: a step pruned meanwhile stays gone
+                if step in self._manifests or not p.exists():
+                    continue
                 self._manifests[step] = env
+                self._piece_sets[step] = frozenset(p.piece_id for p in iter_pieces(env.body))
             self.check_complete(step)
             found.append(step)
         with self._lock:  # steps whose manifests another process pruned
             for step in [s for s in self._manifests if not self._manifest_path(s).exists()]:
                 del self._manifests[step]
+                self._piece_sets.pop(step, None)
                 self._complete.discard(step)
         return found
 
@@ -234,7 +412,9 @@ class ShardcastStore:
                 os.fsync(f.fileno())
         os.replace(tmp, self._manifest_path(step))
         with self._lock:
-            self._manifests.setdefault(step, env)
+            if step not in self._manifests:
+                self._manifests[step] = env
+                self._piece_sets[step] = frozenset(p.piece_id for p in iter_pieces(env.body))
         self.check_complete(step)
         logger.info("stored manifest of step %d (%d files)", step, len(env.body.files), extra={"step": step})
         return env
@@ -268,6 +448,11 @@ class ShardcastStore:
     def has_piece(self, piece_id: bytes) -> bool:
         return self.piece_path(piece_id).exists()
 
+    def is_awaited(self, piece_id: bytes) -> bool:
+        """Whether a stored manifest of a step still being filled lists ``piece_id`` (it may arrive soon)."""
+        with self._lock:
+            return any(piece_id in ids for step, ids in self._piece_sets.items() if step not in self._complete)
+
     def missing_pieces(self, step: int) -> list[PieceRef]:
         """Pieces of ``step``'s manifest not in the store, in manifest order (blocking: one stat each)."""
         env = self.manifest(step)
@@ -289,6 +474,8 @@ class ShardcastStore:
         if env is None:
             return False
         done = all(self.has_piece(p.piece_id) for p in iter_pieces(env.body))
+        if done and not self.is_complete(step):
+            self.sync()  # a step is announced only once its pieces are durable
         with self._lock:
             if done and step in self._manifests:
                 newly = step not in self._complete
@@ -324,10 +511,12 @@ class ShardcastStore:
             if not drop:
                 return []
             dropped = {s: self._manifests.pop(s) for s in drop}
+            for s in drop:
+                self._piece_sets.pop(s, None)
+                self._manifest_path(s).unlink(missing_ok=True)  # under the lock, so refresh() cannot re-add it
             self._complete.difference_update(drop)
             still_used = {p.piece_id for env in self._manifests.values() for p in iter_pieces(env.body)}
         for step, env in dropped.items():
-            self._manifest_path(step).unlink(missing_ok=True)
             for p in iter_pieces(env.body):
                 if p.piece_id not in still_used:
                     self.piece_path(p.piece_id).unlink(missing_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 
 import aiohttp
@@ -107,3 +108,28 @@ async def test_piece_deleted_while_listed_is_404(served):
     pid = env.body.files[0].pieces[0]
     store.piece_path(pid).unlink()
     assert (await _get(s, f"{server.url}{ROUTE_PREFIX}/pieces/{pid.hex()}"))[0] == 404
+
+
+async def test_request_for_a_piece_being_filled_waits_for_it(tmp_path):
+    run = make_run()
+    origin = make_store(run, tmp_path / "origin")
+    env = publish(run, origin, write_checkpoint(tmp_path / "m.safetensors", 0.5), 1)
+    mirror = make_store(run, tmp_path / "mirror")
+    mirror.add_manifest(env.raw)  # step 1 being filled: no pieces yet
+    ref = next(iter_pieces(env.body))
+    data = origin.piece_path(ref.piece_id).read_bytes()
+    other = hashlib.sha256(b"not listed").hexdigest()
+    async with serving(mirror) as server, aiohttp.ClientSession(auto_decompress=False) as s:
+        assert (await _get(s, f"{server.url}{ROUTE_PREFIX}/pieces/{other}"))[0] == 404, "unknown pieces are not waited for"
+        req = asyncio.create_task(_get(s, f"{server.url}{ROUTE_PREFIX}/pieces/{ref.piece_id.hex()}"))
+        await asyncio.sleep(0.3)
+        assert not req.done(), "held until the piece arrives, not answered 404"
+        w = mirror.piece_writer(ref.piece_id, ref.size_bytes)
+        w.write(data)
+        w.commit()
+        server.piece_stored(ref.piece_id)
+        status, _, body = await asyncio.wait_for(req, 5)
+        assert status == 200 and body == data
+        server.piece_wait_s = 0.2
+        missing = list(iter_pieces(env.body))[1]
+        assert (await _get(s, f"{server.url}{ROUTE_PREFIX}/pieces/{missing.piece_id.hex()}"))[0] == 404, "404 after the wait"

@@ -122,3 +122,58 @@ def test_store_skips_corrupt_manifest_files(tmp_path, caplog):
     store = make_store(run, tmp_path / "node")
     (store.root / "manifests" / "9.manifest").write_bytes(b"not a manifest")
     assert make_store(run, tmp_path / "node").steps() == []
+
+
+def _durable_store(run, data_dir):
+    from node.shardcast.store import ShardcastStore
+
+    return ShardcastStore(data_dir, run_id=run.run_id, authorities=run.authorities, keep_steps=3, fsync=True)
+
+
+def _markers(store):
+    return sorted(store.root.glob("unsynced.*"))
+
+
+def test_fsync_is_batched_and_the_marker_goes_with_the_sync(tmp_path):
+    run = make_run()
+    store = _durable_store(run, tmp_path / "node")
+    data = [bytes([i]) * 1000 for i in range(3)]
+    for d in data:
+        w = store.piece_writer(hashlib.sha256(d).digest(), len(d))
+        w.write(d)
+        w.commit()
+        assert store.has_piece(hashlib.sha256(d).digest()), "a verified piece is servable before the sync"
+    assert len(_markers(store)) == 1, "unflushed pieces are announced by one durable marker"
+    store.sync()
+    assert _markers(store) == []
+    # publishing syncs before the manifest appears, and leaves no marker
+    env = publish(run, store, write_checkpoint(tmp_path / "c.safetensors", 0.5), 1)
+    assert store.is_complete(1) and _markers(store) == [] and env.body.step == 1
+
+
+def test_unclean_shutdown_reverifies_pieces(tmp_path):
+    run = make_run()
+    store = _durable_store(run, tmp_path / "node")
+    env = publish(run, store, write_checkpoint(tmp_path / "c.safetensors", 0.5), 1)
+    refs = list(iter_pieces(env.body))
+    good, bad = refs[0].piece_id, refs[1].piece_id
+    # as if the machine went down before the background fsync: a marker from another boot,
+    # one piece file with garbage in it
+    (store.root / "unsynced.4242.1").write_text("4242 another-boot\n")
+    store.piece_path(bad).write_bytes(b"\0" * refs[1].size_bytes)
+    again = _durable_store(run, tmp_path / "node")
+    assert again.has_piece(good) and not again.has_piece(bad), "a piece that does not hash to its ID is never served"
+    assert again.steps() == [1] and again.held_steps() == [], "the step is incomplete until the piece is fetched again"
+    assert _markers(again) == []
+
+
+def test_crashed_process_marker_from_this_boot_is_dropped_without_rehashing(tmp_path, monkeypatch):
+    from node.shardcast import store as store_mod
+
+    run = make_run()
+    store = _durable_store(run, tmp_path / "node")
+    publish(run, store, write_checkpoint(tmp_path / "c.safetensors", 0.5), 1)
+    (store.root / "unsynced.1.1").write_text(f"{2**22 + 12345} {store_mod._boot_id()}\n")  # pid above pid_max: gone
+    monkeypatch.setattr(store_mod.ShardcastStore, "verify_pieces", lambda self: pytest.fail("no re-hash after a process crash"))
+    again = _durable_store(run, tmp_path / "node")
+    assert again.held_steps() == [1] and _markers(again) == []
