@@ -58,13 +58,17 @@ class Ledger:
         return row[0] if row else None
 
     def record(self, worker: str, counter: int, submission_id: str, reason: str) -> None:
-        """Remember a verdict and count it in the worker's reputation."""
+        """Remember a verdict and count it in the worker's reputation.
+
+        A submission judged again (re-leased after a lease expired or a restart) is counted once.
+        """
         with self._lock:
             self._db.execute("BEGIN")
-            self._db.execute("INSERT OR IGNORE INTO judged (worker, counter, submission_id, reason) VALUES (?, ?, ?, ?)",
-                             (worker, counter, submission_id, reason))
-            self._db.execute("INSERT INTO reputation (worker, reason, n) VALUES (?, ?, 1) ON CONFLICT(worker, reason) DO UPDATE SET n = n + 1",
-                             (worker, reason))
+            new = self._db.execute("INSERT OR IGNORE INTO judged (worker, counter, submission_id, reason) VALUES (?, ?, ?, ?)",
+                                   (worker, counter, submission_id, reason)).rowcount
+            if new:
+                self._db.execute("INSERT INTO reputation (worker, reason, n) VALUES (?, ?, 1) ON CONFLICT(worker, reason) DO UPDATE SET n = n + 1",
+                                 (worker, reason))
             self._db.execute("COMMIT")
 
     def reputation(self) -> dict[str, dict[str, int]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 LEASE_S = 120.0
 IDLE_POLL_S = 0.5
+SAMPLE_DOMAIN = b"intellect-node/validator-sample/1\x00"
+"""Prefix of what a validator signs to decide whether a submission is sampled (``--fraction``)."""
 
 
 @dataclass
@@ -202,9 +203,15 @@ class ValidatorNode:
                 logger.debug("verdict gossip failed: %s", e)
 
     def _sampled(self, sid: str) -> bool:
+        """Whether submission ``sid`` is fully checked under ``--fraction``.
+
+        Keyed by this validator's ed25519 signature of the ID (deterministic, RFC 8032): the same
+        submission gets the same decision after a re-lease, yet a worker cannot predict it and
+        grind the envelope nonce until its cheat is sampled out (a hash of public data would let it).
+        """
         if self.options.fraction >= 1.0:
             return True
-        h = hashlib.sha256(self.key.public_key + bytes.fromhex(sid)).digest()
+        h = hashlib.sha256(self.key.sign(SAMPLE_DOMAIN + bytes.fromhex(sid))).digest()
         return int.from_bytes(h[:8], "big") < self.options.fraction * 2**64
 
     def _trainer_step(self) -> int:

@@ -1,0 +1,137 @@
+"""Validator seconds per submission vs the worker's seconds to generate it (issue 8; goal ≤ 1/20).
+
+Same hardware, same model, same submission: a worker builds it with the honest code
+(:func:`node.worker.rollouts.build_submission`: batched decode with TOPLOC capture, proofs,
+rewards, signature), then :class:`validator.pipeline.SubmissionChecker` judges it (task
+derivation, one batched prefill, TOPLOC verification, sampling replay, log-probs, rewards).
+
+The model is a Qwen2 with random weights at a realistic shape for a CPU (hidden 384, 4 layers,
+vocab 4096 by default) with a word-level tokenizer of the same vocabulary. EOS is disabled
+(``toploc.eos_min_prob = 1``: the sampler never draws it), so every completion runs to
+``--max-tokens``: generation is decode-bound as in real RL rollouts, validation is one prefill.
+
+Example::
+
+    python benchmarks/validator_bench.py --max-tokens 192 --threads 2 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from node.engine.hf import TransformersEngine
+from node.worker.rollouts import BuildStats, build_submission
+from protocol.dataset import resolve_tasks
+from protocol.envelope import open_envelope
+from protocol.identity import NodeKey
+from protocol.messages import Submission
+from protocol.models import EMBEDDED_CHARS, build_model
+from protocol.runspec import DataSpec, ModelSpec, RLSpec, RunInfo, RunSpec, SamplingSpec, ToplocSpec
+from validator.pipeline import SubmissionChecker
+
+
+def make_tokenizer(vocab_size: int) -> Any:
+    """A word-level tokenizer of exactly ``vocab_size`` ids: pad, eos, unk, the printable
+    characters (prompts are spelled in them), then ``<tNNNN>`` filler tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
+    for c in EMBEDDED_CHARS:
+        vocab[c] = len(vocab)
+    while len(vocab) < vocab_size:
+        vocab[f"<t{len(vocab)}>"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left")
+
+
+def make_model(vocab_size: int, hidden: int, layers: int, heads: int, seed: int) -> torch.nn.Module:
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=int(hidden * 8 / 3) // 64 * 64, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), max_position_embeddings=4096, tie_word_embeddings=True,
+        rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=1, pad_token_id=0,
+    )
+    return build_model(cfg, seed=seed)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--hidden", type=int, default=384, help="hidden size (≥ 128, the TOPLOC top-k)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size, tokens")
+    p.add_argument("--max-tokens", type=int, default=192, help="completion length, tokens (EOS is disabled)")
+    p.add_argument("--tasks", type=int, default=4, help="tasks per submission")
+    p.add_argument("--group", type=int, default=4, help="rollouts per task")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--threads", type=int, default=2, help="torch threads (worker and validator alike)")
+    p.add_argument("--max-batch", type=int, default=64, help="worker engine: sequences per decode batch")
+    p.add_argument("--repeats", type=int, default=3, help="submissions measured (after one warm-up)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (both sides)")
+    args = p.parse_args()
+
+    torch.set_num_threads(args.threads)
+    coord = NodeKey.from_seed(b"c" * 32)
+    worker = NodeKey.from_seed(b"w" * 32)
+    spec = RunSpec(
+        run=RunInfo(coordinator=coord.peer_id, seed=1),
+        model=ModelSpec(hidden_size=args.hidden),
+        data=DataSpec(tasks_per_submission=args.tasks),
+        sampling=SamplingSpec(max_tokens=args.max_tokens, temperature=args.temperature),
+        toploc=ToplocSpec(eos_min_prob=1.0),  # EOS never sampled: every completion is max_tokens long
+        rl=RLSpec(group_size=args.group),
+    )
+    tasks = resolve_tasks("embedded").train
+    tok = make_tokenizer(args.vocab)
+    model = make_model(args.vocab, args.hidden, args.layers, args.heads, seed=0).to(args.device)
+    engine = TransformersEngine(model, tok, device=args.device, max_batch=args.max_batch)
+    checker = SubmissionChecker(spec, tasks, tok, lambda s: model, trainer_step=lambda: 0, counter_seen=lambda w, c, sid: False)
+
+    rows = []
+    for counter in range(args.repeats + 1):
+        stats = BuildStats()
+        t0 = time.perf_counter()
+        blob = build_submission(spec, spec.run_id, worker, engine, tok, tasks, 0, counter, stats=stats)
+        worker_s = time.perf_counter() - t0
+        env = open_envelope(blob, run_id=spec.run_id, expect=Submission)
+        result = checker.check(env)
+        if not result.accepted:
+            raise SystemExit(f"honest submission rejected: {result.reason} {result.evidence}")
+        if counter:  # the first is warm-up
+            rows.append((worker_s, stats, result))
+
+    n_params = sum(x.numel() for x in model.parameters())
+    seqs = args.tasks * args.group
+    print(f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab} ({n_params / 1e6:.1f} M params), "
+          f"device {args.device}, {args.threads} threads")
+    print(f"submission: {seqs} rollouts × {args.max_tokens} tokens ({seqs * args.max_tokens} completion tokens), "
+          f"worker max_batch {args.max_batch}; {args.repeats} measured")
+    med = statistics.median
+    w_total = med(r[0] for r in rows)
+    w_gen = med(r[1].generate_s for r in rows)
+    w_proof = med(r[1].proof_s for r in rows)
+    w_reward = med(r[1].reward_s for r in rows)
+    v_total = med(r[2].seconds for r in rows)
+    stages = {k: med(r[2].timings.get(k, 0.0) for r in rows) for k in rows[0][2].timings}
+    print(f"{'':24}{'worker s':>12}{'validator s':>14}")
+    print(f"{'total / submission':24}{w_total:12.3f}{v_total:14.3f}")
+    print(f"{'  generate (decode)':24}{w_gen:12.3f}")
+    print(f"{'  proofs':24}{w_proof:12.3f}")
+    print(f"{'  rewards':24}{w_reward:12.3f}")
+    for k, v in stages.items():
+        print(f"{'  ' + k:24}{'':12}{v:14.3f}")
+    ratio = v_total / w_total
+    print(f"ratio validator / worker: {ratio:.4f} = 1/{1 / ratio:.1f} (goal ≤ 1/20: {'met' if ratio <= 1 / 20 else 'missed'})")
+
+
+if __name__ == "__main__":
+    main()

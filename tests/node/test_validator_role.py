@@ -1,0 +1,190 @@
+"""ValidatorNode in process: lease from a real ingest, fetch step 0 through a real Shardcast origin,
+judge an honest and a cheating worker, post signed verdicts; the coordinator bans the cheater.
+
+The coordinator side mirrors ``node.coordinator.role``: one aiohttp app on one port serving the
+Shardcast origin routes and the ingest routes (with ``error_middleware``). The policy is a tiny
+embedded Qwen2 with random weights (the checks do not need a model that solves anything).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from aiohttp import ClientSession, web
+
+from node.engine.hf import TransformersEngine
+from node.roles.validator import ValidatorNode, ValidatorOptions
+from node.shardcast import ShardcastServer, ShardcastStore, publish_checkpoint
+from node.worker.adversary import build_dishonest_submission
+from node.worker.rollouts import build_submission
+from protocol.dataset import resolve_tasks
+from protocol.envelope import open_envelope
+from protocol.identity import NodeKey
+from protocol.messages import Submission
+from protocol.models import build_model, embedded_config, embedded_tokenizer, save_model
+from protocol.runspec import (
+    DataSpec,
+    NetworkSpec,
+    RLSpec,
+    RunInfo,
+    RunSpec,
+    SamplingSpec,
+    SignedRunSpec,
+    dump_run_spec,
+    sign_run_spec,
+)
+from trainer.ingest import BanBook, SubmissionStore
+from trainer.ingest.service import IngestService, error_middleware
+
+COORD = NodeKey.from_seed(b"C" * 32)
+VALIDATOR = NodeKey.from_seed(b"V" * 32)
+HONEST = NodeKey.from_seed(b"h" * 32)
+CHEAT = NodeKey.from_seed(b"x" * 32)
+VERDICT_WAIT_S = 90.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_spec(url: str) -> SignedRunSpec:
+    spec = RunSpec(
+        run=RunInfo(coordinator=COORD.peer_id, validators=[VALIDATOR.peer_id], seed=3),
+        data=DataSpec(tasks_per_submission=2),
+        sampling=SamplingSpec(max_tokens=8, temperature=1.5),
+        rl=RLSpec(group_size=2, async_level=1),
+        network=NetworkSpec(origin_urls=[url], ingest_urls=[url]),
+    )
+    return sign_run_spec(spec, COORD)
+
+
+@dataclass
+class Coordinator:
+    """The coordinator's services of one run: Shardcast origin holding step 0, ingest, ban book."""
+
+    url: str
+    signed: SignedRunSpec
+    store: SubmissionStore
+    bans: BanBook
+    engine: TransformersEngine
+
+
+@contextlib.asynccontextmanager
+async def coordinator(root: Path) -> AsyncIterator[Coordinator]:
+    port = free_port()  # the origin URL goes into the signed spec, so the port is chosen first
+    url = f"http://127.0.0.1:{port}"
+    signed = make_spec(url)
+    spec, run_id = signed.spec, signed.run_id
+    tok = embedded_tokenizer()
+    model = build_model(embedded_config(len(tok), hidden_size=spec.model.hidden_size), seed=0)
+    files = save_model(model, tok, root / "policies" / "step-0")
+    origin = ShardcastStore(root / "origin", run_id=run_id, authorities=spec.authorities, keep_steps=spec.shardcast.keep_steps, fsync=False)
+    publish_checkpoint(origin, files, step=0, key=COORD, piece_size_bytes=spec.shardcast.piece_size_bytes)
+    store = SubmissionStore(root / "ingest", run_id)
+    bans = BanBook(root / "bans.msgpack", COORD, run_id)
+    ingest = IngestService(spec, store, bans, trainer_step=lambda: 0, latest_policy_step=lambda: 0)
+    app = ShardcastServer(origin, host="127.0.0.1", port=port).make_app()
+    app.middlewares.append(error_middleware)
+    ingest.add_routes(app)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.5)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield Coordinator(url, signed, store, bans, TransformersEngine(model, tok))
+    finally:
+        await runner.cleanup()
+        store.close()
+
+
+async def test_validator_judges_posts_verdicts_and_gets_the_cheater_banned(tmp_path: Path) -> None:
+    async with coordinator(tmp_path / "coord") as coord:
+        spec, run_id = coord.signed.spec, coord.signed.run_id
+        tasks = resolve_tasks(spec.data.tasks).train
+        tok = coord.engine.tokenizer
+        honest = await asyncio.to_thread(build_submission, spec, run_id, HONEST, coord.engine, tok, tasks, 0, 0)
+        cheat = await asyncio.to_thread(build_dishonest_submission, "inflated-reward", spec, run_id, CHEAT, coord.engine, tok, tasks, 0, 0)
+        ids = {}
+        async with ClientSession() as http:
+            for name, blob in (("honest", honest), ("cheat", cheat)):
+                async with http.post(f"{coord.url}/ingest/1/submissions", data=blob) as r:
+                    assert r.status == 200, await r.text()
+                    ids[name] = (await r.json())["id"]
+        assert ids["honest"] == open_envelope(honest, run_id=run_id, expect=Submission).id.hex()
+
+        options = ValidatorOptions(data_dir=tmp_path / "validator", gossip=None, http_port=None)
+        node = ValidatorNode(coord.signed, VALIDATOR, options)
+        assert node.ingest_urls == [coord.url]  # from the run spec
+        await node.start()
+        runner = asyncio.create_task(node.run())
+        try:
+            loop = asyncio.get_running_loop()
+            end = loop.time() + VERDICT_WAIT_S
+            while any(coord.store.get(i).state == "pending" for i in ids.values()):
+                assert not runner.done(), f"validator stopped: {runner.exception() if not runner.cancelled() else 'cancelled'}"
+                assert loop.time() < end, f"no verdicts within {VERDICT_WAIT_S} s; validator state: {node.state}"
+                await asyncio.sleep(0.1)
+            status = node.status()
+        finally:
+            node.request_stop()
+            await asyncio.wait_for(runner, timeout=30)
+            await node.stop()
+
+        good, bad = coord.store.get(ids["honest"]), coord.store.get(ids["cheat"])
+        assert (good.state, good.reason) == ("accepted", "ok")
+        assert (bad.state, bad.reason) == ("rejected", "reward")
+        assert coord.bans.is_banned(CHEAT.peer_id) and not coord.bans.is_banned(HONEST.peer_id)
+        assert [e.reason for e in coord.bans.entries()] == ["reward"]
+        # the validator fetched step 0 through Shardcast and kept its own account
+        assert node.follower.have(0)
+        assert status["checked"] == 2 and status["verdicts_by_reason"] == {"ok": 1, "reward": 1}
+        assert status["reputation"] == {HONEST.peer_id: {"ok": 1}, CHEAT.peer_id: {"reward": 1}}
+        assert status["seconds_per_submission"] > 0
+        # a banned worker's next submission is refused at the door
+        async with ClientSession() as http:
+            again = await asyncio.to_thread(build_submission, spec, run_id, CHEAT, coord.engine, tok, tasks, 0, 1)
+            async with http.post(f"{coord.url}/ingest/1/submissions", data=again) as r:
+                assert r.status == 403 and (await r.json())["error"] == "banned"
+
+
+def test_validator_refuses_a_key_the_spec_does_not_name(tmp_path: Path) -> None:
+    signed = make_spec("http://127.0.0.1:9")
+    stranger = NodeKey.from_seed(b"s" * 32)
+    with pytest.raises(ValueError, match="not a validator of this run"):
+        ValidatorNode(signed, stranger, ValidatorOptions(data_dir=tmp_path, gossip=None, http_port=None))
+    ValidatorNode(signed, VALIDATOR, ValidatorOptions(data_dir=tmp_path, gossip=None, http_port=None)).ledger.close()
+
+
+def test_validate_command_exits_2_for_a_key_not_in_the_spec(tmp_path: Path) -> None:
+    run = tmp_path / "run.toml"
+    run.write_text(dump_run_spec(make_spec("http://127.0.0.1:9")))
+    key = tmp_path / "stranger.key"
+    stranger = NodeKey.from_seed(b"s" * 32)
+    stranger.save(key)
+    r = subprocess.run([sys.executable, "-m", "node", "validate", "--run", str(run), "--key", str(key), "--no-gossip",
+                        "--data-dir", str(tmp_path / "data")], check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert stranger.peer_id in r.stderr and "does not name as a validator" in r.stderr and "spec init --validator" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "data").exists()  # refused before touching anything
+
+
+def test_fraction_sampling_is_seeded_per_validator_and_near_the_fraction(tmp_path: Path) -> None:
+    signed = make_spec("http://127.0.0.1:9")
+    node = ValidatorNode(signed, VALIDATOR, ValidatorOptions(data_dir=tmp_path, gossip=None, http_port=None, fraction=0.25))
+    try:
+        sids = [bytes([i % 256, i // 256]).hex() * 16 for i in range(800)]
+        picked = [node._sampled(s) for s in sids]
+        assert picked == [node._sampled(s) for s in sids]  # the same decision after a re-lease
+        assert 150 <= sum(picked) <= 250  # 800 × 0.25 = 200, binomial sd ≈ 12
+    finally:
+        node.ledger.close()

@@ -1,0 +1,318 @@
+"""SubmissionChecker against real workers: every cheat rejected with its reason, honest work accepted.
+
+Every dishonest submission comes from a real worker variant (``node.worker.adversary``) or from
+the honest worker code run with a different model; the malformed ones are honest submissions
+edited field by field and re-signed with the worker's key, so the envelope itself is valid and
+only the validator's checks can refuse them. The policy is the embedded base model (a tiny
+Qwen2 warm-started on the task answers), cached across runs in pytest's cache directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from node.coordinator.base import prepare_base
+from node.engine.hf import TransformersEngine
+from node.worker.adversary import build_dishonest_submission
+from node.worker.rollouts import build_submission
+from protocol.dataset import resolve_tasks
+from protocol.envelope import Envelope, open_envelope, seal
+from protocol.identity import NodeKey
+from protocol.messages import Submission, Verdict
+from protocol.models import build_model, load_model, load_tokenizer
+from protocol.rollout import pack_f32, pack_u32, unpack_f32, unpack_u32
+from protocol.runspec import DataSpec, RLSpec, RunInfo, RunSpec, SamplingSpec
+from protocol.tasks import Task
+from protocol.verdicts import ALL_REASONS, is_cheat
+from validator.ledger import Ledger
+from validator.pipeline import CheckResult, SubmissionChecker
+
+COORD = NodeKey.from_seed(b"c" * 32)
+VALIDATOR = NodeKey.from_seed(b"v" * 32)
+WORKER = NodeKey.from_seed(b"w" * 32)
+SPEC = RunSpec(
+    run=RunInfo(coordinator=COORD.peer_id, validators=[VALIDATOR.peer_id], seed=7),
+    data=DataSpec(tasks_per_submission=4),
+    # temperature 2: the embedded answers are 1-3 characters, a hot sampler makes longer completions
+    sampling=SamplingSpec(max_tokens=8, temperature=2.0),
+    rl=RLSpec(group_size=4, async_level=2),
+)
+RUN = SPEC.run_id
+ROLLOUTS = SPEC.data.tasks_per_submission * SPEC.rl.group_size  # 16 per submission
+
+
+@dataclass
+class World:
+    """The run's policy at step 0 and what a worker needs to generate with it."""
+
+    tasks: list[Task]
+    tokenizer: Any
+    model: torch.nn.Module
+    engine: TransformersEngine
+
+    def checker(
+        self,
+        *,
+        trainer_step: int = 0,
+        steps: tuple[int, ...] = (0,),
+        counter_seen: Callable[[str, int, str], bool] | None = None,
+    ) -> SubmissionChecker:
+        """A checker whose validator holds the policy for ``steps`` (the same weights) and no other."""
+        return SubmissionChecker(
+            SPEC, self.tasks, self.tokenizer, lambda s: self.model if s in steps else None,
+            trainer_step=lambda: trainer_step, counter_seen=counter_seen or (lambda w, c, sid: False),
+        )
+
+
+@pytest.fixture(scope="module")
+def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    cache = getattr(request.config, "cache", None)
+    cache_dir = Path(cache.mkdir("intellect-embedded-base")) if cache is not None else tmp_path_factory.mktemp("base")
+    tasks = resolve_tasks("embedded")
+    base = prepare_base(SPEC, tasks, cache_dir)  # warm start on first use, then a cache hit
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    tok = load_tokenizer(base)
+    model = load_model(base)
+    yield World(tasks.train, tok, model, TransformersEngine(model, tok))
+    torch.set_num_threads(threads)
+
+
+def opened(blob: bytes) -> Envelope[Submission]:
+    return open_envelope(blob, run_id=RUN, expect=Submission)
+
+
+def honest(world: World, counter: int, step: int = 0, engine: TransformersEngine | None = None) -> Envelope[Submission]:
+    return opened(build_submission(SPEC, RUN, WORKER, engine or world.engine, world.tokenizer, world.tasks, step, counter))
+
+
+def assert_rejected(result: CheckResult, reasons: set[str]) -> None:
+    """Rejected for one of ``reasons``, and the verdict it makes is a valid signed message."""
+    assert not result.accepted, f"accepted, expected one of {reasons}"
+    assert result.reason in reasons, f"rejected for {result.reason} {result.evidence}, expected one of {reasons}"
+    assert result.reason in ALL_REASONS
+    seal(VALIDATOR, RUN, Verdict(submission_id=b"\x00" * 32, worker=WORKER.peer_id, policy_step=0, counter=0,
+                                 accepted=False, reason=result.reason, evidence=result.evidence))
+
+
+# --- honest work -------------------------------------------------------------------------------
+
+
+def test_honest_workers_accepted_across_batch_sizes_and_threads(world: World) -> None:
+    """0 false rejections over 256 rollouts from engines batching 1, 8 or 64 sequences on 1 or 2 threads.
+
+    Batch size changes padding and matmul shapes, thread count changes reduction order: the
+    worker's logits and rows differ from the validator's batched prefill in the last bits, which
+    the TOPLOC thresholds, the replay's near-tie margin and the log-prob tolerance must absorb.
+    """
+    checker = world.checker()
+    threads = torch.get_num_threads()
+    rollouts, longest, finishes = 0, 0, set()
+    try:
+        for i, (max_batch, n_threads) in enumerate([(1, 1), (8, 2), (64, 1), (64, 2)]):
+            engine = TransformersEngine(world.model, world.tokenizer, max_batch=max_batch)
+            for counter in range(4 * i, 4 * i + 4):
+                torch.set_num_threads(n_threads)
+                env = honest(world, counter, engine=engine)
+                torch.set_num_threads(2)  # the validator's own setting
+                result = checker.check(env)
+                assert result.accepted, f"batch {max_batch}, {n_threads} threads, counter {counter}: {result.reason} {result.evidence}"
+                rollouts += len(env.body.rollouts)
+                longest = max([longest] + [len(r.completion_ids) // 4 for r in env.body.rollouts])
+                finishes |= {r.finish for r in env.body.rollouts}
+    finally:
+        torch.set_num_threads(threads)
+    assert rollouts >= 200
+    assert longest > 3 and finishes == {"eos", "length"}  # the checks saw long completions and both endings
+
+
+# --- cheats: real worker variants --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "reasons"),
+    [
+        # sampled with a cheaper model, proofs and log-probs from an honest prefill of the policy:
+        # the proofs match, but the seeded sampler on the policy's logits draws other tokens
+        ("other-model", {"sampling"}),
+        # token 0 changed after generation. It is the input of every later committed row, so the
+        # prefill's rows differ from the committed ones (toploc); when the completion is too short
+        # for that to move enough top-k values, the replay at position 0 still draws the original
+        # token (sampling). Which one fires first depends on the completion, both are evidence.
+        ("tampered-token", {"toploc", "sampling"}),
+        ("inflated-reward", {"reward"}),
+        ("cherry-pick", {"task_mismatch"}),
+        # cut short where the policy gives EOS the least probability: P(EOS) < eos_min_prob
+        ("fake-eos", {"termination"}),
+    ],
+)
+def test_dishonest_worker_rejected_with_its_reason(world: World, kind: str, reasons: set[str]) -> None:
+    blob = build_dishonest_submission(kind, SPEC, RUN, WORKER, world.engine, world.tokenizer, world.tasks, 0, 50)
+    result = world.checker().check(opened(blob))
+    assert_rejected(result, reasons)
+    assert is_cheat(result.reason)
+    if kind == "fake-eos":
+        assert result.evidence["p_eos"] < SPEC.toploc.eos_min_prob - 0.01
+    if kind == "inflated-reward":
+        assert result.evidence["reported"] == 1.0 and result.evidence["recomputed"] < 1.0
+
+
+def test_replayed_counter_rejected_through_the_ledger(world: World, tmp_path: Path) -> None:
+    """Counter 0 judged once (at step 1); new content under counter 0 again (at step 0) is a replay."""
+    ledger = Ledger(tmp_path / "validator.sqlite")
+    try:
+        checker = world.checker(trainer_step=1, steps=(0, 1), counter_seen=ledger.counter_seen)
+        first = honest(world, counter=0, step=1)
+        assert checker.check(first).accepted
+        ledger.record(WORKER.peer_id, 0, first.id.hex(), "ok")
+        # the adversary forces counter 0 whatever it is asked for; at step 0 its tasks differ
+        blob = build_dishonest_submission("replay", SPEC, RUN, WORKER, world.engine, world.tokenizer, world.tasks, 0, 9)
+        replay = opened(blob)
+        assert replay.body.counter == 0 and replay.body.tasks != first.body.tasks
+        result = checker.check(replay)
+        assert_rejected(result, {"replay"})
+        assert result.evidence == {"counter": 0}
+        # judging the same submission again (a re-lease after a crash) is not a replay
+        assert checker.check(first).accepted
+    finally:
+        ledger.close()
+
+
+def _perturbed(model: torch.nn.Module, scale: float) -> torch.nn.Module:
+    """``model`` with Gaussian noise of ``scale`` × each tensor's std added to every weight."""
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    return out
+
+
+@pytest.mark.parametrize(
+    ("variant", "reasons"),
+    [
+        ("random", {"toploc"}),  # a different model of the same shape
+        ("perturbed-50%", {"toploc"}),
+        # A 3% perturbation keeps the bf16 top-k rows inside TOPLOC's thresholds (built to absorb
+        # hardware noise) on this tiny model; its log-probs are off by ~0.1 nats, far beyond the
+        # 0.01 tolerance, so the log-prob check is what catches a slightly different model.
+        ("perturbed-3%", {"logprobs"}),
+    ],
+)
+def test_whole_submission_from_another_model_rejected(world: World, variant: str, reasons: set[str]) -> None:
+    """Honest worker code run with another model: proofs and log-probs from that model's own passes."""
+    if variant == "random":
+        other = build_model(world.model.config, seed=999)
+    else:
+        other = _perturbed(world.model, float(variant.split("-")[1].rstrip("%")) / 100)
+    env = honest(world, counter=60, engine=TransformersEngine(other, world.tokenizer))
+    result = world.checker().check(env)
+    assert_rejected(result, reasons)
+
+
+# --- window, checkpoint ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def honest_env(world: World) -> Envelope[Submission]:
+    env = honest(world, counter=100)
+    assert world.checker().check(env).accepted
+    assert env.body.rollouts[0].finish == "eos"  # the edits below rely on an EOS-ended rollout 0
+    return env
+
+
+def resealed(env: Envelope[Submission], **changes: Any) -> Envelope[Submission]:
+    """The submission with ``changes`` applied, validly signed by the worker again."""
+    return opened(seal(WORKER, RUN, env.body.model_copy(update=changes)))
+
+
+def test_policy_outside_window_is_stale(world: World, honest_env: Envelope[Submission]) -> None:
+    # async level 2: at trainer step 3 the oldest usable policy is step 1
+    result = world.checker(trainer_step=3).check(honest_env)
+    assert_rejected(result, {"stale_policy"})
+    assert not is_cheat(result.reason)
+    assert result.evidence == {"policy_step": 0, "trainer_step": 3, "async_level": 2}
+    assert world.checker(trainer_step=2).check(honest_env).accepted
+    # a step the trainer has not reached yet
+    future = resealed(honest_env, policy_step=1)
+    assert_rejected(world.checker(trainer_step=0).check(future), {"stale_policy"})
+
+
+def test_checkpoint_that_cannot_be_had(world: World) -> None:
+    env = honest(world, counter=3, step=1)
+    result = world.checker(trainer_step=1, steps=(0,)).check(env)
+    assert_rejected(result, {"unknown_checkpoint"})
+    assert not is_cheat(result.reason) and result.evidence == {"policy_step": 1}
+
+
+# --- malformed and out-of-bounds (hand-edited, validly signed) --------------------------------
+
+
+def _edit_rollout(env: Envelope[Submission], j: int, **changes: Any) -> Envelope[Submission]:
+    rollouts = list(env.body.rollouts)
+    rollouts[j] = rollouts[j].model_copy(update=changes)
+    return resealed(env, rollouts=rollouts)
+
+
+def _ids(env: Envelope[Submission], j: int = 0) -> list[int]:
+    return unpack_u32(env.body.rollouts[j].completion_ids)
+
+
+def _too_long(env: Envelope[Submission]) -> Envelope[Submission]:
+    n = SPEC.sampling.max_tokens + 1
+    return _edit_rollout(env, 0, completion_ids=pack_u32([5] * n), logprobs=pack_f32([-1.0] * n), finish="length",
+                         proofs=[b"\x00" * 258])
+
+
+def _over_vocab(env: Envelope[Submission]) -> Envelope[Submission]:
+    ids = _ids(env)
+    ids[0] = 100_000
+    return _edit_rollout(env, 0, completion_ids=pack_u32(ids))
+
+
+def _swap_samples(env: Envelope[Submission]) -> Envelope[Submission]:
+    rollouts = list(env.body.rollouts)
+    rollouts[0], rollouts[1] = rollouts[1], rollouts[0]
+    return resealed(env, rollouts=rollouts)
+
+
+def _eos_declared_length(env: Envelope[Submission]) -> Envelope[Submission]:
+    return _edit_rollout(env, 0, finish="length")
+
+
+MALFORMED: dict[str, tuple[Callable[[Envelope[Submission]], Envelope[Submission]], str]] = {
+    "one rollout missing": (lambda e: resealed(e, rollouts=e.body.rollouts[:-1]), "malformed"),
+    "one rollout too many": (lambda e: resealed(e, rollouts=[*e.body.rollouts, e.body.rollouts[-1]]), "malformed"),
+    "one task too few": (lambda e: resealed(e, tasks=e.body.tasks[:-1]), "task_mismatch"),
+    "rollouts out of order": (_swap_samples, "malformed"),
+    "token id ≥ vocab": (_over_vocab, "bounds"),
+    "completion longer than max_tokens": (_too_long, "bounds"),
+    "log-prob count mismatch": (lambda e: _edit_rollout(e, 0, logprobs=e.body.rollouts[0].logprobs[:-4]), "bounds"),
+    "NaN log-prob": (lambda e: _edit_rollout(e, 0, logprobs=pack_f32([math.nan] + unpack_f32(e.body.rollouts[0].logprobs)[1:])), "bounds"),
+    "positive log-prob": (lambda e: _edit_rollout(e, 0, logprobs=pack_f32([0.5] + unpack_f32(e.body.rollouts[0].logprobs)[1:])), "bounds"),
+    "reward above 1": (lambda e: _edit_rollout(e, 0, reward=7.0, task_reward=1.0), "bounds"),
+    "proofs missing": (lambda e: _edit_rollout(e, 0, proofs=[]), "malformed"),
+    "one proof too many": (lambda e: _edit_rollout(e, 0, proofs=[*e.body.rollouts[0].proofs] * 2), "malformed"),
+    "garbage proof bytes": (lambda e: _edit_rollout(e, 0, proofs=[b"\xff" * 7]), "toploc"),
+    "EOS-ended but declared length": (_eos_declared_length, "termination"),
+    "foreign sampling seed": (lambda e: _edit_rollout(e, 0, seed=e.body.rollouts[0].seed ^ 1), "task_mismatch"),
+    "foreign prompt": (lambda e: _edit_rollout(e, 0, prompt_ids=pack_u32([5, 6, 7])), "task_mismatch"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_and_out_of_bounds_rejected(world: World, honest_env: Envelope[Submission], case: str) -> None:
+    edit, reason = MALFORMED[case]
+    env = edit(honest_env)
+    assert env.peer_id == WORKER.peer_id  # opened: the signature is valid
+    result = world.checker().check(env)  # never raises on untrusted input
+    assert_rejected(result, {reason})
+    assert is_cheat(result.reason)
