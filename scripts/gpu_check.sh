@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One prepared check for a CUDA machine with this repository and network access to PyPI.
+#
+#   scripts/gpu_check.sh [VENV_DIR]        (default VENV_DIR: .venv-gpu; ≈ 5-10 min, mostly the install)
+#
+# 1. Installs intellect-node with the `gpu` extra (vLLM, which brings its own CUDA torch) and the
+#    `test` extra into VENV_DIR — never into the CPU venv .venv.
+# 2. Sampling bit-identity CPU vs GPU: tests/protocol/test_sampling.py, including the CUDA-only
+#    test_noise_bits_identical_on_gpu (Philox words and sampled tokens equal on both devices).
+# 3. The vLLM engine on CUDA: tests/node/test_vllm_engine.py (float32 model; every token must
+#    replay exactly, log-probs, EOS gate, TOPLOC proofs of the captured rows, hot weight swap).
+# Prints versions and a PASS/FAIL line per step; exits non-zero if any step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+VENV=${1:-.venv-gpu}
+PY=${PYTHON:-python3}
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV" || exit 1
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -U pip || exit 1
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[gpu,test]' || exit 1
+"$VENV/bin/python" - <<'EOF' || exit 1
+import torch, transformers, vllm
+assert torch.cuda.is_available(), "torch in this venv sees no CUDA device"
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), vllm {vllm.__version__}, transformers {transformers.__version__}, "
+      f"{torch.cuda.get_device_name()}")
+EOF
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} INTELLECT_VLLM_DEVICE=cuda
+fail=0
+step() {
+    local name=$1; shift
+    local t0=$SECONDS
+    if "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider "$@"; then
+        echo "PASS  $name ($((SECONDS - t0)) s)"
+    else
+        echo "FAIL  $name ($((SECONDS - t0)) s)"; fail=1
+    fi
+}
+step "sampling bits CPU vs GPU" tests/protocol/test_sampling.py
+step "vLLM engine on CUDA" tests/node/test_vllm_engine.py
+exit "$fail"
