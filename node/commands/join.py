@@ -41,8 +41,8 @@ def _join(sub: argparse._SubParsersAction) -> None:
         help="origin or relay to follow (repeatable); without any, this node is the origin and serves its store",
     )
     worker = p.add_argument_group("worker")
-    worker.add_argument("--engine", choices=["transformers"], default="transformers",
-                        help="inference engine")
+    worker.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                        help="inference engine (vllm: optional extra 'gpu')")
     worker.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
     worker.add_argument("--data-root", default=None, help="directory of public task sets for named data.tasks")
     worker.add_argument("--ingest-url", action="append", default=[], metavar="URL", help="coordinator ingest URL (default: the run spec's)")
