@@ -103,3 +103,7 @@ async def _run(signed, key, options, ctx) -> int:  # noqa: ANN001
     finally:
         await coord.stop()
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

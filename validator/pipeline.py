@@ -171,6 +171,10 @@ class SubmissionChecker:
         model = self.model_for_step(sub.policy_step)
         if model is None:
             raise Rejection("unknown_checkpoint", policy_step=sub.policy_step)
+        model_vocab = int(model.config.vocab_size)
+        for j, (_, completion, _) in enumerate(seqs):
+            if max(completion) >= model_vocab:
+                raise Rejection("bounds", rollout=j, token=max(completion), vocab_size=model_vocab)
         t = time.perf_counter()
         prefills = prefill_completions(model, [s[0] for s in seqs], [s[1] for s in seqs], self.pad_id)
         timings["prefill"] = time.perf_counter() - t

@@ -139,7 +139,10 @@ class ValidatorNode:
             for blob in blobs:
                 if self._stop.is_set():
                     break
-                await self._judge(blob)
+                try:
+                    await self._judge(blob)
+                except Exception:  # a bug or a resource failure on one submission must not stop the validator
+                    logger.exception("checking a submission failed; its lease will expire and it will be retried")
                 self.queue -= 1
                 self.m_queue.set(self.queue)
 
@@ -181,6 +184,11 @@ class ValidatorNode:
             result = await asyncio.to_thread(checker.check, env)
         if result.reason == "banned_worker":
             return  # the coordinator already rejects a banned worker's pending work
+        if result.reason == "unknown_checkpoint":
+            # our failure to fetch is no evidence about the worker: no verdict, the lease expires and
+            # the submission is retried (or turns stale_policy once it leaves the async window)
+            logger.warning("no checkpoint for step %d yet; leaving %s to a later lease", sub.policy_step, sid[:12])
+            return
         self.ledger.record(sub.worker, sub.counter, sid, result.reason)
         self.checked += 1
         self.check_seconds += result.seconds

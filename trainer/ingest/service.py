@@ -14,7 +14,7 @@ GET        ``/metrics``                    Prometheus text
 =========  ==============================  =====================================================
 
 Errors are JSON ``{"error": code, "detail": text}`` with 400 (malformed), 403 (banned or not a
-validator), 409 (stale policy, reused counter), 413 (too large), 429 (rate limited, with
+validator), 409 (stale policy), 413 (too large), 429 (rate limited, with
 ``Retry-After``), 507 (the worker's pending quota is full).
 """
 

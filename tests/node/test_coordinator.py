@@ -1,0 +1,147 @@
+"""The coordinator process: ingest → validator verdicts → GRPO steps → published policies,
+killed with SIGKILL mid-run and resumed without losing an acknowledged rollout."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from node.coordinator.base import prepare_base
+from node.engine.hf import TransformersEngine
+from node.shardcast import fetch_checkpoint
+from node.worker.rollouts import build_submission
+from protocol import encoding
+from protocol.dataset import resolve_tasks
+from protocol.envelope import open_envelope, seal
+from protocol.identity import NodeKey
+from protocol.messages import LeaseRequest, Submission, Verdict
+from protocol.models import load_tokenizer
+from protocol.runspec import DataSpec, ModelSpec, NetworkSpec, RLSpec, RunInfo, RunSpec, SamplingSpec, dump_run_spec, sign_run_spec
+
+pytestmark = pytest.mark.integration
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(url: str) -> dict | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return json.loads(r.read())
+    except OSError:
+        return None
+
+
+def _post(url: str, data: bytes) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=data, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError:  # the coordinator finished and closed its port
+        return 0, b""
+
+
+def _wait(cond, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"coordinator exited ({proc.returncode}) while waiting for {what}")
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_train_kill_resume(tmp_path):
+    coord, val, worker = NodeKey.generate(), NodeKey.generate(), NodeKey.generate()
+    coord.save(tmp_path / "coord.key")
+    port = _port()
+    url = f"http://127.0.0.1:{port}"
+    tasks = resolve_tasks("embedded")
+    probe = RunSpec(run=RunInfo(coordinator=coord.peer_id))
+    base = prepare_base(probe, tasks, tmp_path / "base-cache")
+    spec = RunSpec(
+        run=RunInfo(coordinator=coord.peer_id, validators=[val.peer_id], seed=3),
+        model=ModelSpec(base=str(base)),
+        data=DataSpec(tasks_per_submission=2),
+        sampling=SamplingSpec(max_tokens=4, temperature=2.0),
+        rl=RLSpec(group_size=8, batch_groups=2, learning_rate=1e-3, warmup_steps=0, async_level=1),
+        network=NetworkSpec(ingest_urls=[url], origin_urls=[url]),
+    )
+    run = tmp_path / "run.toml"
+    run.write_text(dump_run_spec(sign_run_spec(spec, coord)))
+    data_dir = tmp_path / "coordinator"
+    cmd = [sys.executable, "-m", "node.train_cli", "--run", str(run), "--key", str(tmp_path / "coord.key"), "--data-dir", str(data_dir),
+           "--http-port", str(port), "--no-gossip", "--max-steps", "3", "--eval-samples", "0", "--batch-timeout", "120"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    log = open(tmp_path / "coord.log", "ab")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    tok = load_tokenizer(base)
+    counter = [0]
+    acked: list[str] = []
+
+    def feed_one_step() -> None:
+        """Act as worker (generate with the published policy) and validator (accept what is pending)."""
+        st = _get(f"{url}/status")
+        if st is None:
+            return
+        step = st["published_step"]
+        out = tmp_path / "w" / f"step-{step}"
+        if not out.exists():
+            asyncio.run(fetch_checkpoint([url], out, run_id=spec.run_id, authorities=spec.authorities, step=step, progress=False))
+        engine = TransformersEngine.from_dir(out)
+        data = build_submission(spec, spec.run_id, worker, engine, tok, tasks.train, step, counter[0])
+        counter[0] += 1
+        status, body = _post(f"{url}/ingest/1/submissions", data)
+        if status == 200:
+            acked.append(json.loads(body)["id"])
+        lease = seal(val, spec.run_id, LeaseRequest(limit=16, lease_s=30.0))
+        status, body = _post(f"{url}/ingest/1/lease", lease)
+        if status != 200:
+            return
+        for blob in encoding.unpackb(body, 1 << 28)["submissions"]:
+            env_ = open_envelope(blob, run_id=spec.run_id, expect=Submission)
+            v = seal(val, spec.run_id, Verdict(submission_id=env_.id, worker=env_.body.worker, policy_step=env_.body.policy_step,
+                                                counter=env_.body.counter, accepted=True, reason="ok"))
+            assert _post(f"{url}/ingest/1/verdicts", v)[0] in (0, 200)
+
+    try:
+        _wait(lambda: _get(f"{url}/status"), 120, "the coordinator's status", proc)
+        _wait(lambda: (feed_one_step(), (_get(f"{url}/status") or {}).get("trainer_step", 0) >= 1)[1], 120, "trainer step 1", proc)
+        # one more acknowledged submission that the killed process never trains on
+        feed_one_step()
+        stored_before = _get(f"{url}/status")["submissions"]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert (data_dir / "state" / "latest").exists()
+        proc = subprocess.Popen([*cmd, "--resume"], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        st = _wait(lambda: _get(f"{url}/status"), 120, "the resumed coordinator", proc)
+        assert st["trainer_step"] >= 1  # continues from the saved step, not from 0
+        total_after = sum(st["submissions"][k] for k in ("pending", "accepted", "rejected"))
+        assert total_after == sum(stored_before[k] for k in ("pending", "accepted", "rejected"))  # nothing acked was lost
+        _wait(lambda: (proc.poll() is not None) or (feed_one_step(), False)[1], 180, "the resumed run to finish", None)
+        assert proc.returncode == 0, (tmp_path / "coord.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    rows = [json.loads(line) for line in (data_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if r.get("event") == "step"]
+    assert steps[-1] == 3 and sorted(set(steps)) == [1, 2, 3]
+    assert (Path(data_dir) / "policies" / "step-3" / "model.safetensors").exists()
