@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 from pathlib import Path
 
 from node.cli import CliError, command, load_key, load_spec
@@ -31,6 +30,7 @@ def _validate(sub: argparse._SubParsersAction) -> None:
 
 def _run_validate(args: argparse.Namespace) -> int:
     from node.p2p import GossipConfig
+    from node.roles import run_until_stopped
     from node.roles.validator import ValidatorNode, ValidatorOptions
 
     signed = load_spec(args.run)
@@ -47,18 +47,5 @@ def _run_validate(args: argparse.Namespace) -> int:
     if not (options.ingest_urls or signed.spec.network.ingest_urls):
         raise CliError("no ingest URL: the run spec has none; pass --ingest-url")
 
-    async def main() -> None:
-        node = ValidatorNode(signed, key, options)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, node.request_stop)
-        try:
-            await node.start()
-            where = node.status_server.url if node.status_server else "no status server"
-            print(f"validator {key.peer_id} started; status {where}", flush=True)
-            await node.run()
-        finally:
-            await node.stop()
-
-    asyncio.run(main())
+    asyncio.run(run_until_stopped(ValidatorNode(signed, key, options), f"validator {key.peer_id}"))
     return 0

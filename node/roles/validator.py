@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from node.errors import FetchError
 from node.p2p import GossipConfig, GossipNode
+from node.roles import sleep_unless
 from node.policy import PolicyFollower, gossip_sources
 from node.status_http import StatusServer
 from protocol import encoding
@@ -263,10 +264,7 @@ class ValidatorNode:
             self.banned = {e.peer_id for e in env.body.entries}
 
     async def _sleep(self, seconds: float) -> None:
-        try:
-            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
-        except TimeoutError:
-            pass
+        await sleep_unless(self._stop, seconds)
 
     def status(self) -> dict[str, Any]:
         """What ``/status`` shows."""

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from node.engine import Engine, create_engine
 from node.errors import FetchError
 from node.p2p import GossipConfig, GossipNode
+from node.roles import run_until_stopped, sleep_unless
 from node.policy import POLL_INTERVAL_S, PolicyFollower, gossip_sources
 from node.status_http import StatusServer
 from node.worker.rollouts import BuildStats, build_submission
@@ -235,10 +236,7 @@ class Worker:
                 break
 
     async def _sleep(self, seconds: float) -> None:
-        try:
-            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
-        except TimeoutError:
-            pass
+        await sleep_unless(self._stop, seconds)
 
     def status(self) -> dict[str, Any]:
         """What ``/status`` shows."""
@@ -261,8 +259,6 @@ class Worker:
 
 def run_worker_from_args(args: Any) -> int:
     """``join --role worker``: load spec and key, run a :class:`Worker` until SIGINT/SIGTERM."""
-    import signal
-
     from node.cli import CliError, load_key, load_spec
     from node.paths import default_data_dir
 
@@ -283,18 +279,5 @@ def run_worker_from_args(args: Any) -> int:
         adversary=args.adversary,
     )
 
-    async def main() -> None:
-        worker = Worker(signed, key, options)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, worker.request_stop)
-        try:
-            await worker.start()
-            where = worker.status_server.url if worker.status_server else "no status server"
-            print(f"worker {key.peer_id} started; status {where}", flush=True)
-            await worker.run()
-        finally:
-            await worker.stop()
-
-    asyncio.run(main())
+    asyncio.run(run_until_stopped(Worker(signed, key, options), f"worker {key.peer_id}"))
     return 0

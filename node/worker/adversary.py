@@ -25,12 +25,10 @@ import torch
 from node.engine.base import Engine, Generation, SamplingParams
 from node.engine.hf import TransformersEngine
 from node.worker import ADVERSARIES
-from node.worker.rollouts import BuildStats, generate_rollouts
+from node.worker.rollouts import BuildStats, generate_rollouts, seal_submission
 from protocol import toploc
-from protocol.envelope import seal
 from protocol.identity import NodeKey
 from protocol.inference import prefill_completions
-from protocol.messages import Submission, SubmissionTask
 from protocol.models import build_model
 from protocol.rewards import compute_reward
 from protocol.rollout import PlannedTask, completion_text, pack_f32, pack_u32, plan_submission
@@ -104,14 +102,7 @@ def build_dishonest_submission(
         rollouts = [r.model_copy(update={"reward": 1.0, "task_reward": 1.0}) for r in rollouts]
     elif kind == "fake-eos":
         rollouts = [_fake_eos(spec, engine, tokenizer, plan, r) for r in rollouts]
-    body = Submission(
-        worker=key.peer_id,
-        policy_step=policy_step,
-        counter=counter,
-        tasks=[SubmissionTask(task_index=p.task_index, problem_id=p.task.problem_id[:256], target_length=p.target_length or 0) for p in plan],
-        rollouts=rollouts,
-    )
-    return seal(key, run_id, body)
+    return seal_submission(run_id, key, policy_step, counter, plan, rollouts)
 
 
 def _fake_eos(spec: RunSpec, engine: Engine, tokenizer: Any, plan: Sequence[PlannedTask], r: Any) -> Any:

@@ -117,6 +117,11 @@ def build_submission(
     """
     plan = plan_submission(spec, tasks, tokenizer, key.peer_id, policy_step, counter)
     rollouts = generate_rollouts(spec, engine, tokenizer, plan, reward_limits, stats)
+    return seal_submission(run_id, key, policy_step, counter, plan, rollouts)
+
+
+def seal_submission(run_id: bytes, key: NodeKey, policy_step: int, counter: int, plan: Sequence[PlannedTask], rollouts: list[Rollout]) -> bytes:
+    """Sign the ``submission/1`` of ``rollouts`` answering ``plan`` (task-major)."""
     body = Submission(
         worker=key.peer_id,
         policy_step=policy_step,
