@@ -20,6 +20,17 @@ from typing import Any
 import torch
 
 
+def _cache_arg() -> str:
+    import inspect
+
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Model
+
+    return "cache" if "cache" in inspect.signature(Qwen2Model.forward).parameters else "past_key_values"
+
+
+_CACHE_ARG = _cache_arg()
+
+
 @dataclass
 class ForwardOut:
     """Outputs of :func:`forward`.
@@ -62,19 +73,15 @@ def forward(
     Returns:
         :class:`ForwardOut`.
     """
-    out = model.model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        cache=cache,
-        use_cache=use_cache,
-    )
+    kwargs = {_CACHE_ARG: cache}  # transformers ≥ 5.20 calls it `cache`, older `past_key_values`
+    out = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache, **kwargs)
     hidden = out.last_hidden_state  # [B, T, H], already through the final RMSNorm
+    new_cache = getattr(out, _CACHE_ARG) if use_cache else None
     if not with_logits:
-        return ForwardOut(hidden=hidden, logits=hidden.new_empty(0), cache=out.cache if use_cache else None)
+        return ForwardOut(hidden=hidden, logits=hidden.new_empty(0), cache=new_cache)
     h = hidden if logits_positions is None else hidden[:, logits_positions]
     logits = model.lm_head(h).float()  # [B, T', V]
-    return ForwardOut(hidden=hidden, logits=logits, cache=out.cache if use_cache else None)
+    return ForwardOut(hidden=hidden, logits=logits, cache=new_cache)
 
 
 def pad_left(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -69,7 +69,7 @@ class SamplingSpec(_Section):
     temperature: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     max_tokens: Annotated[int, Field(ge=1, le=1 << 17, description="tokens")] = 32
-    target_lengths: Annotated[list[Annotated[int, Field(ge=0, le=1 << 17)]], Field(max_length=64)] = Field(
+    target_lengths: Annotated[list[Annotated[int, Field(ge=1, le=1 << 17)]], Field(max_length=64)] = Field(
         default_factory=list, description="length-control targets in tokens; empty: no length prompt"
     )
     length_penalty: Annotated[float, Field(ge=0.0, le=1.0, description="λ in r − λ·|len − target|")] = 0.0

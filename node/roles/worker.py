@@ -271,8 +271,6 @@ def run_worker_from_args(args: Any) -> int:
             gossip = GossipConfig(listen_host=args.listen_host, p2p_port=args.p2p_port, bootstrap=args.bootstrap)
         except ValueError as e:
             raise CliError(f"invalid gossip option: {e}") from None
-    if args.engine == "vllm" and args.device != "cuda":
-        raise CliError("--engine vllm needs --device cuda")
     options = WorkerOptions(
         data_dir=data_dir, engine=args.engine, device=args.device, data_root=Path(args.data_root) if args.data_root else None,
         gossip=gossip, http_port=args.http_port, max_submissions=args.max_submissions, ingest_urls=list(args.ingest_url),
