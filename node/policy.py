@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 2.0
 """How often the latest manifest is polled when gossip announced nothing new, seconds."""
+RELAY_WAIT_S = 3.0
+"""After an announcement, wait up to this long for a relay to hold the step before loading the
+origin (relays exist to spare the origin's upload), seconds."""
 
 
 class PolicyFollower:
@@ -36,9 +39,19 @@ class PolicyFollower:
         root: directory of fetched checkpoints.
         sources: callable returning candidate base URLs for a step (relays holding it first).
         keep: how many fetched steps to keep on disk.
+        relays_waiting: callable telling whether relays are known but none holds the step yet
+            (then :meth:`fetch` waits up to :data:`RELAY_WAIT_S` for one before using the origin).
     """
 
-    def __init__(self, spec: RunSpec, root: Path, sources: Callable[[int | None], list[str]], *, keep: int | None = None) -> None:
+    def __init__(
+        self,
+        spec: RunSpec,
+        root: Path,
+        sources: Callable[[int | None], list[str]],
+        *,
+        keep: int | None = None,
+        relays_waiting: Callable[[int], bool] | None = None,
+    ) -> None:
         self.spec = spec
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -50,6 +63,7 @@ class PolicyFollower:
         self._cfg = DownloadConfig(stall_timeout_s=30.0, deadline_s=600.0)
         self._session: Any = None
         self.last_error = ""
+        self.relays_waiting = relays_waiting
 
     async def close(self) -> None:
         if self._session is not None:
@@ -94,6 +108,10 @@ class PolicyFollower:
             out = self.path_for(step)
             if self.have(step):
                 return out
+            if self.relays_waiting is not None:
+                end = time.monotonic() + RELAY_WAIT_S
+                while self.relays_waiting(step) and time.monotonic() < end:
+                    await asyncio.sleep(0.1)
             sources = self.sources(step)
             if not sources:
                 raise FetchError(f"no source known for policy step {step} yet (no relay or origin in gossip or the run spec)")
@@ -117,6 +135,18 @@ class PolicyFollower:
         steps = sorted(int(p.name.split("-", 1)[1]) for p in self.root.glob("step-*") if p.name.split("-", 1)[1].isdigit())
         for s in steps[: max(0, len(steps) - self.keep)]:
             shutil.rmtree(self.path_for(s), ignore_errors=True)
+
+
+def relays_lagging(gossip: Any) -> Callable[[int], bool]:
+    """For :class:`PolicyFollower`: relays are alive on gossip but none announces holding ``step`` yet."""
+
+    def waiting(step: int) -> bool:
+        if gossip is None:
+            return False
+        peers = gossip.peers
+        return bool(peers.by_role("relay")) and not peers.relays_holding(step)
+
+    return waiting
 
 
 def gossip_sources(gossip: Any, spec: RunSpec) -> Callable[[int | None], list[str]]:

@@ -56,4 +56,4 @@ async def follow_relay(node: GossipNode, relay: RelayLike, *, pick_sources: bool
                 upstreams = chosen
                 relay.set_upstreams(chosen)
                 logger.info("upstreams from gossip: %s", ", ".join(chosen) or "none (serving own store)")
-        await asyncio.sleep(min(1.0, node.heartbeat_interval_s))
+        await asyncio.sleep(min(0.25, node.heartbeat_interval_s))  # a newly held step is announced at once

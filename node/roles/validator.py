@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from node.errors import FetchError
 from node.p2p import GossipConfig, GossipNode
 from node.roles import sleep_unless
-from node.policy import PolicyFollower, gossip_sources
+from node.policy import PolicyFollower, gossip_sources, relays_lagging
 from node.status_http import StatusServer
 from protocol import encoding
 from protocol.envelope import open_envelope, seal
@@ -108,6 +108,7 @@ class ValidatorNode:
             self.gossip.on_announcement(lambda env: self.follower.note_step(env.body.step))
             self.gossip.on_ban_list(self._on_ban_list)
         self.follower.sources = gossip_sources(self.gossip, self.spec)
+        self.follower.relays_waiting = relays_lagging(self.gossip)
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
         if self.options.http_port is not None:
             self.status_server = StatusServer(self.status, self.registry, port=self.options.http_port)

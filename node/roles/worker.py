@@ -15,7 +15,7 @@ from node.engine import Engine, create_engine
 from node.errors import FetchError
 from node.p2p import GossipConfig, GossipNode
 from node.roles import run_until_stopped, sleep_unless
-from node.policy import POLL_INTERVAL_S, PolicyFollower, gossip_sources
+from node.policy import POLL_INTERVAL_S, PolicyFollower, gossip_sources, relays_lagging
 from node.status_http import StatusServer
 from node.worker.rollouts import BuildStats, build_submission
 from node.worker.spool import Spool
@@ -109,6 +109,7 @@ class Worker:
             self.gossip.on_announcement(self._on_announcement)
             self.gossip.on_verdict(self._on_verdict)
         self.follower.sources = gossip_sources(self.gossip, self.spec)
+        self.follower.relays_waiting = relays_lagging(self.gossip)
         if self.options.http_port is not None:
             self.status_server = StatusServer(self.status, self.registry, port=self.options.http_port)
             await self.status_server.start()
