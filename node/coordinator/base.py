@@ -13,6 +13,9 @@ from trainer.warmstart import WarmStartConfig, answer_examples, warm_start
 
 logger = logging.getLogger(__name__)
 
+EMBEDDED_INIT_SEED = 0
+"""Initialisation seed of the embedded model (the cache key does not include the run seed)."""
+
 EMBEDDED_WARM_START = WarmStartConfig(steps=150, batch_size=64, learning_rate=3e-3, seed=0)
 """Supervised steps on the training tasks' answers that make the embedded model solve about a
 third of its held-out problems at the devnet's sampling temperature, so GRPO has signal."""
@@ -37,7 +40,8 @@ def prepare_base(spec: RunSpec, tasks: RunTasks, cache_dir: Path) -> Path:
     if (out / "model.safetensors").exists():
         return out
     tok = embedded_tokenizer()
-    model = build_model(embedded_config(len(tok), hidden_size=spec.model.hidden_size), seed=spec.run.seed % (2**31))
+    # a fixed seed: every devnet starts from the same base, so runs are comparable
+    model = build_model(embedded_config(len(tok), hidden_size=spec.model.hidden_size), seed=EMBEDDED_INIT_SEED)
     examples = answer_examples(tok, [t.prompt for t in tasks.train], [t.ground_truth for t in tasks.train])
     losses = warm_start(model, examples, EMBEDDED_WARM_START)
     tmp = out.with_name(out.name + ".tmp")
