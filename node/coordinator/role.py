@@ -116,6 +116,9 @@ class Coordinator:
         self.error: str | None = None
         self.base_dir: Path | None = None
         self.last_step: dict[str, Any] = {}
+        from rich.console import Console
+
+        self.console = Console(stderr=False, soft_wrap=True)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -245,8 +248,14 @@ class Coordinator:
                                 ("grad_norm", m.grad_norm), ("clipped_frac", m.clipped_frac), ("entropy", m.entropy_mean),
                                 ("tokens_per_s", m.tokens_per_s), ("utilization", self.utilization())):
                 self.m_train[name].set(value)
-            logger.warning("step %d: reward %.3f pass %.3f loss %.4f grad %.3f (%d groups, staleness %s)", m.step, m.reward_mean,
-                           m.pass_rate, m.loss, m.grad_norm, m.num_groups, m.staleness, extra={"step": m.step})
+            logger.info("step %d: reward %.3f pass %.3f loss %.4f grad %.3f (%d groups, staleness %s)", m.step, m.reward_mean,
+                        m.pass_rate, m.loss, m.grad_norm, m.num_groups, m.staleness, extra={"step": m.step})
+            self.console.print(
+                f"[bold]step {m.step}[/bold]  reward {m.reward_mean:.3f}  pass {m.pass_rate:.3f}  loss {m.loss:+.4f}  "
+                f"grad {m.grad_norm:.3f}  clipped {m.clipped_frac:.3f}  entropy {m.entropy_mean:.3f}  {m.tokens_per_s:.0f} tok/s  "
+                f"staleness {m.staleness}  utilization {self.utilization():.2f}",
+                highlight=False,
+            )
             if self.options.eval_every and self.trainer.step % self.options.eval_every == 0 and self.options.eval_samples:
                 r = self._evaluate()
                 self._log_metrics({"event": "eval", "step": self.trainer.step, "heldout_pass_rate": r.pass_rate,
