@@ -96,6 +96,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # untrusted input (a run spec's task set, a key, a file) reported in one line
+        from protocol.errors import ProtocolError
+
+        if not isinstance(e, ProtocolError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

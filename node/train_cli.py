@@ -81,7 +81,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         resume=args.resume, batch_timeout_s=args.batch_timeout, eval_samples=args.eval_samples, eval_every=args.eval_every,
         data_root=Path(args.data_root) if args.data_root else None, device=args.device,
     )
-    return asyncio.run(_run(signed, key, options, ctx))
+    from protocol.errors import ProtocolError
+
+    try:
+        return asyncio.run(_run(signed, key, options, ctx))
+    except ProtocolError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 async def _run(signed, key, options, ctx) -> int:  # noqa: ANN001

@@ -27,7 +27,7 @@ def _devnet(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=2, help="honest workers (default 2)")
     p.add_argument("--relays", type=int, default=2, help="Shardcast relays, in a tree under the origin (default 2)")
     p.add_argument("--validators", type=int, default=1, help="validators (default 1)")
-    p.add_argument("--steps", type=int, default=40, help="trainer steps (default 40)")
+    p.add_argument("--steps", type=int, default=60, help="trainer steps (default 60)")
     p.add_argument("--tasks", default="embedded", help="embedded (default), gsm8k, math500, humaneval, mbpp, … or a path (INTELLECT-2 schema)")
     p.add_argument("--data-root", default=None, help="where the public task sets are (default: $INTELLECT_DATA_ROOT or ../shared/data)")
     p.add_argument("--adversary", choices=ADVERSARIES, default=None, help="add one dishonest worker of this kind")
@@ -70,7 +70,7 @@ def _run_devnet(args: argparse.Namespace) -> int:
             last_print[0] = time.monotonic()
             st = dn.status
             print(f"[{time.monotonic() - dn.started:5.0f}s] step {st.get('trainer_step', '-')}/{dn.o.steps} "
-                  f"state: {str(st.get('state', 'starting'))[:90]}", flush=True)
+                  f"state: {st.get('state', 'starting')}", flush=True)
 
     dn = Devnet(options, on_tick=tick)
     try:
@@ -98,5 +98,5 @@ def _run_devnet(args: argparse.Namespace) -> int:
     print(f"devnet {'completed' if result.ok else 'FAILED'}: {result.reason} ({result.wall_s:.0f} s)")
     print(f"held-out pass rate: start {start} -> end {end}")
     print(f"verdicts: {st.get('verdicts_by_reason')}; banned: {[b['peer_id'] for b in st.get('banned') or []]}")
-    print(f"report: {md} and {png}; logs in {options.out}/logs/")
+    print(f"report: {md} and {png}; logs in {dn.out / 'logs'}/")
     return 0 if result.ok else 1

@@ -32,9 +32,9 @@ def _join(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run", required=True, help="the signed run spec (TOML)")
     p.add_argument("--data-dir", default=None, help=f"node data directory (default: {default_data_dir()})")
     p.add_argument("--key", default=None, help=f"node key file; created if absent (default: <data-dir>/{default_key_path().name})")
+    p.add_argument("--http-port", type=int, default=0,
+                   help="relay: Shardcast HTTP port; worker: /status and /metrics port (default: any free port, printed at start)")
     relay = p.add_argument_group("relay")
-    relay.add_argument("--http-port", type=int, default=0,
-                       help="relay: Shardcast HTTP port; worker: /status and /metrics port (default: any free port, printed at start)")
     relay.add_argument("--host", default="127.0.0.1", help="interface to serve on (default 127.0.0.1; 0.0.0.0 for everyone)")
     relay.add_argument(
         "--upstream", action="append", default=[], metavar="URL",

@@ -26,6 +26,21 @@ def _spec(sub: argparse._SubParsersAction) -> None:
     init.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help="bootstrap peer (repeatable)")
     init.add_argument("--ingest-url", action="append", default=[], metavar="URL", help="coordinator ingest URL (repeatable)")
     init.add_argument("--origin-url", action="append", default=[], metavar="URL", help="Shardcast origin URL (repeatable)")
+    init.add_argument("--tasks", default=None, help="task set: embedded, gsm8k, math500, math_train, humaneval, mbpp, or a file path")
+    init.add_argument("--data-root", default=None, help="where the public sets are; given, the task list's hash is pinned in the spec")
+    init.add_argument("--tasks-per-submission", type=int, default=None, help="tasks per worker submission (default 2)")
+    init.add_argument("--model-base", default=None, help="'embedded' (default) or a local Qwen2 directory (config, safetensors, tokenizer)")
+    init.add_argument("--hidden-size", type=int, default=None, help="the model's hidden size (≥ TOPLOC top-k 128)")
+    init.add_argument("--max-tokens", type=int, default=None, help="completion length limit in tokens (default 32)")
+    init.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
+    init.add_argument("--top-p", type=float, default=None, help="nucleus mass (default 1.0)")
+    init.add_argument("--target-length", type=int, action="append", default=[], metavar="TOKENS",
+                      help="length-control target (repeatable; INTELLECT-2 style 'Think for N tokens')")
+    init.add_argument("--length-penalty", type=float, default=None, help="λ of the length penalty (INTELLECT-2: 0.0003)")
+    init.add_argument("--learning-rate", type=float, default=None, help="AdamW learning rate (default 1e-5)")
+    init.add_argument("--batch-groups", type=int, default=None, help="whole groups per trainer step (default 4)")
+    init.add_argument("--old-logprobs", choices=["recompute", "behavior"], default=None,
+                      help="GRPO ratio denominator (default recompute, as INTELLECT-2)")
     init.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     init.set_defaults(handler=_run_spec_init)
     show = ssub.add_parser("show", help="print a run spec and whether its signature holds")
@@ -44,7 +59,19 @@ def _run_spec_init(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not args.force:
         raise CliError(f"{out} exists; pass --force to overwrite it")
-    rl = {k: v for k, v in {"async_level": args.async_level, "group_size": args.group_size}.items() if v is not None}
+    def given(**kw: object) -> dict[str, object]:
+        return {k: v for k, v in kw.items() if v is not None}
+
+    rl = given(async_level=args.async_level, group_size=args.group_size, learning_rate=args.learning_rate,
+               batch_groups=args.batch_groups, old_logprobs=args.old_logprobs)
+    data = given(tasks=args.tasks, tasks_per_submission=args.tasks_per_submission)
+    if args.tasks is not None and args.tasks != "embedded" and args.data_root is not None:
+        from protocol.dataset import resolve_tasks
+
+        data["tasks_hash"] = resolve_tasks(args.tasks, Path(args.data_root)).hash
+    model = given(base=args.model_base, hidden_size=args.hidden_size)
+    sampling = given(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, length_penalty=args.length_penalty,
+                     target_lengths=args.target_length or None)
     async_level = rl.get("async_level", rs.RLSpec().async_level)
     shard = {"keep_steps": args.keep_steps if args.keep_steps is not None else async_level + 1}
     if args.piece_size is not None:
@@ -57,6 +84,9 @@ def _run_spec_init(args: argparse.Namespace) -> int:
                 coordinator=key.peer_id,
                 validators=args.validator,
             ),
+            model=rs.ModelSpec(**model),
+            data=rs.DataSpec(**data),
+            sampling=rs.SamplingSpec(**sampling),
             rl=rs.RLSpec(**rl),
             shardcast=rs.ShardcastSpec(**shard),
             network=rs.NetworkSpec(bootstrap=args.bootstrap, ingest_urls=args.ingest_url, origin_urls=args.origin_url),

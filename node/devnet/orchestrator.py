@@ -51,7 +51,7 @@ class DevnetOptions:
     workers: int = 2
     relays: int = 2
     validators: int = 1
-    steps: int = 40
+    steps: int = 60
     tasks: str = "embedded"
     data_root: Path | None = None
     adversary: str | None = None

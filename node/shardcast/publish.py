@@ -32,15 +32,20 @@ def checkpoint_files(path: Path) -> list[Path]:
     non-hidden top-level files in name order (weights ``*.safetensors`` plus config files).
 
     Raises:
-        ShardcastError: missing path, empty directory, or a pickle-based weight file.
+        ShardcastError: missing path, a single file that is not safetensors, a directory without
+            safetensors weights, or a pickle-based weight file.
     """
     path = Path(path)
     if path.is_file():
+        if path.suffix.lower() != ".safetensors":
+            raise ShardcastError(f"{path} is not a .safetensors file; publish a safetensors file or a checkpoint directory")
         files = [path]
     elif path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
         if not files:
             raise ShardcastError(f"{path} holds no files to publish")
+        if not any(p.suffix.lower() == ".safetensors" for p in files):
+            raise ShardcastError(f"{path} holds no .safetensors weights")
     else:
         raise ShardcastError(f"no checkpoint at {path}")
     for f in files:
