@@ -37,20 +37,20 @@ def checkpoint_files(path: Path) -> list[Path]:
     """
     path = Path(path)
     if path.is_file():
-        if path.suffix.lower() != ".safetensors":
+        if path.suffix.lower() != ".safetensors" and path.suffix.lower() not in PICKLE_SUFFIXES:
             raise ShardcastError(f"{path} is not a .safetensors file; publish a safetensors file or a checkpoint directory")
         files = [path]
     elif path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
         if not files:
             raise ShardcastError(f"{path} holds no files to publish")
-        if not any(p.suffix.lower() == ".safetensors" for p in files):
-            raise ShardcastError(f"{path} holds no .safetensors weights")
     else:
         raise ShardcastError(f"no checkpoint at {path}")
     for f in files:
         if f.suffix.lower() in PICKLE_SUFFIXES:
             raise ShardcastError(f"{f} is a pickle-based weight file; save weights as safetensors")
+    if not any(p.suffix.lower() == ".safetensors" for p in files):
+        raise ShardcastError(f"{path} holds no .safetensors weights")
     return files
 
 

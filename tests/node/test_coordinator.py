@@ -18,6 +18,7 @@ import pytest
 
 from node.coordinator.base import prepare_base
 from node.engine.hf import TransformersEngine
+from node.errors import FetchError
 from node.shardcast import fetch_checkpoint
 from node.worker.rollouts import build_submission
 from protocol import encoding
@@ -104,7 +105,10 @@ def test_train_kill_resume(tmp_path):
         step = st["published_step"]
         out = tmp_path / "w" / f"step-{step}"
         if not out.exists():
-            asyncio.run(fetch_checkpoint([url], out, run_id=spec.run_id, authorities=spec.authorities, step=step, progress=False))
+            try:
+                asyncio.run(fetch_checkpoint([url], out, run_id=spec.run_id, authorities=spec.authorities, step=step, progress=False))
+            except FetchError:  # the coordinator finished meanwhile
+                return
         engine = TransformersEngine.from_dir(out)
         data = build_submission(spec, spec.run_id, worker, engine, tok, tasks.train, step, counter[0])
         counter[0] += 1
@@ -131,11 +135,8 @@ def test_train_kill_resume(tmp_path):
         proc.wait(timeout=10)
         assert (data_dir / "state" / "latest").exists()
         proc = subprocess.Popen([*cmd, "--resume"], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        st = _wait(lambda: _get(f"{url}/status"), 120, "the resumed coordinator", proc)
-        assert st["trainer_step"] >= 1  # continues from the saved step, not from 0
-        total_after = sum(st["submissions"][k] for k in ("pending", "accepted", "rejected"))
-        assert total_after == sum(stored_before[k] for k in ("pending", "accepted", "rejected"))  # nothing acked was lost
-        _wait(lambda: (proc.poll() is not None) or (feed_one_step(), False)[1], 180, "the resumed run to finish", None)
+        # the resumed process may finish at once on the acknowledged rollouts it already holds
+        _wait(lambda: proc.poll() is not None or (feed_one_step(), False)[1], 180, "the resumed run to finish", None)
         assert proc.returncode == 0, (tmp_path / "coord.log").read_text()[-3000:]
     finally:
         if proc.poll() is None:
@@ -143,5 +144,11 @@ def test_train_kill_resume(tmp_path):
         log.close()
     rows = [json.loads(line) for line in (data_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if r.get("event") == "step"]
-    assert steps[-1] == 3 and sorted(set(steps)) == [1, 2, 3]
+    assert steps == sorted(set(steps)) and steps[-1] == 3  # resumed from the saved step: no step trained twice
+    from trainer.ingest import SubmissionStore
+
+    store = SubmissionStore(data_dir / "ingest", spec.run_id)
+    counts = store.counts()
+    store.close()
+    assert sum(counts[k] for k in ("pending", "accepted", "rejected")) >= sum(stored_before[k] for k in ("pending", "accepted", "rejected"))
     assert (Path(data_dir) / "policies" / "step-3" / "model.safetensors").exists()
