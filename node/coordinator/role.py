@@ -116,6 +116,7 @@ class Coordinator:
         self.error: str | None = None
         self.base_dir: Path | None = None
         self.last_step: dict[str, Any] = {}
+        self.m_train: dict[str, Any] = {}  # Prometheus gauges, made with the ingest's registry in start()
         from rich.console import Console
 
         self.console = Console(stderr=False, soft_wrap=True)
@@ -410,7 +411,7 @@ class Coordinator:
         }
 
     def _log_metrics(self, row: dict[str, Any]) -> None:
-        if row.get("event") == "eval" and hasattr(self, "m_train"):
+        if row.get("event") == "eval" and self.m_train:
             self.m_train["heldout_pass_rate"].set(row["heldout_pass_rate"])
         row = {"ts": round(time.time(), 3), **row}
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)

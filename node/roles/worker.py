@@ -92,6 +92,7 @@ class Worker:
         self.verdicts: dict[str, int] = {}
         self._stop = asyncio.Event()
         self._kick = asyncio.Event()
+        self._last_poll = 0.0  # monotonic time of the last manifest poll
         self._sender: asyncio.Task[None] | None = None
         self.registry = CollectorRegistry()
         self.m_tokens = Counter("intellect_worker_tokens", "Completion tokens generated", registry=self.registry)
@@ -182,7 +183,7 @@ class Worker:
     async def _ensure_policy(self) -> bool:
         """Hold a policy no older than latest − async_level; ``False`` means 'waited, try again'."""
         latest = self.follower.latest_step
-        if latest < 0 or time.monotonic() - getattr(self, "_last_poll", 0.0) > POLL_INTERVAL_S * 5:
+        if latest < 0 or time.monotonic() - self._last_poll > POLL_INTERVAL_S * 5:
             self._last_poll = time.monotonic()
             latest = await self.follower.poll_latest()
         if latest < 0:
