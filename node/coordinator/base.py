@@ -19,9 +19,6 @@ each task's final answer (prompt tail only, to stay cheap) teaches it to answer 
 so completion lengths — and with the length penalty, rewards — vary within groups."""
 REAL_TASKS_PROMPT_TAIL_CHARS = 96
 
-EMBEDDED_INIT_SEED = 0
-"""Initialisation seed of the embedded model (the cache key does not include the run seed)."""
-
 EMBEDDED_WARM_START = WarmStartConfig(steps=150, batch_size=64, learning_rate=3e-3, seed=0)
 """Supervised steps on the training tasks' answers that make the embedded model solve about a
 third of its held-out problems at the devnet's sampling temperature, so GRPO has signal."""
@@ -42,12 +39,11 @@ def prepare_base(spec: RunSpec, tasks: RunTasks, cache_dir: Path) -> Path:
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model.base {path} has no config.json (a local Qwen2 directory is required; no hub access)")
         return path
-    out = Path(cache_dir) / f"embedded-h{spec.model.hidden_size}-{tasks.hash[:12]}"
+    out = Path(cache_dir) / f"embedded-h{spec.model.hidden_size}-s{spec.run.seed % (2**31)}-{tasks.hash[:12]}"
     if (out / "model.safetensors").exists():
         return out
     tok = embedded_tokenizer()
-    # a fixed seed: every devnet starts from the same base, so runs are comparable
-    model = build_model(embedded_config(len(tok), hidden_size=spec.model.hidden_size), seed=EMBEDDED_INIT_SEED)
+    model = build_model(embedded_config(len(tok), hidden_size=spec.model.hidden_size), seed=spec.run.seed % (2**31))
     if spec.data.tasks == "embedded":
         examples = answer_examples(tok, [t.prompt for t in tasks.train], [t.ground_truth for t in tasks.train])
         config = EMBEDDED_WARM_START
