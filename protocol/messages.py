@@ -12,6 +12,7 @@ type                              signed by    read by
 ``node_record/1``                 any node     peer table of every node (gossip heartbeats)
 ``manifest/1``                    coordinator  relays, workers, validators (Shardcast HTTP)
 ``checkpoint_announcement/1``     coordinator  relays, workers, validators (gossip)
+``delta_manifest/1``              coordinator  relays, workers, validators (Shardcast HTTP)
 ``submission/1``                  any worker   coordinator ingest, validators (HTTP)
 ``verdict/1``                     validators   coordinator ingest, workers (HTTP, gossip)
 ``ban_list/1``                    coordinator  everyone (gossip, HTTP)
@@ -134,6 +135,36 @@ class CheckpointAnnouncement(Message):
     origin_url: Annotated[str, StringConstraints(max_length=256)] = ""
 
 
+class DeltaManifest(Message):
+    """The coordinator-signed list of the pieces of a step delta (``docs/shardcast.md`` §9).
+
+    The delta turns the checkpoint of ``base_step`` (whose ``manifest/1`` envelope hashes to
+    ``base_manifest_id``) into the one of ``step`` (``target_manifest_id``); its bytes are the
+    zstd-compressed delta body of :mod:`protocol.delta`, ``size_bytes`` long, cut by the piece
+    rule into ``pieces``. ``raw_size_bytes`` is the decompressed body's exact length (a bound for
+    the decoder). A node accepts the result of applying it only if the files hash to the pieces
+    of the target *full* manifest; ``changed_elements`` / ``total_elements`` (16-bit words) are
+    informational.
+    """
+
+    TYPE: ClassVar[str] = "delta_manifest/1"
+    MAX_BYTES: ClassVar[int] = 16 * MiB
+    SIGNER: ClassVar[Signer] = "coordinator"
+
+    step: Step
+    base_step: Step
+    base_manifest_id: ContentIdBytes
+    target_manifest_id: ContentIdBytes
+    piece_size_bytes: Annotated[int, Field(ge=64 * KiB, le=1 << 30)]
+    size_bytes: Annotated[int, Field(ge=1, le=1 << 50)]
+    raw_size_bytes: Annotated[int, Field(ge=8, le=1 << 52)]
+    pieces: Annotated[list[ContentIdBytes], Field(min_length=1, max_length=1 << 18)]
+    delta_hash: ContentIdBytes
+    changed_elements: Count = 0
+    total_elements: Count = 0
+    meta: Annotated[dict[Name, ShortStr], Field(max_length=32)] = {}
+
+
 class SubmissionTask(Message):
     """A task a submission answers: its index in the run's dataset and the derived parameters."""
 
@@ -236,6 +267,7 @@ class LeaseRequest(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TYPE: cls for cls in (NodeRecord, Manifest, CheckpointAnnouncement, Submission, Verdict, BanList, LeaseRequest)
+    cls.TYPE: cls
+    for cls in (NodeRecord, Manifest, CheckpointAnnouncement, DeltaManifest, Submission, Verdict, BanList, LeaseRequest)
 }
 """Every message type a node accepts, by type tag."""
