@@ -20,6 +20,7 @@ from node.errors import FetchError, NodeError
 from node.shardcast import DownloadConfig, fetch_checkpoint
 from node.shardcast.download import get_manifest, make_session
 from protocol.errors import ProtocolError
+from protocol.models import check_base_hash
 from protocol.runspec import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,13 @@ class PolicyFollower:
             except FetchError as e:
                 self.last_error = str(e)
                 raise
+            if step == 0 and self.spec.model.base_hash:
+                try:  # step 0 is the base, file for file: refuse one that is not the pinned base
+                    await asyncio.to_thread(check_base_hash, out, self.spec.model.base_hash)
+                except ProtocolError as e:
+                    shutil.rmtree(out, ignore_errors=True)
+                    self.last_error = str(e)
+                    raise FetchError(f"policy step 0 is not the run's base model: {e}") from None
             self.fetch_seconds[step] = time.monotonic() - t0
             if result.faulty_sources:
                 logger.warning("faulty sources while fetching step %d: %s", step, result.faulty_sources, extra={"step": step})

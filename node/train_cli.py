@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-timeout", type=float, default=600.0, help="seconds without a full batch before giving up (default 600)")
     p.add_argument("--eval-samples", type=int, default=8, help="samples per held-out task in evaluations (0: none)")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (default: start and end only)")
-    p.add_argument("--data-root", default=None, help="directory of public task sets for named data.tasks")
+    p.add_argument("--data-root", default=None,
+                   help="directory of the public task sets (math/, code/): required when data.tasks names one (gsm8k, gsm8k_train, …)")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
     p.add_argument("--log-json", action="store_true", help="log as JSON lines")
@@ -73,7 +74,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ctx = init_distributed()
     if not ctx.is_main:
-        follow_rank(signed, data_dir, ctx, resume=args.resume)
+        from protocol.errors import ProtocolError
+
+        try:
+            follow_rank(signed, data_dir, ctx, resume=args.resume, data_root=Path(args.data_root) if args.data_root else None)
+        except ProtocolError as e:
+            print(f"error: rank {ctx.rank}: {e}", file=sys.stderr)
+            return 2
         return 0
     gossip = None if args.no_gossip else GossipConfig(listen_host=args.listen_host, p2p_port=args.p2p_port, bootstrap=args.bootstrap)
     options = CoordinatorOptions(

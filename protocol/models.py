@@ -11,9 +11,11 @@ downloads.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import string
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +191,160 @@ def read_config(model_dir: Path) -> dict[str, Any]:
         return config
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {model_dir}/config.json: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# The base model's identity: what `spec init --model-base` reads and `model.base_hash` pins
+
+BASE_HASH_DOMAIN = b"intellect-node/base-hash/1\x00"
+SUPPORTED_DTYPES = ("float32", "bfloat16")
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def model_files(model_dir: Path) -> list[Path]:
+    """The files that make up a model directory: its non-hidden top-level regular files, sorted by
+    name (the same set ``node.shardcast.publish`` publishes for a directory)."""
+    return sorted((p for p in Path(model_dir).iterdir() if p.is_file() and not p.name.startswith(".")), key=lambda p: p.name)
+
+
+def base_hash(model_dir: Path) -> str:
+    """``model.base_hash`` of a model directory: a content hash over its files (``docs/protocol.md`` §7).
+
+    SHA-256 of ``BASE_HASH_DOMAIN`` followed, for each file of :func:`model_files` in name order,
+    by ``u32 len(name) || name (UTF-8) || u64 size in bytes || SHA-256(content)`` (big-endian
+    integers). Reads every byte of every file once (about 1 s per GB).
+
+    Raises:
+        ModelLoadError: the directory is missing or holds no files.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {model_dir} does not exist")
+    files = model_files(model_dir)
+    if not files:
+        raise ModelLoadError(f"model directory {model_dir} holds no files")
+    h = hashlib.sha256(BASE_HASH_DOMAIN)
+    for f in files:
+        name = f.name.encode("utf-8")
+        content = hashlib.sha256()
+        size = 0
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                content.update(chunk)
+                size += len(chunk)
+        h.update(len(name).to_bytes(4, "big") + name + size.to_bytes(8, "big") + content.digest())
+    return h.hexdigest()
+
+
+def check_base_hash(model_dir: Path, expected: str) -> None:
+    """Refuse a base model whose files differ from the run spec's ``model.base_hash``.
+
+    Args:
+        model_dir: the base model directory (or a fetched policy step 0).
+        expected: the run spec's ``model.base_hash``; empty skips the check.
+
+    Raises:
+        ModelLoadError: one line naming both hashes.
+    """
+    if not expected:
+        return
+    got = base_hash(model_dir)
+    if got != expected:
+        raise ModelLoadError(
+            f"base model {model_dir} hashes to {got[:16]}…, the run spec's model.base_hash is {expected[:16]}…: "
+            "different model files (every node must hold the exact files the spec was made from)"
+        )
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a base model directory declares, as read by :func:`inspect_model_dir`.
+
+    Attributes:
+        dtype: the weights' dtype (``float32`` or ``bfloat16``) from the safetensors headers.
+        config_dtype: ``torch_dtype``/``dtype`` of ``config.json`` (``None``: absent).
+        hidden_size: ``config.hidden_size``.
+        layers: ``config.num_hidden_layers``.
+        vocab_size: ``config.vocab_size`` (rows of the embedding).
+        tokenizer_size: tokens the tokenizer knows (≤ ``vocab_size``).
+        eos_token_ids: end-of-sequence token IDs (config, ``generation_config.json`` and tokenizer).
+        parameters: number of weights in the safetensors files (a tied head counted once).
+        chat_template: whether the tokenizer has a chat template.
+    """
+
+    dtype: str
+    config_dtype: str | None
+    hidden_size: int
+    layers: int
+    vocab_size: int
+    tokenizer_size: int
+    eos_token_ids: tuple[int, ...]
+    parameters: int
+    chat_template: bool
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def inspect_model_dir(model_dir: Path) -> ModelInfo:
+    """Read a local Qwen2 directory's config, safetensors headers and tokenizer (no weights loaded).
+
+    Raises:
+        ModelLoadError: no config, a foreign architecture, no or unreadable safetensors, mixed or
+            unsupported weight dtypes, no tokenizer, no EOS token, or a tokenizer larger than
+            the embedding.
+    """
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    cfg = read_config(model_dir)
+    if cfg.get("model_type") != "qwen2":
+        raise ModelLoadError(f"{model_dir} is a {cfg.get('model_type')!r} model; only qwen2 is supported")
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir} has no .safetensors weights")
+    dtypes: set[str] = set()
+    parameters = 0
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    sl = st.get_slice(name)
+                    dtypes.add(_SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
+                    n = 1
+                    for d in sl.get_shape():
+                        n *= d
+                    parameters += n
+        except Exception as e:  # safetensors raises SafetensorError / OSError on corrupt files
+            raise ModelLoadError(f"cannot read weights {f}: {e}") from e
+    if len(dtypes) != 1:
+        raise ModelLoadError(f"{model_dir} mixes weight dtypes {sorted(dtypes)}; save it in one dtype")
+    dtype = dtypes.pop()
+    if dtype not in SUPPORTED_DTYPES:
+        raise ModelLoadError(f"{model_dir} has {dtype} weights; supported: {', '.join(SUPPORTED_DTYPES)}")
+    config_dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+    tok = load_tokenizer(model_dir)
+    eos = _ids(cfg.get("eos_token_id"))
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            eos += _ids(json.loads(gen_path.read_text()).get("eos_token_id"))
+        except (OSError, ValueError, AttributeError) as e:
+            raise ModelLoadError(f"cannot read {gen_path}: {e}") from e
+    if tok.eos_token_id is not None:
+        eos.append(int(tok.eos_token_id))
+    if not eos:
+        raise ModelLoadError(f"{model_dir} names no EOS token (config, generation_config.json or tokenizer)")
+    vocab = int(cfg.get("vocab_size", 0))
+    if len(tok) > vocab:
+        raise ModelLoadError(f"{model_dir}: the tokenizer has {len(tok)} tokens, the embedding only {vocab} rows")
+    return ModelInfo(
+        dtype=dtype, config_dtype=str(config_dtype) if config_dtype else None, hidden_size=int(cfg.get("hidden_size", 0)),
+        layers=int(cfg.get("num_hidden_layers", 0)), vocab_size=vocab, tokenizer_size=len(tok),
+        eos_token_ids=tuple(sorted(set(eos))), parameters=parameters, chat_template=bool(getattr(tok, "chat_template", None)),
+    )

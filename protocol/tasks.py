@@ -439,6 +439,20 @@ CONVERTER_FILES: dict[str, str] = {
     "mbpp": "code/mbpp.jsonl",
 }
 CONVERTER_NAMES: tuple[str, ...] = tuple(CONVERTER_FILES)
+CONVERTER_SPLITS: dict[str, str] = {
+    "gsm8k": "GSM8K test split, 1319 problems",
+    "gsm8k_train": "GSM8K train split, 7473 problems",
+    "math500": "MATH-500 test subset, 500 problems",
+    "math_train": "DeepScaleR MATH train split, 7472 problems",
+    "humaneval": "HumanEval, 164 problems (test only)",
+    "mbpp": "MBPP, all 974 problems",
+}
+"""What each public set name means: which split, how many problems."""
+
+
+def task_set_help() -> str:
+    """One line naming every public task set with its split (for ``--help`` and errors)."""
+    return "; ".join(f"{name} ({CONVERTER_SPLITS[name]})" for name in CONVERTER_NAMES)
 
 
 def _raw_rows(path: Path) -> list[tuple[str, Any]]:
@@ -570,7 +584,8 @@ def convert(name_or_path: str | Path, data_root: str | Path | None = None) -> li
     if str(name_or_path) in CONVERTER_FILES:
         name = str(name_or_path)
         if data_root is None:
-            raise TaskError(f"converting {name!r} needs data_root (the folder with math/ and code/)")
+            raise TaskError(f"task set {name!r} needs the public task files: pass --data-root DIR (the folder with math/ and code/) "
+                            "to this node (data_root is unset)")
         path = Path(data_root) / CONVERTER_FILES[name]
         if not path.is_file():
             raise TaskError(f"no such file for set {name!r}", str(path))

@@ -5,10 +5,16 @@ Tensors go to safetensors, scalars to JSON; nothing is ever unpickled (no ``torc
 renamed; a state directory is built under a temporary name and renamed whole, then the
 ``latest`` pointer is replaced, so a crash at any point leaves the previous state loadable.
 
-Policy checkpoint (``save_policy``), the layout workers load with ``from_pretrained``::
+Policy checkpoint (``save_policy``), the layout workers load with ``from_pretrained``; this module
+is the one place that writes a policy directory::
 
-    <dir>/config.json          the Qwen2 config
-    <dir>/model.safetensors    full weights, HF parameter names (a tied lm_head is omitted)
+    <dir>/config.json          the base's config.json, its dtype field set to the weights' dtype
+    <dir>/model.safetensors    full weights in the run spec's model.dtype, HF parameter names
+                               (a tied lm_head is omitted)
+    <dir>/…                    every other file of the base (tokenizer files, chat template,
+                               generation_config.json), byte-identical
+
+Step 0 is the base directory itself (``write_base_policy``), file for file.
 
 Training state (``save_training_state``), one directory per trainer step under a root::
 
@@ -56,6 +62,7 @@ __all__ = [
     "load_training_state",
     "save_policy",
     "save_training_state",
+    "write_base_policy",
 ]
 
 STATE_FORMAT = "intellect-node/trainer-state/1"
@@ -99,29 +106,66 @@ def _full_model_state(model: torch.nn.Module) -> dict[str, Any]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def _write_policy(model: Any, state: dict[str, Any], directory: Path, dtype: torch.dtype) -> list[Path]:
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _config_json(model: Any, dtype: torch.dtype, base_dir: Path | None) -> str:
+    """``config.json`` text: the base's own config (else the model's), with its dtype made true."""
+    if base_dir is not None and (Path(base_dir) / CONFIG_FILE).is_file():
+        cfg = json.loads((Path(base_dir) / CONFIG_FILE).read_text())
+    else:
+        cfg = json.loads(model.config.to_json_string())
+        cfg.pop("use_cache", None)  # the trainer turns the KV cache off; a policy for generation keeps the default
+    keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]
+    for k in keys:
+        cfg[k] = _dtype_name(dtype)
+    return json.dumps(cfg, indent=2) + "\n"
+
+
+def _base_extras(base_dir: Path) -> list[Path]:
+    """Files of the base a policy directory carries unchanged: all but config and weights."""
+    return [
+        p for p in sorted(Path(base_dir).iterdir())
+        if p.is_file() and not p.name.startswith(".") and p.name != CONFIG_FILE
+        and not p.name.endswith((".safetensors", ".safetensors.index.json"))
+    ]
+
+
+def _write_policy(model: Any, state: dict[str, Any], directory: Path, dtype: torch.dtype, base_dir: Path | None = None) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items() if not (tied and k == TIED_HEAD)}
     cfg_path, model_path = directory / CONFIG_FILE, directory / MODEL_FILE
-    _atomic_write(cfg_path, lambda p: model.config.to_json_file(str(p)))
+    text = _config_json(model, dtype, base_dir)
+    _atomic_write(cfg_path, lambda p: p.write_text(text))
     _atomic_write(model_path, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     _fsync_dir(directory)
     return [cfg_path, model_path]
 
 
 def save_policy(
-    model: torch.nn.Module, directory: Path, ctx: DistContext, *, dtype: torch.dtype = torch.float32, tokenizer: Any = None
+    model: torch.nn.Module,
+    directory: Path,
+    ctx: DistContext,
+    *,
+    dtype: torch.dtype = torch.float32,
+    tokenizer: Any = None,
+    base_dir: Path | None = None,
 ) -> list[Path]:
-    """Write the full policy as ``config.json`` + ``model.safetensors`` (rank 0 writes). Collective.
+    """Write the full policy as a model directory in the base's format (rank 0 writes). Collective.
 
     Args:
         model: the (possibly FSDP2-sharded) policy.
         directory: created if missing; existing files of the same names are replaced atomically.
         ctx: the distributed context.
-        dtype: dtype of the written weights (the run spec's ``model.dtype``).
-        tokenizer: if given, its files are saved alongside (``save_pretrained``), so the directory
-            is a complete model directory for ``protocol.models.load_model`` / ``load_tokenizer``.
+        dtype: dtype of the written weights (the run spec's ``model.dtype``); ``config.json``'s
+            ``dtype``/``torch_dtype`` says the same.
+        tokenizer: used only without ``base_dir``: its files are saved alongside
+            (``save_pretrained``), so the directory is complete for ``protocol.models``.
+        base_dir: the run's base model directory: its ``config.json`` is written back (dtype
+            field set to ``dtype``, nothing else changed) and every other non-weight file
+            (tokenizer files, chat template, ``generation_config.json``) is copied byte-identical.
 
     Returns:
         The written paths, sorted, on rank 0; ``[]`` on other ranks.
@@ -130,13 +174,41 @@ def save_policy(
     paths: list[Path] = []
     if ctx.is_main:
         directory = Path(directory)
-        paths = _write_policy(model, state, directory, dtype)
-        if tokenizer is not None:
+        paths = _write_policy(model, state, directory, dtype, base_dir)
+        if base_dir is not None:
+            for src in _base_extras(Path(base_dir)):
+                dst = directory / src.name
+                _atomic_write(dst, lambda p, src=src: shutil.copyfile(src, p))
+                paths.append(dst)
+            _fsync_dir(directory)
+        elif tokenizer is not None:
             paths += [Path(p) for p in tokenizer.save_pretrained(str(directory)) if Path(p).is_file()]
         paths = sorted(set(paths))
     if ctx.distributed:
         dist.barrier()
     return paths
+
+
+def write_base_policy(base_dir: Path, directory: Path) -> list[Path]:
+    """Policy step 0: the base directory's files copied unchanged into ``directory`` (no gather).
+
+    Copies the non-hidden top-level files, so ``protocol.models.base_hash`` of ``directory``
+    equals the base's (what workers and validators check against ``model.base_hash``).
+
+    Returns:
+        The written paths, sorted.
+    """
+    from protocol.models import model_files
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    out = []
+    for src in model_files(Path(base_dir)):
+        dst = directory / src.name
+        _atomic_write(dst, lambda p, src=src: shutil.copyfile(src, p))
+        out.append(dst)
+    _fsync_dir(directory)
+    return sorted(out)
 
 
 def _rng_states(ctx: DistContext) -> dict[str, torch.Tensor]:

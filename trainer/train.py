@@ -223,8 +223,10 @@ class Trainer:
             weight_decay=config.weight_decay,
             foreach=True,
         )
-        n_params = sum(p.numel() for p in model.parameters())
-        logger.info("trainer ready: %d parameters (local), world size %d, step %d", n_params, self.ctx.world_size, step)
+        n_params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global size
+        n_local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+        logger.info("trainer ready: %d parameters, %d on this rank (local shard), world size %d, step %d", n_params, n_local,
+                    self.ctx.world_size, step)
 
     def _shard(self, model: torch.nn.Module) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -353,15 +355,17 @@ class Trainer:
         self.optimizer_steps += 1
         return value
 
-    def save_checkpoint(self, directory: Path, *, dtype: torch.dtype = torch.float32, tokenizer: Any = None) -> list[Path]:
-        """Write the current policy as ``config.json`` + ``model.safetensors`` (+ the tokenizer's
-        files when given) for publishing. Collective; rank 0 gathers the full weights (CPU
-        offload) and writes.
+    def save_checkpoint(
+        self, directory: Path, *, dtype: torch.dtype = torch.float32, tokenizer: Any = None, base_dir: Path | None = None
+    ) -> list[Path]:
+        """Write the current policy as a model directory for publishing (``trainer.checkpoint.save_policy``:
+        weights in ``dtype``, the base's config and other files when ``base_dir`` is given, else the
+        tokenizer's files). Collective; rank 0 gathers the full weights (CPU offload) and writes.
 
         Returns:
             The written paths, sorted, on rank 0; ``[]`` elsewhere.
         """
-        return save_policy(self.model, Path(directory), self.ctx, dtype=dtype, tokenizer=tokenizer)
+        return save_policy(self.model, Path(directory), self.ctx, dtype=dtype, tokenizer=tokenizer, base_dir=base_dir)
 
     def save_state(self, root: Path, data_position: dict[str, Any] | None = None, *, keep: int = 2) -> Path:
         """Save weights, optimizer state, step counters, RNG states and ``data_position`` under

@@ -28,7 +28,7 @@ def _devnet(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--relays", type=int, default=2, help="Shardcast relays, in a tree under the origin (default 2)")
     p.add_argument("--validators", type=int, default=1, help="validators (default 1)")
     p.add_argument("--steps", type=int, default=60, help="trainer steps (default 60)")
-    p.add_argument("--tasks", default="embedded", help="embedded (default), gsm8k, math500, humaneval, mbpp, … or a path (INTELLECT-2 schema)")
+    p.add_argument("--tasks", default="embedded", help="embedded (default), gsm8k (test split), gsm8k_train (train split), math500, math_train, humaneval, mbpp, or a path (INTELLECT-2 schema)")
     p.add_argument("--data-root", default=None, help="where the public task sets are (default: $INTELLECT_DATA_ROOT or ../shared/data)")
     p.add_argument("--adversary", choices=ADVERSARIES, default=None, help="add one dishonest worker of this kind")
     p.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP", help="SIGKILL worker-0 at this trainer step, then restart it")

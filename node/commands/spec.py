@@ -26,11 +26,13 @@ def _spec(sub: argparse._SubParsersAction) -> None:
     init.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help="bootstrap peer (repeatable)")
     init.add_argument("--ingest-url", action="append", default=[], metavar="URL", help="coordinator ingest URL (repeatable)")
     init.add_argument("--origin-url", action="append", default=[], metavar="URL", help="Shardcast origin URL (repeatable)")
-    init.add_argument("--tasks", default=None, help="task set: embedded, gsm8k, math500, math_train, humaneval, mbpp, or a file path")
+    init.add_argument("--tasks", default=None, help="task set: embedded, a public set — gsm8k (test split), gsm8k_train (train split), math500 (test), "
+                      "math_train (train), humaneval, mbpp — or a JSONL/Parquet file in the INTELLECT-2 schema")
     init.add_argument("--data-root", default=None, help="where the public sets are; given, the task list's hash is pinned in the spec")
     init.add_argument("--tasks-per-submission", type=int, default=None, help="tasks per worker submission (default 2)")
-    init.add_argument("--model-base", default=None, help="'embedded' (default) or a local Qwen2 directory (config, safetensors, tokenizer)")
-    init.add_argument("--hidden-size", type=int, default=None, help="the model's hidden size (≥ TOPLOC top-k 128)")
+    init.add_argument("--model-base", default=None, help="'embedded' (default) or a local Qwen2 directory (config, safetensors, tokenizer): "
+                      "its dtype and hidden size are read from it and its files pinned by model.base_hash")
+    init.add_argument("--hidden-size", type=int, default=None, help="hidden size of the embedded model (≥ TOPLOC top-k 128; read from --model-base DIR otherwise)")
     init.add_argument("--max-tokens", type=int, default=None, help="completion length limit in tokens (default 32)")
     init.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
     init.add_argument("--top-p", type=float, default=None, help="nucleus mass (default 1.0)")
@@ -70,6 +72,8 @@ def _run_spec_init(args: argparse.Namespace) -> int:
 
         data["tasks_hash"] = resolve_tasks(args.tasks, Path(args.data_root)).hash
     model = given(base=args.model_base, hidden_size=args.hidden_size)
+    if args.model_base is not None and args.model_base != "embedded":
+        model.update(_describe_base(Path(args.model_base), args.hidden_size))
     sampling = given(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, length_penalty=args.length_penalty,
                      target_lengths=args.target_length or None)
     async_level = rl.get("async_level", rs.RLSpec().async_level)
@@ -101,6 +105,29 @@ def _run_spec_init(args: argparse.Namespace) -> int:
     tmp.replace(out)
     print(f"run spec written to {out}; run ID {signed.run_id.hex()}")
     return 0
+
+
+def _describe_base(path: Path, hidden_size: int | None) -> dict[str, object]:
+    """The ``[model]`` values a local base directory dictates: dtype, hidden size and ``base_hash``."""
+    from protocol.models import ModelLoadError, base_hash, inspect_model_dir
+
+    if not (path / "config.json").is_file():
+        raise CliError(f"--model-base {path} has no config.json (a local Qwen2 directory: config.json, *.safetensors, tokenizer)")
+    try:
+        info = inspect_model_dir(path)
+        digest = base_hash(path)
+    except ModelLoadError as e:
+        raise CliError(str(e)) from None
+    if hidden_size is not None and hidden_size != info.hidden_size:
+        raise CliError(f"--hidden-size {hidden_size} contradicts {path}/config.json (hidden_size {info.hidden_size}); omit it")
+    if info.config_dtype not in (None, info.dtype):
+        print(f"warning: {path}/config.json says dtype {info.config_dtype}, the safetensors hold {info.dtype}; the spec uses {info.dtype}")
+    print(
+        f"base model {path}: {info.parameters:,} parameters, {info.dtype}, hidden {info.hidden_size}, {info.layers} layers, "
+        f"vocabulary {info.vocab_size} (tokenizer {info.tokenizer_size}), EOS {list(info.eos_token_ids)}, "
+        f"chat template {'yes' if info.chat_template else 'no'}; base_hash {digest}"
+    )
+    return {"hidden_size": info.hidden_size, "dtype": info.dtype, "base_hash": digest}
 
 
 def _run_spec_show(args: argparse.Namespace) -> int:

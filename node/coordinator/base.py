@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from protocol.dataset import RunTasks
-from protocol.models import build_model, embedded_config, embedded_tokenizer, save_model
+from protocol.models import build_model, check_base_hash, embedded_config, embedded_tokenizer, save_model
 from protocol.runspec import RunSpec
 from trainer.warmstart import WarmStartConfig, answer_examples, warm_start
 
@@ -33,11 +33,13 @@ def prepare_base(spec: RunSpec, tasks: RunTasks, cache_dir: Path) -> Path:
 
     Raises:
         FileNotFoundError: a non-embedded base directory that does not exist.
+        protocol.models.ModelLoadError: its files do not match the spec's ``model.base_hash``.
     """
     if spec.model.base != "embedded":
         path = Path(spec.model.base)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model.base {path} has no config.json (a local Qwen2 directory is required; no hub access)")
+        check_base_hash(path, spec.model.base_hash)
         return path
     out = Path(cache_dir) / f"embedded-h{spec.model.hidden_size}-s{spec.run.seed % (2**31)}-{tasks.hash[:12]}"
     if (out / "model.safetensors").exists():

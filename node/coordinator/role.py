@@ -39,6 +39,7 @@ from trainer.distributed import DistContext, broadcast_batch
 from trainer.errors import NotEnoughRolloutsError, TrainerError
 from trainer.ingest import BanBook, SubmissionStore
 from trainer.ingest.service import IngestService, error_middleware
+from trainer.checkpoint import write_base_policy
 from trainer.train import Trainer, TrainerConfig
 
 logger = logging.getLogger(__name__)
@@ -326,10 +327,9 @@ class Coordinator:
             shutil.rmtree(out, ignore_errors=True)
             if step == 0 and self.base_dir is not None:
                 # the base model is policy 0 as it is: no collective gather needed
-                shutil.copytree(self.base_dir, out)
-                files = sorted(p for p in out.iterdir() if p.is_file())
+                files = write_base_policy(self.base_dir, out)
             else:
-                files = self.trainer.save_checkpoint(out, tokenizer=self.tokenizer)
+                files = self.trainer.save_checkpoint(out, dtype=_torch_dtype(self.spec.model.dtype), base_dir=self.base_dir)
             env = publish_checkpoint(self.origin, files, step=step, key=self.key, piece_size_bytes=self.spec.shardcast.piece_size_bytes)
             self._prune_policies(step)
         else:
@@ -429,10 +429,14 @@ def _control(ctx: DistContext, *, go: bool) -> bool:
     return bool(flag.item())
 
 
-def follow_rank(signed: SignedRunSpec, data_dir: Path, ctx: DistContext, *, resume: bool = False) -> None:
-    """Ranks > 0 under torchrun: join every collective of rank 0's loop (train, gather, save)."""
+def follow_rank(signed: SignedRunSpec, data_dir: Path, ctx: DistContext, *, resume: bool = False, data_root: Path | None = None) -> None:
+    """Ranks > 0 under torchrun: join every collective of rank 0's loop (train, gather, save).
+
+    ``data_root`` is the directory of the public task sets (``--data-root``), needed for a named
+    ``data.tasks`` exactly as on rank 0.
+    """
     spec = signed.spec
-    tasks = resolve_tasks(spec.data.tasks, None, spec.data.tasks_hash)
+    tasks = resolve_tasks(spec.data.tasks, data_root, spec.data.tasks_hash)
     base = prepare_base(spec, tasks, Path(data_dir) / f"base-rank{ctx.rank}")
     trainer = Trainer(load_model(base), TrainerConfig.from_spec(spec), ctx)
     state = Path(data_dir) / "state"
@@ -442,8 +446,15 @@ def follow_rank(signed: SignedRunSpec, data_dir: Path, ctx: DistContext, *, resu
         batch = broadcast_batch(None, ctx)
         trainer.train_step(batch)
         if trainer.step % spec.rl.publish_every == 0:
-            trainer.save_checkpoint(Path(data_dir) / "policies" / f"step-{trainer.step}")
+            trainer.save_checkpoint(Path(data_dir) / "policies" / f"step-{trainer.step}", dtype=_torch_dtype(spec.model.dtype))
         trainer.save_state(state, {})
+
+
+def _torch_dtype(name: str) -> Any:
+    """The torch dtype of the run spec's ``model.dtype`` (``float32`` or ``bfloat16``)."""
+    import torch
+
+    return torch.bfloat16 if name == "bfloat16" else torch.float32
 
 
 def _json_default(o: Any) -> Any:

@@ -1,0 +1,78 @@
+"""A Hugging Face-layout Qwen2 directory built locally, as an operator's own model would look.
+
+``save_pretrained`` of a small bf16 ``Qwen2ForCausalLM`` (safetensors, ``config.json``,
+``generation_config.json``) next to a byte-level BPE tokenizer trained here with ``tokenizers``
+on the public math sets (32,768 tokens), with a ChatML chat template — no hub access.
+
+The untrained model would sample EOS about once in 32k tokens, so every completion would run to
+the length limit and GRPO groups would have no reward spread. The EOS row of ``lm_head`` is set
+to :data:`EOS_ROW_SCALE` × a random unit vector: the EOS logit then follows the final hidden
+state, EOS is likely at a fraction of positions, and completion lengths vary within a group.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+VOCAB_SIZE = 32768
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+EOS_ROW_SCALE = 12.0
+
+
+def _corpus(data_root: Path) -> list[str]:
+    texts: list[str] = []
+    for name in ("gsm8k_train.jsonl", "gsm8k_test.jsonl", "math500_test.jsonl"):
+        for line in (data_root / "math" / name).read_text().splitlines():
+            texts.append(" ".join(str(v) for v in json.loads(line).values()))
+    texts += [" ".join(str(v) for v in row.values()) for row in json.loads((data_root / "math" / "deepscaler_train_math.json").read_text())]
+    return texts
+
+
+def build_local_model(out: Path, data_root: Path, *, hidden_size: int = 128, layers: int = 2, seed: int = 0) -> Path:
+    """Write the model directory ``out`` (created) and return it.
+
+    Args:
+        out: target directory.
+        data_root: the public task sets (``math/…``), the tokenizer's training text.
+        hidden_size: ≥ 128 (TOPLOC top-k).
+        layers: decoder layers.
+        seed: torch seed of the weights.
+
+    Returns:
+        ``out``, holding ``config.json`` (dtype bfloat16), ``generation_config.json``,
+        ``model.safetensors`` (bf16), ``tokenizer.json``, ``tokenizer_config.json`` and
+        ``chat_template.jinja``.
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, min_frequency=1, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(Path(data_root)), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+    eos, pad = fast.convert_tokens_to_ids("<|im_end|>"), fast.convert_tokens_to_ids("<|endoftext|>")
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=eos, pad_token_id=pad,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+        u = torch.randn(hidden_size)
+        with torch.no_grad():
+            model.lm_head.weight[eos] = EOS_ROW_SCALE * u / u.norm()
+    model = model.to(torch.bfloat16)
+    out = Path(out)
+    model.save_pretrained(str(out))
+    fast.save_pretrained(str(out))
+    return out
