@@ -36,6 +36,8 @@ def _join(sub: argparse._SubParsersAction) -> None:
                    help="relay: Shardcast HTTP port; worker: /status and /metrics port (default: any free port, printed at start)")
     relay = p.add_argument_group("relay")
     relay.add_argument("--host", default="127.0.0.1", help="interface to serve on (default 127.0.0.1; 0.0.0.0 for everyone)")
+    relay.add_argument("--public-url", default="",
+                       help="URL other nodes reach this relay at, announced on gossip (default http://HOST:PORT; set it with --host 0.0.0.0)")
     relay.add_argument(
         "--upstream", action="append", default=[], metavar="URL",
         help="origin or relay to follow (repeatable); without any, this node is the origin and serves its store",
@@ -44,7 +46,8 @@ def _join(sub: argparse._SubParsersAction) -> None:
     worker.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                         help="inference engine (vllm: optional extra 'gpu')")
     worker.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
-    worker.add_argument("--data-root", default=None, help="directory of public task sets for named data.tasks")
+    worker.add_argument("--data-root", default=None,
+                        help="directory of the public task sets (math/, code/): required when data.tasks names one (gsm8k, gsm8k_train, …)")
     worker.add_argument("--ingest-url", action="append", default=[], metavar="URL", help="coordinator ingest URL (default: the run spec's)")
     worker.add_argument("--max-submissions", type=int, default=None, help="stop after this many submissions (default: run until stopped)")
     from node.worker import ADVERSARIES

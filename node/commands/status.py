@@ -77,12 +77,24 @@ async def _collect(spec: Any, bootstrap: list[str], wait_s: float, listen_host: 
         return {
             "run_id": spec.run_id.hex(),
             "observer": node.peer_id,
-            "latest_step": node.peers.latest_step(),
+            "latest_step": latest_step(node.peers.latest_step(), peers),
             "peers": peers,
             "connected": stats["connected"],
         }
     finally:
         await node.stop()
+
+
+def latest_step(announced: int | None, peers: list[dict[str, Any]]) -> int | None:
+    """The newest policy step any peer knows: the coordinator's announcement, any peer's policy
+    step, or any relay's newest held step (``None``: nobody knows one yet)."""
+    steps = [announced] if announced is not None else []
+    for p in peers:
+        if p["policy_step"] >= 0:
+            steps.append(p["policy_step"])
+        if p["held_steps"]:
+            steps.append(max(p["held_steps"]))
+    return max(steps) if steps else None
 
 
 def _print_table(report: dict[str, Any]) -> None:

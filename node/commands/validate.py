@@ -19,7 +19,8 @@ def _validate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--http-port", type=int, default=0, help="status port for /status and /metrics (default: any)")
     p.add_argument("--fraction", type=float, default=1.0, help="share of submissions fully checked, seeded per validator (default 1: all)")
     p.add_argument("--ingest-url", action="append", default=[], metavar="URL", help="coordinator ingest URL (default: the run spec's)")
-    p.add_argument("--data-root", default=None, help="directory of public task sets for named data.tasks")
+    p.add_argument("--data-root", default=None,
+                   help="directory of the public task sets (math/, code/): required when data.tasks names one (gsm8k, gsm8k_train, …)")
     p.add_argument("--device", default="cpu", help="torch device for prefill (cpu, cuda)")
     p.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port (default: any)")
     p.add_argument("--listen-host", default="127.0.0.1", help="libp2p interface (default 127.0.0.1)")

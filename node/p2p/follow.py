@@ -33,7 +33,9 @@ class RelayLike(Protocol):
     def set_upstreams(self, urls: Iterable[str]) -> None: ...
 
 
-async def follow_relay(node: GossipNode, relay: RelayLike, *, pick_sources: bool, fanout: int = DEFAULT_FANOUT) -> None:
+async def follow_relay(
+    node: GossipNode, relay: RelayLike, *, pick_sources: bool, fanout: int = DEFAULT_FANOUT, own_url: str = ""
+) -> None:
     """Run until cancelled: announce the relay's held steps and (if ``pick_sources``) choose its upstreams.
 
     Args:
@@ -41,6 +43,8 @@ async def follow_relay(node: GossipNode, relay: RelayLike, *, pick_sources: bool
         relay: the relay.
         pick_sources: choose upstreams from gossip (a relay started without ``--upstream``).
         fanout: how many sources to follow.
+        own_url: the URL peers know this relay by (its public URL; default ``relay.url``), never
+            picked as its own source.
     """
     held: list[int] | None = None
     upstreams: list[str] | None = None
@@ -51,7 +55,7 @@ async def follow_relay(node: GossipNode, relay: RelayLike, *, pick_sources: bool
             held = now_held
             node.set_record(held_steps=now_held)
         if pick_sources:
-            chosen = pick_upstreams(node.peers, own_peer_id=node.peer_id, own_url=relay.url, origin_urls=origin_urls, fanout=fanout)
+            chosen = pick_upstreams(node.peers, own_peer_id=node.peer_id, own_url=own_url or relay.url, origin_urls=origin_urls, fanout=fanout)
             if chosen != upstreams:
                 upstreams = chosen
                 relay.set_upstreams(chosen)

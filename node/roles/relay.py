@@ -7,9 +7,12 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from node import __version__
 from node.cli import CliError, load_key, load_spec
 from node.errors import NodeError
 from node.p2p import GossipConfig, GossipNode
@@ -32,6 +35,7 @@ async def run_relay(
     port: int,
     upstreams: Sequence[str],
     gossip: GossipConfig | None = None,
+    public_url: str = "",
 ) -> None:
     """Run a relay until SIGINT or SIGTERM.
 
@@ -45,12 +49,18 @@ async def run_relay(
             lets it pick its sources from gossip.
         gossip: join the run's gossip with these settings: heartbeats carry the relay's URL and
             held steps (``None``: stay off gossip).
+        public_url: URL other nodes reach this relay at (default: ``http://host:port``; set it
+            when serving on ``0.0.0.0``).
+
+    ``GET /status`` on the Shardcast port answers the relay's JSON status (:func:`relay_status`).
     """
     spec = signed.spec
     store = await asyncio.to_thread(
         ShardcastStore, data_dir, run_id=signed.run_id, authorities=spec.authorities, keep_steps=spec.shardcast.keep_steps
     )
     relay = Relay(store, RelayConfig(host=host, port=port, upstreams=tuple(upstreams), peer_id=key.peer_id))
+    started = time.monotonic()
+    relay.server.status = lambda: relay_status(relay, key.peer_id, public_url or relay.url, started)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(relay.stop()))
@@ -59,11 +69,13 @@ async def run_relay(
     follow: asyncio.Task[None] | None = None
     try:
         if gossip is not None:
-            node = await GossipNode.create(spec, key, gossip, role="relay", http_url=relay.url)
-            follow = asyncio.create_task(follow_relay(node, relay, pick_sources=not upstreams), name="relay-gossip-follow")
+            node = await GossipNode.create(spec, key, gossip, role="relay", http_url=public_url or relay.url)
+            follow = asyncio.create_task(follow_relay(node, relay, pick_sources=not upstreams, own_url=public_url or relay.url),
+                                         name="relay-gossip-follow")
             print(f"relay {key.peer_id} on gossip at {' '.join(node.addrs)}", flush=True)
         role = f"following {', '.join(relay.pool.urls)}" if relay.pool.urls else "origin" if gossip is None else "sources from gossip"
-        print(f"relay {key.peer_id} serving {relay.url} ({role}); holds steps {store.held_steps()}", flush=True)
+        print(f"relay {key.peer_id} serving {relay.url} ({role}); holds steps {store.held_steps()}"
+              + (f"; public URL {public_url}" if public_url else ""), flush=True)
         logger.info("relay started", extra={"peer_id": key.peer_id, "url": relay.url, "keep_steps": store.keep_steps})
         await relay.run()
     finally:
@@ -73,6 +85,23 @@ async def run_relay(
         if node is not None:
             await node.stop()
         await relay.stop()
+
+
+def relay_status(relay: Relay, peer_id: str, url: str, started_s: float) -> dict[str, Any]:
+    """The relay's ``GET /status`` JSON: role, peer ID, URL, held steps (ascending), latest held
+    step (``None``: none yet), upstreams, piece responses served, uptime in seconds."""
+    held = relay.held_steps()
+    return {
+        "role": "relay",
+        "peer_id": peer_id,
+        "version": __version__,
+        "url": url,
+        "held_steps": held,
+        "latest_step": held[-1] if held else None,
+        "upstreams": list(relay.pool.urls),
+        "pieces_served": relay.server.pieces_served,
+        "uptime_s": round(time.monotonic() - started_s, 1),
+    }
 
 
 def run_relay_from_args(args: argparse.Namespace) -> int:
@@ -90,7 +119,8 @@ def run_relay_from_args(args: argparse.Namespace) -> int:
             raise CliError(f"invalid gossip option: {e}") from None
     try:
         asyncio.run(
-            run_relay(signed, key, data_dir=data_dir, host=args.host, port=args.http_port, upstreams=args.upstream, gossip=gossip)
+            run_relay(signed, key, data_dir=data_dir, host=args.host, port=args.http_port, upstreams=args.upstream, gossip=gossip,
+                      public_url=args.public_url)
         )
     except OSError as e:
         print(f"error: cannot serve on {args.host}:{args.http_port}: {e.strerror}", file=sys.stderr)

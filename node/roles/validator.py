@@ -18,6 +18,7 @@ from node.errors import FetchError
 from node.p2p import GossipConfig, GossipNode
 from node.roles import sleep_unless
 from node.policy import PolicyFollower, gossip_sources, relays_lagging
+from node.retry import Backoff, FailureLog
 from node.status_http import StatusServer
 from protocol import encoding
 from protocol.envelope import open_envelope, seal
@@ -34,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 LEASE_S = 120.0
 IDLE_POLL_S = 0.5
+LEASE_BACKOFF_MAX_S = 15.0
+"""Longest wait between lease attempts while no ingest answers, seconds (before jitter)."""
+FAILURE_LOG_INTERVAL_S = 30.0
+"""A repeated lease failure is logged at most once per this many seconds."""
 SAMPLE_DOMAIN = b"intellect-node/validator-sample/1\x00"
 """Prefix of what a validator signs to decide whether a submission is sampled (``--fraction``)."""
 
@@ -101,6 +106,8 @@ class ValidatorNode:
                                    buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100))
         self.m_queue = Gauge("intellect_validator_queue", "Leased submissions waiting to be judged", registry=self.registry)
         self.status_server: StatusServer | None = None
+        self._lease_backoff = Backoff(base_s=IDLE_POLL_S, max_s=LEASE_BACKOFF_MAX_S)
+        self._lease_failures = FailureLog(logger, interval_s=FAILURE_LOG_INTERVAL_S)
 
     async def start(self) -> None:
         if self.options.gossip is not None:
@@ -135,6 +142,9 @@ class ValidatorNode:
             self.queue = len(blobs)
             self.m_queue.set(self.queue)
             if not blobs:
+                if self._lease_failures.failing:  # no ingest answered: back off with jitter
+                    await self._sleep(self._lease_backoff.next_delay())
+                    continue
                 self.state = "idle: no pending submissions"
                 await self._sleep(IDLE_POLL_S)
                 continue
@@ -153,17 +163,21 @@ class ValidatorNode:
     async def _lease(self) -> list[bytes]:
         req = seal(self.key, self.signed.run_id, LeaseRequest(limit=self.options.batch, lease_s=LEASE_S))
         assert self._http is not None
+        errors = []
         for url in self.ingest_urls:
             try:
                 async with self._http.post(f"{url}/ingest/1/lease", data=req) as r:
                     if r.status != 200:
-                        logger.warning("lease refused by %s: %d %s", url, r.status, (await r.text())[:200])
+                        errors.append(f"{url} refused the lease: {r.status} {(await r.text())[:200]}")
                         continue
                     body = encoding.unpackb(await r.read(), 1 << 30)
+                self._lease_failures.recovered("ingest reachable")
+                self._lease_backoff.reset()
                 return [b for b in body.get("submissions", []) if isinstance(b, bytes)]
             except (aiohttp.ClientError, TimeoutError, ProtocolError) as e:
-                logger.info("ingest %s unreachable: %s", url, e)
-        self.state = "ingest unreachable"
+                errors.append(f"{url} unreachable: {type(e).__name__}: {e}")
+        self.state = f"ingest unreachable: {'; '.join(errors) or 'no ingest URL'}"
+        self._lease_failures.failed(f"lease failed: {'; '.join(errors) or 'no ingest URL'}")
         return []
 
     async def _judge(self, blob: bytes) -> None:

@@ -22,7 +22,9 @@ import json
 import logging
 import re
 import socket
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -51,6 +53,7 @@ class ShardcastServer:
 
     Attributes:
         pieces_served: piece responses with status 200 or 206 started so far.
+        status: if set before :meth:`start`, ``GET /status`` answers its JSON (a relay's status).
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class ShardcastServer:
         self.peer_id = peer_id
         self.piece_wait_s = piece_wait_s
         self.pieces_served = 0
+        self.status: Callable[[], dict[str, Any]] | None = None
         self._runner: web.AppRunner | None = None
         self._waiters: dict[bytes, list[asyncio.Future[None]]] = {}
 
@@ -99,7 +103,13 @@ class ShardcastServer:
         app.router.add_get(f"{ROUTE_PREFIX}/held", self._held)
         app.router.add_get(f"{ROUTE_PREFIX}/manifests/{{step}}", self._manifest)
         app.router.add_get(f"{ROUTE_PREFIX}/pieces/{{piece_id}}", self._piece)  # GET also answers HEAD
+        if self.status is not None:
+            app.router.add_get("/status", self._status)
         return app
+
+    async def _status(self, request: web.Request) -> web.Response:
+        assert self.status is not None
+        return web.json_response(self.status())
 
     async def start(self) -> None:
         """Bind and start serving."""

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
+from node.retry import Backoff, FailureLog
 from node.worker.spool import Spool
+
+FAILURE_LOG_INTERVAL_S = 30.0
+"""A repeated delivery failure is logged at most once per this many seconds."""
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class Submitter:
         self.refused: dict[str, int] = {}
         self.banned = False
         self._session: aiohttp.ClientSession | None = None
+        self._failures = FailureLog(logger, interval_s=FAILURE_LOG_INTERVAL_S)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -101,7 +105,7 @@ class Submitter:
         loop = asyncio.get_running_loop()
         end = None if deadline_s is None else loop.time() + deadline_s
         done = 0
-        backoff = self.base_backoff_s
+        backoff = Backoff(self.base_backoff_s, self.max_backoff_s)
         while True:
             pending = self.spool.pending()
             if not pending:
@@ -113,12 +117,13 @@ class Submitter:
                     done += 1
                     progress = True
                 else:
-                    logger.info("ingest not reachable for %s (%s); will retry", path.name, out.detail[:200])
+                    self._failures.failed(f"ingest not reachable ({out.detail[:200]}); {len(pending)} spooled submissions kept for retry")
                     break
             if progress:
-                backoff = self.base_backoff_s
+                self._failures.recovered("ingest reachable")
+                backoff.reset()
                 continue
-            if end is not None and loop.time() + backoff > end:
+            delay = backoff.next_delay()
+            if end is not None and loop.time() + delay > end:
                 return done
-            await asyncio.sleep(backoff * (0.5 + random.random()))
-            backoff = min(self.max_backoff_s, backoff * 2)
+            await asyncio.sleep(delay)

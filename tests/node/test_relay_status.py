@@ -1,0 +1,48 @@
+"""Every role has ``/status``: the relay answers on its Shardcast port; ``status`` learns the latest
+step from a relay's held steps."""
+
+from __future__ import annotations
+
+import time
+
+import aiohttp
+from shardcast_fixtures import make_run, make_store, publish, wait_until, write_checkpoint
+
+from node.commands.status import latest_step
+from node.roles.relay import relay_status
+from node.shardcast.relay import Relay, RelayConfig
+
+
+async def test_relay_status_reports_held_steps(tmp_path):
+    run = make_run()
+    origin = make_store(run, tmp_path / "origin")
+    publish(run, origin, write_checkpoint(tmp_path / "ckpt0", size_mib=0.2), step=0)
+    from node.shardcast.server import ShardcastServer
+
+    up = ShardcastServer(origin)
+    await up.start()
+    relay = Relay(make_store(run, tmp_path / "relay"), RelayConfig(upstreams=(up.url,), peer_id="relay-peer"))
+    relay.server.status = lambda: relay_status(relay, "relay-peer", "http://relay.example:8700", time.monotonic())
+    await relay.start()
+    try:
+        await wait_until(lambda: relay.held_steps() == [0])
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{relay.url}/status") as r:
+                assert r.status == 200
+                doc = await r.json()
+            async with s.get(f"{up.url}/status") as r:
+                assert r.status == 404  # a plain Shardcast server (the coordinator adds its own /status)
+        assert doc["role"] == "relay" and doc["held_steps"] == [0] and doc["latest_step"] == 0
+        assert doc["url"] == "http://relay.example:8700" and doc["upstreams"] == [up.url]
+    finally:
+        await relay.stop()
+        await up.stop()
+
+
+def test_status_latest_step_from_any_peer():
+    relay = {"policy_step": -1, "held_steps": [0, 1]}
+    worker = {"policy_step": 3, "held_steps": []}
+    assert latest_step(None, [relay]) == 1  # bootstrapped from a relay: its newest held step
+    assert latest_step(None, [relay, worker]) == 3
+    assert latest_step(5, [relay, worker]) == 5
+    assert latest_step(None, [{"policy_step": -1, "held_steps": []}]) is None

@@ -1,0 +1,39 @@
+"""Retry pacing: backoff grows with jitter and resets; a repeated failure is logged once per interval."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from node.retry import Backoff, FailureLog
+
+
+def test_backoff_doubles_to_cap_with_jitter_and_resets():
+    low = Backoff(base_s=1.0, max_s=8.0, rng=lambda: 0.0)
+    assert [low.next_delay() for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    high = Backoff(base_s=1.0, max_s=8.0, rng=lambda: 0.999)
+    delays = [high.next_delay() for _ in range(5)]
+    assert delays[-1] == pytest.approx(8.0 * 1.499) and high.failures == 5
+    high.reset()
+    assert high.next_delay() == pytest.approx(1.499) and high.failures == 1
+    with pytest.raises(ValueError):
+        Backoff(base_s=2.0, max_s=1.0)
+
+
+def test_failure_log_once_per_interval_then_recovery(caplog):
+    now = [0.0]
+    log = FailureLog(logging.getLogger("test.retry"), interval_s=30.0, clock=lambda: now[0])
+    caplog.set_level(logging.INFO, logger="test.retry")
+    logged = []
+    for _ in range(148):  # the validator's 148 attempts in 90 s
+        logged.append(log.failed("ingest unreachable"))
+        now[0] += 90 / 148
+    assert sum(logged) == 3  # first at once, then once per 30 s (at ≈ 30 s and ≈ 61 s)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "ingest unreachable" and "times in the last 30 s" in lines[1] and "still failing after 61 s" in lines[2]
+    assert log.failing
+    log.recovered("ingest reachable")
+    assert not log.failing and "again after 148 failed attempts" in caplog.records[-1].getMessage()
+    log.recovered("ingest reachable")  # no streak: nothing more
+    assert len(caplog.records) == 4
