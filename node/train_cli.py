@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-root", default=None,
                    help="directory of the public task sets (math/, code/): required when data.tasks names one (gsm8k, gsm8k_train, …)")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    p.add_argument("--probe-tasks", type=int, default=4,
+                   help="training tasks sampled (a whole group each) at start to check the run can learn: a warning names what to "
+                        "change when every group's rewards are equal (0: skip; default 4)")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
     p.add_argument("--log-json", action="store_true", help="log as JSON lines")
     return p
@@ -86,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = CoordinatorOptions(
         data_dir=data_dir, host=args.host, port=args.http_port, public_url=args.public_url, gossip=gossip, max_steps=args.max_steps,
         resume=args.resume, batch_timeout_s=args.batch_timeout, eval_samples=args.eval_samples, eval_every=args.eval_every,
-        data_root=Path(args.data_root) if args.data_root else None, device=args.device,
+        data_root=Path(args.data_root) if args.data_root else None, device=args.device, probe_tasks=args.probe_tasks,
     )
     from protocol.errors import ProtocolError
 

@@ -24,8 +24,10 @@ from aiohttp import web
 
 from node.coordinator.base import prepare_base
 from node.coordinator.evaluate import EvalResult, evaluate
+from node.coordinator.probe import PROBE_TASKS, SignalProbe, no_signal_advice, probe_learning_signal
 from node.engine.hf import TransformersEngine
 from node.p2p import GossipConfig, GossipNode
+from node.retry import FailureLog
 from node.shardcast import ShardcastServer, ShardcastStore, publish_checkpoint
 from protocol.dataset import resolve_tasks
 from protocol.envelope import open_envelope, seal
@@ -45,6 +47,8 @@ from trainer.train import Trainer, TrainerConfig
 logger = logging.getLogger(__name__)
 
 WAIT_POLL_S = 0.2
+WAIT_LOG_INTERVAL_S = 30.0
+"""While no batch fills, why is logged at most once per this many seconds."""
 
 
 @dataclass
@@ -63,6 +67,7 @@ class CoordinatorOptions:
         eval_every: evaluate every this many steps (0: only at start and end).
         data_root: directory of the public task sets.
         device: torch device of the trainer.
+        probe_tasks: training tasks of the start-up learning-signal probe (0: no probe; ``probe.py``).
     """
 
     data_dir: Path
@@ -77,6 +82,7 @@ class CoordinatorOptions:
     eval_every: int = 0
     data_root: Path | None = None
     device: str = "cpu"
+    probe_tasks: int = PROBE_TASKS
 
 
 class Coordinator:
@@ -117,6 +123,9 @@ class Coordinator:
         self.error: str | None = None
         self.base_dir: Path | None = None
         self.last_step: dict[str, Any] = {}
+        self.signal_probe: SignalProbe | None = None
+        self.wait_reason: str | None = None
+        self._wait_log = FailureLog(logger, interval_s=WAIT_LOG_INTERVAL_S, level=logging.INFO)
         self.m_train: dict[str, Any] = {}  # Prometheus gauges, made with the ingest's registry in start()
         from rich.console import Console
 
@@ -183,6 +192,14 @@ class Coordinator:
             self.gossip = await GossipNode.create(self.spec, self.key, self.options.gossip, role="coordinator", http_url=self.url)
             self.gossip.on_verdict(lambda env: self._apply_gossip_verdict(env.raw))
         await asyncio.to_thread(self._publish_current)
+        if self.options.probe_tasks and self.trainer.step == 0:
+            self.state = "probing the base model for a learning signal"
+            self.signal_probe = await asyncio.to_thread(self._probe)
+            if self.signal_probe.warning:
+                logger.warning(self.signal_probe.warning)
+            else:
+                logger.info("learning-signal probe: %d of %d groups have a reward spread (pass rate %.2f)",
+                            self.signal_probe.groups_with_spread, self.signal_probe.groups, self.signal_probe.pass_rate)
         if self.options.eval_samples:
             self.state = "evaluating the initial policy on held-out tasks"
             self.eval_start = await asyncio.to_thread(self._evaluate)
@@ -273,14 +290,24 @@ class Coordinator:
         while not self._stop.is_set():
             records = self._fresh_records(step - self.spec.rl.async_level)
             try:
-                return assemble_batch(records, step=step, async_level=self.spec.rl.async_level, group_size=self.spec.rl.group_size,
-                                      num_groups=self.spec.rl.batch_groups, adv_eps=self.spec.rl.adv_eps)
+                batch = assemble_batch(records, step=step, async_level=self.spec.rl.async_level, group_size=self.spec.rl.group_size,
+                                       num_groups=self.spec.rl.batch_groups, adv_eps=self.spec.rl.adv_eps)
+                self.wait_reason = None
+                self._wait_log.recovered(f"batch for step {step} filled")
+                return batch
             except NotEnoughRolloutsError as e:
                 last_reason = str(e)
+                if e.zero_advantage_groups and not e.usable_groups and not e.stale_groups:
+                    probe = self.signal_probe
+                    last_reason += (f"; every group so far had equal rewards: "
+                                    f"{no_signal_advice(self.spec, probe.pass_rate if probe else 0.0, probe.capped_fraction if probe else 0.0)}")
                 self.state = f"waiting for a batch: {last_reason}"
+                self.wait_reason = last_reason
+                self._wait_log.failed(f"waiting for a batch: {last_reason}")
             waited = time.monotonic() - t0
             if waited > self.options.batch_timeout_s:
                 self.error = f"no batch for step {step} after {waited:.0f} s: {last_reason}"
+                self.wait_reason = self.error
                 logger.error(self.error)
                 return None
             self._stop.wait(WAIT_POLL_S)
@@ -351,6 +378,11 @@ class Coordinator:
             if s.isdigit() and int(s) <= step - keep:
                 shutil.rmtree(p, ignore_errors=True)
 
+    def _probe(self) -> SignalProbe:
+        """The start-up learning-signal probe on the published base (``node/coordinator/probe.py``)."""
+        engine = TransformersEngine.from_dir(self.data_dir / "policies" / f"step-{self.published_step}")
+        return probe_learning_signal(self.spec, engine, self.tokenizer, self.tasks.train, n_tasks=self.options.probe_tasks)
+
     def _evaluate(self) -> EvalResult:
         assert self.trainer is not None
         path = self.data_dir / "policies" / f"step-{self.published_step}"
@@ -408,6 +440,9 @@ class Coordinator:
             "peers_by_role": peers,
             "broadcast_s": {str(k): round(v, 3) for k, v in list(self.broadcast_s.items())[-5:]},
             "last_step": self.last_step,
+            "wait_reason": self.wait_reason,
+            "signal_probe": self.signal_probe.as_dict() if self.signal_probe else None,
+            "warnings": [w for w in (self.signal_probe.warning if self.signal_probe else None,) if w],
         }
 
     def _log_metrics(self, row: dict[str, Any]) -> None:

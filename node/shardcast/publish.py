@@ -63,6 +63,7 @@ def publish_checkpoint(
     piece_size_bytes: int = DEFAULT_PIECE_SIZE_BYTES,
     meta: Mapping[str, str] | None = None,
     prune: bool = True,
+    delta_from: int | None = None,
 ) -> Envelope[Manifest]:
     """Cut ``files`` into pieces in ``store`` and store the manifest signed by ``key``.
 
@@ -77,6 +78,9 @@ def publish_checkpoint(
         piece_size_bytes: piece size (the run spec's ``shardcast.piece_size_bytes``).
         meta: small string annotations put in the manifest.
         prune: apply the store's retention afterwards.
+        delta_from: also publish the delta from this complete, earlier step (``docs/shardcast.md``
+            §9), before the manifest is stored; a delta that cannot be made is logged and skipped
+            (the full checkpoint is always published).
 
     Returns:
         The signed manifest as stored.
@@ -106,7 +110,15 @@ def publish_checkpoint(
         if existing.body.checkpoint_hash != manifest.checkpoint_hash:
             raise ShardcastError(f"step {step} is already published with different content")
         return existing
-    env = store.add_manifest(seal(key, store.run_id, manifest))
+    raw = seal(key, store.run_id, manifest)
+    if delta_from is not None and delta_from < step and existing is None:
+        from node.shardcast.delta import publish_delta  # numpy/zstandard only when deltas are used
+
+        try:
+            publish_delta(store, raw, base_step=delta_from, key=key)
+        except ShardcastError as e:
+            logger.warning("no delta for step %d: %s", step, e, extra={"step": step})
+    env = store.add_manifest(raw)
     if not store.check_complete(step):
         raise ShardcastError(f"step {step} is incomplete after publishing (pieces were removed meanwhile)")
     logger.info(

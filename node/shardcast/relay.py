@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from node.errors import FetchError, SourceError
+from node.shardcast.delta import mirror_delta, rebuild_from_delta
 from node.shardcast.download import DownloadConfig, PieceDownloader, get_held, get_manifest, make_session
 from node.shardcast.server import ShardcastServer
 from node.shardcast.sources import SourcePool
@@ -189,6 +190,7 @@ class Relay:
                     continue
                 if env is None:
                     continue
+                await mirror_delta(self._session, self.pool, self.store, env, cfg)  # delta first: downstream sees both
                 try:
                     await asyncio.to_thread(self.store.add_manifest, env.raw)
                 except ProtocolError as e:  # verified already; only a changed store could refuse
@@ -200,6 +202,9 @@ class Relay:
         """Fill ``step`` from the upstreams (one attempt; the next poll retries a failed one)."""
         assert self._session is not None
         try:
+            if self.pool.urls:  # from the held base step + a small delta when there is one (docs/shardcast.md §9)
+                await rebuild_from_delta(self._session, self.pool, self.store, step, self.config.download, semaphore=self._sem,
+                                         on_piece=self.server.piece_stored)
             missing: list[PieceRef] = await asyncio.to_thread(self.store.missing_pieces, step)
             if missing and self.pool.urls:
                 logger.info("syncing step %d: %d pieces", step, len(missing), extra={"step": step})

@@ -102,6 +102,7 @@ class ShardcastServer:
         app = web.Application(client_max_size=1024)
         app.router.add_get(f"{ROUTE_PREFIX}/held", self._held)
         app.router.add_get(f"{ROUTE_PREFIX}/manifests/{{step}}", self._manifest)
+        app.router.add_get(f"{ROUTE_PREFIX}/deltas/{{step}}", self._delta)
         app.router.add_get(f"{ROUTE_PREFIX}/pieces/{{piece_id}}", self._piece)  # GET also answers HEAD
         if self.status is not None:
             app.router.add_get("/status", self._status)
@@ -142,6 +143,7 @@ class ShardcastServer:
             "held_steps": self.store.held_steps()[-512:],
             "steps": steps[-512:],
             "latest": steps[-1] if steps else None,
+            "deltas": self.store.delta_steps()[-512:],
         }
         return web.Response(text=json.dumps(doc), content_type="application/json", headers={"Cache-Control": "no-cache"})
 
@@ -164,6 +166,17 @@ class ShardcastServer:
             "ETag": f'"{hex_id(env.id)}"',
             "Cache-Control": "no-cache" if name == "latest" else IMMUTABLE,
         }
+        return web.Response(body=env.raw, content_type=MSGPACK_TYPE, headers=headers)
+
+    async def _delta(self, request: web.Request) -> web.Response:
+        name = request.match_info["step"]
+        if not name.isdigit() or len(name) > 13 or int(name) > _MAX_STEP:
+            raise web.HTTPBadRequest(text="step must be a non-negative integer\n")
+        env = self.store.delta(int(name))
+        if env is None:
+            raise web.HTTPNotFound(text=f"no delta into step {name}\n")
+        headers = {"X-Shardcast-Step": name, "X-Shardcast-Base-Step": str(env.body.base_step), "ETag": f'"{hex_id(env.id)}"',
+                   "Cache-Control": IMMUTABLE}
         return web.Response(body=env.raw, content_type=MSGPACK_TYPE, headers=headers)
 
     async def _piece(self, request: web.Request) -> web.StreamResponse:

@@ -3,6 +3,7 @@
 Layout under ``<data_dir>/shardcast/<run ID hex>/``::
 
     manifests/<step>.manifest   exact envelope bytes of the coordinator-signed manifest
+    deltas/<step>.delta         exact envelope bytes of the coordinator-signed delta into <step>
     pieces/<hh>/<piece ID hex>  one file per verified piece (``hh``: first two hex digits)
     tmp/                        files being written; renamed into place when complete
 
@@ -39,8 +40,10 @@ from pathlib import Path
 
 from node.errors import StoreError
 from protocol.content import hex_id
+from protocol.delta import iter_delta_pieces, open_delta_manifest
 from protocol.envelope import Authorities, Envelope
-from protocol.messages import Manifest
+from protocol.errors import SchemaError
+from protocol.messages import DeltaManifest, Manifest
 from protocol.shardcast import PieceId, PieceRef, iter_pieces, open_manifest
 
 logger = logging.getLogger(__name__)
@@ -207,7 +210,10 @@ class ShardcastStore:
         self._manifest_dir = self.root / "manifests"
         self._piece_dir = self.root / "pieces"
         self._tmp_dir = self.root / "tmp"
+        self._delta_dir = self.root / "deltas"
         self._lock = threading.Lock()
+        self._deltas: dict[int, Envelope[DeltaManifest]] = {}  # by target step (docs/shardcast.md §9)
+        self._delta_piece_sets: dict[int, frozenset[bytes]] = {}
         self._manifests: dict[int, Envelope[Manifest]] = {}
         self._complete: set[int] = set()
         self._piece_sets: dict[int, frozenset[bytes]] = {}
@@ -220,7 +226,7 @@ class ShardcastStore:
         self._marker: Path | None = None
         self._fsync_pool: ThreadPoolExecutor | None = None
         try:
-            for d in (self._manifest_dir, self._piece_dir, self._tmp_dir):
+            for d in (self._manifest_dir, self._piece_dir, self._tmp_dir, self._delta_dir):
                 d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise StoreError(f"cannot create the Shardcast store at {self.root}: {e.strerror}") from e
@@ -388,7 +394,91 @@ class ShardcastStore:
                 del self._manifests[step]
                 self._piece_sets.pop(step, None)
                 self._complete.discard(step)
+        self._refresh_deltas()
         return found
+
+    # --- deltas (docs/shardcast.md §9) -------------------------------------------------------
+
+    def _delta_path(self, step: int) -> Path:
+        return self._delta_dir / f"{step}.delta"
+
+    def _refresh_deltas(self) -> None:
+        for p in sorted(self._delta_dir.glob("*.delta")):
+            try:
+                step = int(p.stem)
+            except ValueError:
+                continue
+            with self._lock:
+                if step in self._deltas:
+                    continue
+            try:
+                env = open_delta_manifest(p.read_bytes(), run_id=self.run_id, authorities=self.authorities)
+                if env.body.step != step:
+                    raise SchemaError(f"it is for step {env.body.step}", "body.step")
+            except Exception as e:  # noqa: BLE001 - a bad file on disk must not stop the node
+                logger.warning("ignoring unreadable delta manifest %s: %s", p, e)
+                continue
+            with self._lock:
+                if step not in self._deltas and p.exists():
+                    self._deltas[step] = env
+                    self._delta_piece_sets[step] = frozenset(env.body.pieces)
+        with self._lock:
+            for step in [s for s in self._deltas if not self._delta_path(s).exists()]:
+                del self._deltas[step]
+                self._delta_piece_sets.pop(step, None)
+
+    def add_delta(self, raw: bytes) -> Envelope[DeltaManifest]:
+        """Verify and store a delta manifest (blocking); a known step keeps its first delta.
+
+        The delta's target (and base) manifest IDs must match the manifests stored for those
+        steps, where stored.
+
+        Returns:
+            The stored envelope for that step.
+
+        Raises:
+            ProtocolError: from :func:`protocol.delta.open_delta_manifest`, or ``SchemaError`` for
+                a delta naming other manifests than the stored ones; nothing is stored.
+        """
+        env = open_delta_manifest(raw, run_id=self.run_id, authorities=self.authorities)
+        dm = env.body
+        for step, want, what in ((dm.step, dm.target_manifest_id, "target"), (dm.base_step, dm.base_manifest_id, "base")):
+            have = self.manifest(step)
+            if have is not None and have.id != want:
+                raise SchemaError(f"delta into step {dm.step} names another {what} manifest than the stored one of step {step}", "body")
+        with self._lock:
+            if dm.step in self._deltas:
+                return self._deltas[dm.step]
+        tmp = self.tmp_path(b"delta")
+        with open(tmp, "wb") as f:
+            f.write(env.raw)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, self._delta_path(dm.step))
+        with self._lock:
+            if dm.step not in self._deltas:
+                self._deltas[dm.step] = env
+                self._delta_piece_sets[dm.step] = frozenset(dm.pieces)
+        logger.info("stored delta %d → %d (%d bytes)", dm.base_step, dm.step, dm.size_bytes, extra={"step": dm.step})
+        return self._deltas[dm.step]
+
+    def delta(self, step: int) -> Envelope[DeltaManifest] | None:
+        """The stored delta manifest into ``step``, or ``None``."""
+        with self._lock:
+            return self._deltas.get(step)
+
+    def delta_steps(self) -> list[int]:
+        """Target steps of the stored delta manifests, ascending."""
+        with self._lock:
+            return sorted(self._deltas)
+
+    def missing_delta_pieces(self, step: int) -> list[PieceRef]:
+        """Pieces of the delta into ``step`` not in the store, in order (blocking)."""
+        env = self.delta(step)
+        if env is None:
+            raise StoreError(f"no delta into step {step}")
+        return [p for p in iter_delta_pieces(env.body) if not self.has_piece(p.piece_id)]
 
     def add_manifest(self, raw: bytes) -> Envelope[Manifest]:
         """Verify and store a manifest (blocking); a known step keeps its first manifest.
@@ -451,7 +541,9 @@ class ShardcastStore:
     def is_awaited(self, piece_id: bytes) -> bool:
         """Whether a stored manifest of a step still being filled lists ``piece_id`` (it may arrive soon)."""
         with self._lock:
-            return any(piece_id in ids for step, ids in self._piece_sets.items() if step not in self._complete)
+            return any(piece_id in ids for step, ids in self._piece_sets.items() if step not in self._complete) or any(
+                piece_id in ids for step, ids in self._delta_piece_sets.items() if step not in self._complete
+            )
 
     def missing_pieces(self, step: int) -> list[PieceRef]:
         """Pieces of ``step``'s manifest not in the store, in manifest order (blocking: one stat each)."""
@@ -515,10 +607,20 @@ class ShardcastStore:
                 self._piece_sets.pop(s, None)
                 self._manifest_path(s).unlink(missing_ok=True)  # under the lock, so refresh() cannot re-add it
             self._complete.difference_update(drop)
+            orphan_floor = min(keep) if keep else -1  # deltas of steps whose manifest never came (a publish that died)
+            dropped_deltas = [self._deltas.pop(s) for s in list(self._deltas) if s in dropped or (s not in self._manifests and s < orphan_floor)]
+            for env_d in dropped_deltas:
+                self._delta_piece_sets.pop(env_d.body.step, None)
+                self._delta_path(env_d.body.step).unlink(missing_ok=True)
             still_used = {p.piece_id for env in self._manifests.values() for p in iter_pieces(env.body)}
+            still_used |= {pid for ids in self._delta_piece_sets.values() for pid in ids}
         for step, env in dropped.items():
             for p in iter_pieces(env.body):
                 if p.piece_id not in still_used:
                     self.piece_path(p.piece_id).unlink(missing_ok=True)
             logger.info("pruned step %d", step, extra={"step": step})
+        for env_d in dropped_deltas:
+            for pid in env_d.body.pieces:
+                if pid not in still_used:
+                    self.piece_path(pid).unlink(missing_ok=True)
         return drop

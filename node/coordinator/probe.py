@@ -1,0 +1,119 @@
+"""Can this run learn at all? A short probe of the base policy before any worker joins.
+
+GRPO's advantage is ``(r − mean) / (std + ε)`` per group (arXiv 2402.03300 §4.1): a group whose
+rewards are all equal carries no gradient, and the trainer drops it. A base that never (or
+always) solves the run's tasks, with no length penalty to tell completions apart, gives only
+such groups — the coordinator would wait for a batch that can never fill. The probe samples a few
+training tasks with the run's sampling rule, a whole group each, scores them exactly as workers
+and validators do, and says what to change when no group has a reward spread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from node.engine.base import Engine
+from node.worker.rollouts import sampling_params
+from protocol.rewards import RewardLimits, compute_reward
+from protocol.rollout import completion_text, encode_prompt
+from protocol.runspec import RunSpec
+from protocol.tasks import Task
+
+logger = logging.getLogger(__name__)
+
+PROBE_TASKS = 4
+"""Training tasks the coordinator probes at start (one whole group each)."""
+
+
+@dataclass(frozen=True)
+class SignalProbe:
+    """What the probe saw.
+
+    Attributes:
+        groups: groups sampled (one per probed task).
+        groups_with_spread: groups whose rewards were not all equal (the ones GRPO learns from).
+        pass_rate: fraction of completions with task reward 1.
+        capped_fraction: fraction of completions that hit ``sampling.max_tokens``.
+        mean_tokens: mean completion length, tokens.
+        warning: what to change when no group had a spread; ``None`` when the run can learn.
+    """
+
+    groups: int
+    groups_with_spread: int
+    pass_rate: float
+    capped_fraction: float
+    mean_tokens: float
+    warning: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def no_signal_advice(spec: RunSpec, pass_rate: float, capped_fraction: float) -> str:
+    """What to change in the run spec when groups have no reward spread (one line)."""
+    hints = []
+    if pass_rate == 0.0:
+        hints.append(f"the base solves none of these tasks: use easier tasks (data.tasks = {spec.data.tasks!r}) or a stronger base")
+    elif pass_rate == 1.0:
+        hints.append(f"the base solves every task: use harder tasks than {spec.data.tasks!r}")
+    if spec.sampling.length_penalty == 0.0:
+        hints.append("or add a length reward (spec init --length-penalty 0.0003 --target-length N, INTELLECT-2) so completions differ")
+    elif not spec.sampling.target_lengths:
+        hints.append("the length penalty needs targets: spec init --target-length N")
+    if capped_fraction >= 0.99:
+        hints.append(f"every completion hit max_tokens {spec.sampling.max_tokens}: raise --max-tokens")
+    return "; ".join(hints) or "sample more diverse completions (a higher --temperature)"
+
+
+def probe_learning_signal(
+    spec: RunSpec, engine: Engine, tokenizer: Any, tasks: Sequence[Task], *, n_tasks: int = PROBE_TASKS,
+    reward_limits: RewardLimits | None = None,
+) -> SignalProbe:
+    """Sample ``n_tasks`` evenly spaced training tasks, ``rl.group_size`` completions each, and count
+    groups whose rewards differ.
+
+    Target lengths cycle through ``sampling.target_lengths`` (none when empty); seeds are fixed
+    (``SHA-256("probe" || run seed || task || sample)``). Rewards are ``protocol.rewards.compute_reward``
+    with the run's length penalty, as workers compute them.
+
+    Returns:
+        A :class:`SignalProbe`; ``warning`` is set when no group had a reward spread.
+    """
+    n = min(n_tasks, len(tasks))
+    if n == 0:
+        return SignalProbe(0, 0, 0.0, 0.0, 0.0, None)
+    picked = [tasks[i * len(tasks) // n] for i in range(n)]
+    targets = list(spec.sampling.target_lengths) or [None]
+    prompts, seeds, owners = [], [], []
+    for gi, t in enumerate(picked):
+        target = targets[gi % len(targets)]
+        ids = encode_prompt(tokenizer, t, target)
+        for s in range(spec.rl.group_size):
+            prompts.append(ids)
+            h = hashlib.sha256(f"probe|{spec.run.seed}|{t.problem_id}|{s}".encode()).digest()
+            seeds.append(int.from_bytes(h[:8], "big") >> 1)
+            owners.append((gi, t, target))
+    eos = int(tokenizer.eos_token_id)
+    gens = engine.generate(prompts, seeds, sampling_params(spec, eos))
+    rewards: dict[int, list[float]] = {}
+    passed = capped = tokens = 0
+    for g, (gi, t, target) in zip(gens, owners):
+        ids = g.completion_ids.tolist()
+        r = compute_reward(t, completion_text(tokenizer, ids, eos), len(ids), target, spec.sampling.length_penalty, reward_limits)
+        rewards.setdefault(gi, []).append(r.reward)
+        passed += r.task_reward == 1.0
+        capped += len(ids) >= spec.sampling.max_tokens
+        tokens += len(ids)
+    spread = sum(1 for rs in rewards.values() if max(rs) != min(rs))
+    pass_rate, capped_fraction = passed / len(gens), capped / len(gens)
+    warning = None
+    if spread == 0:
+        warning = (f"no learning signal: in {n} probe groups of {spec.rl.group_size} on the base model every group's rewards "
+                   f"were equal (pass rate {pass_rate:.2f}, {capped_fraction:.0%} of completions at max_tokens, length penalty "
+                   f"{spec.sampling.length_penalty:g}), so GRPO gets no gradient and no batch will fill; "
+                   f"{no_signal_advice(spec, pass_rate, capped_fraction)}")
+    return SignalProbe(n, spread, round(pass_rate, 4), round(capped_fraction, 4), round(tokens / len(gens), 2), warning)
