@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     "node.commands.join",
     "node.commands.validate",
     "node.commands.devnet",
+    "node.commands.doctor",
 )
 
 

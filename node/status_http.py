@@ -10,9 +10,15 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from node.web.assets import RecentErrors, add_page_routes
+
 
 class StatusServer:
-    """Serves ``GET /status`` from ``status()`` and ``GET /metrics`` from ``registry`` on 127.0.0.1 by default.
+    """Serves ``GET /status`` from ``status()`` and ``GET /metrics`` from ``registry`` on 127.0.0.1 by default,
+    and the node's page at ``GET /`` (``node/web/static/node.html``: it polls ``/status``).
+
+    ``/status`` also carries ``last_errors``: this process's last WARNING-or-worse log records
+    (:class:`~node.web.RecentErrors`), unless ``status()`` sets that key itself.
 
     Args:
         status: returns the JSON-ready status dict.
@@ -26,11 +32,15 @@ class StatusServer:
         self.host = host
         self.port = port
         self._runner: web.AppRunner | None = None
+        self.errors = RecentErrors()
+        self._detach_errors: Callable[[], None] | None = None
 
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/status", self._status)
         app.router.add_get("/metrics", self._metrics)
+        add_page_routes(app, "node.html")
+        self._detach_errors = self.errors.install()
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -42,12 +52,17 @@ class StatusServer:
         return f"http://{self.host}:{self.port}"
 
     async def stop(self) -> None:
+        if self._detach_errors is not None:
+            self._detach_errors()
+            self._detach_errors = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
 
     async def _status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.status(), dumps=lambda o: json.dumps(o, default=str))
+        doc = self.status()
+        doc.setdefault("last_errors", self.errors.snapshot())
+        return web.json_response(doc, dumps=lambda o: json.dumps(o, default=str))
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -8,6 +8,9 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 python -m pip install -q --disable-pip-version-check torch==2.13.0
 python -m pip install -q --disable-pip-version-check -e '.[test]'
+# headless Chromium + its WebDriver for the run page's browser tests (they skip without them)
+{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver; } \
+    || echo "chromium not installed: the run page's browser tests will skip"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 set +e
 python -m pytest -q "$@"

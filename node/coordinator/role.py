@@ -29,6 +29,7 @@ from node.engine.hf import TransformersEngine
 from node.p2p import GossipConfig, GossipNode
 from node.retry import FailureLog
 from node.shardcast import ShardcastServer, ShardcastStore, publish_checkpoint
+from node.web.runpage import RunPage
 from protocol.dataset import resolve_tasks
 from protocol.envelope import open_envelope, seal
 from protocol.errors import ProtocolError
@@ -103,6 +104,7 @@ class Coordinator:
         self.origin: ShardcastStore | None = None
         self.server: ShardcastServer | None = None
         self.ingest: IngestService | None = None
+        self.run_page: RunPage | None = None
         self.gossip: GossipNode | None = None
         self.trainer: Trainer | None = None
         self.tokenizer: Any = None
@@ -158,7 +160,7 @@ class Coordinator:
             self.spec, self.store, self.bans,
             trainer_step=lambda: self.trainer.step if self.trainer else 0,
             latest_policy_step=lambda: self.published_step,
-            on_verdict=self._gossip_verdict, on_ban=self._gossip_bans, status_extra=self._status_extra,
+            on_verdict=self._verdict_applied, on_ban=self._gossip_bans, status_extra=self._status_extra,
         )
         from prometheus_client import Gauge
 
@@ -181,6 +183,9 @@ class Coordinator:
         app = self.server.make_app()
         app.middlewares.append(error_middleware)
         self.ingest.add_routes(app)
+        self.run_page = RunPage(self.signed, self.store, self.bans, status=self.ingest.status, metrics_path=self.metrics_path,
+                                peer_id=self.key.peer_id)
+        self.run_page.add_routes(app)  # GET / (the run page) and GET /api/run
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.options.host, self.options.port)
@@ -188,9 +193,12 @@ class Coordinator:
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.url = self.options.public_url or f"http://{self.options.host}:{port}"
         self.server.port = port
+        self.run_page.url = self.url
         if self.options.gossip is not None:
             self.gossip = await GossipNode.create(self.spec, self.key, self.options.gossip, role="coordinator", http_url=self.url)
             self.gossip.on_verdict(lambda env: self._apply_gossip_verdict(env.raw))
+            self.run_page.attach_gossip(self.gossip)
+        await self.run_page.start()
         await asyncio.to_thread(self._publish_current)
         if self.options.probe_tasks and self.trainer.step == 0:
             self.state = "probing the base model for a learning signal"
@@ -228,6 +236,8 @@ class Coordinator:
 
     async def stop(self) -> None:
         self._stop.set()
+        if self.run_page is not None:
+            await self.run_page.stop()
         if self.gossip is not None:
             await self.gossip.stop()
         if self._runner is not None:
@@ -364,6 +374,8 @@ class Coordinator:
             assert env is not None
         self.published_step = step
         self.broadcast_s[step] = time.monotonic() - t0
+        if self.run_page is not None:
+            self.run_page.propagation.note_published(step, self.broadcast_s[step])
         ann = seal(self.key, self.signed.run_id, CheckpointAnnouncement(step=step, manifest_id=env.id, checkpoint_hash=env.body.checkpoint_hash,
                                                                         origin_url=self.url))
         if self.gossip is not None and self._loop is not None:
@@ -390,6 +402,11 @@ class Coordinator:
         return evaluate(self.spec, engine, self.tokenizer, self.tasks.heldout, self.options.eval_samples)
 
     # --- gossip glue (asyncio loop) ------------------------------------------------------------
+
+    def _verdict_applied(self, raw: bytes) -> None:
+        if self.run_page is not None:
+            self.run_page.note_verdict(raw)  # a ban's evidence on the run page
+        self._gossip_verdict(raw)
 
     def _gossip_verdict(self, raw: bytes) -> None:
         if self.gossip is not None and self._loop is not None:

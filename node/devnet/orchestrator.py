@@ -8,8 +8,11 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import socket
+import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -27,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 DISCOVERY_TIMEOUT_S = 90.0
 STATUS_POLL_S = 0.5
+DOCTOR_TIMEOUT_S = 60.0
+"""Longest time the workers' start-up ``doctor`` may take, seconds."""
 
 
 @dataclass
@@ -160,6 +165,8 @@ class Devnet:
         ], out / "logs" / "coordinator.log")
         self.group.start(coord)
         self._wait(lambda: get_json(f"{self.coord_url}/status") is not None, 300.0, "the coordinator to come up", coord)
+        print(f"run page: {self.coord_url}/", flush=True)
+        self.events.append(f"{time.monotonic() - self.started:.0f}s run page at {self.coord_url}/")
         # relays: a tree under the origin (relay i follows relay (i-1)//2, relay 0 the origin)
         relay_urls = []
         for i in range(self.o.relays):
@@ -179,14 +186,36 @@ class Devnet:
             ], out / "logs" / f"validator-{i}.log"))
             self.node_urls[f"validator-{i}"] = f"http://127.0.0.1:{port}/status"
         names = [f"worker-{i}" for i in range(self.o.workers)] + (["adversary"] if self.o.adversary else [])
+        ports = {name: free_port() for name in names}
+        self._doctor(run, ports)
         for name in names:
-            port = free_port()
+            port = ports[name]
             cheat = ["--adversary", self.o.adversary] if name == "adversary" and self.o.adversary else []
             self.group.start(Proc(name, "worker", [
                 *self._bin("intellect-node"), "-v", "join", "--role", "worker", "--run", str(run), "--key", str(out / "keys" / f"{name}.key"),
                 "--data-dir", str(out / name), "--http-port", str(port), *cheat, *self._data_root(),
             ], out / "logs" / f"{name}.log"))
             self.node_urls[name] = f"http://127.0.0.1:{port}/status"
+
+    def _doctor(self, run: Path, ports: dict[str, int]) -> None:
+        """``intellect-node doctor --role worker`` for every worker at once, each into its worker's log."""
+        running = []
+        for name, port in ports.items():
+            log = self.out / "logs" / f"{name}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "ab") as f:
+                running.append((name, log, subprocess.Popen(
+                    [*self._bin("intellect-node"), "doctor", "--run", str(run), "--role", "worker", "--data-dir", str(self.out / name),
+                     "--http-port", str(port)], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.group.env)))
+        for name, log, p in running:
+            try:
+                rc = p.wait(timeout=DOCTOR_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                rc = -1
+            summary = next((line for line in reversed(log.read_text(errors="replace").splitlines()) if line.startswith("doctor (")), "no summary")
+            self.events.append(f"{time.monotonic() - self.started:.0f}s {name} {summary}" + ("" if rc == 0 else f" (exit {rc}; see {log})"))
 
     def _wait(self, cond: Callable[[], bool], timeout_s: float, what: str, proc: Proc | None = None) -> None:
         end = time.monotonic() + timeout_s
@@ -219,6 +248,11 @@ class Devnet:
         """Set up, start everything, run the steps, stop everything, and say how it went."""
         run = self.setup()
         coord: Proc | None = None
+        restore: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM and SIGINT (even where a shell started us with SIGINT ignored) stop the devnet
+            # like Ctrl-C: every child is stopped in the finally below
+            restore = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             self.start_all(run)
             coord = self.group.procs[0]
@@ -245,6 +279,8 @@ class Devnet:
             return DevnetResult(ok, time.monotonic() - self.started, reason, self.status, self.node_status)
         finally:
             self.group.stop_all()
+            for sig, handler in restore.items():
+                signal.signal(sig, handler)
 
     def _chaos(self) -> None:
         k = self.o.kill_worker_at
@@ -258,3 +294,7 @@ class Devnet:
         time.sleep(1.0)
         self.group.restart(victim)
         self.events.append(f"{time.monotonic() - self.started:.0f}s restarted worker-0; it re-sends its spool")
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

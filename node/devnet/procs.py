@@ -44,7 +44,7 @@ class ProcessGroup:
         proc.log.parent.mkdir(parents=True, exist_ok=True)
         with open(proc.log, "ab") as log:
             proc.popen = subprocess.Popen(proc.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          start_new_session=True, env=self.env)
+                                          start_new_session=True, env=self.env, preexec_fn=_die_with_parent)
         if proc not in self.procs:
             self.procs.append(proc)
         logger.info("started %s (pid %d)", proc.name, proc.popen.pid)
@@ -87,3 +87,15 @@ class ProcessGroup:
                 p.popen.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 logger.error("%s (pid %d) did not exit", p.name, p.popen.pid)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux for SIGTERM when the devnet process dies, even by SIGKILL
+    (each child has its own session, so a signal to the devnet's group would not reach it)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: stop_all is the only cleanup
+        pass

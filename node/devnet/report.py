@@ -44,6 +44,8 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
         f"- held-out pass rate: start {_f(start)} → end {_f(end)}" + (f" (change {end - start:+.3f})" if start is not None and end is not None else ""),
         f"- trainer utilization (busy / wall): {_f(steps[-1].get('utilization') if steps else None)}",
         f"- mean publish time per step (save + cut + sign): {_f(_mean([s.get('broadcast_s') for s in steps]))} s",
+        f"- run page (live while the run ran): [{dn.coord_url}/]({dn.coord_url}/), JSON at `{dn.coord_url}/api/run`; "
+        "it draws the same curves as [report.png](report.png) (reward, pass rate, held-out, verdicts, publish time)",
         "",
         "## Verdicts by reason",
         "",

@@ -67,6 +67,7 @@ class ShardcastServer:
         self.pieces_served = 0
         self.status: Callable[[], dict[str, Any]] | None = None
         self._runner: web.AppRunner | None = None
+        self._detach_errors: Callable[[], None] | None = None
         self._waiters: dict[bytes, list[asyncio.Future[None]]] = {}
 
     def piece_stored(self, piece_id: bytes) -> None:
@@ -105,12 +106,18 @@ class ShardcastServer:
         app.router.add_get(f"{ROUTE_PREFIX}/deltas/{{step}}", self._delta)
         app.router.add_get(f"{ROUTE_PREFIX}/pieces/{{piece_id}}", self._piece)  # GET also answers HEAD
         if self.status is not None:
+            from node.web.assets import RecentErrors, add_page_routes
+
             app.router.add_get("/status", self._status)
+            add_page_routes(app, "node.html")  # the relay's page at / (polls /status)
+            if self._detach_errors is None:
+                self.errors = RecentErrors()
+                self._detach_errors = self.errors.install()
         return app
 
     async def _status(self, request: web.Request) -> web.Response:
         assert self.status is not None
-        return web.json_response(self.status())
+        return web.json_response({"last_errors": self.errors.snapshot(), **self.status()})
 
     async def start(self) -> None:
         """Bind and start serving."""
@@ -125,6 +132,9 @@ class ShardcastServer:
 
     async def stop(self) -> None:
         """Stop serving and close connections."""
+        if self._detach_errors is not None:
+            self._detach_errors()
+            self._detach_errors = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

@@ -277,6 +277,22 @@ class SubmissionStore:
             rows = self._db.execute("SELECT reason, COUNT(*) FROM verdicts GROUP BY reason").fetchall()
         return {k: int(v) for k, v in rows}
 
+    def submissions_after(self, seq: int, limit: int) -> list[tuple[int, str, str]]:
+        """Up to ``limit`` stored submissions whose index sequence number is above ``seq``, in arrival order.
+
+        Returns:
+            ``(seq, submission ID, worker peer ID)`` tuples (for readers that follow the store, e.g. the run page).
+        """
+        with self._lock:
+            rows = self._db.execute("SELECT seq, id, worker FROM submissions WHERE seq > ? ORDER BY seq LIMIT ?", (seq, limit)).fetchall()
+        return [(int(s), i, w) for s, i, w in rows]
+
+    def rollouts_trained(self) -> dict[str, int]:
+        """Per worker: rollouts in its submissions that a trainer step consumed."""
+        with self._lock:
+            rows = self._db.execute("SELECT worker, SUM(n_rollouts) FROM submissions WHERE consumed_step >= 0 GROUP BY worker").fetchall()
+        return {w: int(n) for w, n in rows}
+
     def worker_stats(self) -> dict[str, dict[str, int]]:
         """Per worker: submissions by state, and ``trained`` (submissions a trainer step consumed)."""
         with self._lock:

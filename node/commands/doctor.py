@@ -1,0 +1,430 @@
+"""`doctor`: check this machine and the run's services before joining, each check PASS/WARN/FAIL with a fix.
+
+Cheap on purpose (a devnet worker runs it at start): no torch import, no gossip join. Network checks
+are single HTTP GETs or TCP connects with a short timeout. Exit status 1 when any check FAILs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from node.cli import CliError, command
+from node.paths import default_data_dir
+
+Status = Literal["PASS", "WARN", "FAIL"]
+ROLES = ("worker", "relay", "validate")
+DEFAULT_TIMEOUT_S = 3.0
+MAX_BODY_BYTES = 1 << 20
+"""Largest HTTP answer a check reads, bytes."""
+MAX_RELAYS = 16
+"""Relays probed at most (those the coordinator lists first)."""
+CLOCK_PASS_S = 2.0
+"""Offsets up to this many seconds pass (the HTTP Date header has 1 s resolution)."""
+CLOCK_FAIL_S = 30.0
+"""Offsets beyond this fail: validator leases are refused when signed more than 60 s off."""
+MEMORY_FACTOR = 4
+"""Memory a worker or validator needs, in multiples of the weights' bytes (engine copy, load buffer, activations)."""
+MATH_TASK_SETS = {"embedded", "gsm8k", "gsm8k_train", "math500", "math_train"}
+"""Task sets without code tasks: the code-reward sandbox is not needed for them."""
+
+
+@dataclass
+class Check:
+    """One line of the report: what was checked, the outcome, what was seen, and how to fix it."""
+
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+
+@command
+def _doctor(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("doctor", help="check this machine and the run's services before joining (PASS/WARN/FAIL, a fix for each)")
+    p.add_argument("--run", required=True, help="the signed run spec (TOML)")
+    p.add_argument("--role", choices=ROLES, default="worker", help="what this node will do (default worker)")
+    p.add_argument("--data-dir", default=None, help=f"node data directory, for the free-disk check (default: {default_data_dir()})")
+    p.add_argument("--host", default="127.0.0.1", help="interface the node will listen on (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int, default=0, help="HTTP/status port the node will bind (default 0: any)")
+    p.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port the node will bind (default 0: any)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S", help=f"per network check, seconds (default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    p.set_defaults(handler=_run_doctor)
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    if not 0 < args.timeout <= 60:
+        raise CliError("--timeout must be between 0 and 60 seconds")
+    for name in ("http_port", "p2p_port"):
+        if not 0 <= getattr(args, name) <= 65535:
+            raise CliError(f"--{name.replace('_', '-')} must be 0…65535")
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    checks = run_checks(Path(args.run), role=args.role, data_dir=data_dir, host=args.host, http_port=args.http_port,
+                        p2p_port=args.p2p_port, timeout_s=args.timeout)
+    if args.json:
+        print(json.dumps([asdict(c) for c in checks], indent=2))
+    else:
+        for c in checks:
+            print(f"{c.status:4}  {c.name:<22} {c.detail}" + (f"\n      fix: {c.fix}" if c.fix and c.status != "PASS" else ""))
+        n = {s: sum(c.status == s for c in checks) for s in ("PASS", "WARN", "FAIL")}
+        print(f"doctor ({args.role}): {n['PASS']} passed, {n['WARN']} warnings, {n['FAIL']} failed")
+    return 1 if any(c.status == "FAIL" for c in checks) else 0
+
+
+def run_checks(run: Path, *, role: str = "worker", data_dir: Path, host: str = "127.0.0.1", http_port: int = 0, p2p_port: int = 0,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Check]:
+    """All checks for ``role`` against the run spec at ``run``, in report order.
+
+    Args:
+        run: the signed run spec file.
+        role: ``worker``, ``relay`` or ``validate``.
+        data_dir: where checkpoints will be kept (its file system's free space is checked).
+        host, http_port, p2p_port: what the node will bind (0: any free port).
+        timeout_s: per network check, seconds.
+
+    Returns:
+        The checks; a spec that does not verify ends the list after its FAIL.
+    """
+    from protocol.errors import RunSpecError
+    from protocol.runspec import load_run_spec
+
+    try:
+        signed = load_run_spec(run)
+    except RunSpecError as e:
+        return [Check("run spec signature", "FAIL", str(e)[:300], "get the run spec again from the coordinator: it is unsigned, altered or not a run spec")]
+    spec = signed.spec
+    run_id = signed.run_id.hex()
+    checks = [Check("run spec signature", "PASS", f"run {spec.run.name} ({run_id[:16]}…) signed by coordinator {spec.run.coordinator}")]
+    coord_status, clock = _check_ingest(spec, run_id, checks, timeout_s)
+    checks += _check_bootstrap(spec, run_id, coord_status, timeout_s)
+    checks += _check_origins(spec, run_id, timeout_s)
+    checks.append(_check_relays(spec, run_id, timeout_s))
+    checks.append(_check_clock(clock))
+    model_bytes = estimate_model_bytes(spec)
+    checks.append(_check_disk(data_dir, model_bytes, spec.shardcast.keep_steps))
+    checks.append(_check_memory(model_bytes, role))
+    checks.append(_check_gpu(model_bytes, role))
+    checks.append(_check_sandbox(spec.data.tasks, role))
+    checks.append(_check_port(host, http_port, "HTTP/status port", "--http-port"))
+    if role != "relay" or p2p_port:
+        checks.append(_check_port(host, p2p_port, "libp2p port", "--p2p-port"))
+    return checks
+
+
+# --- network -----------------------------------------------------------------------------------
+
+
+def _get(url: str, timeout_s: float) -> tuple[dict[str, Any], float | None]:
+    """GET ``url`` as JSON; returns it and the server clock minus ours from the ``Date`` header, seconds.
+
+    Raises:
+        OSError, ValueError: unreachable, an HTTP error, or not JSON.
+    """
+    t0 = time.time()
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - URLs from the signed run spec / the coordinator
+        body = r.read(MAX_BODY_BYTES + 1)
+        date = r.headers.get("Date")
+    t1 = time.time()
+    if len(body) > MAX_BODY_BYTES:
+        raise ValueError(f"answer larger than {MAX_BODY_BYTES} bytes")
+    doc = json.loads(body)
+    if not isinstance(doc, dict):
+        raise ValueError("answer is not a JSON object")
+    offset = None
+    if date:
+        try:
+            offset = parsedate_to_datetime(date).timestamp() - (t0 + t1) / 2
+        except (TypeError, ValueError):
+            offset = None
+    return doc, offset
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, urllib.error.HTTPError):
+        return f"HTTP {e.code}"
+    if isinstance(e, urllib.error.URLError):
+        return str(e.reason)
+    return str(e) or type(e).__name__
+
+
+def _check_ingest(spec: Any, run_id: str, checks: list[Check], timeout_s: float) -> tuple[dict[str, Any] | None, float | None]:
+    """Ingest URLs answer ``/status`` for this run; returns the coordinator's status and clock offset."""
+    coord: dict[str, Any] | None = None
+    clock: float | None = None
+    if not spec.network.ingest_urls:
+        checks.append(Check("ingest", "FAIL", "the run spec lists no ingest URL", "ask the coordinator for a spec with network.ingest_urls"))
+    for url in spec.network.ingest_urls[:4]:
+        try:
+            doc, offset = _get(f"{url.rstrip('/')}/status", timeout_s)
+        except (OSError, ValueError) as e:
+            checks.append(Check(f"ingest {url}", "FAIL", f"unreachable: {_why(e)}",
+                                "check that the coordinator is up and this address is reachable from here (firewall, NAT)"))
+            continue
+        if doc.get("run_id") != run_id:
+            checks.append(Check(f"ingest {url}", "FAIL", f"serves run {str(doc.get('run_id'))[:16]}…, not this run {run_id[:16]}…",
+                                "the spec's ingest URL points at another run: get the current run spec from the coordinator"))
+            continue
+        coord = coord or doc
+        clock = offset if clock is None else clock
+        checks.append(Check(f"ingest {url}", "PASS", f"this run; trainer step {doc.get('trainer_step')}, "
+                                                     f"latest policy {doc.get('latest_policy_step')}"))
+    return coord, clock
+
+
+def _parse_multiaddr(addr: str) -> tuple[str, int, str] | None:
+    """``/ip4|ip6|dns4|dns6|dns/HOST/tcp/PORT/p2p/PEER`` → (host, port, peer ID), or ``None``."""
+    parts = addr.strip("/").split("/")
+    try:
+        if len(parts) >= 6 and parts[0] in ("ip4", "ip6", "dns4", "dns6", "dns") and parts[2] == "tcp" and parts[4] == "p2p":
+            return parts[1], int(parts[3]), parts[5]
+    except ValueError:
+        return None
+    return None
+
+
+MULTISTREAM = b"/multistream/1.0.0\n"
+
+
+def _speaks_libp2p(host: str, port: int, timeout_s: float) -> bool:
+    """Connect and do the first multistream-select exchange (the opening of every libp2p TCP connection).
+
+    Raises:
+        OSError: not reachable.
+    """
+    with socket.create_connection((host, port), timeout=timeout_s) as s:
+        s.settimeout(timeout_s)
+        s.sendall(bytes([len(MULTISTREAM)]) + MULTISTREAM)
+        got = b""
+        try:
+            while len(got) < 1 + len(MULTISTREAM):
+                chunk = s.recv(64)
+                if not chunk:
+                    break
+                got += chunk
+        except TimeoutError:
+            pass
+        return got[1:1 + len(MULTISTREAM)] == MULTISTREAM
+
+
+def _check_bootstrap(spec: Any, run_id: str, coord: dict[str, Any] | None, timeout_s: float) -> list[Check]:
+    out = []
+    if not spec.network.bootstrap:
+        return [Check("bootstrap", "WARN", "the run spec lists no bootstrap peer", "pass --bootstrap MULTIADDR to join (ask the coordinator for one)")]
+    for addr in spec.network.bootstrap[:8]:
+        parsed = _parse_multiaddr(addr)
+        name = f"bootstrap {addr[:60]}"
+        if parsed is None:
+            out.append(Check(name, "FAIL", "not a /ip4|dns/HOST/tcp/PORT/p2p/PEER multiaddr", "ask the coordinator for a spec with a valid bootstrap address"))
+            continue
+        host, port, peer = parsed
+        try:
+            libp2p = _speaks_libp2p(host, port, timeout_s)
+        except OSError as e:
+            out.append(Check(name, "FAIL", f"unreachable: {_why(e)}",
+                             "the peer is down or blocked: pass --bootstrap with a live peer, or check the firewall"))
+            continue
+        if not libp2p:
+            out.append(Check(name, "FAIL", f"{host}:{port} accepts connections but does not speak libp2p",
+                             "the address points at another service: ask the coordinator for the current bootstrap address"))
+        elif peer == spec.run.coordinator and coord is not None and coord.get("peer_id") not in (None, peer):
+            out.append(Check(name, "FAIL", f"the coordinator's HTTP says peer {coord.get('peer_id')}, the address says {peer}",
+                             "get the current run spec from the coordinator"))
+        elif peer == spec.run.coordinator and coord is not None:
+            out.append(Check(name, "PASS", f"libp2p; the run's coordinator (run {run_id[:16]}… confirmed by its ingest)"))
+        else:
+            out.append(Check(name, "PASS", "libp2p answers; its run is verified by signatures when gossip joins"))
+    return out
+
+
+def _check_origins(spec: Any, run_id: str, timeout_s: float) -> list[Check]:
+    out = []
+    for url in spec.network.origin_urls[:4]:
+        out.append(_check_shardcast(f"origin {url}", url, run_id, timeout_s))
+    if not spec.network.origin_urls:
+        out.append(Check("origin", "WARN", "the run spec lists no origin URL", "checkpoints will come only from relays heard on gossip"))
+    return out
+
+
+def _check_shardcast(name: str, url: str, run_id: str, timeout_s: float) -> Check:
+    try:
+        doc, _ = _get(f"{url.rstrip('/')}/shardcast/1/held", timeout_s)
+    except (OSError, ValueError) as e:
+        return Check(name, "FAIL", f"unreachable: {_why(e)}", "check the address and that the server is up (firewall, NAT)")
+    if doc.get("run_id") != run_id:
+        return Check(name, "FAIL", f"serves run {str(doc.get('run_id'))[:16]}…, not this run {run_id[:16]}…",
+                     "this server belongs to another run: get the current run spec")
+    return Check(name, "PASS", f"this run; holds steps {doc.get('held_steps', [])[-4:]}")
+
+
+def _check_relays(spec: Any, run_id: str, timeout_s: float) -> Check:
+    """Relays the coordinator's run page lists (from gossip heartbeats) serve this run."""
+    nodes: list[dict[str, Any]] = []
+    for url in spec.network.ingest_urls[:4]:
+        try:
+            doc, _ = _get(f"{url.rstrip('/')}/api/run", timeout_s)
+        except (OSError, ValueError):
+            continue
+        nodes = [n for n in doc.get("nodes", []) if isinstance(n, dict)]
+        break
+    relays = [n for n in nodes if n.get("role") == "relay" and n.get("state") == "alive" and n.get("http_url")][:MAX_RELAYS]
+    if not relays:
+        return Check("relays", "WARN", "the coordinator lists no live relay yet", "checkpoints come from the origin until relays appear on gossip")
+    bad = []
+    for r in relays:
+        c = _check_shardcast("relay", str(r["http_url"]), run_id, timeout_s)
+        if c.status != "PASS":
+            bad.append(f"{r['http_url']} ({c.detail})")
+    if len(bad) == len(relays):
+        return Check("relays", "FAIL", f"none of {len(relays)} relays reachable: {'; '.join(bad)[:300]}",
+                     "relays advertise addresses this machine cannot reach: check the network path, or fetch from the origin")
+    if bad:
+        return Check("relays", "WARN", f"{len(relays) - len(bad)} of {len(relays)} reachable; not: {'; '.join(bad)[:300]}",
+                     "unreachable relays are skipped; nothing to do unless all fail")
+    return Check("relays", "PASS", f"{len(relays)} reachable, serving this run")
+
+
+def _check_clock(offset: float | None) -> Check:
+    fix = "synchronise the clock (timedatectl set-ntp true, or chrony/ntpd)"
+    if offset is None:
+        return Check("clock offset", "WARN", "not measured (no coordinator answered with a Date header)", "fix the ingest check first")
+    a = abs(offset)
+    if a <= CLOCK_PASS_S:
+        return Check("clock offset", "PASS", f"{offset:+.1f} s vs the coordinator (±1 s resolution)")
+    if a <= CLOCK_FAIL_S:
+        return Check("clock offset", "WARN", f"{offset:+.1f} s vs the coordinator", fix)
+    return Check("clock offset", "FAIL", f"{offset:+.1f} s vs the coordinator: signed messages older than 60 s are refused", fix)
+
+
+# --- this machine ------------------------------------------------------------------------------
+
+
+def estimate_model_bytes(spec: Any) -> int | None:
+    """Bytes of the policy's weights: the base directory's safetensors, or the embedded Qwen2's shape.
+
+    Returns:
+        ``None`` when the base is a directory this machine does not have.
+    """
+    if spec.model.base != "embedded":
+        base = Path(spec.model.base)
+        files = list(base.glob("*.safetensors")) if base.is_dir() else []
+        return sum(f.stat().st_size for f in files) if files else None
+    h, layers, vocab = spec.model.hidden_size, 2, 99  # protocol.models.embedded_config: 2 layers; 3 special + 96 character tokens
+    per_layer = (h * h + h) + 2 * (h * h // 2 + h // 2) + h * h + 3 * h * 2 * h + 2 * h  # q, k+v (2 KV heads of 4), o, MLP, norms
+    params = vocab * h + layers * per_layer + h  # tied embeddings
+    return params * (2 if spec.model.dtype == "bfloat16" else 4)
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):,.1f} MiB" if n < (1 << 30) else f"{n / (1 << 30):,.1f} GiB"
+
+
+def _check_disk(data_dir: Path, model_bytes: int | None, keep_steps: int) -> Check:
+    probe = data_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if model_bytes is None:
+        return Check("free disk", "WARN", f"{_mib(free)} free at {probe}; model size unknown (base is not on this machine)",
+                     "make sure there is room for keep_steps + 2 checkpoints")
+    need = (keep_steps + 2) * model_bytes  # kept steps, the one being fetched, the assembled copy
+    detail = f"{_mib(free)} free at {probe}; {keep_steps} kept steps + 2 need {_mib(need)}"
+    if free < need:
+        return Check("free disk", "FAIL", detail, "free space or pass --data-dir on a larger disk")
+    if free < 2 * need:
+        return Check("free disk", "WARN", detail, "little headroom: free space or use a larger disk")
+    return Check("free disk", "PASS", detail)
+
+
+def _check_memory(model_bytes: int | None, role: str) -> Check:
+    import psutil
+
+    avail = psutil.virtual_memory().available
+    if role == "relay":
+        return Check("memory", "PASS", f"{_mib(avail)} available; relays stream pieces and hold no model")
+    if model_bytes is None:
+        return Check("memory", "WARN", f"{_mib(avail)} available; model size unknown", "check the model's size against available memory")
+    need = MEMORY_FACTOR * model_bytes
+    detail = f"{_mib(avail)} available; the model needs about {_mib(need)} ({MEMORY_FACTOR}× {_mib(model_bytes)} of weights)"
+    if avail < need:
+        return Check("memory", "FAIL", detail, "free memory, or run on a machine with more")
+    return Check("memory", "PASS", detail)
+
+
+def _check_gpu(model_bytes: int | None, role: str) -> Check:
+    smi = shutil.which("nvidia-smi")
+    if role == "relay":
+        return Check("GPU memory", "PASS", "relays need no GPU")
+    if smi is None:
+        return Check("GPU memory", "PASS", "no CUDA GPU found (nvidia-smi absent): the CPU engine will be used")
+    try:
+        out = subprocess.run([smi, "--query-gpu=name,memory.free,memory.total", "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError) as e:
+        return Check("GPU memory", "WARN", f"nvidia-smi failed: {e}", "check the NVIDIA driver (nvidia-smi should list the GPU)")
+    if not out:
+        return Check("GPU memory", "WARN", "nvidia-smi lists no GPU", "check the NVIDIA driver")
+    gpus = []
+    for line in out:
+        name, free_mib, total_mib = (x.strip() for x in line.rsplit(",", 2))
+        gpus.append((name, float(free_mib) * (1 << 20), float(total_mib) * (1 << 20)))
+    best = max(gpus, key=lambda g: g[1])
+    detail = f"{len(gpus)} GPU(s); most free: {best[0]} {_mib(best[1])} of {_mib(best[2])}"
+    if model_bytes is not None and best[1] < MEMORY_FACTOR * model_bytes:
+        return Check("GPU memory", "WARN", f"{detail}; the model needs about {_mib(MEMORY_FACTOR * model_bytes)}",
+                     "use --device cpu, or free GPU memory")
+    return Check("GPU memory", "PASS", detail)
+
+
+def _check_sandbox(tasks: str, role: str) -> Check:
+    if role == "relay":
+        return Check("code sandbox", "PASS", "relays compute no rewards")
+    try:
+        from protocol.rewards.sandbox import sandbox_status  # type: ignore[attr-defined]
+    except ImportError:
+        sandbox_status = None
+    if sandbox_status is not None:
+        ok, msg = sandbox_status()
+    else:
+        ok, msg = _bwrap_works()
+    if ok:
+        return Check("code sandbox", "PASS", msg)
+    needs_code = tasks not in MATH_TASK_SETS
+    return Check("code sandbox", "FAIL" if needs_code else "WARN",
+                 f"{msg}" + ("" if needs_code else f" (task set {tasks} has no code tasks)"),
+                 "apt-get install bubblewrap (and allow unprivileged user namespaces: sysctl kernel.unprivileged_userns_clone=1)")
+
+
+def _bwrap_works() -> tuple[bool, str]:
+    """Whether bubblewrap exists and can make a sandbox with every namespace unshared."""
+    exe = shutil.which("bwrap")
+    if exe is None:
+        return False, "bubblewrap (bwrap) not installed: code rewards cannot run isolated"
+    try:
+        r = subprocess.run([exe, "--ro-bind", "/", "/", "--unshare-all", "--die-with-parent", "true"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as e:
+        return False, f"bwrap failed to start: {e}"
+    if r.returncode != 0:
+        return False, f"bwrap cannot unshare namespaces: {r.stderr.strip()[:200]}"
+    return True, f"bubblewrap isolation works ({exe})"
+
+
+def _check_port(host: str, port: int, what: str, flag: str) -> Check:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, port))
+            got = s.getsockname()[1]
+    except OSError as e:
+        return Check(what, "FAIL", f"cannot bind {host}:{port}: {e.strerror}", f"pick a free port with {flag}, or stop what uses it")
+    return Check(what, "PASS", f"{host}:{port} bindable" if port else f"{host}: any free port (e.g. {got})")

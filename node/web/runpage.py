@@ -1,0 +1,378 @@
+"""The coordinator's run page: ``GET /`` (HTML) and ``GET /api/run`` (a bounded JSON snapshot).
+
+What the page shows and where it comes from (all of it public; no keys, no submission bodies):
+
+* run name and spec summary — the signed run spec;
+* policy step, trainer state, curves — the coordinator's ``/status`` fields and its
+  ``metrics.jsonl`` (followed incrementally: reward, pass rate, held-out pass rate, verdicts by
+  reason after each step);
+* bans with evidence — the ban book, joined with the rejecting verdict the coordinator applied
+  (its reason, validator and ``evidence`` map; verdicts are remembered in memory only);
+* Shardcast propagation per step — when the coordinator announced a step, and when each relay's
+  signed heartbeat first listed it as held and each worker's first reported it as its policy;
+* nodes by role — the gossip peer table (alive, or silent since the last heartbeat);
+* contributor leaderboard — the ingest store (accepted / rejected / pending, rollouts trained on)
+  and the completion tokens of every stored submission (each decoded once, off the event loop).
+
+The snapshot is rebuilt at most once per :data:`REFRESH_S` in a background task, so a request
+never triggers work; every list is capped (:data:`CAPS`) and the answer is refused to grow past
+:data:`MAX_RESPONSE_BYTES`. Requests are rate-limited per IP (:class:`~node.web.assets.PageLimiter`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from node.web.assets import SECURITY_HEADERS, PageLimiter, add_page_routes
+from protocol.envelope import Envelope, open_envelope
+from protocol.errors import ProtocolError
+from protocol.messages import NodeRecord, Submission, Verdict
+from protocol.runspec import SignedRunSpec
+from trainer.ingest.bans import BanBook
+from trainer.ingest.store import SubmissionStore
+
+logger = logging.getLogger(__name__)
+
+API_ROUTE = "/api/run"
+SNAPSHOT_VERSION = 1
+REFRESH_S = 1.0
+"""Seconds between two rebuilds of the snapshot."""
+DECODE_PER_REFRESH = 32
+"""Stored submissions decoded per rebuild to count their tokens (bounds the work of one rebuild)."""
+MAX_RESPONSE_BYTES = 1 << 20
+"""Largest ``/api/run`` answer, bytes; curves are thinned until it fits."""
+CAPS = {"curve_points": 300, "heldout_points": 100, "nodes": 300, "leaderboard": 200, "bans": 100, "propagation_steps": 50,
+        "verdicts_remembered": 2048, "peers_per_step": 256}
+"""Bounds of the snapshot's lists (entries)."""
+EARLY_STEPS = 4
+"""Steps above the latest announced one whose holders are noted before their announcement arrives."""
+
+
+class Propagation:
+    """When each policy step reached the relays and workers, in seconds after its announcement.
+
+    Fed from two threads (the trainer thread announces, the event loop hears records), hence the lock.
+
+    Args:
+        max_steps: steps remembered (oldest forgotten first).
+        max_peers: peers remembered per step.
+        clock: wall clock, seconds.
+    """
+
+    def __init__(self, max_steps: int = CAPS["propagation_steps"], max_peers: int = CAPS["peers_per_step"],
+                 clock: Callable[[], float] = time.time) -> None:
+        self.max_steps = max_steps
+        self.max_peers = max_peers
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._announced: collections.OrderedDict[int, tuple[float, float | None]] = collections.OrderedDict()
+        self._seen: dict[str, dict[int, dict[str, float]]] = {"relay": {}, "worker": {}}
+
+    def note_published(self, step: int, publish_s: float | None) -> None:
+        """Step ``step`` was announced now, after ``publish_s`` seconds of save + cut + sign."""
+        with self._lock:
+            if step in self._announced:
+                return
+            self._announced[step] = (self.clock(), publish_s)
+            while len(self._announced) > self.max_steps:
+                self._announced.popitem(last=False)
+            oldest = next(iter(self._announced))
+            for seen in self._seen.values():
+                for s in [s for s in seen if s < oldest]:
+                    del seen[s]
+
+    def note_record(self, record: NodeRecord) -> None:
+        """A verified heartbeat: a relay's held steps, a worker's policy step."""
+        steps = record.held_steps if record.role == "relay" else [record.policy_step] if record.role == "worker" else []
+        now = self.clock()
+        with self._lock:
+            latest = max(self._announced) if self._announced else -1
+            for step in steps:
+                # a record may beat the announcement (relays poll the origin): it counts as 0 s
+                if step < 0 or (step not in self._announced and not latest < step <= latest + EARLY_STEPS):
+                    continue
+                by_peer = self._seen[record.role].setdefault(step, {})
+                if record.peer_id not in by_peer and len(by_peer) < self.max_peers:
+                    by_peer[record.peer_id] = now
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Per announced step: publish seconds, first/last relay and worker seconds, counts."""
+        out = []
+        with self._lock:
+            for step, (t_ann, publish_s) in self._announced.items():
+                row: dict[str, Any] = {"step": step, "publish_s": _r(publish_s)}
+                for role, key in (("relay", "relays"), ("worker", "workers")):
+                    delays = sorted(max(0.0, t - t_ann) for t in self._seen[role].get(step, {}).values())
+                    row[f"{key}_first_s"] = _r(delays[0]) if delays else None
+                    row[f"{key}_all_s"] = _r(delays[-1]) if delays else None
+                    row["relays_holding" if role == "relay" else "workers_on_step"] = len(delays)
+                out.append(row)
+        return out
+
+
+class MetricsTail:
+    """Follows the coordinator's ``metrics.jsonl`` (appended rows) from where it last stopped reading.
+
+    Args:
+        path: the file; it may not exist yet.
+        max_rows: step and eval rows kept each.
+    """
+
+    def __init__(self, path: Path, max_rows: int = 5000) -> None:
+        self.path = Path(path)
+        self._offset = 0
+        self._partial = b""
+        self.steps: collections.deque[dict[str, Any]] = collections.deque(maxlen=max_rows)
+        self.evals: collections.deque[dict[str, Any]] = collections.deque(maxlen=max_rows)
+
+    def poll(self, max_bytes: int = 4 << 20) -> None:
+        """Read up to ``max_bytes`` new bytes and keep the complete rows among them."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read(max_bytes)
+        except FileNotFoundError:
+            return
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()[-(1 << 20):]
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(row, dict):
+                continue
+            if row.get("event") == "step":
+                self.steps.append(row)
+            elif row.get("event") == "eval":
+                self.evals.append(row)
+
+
+class RunPage:
+    """The run page of one coordinator (see the module docstring).
+
+    Lifecycle: ``RunPage(...)`` (no I/O) → :meth:`add_routes` on the coordinator's app →
+    :meth:`attach_gossip` once gossip runs → ``await start()`` → ``await stop()``.
+
+    Args:
+        signed: the run spec.
+        store: the ingest store (read only).
+        bans: the ban book (read only).
+        status: the coordinator's ``/status`` dict (trainer step, state, held-out pass rates…).
+        metrics_path: the coordinator's ``metrics.jsonl``.
+        peer_id: the coordinator's peer ID; url: its public URL.
+    """
+
+    def __init__(self, signed: SignedRunSpec, store: SubmissionStore, bans: BanBook, *, status: Callable[[], dict[str, Any]],
+                 metrics_path: Path, peer_id: str, url: str = "") -> None:
+        self.signed = signed
+        self.spec = signed.spec
+        self.store = store
+        self.bans = bans
+        self.status = status
+        self.peer_id = peer_id
+        self.url = url
+        self.metrics = MetricsTail(metrics_path)
+        self.propagation = Propagation()
+        self.gossip: Any = None
+        self.limiter = PageLimiter()
+        self._verdicts: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        self._verdict_lock = threading.Lock()
+        self._tokens: dict[str, int] = {}
+        self._token_seq = 0
+        self._silent: dict[str, dict[str, Any]] = {}
+        self._last_alive: dict[str, dict[str, Any]] = {}
+        self._snapshot: bytes = b""
+        self._task: asyncio.Task[None] | None = None
+
+    # --- wiring --------------------------------------------------------------------------------
+
+    def add_routes(self, app: web.Application) -> None:
+        """``GET /``, ``GET /web/<asset>`` and ``GET /api/run`` on the coordinator's app."""
+        add_page_routes(app, "run.html", self.limiter)
+        app.router.add_get(API_ROUTE, self._api)
+
+    def attach_gossip(self, gossip: Any) -> None:
+        """Read the peer table of ``gossip`` (a :class:`~node.p2p.GossipNode`) and follow its records."""
+        self.gossip = gossip
+        gossip.on_record(lambda env: self.propagation.note_record(env.body))
+
+    def note_verdict(self, raw: bytes) -> None:
+        """Remember an applied rejecting verdict (envelope bytes), so a ban can show its evidence."""
+        try:
+            env: Envelope[Verdict] = open_envelope(raw, run_id=self.signed.run_id, expect=Verdict, authorities=self.spec.authorities)
+        except ProtocolError as e:
+            logger.debug("run page ignores a verdict: %s", e)
+            return
+        if env.body.accepted:
+            return
+        with self._verdict_lock:
+            self._verdicts[env.id.hex()] = {"validator": env.peer_id, "submission_id": env.body.submission_id.hex(),
+                                            "evidence": {k: v for k, v in list(env.body.evidence.items())[:16]}}
+            while len(self._verdicts) > CAPS["verdicts_remembered"]:
+                self._verdicts.popitem(last=False)
+
+    async def start(self) -> None:
+        """Build the first snapshot and keep rebuilding it every :data:`REFRESH_S` seconds."""
+        await self._refresh()
+        self._task = asyncio.create_task(self._loop(), name="run-page-refresh")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    # --- snapshot ------------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_S)
+            try:
+                await self._refresh()
+            except Exception:  # the page must never take the coordinator down
+                logger.exception("run page refresh failed")
+
+    async def _refresh(self) -> None:
+        nodes = self._nodes()  # the peer table belongs to the event loop: read it here
+        snap = await asyncio.to_thread(self.build, nodes)
+        self._snapshot = snap
+
+    def _nodes(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        alive: dict[str, dict[str, Any]] = {}
+        if self.gossip is not None:
+            for p in self.gossip.peers.alive():
+                alive[p.peer_id] = {**p.to_json(now), "state": "alive", "_seen_wall": time.time() - max(0.0, now - p.last_seen)}
+        for pid in [p for p in self._silent if p in alive]:
+            del self._silent[pid]
+        for pid, row in list(self._last_alive.items()):
+            if pid not in alive:
+                self._silent[pid] = {**row, "state": "silent"}
+        while len(self._silent) > CAPS["nodes"]:
+            del self._silent[next(iter(self._silent))]
+        self._last_alive = alive
+        rows = list(alive.values()) + list(self._silent.values())
+        for row in rows:
+            row["last_seen_s"] = round(max(0.0, time.time() - row["_seen_wall"]), 1)
+        return [{k: v for k, v in r.items() if k not in ("_seen_wall", "addrs", "hardware", "seq")} for r in rows][: CAPS["nodes"]]
+
+    def _count_tokens(self) -> None:
+        for seq, sid, worker in self.store.submissions_after(self._token_seq, DECODE_PER_REFRESH):
+            self._token_seq = seq
+            try:
+                env = open_envelope(self.store.read(sid), run_id=self.signed.run_id, expect=Submission)
+            except (OSError, ProtocolError) as e:
+                logger.debug("run page cannot read submission %s: %s", sid[:12], e)
+                continue
+            n = sum(len(r.completion_ids) // 4 for r in env.body.rollouts)  # packed uint32 token IDs
+            self._tokens[worker] = self._tokens.get(worker, 0) + n
+
+    def build(self, nodes: list[dict[str, Any]] | None = None) -> bytes:
+        """The ``/api/run`` document as JSON bytes (blocking: store reads; call off the event loop)."""
+        self.metrics.poll()
+        self._count_tokens()
+        st = self.status()
+        spec = self.spec
+        published = int(st.get("published_step", st.get("latest_policy_step", -1)))
+        coordinator_row = {"peer_id": self.peer_id, "role": "coordinator", "state": str(st.get("state", "")), "policy_step": published,
+                           "held_steps": [], "last_seen_s": 0.0, "http_url": self.url, "version": ""}
+        banned = {e.peer_id: e for e in self.bans.entries()}
+        workers = self.store.worker_stats()
+        trained = self.store.rollouts_trained()
+        board = []
+        for peer, c in workers.items():
+            acc, rej = c.get("accepted", 0), c.get("rejected", 0)
+            ban = banned.get(peer)
+            board.append({"peer_id": peer, "accepted": acc, "rejected": rej, "pending": c.get("pending", 0),
+                          "submissions_trained": c.get("trained", 0), "rollouts_trained": trained.get(peer, 0),
+                          "tokens": self._tokens.get(peer, 0), "reputation": 0.0 if ban else round((acc + 1) / (acc + rej + 2), 4),
+                          "banned": ban is not None, "ban_reason": ban.reason if ban else ""})
+        board.sort(key=lambda w: (-w["accepted"], w["rejected"], w["peer_id"]))
+        with self._verdict_lock:
+            verdicts = dict(self._verdicts)
+        bans = []
+        for e in sorted(banned.values(), key=lambda e: -e.since_ms)[: CAPS["bans"]]:
+            v = verdicts.get(e.verdict_id.hex(), {})
+            bans.append({"peer_id": e.peer_id, "reason": e.reason, "since_ms": e.since_ms, "verdict_id": e.verdict_id.hex(),
+                         "validator": v.get("validator", ""), "submission_id": v.get("submission_id", ""), "evidence": v.get("evidence")})
+        doc: dict[str, Any] = {
+            "version": SNAPSHOT_VERSION,
+            "generated_ms": int(time.time() * 1000),
+            "run": {
+                "name": spec.run.name, "run_id": self.signed.run_id.hex(), "coordinator": spec.run.coordinator,
+                "validators": len(spec.run.validators),
+                "model": {"base": spec.model.base if spec.model.base == "embedded" else Path(spec.model.base).name,
+                          "hidden_size": spec.model.hidden_size, "dtype": spec.model.dtype},
+                "tasks": spec.data.tasks if "/" not in spec.data.tasks else Path(spec.data.tasks).name,
+                "tasks_per_submission": spec.data.tasks_per_submission,
+                "sampling": {"temperature": spec.sampling.temperature, "top_p": spec.sampling.top_p, "max_tokens": spec.sampling.max_tokens},
+                "rl": {"group_size": spec.rl.group_size, "batch_groups": spec.rl.batch_groups, "async_level": spec.rl.async_level,
+                       "learning_rate": spec.rl.learning_rate},
+                "shardcast": {"keep_steps": spec.shardcast.keep_steps, "piece_size_bytes": spec.shardcast.piece_size_bytes},
+                "heartbeat_interval_s": spec.network.heartbeat_interval_s,
+            },
+            "trainer": {
+                "step": int(st.get("trainer_step", 0)), "published_step": published, "state": str(st.get("state", ""))[:300],
+                "utilization": st.get("utilization"), "heldout_start": st.get("heldout_start"), "heldout_end": st.get("heldout_end"),
+                "submissions": st.get("submissions", {}), "uptime_s": st.get("uptime_s"),
+            },
+            "curves": self._curves(CAPS["curve_points"]),
+            "bans": bans,
+            "propagation": self.propagation.rows()[-CAPS["propagation_steps"]:],
+            "nodes": [coordinator_row, *(nodes or [])][: CAPS["nodes"]],
+            "leaderboard": board[: CAPS["leaderboard"]],
+        }
+        out = json.dumps(doc, default=str).encode()
+        points = CAPS["curve_points"]
+        while len(out) > MAX_RESPONSE_BYTES and points > 10:
+            points //= 2
+            doc["curves"] = self._curves(points)
+            out = json.dumps(doc, default=str).encode()
+        return out
+
+    def _curves(self, max_points: int) -> dict[str, Any]:
+        steps = _thin(list(self.metrics.steps), max_points)
+        evals = _thin(list(self.metrics.evals), CAPS["heldout_points"])
+        return {
+            "steps": [{"step": s.get("step"), "reward_mean": _r(s.get("reward_mean")), "pass_rate": _r(s.get("pass_rate")),
+                       "loss": _r(s.get("loss")), "tokens_per_s": _r(s.get("tokens_per_s")), "publish_s": _r(s.get("broadcast_s")),
+                       "wall_s": s.get("wall_s")} for s in steps],
+            "heldout": [{"step": e.get("step"), "pass_rate": _r(e.get("heldout_pass_rate"))} for e in evals],
+            "verdicts": [{"step": s.get("step"), "by_reason": {str(k)[:64]: int(v) for k, v in list((s.get("verdicts") or {}).items())[:32]}}
+                         for s in steps],
+        }
+
+    # --- HTTP ----------------------------------------------------------------------------------
+
+    async def _api(self, request: web.Request) -> web.Response:
+        self.limiter.check(request)
+        if not self._snapshot:
+            await self._refresh()
+        return web.Response(body=self._snapshot, content_type="application/json", headers=SECURITY_HEADERS)
+
+
+def _thin(rows: list[dict[str, Any]], max_points: int) -> list[dict[str, Any]]:
+    """At most ``max_points`` rows, evenly spaced, always keeping the last."""
+    if len(rows) <= max_points:
+        return rows
+    stride = -(-len(rows) // max_points)
+    kept = rows[::stride]
+    if kept[-1] is not rows[-1]:
+        kept.append(rows[-1])
+    return kept
+
+
+def _r(x: Any, digits: int = 4) -> float | None:
+    return round(float(x), digits) if isinstance(x, (int, float)) else None
