@@ -113,15 +113,23 @@ async def test_node_two_steps_behind_catches_up_and_chain_bound(origin, policies
 class _Recorder(EvilProxy):
     """A proxy that records the paths asked of it, corrupting delta pieces only in ``corrupt`` mode."""
 
-    def __init__(self, upstream: str, mode: str = "ok", delta_pieces: set[str] | None = None, delay_s: float = 0.0) -> None:
-        super().__init__(upstream, "ok", delay_s)
+    def __init__(self, upstream: str, mode: str = "ok", delta_pieces: set[str] | None = None, serve_delta_pieces: int | None = None) -> None:
+        super().__init__(upstream, "ok")
         self.paths: list[str] = []
         self.bad_mode = mode
         self.delta_pieces = delta_pieces or set()
+        self.serve_delta_pieces = serve_delta_pieces  # after this many delta pieces: 404 (a relay that stalls)
 
     async def _forward(self, request):  # noqa: ANN001, ANN202
+        from aiohttp import web
+
         self.paths.append(request.path)
-        self.mode = self.bad_mode if request.path.rsplit("/", 1)[-1] in self.delta_pieces else "ok"
+        is_delta = request.path.rsplit("/", 1)[-1] in self.delta_pieces
+        if is_delta and self.serve_delta_pieces is not None:
+            if self.serve_delta_pieces <= 0:
+                return web.Response(status=404)
+            self.serve_delta_pieces -= 1
+        self.mode = self.bad_mode if is_delta else "ok"
         return await super()._forward(request)
 
 
@@ -273,7 +281,8 @@ async def test_relay_restart_mid_delta(tmp_path, policies):
         publish_checkpoint(origin, checkpoint_files(policies[1]), step=1, key=run.key,
                            piece_size_bytes=run.signed.spec.shardcast.piece_size_bytes, delta_from=0)
         pieces = {p.hex() for p in origin.delta(1).body.pieces}
-        slow = _Recorder(srv.url, "ok", pieces, delay_s=0.05)
+        assert len(pieces) >= 2, "the delta must span several pieces for this test"
+        slow = _Recorder(srv.url, "ok", pieces, serve_delta_pieces=1)
         await slow.start()
         relay = _relay(make_store(run, tmp_path / "relay"), slow.url)
         await relay.start()
