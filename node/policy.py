@@ -117,6 +117,11 @@ class PolicyFollower:
             if not sources:
                 raise FetchError(f"no source known for policy step {step} yet (no relay or origin in gossip or the run spec)")
             t0 = time.monotonic()
+            if await self._fetch_by_delta(step, out, sources):
+                self.fetch_seconds[step] = time.monotonic() - t0
+                self.note_step(step)
+                await asyncio.to_thread(self._prune)
+                return out
             try:
                 result = await fetch_checkpoint(sources, out, run_id=self.spec.run_id, authorities=self.spec.authorities, step=step,
                                                 config=self._cfg, progress=False)
@@ -138,6 +143,34 @@ class PolicyFollower:
             self.note_step(step)
             await asyncio.to_thread(self._prune)
             return out
+
+    async def _fetch_by_delta(self, step: int, out: Path, sources: list[str]) -> bool:
+        """Reach ``step`` through signed deltas from the newest held earlier step (docs/shardcast.md §9).
+
+        Returns:
+            Whether ``out`` now holds the verified step; ``False``: fetch it in full (no held
+            step, deltas off, or the delta path refused — the reason is logged).
+        """
+        held = [s for s in self._held_steps() if s < step]
+        if step == 0 or not held or self.spec.shardcast.max_delta_chain == 0:
+            return False
+        from node.shardcast.delta import fetch_step
+
+        try:
+            res = await fetch_step(sources, out, run_id=self.spec.run_id, authorities=self.spec.authorities, held_dir=self.path_for(held[-1]),
+                                   step=step, max_chain=self.spec.shardcast.max_delta_chain, config=self._cfg, full_fallback=False)
+        except NodeError as e:
+            logger.info("step %d not reachable by deltas from step %d (%s); fetching it in full", step, held[-1], e, extra={"step": step})
+            return False
+        if res.faulty_sources:
+            logger.warning("faulty sources while fetching deltas to step %d: %s", step, res.faulty_sources, extra={"step": step})
+        logger.info("policy step %d from step %d by %d delta(s), %d bytes", step, held[-1], len(res.deltas_applied), res.bytes_downloaded,
+                    extra={"step": step})
+        return True
+
+    def _held_steps(self) -> list[int]:
+        steps = sorted(int(p.name.split("-", 1)[1]) for p in self.root.glob("step-*") if p.name.split("-", 1)[1].isdigit())
+        return [s for s in steps if self.have(s)]
 
     def _prune(self) -> None:
         steps = sorted(int(p.name.split("-", 1)[1]) for p in self.root.glob("step-*") if p.name.split("-", 1)[1].isdigit())

@@ -149,6 +149,12 @@ class ShardcastSpec(_Section):
 
     piece_size_bytes: Annotated[int, Field(ge=64 * 1024, le=1 << 30)] = 16 * MiB
     keep_steps: Annotated[int, Field(ge=1, le=1024, description="steps a relay keeps; ≥ async_level + 1")] = 3
+    max_delta_chain: Annotated[
+        int,
+        Field(ge=0, le=64, description="most step deltas a node applies in a row before it fetches the full checkpoint; "
+              "0: no deltas. Deltas are published with model.dtype = bfloat16; every published step stays available "
+              "in full too (docs/shardcast.md §9)"),
+    ] = 4
 
 
 class NetworkSpec(_Section):

@@ -367,7 +367,10 @@ class Coordinator:
                 files = write_base_policy(self.base_dir, out)
             else:
                 files = self.trainer.save_checkpoint(out, dtype=_torch_dtype(self.spec.model.dtype), base_dir=self.base_dir)
-            env = publish_checkpoint(self.origin, files, step=step, key=self.key, piece_size_bytes=self.spec.shardcast.piece_size_bytes)
+            # bf16 policies also go out as a delta from the previous published step (docs/shardcast.md §9)
+            deltas = self.spec.model.dtype == "bfloat16" and self.spec.shardcast.max_delta_chain > 0 and self.published_step >= 0
+            env = publish_checkpoint(self.origin, files, step=step, key=self.key, piece_size_bytes=self.spec.shardcast.piece_size_bytes,
+                                     delta_from=self.published_step if deltas else None)
             self._prune_policies(step)
         else:
             env = self.origin.manifest(step)

@@ -454,6 +454,7 @@ async def fetch_step(
     max_chain: int = DEFAULT_MAX_CHAIN,
     config: DownloadConfig | None = None,
     session: aiohttp.ClientSession | None = None,
+    full_fallback: bool = True,
 ) -> StepFetchResult:
     """Hold checkpoint ``step`` in ``out_dir``: through deltas from ``held_dir`` when possible, else in full.
 
@@ -467,12 +468,14 @@ async def fetch_step(
         max_chain: most deltas applied in a row (run spec ``shardcast.max_delta_chain``).
         config: limits and timeouts.
         session: an HTTP session to reuse.
+        full_fallback: fetch the full checkpoint when the delta path is refused (else raise).
 
     Returns:
         :class:`StepFetchResult`; ``via`` says which path was taken and ``fallback_reason`` why.
 
     Raises:
         FetchError: neither a delta chain nor the full checkpoint could be fetched.
+        DeltaUnavailable: the delta path was refused and ``full_fallback`` is off.
     """
     cfg = config or DownloadConfig()
     out_dir = Path(out_dir)
@@ -521,6 +524,8 @@ async def fetch_step(
                 reason = str(e)
                 logger.warning("delta path to step %d refused (%s); fetching the full checkpoint", target.body.step, reason,
                                extra={"step": target.body.step})
+        if not full_fallback:
+            raise DeltaUnavailable(reason)
         faulty = pool.faulty()
         full_sources = [u for u in pool.urls if u not in faulty] or pool.urls
         full = await fetch_checkpoint(full_sources, out_dir, run_id=run_id, authorities=authorities, step=target.body.step, config=cfg,

@@ -318,3 +318,19 @@ def test_publish_delta_refuses_incomplete_base(tmp_path, policies):
 
     with pytest.raises(ShardcastError, match="not complete"):
         publish_delta(store, envs[0].raw, base_step=7, key=run.key)
+
+
+async def test_policy_follower_takes_deltas(origin, policies, tmp_path, caplog):
+    from node.policy import PolicyFollower
+
+    run, store = origin
+    caplog.set_level("INFO", logger="node.policy")
+    async with serving(store) as srv:
+        follower = PolicyFollower(run.signed.spec, tmp_path / "policy", lambda _step: [srv.url])
+        try:
+            await follower.fetch(0)
+            path = await follower.fetch(2)
+        finally:
+            await follower.close()
+    assert _same_files(path, policies[2])
+    assert any("policy step 2 from step 0 by 2 delta(s)" in r.getMessage() for r in caplog.records)
