@@ -10,6 +10,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from node.http_server import start_site
 from node.web.assets import RecentErrors, add_page_routes
 
 
@@ -41,11 +42,8 @@ class StatusServer:
         app.router.add_get("/metrics", self._metrics)
         add_page_routes(app, "node.html")
         self._detach_errors = self.errors.install()
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        running = await start_site(app, self.host, self.port)  # header timeout, per-IP cap, no compressed bodies
+        self._runner, self.port = running.runner, running.port
 
     @property
     def url(self) -> str:

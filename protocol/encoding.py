@@ -14,6 +14,7 @@ accepted encoding and a content ID or signature over it cannot be malleated.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -23,9 +24,9 @@ from protocol.errors import DecodeError
 MAX_DEPTH = 16
 
 
-def _normalise(obj: Any, depth: int) -> Any:
-    if depth > MAX_DEPTH:
-        raise DecodeError(f"value nested deeper than {MAX_DEPTH} levels")
+def _normalise(obj: Any, depth: int, max_depth: int = MAX_DEPTH) -> Any:
+    if depth > max_depth:
+        raise DecodeError(f"value nested deeper than {max_depth} levels")
     if obj is None or isinstance(obj, (bool, int, str, bytes)):
         return obj
     if isinstance(obj, float):
@@ -35,13 +36,13 @@ def _normalise(obj: Any, depth: int) -> Any:
     if isinstance(obj, (bytearray, memoryview)):
         return bytes(obj)
     if isinstance(obj, (list, tuple)):
-        return [_normalise(x, depth + 1) for x in obj]
+        return [_normalise(x, depth + 1, max_depth) for x in obj]
     if isinstance(obj, dict):
         items = []
         for k, v in obj.items():
             if not isinstance(k, str):
                 raise DecodeError(f"map key {k!r} is not a string")
-            items.append((k.encode("utf-8"), k, _normalise(v, depth + 1)))
+            items.append((k.encode("utf-8"), k, _normalise(v, depth + 1, max_depth)))
         items.sort(key=lambda kv: kv[0])
         return {k: v for _, k, v in items}
     raise DecodeError(f"type {type(obj).__name__} has no canonical msgpack encoding")
@@ -60,26 +61,60 @@ def packb(obj: Any) -> bytes:
     Raises:
         DecodeError: a value that has no canonical encoding (NaN, non-str key, unknown type).
     """
+    return _pack(obj, MAX_DEPTH)
+
+
+def _pack(obj: Any, max_depth: int) -> bytes:
     try:
-        out: bytes = msgpack.packb(_normalise(obj, 0), use_bin_type=True, use_single_float=False)
+        out: bytes = msgpack.packb(_normalise(obj, 0, max_depth), use_bin_type=True, use_single_float=False)
         return out
     except (OverflowError, ValueError) as e:  # ints out of msgpack's range
         raise DecodeError(f"cannot encode: {e}") from e
 
 
-def unpackb(data: bytes, max_size: int) -> Any:
+@dataclass(frozen=True)
+class DecodeLimits:
+    """Bounds the msgpack decoder enforces *while* decoding (before any Python object walk).
+
+    Derived per message type from its schema (:func:`protocol.messages.decode_limits`), so a
+    peer cannot make the decoder allocate containers the schema would reject anyway.
+
+    Attributes:
+        max_bin_len: longest accepted bin, bytes.
+        max_str_len: longest accepted str, UTF-8 bytes.
+        max_array_len: most elements in one array.
+        max_map_len: most entries in one map.
+        max_depth: deepest container nesting (a scalar at top level is depth 0).
+    """
+
+    max_bin_len: int
+    max_str_len: int
+    max_array_len: int
+    max_map_len: int
+    max_depth: int = MAX_DEPTH
+
+    @classmethod
+    def generic(cls, max_size: int) -> DecodeLimits:
+        """Limits for a value without a schema: bins/strs up to ``max_size``, ≤ 65,536 array
+        elements and ≤ 1,024 map entries."""
+        return cls(max_size, max_size, min(max_size, 1 << 16), min(max_size, 1 << 10), MAX_DEPTH)
+
+
+def unpackb(data: bytes, max_size: int, limits: DecodeLimits | None = None) -> Any:
     """Decode canonical msgpack with hard limits.
 
     Args:
         data: the encoded bytes.
-        max_size: largest accepted input, in bytes; also bounds every bin/str/array/map inside.
+        max_size: largest accepted input, in bytes.
+        limits: container/bin/str/depth bounds checked by the C decoder; default
+            :meth:`DecodeLimits.generic` of ``max_size``.
 
     Returns:
         The decoded value (dicts, lists, str, bytes, int, float, bool, None).
 
     Raises:
         DecodeError: oversized, truncated, trailing bytes, invalid UTF-8, extension types,
-            too deep, or not in canonical form.
+            a container/bin/str over ``limits``, too deep, or not in canonical form.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise DecodeError(f"expected bytes, got {type(data).__name__}")
@@ -88,16 +123,17 @@ def unpackb(data: bytes, max_size: int) -> Any:
         raise DecodeError(f"message of {len(data)} bytes exceeds the limit of {max_size} bytes")
     if not data:
         raise DecodeError("empty message")
+    lim = limits or DecodeLimits.generic(max_size)
     try:
         obj = msgpack.unpackb(
             data,
             raw=False,
             strict_map_key=True,
             use_list=True,
-            max_bin_len=max_size,
-            max_str_len=max_size,
-            max_array_len=max_size,
-            max_map_len=max_size,
+            max_bin_len=min(lim.max_bin_len, max_size),
+            max_str_len=min(lim.max_str_len, max_size),
+            max_array_len=min(lim.max_array_len, max_size),
+            max_map_len=min(lim.max_map_len, max_size),
             max_ext_len=0,
         )
     except msgpack.ExtraData as e:
@@ -107,7 +143,7 @@ def unpackb(data: bytes, max_size: int) -> Any:
     except (ValueError, TypeError, OverflowError) as e:  # msgpack's FormatError/StackError/UnicodeDecodeError are ValueErrors
         raise DecodeError(f"malformed msgpack: {type(e).__name__}: {e}") from e
     try:
-        again = packb(obj)
+        again = _pack(obj, lim.max_depth)
     except RecursionError as e:
         raise DecodeError("message nested too deeply") from e
     if again != data:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+
+import msgpack
 from typing import Any, Generic, TypeVar
 
 from pydantic import ValidationError
@@ -28,7 +30,7 @@ from protocol import encoding
 from protocol.content import ContentId, content_id
 from protocol.errors import DecodeError, SchemaError, SignatureError, WrongRunError
 from protocol.identity import NodeKey, PeerId, peer_id_from_public_key, verify_signature
-from protocol.messages import MESSAGE_TYPES, Message
+from protocol.messages import BODY_LIMITS, MESSAGE_TYPES, Message
 
 ENVELOPE_VERSION = 1
 DOMAIN = b"intellect-node/envelope/1\x00"
@@ -147,9 +149,13 @@ def open_envelope(
 ) -> Envelope[M]:
     """Decode and verify an envelope; nothing of the body is trusted before this returns.
 
-    Order of checks: size → canonical msgpack → envelope shape and field types → known type
-    (and one of ``expect``) → run ID → signature → signer allowed for the type → freshness →
-    body schema → body subject (e.g. a node record's ``peer_id``) equals the signer.
+    Order of checks: size → the outer map alone (exactly the eight keys in canonical order, each
+    fixed field canonical and tightly bounded; the body is only *skipped* over, not built) →
+    field types → known type (and one of ``expect``) → run ID → signature over the raw signed
+    bytes → signer allowed for the type → freshness → body decode under its type's schema-derived
+    limits (:data:`protocol.messages.BODY_LIMITS`) and canonical check → body schema → body
+    subject (e.g. a node record's ``peer_id``) equals the signer. So an unsigned or foreign
+    envelope costs one pass over its bytes in C, never a Python walk of its body.
 
     Args:
         data: the received bytes.
@@ -171,14 +177,13 @@ def open_envelope(
         SignatureError: bad signature, or a signer not allowed to sign this type.
     """
     limit = MAX_ENVELOPE_BYTES if max_bytes is None else min(max_bytes, MAX_ENVELOPE_BYTES)
-    obj = encoding.unpackb(data, limit)
-    if not isinstance(obj, dict):
-        raise DecodeError(f"envelope must be a map, got {type(obj).__name__}")
-    missing, extra = _KEYS - obj.keys(), obj.keys() - _KEYS
-    if missing:
-        raise SchemaError("missing", sorted(missing)[0])
-    if extra:
-        raise SchemaError("unknown field", sorted(extra)[0])
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise DecodeError(f"expected bytes, got {type(data).__name__}")
+    data = bytes(data)
+    if len(data) > limit:
+        raise DecodeError(f"message of {len(data)} bytes exceeds the limit of {limit} bytes")
+    outer = _read_outer(data)
+    obj = outer.fields
     _typed(obj, "v", int)
     if obj["v"] != ENVELOPE_VERSION or isinstance(obj["v"], bool):
         raise SchemaError(f"unsupported envelope version {obj['v']!r}", "v")
@@ -198,12 +203,10 @@ def open_envelope(
         raise SchemaError("timestamp out of range", "ts_ms")
     nonce = _typed(obj, "nonce", bytes, NONCE_BYTES)
     sig = _typed(obj, "sig", bytes, 64)
-    if not isinstance(obj["body"], dict):
-        raise SchemaError("must be a map", "body")
     if run != run_id:
         raise WrongRunError(f"envelope is for run {run.hex()[:16]}…, this node is in run {run_id.hex()[:16]}…")
-    unsigned = {k: v for k, v in obj.items() if k != "sig"}
-    verify_signature(signer, sig, DOMAIN + encoding.packb(unsigned))
+    # the signature covers the raw bytes (canonical map without "sig"): checked before the body is decoded
+    verify_signature(signer, sig, DOMAIN + outer.signed_bytes)
     if cls.SIGNER != "any" and (authorities is None or not authorities.allows(cls.SIGNER, signer)):
         raise SignatureError(f"{type_tag} must be signed by the {cls.SIGNER} of the run, not {peer_id_from_public_key(signer)}")
     if now_ms is None:
@@ -212,7 +215,10 @@ def open_envelope(
         raise SchemaError(f"timestamp is {(ts_ms - now_ms) / 1000:.1f} s in the future", "ts_ms")
     if max_age_s is not None and ts_ms < now_ms - max_age_s * 1000:
         raise SchemaError(f"stale: {(now_ms - ts_ms) / 1000:.1f} s old, limit {max_age_s} s", "ts_ms")
-    body = _check_body(cls, obj["body"])
+    body_obj = encoding.unpackb(outer.body_bytes, cls.MAX_BYTES, BODY_LIMITS[type_tag])
+    if not isinstance(body_obj, dict):
+        raise SchemaError("must be a map", "body")
+    body = _check_body(cls, body_obj)
     if cls.SIGNER_IS_SUBJECT is not None:
         subject = getattr(body, cls.SIGNER_IS_SUBJECT)
         if subject != peer_id_from_public_key(signer):
@@ -228,3 +234,74 @@ def _typed(obj: dict[str, Any], key: str, typ: type, length: int | None = None) 
     if length is not None and n != length:
         raise SchemaError(f"must be {length} bytes, got {n}", key)
     return obj[key]
+
+
+_OUTER_ORDER = ("body", "nonce", "run", "sig", "signer", "ts_ms", "type", "v")  # canonical: ascending UTF-8 key bytes
+_OUTER_LIMITS = encoding.DecodeLimits(max_bin_len=64, max_str_len=64, max_array_len=0, max_map_len=0, max_depth=0)
+
+
+@dataclass(frozen=True)
+class _Outer:
+    fields: dict[str, Any]  # every key but "body"
+    body_bytes: bytes  # the raw bytes of the body value
+    signed_bytes: bytes  # canonical(map without "sig"), cut from the raw bytes
+
+
+def _read_outer(data: bytes) -> _Outer:
+    """Parse the envelope's outer map without building its body.
+
+    The fixed fields are decoded with 64-byte bin/str limits and no containers; the body is
+    skipped (a C pass over its bytes). Each field must be canonical, so the signed bytes are the
+    raw bytes with the ``sig`` entry cut out and the map header rewritten for seven entries.
+
+    Raises:
+        DecodeError: not a canonical envelope map of exactly the eight keys.
+        SchemaError: a missing or unknown key.
+    """
+    if not data:
+        raise DecodeError("empty message")
+    if not 0x80 <= data[0] <= 0x8F:  # canonical maps of ≤ 15 entries are fixmaps
+        raise DecodeError("envelope must be a map of its eight fields")
+    u = msgpack.Unpacker(raw=False, strict_map_key=True, use_list=True, max_buffer_size=len(data), max_ext_len=0,
+                         max_bin_len=_OUTER_LIMITS.max_bin_len, max_str_len=_OUTER_LIMITS.max_str_len,
+                         max_array_len=_OUTER_LIMITS.max_array_len, max_map_len=_OUTER_LIMITS.max_map_len)
+    u.feed(data)
+    fields: dict[str, Any] = {}
+    body_span = sig_span = None
+    prev = b""
+    try:
+        n = u.read_map_header()
+        for _ in range(n):
+            key_start = u.tell()
+            key = u.unpack()
+            if not isinstance(key, str):
+                raise DecodeError("envelope keys must be strings")
+            if key not in _OUTER_ORDER:
+                raise SchemaError("unknown field", key[:64])
+            value_start = u.tell()
+            if data[key_start:value_start] != encoding.packb(key) or key.encode() <= prev:
+                raise DecodeError("envelope is not in canonical msgpack form (key encoding or order)")
+            prev = key.encode()
+            if key == "body":
+                u.skip()
+                body_span = (value_start, u.tell())
+                continue
+            value = u.unpack()
+            if encoding.packb(value) != data[value_start:u.tell()]:
+                raise DecodeError(f"envelope field {key} is not in canonical msgpack form")
+            if key == "sig":
+                sig_span = (key_start, u.tell())
+            fields[key] = value
+        end = u.tell()
+    except msgpack.OutOfData:
+        raise DecodeError("truncated message") from None
+    except (ValueError, TypeError, OverflowError) as e:  # FormatError/StackError/limits/UnicodeDecodeError
+        raise DecodeError(f"malformed envelope: {type(e).__name__}: {e}") from None
+    if end != len(data):
+        raise DecodeError("trailing bytes after the message")
+    missing = [k for k in _OUTER_ORDER if k not in fields and k != "body"] + (["body"] if body_span is None else [])
+    if missing:
+        raise SchemaError("missing", sorted(missing)[0])
+    assert body_span is not None and sig_span is not None
+    signed = bytes([0x80 | (len(_OUTER_ORDER) - 1)]) + data[1:sig_span[0]] + data[sig_span[1]:]
+    return _Outer(fields=fields, body_bytes=data[body_span[0]:body_span[1]], signed_bytes=signed)

@@ -9,6 +9,7 @@ with ``12D3KooW``. Hence a peer ID alone carries the key that verifies the peer'
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import NewType
 
@@ -145,16 +146,29 @@ class NodeKey:
     def load(cls, path: Path) -> NodeKey:
         """Read a key written by :meth:`save`.
 
+        The file must have mode 0600 (owner read/write only): a key others can read may already
+        be someone else's, so it is refused rather than used (``docs/operators.md``).
+
         Raises:
-            KeyFileError: missing, unreadable, or not an ed25519 private key.
+            KeyFileError: missing, unreadable, mode other than 0600, or not an ed25519 private key.
         """
         path = Path(path)
         try:
-            data = path.read_bytes()
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError as e:
             raise KeyFileError(f"no key file at {path}; create one with `intellect-node keygen --key {path}`") from e
         except OSError as e:
             raise KeyFileError(f"cannot read key file {path}: {e.strerror}") from e
+        try:
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)  # of the file opened, not of whatever the path names later
+            if mode != KEY_FILE_MODE:
+                raise KeyFileError(f"key file {path} has mode {mode:04o}, must be 0600 (others may have read it); fix with `chmod 600 {path}`")
+            with os.fdopen(os.dup(fd), "rb") as f:
+                data = f.read(1 << 16)
+        except OSError as e:
+            raise KeyFileError(f"cannot read key file {path}: {e.strerror}") from e
+        finally:
+            os.close(fd)
         try:
             key = serialization.load_pem_private_key(data, password=None)
         except (ValueError, TypeError) as e:

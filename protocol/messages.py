@@ -22,11 +22,14 @@ type                              signed by    read by
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+import types
+import typing
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from protocol.content import CONTENT_ID_BYTES
+from protocol.encoding import DecodeLimits
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -232,13 +235,28 @@ class Verdict(Message):
     evidence: Annotated[dict[Name, VerdictValue], Field(max_length=64)] = {}
 
 
+class BanEvidence(Message):
+    """One independent check that found a submission of the banned worker to be a cheat.
+
+    A ban needs two (``docs/validator.md`` "Ban rule"): the deciding validator verdict and either
+    another validator's verdict on the same submission or the coordinator's own re-check.
+    """
+
+    by: PeerIdStr  # the validator, or the coordinator for its re-check
+    verdict_id: Annotated[bytes, Field(max_length=CONTENT_ID_BYTES)] = b""  # content ID of the verdict envelope; b"" for a re-check
+    reason: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")]
+    detail: Annotated[str, StringConstraints(max_length=200)] = ""  # what was seen (rollout, chunk, numbers)
+
+
 class BanEntry(Message):
-    """One banned worker and why."""
+    """One banned worker and why: the submission and the two checks that agree it cheated."""
 
     peer_id: PeerIdStr
     reason: Annotated[str, StringConstraints(max_length=64)]
     since_ms: Annotated[int, Field(ge=0, le=2**63 - 1)]
     verdict_id: Annotated[bytes, Field(max_length=CONTENT_ID_BYTES)] = b""
+    submission_id: Annotated[bytes, Field(max_length=CONTENT_ID_BYTES)] = b""
+    evidence: Annotated[list[BanEvidence], Field(max_length=2)] = []
 
 
 class BanList(Message):
@@ -249,7 +267,7 @@ class BanList(Message):
     SIGNER: ClassVar[Signer] = "coordinator"
 
     version: Count
-    entries: Annotated[list[BanEntry], Field(max_length=1 << 15)]
+    entries: Annotated[list[BanEntry], Field(max_length=4096)]  # ≤ ~0.9 KiB each with evidence: fits MAX_BYTES
 
 
 class LeaseRequest(Message):
@@ -271,3 +289,87 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     for cls in (NodeRecord, Manifest, CheckpointAnnouncement, DeltaManifest, Submission, Verdict, BanList, LeaseRequest)
 }
 """Every message type a node accepts, by type tag."""
+
+
+def _max_len(metadata: list[Any]) -> int | None:
+    for m in metadata:
+        n = getattr(m, "max_length", None)
+        if n is not None:
+            return int(n)
+    return None
+
+
+_EXTRA_FIELDS_SLACK = 8  # a few unknown fields still decode, so the schema names the first one in its error
+_FIELD_NAME_BYTES = 64  # longest field name a body may carry (known names are ≤ 20 bytes; an unknown one is named in the error)
+
+
+def _walk(tp: Any, metadata: list[Any], depth: int, acc: dict[str, int]) -> None:
+    """Fold the largest container/bin/str sizes and nesting of type ``tp`` into ``acc``."""
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        base, *extra = typing.get_args(tp)
+        more = [m for e in extra for m in (getattr(e, "metadata", None) or [e])]
+        _walk(base, list(metadata) + more, depth, acc)
+        return
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            _walk(arg, metadata, depth, acc)
+        return
+    if origin is Literal:
+        acc["str"] = max(acc["str"], *(len(str(a).encode()) for a in typing.get_args(tp)))
+        return
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        acc["map"] = max(acc["map"], len(tp.model_fields) + _EXTRA_FIELDS_SLACK)
+        acc["str"] = max(acc["str"], _FIELD_NAME_BYTES)  # map keys are msgpack strs too
+        acc["depth"] = max(acc["depth"], depth + 1)
+        for f in tp.model_fields.values():
+            _walk(f.annotation, f.metadata, depth + 1, acc)
+        return
+    n = _max_len(metadata)
+    if origin is list:
+        if n is None:
+            raise TypeError(f"unbounded list in a message schema: {tp}")
+        acc["array"] = max(acc["array"], n)
+        acc["depth"] = max(acc["depth"], depth + 1)
+        _walk(typing.get_args(tp)[0], [], depth + 1, acc)
+    elif origin is dict:
+        if n is None:
+            raise TypeError(f"unbounded dict in a message schema: {tp}")
+        acc["map"] = max(acc["map"], n)
+        acc["depth"] = max(acc["depth"], depth + 1)
+        key, value = typing.get_args(tp)
+        _walk(key, [], depth + 1, acc)
+        _walk(value, [], depth + 1, acc)
+    elif tp is bytes:
+        if n is None:
+            raise TypeError("unbounded bytes in a message schema")
+        acc["bin"] = max(acc["bin"], n)
+    elif tp is str:
+        if n is None:
+            raise TypeError("unbounded str in a message schema")
+        acc["str"] = max(acc["str"], 4 * n)  # characters → UTF-8 bytes
+
+
+ENVELOPE_FIELDS = 8
+"""Entries of the envelope map around every body (``protocol.envelope``)."""
+
+
+def decode_limits(cls: type[Message]) -> DecodeLimits:
+    """The decoder bounds of a message type's *body*, derived from its schema.
+
+    Every list, dict, bytes and str field of the schema must carry a ``max_length``; the
+    largest of each kind anywhere in the schema becomes the limit, and the deepest nesting the
+    depth limit. So a body cannot make the decoder build a 380 KiB array of empty maps where
+    the schema allows at most 1,024 tasks.
+
+    Raises:
+        TypeError: the schema has an unbounded container (a bug in this module).
+    """
+    acc = {"bin": 0, "str": 0, "array": 0, "map": 0, "depth": 0}
+    _walk(cls, [], 0, acc)
+    return DecodeLimits(max_bin_len=acc["bin"], max_str_len=acc["str"], max_array_len=acc["array"], max_map_len=acc["map"],
+                        max_depth=acc["depth"])
+
+
+BODY_LIMITS: dict[str, DecodeLimits] = {tag: decode_limits(cls) for tag, cls in MESSAGE_TYPES.items()}
+"""Decoder bounds of each message type's body, by type tag (``docs/protocol.md`` §2)."""

@@ -1,8 +1,14 @@
 """Verdict reason codes, shared by validators (who emit them) and the coordinator (who bans on them).
 
-A reason is *evidence of cheating* when an honest worker on the agreed software cannot produce
-it: the coordinator bans the worker. Other rejections (a stale policy, a timeout) only lower the
-worker's reputation. See ``docs/protocol.md`` §8.
+A reason is a CHEAT reason when an honest worker on the agreed software cannot produce it. It is
+BENIGN when the rejection may come from either side's circumstances rather than the worker's
+honesty: the validator's own failure (its reward error, its resources, a checkpoint it could
+not fetch), a wall/CPU/memory limit hit by either side (code rewards depend on the clock), or a
+stale policy. Benign rejections only lower a worker's reputation, and count as non-cheats there.
+
+Even a cheat reason does not ban on its own: the coordinator bans only when a second,
+independent check of the same submission reproduces a cheat reason (another validator's
+verdict, or the coordinator's re-check). See ``docs/validator.md`` "Ban rule".
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ BENIGN_REASONS: Final[frozenset[str]] = frozenset(
         "stale_policy",  # policy step outside the async window
         "unknown_checkpoint",  # the validator could not get the checkpoint of that step
         "timeout",  # validation did not finish in time
+        "reward_error",  # the validator could not compute the reward (its sandbox, its task data)
+        "limit_hit",  # a wall/CPU/memory limit of the reward was hit on either side
+        "resources",  # the validator ran out of memory, disk or descriptors while checking
     }
 )
 
@@ -37,5 +46,10 @@ ALL_REASONS: Final[frozenset[str]] = CHEAT_REASONS | BENIGN_REASONS | {OK}
 
 
 def is_cheat(reason: str) -> bool:
-    """Whether ``reason`` is evidence of cheating (grounds for a ban)."""
+    """Whether ``reason`` is evidence of cheating (grounds for a ban once a second check reproduces it)."""
     return reason in CHEAT_REASONS
+
+
+def is_benign(reason: str) -> bool:
+    """Whether ``reason`` is a rejection that says nothing about the worker's honesty."""
+    return reason in BENIGN_REASONS

@@ -81,7 +81,12 @@ class Ledger:
         return out
 
     def score(self, worker: str) -> float:
-        """A reputation in [0, 1]: accepted / judged, with cheating counted ten times."""
+        """A reputation in [0, 1]: accepted / judged, with cheat reasons counted ten times.
+
+        Every other rejection, the benign reasons of ``protocol.verdicts`` included (the
+        validator's own reward error, a resource limit hit on either side, a stale policy),
+        counts once, as a non-cheat.
+        """
         counts = self.reputation().get(worker, {})
         ok = counts.get("ok", 0)
         bad = sum(n * (10 if is_cheat(r) else 1) for r, n in counts.items() if r != "ok")

@@ -4,7 +4,9 @@ Order: banned → policy window → replay → task derivation (tasks, targets, 
 format and bounds → declared termination → TOPLOC by batched prefill → sampling replay and
 log-probs → termination (P(EOS)) → rewards. The first failing check decides the verdict; its
 reason code (``protocol.verdicts``) and evidence (which rollout, which chunk, the numbers) go
-into the signed verdict.
+into the signed verdict. Failures that may be the validator's own or a resource limit of either
+side get benign reasons (``reward_error``, ``limit_hit``, ``unknown_checkpoint``:
+``protocol.verdicts.BENIGN_REASONS``), never a cheat reason.
 
 The model work (prefill) uses :func:`protocol.inference.prefill_completions`, the very code whose
 rows the worker's engine commits, and the reward work :func:`protocol.rewards.compute_reward`.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -200,10 +203,12 @@ class SubmissionChecker:
             try:
                 r = compute_reward(p.task, completion_text(self.tokenizer, completion, self.eos_id), len(completion), p.target_length,
                                    spec.sampling.length_penalty, self.reward_limits)
-            except RewardError as e:
-                raise Rejection("reward", rollout=j, detail=str(e)[:200]) from None
+            except RewardError as e:  # our failure to score, not evidence about the worker
+                raise Rejection("reward_error", rollout=j, detail=str(e)[:200]) from None
             if r.task_reward != ro.task_reward or abs(r.reward - ro.reward) > self.tol.reward_tol:
-                raise Rejection("reward", rollout=j, reported=ro.reward, recomputed=r.reward, reported_task=ro.task_reward, recomputed_task=r.task_reward)
+                raise Rejection(_reward_mismatch_reason(p.task.task_type, ro.task_reward, r.task_reward, r.detail), rollout=j,
+                                reported=ro.reward, recomputed=r.reward, reported_task=ro.task_reward, recomputed_task=r.task_reward,
+                                detail=r.detail[:200])
         timings["reward"] = time.perf_counter() - t
 
     def _bounds(self, j: int, ro: Any, prompt: list[int]) -> tuple[list[int], list[int], list[float]]:
@@ -252,3 +257,22 @@ class SubmissionChecker:
 
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else 1e9
+# code-reward details that mean a resource limit ended the run (anchored: the rest of a detail may
+# quote the candidate's own output, which the worker controls)
+_LIMIT_DETAIL = re.compile(r"^(?:(?:total )?wall limit of |case \d+: wall limit reached|case \d+: exit status -\d+|no result \(exit status -\d+\))")
+
+
+def _reward_mismatch_reason(task_type: str, reported_task: float, recomputed_task: float, detail: str) -> str:
+    """The verdict reason of a reported reward that differs from the recomputed one.
+
+    ``limit_hit`` (benign) when the difference may come from a wall/CPU/memory limit rather than
+    the worker, which happens only for code tasks: the validator's run was ended by a limit (a
+    wall limit, or a child killed by a signal: RLIMIT_CPU/AS/FSIZE), or a task the worker scored 0
+    passes here (a limit hit on the worker's side looks exactly so). Otherwise ``reward`` (a
+    cheat). The submission is rejected either way; only a cheat reason can lead to a ban.
+    """
+    if task_type == "prime_rl_code" and (reported_task < recomputed_task or _LIMIT_DETAIL.match(detail or "")):
+        return "limit_hit"
+    return "reward"
+
+

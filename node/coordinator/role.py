@@ -24,8 +24,10 @@ from aiohttp import web
 
 from node.coordinator.base import prepare_base
 from node.coordinator.evaluate import EvalResult, evaluate
+from node.coordinator.recheck import CoordinatorRecheck
 from node.coordinator.probe import PROBE_TASKS, SignalProbe, no_signal_advice, probe_learning_signal
 from node.engine.hf import TransformersEngine
+from node.http_server import start_site
 from node.p2p import GossipConfig, GossipNode
 from node.retry import FailureLog
 from node.shardcast import ShardcastServer, ShardcastStore, publish_checkpoint
@@ -161,6 +163,9 @@ class Coordinator:
             trainer_step=lambda: self.trainer.step if self.trainer else 0,
             latest_policy_step=lambda: self.published_step,
             on_verdict=self._verdict_applied, on_ban=self._gossip_bans, status_extra=self._status_extra,
+            # a validator's cheat verdict bans only once this independent re-check reproduces it
+            recheck=CoordinatorRecheck(self.spec, self.signed.run_id, self.tasks.train, lambda: self.tokenizer, self._policy_dir,
+                                       by=self.key.peer_id, device=self.options.device),
         )
         from prometheus_client import Gauge
 
@@ -186,11 +191,8 @@ class Coordinator:
         self.run_page = RunPage(self.signed, self.store, self.bans, status=self.ingest.status, metrics_path=self.metrics_path,
                                 peer_id=self.key.peer_id)
         self.run_page.add_routes(app)  # GET / (the run page) and GET /api/run
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.options.host, self.options.port)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        running = await start_site(app, self.options.host, self.options.port)  # header timeout, per-IP cap, no compressed bodies
+        self._runner, port = running.runner, running.port
         self.url = self.options.public_url or f"http://{self.options.host}:{port}"
         self.server.port = port
         self.run_page.url = self.url
@@ -242,6 +244,8 @@ class Coordinator:
             await self.gossip.stop()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.ingest is not None:
+            self.ingest.close()
         self.store.close()
 
     # --- training (worker thread) --------------------------------------------------------------
@@ -385,6 +389,11 @@ class Coordinator:
             self.gossip.set_record(policy_step=step)
             asyncio.run_coroutine_threadsafe(self.gossip.publish_announcement(ann), self._loop)
         logger.info("published policy step %d", step, extra={"step": step})
+
+    def _policy_dir(self, step: int) -> Path | None:
+        """The published policy of ``step`` (for the ban re-check), if still kept."""
+        path = self.data_dir / "policies" / f"step-{step}"
+        return path if (path / "config.json").is_file() else None
 
     def _prune_policies(self, step: int) -> None:
         keep = self.spec.shardcast.keep_steps + 1

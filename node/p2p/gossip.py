@@ -9,13 +9,14 @@ kind         message type                    signer              limit (bytes)
 nodes        ``node_record/1``               the record's node   8 KiB
 checkpoints  ``checkpoint_announcement/1``   coordinator         4 KiB
 verdicts     ``verdict/1``                   a run validator     64 KiB
-bans         ``ban_list/1``                  coordinator         :data:`GOSSIP_MAX_BYTES`
+bans         ``ban_list/1``                  coordinator         :data:`BAN_GOSSIP_MAX_BYTES` (128 KiB)
 ============ =============================== =================== ============================
 
 A node record claiming role ``coordinator`` must be signed by the run's coordinator key, and one
 claiming ``validator`` by a validator key of the run. Messages are never larger than
-:data:`GOSSIP_MAX_BYTES` (py-libp2p silently drops RPCs of 1 MiB or more); ban lists larger than
-that travel over HTTP.
+:data:`GOSSIP_MAX_BYTES` (py-libp2p silently drops RPCs of 1 MiB or more). Each topic has its own
+cap, checked before anything is decoded; ban lists larger than theirs travel over HTTP only
+(``GET /ingest/1/bans``).
 
 Nothing here touches sockets or event loops: :class:`EnvelopeValidator` and :class:`PeerScores`
 are plain objects used from the libp2p topic validator (on the trio side).
@@ -39,6 +40,9 @@ TOPIC_KINDS: tuple[TopicKind, ...] = ("nodes", "checkpoints", "verdicts", "bans"
 TOPIC_VERSION = 1
 GOSSIP_MAX_BYTES = 1 * MiB - 64 * KiB
 """Largest gossip payload, in bytes: under py-libp2p's 1 MiB RPC limit with room for framing."""
+BAN_GOSSIP_MAX_BYTES = 128 * KiB
+"""Largest ban list gossiped, in bytes (a few hundred entries with their evidence): a bigger
+message would hold the trio loop while it is verified and decoded."""
 SEEN_CAPACITY = 1 << 16
 """Envelope IDs remembered for deduplication (entries, not bytes)."""
 
@@ -56,7 +60,7 @@ TOPIC_RULES: dict[TopicKind, TopicRule] = {
     "nodes": TopicRule("nodes", NodeRecord, NodeRecord.MAX_BYTES),
     "checkpoints": TopicRule("checkpoints", CheckpointAnnouncement, CheckpointAnnouncement.MAX_BYTES),
     "verdicts": TopicRule("verdicts", Verdict, Verdict.MAX_BYTES),
-    "bans": TopicRule("bans", BanList, min(BanList.MAX_BYTES, GOSSIP_MAX_BYTES)),
+    "bans": TopicRule("bans", BanList, min(BanList.MAX_BYTES, BAN_GOSSIP_MAX_BYTES)),
 }
 
 

@@ -21,7 +21,6 @@ import asyncio
 import json
 import logging
 import re
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -121,13 +120,10 @@ class ShardcastServer:
 
     async def start(self) -> None:
         """Bind and start serving."""
-        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False, shutdown_timeout=1.0)
-        await self._runner.setup()
-        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        self.port = sock.getsockname()[1]
-        await web.SockSite(self._runner, sock).start()
+        from node.http_server import start_site  # header timeout, per-IP connection cap, no compressed bodies
+
+        running = await start_site(self.make_app(), self.host, self.port, reuse_address=True)
+        self._runner, self.port = running.runner, running.port
         logger.info("Shardcast server on %s", self.url)
 
     async def stop(self) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from aiohttp import ClientSession, web
 
+from node.coordinator.recheck import CoordinatorRecheck
 from node.engine.hf import TransformersEngine
 from node.roles.validator import ValidatorNode, ValidatorOptions
 from node.shardcast import ShardcastServer, ShardcastStore, publish_checkpoint
@@ -92,7 +93,9 @@ async def coordinator(root: Path) -> AsyncIterator[Coordinator]:
     publish_checkpoint(origin, files, step=0, key=COORD, piece_size_bytes=spec.shardcast.piece_size_bytes)
     store = SubmissionStore(root / "ingest", run_id)
     bans = BanBook(root / "bans.msgpack", COORD, run_id)
-    ingest = IngestService(spec, store, bans, trainer_step=lambda: 0, latest_policy_step=lambda: 0)
+    recheck = CoordinatorRecheck(spec, run_id, resolve_tasks(spec.data.tasks).train, lambda: tok, lambda step: root / "policies" / f"step-{step}",
+                                 by=COORD.peer_id)  # the independent re-check a ban needs
+    ingest = IngestService(spec, store, bans, trainer_step=lambda: 0, latest_policy_step=lambda: 0, recheck=recheck)
     app = ShardcastServer(origin, host="127.0.0.1", port=port).make_app()
     app.middlewares.append(error_middleware)
     ingest.add_routes(app)
@@ -103,6 +106,7 @@ async def coordinator(root: Path) -> AsyncIterator[Coordinator]:
         yield Coordinator(url, signed, store, bans, TransformersEngine(model, tok))
     finally:
         await runner.cleanup()
+        ingest.close()
         store.close()
 
 
@@ -142,8 +146,13 @@ async def test_validator_judges_posts_verdicts_and_gets_the_cheater_banned(tmp_p
         good, bad = coord.store.get(ids["honest"]), coord.store.get(ids["cheat"])
         assert (good.state, good.reason) == ("accepted", "ok")
         assert (bad.state, bad.reason) == ("rejected", "reward")
-        assert coord.bans.is_banned(CHEAT.peer_id) and not coord.bans.is_banned(HONEST.peer_id)
+        end = asyncio.get_running_loop().time() + VERDICT_WAIT_S
+        while not coord.bans.is_banned(CHEAT.peer_id):  # the coordinator's re-check must reproduce the cheat first
+            assert asyncio.get_running_loop().time() < end, "the cheat verdict was not confirmed by the re-check"
+            await asyncio.sleep(0.1)
+        assert not coord.bans.is_banned(HONEST.peer_id)
         assert [e.reason for e in coord.bans.entries()] == ["reward"]
+        assert [(x.by, x.reason) for x in coord.bans.entries()[0].evidence] == [(VALIDATOR.peer_id, "reward"), (COORD.peer_id, "reward")]
         # the validator fetched step 0 through Shardcast and kept its own account
         assert node.follower.have(0)
         assert status["checked"] == 2 and status["verdicts_by_reason"] == {"ok": 1, "reward": 1}

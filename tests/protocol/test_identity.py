@@ -58,6 +58,7 @@ def test_load_errors(tmp_path):
     with pytest.raises(KeyFileError, match="keygen"):
         NodeKey.load(tmp_path / "missing")
     (tmp_path / "junk").write_text("not a key")
+    (tmp_path / "junk").chmod(0o600)
     with pytest.raises(KeyFileError, match="not an unencrypted PEM"):
         NodeKey.load(tmp_path / "junk")
     from cryptography.hazmat.primitives import serialization
@@ -67,6 +68,7 @@ def test_load_errors(tmp_path):
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
     (tmp_path / "ec").write_bytes(pem)
+    (tmp_path / "ec").chmod(0o600)
     with pytest.raises(KeyFileError, match="not an ed25519"):
         NodeKey.load(tmp_path / "ec")
 

@@ -13,7 +13,7 @@ from protocol.identity import NodeKey
 from protocol.messages import BanList, LeaseRequest, Rollout, Submission, SubmissionTask, Verdict
 from protocol.runspec import RunInfo, RunSpec
 from trainer.ingest import BanBook, SubmissionStore
-from trainer.ingest.service import IngestLimits, IngestService, error_middleware
+from trainer.ingest.service import IngestLimits, IngestService, RecheckResult, error_middleware
 
 COORD = NodeKey.from_seed(b"c" * 32)
 VALIDATOR = NodeKey.from_seed(b"v" * 32)
@@ -35,14 +35,27 @@ def verdict(sub: bytes, accepted: bool, reason: str, key: NodeKey = VALIDATOR) -
                                   counter=env.body.counter, accepted=accepted, reason=reason))
 
 
+def reproduce(raw: bytes) -> RecheckResult:
+    """A coordinator re-check that finds the same cheat (the pipeline itself is tested elsewhere)."""
+    return RecheckResult(False, "toploc", "rollout=0, chunk=0", COORD.peer_id)
+
+
+async def wait_until(cond, timeout_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not cond():
+        assert loop.time() < end, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
 class Coordinator:
-    def __init__(self, root, limits=None):
+    def __init__(self, root, limits=None, recheck=reproduce):
         self.step = 0
         self.store = SubmissionStore(root / "ingest", RUN)
         self.bans = BanBook(root / "bans.msgpack", COORD, RUN)
         self.gossiped: list[bytes] = []
         self.service = IngestService(SPEC, self.store, self.bans, trainer_step=lambda: self.step, latest_policy_step=lambda: self.step,
-                                     on_ban=self.gossiped.append, limits=limits)
+                                     on_ban=self.gossiped.append, limits=limits, recheck=recheck)
 
 
 @pytest.fixture
@@ -58,6 +71,7 @@ async def ingest(tmp_path):
     async with ClientSession(base_url=f"http://127.0.0.1:{port}") as http:
         yield coord, http
     await runner.cleanup()
+    coord.service.close()
     coord.store.close()
 
 
@@ -115,7 +129,9 @@ async def test_verdicts_bans_and_lease(ingest):
     async with http.post("/ingest/1/lease", data=lease) as r:
         got = encoding.unpackb(await r.read(), 1 << 26)["submissions"]
     assert sorted(got) == sorted([s1, s2, s3])
-    async with http.post("/ingest/1/lease", data=lease) as r:  # all leased now
+    status, body = await post(http, "/ingest/1/lease", lease)  # a captured lease request cannot lease again
+    assert status == 409 and body["error"] == "replay"
+    async with http.post("/ingest/1/lease", data=seal(VALIDATOR, RUN, LeaseRequest(limit=10, lease_s=30.0))) as r:  # all leased now
         assert encoding.unpackb(await r.read(), 1 << 26)["submissions"] == []
     # a worker cannot lease or judge
     status, body = await post(http, "/ingest/1/lease", seal(honest, RUN, LeaseRequest(limit=1, lease_s=1.0)))
@@ -124,10 +140,15 @@ async def test_verdicts_bans_and_lease(ingest):
     assert status == 400 and "validator" in body["detail"]
     assert (await post(http, "/ingest/1/verdicts", verdict(s1, True, "ok")))[1] == {"applied": True}
     assert (await post(http, "/ingest/1/verdicts", verdict(s2, False, "toploc")))[1] == {"applied": True}
+    await wait_until(lambda: coord.gossiped)  # banned once the coordinator's re-check reproduced it
     assert coord.bans.is_banned(cheat.peer_id) and not coord.bans.is_banned(honest.peer_id)
     assert coord.store.get(open_envelope(s3, run_id=RUN).id.hex()).state == "rejected"  # pending work of a banned peer
     ban_env = open_envelope(coord.gossiped[-1], run_id=RUN, expect=BanList, authorities=SPEC.authorities)
     assert [e.peer_id for e in ban_env.body.entries] == [cheat.peer_id]
+    entry = ban_env.body.entries[0]  # the record carries both checks
+    assert entry.submission_id == open_envelope(s2, run_id=RUN).id
+    assert [(x.by, x.reason) for x in entry.evidence] == [(VALIDATOR.peer_id, "toploc"), (COORD.peer_id, "toploc")]
+    assert len(entry.evidence[0].verdict_id) == 32 and entry.evidence[1].verdict_id == b""  # a re-check has no verdict envelope
     status, body = await post(http, "/ingest/1/submissions", submission(cheat, counter=7))
     assert status == 403 and body["error"] == "banned"
     async with http.get("/ingest/1/bans") as r:

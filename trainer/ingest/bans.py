@@ -10,7 +10,7 @@ from pathlib import Path
 from protocol.envelope import open_envelope, seal
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
-from protocol.messages import BanEntry, BanList
+from protocol.messages import BanEntry, BanEvidence, BanList
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +48,22 @@ class BanBook:
     def is_banned(self, peer_id: str) -> bool:
         return peer_id in self._entries
 
-    def ban(self, peer_id: str, reason: str, verdict_id: bytes = b"") -> bool:
-        """Ban ``peer_id``; returns ``False`` if it already was."""
+    def ban(self, peer_id: str, reason: str, verdict_id: bytes = b"", *, submission_id: bytes = b"",
+            evidence: list[BanEvidence] | None = None) -> bool:
+        """Ban ``peer_id``; returns ``False`` if it already was.
+
+        Args:
+            peer_id: the worker.
+            reason: the cheat reason of the deciding verdict.
+            verdict_id: content ID of the deciding verdict envelope.
+            submission_id: content ID of the submission both checks judged.
+            evidence: the two agreeing checks (deciding verdict, then the re-check).
+        """
         with self._lock:
             if peer_id in self._entries:
                 return False
-            self._entries[peer_id] = BanEntry(peer_id=peer_id, reason=reason[:64], since_ms=int(time.time() * 1000), verdict_id=verdict_id)
+            self._entries[peer_id] = BanEntry(peer_id=peer_id, reason=reason[:64], since_ms=int(time.time() * 1000), verdict_id=verdict_id,
+                                              submission_id=submission_id, evidence=list(evidence or [])[:2])
             self._publish()
         logger.warning("banned %s (%s)", peer_id, reason, extra={"peer_id": peer_id})
         return True

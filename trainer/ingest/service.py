@@ -21,10 +21,15 @@ validator), 409 (stale policy), 413 (too large), 429 (rate limited, with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import queue
+import shutil
+import threading
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,30 +40,66 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from protocol import encoding
 from protocol.envelope import open_envelope
 from protocol.errors import ProtocolError
-from protocol.messages import LeaseRequest, Submission, Verdict
+from protocol.messages import BanEvidence, LeaseRequest, Submission, Verdict
 from protocol.runspec import RunSpec
 from protocol.verdicts import is_cheat
 from trainer.ingest.bans import BanBook
 from trainer.ingest.limits import RateLimiter
-from trainer.ingest.store import SubmissionStore
+from trainer.ingest.store import DecidingVerdict, SubmissionStore
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "/ingest/1"
 
+RETIRE_EVERY_S = 5.0
+"""How often the ingest drops pending or accepted work that fell out of the async window, seconds."""
+
+Recheck = Callable[[bytes], "RecheckResult"]
+"""Re-runs every check of a submission envelope independently of the validator that judged it."""
+
+
+@dataclass(frozen=True)
+class RecheckResult:
+    """What an independent re-check of a submission found.
+
+    Attributes:
+        accepted: whether every check passed.
+        reason: ``"ok"`` or the first failing check's reason code (``protocol.verdicts``).
+        detail: a short summary of the evidence (which rollout, the numbers), ≤ 200 characters.
+        by: peer ID of whoever re-checked (the coordinator).
+    """
+
+    accepted: bool
+    reason: str
+    detail: str
+    by: str
+
 
 @dataclass
 class IngestLimits:
-    """Bounds that keep one peer from exhausting the coordinator.
+    """Bounds that keep one peer, one address or many free identities from exhausting the coordinator.
 
     Attributes:
         max_submission_bytes: largest accepted submission envelope, bytes.
-        requests_per_s: sustained submissions per second per peer (and per IP before decoding).
+        requests_per_s: sustained submissions per second per peer (and ×4 per IP before decoding).
         burst: bucket size, requests.
         max_pending_bytes_per_worker: a worker's unjudged submissions may not exceed this, bytes.
         max_pending_per_worker: nor this many submissions: backpressure, so workers generate no
             faster than validators judge (their excess would only turn stale).
-        decode_timeout_s: time allowed to read and decode one request body, seconds.
+        max_pending_bytes_per_ip: unjudged bytes posted from one IP address, whatever the keys.
+        max_pending_per_ip: unjudged submissions posted from one IP address.
+        max_disk_bytes: submission bytes on disk in all (pending, and accepted not yet trained on).
+        max_disk_files: submission files on disk in all.
+        min_free_disk_bytes: refuse submissions that would leave less free space than this, bytes.
+        decode_timeout_s: time allowed to receive one request body, seconds.
+        decode_concurrency_per_ip: envelopes from one IP address decoded at once (more wait).
+        decode_concurrency: envelopes decoded at once in all.
+        lease_max_age_s: a ``lease_request/1`` older than this is refused, seconds; within it each
+            one is accepted once (its ID is remembered that long).
+        lease_nonce_capacity: lease-request IDs remembered; when full of unexpired IDs new lease
+            requests are refused with 429 until some expire.
+        max_pending_rechecks: cheat verdicts waiting for the coordinator's re-check; beyond it a
+            cheat verdict rejects its submission without a ban.
     """
 
     max_submission_bytes: int = Submission.MAX_BYTES
@@ -66,7 +107,17 @@ class IngestLimits:
     burst: float = 50.0
     max_pending_bytes_per_worker: int = 256 << 20
     max_pending_per_worker: int = 4
+    max_pending_bytes_per_ip: int = 1 << 30
+    max_pending_per_ip: int = 64
+    max_disk_bytes: int = 8 << 30
+    max_disk_files: int = 4096
+    min_free_disk_bytes: int = 256 << 20
     decode_timeout_s: float = 30.0
+    decode_concurrency_per_ip: int = 2
+    decode_concurrency: int = 4
+    lease_max_age_s: float = 60.0
+    lease_nonce_capacity: int = 4096
+    max_pending_rechecks: int = 64
 
 
 class IngestService:
@@ -82,6 +133,9 @@ class IngestService:
         on_ban: called with the new ban-list envelope bytes after a ban (to gossip it).
         status_extra: callable adding fields to ``/status``.
         limits: :class:`IngestLimits`.
+        recheck: the coordinator's independent re-check of a submission (:data:`Recheck`), run
+            in a background thread for each deciding cheat verdict; ``None``: only a second
+            validator's verdict can confirm a cheat (``docs/validator.md`` "Ban rule").
     """
 
     def __init__(
@@ -96,6 +150,7 @@ class IngestService:
         on_ban: Callable[[bytes], None] | None = None,
         status_extra: Callable[[], dict[str, Any]] | None = None,
         limits: IngestLimits | None = None,
+        recheck: Recheck | None = None,
     ) -> None:
         self.spec = spec
         self.run_id = spec.run_id
@@ -108,12 +163,22 @@ class IngestService:
         self.on_ban = on_ban
         self.status_extra = status_extra
         self.limits = limits or IngestLimits()
+        self.recheck = recheck
         self._ip_limiter = RateLimiter(self.limits.requests_per_s * 4, self.limits.burst * 4)
         self._peer_limiter = RateLimiter(self.limits.requests_per_s, self.limits.burst)
+        self._decode_all = asyncio.Semaphore(self.limits.decode_concurrency)
+        self._decode_ip: dict[str, tuple[asyncio.Semaphore, int]] = {}  # address → (semaphore, users)
+        self._admit = asyncio.Lock()  # quota and counter checks and the store's add are one step
+        self._lease_seen: OrderedDict[bytes, float] = OrderedDict()  # lease-request ID → forget after (epoch s)
+        self._retired_s = 0.0
+        self._recheck_q: queue.Queue[tuple[str, bytes] | None] = queue.Queue(maxsize=self.limits.max_pending_rechecks)
+        self._recheck_thread: threading.Thread | None = None
+        self.rechecks = {"queued": 0, "reproduced": 0, "not_reproduced": 0, "dropped": 0}
         self.started_s = time.time()
         self.registry = CollectorRegistry()
         self.m_submissions = Counter("intellect_ingest_submissions", "Submissions received, by outcome", ["outcome"], registry=self.registry)
         self.m_verdicts = Counter("intellect_ingest_verdicts", "Verdicts applied, by reason", ["reason"], registry=self.registry)
+        self.m_rechecks = Counter("intellect_ingest_rechecks", "Re-checks of cheat verdicts, by outcome", ["outcome"], registry=self.registry)
         self.m_bytes = Counter("intellect_ingest_bytes", "Submission bytes stored", registry=self.registry)
         self.m_pending = Gauge("intellect_ingest_pending", "Submissions waiting for a verdict", registry=self.registry)
         self.m_banned = Gauge("intellect_banned_peers", "Peers on the ban list", registry=self.registry)
@@ -128,33 +193,64 @@ class IngestService:
         app.router.add_get("/status", self.get_status)
         app.router.add_get("/metrics", self.get_metrics)
 
+    def close(self) -> None:
+        """Stop the re-check thread (queued re-checks are dropped: those submissions stay rejected, unbanned)."""
+        if self._recheck_thread is not None:
+            with contextlib.suppress(queue.Full):
+                self._recheck_q.put_nowait(None)
+            self._recheck_thread.join(timeout=5.0)
+            self._recheck_thread = None
+
     # --- handlers ----------------------------------------------------------------------------
 
     async def _read_body(self, request: web.Request, limit: int) -> bytes:
-        if request.content_length is not None and request.content_length > limit:
-            raise _error(413, "too_large", f"body of {request.content_length} bytes exceeds {limit} bytes")
+        enc = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if enc not in ("", "identity"):  # nothing is inflated here: a small body stays small
+            raise _error(415, "unsupported_encoding", f"Content-Encoding {enc[:32]!r} refused: send identity bodies")
         try:
-            async with asyncio.timeout(self.limits.decode_timeout_s):
-                body = await request.content.read(limit + 1)
-        except TimeoutError:
-            raise _error(408, "timeout", f"body not received within {self.limits.decode_timeout_s} s") from None
-        if len(body) > limit:
-            raise _error(413, "too_large", f"body exceeds {limit} bytes")
-        return body
+            return await read_body(request, limit, self.limits.decode_timeout_s)
+        except BodyError as e:
+            raise _error(e.status, e.code, e.detail) from None
 
     def _ip_gate(self, request: web.Request) -> None:
         ip = request.remote or "?"
         if not self._ip_limiter.allow(ip):
             raise _error(429, "rate_limited", "too many requests from this address", retry_after=self._ip_limiter.retry_after_s(ip))
 
+    @contextlib.asynccontextmanager
+    async def _decode_slot(self, ip: str) -> AsyncIterator[None]:
+        """At most ``decode_concurrency_per_ip`` decodes per address and ``decode_concurrency`` in all."""
+        sem, users = self._decode_ip.get(ip) or (asyncio.Semaphore(self.limits.decode_concurrency_per_ip), 0)
+        self._decode_ip[ip] = (sem, users + 1)
+        try:
+            async with sem, self._decode_all:
+                yield
+        finally:
+            sem, users = self._decode_ip[ip]
+            if users <= 1:
+                del self._decode_ip[ip]
+            else:
+                self._decode_ip[ip] = (sem, users - 1)
+
+    async def _retire(self) -> None:
+        now = time.monotonic()
+        if now - self._retired_s < RETIRE_EVERY_S:
+            return
+        self._retired_s = now
+        n = await asyncio.to_thread(self.store.retire_stale, self.trainer_step() - self.spec.rl.async_level)
+        if n:
+            logger.info("deleted %d submission files that fell out of the async window", n)
+
     async def post_submission(self, request: web.Request) -> web.Response:
         self._ip_gate(request)
+        ip = request.remote or "?"
         data = await self._read_body(request, self.limits.max_submission_bytes)
-        try:
-            env = await asyncio.to_thread(open_envelope, data, run_id=self.run_id, expect=Submission)
-        except ProtocolError as e:
-            self.m_submissions.labels("malformed").inc()
-            raise _error(400, "malformed", str(e)) from None
+        async with self._decode_slot(ip):
+            try:
+                env = await asyncio.to_thread(open_envelope, data, run_id=self.run_id, expect=Submission)
+            except ProtocolError as e:
+                self.m_submissions.labels("malformed").inc()
+                raise _error(400, "malformed", str(e)) from None
         sub = env.body
         if not self._peer_limiter.allow(sub.worker):
             self.m_submissions.labels("rate_limited").inc()
@@ -167,20 +263,19 @@ class IngestService:
         if not lo <= sub.policy_step <= hi:
             self.m_submissions.labels("stale").inc()
             raise _error(409, "stale_policy", f"policy step {sub.policy_step} outside the window [{lo}, {hi}]")
+        await self._retire()
         sid = env.id.hex()
-        existing = self.store.get(sid)
-        if existing is not None:
-            self.m_submissions.labels("duplicate").inc()
-            return web.json_response({"id": sid, "stored": False, "duplicate": True, "state": existing.state})
-        if self.store.pending_count(sub.worker) >= self.limits.max_pending_per_worker:
-            self.m_submissions.labels("backpressure").inc()
-            raise _error(429, "backpressure", f"worker {sub.worker} has {self.limits.max_pending_per_worker} submissions awaiting verdicts; retry later",
-                         retry_after=1.0)
-        if self.store.pending_bytes(sub.worker) + len(data) > self.limits.max_pending_bytes_per_worker:
-            self.m_submissions.labels("quota").inc()
-            raise _error(507, "quota", f"worker {sub.worker} has too many unjudged bytes; retry later", retry_after=10.0)
-        t0 = time.perf_counter()
-        await asyncio.to_thread(self.store.add, env)
+        async with self._admit:
+            existing = self.store.get(sid)
+            if existing is not None:
+                self.m_submissions.labels("duplicate").inc()
+                return web.json_response({"id": sid, "stored": False, "duplicate": True, "state": existing.state})
+            if self.store.counter_used(sub.worker, sub.counter, sid):
+                self.m_submissions.labels("replay").inc()
+                raise _error(409, "replay", f"worker {sub.worker} already submitted counter {sub.counter} in another submission")
+            self._check_quotas(sub.worker, ip, len(data))
+            t0 = time.perf_counter()
+            await asyncio.to_thread(self.store.add, env, None, ip)
         self.m_latency.observe(time.perf_counter() - t0)
         self.m_bytes.inc(len(data))
         self.m_submissions.labels("stored").inc()
@@ -188,16 +283,57 @@ class IngestService:
                     extra={"peer_id": sub.worker, "step": sub.policy_step})
         return web.json_response({"id": sid, "stored": True})
 
+    def _check_quotas(self, worker: str, ip: str, size: int) -> None:
+        """Per-key, per-IP and global count and byte quotas, and the free disk space."""
+        lim = self.limits
+        u = self.store.usage(worker, ip)
+        if u.worker_pending >= lim.max_pending_per_worker:
+            self.m_submissions.labels("backpressure").inc()
+            raise _error(429, "backpressure", f"worker {worker} has {lim.max_pending_per_worker} submissions awaiting verdicts; retry later",
+                         retry_after=1.0)
+        if u.worker_bytes + size > lim.max_pending_bytes_per_worker:
+            self.m_submissions.labels("quota").inc()
+            raise _error(507, "quota", f"worker {worker} has too many unjudged bytes; retry later", retry_after=10.0)
+        if u.ip_pending >= lim.max_pending_per_ip or u.ip_bytes + size > lim.max_pending_bytes_per_ip:
+            self.m_submissions.labels("ip_quota").inc()
+            raise _error(507, "ip_quota", f"address {ip} has {u.ip_pending} submissions ({u.ip_bytes} bytes) awaiting verdicts; retry later",
+                         retry_after=10.0)
+        if u.disk_files >= lim.max_disk_files or u.disk_bytes + size > lim.max_disk_bytes:
+            self.m_submissions.labels("disk_quota").inc()
+            raise _error(507, "disk_quota", f"the ingest holds {u.disk_files} submissions ({u.disk_bytes} bytes), its limit; retry later",
+                         retry_after=10.0)
+        free = shutil.disk_usage(self.store.dir).free
+        if free - size < lim.min_free_disk_bytes:
+            self.m_submissions.labels("disk_full").inc()
+            raise _error(507, "disk_full", f"only {free} bytes free on the ingest's disk; retry later", retry_after=30.0)
+
     async def post_lease(self, request: web.Request) -> web.Response:
         self._ip_gate(request)
         data = await self._read_body(request, LeaseRequest.MAX_BYTES)
         try:
-            env = open_envelope(data, run_id=self.run_id, expect=LeaseRequest, authorities=self.authorities, max_age_s=60.0)
+            env = open_envelope(data, run_id=self.run_id, expect=LeaseRequest, authorities=self.authorities, max_age_s=self.limits.lease_max_age_s)
         except ProtocolError as e:
             raise _error(403, "not_validator", str(e)) from None
+        self._remember_lease(bytes(env.id))
+        await self._retire()
         ids = self.store.lease_pending(env.body.limit, env.body.lease_s)
         blobs = [await asyncio.to_thread(self.store.read, i) for i in ids]
         return web.Response(body=encoding.packb({"submissions": blobs}), content_type="application/msgpack")
+
+    def _remember_lease(self, lease_id: bytes) -> None:
+        """Accept each signed lease request once while it is fresh (a captured one cannot lease again)."""
+        now = time.time()
+        while self._lease_seen:
+            first, forget_at = next(iter(self._lease_seen.items()))
+            if forget_at > now:
+                break
+            del self._lease_seen[first]
+        if lease_id in self._lease_seen:
+            raise _error(409, "replay", "this lease request was already served; sign a new one")
+        if len(self._lease_seen) >= self.limits.lease_nonce_capacity:
+            raise _error(429, "busy", "too many lease requests in the last minute", retry_after=1.0)
+        # remembered past its validity (plus the allowed clock skew of open_envelope's max_future_s)
+        self._lease_seen[lease_id] = now + self.limits.lease_max_age_s + 30.0
 
     async def post_verdict(self, request: web.Request) -> web.Response:
         self._ip_gate(request)
@@ -210,10 +346,20 @@ class IngestService:
         return web.json_response({"applied": applied})
 
     def apply_verdict(self, data: bytes) -> bool:
-        """Apply a verified-or-not verdict envelope (from HTTP or gossip); bans on cheat evidence.
+        """Apply a verdict envelope (from HTTP or gossip) under the ban rule of ``docs/validator.md``.
+
+        The first verdict on a pending submission decides it. A deciding cheat verdict bans only
+        once a second, independent check reproduces a cheat reason: the coordinator's re-check
+        (:attr:`recheck`, queued here) or a later verdict of *another* validator on the same
+        submission. A verdict that does not decide its submission is never applied and, unless
+        it corroborates the deciding cheat verdict, changes nothing (a contradicting second
+        verdict neither applies nor bans).
 
         Returns:
             Whether it decided a submission's state.
+
+        Raises:
+            ProtocolError: the envelope is not a valid verdict of a run validator.
         """
         env = open_envelope(data, run_id=self.run_id, expect=Verdict, authorities=self.authorities)
         v = env.body
@@ -221,17 +367,81 @@ class IngestService:
         stored = self.store.get(sid)
         if stored is None or stored.worker != v.worker:
             return False
-        applied = self.store.record_verdict(env.id.hex(), sid, env.peer_id, v.accepted, v.reason)
+        applied = self.store.record_verdict(env.id.hex(), sid, env.peer_id, v.accepted, v.reason, evidence=_summary(v.evidence))
         if applied:
             self.m_verdicts.labels(v.reason).inc()
             if self.on_verdict:
                 self.on_verdict(env.raw)
-        if not v.accepted and is_cheat(v.reason) and self.bans.ban(v.worker, v.reason, env.id):
-            self.store.reject_worker_pending(v.worker, "banned")
+        cheat = not v.accepted and is_cheat(v.reason)
+        if applied and not v.accepted and (not cheat or self.bans.is_banned(v.worker)):
+            self.store.delete_files([sid])  # final: nothing will read it again
+        if not cheat or self.bans.is_banned(v.worker):
+            return applied
+        if applied:
+            self._queue_recheck(sid)
+            return applied
+        # not deciding: a second validator's cheat verdict corroborates a deciding cheat verdict
+        decision = self.store.deciding_verdict(sid)
+        if decision is not None and decision.validator != env.peer_id and not decision.accepted and is_cheat(decision.reason):
+            self._ban(v.worker, sid, decision, BanEvidence(by=env.peer_id, verdict_id=bytes(env.id), reason=v.reason,
+                                                          detail=_summary(v.evidence)))
+        return applied
+
+    def _queue_recheck(self, sid: str) -> None:
+        if self.recheck is None:
+            return  # only another validator's verdict can confirm it
+        if self._recheck_thread is None:
+            self._recheck_thread = threading.Thread(target=self._recheck_loop, name="ingest-recheck", daemon=True)
+            self._recheck_thread.start()
+        try:
+            self._recheck_q.put_nowait((sid, self.store.read(sid)))
+        except (queue.Full, OSError) as e:
+            self.rechecks["dropped"] += 1
+            self.m_rechecks.labels("dropped").inc()
+            logger.warning("no re-check of %s (%s): its worker is not banned on one verdict", sid[:12], type(e).__name__)
+            return
+        self.rechecks["queued"] += 1
+
+    def _recheck_loop(self) -> None:
+        """Re-check queued submissions one at a time (a background thread)."""
+        assert self.recheck is not None
+        while True:
+            item = self._recheck_q.get()
+            if item is None:
+                return
+            sid, raw = item
+            try:
+                decision = self.store.deciding_verdict(sid)
+                stored = self.store.get(sid)
+                if decision is None or stored is None or self.bans.is_banned(stored.worker):
+                    continue
+                try:
+                    result = self.recheck(raw)
+                except Exception as e:  # the re-check's own failure is no evidence against the worker
+                    logger.warning("re-check of %s failed: %s", sid[:12], e)
+                    result = RecheckResult(True, "recheck_failed", str(e)[:200], "")
+                if not result.accepted and is_cheat(result.reason):
+                    self.rechecks["reproduced"] += 1
+                    self.m_rechecks.labels("reproduced").inc()
+                    self._ban(stored.worker, sid, decision, BanEvidence(by=result.by, reason=result.reason, detail=result.detail[:200]))
+                else:
+                    self.rechecks["not_reproduced"] += 1
+                    self.m_rechecks.labels("not_reproduced").inc()
+                    logger.warning("%s's %s verdict on %s was not reproduced by the re-check (%s): no ban", decision.validator,
+                                   decision.reason, sid[:12], result.reason, extra={"peer_id": stored.worker})
+                self.store.delete_files([sid])
+            except Exception:  # keep the thread alive for the next one
+                logger.exception("re-check of %s could not be applied", sid[:12])
+
+    def _ban(self, worker: str, sid: str, decision: DecidingVerdict, second: BanEvidence) -> None:
+        first = BanEvidence(by=decision.validator, verdict_id=bytes.fromhex(decision.verdict_id), reason=decision.reason,
+                            detail=decision.evidence[:200])
+        if self.bans.ban(worker, decision.reason, bytes.fromhex(decision.verdict_id), submission_id=bytes.fromhex(sid), evidence=[first, second]):
+            self.store.reject_worker_pending(worker, "banned")
+            self.store.delete_files([sid])
             self.m_banned.set(len(self.bans.entries()))
             if self.on_ban:
                 self.on_ban(self.bans.envelope)
-        return applied
 
     async def get_bans(self, request: web.Request) -> web.Response:
         return web.Response(body=self.bans.envelope, content_type="application/msgpack")
@@ -247,7 +457,9 @@ class IngestService:
             "async_level": self.spec.rl.async_level,
             "submissions": counts,
             "verdicts_by_reason": self.store.verdict_reasons(),
-            "banned": [{"peer_id": e.peer_id, "reason": e.reason} for e in self.bans.entries()],
+            "banned": [{"peer_id": e.peer_id, "reason": e.reason, "evidence": [f"{x.reason} by {x.by}" for x in e.evidence]}
+                       for e in self.bans.entries()],
+            "rechecks": dict(self.rechecks),
             "workers": self.store.worker_stats(),
             "uptime_s": round(time.time() - self.started_s, 1),
         }
@@ -283,3 +495,51 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
     except Rejected as e:
         headers = {"Retry-After": str(max(1, int(e.retry_after + 0.999)))} if e.retry_after else None
         return web.json_response({"error": e.code, "detail": e.detail}, status=e.status, headers=headers)
+
+
+def _summary(evidence: dict[str, Any]) -> str:
+    """A verdict's evidence map as one ≤ 200-character line for a ban record."""
+    return ", ".join(f"{k}={v}" for k, v in evidence.items())[:200]
+
+
+class BodyError(Exception):
+    """A request body refused while reading it: ``status`` 408 (too slow), 413 (too large) or 400 (cut short)."""
+
+    def __init__(self, status: int, code: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.code, self.detail = status, code, detail
+
+
+async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+    """Read the whole request body, at most ``limit`` bytes, within ``timeout_s`` seconds.
+
+    Unlike ``request.content.read(n)``, which returns only what is already buffered (so bodies
+    over ≈ 384 KiB came back cut and were refused as malformed), this waits for every byte the
+    client declared or, for a chunked body, for its end.
+
+    Raises:
+        BodyError: 413 over ``limit`` (declared or sent), 408 not received in time, 400 cut short.
+    """
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise BodyError(413, "too_large", f"body of {declared} bytes exceeds {limit} bytes")
+    chunks: list[bytes] = []
+    got = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            if declared is not None:
+                chunks.append(await request.content.readexactly(declared))
+            else:
+                while True:
+                    data = await request.content.read(min(1 << 20, limit + 1 - got))
+                    if not data:
+                        break
+                    chunks.append(data)
+                    got += len(data)
+                    if got > limit:
+                        raise BodyError(413, "too_large", f"body exceeds {limit} bytes")
+    except TimeoutError:
+        raise BodyError(408, "timeout", f"body not received within {timeout_s} s") from None
+    except asyncio.IncompleteReadError as e:
+        raise BodyError(400, "truncated", f"body ended after {len(e.partial)} of {declared} bytes") from None
+    return b"".join(chunks)

@@ -9,6 +9,12 @@ submission is never lost and an unacknowledged one is at worst accepted late.
 States: ``pending`` → (leased to a validator for ``lease_s``) → ``accepted`` | ``rejected``.
 The trainer reads accepted submissions in arrival order and marks them ``consumed`` only when the
 training state that used them is saved (see :meth:`mark_consumed`).
+
+Files do not outlive their use (the disk is what free identities would fill): a rejected
+submission's file is deleted once its verdict is final (:meth:`delete_files`), a consumed one's
+when the next trainer step's state is saved, and an accepted or pending one that fell out of the
+async window by :meth:`retire_stale`. Index rows stay (a few hundred bytes each) so counters
+remain unique per worker for the whole run (:meth:`counter_used`).
 """
 
 from __future__ import annotations
@@ -41,7 +47,9 @@ CREATE TABLE IF NOT EXISTS submissions (
     verdict_by TEXT NOT NULL DEFAULT '',
     lease_until_ms INTEGER NOT NULL DEFAULT 0,
     consumed_step INTEGER NOT NULL DEFAULT -1,
-    seq INTEGER NOT NULL
+    seq INTEGER NOT NULL,
+    source_ip TEXT NOT NULL DEFAULT '',     -- address it was posted from (per-IP quota)
+    on_disk INTEGER NOT NULL DEFAULT 1      -- 0 once its file is deleted (rejected, consumed, or unusable)
 );
 CREATE INDEX IF NOT EXISTS submissions_state ON submissions(state, seq);
 CREATE INDEX IF NOT EXISTS submissions_worker ON submissions(worker, counter);
@@ -51,10 +59,37 @@ CREATE TABLE IF NOT EXISTS verdicts (
     validator TEXT NOT NULL,
     accepted INTEGER NOT NULL,
     reason TEXT NOT NULL,
-    received_ms INTEGER NOT NULL
+    received_ms INTEGER NOT NULL,
+    evidence TEXT NOT NULL DEFAULT ''  -- one-line summary of the verdict's evidence (for a ban record)
 );
 CREATE INDEX IF NOT EXISTS verdicts_submission ON verdicts(submission_id);
 """
+
+
+_LEASE_SCAN_FACTOR = 16  # pending rows looked at per leased one (workers hold ≤ a few pending each)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Pending submissions and bytes of one worker and of one address, and files on disk in all."""
+
+    worker_pending: int
+    worker_bytes: int
+    ip_pending: int
+    ip_bytes: int
+    disk_files: int
+    disk_bytes: int
+
+
+@dataclass(frozen=True)
+class DecidingVerdict:
+    """The verdict that decided a submission: its envelope's content ID (hex), signer, outcome, evidence summary."""
+
+    verdict_id: str
+    validator: str
+    accepted: bool
+    reason: str
+    evidence: str
 
 
 @dataclass(frozen=True)
@@ -92,6 +127,12 @@ class SubmissionStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        cols = {row[1] for row in self._db.execute("PRAGMA table_info(submissions)")}
+        for col, decl in (("source_ip", "TEXT NOT NULL DEFAULT ''"), ("on_disk", "INTEGER NOT NULL DEFAULT 1")):
+            if col not in cols:  # an index made by an older version
+                self._db.execute(f"ALTER TABLE submissions ADD COLUMN {col} {decl}")
+        if "evidence" not in {row[1] for row in self._db.execute("PRAGMA table_info(verdicts)")}:
+            self._db.execute("ALTER TABLE verdicts ADD COLUMN evidence TEXT NOT NULL DEFAULT ''")
         self.recover()
 
     def close(self) -> None:
@@ -100,12 +141,13 @@ class SubmissionStore:
 
     # --- write path --------------------------------------------------------------------------
 
-    def add(self, env: Envelope[Submission], now_ms: int | None = None) -> bool:
+    def add(self, env: Envelope[Submission], now_ms: int | None = None, source_ip: str = "") -> bool:
         """Store a verified submission durably.
 
         Args:
             env: the verified envelope (its raw bytes are what is stored).
             now_ms: arrival time, ms since the epoch.
+            source_ip: the address it came from (counted in its per-IP quota).
 
         Returns:
             ``True`` if stored now, ``False`` if this exact envelope was already stored (idempotent).
@@ -115,17 +157,17 @@ class SubmissionStore:
             return False
         path = self.dir / f"{sid}.sub"
         _write_durably(path, env.raw)
-        self._index(sid, env, now_ms or int(time.time() * 1000))
+        self._index(sid, env, now_ms or int(time.time() * 1000), source_ip)
         return True
 
-    def _index(self, sid: str, env: Envelope[Submission], now_ms: int) -> None:
+    def _index(self, sid: str, env: Envelope[Submission], now_ms: int, source_ip: str = "") -> None:
         body = env.body
         with self._lock:
             seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM submissions").fetchone()[0]
             self._db.execute(
-                "INSERT OR IGNORE INTO submissions (id, worker, policy_step, counter, n_rollouts, size_bytes, received_ms, seq)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (sid, body.worker, body.policy_step, body.counter, len(body.rollouts), len(env.raw), now_ms, seq),
+                "INSERT OR IGNORE INTO submissions (id, worker, policy_step, counter, n_rollouts, size_bytes, received_ms, seq, source_ip)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (sid, body.worker, body.policy_step, body.counter, len(body.rollouts), len(env.raw), now_ms, seq, source_ip),
             )
 
     def recover(self) -> int:
@@ -183,6 +225,16 @@ class SubmissionStore:
             row = self._db.execute("SELECT COUNT(*) FROM submissions WHERE worker = ? AND state = 'pending'", (worker,)).fetchone()
         return int(row[0])
 
+    def usage(self, worker: str, source_ip: str) -> Usage:
+        """What one worker, one address and everybody hold: the inputs of the ingest's quotas."""
+        with self._lock:
+            w = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size_bytes), 0) FROM submissions WHERE worker = ? AND state = 'pending'",
+                                 (worker,)).fetchone()
+            ip = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size_bytes), 0) FROM submissions WHERE source_ip = ? AND state = 'pending'",
+                                  (source_ip,)).fetchone()
+            disk = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size_bytes), 0) FROM submissions WHERE on_disk = 1").fetchone()
+        return Usage(int(w[0]), int(w[1]), int(ip[0]), int(ip[1]), int(disk[0]), int(disk[1]))
+
     def pending_bytes(self, worker: str) -> int:
         """Bytes of ``worker``'s submissions not yet judged (its share of the disk)."""
         with self._lock:
@@ -192,24 +244,40 @@ class SubmissionStore:
     def lease_pending(self, limit: int, lease_s: float, now_ms: int | None = None) -> list[str]:
         """Hand out up to ``limit`` pending submissions not leased in the last ``lease_s`` seconds.
 
-        Newest first: what validators judge first is what the trainer can still use; when they
-        fall behind, the oldest pending work ages out of the async window instead of delaying
-        everything behind it.
+        Fair share across workers: round-robin over the workers with pending work, the worker
+        whose oldest pending submission waited longest first, so junk from one key cannot push
+        honest work back. Within a worker newest first: what validators judge first is what the
+        trainer can still use; the oldest pending work ages out of the async window instead.
 
         Returns:
-            Submission IDs, newest first; each is leased until ``now + lease_s``.
+            Submission IDs in round-robin order; each is leased until ``now + lease_s``.
         """
         now = now_ms or int(time.time() * 1000)
         with self._lock:
             rows = self._db.execute(
-                "SELECT id FROM submissions WHERE state = 'pending' AND lease_until_ms <= ? ORDER BY seq DESC LIMIT ?", (now, limit)
+                "SELECT id, worker, seq FROM submissions WHERE state = 'pending' AND lease_until_ms <= ? ORDER BY seq DESC LIMIT ?",
+                (now, max(limit, 1) * _LEASE_SCAN_FACTOR),
             ).fetchall()
-            ids = [r[0] for r in rows]
+            by_worker: dict[str, list[tuple[str, int]]] = {}
+            for sid, worker, seq in rows:
+                by_worker.setdefault(worker, []).append((sid, seq))
+            queues = sorted(by_worker.values(), key=lambda q: q[-1][1])  # oldest waiting worker first
+            ids: list[str] = []
+            while len(ids) < limit and queues:
+                for q in list(queues):
+                    if len(ids) >= limit:
+                        break
+                    ids.append(q.pop(0)[0])
+                    if not q:
+                        queues.remove(q)
             self._db.executemany("UPDATE submissions SET lease_until_ms = ? WHERE id = ?", [(now + int(lease_s * 1000), i) for i in ids])
         return ids
 
-    def record_verdict(self, verdict_id: str, submission_id: str, validator: str, accepted: bool, reason: str, now_ms: int | None = None) -> bool:
+    def record_verdict(self, verdict_id: str, submission_id: str, validator: str, accepted: bool, reason: str, now_ms: int | None = None,
+                       evidence: str = "") -> bool:
         """Apply a validator's verdict; the first verdict on a submission decides its state.
+
+        Every verdict is recorded (with ``evidence``, a one-line summary), deciding or not.
 
         Returns:
             ``True`` if it decided the submission's state, ``False`` if it was a repeat or late.
@@ -219,8 +287,9 @@ class SubmissionStore:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 self._db.execute(
-                    "INSERT OR IGNORE INTO verdicts (id, submission_id, validator, accepted, reason, received_ms) VALUES (?, ?, ?, ?, ?, ?)",
-                    (verdict_id, submission_id, validator, int(accepted), reason, now),
+                    "INSERT OR IGNORE INTO verdicts (id, submission_id, validator, accepted, reason, received_ms, evidence)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (verdict_id, submission_id, validator, int(accepted), reason, now, evidence),
                 )
                 cur = self._db.execute(
                     "UPDATE submissions SET state = ?, reason = ?, verdict_by = ? WHERE id = ? AND state = 'pending'",
@@ -232,13 +301,52 @@ class SubmissionStore:
                 raise
         return cur.rowcount == 1
 
-    def reject_worker_pending(self, worker: str, reason: str) -> int:
-        """Reject every pending submission of a banned worker; returns how many."""
+    def deciding_verdict(self, submission_id: str) -> DecidingVerdict | None:
+        """The verdict that decided ``submission_id``'s state, or ``None`` while it is pending."""
         with self._lock:
-            cur = self._db.execute(
-                "UPDATE submissions SET state = 'rejected', reason = ? WHERE worker = ? AND state = 'pending'", (reason, worker)
-            )
-        return cur.rowcount
+            row = self._db.execute(
+                "SELECT v.id, v.validator, v.accepted, v.reason, v.evidence FROM submissions s JOIN verdicts v"
+                " ON v.submission_id = s.id AND v.validator = s.verdict_by AND v.reason = s.reason"
+                " WHERE s.id = ? AND s.state != 'pending' ORDER BY v.received_ms LIMIT 1",
+                (submission_id,),
+            ).fetchone()
+        return DecidingVerdict(row[0], row[1], bool(row[2]), row[3], row[4]) if row else None
+
+    def reject_worker_pending(self, worker: str, reason: str) -> int:
+        """Reject every pending submission of a banned worker and delete their files; returns how many."""
+        with self._lock:
+            ids = [r[0] for r in self._db.execute("SELECT id FROM submissions WHERE worker = ? AND state = 'pending'", (worker,))]
+            self._db.executemany("UPDATE submissions SET state = 'rejected', reason = ? WHERE id = ? AND state = 'pending'",
+                                 [(reason, i) for i in ids])
+        self.delete_files(ids)
+        return len(ids)
+
+    def delete_files(self, ids: list[str]) -> int:
+        """Delete the files of these submissions (their index rows stay); returns how many were on disk."""
+        n = 0
+        for sid in ids:
+            path = self.dir / f"{sid}.sub"
+            if path.exists():
+                path.unlink(missing_ok=True)
+                n += 1
+        with self._lock:
+            self._db.executemany("UPDATE submissions SET on_disk = 0 WHERE id = ?", [(i,) for i in ids])
+        return n
+
+    def retire_stale(self, min_policy_step: int) -> int:
+        """Drop work that fell out of the async window: pending → rejected ``stale_policy``, and the
+        files of pending or accepted-unconsumed submissions with policy step < ``min_policy_step``.
+
+        Returns:
+            How many files were deleted.
+        """
+        with self._lock:
+            ids = [r[0] for r in self._db.execute(
+                "SELECT id FROM submissions WHERE on_disk = 1 AND policy_step < ? AND (state = 'pending' OR (state = 'accepted' AND consumed_step = -1))",
+                (min_policy_step,))]
+            self._db.executemany("UPDATE submissions SET state = 'rejected', reason = 'stale_policy' WHERE id = ? AND state = 'pending'",
+                                 [(i,) for i in ids])
+        return self.delete_files(ids)
 
     def accepted_unconsumed(self, min_policy_step: int) -> list[StoredSubmission]:
         """Accepted submissions not yet trained on, with policy step ≥ ``min_policy_step``, oldest first."""
@@ -251,9 +359,16 @@ class SubmissionStore:
         return [StoredSubmission(*r) for r in rows]
 
     def mark_consumed(self, ids: list[str], step: int) -> None:
-        """Record that trainer step ``step`` used these submissions (call after saving its state)."""
+        """Record that trainer step ``step`` used these submissions (call after saving its state).
+
+        Files of submissions consumed by steps before ``step`` (and of untrainable ones, step −2)
+        are deleted now: a resume from ``step``'s saved state never un-consumes them.
+        """
         with self._lock:
             self._db.executemany("UPDATE submissions SET consumed_step = ? WHERE id = ?", [(step, i) for i in ids])
+            done = [r[0] for r in self._db.execute(
+                "SELECT id FROM submissions WHERE on_disk = 1 AND consumed_step != -1 AND consumed_step < ?", (step,))]
+        self.delete_files(done)
 
     def unconsume_after(self, step: int) -> int:
         """Make submissions consumed by steps > ``step`` trainable again (resume from ``step``)."""

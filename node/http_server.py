@@ -1,0 +1,156 @@
+"""One way to start every aiohttp server of a node, hardened against slow and greedy clients.
+
+The ingest (``trainer/ingest``), the Shardcast server (origin and relays) and the status servers
+all listen through :func:`start_site`. It lives in ``node/`` because ``node/`` is what opens
+sockets (``DESIGN.md`` §4): the trainer-side ingest only adds routes to an application (and reads
+its bodies whole, under a timeout, with ``trainer.ingest.service.read_body``), so the layering
+stays one-way.
+
+What a server started here gets (``docs/operators.md`` "HTTP limits"):
+
+* **header timeout** — aiohttp arms its keep-alive timer when a connection opens and again after
+  each response, and closes the connection if no *complete* request head arrived by then; so
+  ``header_timeout_s`` is its ``keepalive_timeout`` (a slowloris connection that dribbles
+  header bytes is closed after it, as is an idle keep-alive connection);
+* **body timeout** — the only routes with bodies (the ingest's) read them under
+  ``IngestLimits.decode_timeout_s``; bodies nobody reads are drained by aiohttp for at most its
+  ``lingering_time`` (10 s);
+* **per-IP and total connection caps** — connections over the cap are aborted as soon as they
+  are accepted, so 300 half-open connections from one address hold at most
+  ``max_connections_per_ip`` descriptors and never starve ``/status`` or other clients;
+* **no compressed bodies** — ``auto_decompress`` is off and :data:`identity_only` answers 415 to
+  any request body with a ``Content-Encoding`` other than ``identity``: nothing inflates;
+* small header limits (line and field 8 KiB, 64 headers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web, web_server
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Bounds of one HTTP server.
+
+    Attributes:
+        header_timeout_s: a connection must deliver a complete request head within this many
+            seconds of opening (or of its previous response), seconds.
+        max_connections_per_ip: open connections from one IP address; more are aborted.
+        max_connections: open connections in all; more are aborted.
+        max_line_size: longest request line or header line, bytes.
+        max_headers: most header fields in one request.
+    """
+
+    header_timeout_s: float = 10.0
+    max_connections_per_ip: int = 32
+    max_connections: int = 512
+    max_line_size: int = 8190
+    max_headers: int = 64
+
+
+@web.middleware
+async def identity_only(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Answer 415 to a request whose body is compressed (any ``Content-Encoding`` but identity).
+
+    With ``auto_decompress`` off the body would not be inflated anyway; refusing it says why.
+    """
+    enc = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if enc not in ("", "identity"):
+        return web.json_response({"error": "unsupported_encoding", "detail": f"Content-Encoding {enc[:32]!r} refused: send identity bodies"},
+                                 status=415)
+    return await handler(request)
+
+
+def _cap_connections(server: web_server.Server, limits: ServerLimits) -> None:
+    """Abort connections over the per-IP or total cap right after they are accepted.
+
+    aiohttp has no connection cap of its own; its ``Server`` is told of every connection (made
+    and lost) by the protocol, which is where the count is kept.
+    """
+    made, lost = server.connection_made, server.connection_lost
+    per_ip: dict[str, int] = {}
+    counted: dict[Any, str] = {}
+
+    def connection_made(handler: Any, transport: asyncio.Transport) -> None:
+        made(handler, transport)
+        peer = transport.get_extra_info("peername")
+        ip = str(peer[0]) if peer else "?"
+        if per_ip.get(ip, 0) >= limits.max_connections_per_ip or len(counted) >= limits.max_connections:
+            logger.debug("refusing a connection from %s: over the connection cap", ip)
+            # after the handler's start task has begun (aborting now would run connection_lost first)
+            asyncio.get_running_loop().call_soon(transport.abort)
+            return
+        per_ip[ip] = per_ip.get(ip, 0) + 1
+        counted[handler] = ip
+
+    def connection_lost(handler: Any, exc: BaseException | None = None) -> None:
+        ip = counted.pop(handler, None)
+        if ip is not None:
+            per_ip[ip] -= 1
+            if not per_ip[ip]:
+                del per_ip[ip]
+        lost(handler, exc)
+
+    server.connection_made = connection_made  # type: ignore[method-assign]
+    server.connection_lost = connection_lost  # type: ignore[method-assign]
+
+
+@dataclass
+class RunningServer:
+    """A started server: its runner (``await cleanup()`` to stop) and bound port."""
+
+    runner: web.AppRunner
+    port: int
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_site(app: web.Application, host: str, port: int = 0, *, limits: ServerLimits | None = None,
+                     reuse_address: bool = False, shutdown_timeout_s: float = 1.0) -> RunningServer:
+    """Start ``app`` on ``host:port`` with the protections of this module.
+
+    Args:
+        app: the application (not yet frozen); :data:`identity_only` is added first.
+        host: interface; port: TCP port (0: any free one).
+        limits: :class:`ServerLimits` (defaults suit every role).
+        reuse_address: set ``SO_REUSEADDR`` (bind again right after a restart).
+        shutdown_timeout_s: grace period for open requests on stop, seconds.
+
+    Returns:
+        The running server and its bound port.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    lim = limits or ServerLimits()
+    app.middlewares.insert(0, identity_only)
+    runner = web.AppRunner(
+        app, access_log=None, handle_signals=False, shutdown_timeout=shutdown_timeout_s,
+        keepalive_timeout=lim.header_timeout_s, auto_decompress=False,
+        max_line_size=lim.max_line_size, max_field_size=lim.max_line_size, max_headers=lim.max_headers,
+    )
+    await runner.setup()
+    assert runner.server is not None
+    _cap_connections(runner.server, lim)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        if reuse_address:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        await runner.cleanup()
+        raise
+    bound = int(sock.getsockname()[1])
+    await web.SockSite(runner, sock, backlog=512).start()
+    return RunningServer(runner, bound)

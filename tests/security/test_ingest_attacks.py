@@ -1,0 +1,221 @@
+"""Hostile workers against a real ingest server on 127.0.0.1 (issue 12, items 4–6, 8, 10).
+
+Each attack is made by a real client; while it runs, an honest client from another address must
+get ``/status`` and an honest submission answered within 2 s (a behaviour bound, not a benchmark),
+and nothing accepted may be lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import zlib
+from pathlib import Path
+
+import aiohttp
+import pytest
+from ingest_attack_helpers import (
+    ATTACKER_IP,
+    VALIDATOR,
+    RUN,
+    attacker_session,
+    forge,
+    honest_session,
+    post,
+    running_ingest,
+    submission,
+    verdict,
+)
+
+from node.http_server import ServerLimits
+from protocol import encoding
+from protocol.envelope import seal
+from protocol.identity import NodeKey
+from protocol.messages import LeaseRequest
+from trainer.ingest.service import IngestLimits
+
+SUBMISSIONS = "/ingest/1/submissions"
+
+
+async def wait_until(cond, timeout_s: float = 20.0, what: str = "condition") -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not cond():
+        assert loop.time() < end, f"{what} not reached within {timeout_s} s"
+        await asyncio.sleep(0.02)
+
+
+async def honest_round(url: str, worker: NodeKey, counter: int) -> None:
+    """``/status`` and one honest submission, each answered within the client's 2 s timeout."""
+    async with honest_session(url) as http:
+        async with http.get("/status") as r:
+            assert r.status == 200
+        status, body = await post(http, SUBMISSIONS, submission(worker, counter=counter))
+        assert status == 200 and body["stored"] is True, body
+
+
+async def test_deflate_bomb_is_refused_unread(tmp_path: Path) -> None:
+    bomb = zlib.compress(b"\x00" * (64 << 20), 9)  # 64 MiB of zeros in ≈ 64 KiB
+    async with running_ingest(tmp_path) as ing, attacker_session(ing.url) as evil:
+        for enc in ("deflate", "gzip", "br"):
+            status, body = await post(evil, SUBMISSIONS, bomb, headers={"Content-Encoding": enc})
+            assert status == 415 and body["error"] == "unsupported_encoding"
+        await honest_round(ing.url, NodeKey.generate(), 0)
+        assert ing.store.counts()["pending"] == 1
+
+
+async def test_one_mebibyte_honest_submission_is_read_whole(tmp_path: Path) -> None:
+    w = NodeKey.generate()
+    big = submission(w, payload_tokens=160_000)  # 2 × 640 KB arrays: ≈ 1.25 MiB, far over what one read() returns
+    assert len(big) > 1 << 20
+    async with running_ingest(tmp_path) as ing, honest_session(ing.url) as http:
+        status, body = await post(http, SUBMISSIONS, big)
+        assert status == 200 and body["stored"] is True, body
+        assert ing.store.read(body["id"]) == big
+
+
+async def test_signed_flood_of_empty_maps_does_not_block_status(tmp_path: Path) -> None:
+    # 60 bodies of ≈ 380 KiB, correctly signed with free keys: containers of empty maps where the
+    # schema wants rollouts. The decoder stops at the schema's array bound or the body's schema.
+    keys = [NodeKey.generate() for _ in range(6)]
+    bodies = []
+    for i in range(60):
+        n = 380_000 if i % 2 else 65_536  # over the array bound (C stops at once) / within it (schema stops it)
+        bodies.append(forge(keys[i % 6], "submission/1", {"counter": i, "policy_step": 0, "rollouts": [{}] * n, "tasks": [{}],
+                                                            "worker": keys[i % 6].peer_id}))
+    async with running_ingest(tmp_path) as ing, attacker_session(ing.url) as evil:
+        flood = [asyncio.create_task(post(evil, SUBMISSIONS, b)) for b in bodies]
+        await asyncio.sleep(0)  # let the flood start
+        await honest_round(ing.url, NodeKey.generate(), 0)
+        outcomes = await asyncio.gather(*flood, return_exceptions=True)
+        cut = [o for o in outcomes if isinstance(o, BaseException)]  # connections over the per-IP cap are closed at accept
+        results = [o for o in outcomes if not isinstance(o, BaseException)]
+        assert all(isinstance(e, aiohttp.ClientConnectionError) for e in cut), cut[:3]
+        assert results and {s for s, _ in results} <= {400, 429}, results[:3]
+        assert any(s == 400 and ("max_array_len" in b["detail"] or "body.rollouts" in b["detail"]) for s, b in results)
+        assert ing.store.counts()["pending"] == 1
+
+
+async def test_free_identities_cannot_fill_the_disk_and_files_are_deleted(tmp_path: Path) -> None:
+    limits = IngestLimits(max_disk_files=6, max_pending_per_ip=64)
+    keys = [NodeKey.generate() for _ in range(3)]
+    async with running_ingest(tmp_path, limits=limits) as ing, attacker_session(ing.url) as evil:
+        results = [await post(evil, SUBMISSIONS, submission(k, counter=c, payload_tokens=20_000)) for k in keys for c in range(4)]
+        stored = [b["id"] for s, b in results if s == 200]
+        refused = [b for s, b in results if s != 200]
+        assert len(stored) == 6 and all(b["error"] == "disk_quota" for b in refused)
+        files = lambda: sorted(p.stem for p in ing.store.dir.glob("*.sub"))  # noqa: E731
+        assert files() == sorted(stored)
+        # a benign rejection is final: its file goes at once; an accepted one stays until trained on
+        ing.service.apply_verdict(verdict(submission_by_id(ing, stored[0]), False, "stale_policy"))
+        ing.service.apply_verdict(verdict(submission_by_id(ing, stored[1]), True, "ok"))
+        assert stored[0] not in files() and stored[1] in files()
+        ing.store.mark_consumed([stored[1]], step=1)
+        ing.store.mark_consumed([], step=2)  # the next step's state is saved: step 1's inputs are no longer needed
+        assert stored[1] not in files()
+        # pending work that fell out of the async window is retired with its file
+        ing.step[0] = 10
+        assert ing.store.retire_stale(10 - 2) == 4 and files() == []
+        # room again for honest work
+        ing.step[0] = 0
+        await honest_round(ing.url, NodeKey.generate(), 0)
+
+
+def submission_by_id(ing, sid: str) -> bytes:
+    return ing.store.read(sid)
+
+
+async def test_one_address_cannot_hold_every_pending_slot(tmp_path: Path) -> None:
+    limits = IngestLimits(max_pending_per_ip=5)
+    async with running_ingest(tmp_path, limits=limits) as ing, attacker_session(ing.url) as evil:
+        results = [await post(evil, SUBMISSIONS, submission(NodeKey.generate())) for _ in range(8)]
+        assert [s for s, _ in results].count(200) == 5
+        assert all(b["error"] == "ip_quota" for s, b in results if s != 200)
+        await honest_round(ing.url, NodeKey.generate(), 0)  # another address still gets in
+
+
+async def test_counter_replay_with_a_new_nonce_is_refused_at_the_ingest(tmp_path: Path) -> None:
+    w = NodeKey.generate()
+    async with running_ingest(tmp_path) as ing, honest_session(ing.url) as http:
+        assert (await post(http, SUBMISSIONS, submission(w, counter=3)))[0] == 200
+        again = submission(w, counter=3, payload_tokens=5)  # same counter, new content and nonce
+        status, body = await post(http, SUBMISSIONS, again)
+        assert status == 409 and body["error"] == "replay" and "counter 3" in body["detail"]
+        assert ing.store.counts()["pending"] == 1
+
+
+async def test_captured_lease_request_cannot_lease_again(tmp_path: Path) -> None:
+    async with running_ingest(tmp_path) as ing, honest_session(ing.url) as http, attacker_session(ing.url) as evil:
+        for c in range(3):
+            await post(http, SUBMISSIONS, submission(NodeKey.generate(), counter=c))
+        lease = seal(VALIDATOR, RUN, LeaseRequest(limit=1, lease_s=30.0))
+        async with http.post("/ingest/1/lease", data=lease) as r:
+            assert r.status == 200 and len(encoding.unpackb(await r.read(), 1 << 26)["submissions"]) == 1
+        status, body = await post(evil, "/ingest/1/lease", lease)  # replayed within its 60 s validity
+        assert status == 409 and body["error"] == "replay"
+
+
+async def test_leasing_is_fair_across_workers(tmp_path: Path) -> None:
+    junk, honest = NodeKey.generate(), NodeKey.generate()
+    async with running_ingest(tmp_path) as ing, honest_session(ing.url) as http:
+        junk_ids = [(await post(http, SUBMISSIONS, submission(junk, counter=c)))[1]["id"] for c in range(4)]
+        honest_id = (await post(http, SUBMISSIONS, submission(honest)))[1]["id"]
+        ids = ing.store.lease_pending(2, 30.0)
+        assert honest_id in ids and len(set(ids) & set(junk_ids)) == 1  # one each, not the junk key's newest two
+
+
+SLOWLORIS = textwrap.dedent("""
+    import socket, sys, time
+    host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("{ip}", 0))
+        s.setblocking(False)
+        try:
+            s.connect((host, port))
+        except BlockingIOError:
+            pass
+        socks.append(s)
+    time.sleep(0.5)
+    for s in socks:  # half a request head, never finished
+        try:
+            s.send(b"POST /ingest/1/submissions HTTP/1.1\\r\\nHost: x\\r\\nContent-Length: 100\\r\\n")
+        except OSError:
+            pass
+    print("ready", flush=True)
+    sys.stdin.read()  # hold every socket until the test ends
+""").replace("{ip}", ATTACKER_IP)
+
+
+@pytest.mark.parametrize("low_fd_limit", [False, True])
+async def test_slowloris_half_open_connections_do_not_starve_status(tmp_path: Path, low_fd_limit: bool) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    server_limits = ServerLimits(header_timeout_s=1.0, max_connections_per_ip=32)
+    try:
+        async with running_ingest(tmp_path, server_limits=server_limits) as ing:
+            if low_fd_limit:  # leave this process 128 descriptors more than it holds now
+                import os
+
+                resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 128, hard))
+            attacker = subprocess.Popen([sys.executable, "-c", SLOWLORIS, "127.0.0.1", str(ing.server.port), "300"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)))  # the attacker has plenty
+            try:
+                line = await asyncio.wait_for(asyncio.to_thread(attacker.stdout.readline), timeout=30)
+                assert line.strip() == "ready"
+                conns = ing.server.runner.server.connections  # type: ignore[union-attr]
+                assert len(conns) <= 32  # the rest were aborted at accept
+                await honest_round(ing.url, NodeKey.generate(), 0)
+                # the header timeout closes what the cap let in
+                await wait_until(lambda: not ing.server.runner.server.connections, what="half-open connections closed")  # type: ignore[union-attr]
+                await honest_round(ing.url, NodeKey.generate(), 1)
+            finally:
+                attacker.kill()
+                attacker.wait()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
