@@ -274,5 +274,3 @@ def _reward_mismatch_reason(task_type: str, reported_task: float, recomputed_tas
     if task_type == "prime_rl_code" and (reported_task < recomputed_task or _LIMIT_DETAIL.match(detail or "")):
         return "limit_hit"
     return "reward"
-
-
