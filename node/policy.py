@@ -18,7 +18,9 @@ from typing import Any
 
 from node.errors import FetchError, NodeError
 from node.shardcast import DownloadConfig, fetch_checkpoint
-from node.shardcast.download import get_manifest, make_session
+from node.shardcast.client import resolve_manifest
+from node.shardcast.download import ManifestCache, make_session
+from node.shardcast.sources import SourcePool
 from protocol.errors import ProtocolError
 from protocol.models import check_base_hash
 from protocol.runspec import RunSpec
@@ -38,7 +40,9 @@ class PolicyFollower:
     Args:
         spec: the run spec (run ID, coordinator key, origin URLs, keep_steps).
         root: directory of fetched checkpoints.
-        sources: callable returning candidate base URLs for a step (relays holding it first).
+        sources: callable returning candidate base URLs for a step (relays holding it first);
+            a :class:`GossipSources` also says which of them are origins (otherwise the run
+            spec's ``origin_urls`` are).
         keep: how many fetched steps to keep on disk.
         relays_waiting: callable telling whether relays are known but none holds the step yet
             (then :meth:`fetch` waits up to :data:`RELAY_WAIT_S` for one before using the origin).
@@ -63,6 +67,7 @@ class PolicyFollower:
         self._locks: dict[int, asyncio.Lock] = {}
         self._cfg = DownloadConfig(stall_timeout_s=30.0, deadline_s=600.0)
         self._session: Any = None
+        self._manifests = ManifestCache()  # verified manifests are not downloaded/decoded again; liars not re-polled
         self.last_error = ""
         self.relays_waiting = relays_waiting
 
@@ -77,19 +82,28 @@ class PolicyFollower:
             self.latest_step = step
             logger.info("policy step %d announced", step, extra={"step": step})
 
+    def origins(self) -> list[str]:
+        """Origin URLs: from gossip (coordinator record, signed announcement) and the run spec."""
+        if isinstance(self.sources, GossipSources):
+            return self.sources.origins()
+        return [u.rstrip("/") for u in self.spec.network.origin_urls]
+
     async def poll_latest(self) -> int:
-        """Ask the sources for their latest signed manifest; returns the newest step known."""
+        """Ask the sources for their latest signed manifest; returns the newest step known.
+
+        Origins and a bounded random subset of relays are asked at once; a manifest already
+        verified is not decoded again, and a source that served a bad one is skipped for a while.
+        """
         if self._session is None:
             self._session = make_session(self._cfg)
-        for url in self.sources(None):
-            try:
-                env = await get_manifest(self._session, url, None, run_id=self.spec.run_id, authorities=self.spec.authorities,
-                                         timeout_s=self._cfg.manifest_timeout_s)
-            except (NodeError, ProtocolError, OSError, asyncio.TimeoutError) as e:
-                logger.debug("latest manifest from %s failed: %s", url, e)
-                continue
-            if env is not None:
-                self.note_step(env.body.step)
+        pool = SourcePool(self.sources(None), origins=self.origins(), max_candidates=self._cfg.max_candidates)
+        try:
+            env = await resolve_manifest(self._session, pool, None, run_id=self.spec.run_id, authorities=self.spec.authorities,
+                                         cfg=self._cfg, cache=self._manifests)
+        except (NodeError, ProtocolError, OSError, asyncio.TimeoutError) as e:
+            logger.debug("latest manifest poll failed: %s", e)
+            return self.latest_step
+        self.note_step(env.body.step)
         return self.latest_step
 
     def path_for(self, step: int) -> Path:
@@ -124,7 +138,7 @@ class PolicyFollower:
                 return out
             try:
                 result = await fetch_checkpoint(sources, out, run_id=self.spec.run_id, authorities=self.spec.authorities, step=step,
-                                                config=self._cfg, progress=False)
+                                                config=self._cfg, progress=False, origins=self.origins(), cache=self._manifests)
             except FetchError as e:
                 self.last_error = str(e)
                 raise
@@ -190,23 +204,44 @@ def relays_lagging(gossip: Any) -> Callable[[int], bool]:
     return waiting
 
 
-def gossip_sources(gossip: Any, spec: RunSpec) -> Callable[[int | None], list[str]]:
-    """Source chooser over a :class:`node.p2p.GossipNode`: relays holding the step, then origins."""
+class GossipSources:
+    """Source chooser over a :class:`node.p2p.GossipNode`: relays holding the step, then origins.
 
-    def choose(step: int | None) -> list[str]:
+    Origins are the coordinator's record ``http_url`` (its role is key-checked), the latest
+    coordinator-signed announcement's ``origin_url`` and the run spec's ``origin_urls``; relay
+    URLs come from self-signed records anyone can make, so fetches use only a bounded random
+    subset of them and keep the origins on reserved slots.
+    """
+
+    def __init__(self, gossip: Any, spec: RunSpec) -> None:
+        self.gossip = gossip
+        self.spec = spec
+
+    def origins(self) -> list[str]:
+        """Origin base URLs, deduplicated, without trailing slashes."""
         urls: list[str] = []
-        if gossip is not None:
-            peers = gossip.peers
+        if self.gossip is not None:
+            coord = self.gossip.peers.coordinator()
+            if coord is not None and coord.http_url:
+                urls.append(coord.http_url)
+            ann = self.gossip.peers.latest_announcement
+            if ann is not None and ann.origin_url:
+                urls.append(ann.origin_url)
+        urls.extend(self.spec.network.origin_urls)
+        return list(dict.fromkeys(u.rstrip("/") for u in urls if u))
+
+    def __call__(self, step: int | None) -> list[str]:
+        """Base URLs for ``step`` (``None``: the latest announced): relays holding it, then origins."""
+        urls: list[str] = []
+        if self.gossip is not None:
+            peers = self.gossip.peers
             want = step if step is not None else peers.latest_step()
             if want is not None:
                 urls.extend(p.http_url for p in peers.relays_holding(want) if p.http_url)
-            coord = peers.coordinator()
-            if coord is not None and coord.http_url:
-                urls.append(coord.http_url)
-            ann = peers.latest_announcement
-            if ann is not None and ann.origin_url:
-                urls.append(ann.origin_url)
-        urls.extend(spec.network.origin_urls)
+        urls.extend(self.origins())
         return list(dict.fromkeys(u.rstrip("/") for u in urls if u))
 
-    return choose
+
+def gossip_sources(gossip: Any, spec: RunSpec) -> GossipSources:
+    """Source chooser over a :class:`node.p2p.GossipNode` (see :class:`GossipSources`)."""
+    return GossipSources(gossip, spec)

@@ -128,13 +128,14 @@ def check_manifest(manifest: Manifest) -> None:
             raise SchemaError(f"file {f.name!r} of {f.size_bytes} bytes needs {want} pieces, lists {len(f.pieces)}", "body.files")
 
 
-def open_manifest(data: bytes, *, run_id: bytes, authorities: Authorities) -> Envelope[Manifest]:
+def open_manifest(data: bytes, *, run_id: bytes, authorities: Authorities, max_bytes: int | None = None) -> Envelope[Manifest]:
     """Decode and verify manifest bytes received from anyone.
 
     Args:
         data: the envelope bytes.
         run_id: this node's 32-byte run ID.
         authorities: the run spec's keys; only the coordinator may sign a manifest.
+        max_bytes: a tighter size limit than ``Manifest.MAX_BYTES`` (a fetcher's cap), bytes.
 
     Returns:
         The verified envelope (``.body`` is the :class:`Manifest`, ``.raw`` the exact bytes).
@@ -144,7 +145,7 @@ def open_manifest(data: bytes, *, run_id: bytes, authorities: Authorities) -> En
         WrongRunError: a manifest of another run.
         SignatureError: not signed by the run's coordinator.
     """
-    env: Envelope[Manifest] = open_envelope(data, run_id=run_id, authorities=authorities, expect=Manifest)
+    env: Envelope[Manifest] = open_envelope(data, run_id=run_id, authorities=authorities, expect=Manifest, max_bytes=max_bytes)
     check_manifest(env.body)
     return env
 

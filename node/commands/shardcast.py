@@ -91,7 +91,8 @@ def _run_fetch(args: argparse.Namespace) -> int:
     cfg = DownloadConfig(max_concurrency=args.concurrency, deadline_s=args.timeout)
     try:
         res = asyncio.run(
-            fetch_checkpoint(sources, Path(args.out), run_id=signed.run_id, authorities=signed.spec.authorities, step=args.step, config=cfg)
+            fetch_checkpoint(sources, Path(args.out), run_id=signed.run_id, authorities=signed.spec.authorities, step=args.step, config=cfg,
+                             origins=[u for u in sources if u in signed.spec.network.origin_urls])
         )
     except FetchError as e:
         print(f"error: fetch failed: {e}", file=sys.stderr)

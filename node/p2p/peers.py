@@ -204,6 +204,23 @@ class PeerTable:
         return now - p.last_seen <= self.expiry_s
 
 
+def origin_urls_of(peers: PeerTable, origin_urls: list[str] | tuple[str, ...] = (), own_url: str = "") -> list[str]:
+    """The run's origins as coordinator-signed sources name them, deduplicated.
+
+    The coordinator's record ``http_url`` (its role is key-checked), the latest announcement's
+    ``origin_url`` (coordinator-signed) and ``origin_urls`` from the run spec; never ``own_url``.
+    """
+    origins: list[str] = []
+    coord = peers.coordinator()
+    if coord is not None and coord.http_url:
+        origins.append(coord.http_url)
+    ann = peers.latest_announcement
+    if ann is not None and ann.origin_url:
+        origins.append(ann.origin_url)
+    origins.extend(origin_urls)
+    return [u for u in dict.fromkeys(origins) if u and u != own_url]
+
+
 def pick_upstreams(
     peers: PeerTable,
     *,
@@ -215,43 +232,31 @@ def pick_upstreams(
     """Choose the HTTP sources a relay should follow, from gossip (relays form a tree).
 
     Wanted step: the latest announced step. Up to ``fanout`` live relays that already hold it are
-    preferred over the origin, so the origin's upload is not the bottleneck; the origin (the
-    coordinator's record ``http_url``, the latest announcement's ``origin_url`` and
-    ``origin_urls`` from the run spec) fills the remaining places. Among holders the choice is a
-    rendezvous hash of (``own_peer_id``, their peer ID): stable for one relay, spread across relays.
-    With nothing announced and no origin known the answer is empty (serve only the own store).
+    chosen, so most pieces come from them and the origin's upload is not the bottleneck; the
+    origins (:func:`origin_urls_of`) are always added after them, so relay records (self-signed:
+    anyone can make many) can never push the origin out of a relay's sources. Among holders the
+    choice is a rendezvous hash of (``own_peer_id``, their peer ID): stable for one relay, spread
+    across relays. With nothing announced and no origin known the answer is empty (serve only
+    the own store).
 
     Args:
         peers: the live peer table.
         own_peer_id: this relay's peer ID (never chosen).
         own_url: this relay's HTTP URL (never chosen).
         origin_urls: origin URLs from the run spec.
-        fanout: how many sources to follow.
+        fanout: how many relays to follow besides the origins.
 
     Returns:
-        Base URLs, relays first.
+        Base URLs, relays first, then every origin.
     """
-    origins: list[str] = []
-    coord = peers.coordinator()
-    if coord is not None and coord.http_url:
-        origins.append(coord.http_url)
-    ann = peers.latest_announcement
-    if ann is not None and ann.origin_url:
-        origins.append(ann.origin_url)
-    origins.extend(origin_urls)
-    origins = [u for u in dict.fromkeys(origins) if u and u != own_url]
+    origins = origin_urls_of(peers, origin_urls, own_url)
     step = peers.latest_step()
     holders: list[PeerInfo] = []
     if step is not None:
-        holders = [p for p in peers.relays_holding(step) if p.peer_id != own_peer_id and p.http_url != own_url]
+        holders = [p for p in peers.relays_holding(step) if p.peer_id != own_peer_id and p.http_url != own_url and p.http_url not in origins]
 
     def rank(p: PeerInfo) -> bytes:
         return hashlib.sha256(f"{own_peer_id}|{p.peer_id}".encode()).digest()
 
-    chosen = [p.http_url for p in sorted(holders, key=rank)][:fanout]
-    for url in origins:
-        if len(chosen) >= fanout:
-            break
-        if url not in chosen:
-            chosen.append(url)
-    return chosen
+    chosen = list(dict.fromkeys(p.http_url for p in sorted(holders, key=rank)))[:fanout]
+    return chosen + origins

@@ -58,7 +58,8 @@ async def run_relay(
     store = await asyncio.to_thread(
         ShardcastStore, data_dir, run_id=signed.run_id, authorities=spec.authorities, keep_steps=spec.shardcast.keep_steps
     )
-    relay = Relay(store, RelayConfig(host=host, port=port, upstreams=tuple(upstreams), peer_id=key.peer_id))
+    relay = Relay(store, RelayConfig(host=host, port=port, upstreams=tuple(upstreams), origins=tuple(spec.network.origin_urls),
+                                     peer_id=key.peer_id))
     started = time.monotonic()
     relay.server.status = lambda: relay_status(relay, key.peer_id, public_url or relay.url, started)
     loop = asyncio.get_running_loop()

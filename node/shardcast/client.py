@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 
 from node.errors import FetchError, SourceError
-from node.shardcast.download import DownloadConfig, PieceDownloader, get_manifest, make_session
+from node.shardcast.download import DownloadConfig, ManifestCache, PieceDownloader, get_manifest, make_session
 from node.shardcast.sources import SourcePool
 from protocol.content import hex_id
 from protocol.envelope import Authorities, Envelope, open_envelope
@@ -58,7 +58,11 @@ class FetchResult:
         wasted_bytes: bytes received and thrown away (bad pieces, broken transfers).
         elapsed_s: wall time of the call, seconds.
         faulty_sources: sources caught serving bad data, with the reason.
-        source_bytes: verified bytes received per source.
+        cooled_sources: sources cooled down for transport failures, silence or "not held"
+            answers (e.g. tarpits, relays advertising what they cannot serve), with the latest reason.
+        source_bytes: verified bytes received per source (the sources used: origins and the
+            relay candidates drawn).
+        candidates_offered: relay URLs offered before the random subset was drawn.
     """
 
     step: int
@@ -72,7 +76,9 @@ class FetchResult:
     wasted_bytes: int = 0
     elapsed_s: float = 0.0
     faulty_sources: dict[str, str] = field(default_factory=dict)
+    cooled_sources: dict[str, str] = field(default_factory=dict)
     source_bytes: dict[str, int] = field(default_factory=dict)
+    candidates_offered: int = 0
 
 
 class _StagingWriter:
@@ -109,34 +115,67 @@ async def resolve_manifest(
     run_id: bytes,
     authorities: Authorities,
     cfg: DownloadConfig,
+    cache: ManifestCache | None = None,
 ) -> Envelope[Manifest]:
-    """Ask every usable source for the manifest of ``step`` (``None``: the newest any has).
+    """Ask the usable sources for the manifest of ``step`` (``None``: the newest any has).
 
-    Sources that answer with a manifest that does not verify get evidence against them.
+    All are asked at once and the answer is taken as soon as it is known, without waiting for
+    slow sources: for a given step the first verified manifest (there is one per step: the
+    coordinator signs it); for ``latest`` the best one once every origin answered (relays only
+    mirror the origin), or, with no origin answer, ``latest_grace_s`` after the first valid
+    one. Requests still running then are cancelled without penalty. Sources that answer with a
+    manifest that does not verify get evidence against them; failures cool them down.
 
     Raises:
         FetchError: no source has a valid manifest of that step (the message lists why).
     """
     srcs = pool.usable()
-    results = await asyncio.gather(
-        *(get_manifest(session, s.url, step, run_id=run_id, authorities=authorities, timeout_s=cfg.manifest_timeout_s) for s in srcs),
-        return_exceptions=True,
-    )
+    tasks = {
+        asyncio.ensure_future(
+            get_manifest(session, s.url, step, run_id=run_id, authorities=authorities, timeout_s=cfg.manifest_timeout_s, cfg=cfg, cache=cache)
+        ): s
+        for s in srcs
+    }
     best: Envelope[Manifest] | None = None
     problems: list[str] = []
-    for src, res in zip(srcs, results, strict=True):
-        if isinstance(res, SourceError):
-            problems.append(str(res))
-            if res.evidence:
-                pool.record_evidence(src, res.reason)
-            else:
-                pool.record_failure(src, res.reason)
-        elif isinstance(res, BaseException):
-            raise res
-        elif res is None:
-            problems.append(f"{src.url}: has no manifest of {'any step' if step is None else f'step {step}'}")
-        elif best is None or res.body.step > best.body.step:
-            best = res
+    origins_left = {s.url for s in srcs if s.origin}
+    origin_valid = False
+    grace_end: float | None = None
+    loop = asyncio.get_running_loop()
+    pending = set(tasks)
+    try:
+        while pending:
+            if best is not None and (step is not None or (origin_valid and not origins_left)):
+                break
+            timeout = None if grace_end is None else max(0.0, grace_end - loop.time())
+            if timeout == 0.0:
+                break
+            done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                src = tasks[t]
+                origins_left.discard(src.url)
+                exc = t.exception()
+                if isinstance(exc, SourceError):
+                    problems.append(str(exc))
+                    if exc.evidence:
+                        pool.record_evidence(src, exc.reason)
+                    else:
+                        pool.record_failure(src, exc.reason)
+                elif exc is not None:
+                    raise exc
+                elif (res := t.result()) is None:
+                    problems.append(f"{src.url}: has no manifest of {'any step' if step is None else f'step {step}'}")
+                else:
+                    origin_valid = origin_valid or src.origin
+                    if best is None or res.body.step > best.body.step:
+                        best = res
+            if best is not None and grace_end is None and step is None:
+                grace_end = loop.time() + cfg.latest_grace_s
+    finally:
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
     if best is None:
         what = "any step" if step is None else f"step {step}"
         raise FetchError(f"no source has a valid manifest of {what}: " + "; ".join(problems or ["no sources"]), pool.faulty())
@@ -252,11 +291,15 @@ async def fetch_checkpoint(
     config: DownloadConfig | None = None,
     progress: bool | None = None,
     session: aiohttp.ClientSession | None = None,
+    origins: Sequence[str] = (),
+    cache: ManifestCache | None = None,
 ) -> FetchResult:
     """Download and verify a checkpoint into ``out_dir``.
 
     Args:
-        sources: base URLs of origins/relays (``http://host:port``).
+        sources: base URLs of relays (``http://host:port``), e.g. from gossip: at most
+            ``config.max_candidates`` of them, drawn at random, are used. A URL also in
+            ``origins`` is an origin.
         out_dir: directory to create with the checkpoint files (plus ``.shardcast-manifest``);
             it must not exist, be empty, or already hold this exact checkpoint.
         run_id: this node's 32-byte run ID.
@@ -264,7 +307,12 @@ async def fetch_checkpoint(
         step: the policy step; ``None`` fetches the newest step any source has.
         config: limits and timeouts (default :class:`DownloadConfig`).
         progress: show a progress bar (default: when stderr is a terminal).
-        session: an HTTP session to reuse (default: one made for this call).
+        session: an HTTP session to reuse, made by :func:`~node.shardcast.download.make_session`
+            (default: one made for this call).
+        origins: base URLs of origins (the run spec's ``origin_urls``, the coordinator's):
+            always asked, on connections and request slots that relays cannot take.
+        cache: verified manifests and sources known to serve bad ones, kept across calls
+            (:class:`~node.shardcast.download.ManifestCache`).
 
     Returns:
         What was fetched and from where (:class:`FetchResult`).
@@ -276,13 +324,16 @@ async def fetch_checkpoint(
     cfg = config or DownloadConfig()
     out_dir = Path(out_dir)
     t0 = time.monotonic()
-    pool = SourcePool(sources, exploration=cfg.exploration, max_in_flight_per_source=cfg.max_in_flight_per_source)
+    pool = SourcePool(
+        sources, origins=origins, exploration=cfg.exploration, max_in_flight_per_source=cfg.max_in_flight_per_source,
+        max_candidates=cfg.max_candidates,
+    )
     if not pool.urls:
         raise FetchError("no sources given")
     own_session = session is None
     sess = session or make_session(cfg)
     try:
-        env = await resolve_manifest(sess, pool, step, run_id=run_id, authorities=authorities, cfg=cfg)
+        env = await resolve_manifest(sess, pool, step, run_id=run_id, authorities=authorities, cfg=cfg, cache=cache)
         m = env.body
         files = [out_dir / f.name for f in m.files]
         if out_dir.exists():
@@ -330,7 +381,9 @@ async def fetch_checkpoint(
             wasted_bytes=stats.wasted_bytes,
             elapsed_s=time.monotonic() - t0,
             faulty_sources=pool.faulty(),
+            cooled_sources=pool.cooled(),
             source_bytes={s.url: s.bytes_received for s in pool.states()},
+            candidates_offered=pool.offered,
         )
         logger.info(
             "fetched step %d into %s: %d bytes in %.2f s%s",

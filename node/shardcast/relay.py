@@ -10,6 +10,14 @@ complete steps. After each completed step the store's retention removes older st
 
 Upstreams can change at run time (:meth:`Relay.set_upstreams`), e.g. from gossip.
 
+Hostile upstreams (issue #12): origins are always kept in the upstream pool with request slots of
+their own; relay upstreams are a bounded random subset; a ``/held`` answer is unsigned, so steps
+above the latest coordinator-signed step (a gossip announcement via :meth:`Relay.note_latest_step`,
+or what an origin reports) are ignored, a step an upstream offers but cannot serve a manifest for
+is not asked of it again, and each upstream gets a bounded number of failed manifest requests per
+poll. A slow ``/held`` never delays the others: each upstream's request runs on its own and is
+read when it is done.
+
 Lifecycle: ``Relay(store, config)`` (no I/O) → ``await start()`` → ``await run()`` (until
 :meth:`stop`) → ``await stop()``.
 """
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -43,6 +52,9 @@ class RelayConfig:
         host: interface the HTTP server binds.
         port: TCP port (0: any free port).
         upstreams: base URLs to follow (empty: this node is an origin).
+        origins: URLs that are origins (the run spec's ``origin_urls``): when they are upstreams
+            they are always kept, have reserved request slots, and their ``/held`` bounds the steps
+            the relay believes exist.
         poll_interval_s: how often upstreams' ``/held`` (and the local store) are checked, seconds
             (a tiny JSON request; short, so a new step starts moving at once).
         upstream_ban_s: how long evidence bans an upstream, seconds.
@@ -53,6 +65,7 @@ class RelayConfig:
     host: str = "127.0.0.1"
     port: int = 0
     upstreams: tuple[str, ...] = ()
+    origins: tuple[str, ...] = ()
     poll_interval_s: float = 0.2
     upstream_ban_s: float = 600.0
     download: DownloadConfig = field(default_factory=lambda: DownloadConfig(stall_timeout_s=120.0))
@@ -78,10 +91,17 @@ class Relay:
         self.server = ShardcastServer(store, host=self.config.host, port=self.config.port, peer_id=self.config.peer_id)
         self.pool = SourcePool(
             self.config.upstreams,
+            origins=[u for u in self.config.origins if u in self.config.upstreams],
             exploration=self.config.download.exploration,
             max_in_flight_per_source=self.config.download.max_in_flight_per_source,
             ban_s=self.config.upstream_ban_s,
+            max_candidates=self.config.download.max_candidates,
         )
+        self._latest_signed: int | None = None
+        self._origin_latest: int | None = None
+        self._origins_heard: set[str] = set()
+        self._held_tasks: dict[str, asyncio.Task[tuple[list[int], list[int]]]] = {}
+        self._bad_offers: OrderedDict[tuple[str, int], str] = OrderedDict()
         self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None
         self._syncs: dict[int, asyncio.Task[None]] = {}
@@ -100,11 +120,29 @@ class Relay:
         """Complete steps, ascending: the only steps this relay announces."""
         return self.store.held_steps()
 
-    def set_upstreams(self, urls: Iterable[str]) -> None:
-        """Replace the upstream list (kept upstreams keep their statistics and bans)."""
-        self.pool.set_urls(urls)
+    def set_upstreams(self, urls: Iterable[str], *, origins: Iterable[str] | None = None) -> None:
+        """Replace the upstream list (kept upstreams keep their statistics and bans).
+
+        Args:
+            urls: upstream base URLs; at most ``download.max_candidates`` non-origins are kept
+                (a random subset).
+            origins: which URLs are origins (always kept, reserved slots); default: those of
+                ``urls`` named in ``config.origins``. An origin not in ``urls`` is added.
+        """
+        urls = list(urls)
+        chosen = list(origins) if origins is not None else [u for u in self.config.origins if u in urls]
+        self.pool.set_urls(urls, origins=chosen)
         self._wake.set()
         logger.info("upstreams: %s", ", ".join(self.pool.urls) or "none (origin)")
+
+    def note_latest_step(self, step: int | None) -> None:
+        """The newest step a coordinator-signed message names (gossip announcement or record).
+
+        Steps that upstreams offer above the newest such step are ignored (``/held`` is unsigned).
+        """
+        if step is not None and (self._latest_signed is None or step > self._latest_signed):
+            self._latest_signed = step
+            self._wake.set()
 
     async def start(self) -> None:
         """Start the HTTP server and the follow loop."""
@@ -120,11 +158,12 @@ class Relay:
     async def stop(self) -> None:
         """Stop syncing and serving; safe to call more than once."""
         self._stopped.set()
-        tasks = [t for t in [self._loop_task, *self._syncs.values()] if t is not None]
+        tasks = [t for t in [self._loop_task, *self._syncs.values(), *self._held_tasks.values()] if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._syncs.clear()
+        self._held_tasks.clear()
         self._loop_task = None
         await self.server.stop()
         if self._session is not None:
@@ -157,45 +196,105 @@ class Relay:
                 self._syncs[step] = asyncio.create_task(self._sync(step), name=f"shardcast-sync-{step}")
         await self._prune()
 
+    async def _poll_held(self) -> tuple[dict[int, list[str]], list[int]]:
+        """Start a ``/held`` request per usable upstream that has none running; wait at most one
+        poll interval; return ``(offers: step → URLs, steps reported by origins)`` of those done."""
+        assert self._session is not None
+        cfg = self.config.download
+        for src in self.pool.usable():
+            if src.url not in self._held_tasks:
+                self._held_tasks[src.url] = asyncio.ensure_future(get_held(self._session, src.url, timeout_s=cfg.held_timeout_s, cfg=cfg))
+        if self._held_tasks:
+            await asyncio.wait(list(self._held_tasks.values()), timeout=max(self.config.poll_interval_s, 0.05))
+        offers: dict[int, list[str]] = {}
+        origin_steps: list[int] = []
+        for url, task in list(self._held_tasks.items()):
+            if not task.done():
+                continue
+            del self._held_tasks[url]
+            exc = task.exception()
+            src = self.pool.get(url)
+            if src is None:  # no longer an upstream
+                continue
+            if src.origin:
+                self._origins_heard.add(url)
+            if isinstance(exc, SourceError):
+                self.pool.record_failure(src, exc.reason)
+                continue
+            if exc is not None:
+                raise exc
+            for step in task.result()[1]:
+                offers.setdefault(step, []).append(url)
+            if src.origin and task.result()[1]:
+                origin_steps.extend(task.result()[1])
+                self._origin_latest = max(self._origin_latest or 0, task.result()[1][-1])
+        return offers, origin_steps
+
+    def _ceiling(self, origin_steps: list[int]) -> int | None:
+        """The newest step known to exist from signed sources: a coordinator-signed announcement,
+        an origin's report, the relay's own verified manifests (``None``: no announcement and no
+        origin known, so every offer is tried, within the per-upstream failure budget)."""
+        signed = [s for s in (self._latest_signed, self._origin_latest, max(origin_steps, default=None)) if s is not None]
+        if not signed:
+            return None
+        return max([*signed, *self.store.steps()[-1:]])
+
+    def _mark_bad_offer(self, url: str, step: int, reason: str) -> None:
+        self._bad_offers[(url, step)] = reason
+        self._bad_offers.move_to_end((url, step))
+        while len(self._bad_offers) > 4096:
+            self._bad_offers.popitem(last=False)
+
     async def _learn_upstream_steps(self) -> None:
         assert self._session is not None
         cfg = self.config.download
-        srcs = self.pool.usable()
-        answers = await asyncio.gather(*(get_held(self._session, s.url, timeout_s=cfg.manifest_timeout_s) for s in srcs), return_exceptions=True)
-        offers: dict[int, list[str]] = {}
-        for src, ans in zip(srcs, answers, strict=True):
-            if isinstance(ans, SourceError):
-                self.pool.record_failure(src, ans.reason)
-                continue
-            if isinstance(ans, BaseException):
-                raise ans
-            for step in ans[1]:
-                offers.setdefault(step, []).append(src.url)
+        offers, origin_steps = await self._poll_held()
+        ceiling = self._ceiling(origin_steps)
+        if ceiling is None and any(s.origin and s.url not in self._origins_heard for s in self.pool.states()):
+            # an origin has not answered yet: take only its offers until it did (or failed once)
+            origin_urls = {s.url for s in self.pool.origins()}
+            offers = {k: [u for u in v if u in origin_urls] for k, v in offers.items()}
+            offers = {k: v for k, v in offers.items() if v}
         known = set(self.store.steps())
         held = self.store.held_steps()
         floor = held[-self.store.keep_steps] if len(held) >= self.store.keep_steps else -1
-        newest = set(sorted(known | set(offers))[-self.store.keep_steps:])  # older ones would be pruned at once
-        wanted = sorted(s for s in offers if s not in known and s > floor and s in newest)
+        wanted = sorted((s for s in offers if s not in known and s > floor and (ceiling is None or s <= ceiling)), reverse=True)
+        failures: dict[str, int] = {}
         for step in wanted:
-            for url in offers[step]:
-                src = self.pool.get(url)
-                if src is None:
+            if sum(1 for k in known if k > step) >= self.store.keep_steps:
+                break  # older ones would be pruned at once
+            srcs = [s for s in (self.pool.get(u) for u in offers[step]) if s is not None]
+            srcs.sort(key=lambda s: (not s.origin, not s.proven))  # origins first, then relays that delivered
+            for src in srcs:
+                url = src.url
+                if (url, step) in self._bad_offers or failures.get(url, 0) >= self.store.keep_steps:
                     continue
                 try:
                     env = await get_manifest(
-                        self._session, url, step, run_id=self.store.run_id, authorities=self.store.authorities, timeout_s=cfg.manifest_timeout_s
+                        self._session, url, step, run_id=self.store.run_id, authorities=self.store.authorities,
+                        timeout_s=cfg.manifest_timeout_s, cfg=cfg,
                     )
                 except SourceError as e:
                     (self.pool.record_evidence if e.evidence else self.pool.record_failure)(src, e.reason)
+                    failures[url] = failures.get(url, 0) + 1
+                    if e.evidence:
+                        self._mark_bad_offer(url, step, e.reason)
                     continue
-                if env is None:
+                if env is None:  # offered a step it has no manifest of: not asked for it again
+                    failures[url] = failures.get(url, 0) + 1
+                    self._mark_bad_offer(url, step, "no manifest")
+                    self.pool.record_missing(src, f"offered step {step} without a manifest")
                     continue
-                await mirror_delta(self._session, self.pool, self.store, env, cfg)  # delta first: downstream sees both
+                # delta first (downstream sees both); asked only of this source and the origins, so
+                # silent relays in the pool cannot hold the step's manifest back
+                mirror_from = self.pool.view([url, *(o.url for o in self.pool.origins())])
+                await mirror_delta(self._session, mirror_from, self.store, env, cfg)
                 try:
                     await asyncio.to_thread(self.store.add_manifest, env.raw)
                 except ProtocolError as e:  # verified already; only a changed store could refuse
                     logger.warning("store refused manifest of step %d: %s", step, e)
                     continue
+                known.add(step)
                 break
 
     async def _sync(self, step: int) -> None:

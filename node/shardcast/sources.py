@@ -7,6 +7,19 @@ contradict the signed manifest). The choice is random with weights ``throughput 
 flight)``, so fast sources take most of the load without starving the others; with probability
 ``exploration`` it is uniform, so a source that was slow once is measured again. A source never
 measured is weighted as the best one measured (optimistic start).
+
+Hostile sources (issue #12: Sybil relay records, tarpits, relays that advertise what they cannot
+serve) are contained by four rules:
+
+* **Origins are reserved.** Sources named as origins (the run spec's / coordinator's URLs) are
+  always in the pool and have their own request slots (``max_in_flight_per_source`` each) that
+  relay candidates never take; the shared concurrency bound applies to relay candidates only.
+* **Bounded candidates.** At most ``max_candidates`` relay URLs (default 8) are kept, chosen at
+  random from what was offered (sticky: a kept candidate stays while it is offered and not banned).
+* **Probation.** A relay that has not yet delivered a verified piece gets one request at a time.
+* **Cool-down.** Transport failures (refused, timeout, no answer) and answers of "not held" (404)
+  for a piece it was asked for cool the source down with exponential back-off (bounded), so a
+  tarpit or a relay advertising a step it cannot serve is asked less and less, not once per piece.
 """
 
 from __future__ import annotations
@@ -22,6 +35,11 @@ logger = logging.getLogger(__name__)
 _EWMA_ALPHA = 0.3
 _MAX_COOLDOWN_S = 30.0
 _BASE_COOLDOWN_S = 0.25
+_MAX_MISS_COOLDOWN_S = 10.0
+_BASE_MISS_COOLDOWN_S = 0.5
+
+DEFAULT_MAX_CANDIDATES = 8
+"""Relay candidates kept per pool (origins come on top)."""
 
 
 @dataclass
@@ -38,9 +56,15 @@ class SourceState:
         faulty_reason: the first evidence against it, or ``None``.
         bytes_received: verified piece bytes received from it.
         pieces_ok: verified pieces received from it.
+        origin: an origin (reserved slots, never dropped from the pool, no probation).
+        consecutive_misses: "not held" (404) answers for pieces since its last success.
+        cooldowns: how many times it was cooled down (failures and misses).
+        last_failure: reason of its latest failure or miss, or ``None``.
+        evidence: every evidence reason recorded against it.
     """
 
     url: str
+    origin: bool = False
     throughput_bps: float | None = None
     in_flight: int = 0
     consecutive_failures: int = 0
@@ -49,7 +73,15 @@ class SourceState:
     faulty_reason: str | None = None
     bytes_received: int = 0
     pieces_ok: int = 0
+    consecutive_misses: int = 0
+    cooldowns: int = 0
+    last_failure: str | None = None
     evidence: list[str] = field(default_factory=list)
+
+    @property
+    def proven(self) -> bool:
+        """An origin, or a source that delivered at least one verified piece."""
+        return self.origin or self.pieces_ok > 0
 
 
 def normalise_url(url: str) -> str:
@@ -61,10 +93,12 @@ class SourcePool:
     """The sources of one fetch (or of a relay's upstream set, which can change at run time).
 
     Args:
-        urls: base URLs of the sources.
+        urls: base URLs of the sources (relay candidates; those also in ``origins`` are origins).
+        origins: base URLs of origins: always kept, with request slots of their own.
         exploration: probability of a uniform choice instead of a throughput-weighted one.
-        max_in_flight_per_source: most requests at once to one source.
+        max_in_flight_per_source: most requests at once to one proven source.
         ban_s: how long evidence bans a source, in seconds (``None``: for the pool's lifetime).
+        max_candidates: most relay candidates kept (a random subset of ``urls`` beyond that).
         rng: random generator (tests pass a seeded one).
     """
 
@@ -72,22 +106,58 @@ class SourcePool:
         self,
         urls: Iterable[str],
         *,
+        origins: Iterable[str] = (),
         exploration: float = 0.1,
         max_in_flight_per_source: int = 4,
         ban_s: float | None = None,
+        max_candidates: int = DEFAULT_MAX_CANDIDATES,
         rng: random.Random | None = None,
     ) -> None:
         self.exploration = exploration
         self.max_in_flight_per_source = max_in_flight_per_source
         self.ban_s = ban_s
+        self.max_candidates = max_candidates
         self._rng = rng or random.Random()
         self._sources: dict[str, SourceState] = {}
-        self.set_urls(urls)
+        self.offered = 0
+        """Relay candidates offered by the latest :meth:`set_urls` (before the subset was taken)."""
+        self.set_urls(urls, origins=origins)
 
-    def set_urls(self, urls: Iterable[str]) -> None:
-        """Replace the set of sources; sources kept keep their statistics and bans."""
-        wanted = list(dict.fromkeys(normalise_url(u) for u in urls if u))
-        self._sources = {u: self._sources.get(u) or SourceState(u) for u in wanted}
+    def set_urls(self, urls: Iterable[str], *, origins: Iterable[str] = ()) -> None:
+        """Replace the set of sources; sources kept keep their statistics, cool-downs and bans.
+
+        Origins are all kept. Of the other URLs at most ``max_candidates`` are kept: those already
+        in the pool and not banned first, the rest drawn at random (so Sybil records cannot choose
+        which relays a node asks, only add lottery tickets).
+        """
+        origin_urls = list(dict.fromkeys(normalise_url(u) for u in origins if u))
+        offered = [u for u in dict.fromkeys(normalise_url(u) for u in urls if u) if u not in origin_urls]
+        self.offered = len(offered)
+        now = time.monotonic()
+        old = self._sources
+        keep = [u for u in offered if u in old and not old[u].origin and old[u].banned_until <= now]
+        rest = [u for u in offered if u not in keep]
+        self._rng.shuffle(rest)
+        chosen = set((keep + rest)[: self.max_candidates])
+        picked = [u for u in offered if u in chosen]
+        sources: dict[str, SourceState] = {}
+        for u in origin_urls:
+            st = old.get(u) or SourceState(u)
+            st.origin = True
+            sources[u] = st
+        for u in picked:
+            st = old.get(u) or SourceState(u)
+            st.origin = False
+            sources[u] = st
+        self._sources = sources
+
+    def view(self, urls: Iterable[str]) -> SourcePool:
+        """A pool over some of these sources, in the order given, sharing their state (statistics,
+        cool-downs, bans, evidence): what is learnt through the view counts here too."""
+        v = SourcePool((), exploration=self.exploration, max_in_flight_per_source=self.max_in_flight_per_source,
+                       ban_s=self.ban_s, max_candidates=self.max_candidates, rng=self._rng)
+        v._sources = {u: self._sources[u] for u in dict.fromkeys(normalise_url(x) for x in urls) if u in self._sources}
+        return v
 
     @property
     def urls(self) -> list[str]:
@@ -113,11 +183,40 @@ class SourcePool:
         """Sources with evidence against them, with the first reason."""
         return {s.url: s.faulty_reason for s in self._sources.values() if s.faulty_reason is not None}
 
-    def choose(self, exclude: Iterable[str] = ()) -> SourceState | None:
-        """Pick a source for the next request, or ``None`` if none is usable and free now."""
+    def cooled(self) -> dict[str, str]:
+        """Sources that were cooled down at least once, with the latest reason."""
+        return {s.url: s.last_failure or "" for s in self._sources.values() if s.cooldowns > 0}
+
+    def origins(self) -> list[SourceState]:
+        """The origins of the pool."""
+        return [s for s in self._sources.values() if s.origin]
+
+    def capacity(self, src: SourceState) -> int:
+        """Most requests at once to ``src``: one while a relay is unproven (probation)."""
+        return self.max_in_flight_per_source if src.proven else 1
+
+    def next_ready_s(self, now: float | None = None) -> float | None:
+        """Seconds until the next cooling source is usable again (``None``: none is cooling)."""
+        now = time.monotonic() if now is None else now
+        waits = [s.cooldown_until - now for s in self._sources.values() if s.banned_until <= now and s.cooldown_until > now]
+        return max(0.0, min(waits)) if waits else None
+
+    def choose(
+        self, exclude: Iterable[str] = (), *, relays: bool = True, origins: bool = True, proven_only: bool = False
+    ) -> SourceState | None:
+        """Pick a source for the next request, or ``None`` if none is usable and free now.
+
+        Args:
+            exclude: URLs not to pick.
+            relays: whether relay candidates may be picked (the caller has a shared slot free).
+            origins: whether origins may be picked.
+            proven_only: pick only origins and relays that delivered a verified piece.
+        """
         excluded = set(exclude)
         cands = [
-            s for s in self.usable() if s.url not in excluded and s.in_flight < self.max_in_flight_per_source
+            s for s in self.usable()
+            if s.url not in excluded and s.in_flight < self.capacity(s) and (origins if s.origin else relays)
+            and (s.proven or not proven_only)
         ]
         if not cands:
             return None
@@ -133,6 +232,7 @@ class SourcePool:
         rate = nbytes / max(seconds, 1e-6)
         src.throughput_bps = rate if src.throughput_bps is None else (1 - _EWMA_ALPHA) * src.throughput_bps + _EWMA_ALPHA * rate
         src.consecutive_failures = 0
+        src.consecutive_misses = 0
         src.bytes_received += nbytes
         src.pieces_ok += 1
 
@@ -140,8 +240,24 @@ class SourcePool:
         """A transport failure (refused, reset, timeout, 5xx, truncated): cool the source down."""
         src.consecutive_failures += 1
         delay = min(_MAX_COOLDOWN_S, _BASE_COOLDOWN_S * 2 ** (src.consecutive_failures - 1))
-        src.cooldown_until = time.monotonic() + delay
+        src.cooldown_until = max(src.cooldown_until, time.monotonic() + delay)
+        src.cooldowns += 1
+        src.last_failure = reason
         logger.debug("source %s failed (%s); cooling down %.2f s", src.url, reason, delay)
+
+    def record_missing(self, src: SourceState, reason: str = "missing") -> None:
+        """``src`` answered "not held" for a piece of a step it offered: cool it down.
+
+        Back-off doubles per consecutive miss (0.5 s … 10 s), so a source advertising a manifest
+        whose pieces it cannot serve is soon asked rarely instead of once per piece, while an
+        honest relay still filling that step is asked again within seconds.
+        """
+        src.consecutive_misses += 1
+        delay = min(_MAX_MISS_COOLDOWN_S, _BASE_MISS_COOLDOWN_S * 2 ** (src.consecutive_misses - 1))
+        src.cooldown_until = max(src.cooldown_until, time.monotonic() + delay)
+        src.cooldowns += 1
+        src.last_failure = reason
+        logger.debug("source %s does not hold what it offered (%s); cooling down %.2f s", src.url, reason, delay)
 
     def record_evidence(self, src: SourceState, reason: str) -> None:
         """Proof that ``src`` served wrong content: ban it and remember why."""

@@ -80,9 +80,15 @@ def test_pick_upstreams_prefers_relays_holding_the_latest_step() -> None:
         table.update(rec(r, http_url=f"http://r{i}", held_steps=[6, 7] if i < 4 else [6]), 1)
     table.update(rec(me, http_url="http://me", held_steps=[7]), 1)
     chosen = pick_upstreams(table, own_peer_id=me.peer_id, own_url="http://me", fanout=3)
-    assert len(chosen) == 3 and "http://origin" not in chosen and "http://me" not in chosen and "http://r4" not in chosen
+    assert len(chosen) == 4 and chosen[-1] == "http://origin", "3 relays, and the origin always"
+    assert "http://me" not in chosen and "http://r4" not in chosen
     assert chosen == pick_upstreams(table, own_peer_id=me.peer_id, own_url="http://me", fanout=3)  # stable
     other = pick_upstreams(table, own_peer_id=NodeKey.generate().peer_id, fanout=4)  # another relay's view: "me" is a holder too
-    assert len(other) == 4 and set(other) <= {"http://r0", "http://r1", "http://r2", "http://r3", "http://me"}
-    # too few holders: the origin fills in
+    assert len(other) == 5 and set(other[:4]) <= {"http://r0", "http://r1", "http://r2", "http://r3", "http://me"}
+    # too few holders: the origin is still there
     assert pick_upstreams(table, own_peer_id=me.peer_id, own_url="http://me", fanout=6)[-1] == "http://origin"
+    # Sybil relays holding the step (many self-signed records) never push the origin out
+    for i in range(40):
+        table.update(rec(NodeKey.generate(), http_url=f"http://sybil{i}", held_steps=[7]), 1)
+    sybil_view = pick_upstreams(table, own_peer_id=me.peer_id, own_url="http://me", fanout=3)
+    assert len(sybil_view) == 4 and sybil_view[-1] == "http://origin"

@@ -1,0 +1,328 @@
+"""Issue #12 item 7 and the relay-manifest part of item 4: hostile Shardcast sources against a real
+origin, relays and fetch on 127.0.0.1.
+
+Attackers: self-signed relay records pointing at tarpits (accept TCP, never answer), a relay that
+serves the manifest but none of its pieces, a relay serving an 8 MiB "manifest", an upstream whose
+unsigned ``/held`` advertises steps near 2^40, and Sybil relays filling a relay's upstream slots.
+Every test waits for events (a fetch returning, a step held), never for time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import socket
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "node"))  # the Shardcast test fixtures live there
+
+from shardcast_fixtures import make_run, make_store, publish, serving, wait_until, write_checkpoint  # noqa: E402
+
+from node.errors import SourceError  # noqa: E402
+from node.policy import GossipSources  # noqa: E402
+from node.shardcast.client import fetch_checkpoint  # noqa: E402
+from node.shardcast.download import DownloadConfig, ManifestCache, get_manifest  # noqa: E402
+from node.shardcast.relay import Relay, RelayConfig  # noqa: E402
+from protocol.envelope import open_envelope, seal  # noqa: E402
+from protocol.identity import NodeKey  # noqa: E402
+from protocol.messages import NodeRecord  # noqa: E402
+from protocol.runspec import NetworkSpec, RunSpec  # noqa: E402
+from protocol.shardcast import ROUTE_PREFIX  # noqa: E402
+
+# Short socket timeouts keep the tests quick; they bound how long a tarpit holds a request.
+CFG = DownloadConfig(max_concurrency=6, connect_timeout_s=2.0, read_timeout_s=2.0, manifest_timeout_s=2.0, held_timeout_s=1.0,
+                     hedge_after_s=0.3, stall_timeout_s=60.0, deadline_s=120.0)
+
+
+class Tarpit:
+    """``n`` listening sockets that accept TCP, read what arrives, and never answer.
+
+    Attributes:
+        requests: request lines seen per port (``GET /shardcast/1/pieces/…``).
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.servers: list[asyncio.Server] = []
+        self.urls: list[str] = []
+        self.requests: dict[str, list[str]] = {}
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        for _ in range(self.n):
+            url_box: list[str] = []
+
+            async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, box: list[str] = url_box) -> None:
+                self._writers.append(writer)
+                with contextlib.suppress(Exception):
+                    while line := await reader.readline():
+                        if line.startswith(b"GET "):
+                            self.requests.setdefault(box[0], []).append(line.decode(errors="replace").split()[1])
+
+            srv = await asyncio.start_server(hold, "127.0.0.1", 0)
+            url_box.append(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
+            self.servers.append(srv)
+            self.urls.append(url_box[0])
+
+    async def stop(self) -> None:
+        for w in self._writers:
+            w.transport.abort()
+        for srv in self.servers:
+            srv.close()
+            await srv.wait_closed()
+
+    def asked_for_pieces(self) -> set[str]:
+        return {u for u, reqs in self.requests.items() if any("/pieces/" in r for r in reqs)}
+
+
+@contextlib.asynccontextmanager
+async def tarpits(n: int) -> AsyncIterator[Tarpit]:
+    t = Tarpit(n)
+    await t.start()
+    try:
+        yield t
+    finally:
+        await t.stop()
+
+
+class LyingRelay:
+    """A relay with its own routes: ``/held`` and manifests from ``store`` (or made up), pieces per ``mode``.
+
+    Modes: ``no_pieces`` (manifest served, every piece 404), ``huge_manifest`` (an endless chunked
+    "manifest" of zero bytes, ``manifest_bytes`` long), ``huge_steps`` (``/held`` offers
+    ``fake_steps``; their manifests 404; the store's real steps are offered and served too).
+
+    Attributes:
+        hits: requests per kind (``held``, ``manifest``, ``piece``).
+        manifest_bytes_sent: body bytes of manifest responses the server managed to write.
+    """
+
+    def __init__(self, store, mode: str, *, manifest_bytes: int = 8 << 20, fake_steps: list[int] | None = None) -> None:  # noqa: ANN001
+        self.store = store
+        self.mode = mode
+        self.manifest_bytes = manifest_bytes
+        self.fake_steps = fake_steps or []
+        self.hits: Counter[str] = Counter()
+        self.manifest_bytes_sent = 0
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get(f"{ROUTE_PREFIX}/held", self._held)
+        app.router.add_get(f"{ROUTE_PREFIX}/manifests/{{step}}", self._manifest)
+        app.router.add_get(f"{ROUTE_PREFIX}/pieces/{{pid}}", self._piece)
+        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
+        await self._runner.setup()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)  # bound what the kernel buffers ahead of the client
+        sock.bind(("127.0.0.1", 0))
+        await web.SockSite(self._runner, sock).start()
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _held(self, request: web.Request) -> web.Response:
+        self.hits["held"] += 1
+        steps = sorted(set(self.store.steps()) | set(self.fake_steps))
+        doc = {"run_id": "", "peer_id": "", "held_steps": steps, "steps": steps, "latest": steps[-1] if steps else None}
+        return web.Response(text=json.dumps(doc), content_type="application/json")
+
+    async def _manifest(self, request: web.Request) -> web.StreamResponse:
+        self.hits["manifest"] += 1
+        name = request.match_info["step"]
+        if self.mode == "huge_manifest":
+            resp = web.StreamResponse()  # chunked: no Content-Length to refuse it by
+            await resp.prepare(request)
+            chunk = b"\x00" * (64 << 10)
+            with contextlib.suppress(ConnectionError):
+                while self.manifest_bytes_sent < self.manifest_bytes:
+                    await resp.write(chunk)
+                    self.manifest_bytes_sent += len(chunk)
+                await resp.write_eof()
+            return resp
+        step = self.store.latest_step() if name == "latest" else int(name)
+        env = self.store.manifest(step) if step is not None else None
+        if env is None:
+            raise web.HTTPNotFound()
+        return web.Response(body=env.raw, headers={"ETag": f'"{env.id.hex()}"'})
+
+    async def _piece(self, request: web.Request) -> web.StreamResponse:
+        self.hits["piece"] += 1
+        if self.mode == "no_pieces":
+            raise web.HTTPNotFound()
+        path = self.store.piece_path(bytes.fromhex(request.match_info["pid"]))
+        if not path.is_file():
+            raise web.HTTPNotFound()
+        return web.FileResponse(path)
+
+
+@contextlib.asynccontextmanager
+async def lying_relay(store, mode: str, **kw) -> AsyncIterator[LyingRelay]:  # noqa: ANN001, ANN003
+    r = LyingRelay(store, mode, **kw)
+    await r.start()
+    try:
+        yield r
+    finally:
+        await r.stop()
+
+
+@pytest.fixture
+def origin(tmp_path):
+    run = make_run()
+    store = make_store(run, tmp_path / "origin")
+    ckpt = write_checkpoint(tmp_path / "model.safetensors", 2.0)
+    publish(run, store, ckpt, 1)
+    return run, store, ckpt
+
+
+def fake_relay_records(run, urls: list[str], step: int) -> list[NodeRecord]:  # noqa: ANN001
+    """Self-signed relay records (fresh keys, as a Sybil makes them), verified the way gossip does."""
+    out = []
+    for url in urls:
+        key = NodeKey.generate()
+        raw = seal(key, run.run_id, NodeRecord(peer_id=key.peer_id, role="relay", seq=1, version="x", http_url=url, held_steps=[step]))
+        out.append(open_envelope(raw, run_id=run.run_id, authorities=run.authorities, expect=NodeRecord).body)
+    return out
+
+
+async def test_twenty_tarpit_relay_records_cannot_break_a_fetch(origin, tmp_path):
+    """Item 7: 20 self-signed relay records pointing at tarpits; the fetch succeeds from the origin."""
+    run, store, ckpt = origin
+    from node.p2p.peers import PeerTable
+
+    async with serving(store) as o, tarpits(20) as pit:
+        spec = RunSpec.model_validate({**run.signed.spec.model_dump(), "network": NetworkSpec(origin_urls=[o.url]).model_dump()})
+        table = PeerTable(60.0, coordinator=run.key.peer_id)
+        for r in fake_relay_records(run, pit.urls, 1):
+            table.update(r, 1)
+        chooser = GossipSources(SimpleNamespace(peers=table), spec)
+        sources = chooser(1)
+        assert len(sources) == 21 and chooser.origins() == [o.url]
+        res = await fetch_checkpoint(sources, tmp_path / "out", run_id=run.run_id, authorities=run.authorities, step=1,
+                                     config=CFG, progress=False, origins=chooser.origins())
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == ckpt.read_bytes()
+    assert res.candidates_offered == 20
+    used = set(res.source_bytes) - {o.url}
+    assert 0 < len(used) <= CFG.max_candidates, "a bounded random subset of the relay records is used"
+    assert res.source_bytes[o.url] == res.bytes_downloaded and all(res.source_bytes[u] == 0 for u in used)
+    asked = pit.asked_for_pieces()
+    assert asked, "the tarpits were given pieces (and so had the chance to hold them)"
+    assert asked <= used and asked <= set(res.cooled_sources), "every tarpit that held a piece request was cooled down"
+    assert not res.faulty_sources, "silence is not evidence"
+
+
+async def test_tarpit_upstreams_cannot_stop_a_relay_that_keeps_its_origin(origin, tmp_path):
+    """Sybil relays (tarpits) offered as upstreams: the origin stays in the set and the step is filled."""
+    run, store, ckpt = origin
+    async with serving(store) as o, tarpits(20) as pit:
+        r = Relay(make_store(run, tmp_path / "relay"), RelayConfig(origins=(o.url,), poll_interval_s=0.05, download=CFG))
+        await r.start()
+        try:
+            r.set_upstreams([*pit.urls, o.url])
+            assert o.url in r.pool.urls and len(r.pool.urls) == CFG.max_candidates + 1
+            await wait_until(lambda: r.held_steps() == [1], timeout_s=60)
+        finally:
+            await r.stop()
+
+
+async def test_relay_with_manifest_but_no_pieces_is_cooled_down(origin, tmp_path):
+    """Item 7: a relay holding the manifest but none of its pieces, with the origin and alone with it."""
+    run, store, ckpt = origin
+    n_pieces = sum(len(f.pieces) for f in store.manifest(1).body.files)
+    async with serving(store) as o, lying_relay(store, "no_pieces") as liar:
+        res = await fetch_checkpoint([liar.url], tmp_path / "out", run_id=run.run_id, authorities=run.authorities, step=1,
+                                     config=CFG, progress=False, origins=[o.url])
+        assert (tmp_path / "out" / "model.safetensors").read_bytes() == ckpt.read_bytes()
+        assert liar.url in res.cooled_sources and res.source_bytes[liar.url] == 0
+        assert liar.hits["piece"] < n_pieces, "not asked once per piece: cooled down with back-off after its 404s"
+        # alone with a relay that only ever answers 404 for pieces and another that does too, the origin still serves
+        async with lying_relay(store, "no_pieces") as liar2:
+            res2 = await fetch_checkpoint([liar.url, liar2.url, o.url], tmp_path / "out2", run_id=run.run_id, authorities=run.authorities,
+                                          step=1, config=CFG, progress=False, origins=[o.url])
+        assert res2.source_bytes[o.url] == res2.bytes_downloaded
+        assert {liar.url, liar2.url} <= set(res2.cooled_sources)
+
+
+async def test_eight_mib_manifest_is_refused_with_a_bounded_read_and_not_polled_again(origin, tmp_path):
+    """Item 4 (relay part): an 8 MiB "manifest" is cut off at the cap, the relay is faulty, not asked again."""
+    run, store, ckpt = origin
+    cap = 1 << 20
+    cfg = dataclasses.replace(CFG, max_manifest_bytes=cap)
+    cache = ManifestCache()
+
+    def small_rcvbuf(addr_info):  # noqa: ANN001, ANN202 - so that what the server sent ≈ what the client read
+        family, type_, proto, _, _ = addr_info
+        sock = socket.socket(family, type_, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        return sock
+
+    async with serving(store) as o, lying_relay(store, "huge_manifest", manifest_bytes=8 << 20) as evil, aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, limit_per_host=6, socket_factory=small_rcvbuf), auto_decompress=False, read_bufsize=1 << 20
+    ) as s:
+        with pytest.raises(SourceError, match="exceeds the") as e:
+            await get_manifest(s, evil.url, 1, run_id=run.run_id, authorities=run.authorities, timeout_s=2.0, cfg=cfg, cache=cache)
+        assert e.value.evidence and e.value.reason == "oversized"
+        # bounded read: the server could write at most the cap plus the client's 2 MiB stream buffer
+        # and small socket buffers before the client hung up; never the whole 8 MiB
+        await wait_until(lambda: evil.manifest_bytes_sent > 0)
+        assert cap < evil.manifest_bytes_sent <= cap + (3 << 20)
+        assert cache.faulty_reason(evil.url, 1) == "oversized"
+        # polled again: not asked at all (for this step) ...
+        with pytest.raises(SourceError, match="not asked again"):
+            await get_manifest(s, evil.url, 1, run_id=run.run_id, authorities=run.authorities, timeout_s=2.0, cfg=cfg, cache=cache)
+        assert evil.hits["manifest"] == 1
+        # ... and a fetch that includes it never contacts it for the manifest, names it faulty and succeeds
+        res = await fetch_checkpoint([evil.url], tmp_path / "out", run_id=run.run_id, authorities=run.authorities, step=1,
+                                     config=cfg, progress=False, origins=[o.url], cache=cache)
+        assert (tmp_path / "out" / "model.safetensors").read_bytes() == ckpt.read_bytes()
+        assert evil.hits["manifest"] == 1 and evil.url in res.faulty_sources and res.source_bytes[evil.url] == 0
+        # a verified manifest is cached: polling the origin again does not decode it again
+        decoded = cache.decoded
+        for _ in range(3):
+            env = await get_manifest(s, o.url, None, run_id=run.run_id, authorities=run.authorities, timeout_s=2.0, cfg=cfg, cache=cache)
+            assert env is not None and env.body.step == 1
+        assert cache.decoded == decoded, "the step-1 manifest was verified during the fetch; polls reuse it"
+
+
+@pytest.mark.parametrize("signed_by", ["origin", "gossip", "nothing"])
+async def test_upstream_advertising_step_2_pow_40_cannot_stop_a_relay(origin, tmp_path, signed_by):
+    """Item 7: an upstream's unsigned /held offers steps near 2^40; the relay still syncs the real latest step.
+
+    ``origin``: the relay knows which upstream is the origin; ``gossip``: a coordinator-signed
+    announcement names the latest step; ``nothing``: neither (the per-upstream failure budget holds).
+    """
+    run, store, ckpt = origin
+    fake = [2**40 - i for i in range(1000 if signed_by == "nothing" else 3)]
+    empty = make_store(run, tmp_path / "empty")
+    async with serving(store) as o, lying_relay(empty, "huge_steps", fake_steps=fake) as liar:
+        cfg = RelayConfig(origins=(o.url,) if signed_by == "origin" else (), poll_interval_s=0.05, download=CFG)
+        r = Relay(make_store(run, tmp_path / "relay"), cfg)
+        await r.start()
+        try:
+            r.set_upstreams([liar.url, o.url])
+            if signed_by == "gossip":
+                r.note_latest_step(1)
+            await wait_until(lambda: r.held_steps() == [1], timeout_s=60)
+            publish(run, store, write_checkpoint(tmp_path / "s2.safetensors", 0.5, seed=2), 2)
+            if signed_by == "gossip":
+                r.note_latest_step(2)
+            await wait_until(lambda: 2 in r.held_steps(), timeout_s=60)
+        finally:
+            await r.stop()
+    if signed_by != "nothing":
+        assert liar.hits["manifest"] == 0, "steps above the signed latest are never even asked for"
+    else:
+        assert liar.hits["manifest"] <= len(fake), "each fake offer is asked at most once"
