@@ -50,10 +50,16 @@ class TransformersEngine(Engine):
         return int(self.model.config.vocab_size)
 
     def load_weights(self, model_dir: Path) -> None:
-        """Swap in the weights of ``model_dir`` in place (same architecture), safetensors only."""
+        """Swap in the weights of ``model_dir`` in place (same architecture), safetensors only.
+
+        The engine keeps computing in its own dtype: a bfloat16 checkpoint is cast up to the
+        model's float32 (``load_state_dict`` assigns tensors as they are), exactly as
+        :func:`protocol.models.load_model` loads it for validators.
+        """
+        dtype = next(self.model.parameters()).dtype
         state: dict[str, torch.Tensor] = {}
         for f in sorted(Path(model_dir).glob("*.safetensors")):
-            state.update(load_file(str(f), device=self.device))
+            state.update({k: v.to(dtype) for k, v in load_file(str(f), device=self.device).items()})
         with torch.no_grad():
             load_state_dict(self.model, state, strict=True)
         self.model.to(self.device).eval()

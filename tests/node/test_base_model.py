@@ -112,3 +112,17 @@ def test_published_checkpoint_keeps_the_base_format(base, tmp_path):
     # a float32 run writes float32 weights and says so
     save_policy(model, tmp_path / "f32", DistContext(), dtype=torch.float32, base_dir=base)
     assert json.loads((tmp_path / "f32" / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_engine_hot_swap_of_a_bf16_checkpoint_computes_in_float32(base):
+    """Workers swap weights in place; a bf16 checkpoint must not turn the engine's model bf16 (the
+    validator replays in float32, so any other dtype is a false sampling mismatch)."""
+    from node.engine.hf import TransformersEngine
+
+    engine = TransformersEngine.from_dir(base)
+    engine.load_weights(base)
+    assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
+    fresh = load_model(base)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(engine.model(input_ids=ids).logits, fresh(input_ids=ids).logits)
