@@ -1,0 +1,151 @@
+"""No ban on one noisy check (issue 12, item 9): benign reasons, contradicting verdicts, and bans
+only on a cheat reproduced by a second independent check, with the evidence in the ban record."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+from ingest_attack_helpers import COORD, RUN, SPEC, VALIDATOR, VALIDATOR2, honest_session, post, running_ingest, submission, verdict
+
+from protocol.envelope import open_envelope
+from protocol.identity import NodeKey
+from protocol.messages import BanList
+from protocol.verdicts import BENIGN_REASONS, CHEAT_REASONS, is_cheat
+from trainer.ingest.service import RecheckResult
+from validator.pipeline import _reward_mismatch_reason
+
+
+class Recheck:
+    """A stand-in for the coordinator's re-check that answers ``result`` and counts its calls."""
+
+    def __init__(self, accepted: bool, reason: str) -> None:
+        self.result = RecheckResult(accepted, reason, "rollout=0", COORD.peer_id)
+        self.calls = 0
+        self.done = threading.Event()
+
+    def __call__(self, raw: bytes) -> RecheckResult:
+        self.calls += 1
+        self.done.set()
+        return self.result
+
+
+async def wait_until(cond, timeout_s: float = 20.0, what: str = "condition") -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not cond():
+        assert loop.time() < end, f"{what} not reached within {timeout_s} s"
+        await asyncio.sleep(0.02)
+
+
+async def _stored(ing, worker: NodeKey, counter: int = 0) -> bytes:
+    sub = submission(worker, counter=counter)
+    async with honest_session(ing.url) as http:
+        status, _ = await post(http, "/ingest/1/submissions", sub)
+    assert status == 200
+    return sub
+
+
+async def test_benign_reasons_never_ban_nor_recheck(tmp_path: Path) -> None:
+    recheck = Recheck(False, "toploc")
+    async with running_ingest(tmp_path, recheck=recheck) as ing:
+        for i, reason in enumerate(sorted(BENIGN_REASONS)):
+            w = NodeKey.generate()
+            sub = await _stored(ing, w, i)
+            assert ing.service.apply_verdict(verdict(sub, False, reason)) is True
+            assert not ing.bans.is_banned(w.peer_id)
+        assert recheck.calls == 0 and ing.bans.entries() == []
+        assert list(ing.store.dir.glob("*.sub")) == []  # a benign rejection is final: files deleted
+
+
+async def test_contradicting_second_verdict_neither_applies_nor_bans(tmp_path: Path) -> None:
+    recheck = Recheck(False, "toploc")
+    w = NodeKey.generate()
+    async with running_ingest(tmp_path, recheck=recheck) as ing:
+        sub = await _stored(ing, w)
+        sid = open_envelope(sub, run_id=RUN).id.hex()
+        assert ing.service.apply_verdict(verdict(sub, True, "ok", key=VALIDATOR)) is True
+        assert ing.service.apply_verdict(verdict(sub, False, "toploc", key=VALIDATOR2)) is False
+        assert ing.store.get(sid).state == "accepted" and not ing.bans.is_banned(w.peer_id) and recheck.calls == 0
+
+
+async def test_one_cheat_verdict_not_reproduced_by_the_recheck_does_not_ban(tmp_path: Path) -> None:
+    recheck = Recheck(True, "ok")  # e.g. the validator's own wall clock was the problem
+    w = NodeKey.generate()
+    async with running_ingest(tmp_path, recheck=recheck) as ing:
+        sub = await _stored(ing, w)
+        assert ing.service.apply_verdict(verdict(sub, False, "reward", reported=1.0, recomputed=0.0)) is True
+        await wait_until(lambda: ing.service.rechecks["not_reproduced"] == 1, what="re-check done")
+        assert not ing.bans.is_banned(w.peer_id) and recheck.calls == 1
+        assert ing.store.get(open_envelope(sub, run_id=RUN).id.hex()).state == "rejected"  # still never trained on
+        await wait_until(lambda: not list(ing.store.dir.glob("*.sub")), what="file deleted")
+        # and the same validator saying it twice is not a second independent check
+        assert ing.service.apply_verdict(verdict(sub, False, "reward", key=VALIDATOR)) is False
+        assert not ing.bans.is_banned(w.peer_id)
+
+
+async def test_cheat_reproduced_by_the_coordinator_bans_with_evidence(tmp_path: Path) -> None:
+    recheck = Recheck(False, "toploc")
+    w, other = NodeKey.generate(), NodeKey.generate()
+    async with running_ingest(tmp_path, recheck=recheck) as ing, honest_session(ing.url) as http:
+        sub = await _stored(ing, w, 0)
+        later = await _stored(ing, w, 1)
+        honest = await _stored(ing, other, 0)
+        status, body = await post(http, "/ingest/1/verdicts", verdict(sub, False, "toploc", rollout=0, chunk=3))
+        assert (status, body) == (200, {"applied": True})
+        await wait_until(lambda: ing.gossiped, what="ban published")
+        env = open_envelope(ing.gossiped[-1], run_id=RUN, expect=BanList, authorities=SPEC.authorities)
+        (entry,) = env.body.entries
+        assert entry.peer_id == w.peer_id and entry.reason == "toploc" and entry.submission_id == open_envelope(sub, run_id=RUN).id
+        first, second = entry.evidence
+        assert (first.by, first.reason, second.by, second.reason) == (VALIDATOR.peer_id, "toploc", COORD.peer_id, "toploc")
+        assert first.verdict_id == entry.verdict_id and len(first.verdict_id) == 32 and "chunk=3" in first.detail
+        assert ing.store.get(open_envelope(later, run_id=RUN).id.hex()).state == "rejected"  # its pending work goes too
+        assert ing.store.get(open_envelope(honest, run_id=RUN).id.hex()).state == "pending"
+        async with http.get("/status") as r:
+            st = await r.json()
+        assert st["banned"][0]["evidence"] == [f"toploc by {VALIDATOR.peer_id}", f"toploc by {COORD.peer_id}"]
+        assert st["rechecks"]["reproduced"] == 1
+
+
+async def test_cheat_reproduced_by_a_second_validator_bans_without_a_recheck(tmp_path: Path) -> None:
+    w = NodeKey.generate()
+    async with running_ingest(tmp_path, recheck=None) as ing:
+        sub = await _stored(ing, w)
+        assert ing.service.apply_verdict(verdict(sub, False, "sampling", key=VALIDATOR)) is True
+        assert not ing.bans.is_banned(w.peer_id)  # one check is not enough
+        v2 = verdict(sub, False, "toploc", key=VALIDATOR2)
+        assert ing.service.apply_verdict(v2) is False  # not deciding, but it corroborates
+        (entry,) = ing.bans.entries()
+        assert entry.reason == "sampling"
+        assert [(e.by, e.reason) for e in entry.evidence] == [(VALIDATOR.peer_id, "sampling"), (VALIDATOR2.peer_id, "toploc")]
+        assert entry.evidence[1].verdict_id == open_envelope(v2, run_id=RUN, authorities=SPEC.authorities).id
+
+
+def test_reason_families_are_disjoint() -> None:
+    assert not CHEAT_REASONS & BENIGN_REASONS
+    assert {"reward_error", "limit_hit", "resources", "unknown_checkpoint", "timeout"} <= BENIGN_REASONS
+    assert is_cheat("reward") and not is_cheat("reward_error") and not is_cheat("limit_hit")
+
+
+@pytest.mark.parametrize(
+    ("task_type", "reported", "recomputed", "detail", "reason"),
+    [
+        # the validator's run of a code task hit a limit: the worker may be right (issue 12, item 9)
+        ("prime_rl_code", 1.0, 0.0, "wall limit of 15.0 s reached", "limit_hit"),
+        ("prime_rl_code", 1.0, 0.0, "total wall limit of 60.0 s reached at case 2", "limit_hit"),
+        ("prime_rl_code", 1.0, 0.0, "case 1: exit status -9: ", "limit_hit"),
+        ("prime_rl_code", 1.0, 0.0, "no result (exit status -24): ", "limit_hit"),
+        # the worker's run hit a limit: it scored 0 what passes here
+        ("prime_rl_code", 0.0, 1.0, "3/3 tests passed; ", "limit_hit"),
+        # an inflated reward with no limit in sight, even when the program's own output says "limit"
+        ("prime_rl_code", 1.0, 0.0, "0/3 tests passed; wall limit of 15 s reached", "reward"),
+        ("prime_rl_code", 1.0, 0.0, "case 0: wrong output", "reward"),
+        ("verifiable_math", 1.0, 0.0, "math_verify 'wall limit of ' ≠ '3'", "reward"),
+        ("verifiable_math", 0.0, 1.0, "number '3' = '3'", "reward"),
+    ],
+)
+def test_reward_mismatch_reasons(task_type: str, reported: float, recomputed: float, detail: str, reason: str) -> None:
+    assert _reward_mismatch_reason(task_type, reported, recomputed, detail) == reason

@@ -1,0 +1,115 @@
+"""Decoders that cannot amplify (issue 12, item 4) and key files (item 10)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from ingest_attack_helpers import RUN, SPEC, VALIDATOR, forge, submission
+
+from node.p2p.gossip import BAN_GOSSIP_MAX_BYTES, TOPIC_RULES
+from protocol import encoding
+from protocol.envelope import DOMAIN, open_envelope
+from protocol.errors import DecodeError, KeyFileError, SchemaError, SignatureError
+from protocol.identity import NodeKey
+from protocol.messages import BODY_LIMITS, MESSAGE_TYPES, Submission, decode_limits
+
+
+def _resign_without(data: bytes) -> bytes:
+    """``data`` with its signature bits flipped (a forgery)."""
+    import msgpack
+
+    obj = msgpack.unpackb(data, raw=False)
+    obj["sig"] = bytes(b ^ 0xFF for b in obj["sig"])
+    return encoding.packb(obj)
+
+
+def test_body_of_a_forged_envelope_is_never_decoded() -> None:
+    # 380 KiB of empty maps inside an envelope whose signature is wrong: refused at the signature,
+    # after one C pass that skips the body (its 380k maps are never built)
+    w = NodeKey.generate()
+    bomb = forge(w, "submission/1", {"rollouts": [{}] * 380_000})
+    bad = _resign_without(bomb)
+    with pytest.raises(SignatureError):
+        open_envelope(bad, run_id=RUN, expect=Submission)
+
+
+def test_signed_bodies_are_decoded_under_their_schema_limits() -> None:
+    w = NodeKey.generate()
+    over_array = forge(w, "submission/1", {"rollouts": [{}] * 70_000, "worker": w.peer_id})
+    with pytest.raises(DecodeError, match="max_array_len"):
+        open_envelope(over_array, run_id=RUN, expect=Submission)
+    # a lease request body has no containers at all, a verdict no arrays
+    for tag, body in (("lease_request/1", {"limit": [1, 2]}), ("verdict/1", {"evidence": {"x": [1]}})):
+        with pytest.raises(DecodeError, match="max_array_len"):
+            open_envelope(forge(VALIDATOR, tag, body), run_id=RUN, authorities=SPEC.authorities)
+    # nesting deeper than the schema's
+    deep: object = {}
+    for _ in range(8):
+        deep = {"a": deep}
+    with pytest.raises(DecodeError, match="nested deeper than 4"):
+        open_envelope(forge(w, "submission/1", {"tasks": deep}), run_id=RUN)
+    # a huge str where the schema allows 256 characters
+    with pytest.raises(DecodeError, match="max_str_len"):
+        open_envelope(forge(w, "submission/1", {"worker": "x" * 100_000}), run_id=RUN)
+
+
+def test_limits_come_from_the_schema_not_the_size() -> None:
+    sub = BODY_LIMITS["submission/1"]
+    assert sub.max_array_len == 1 << 16 and sub.max_bin_len == 4 << 20 and sub.max_depth == 4
+    assert BODY_LIMITS["lease_request/1"].max_array_len == 0 and BODY_LIMITS["lease_request/1"].max_bin_len == 0
+    for tag, cls in MESSAGE_TYPES.items():
+        lim = decode_limits(cls)
+        assert lim.max_array_len < cls.MAX_BYTES and lim.max_map_len <= 128, tag
+
+
+def test_outer_fields_must_be_canonical_and_tight() -> None:
+    good = submission(NodeKey.generate())
+    open_envelope(good, run_id=RUN)
+    # the same map with the "v" key as str8 instead of fixstr: not canonical
+    i = good.index(b"\xa1v")
+    with pytest.raises(DecodeError, match="canonical"):
+        open_envelope(good[:i] + b"\xd9\x01v" + good[i + 2:], run_id=RUN)
+    with pytest.raises(DecodeError, match="trailing"):
+        open_envelope(good + b"\x00", run_id=RUN)
+    with pytest.raises(DecodeError):
+        open_envelope(good[:-1], run_id=RUN)
+    # an over-long outer field (a 1 MiB "type") fails in the decoder's 64-byte limit
+    obj = encoding.unpackb(good, 1 << 26)
+    obj["type"] = "x" * (1 << 20)
+    with pytest.raises(DecodeError, match="max_str_len"):
+        open_envelope(encoding.packb(obj), run_id=RUN)
+
+
+def test_signature_covers_exactly_the_canonical_unsigned_map() -> None:
+    good = submission(NodeKey.generate())
+    obj = encoding.unpackb(good, 1 << 26)
+    unsigned = {k: v for k, v in obj.items() if k != "sig"}
+    env = open_envelope(good, run_id=RUN)
+    # the signed bytes the decoder cut out of the raw bytes are the canonical unsigned map
+    from protocol.identity import verify_signature
+
+    verify_signature(env.signer, obj["sig"], DOMAIN + encoding.packb(unsigned))
+    with pytest.raises(SchemaError, match="unknown field"):
+        open_envelope(encoding.packb({**obj, "zz": 1}), run_id=RUN)
+
+
+def test_gossip_topics_have_per_type_caps() -> None:
+    assert TOPIC_RULES["bans"].max_bytes == BAN_GOSSIP_MAX_BYTES == 128 << 10
+    assert TOPIC_RULES["verdicts"].max_bytes == MESSAGE_TYPES["verdict/1"].MAX_BYTES
+    assert TOPIC_RULES["nodes"].max_bytes == 8 << 10
+
+
+def test_key_file_readable_by_others_is_refused(tmp_path: Path) -> None:
+    key = NodeKey.generate()
+    path = tmp_path / "node.key"
+    key.save(path)
+    assert NodeKey.load(path).peer_id == key.peer_id
+    for mode in (0o644, 0o640, 0o604, 0o700):
+        os.chmod(path, mode)
+        with pytest.raises(KeyFileError, match=rf"mode {mode:04o}, must be 0600.*chmod 600 {path}") as e:
+            NodeKey.load(path)
+        assert "\n" not in str(e.value)
+    os.chmod(path, 0o600)
+    assert NodeKey.load(path).peer_id == key.peer_id
