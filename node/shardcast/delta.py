@@ -36,7 +36,7 @@ import aiohttp
 
 from node.errors import FetchError, ShardcastError, SourceError, StoreError
 from node.shardcast.client import fetch_checkpoint, resolve_manifest
-from node.shardcast.download import DownloadConfig, PieceDownloader, make_session
+from node.shardcast.download import DownloadConfig, ManifestCache, PieceDownloader, make_session
 from node.shardcast.sources import SourcePool
 from node.shardcast.store import ShardcastStore
 from protocol.content import hex_id
@@ -237,8 +237,11 @@ async def get_delta_manifest(
 
 async def _ask_delta(session: aiohttp.ClientSession, pool: SourcePool, step: int, run_id: bytes, authorities: Authorities,
                      cfg: DownloadConfig) -> Envelope[DeltaManifest] | None:
-    """The delta into ``step`` from the first usable source that has a valid one (evidence recorded)."""
-    for src in pool.usable():
+    """The delta into ``step`` from the first usable source that has a valid one (evidence recorded).
+
+    Origins first, then relays that delivered, so silent relay candidates are asked last.
+    """
+    for src in sorted(pool.usable(), key=lambda s: (not s.origin, not s.proven)):
         try:
             env = await get_delta_manifest(session, src.url, step, run_id=run_id, authorities=authorities, timeout_s=cfg.manifest_timeout_s)
         except SourceError as e:
@@ -455,6 +458,8 @@ async def fetch_step(
     config: DownloadConfig | None = None,
     session: aiohttp.ClientSession | None = None,
     full_fallback: bool = True,
+    origins: Sequence[str] = (),
+    cache: ManifestCache | None = None,
 ) -> StepFetchResult:
     """Hold checkpoint ``step`` in ``out_dir``: through deltas from ``held_dir`` when possible, else in full.
 
@@ -469,6 +474,8 @@ async def fetch_step(
         config: limits and timeouts.
         session: an HTTP session to reuse.
         full_fallback: fetch the full checkpoint when the delta path is refused (else raise).
+        origins: origin URLs: always asked, on reserved slots (see :func:`fetch_checkpoint`).
+        cache: verified manifests and sources known to serve bad ones, kept across calls.
 
     Returns:
         :class:`StepFetchResult`; ``via`` says which path was taken and ``fallback_reason`` why.
@@ -480,14 +487,15 @@ async def fetch_step(
     cfg = config or DownloadConfig()
     out_dir = Path(out_dir)
     t0 = time.monotonic()
-    pool = SourcePool(sources, exploration=cfg.exploration, max_in_flight_per_source=cfg.max_in_flight_per_source)
+    pool = SourcePool(sources, origins=origins, exploration=cfg.exploration, max_in_flight_per_source=cfg.max_in_flight_per_source,
+                      max_candidates=cfg.max_candidates)
     if not pool.urls:
         raise FetchError("no sources given")
     sess = session or make_session(cfg)
     made: list[Path] = []
     downloaded = resumed = 0
     try:
-        target = await resolve_manifest(sess, pool, step, run_id=run_id, authorities=authorities, cfg=cfg)
+        target = await resolve_manifest(sess, pool, step, run_id=run_id, authorities=authorities, cfg=cfg, cache=cache)
         files = [out_dir / f.name for f in target.body.files]
         held = await asyncio.to_thread(read_held, held_dir, run_id, authorities) if held_dir is not None else None
         reason = ""
@@ -520,7 +528,7 @@ async def fetch_step(
                             len(chain), downloaded, time.monotonic() - t0, extra={"step": target.body.step})
                 return StepFetchResult(target.body.step, target, out_dir, files, "delta", applied, downloaded, resumed,
                                        time.monotonic() - t0, pool.faulty())
-            except (DeltaUnavailable, FetchError, ProtocolError, StoreError) as e:
+            except (DeltaUnavailable, FetchError, ProtocolError, StoreError, OSError) as e:  # OSError: e.g. the held base vanished
                 reason = str(e)
                 logger.warning("delta path to step %d refused (%s); fetching the full checkpoint", target.body.step, reason,
                                extra={"step": target.body.step})
@@ -529,7 +537,7 @@ async def fetch_step(
         faulty = pool.faulty()
         full_sources = [u for u in pool.urls if u not in faulty] or pool.urls
         full = await fetch_checkpoint(full_sources, out_dir, run_id=run_id, authorities=authorities, step=target.body.step, config=cfg,
-                                      progress=False, session=sess)
+                                      progress=False, session=sess, origins=origins, cache=cache)
         return StepFetchResult(full.step, full.manifest, out_dir, full.files, "full", [], downloaded + full.bytes_downloaded, resumed,
                                time.monotonic() - t0, {**faulty, **full.faulty_sources}, reason)
     finally:
