@@ -47,6 +47,7 @@ def render(dn: Devnet) -> Any:
     peers = ", ".join(f"{k}: {v}" for k, v in sorted((st.get("peers_by_role") or {}).items())) or "-"
     bcast = ", ".join(f"{k}: {v:.2f}s" for k, v in (st.get("broadcast_s") or {}).items()) or "-"
     info = Table.grid(padding=(0, 2))
+    info.add_row("[b]run page[/b]", f"{dn.coord_url}/")
     info.add_row("[b]gossip peers[/b]", peers)
     info.add_row("[b]verdicts[/b]", verdicts)
     info.add_row("[b]banned[/b]", bans)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
 from collections.abc import Callable
 from importlib import resources
 from typing import Any
@@ -18,7 +17,8 @@ from aiohttp import web
 
 from trainer.ingest.limits import RateLimiter
 
-ASSETS = {"style.css": "text/css", "common.js": "text/javascript", "run.js": "text/javascript", "node.js": "text/javascript"}
+ASSETS = {"style.css": "text/css", "common.js": "text/javascript", "run.js": "text/javascript", "node.js": "text/javascript",
+          "icon.svg": "image/svg+xml"}
 """Files under ``/web/<name>`` and their content types."""
 PAGES = ("run.html", "node.html")
 PAGE_REQUESTS_PER_S = 5.0
@@ -84,8 +84,12 @@ def add_page_routes(app: web.Application, page: str, limiter: PageLimiter | None
             raise web.HTTPNotFound(text=f"no asset {name[:64]!r}")
         return web.Response(body=files[name], content_type=ASSETS[name], charset="utf-8", headers=SECURITY_HEADERS)
 
+    async def no_favicon(request: web.Request) -> web.Response:
+        raise web.HTTPMovedPermanently("/web/icon.svg")
+
     app.router.add_get("/", index)
     app.router.add_get("/web/{name}", asset)
+    app.router.add_get("/favicon.ico", no_favicon)
     return limiter
 
 
@@ -122,7 +126,3 @@ class RecentErrors(logging.Handler):
         root = logging.getLogger()
         root.addHandler(self)
         return lambda: root.removeHandler(self)
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
