@@ -10,8 +10,6 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from node.web.assets import RecentErrors, add_page_routes
-
 from node.http_server import start_site
 from node.web.assets import RecentErrors, add_page_routes
 
