@@ -3,21 +3,25 @@
 * ``compute.py`` — :func:`compute_reward`, the entry point: task reward by type, then the
   length penalty.
 * ``math.py`` — ``verifiable_math``: final answer after ``</think>``, last ``\\boxed{}`` (GSM8K
-  number fallback), ``math-verify``.
+  number fallback), structural pre-checks, ``math-verify``.
+* ``verifier.py`` / ``_math_worker.py`` — killable math-verify processes (wall and memory limits).
 * ``code.py`` — ``prime_rl_code``: last fenced block, run against all tests.
-* ``sandbox.py`` / ``_sandbox_child.py`` — the child process that runs untrusted programs.
+* ``sandbox.py`` / ``_sandbox_child.py`` — the bubblewrap sandbox and the harness inside it
+  (``sandbox_status()`` is the cheap availability check).
+* ``asserts.py`` — assert tests split into sandbox-evaluated operands and parent-side checks.
 * ``length.py`` — r = r_task − λ·|len − target| (INTELLECT-2, λ = 0.0003).
-* ``base.py`` — :class:`RewardError`, :class:`RewardLimits`, :class:`SandboxLimits`,
-  :class:`RewardResult`.
+* ``base.py`` — :class:`RewardError`, :class:`RewardLimitExceeded`, :class:`RewardLimits`,
+  :class:`SandboxLimits`, :class:`RewardResult`.
 """
 
-from protocol.rewards.base import RewardError, RewardLimits, RewardResult, SandboxLimits
+from protocol.rewards.base import RewardError, RewardLimitExceeded, RewardLimits, RewardResult, SandboxLimits
 from protocol.rewards.compute import compute_reward
 from protocol.rewards.length import INTELLECT2_LENGTH_PENALTY_LAMBDA, length_penalty
 
 __all__ = [
     "INTELLECT2_LENGTH_PENALTY_LAMBDA",
     "RewardError",
+    "RewardLimitExceeded",
     "RewardLimits",
     "RewardResult",
     "SandboxLimits",

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from protocol.errors import ProtocolError
 
-__all__ = ["RewardError", "RewardLimits", "RewardResult", "SandboxLimits"]
+__all__ = ["LIMIT_KINDS", "RewardError", "RewardLimitExceeded", "RewardLimits", "RewardResult", "SandboxLimits"]
 
 GIB = 1024**3
 MIB = 1024**2
@@ -14,8 +14,28 @@ MIB = 1024**2
 
 class RewardError(ProtocolError):
     """A reward that cannot be computed because its *inputs* are unusable (a task of an unknown
-    type, negative lengths, a sandbox that cannot start). A wrong or malformed completion is
-    never an error: it scores 0."""
+    type, negative lengths) or the scoring machinery is missing (no bubblewrap, a sandbox that
+    cannot start). A wrong or malformed completion is never an error: it scores 0."""
+
+
+LIMIT_KINDS = ("wall", "cpu", "memory", "output")
+"""Resource limits a reward computation can hit (see :attr:`RewardResult.limit_hit`)."""
+
+
+class RewardLimitExceeded(RewardError):
+    """Scoring hit a resource limit (``kind`` in :data:`LIMIT_KINDS`) before the completion's
+    reward was known for sure. Raised by :meth:`RewardResult.raise_if_limited`, never by
+    :func:`~protocol.rewards.compute_reward` itself (which returns the 0 reward and sets
+    ``limit_hit``). Wall and CPU limits depend on the scoring machine's load, so a verdict based
+    on one is not evidence against the worker.
+
+    Attributes:
+        kind: which limit, one of :data:`LIMIT_KINDS`.
+    """
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"reward limit {kind!r} hit: {detail}")
+        self.kind = kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,21 +44,30 @@ class SandboxLimits:
 
     Attributes:
         cpu_time_s: CPU seconds per child process (RLIMIT_CPU; SIGXCPU, then SIGKILL 1 s later).
-        wall_time_s: wall-clock seconds per child process; on expiry its process group is killed.
+        wall_time_s: wall-clock seconds per sandbox run; on expiry the sandbox's whole pid
+            namespace is killed.
         total_wall_time_s: wall-clock seconds for all child processes of one completion (stdin/
             stdout tasks start one per test case); once spent, the remaining cases fail.
-        memory_bytes: address-space limit per child (RLIMIT_AS), in bytes.
-        output_bytes: largest file the child may write, its stdout and stderr included
-            (RLIMIT_FSIZE), in bytes; a child that writes more is killed (SIGXFSZ).
-        tmp_root: folder under which each child's temporary working folder is made; ``None``
-            for the system default (``tempfile.gettempdir()``).
+        memory_bytes: address-space limit per process (RLIMIT_AS), in bytes. Without cgroups the
+            sandbox's total is at most ``processes × memory_bytes + tmpfs_bytes``.
+        output_bytes: largest file a sandboxed process may write, its stdout and stderr included
+            (RLIMIT_FSIZE), in bytes; a process that writes more is killed (SIGXFSZ).
+        processes: processes and threads the sandbox's user may run at once (RLIMIT_NPROC,
+            counted in the sandbox's own user namespace).
+        open_files: open file descriptors per process (RLIMIT_NOFILE).
+        tmpfs_bytes: size of the sandbox's private tmpfs working folder ``/tmp``, in bytes.
+        tmp_root: unused since the sandbox's folder is a tmpfs inside it; kept so existing
+            configurations still load.
     """
 
     cpu_time_s: int = 10
     wall_time_s: float = 15.0
     total_wall_time_s: float = 60.0
-    memory_bytes: int = 2 * GIB
+    memory_bytes: int = 1 * GIB
     output_bytes: int = 16 * MIB
+    processes: int = 8
+    open_files: int = 64
+    tmpfs_bytes: int = 64 * MIB
     tmp_root: str | None = None
 
     def __post_init__(self) -> None:
@@ -46,6 +75,8 @@ class SandboxLimits:
             raise RewardError("sandbox time limits must be positive (cpu_time_s ≥ 1 s)")
         if self.memory_bytes < 64 * MIB or self.output_bytes < 1024:
             raise RewardError("sandbox needs memory_bytes ≥ 64 MiB and output_bytes ≥ 1 KiB")
+        if not (1 <= self.processes <= 4096 and 16 <= self.open_files <= 65536 and self.tmpfs_bytes >= MIB):
+            raise RewardError("sandbox needs 1–4096 processes, 16–65536 open files and tmpfs_bytes ≥ 1 MiB")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,14 +84,16 @@ class RewardLimits:
     """Resource bounds of reward computation.
 
     Attributes:
-        math_timeout_s: seconds for each ``math_verify`` parse and comparison; only enforced on
-            the main thread (``signal.alarm``), see :func:`protocol.rewards.math.math_reward`.
+        math_timeout_s: wall seconds for one ``math_verify`` check (parse both sides and
+            compare) in a verifier process, which is killed and replaced when it runs over.
+        math_memory_bytes: address-space limit of each verifier process (RLIMIT_AS), in bytes.
         max_answer_chars: longest extracted math answer that is parsed at all; longer answers
-            score 0 (bounds sympy's time where no alarm is available).
+            score 0 before any parsing.
         sandbox: limits of the code sandbox.
     """
 
     math_timeout_s: int = 5
+    math_memory_bytes: int = 1 * GIB
     max_answer_chars: int = 1000
     sandbox: SandboxLimits = field(default_factory=SandboxLimits)
 
@@ -73,8 +106,22 @@ class RewardResult:
         task_reward: r_task, 1.0 for a correct answer or all tests passing, else 0.0.
         reward: r_task − λ·|length − target| (just r_task without a target length).
         detail: a short human-readable reason (for logs and verdicts; not compared).
+        limit_hit: ``None`` when the reward is the completion's own; otherwise the resource
+            limit (one of :data:`LIMIT_KINDS`) that stopped scoring before a test failed, so the
+            0 reward may be this machine's (load, memory) rather than the completion's. A
+            completion can hit a limit on purpose (an endless loop), so a limit is never a pass.
     """
 
     task_reward: float
     reward: float
     detail: str
+    limit_hit: str | None = None
+
+    def raise_if_limited(self) -> None:
+        """Raise :class:`RewardLimitExceeded` when scoring hit a limit.
+
+        Raises:
+            RewardLimitExceeded: if ``limit_hit`` is set.
+        """
+        if self.limit_hit is not None:
+            raise RewardLimitExceeded(self.limit_hit, self.detail)

@@ -10,10 +10,15 @@ else 0.0; the first failing test stops the run.
   blank lines, or, failing that, when the whitespace-separated tokens are equal or all numeric
   and within rel 1e-5 / abs 1e-8 (the APPS checker's tolerance).
 * call-based tests: one child; ``fn_name`` (or ``Solution().fn_name``) is called with each
-  argument list; its result, after a JSON round trip (tuples become lists), must equal the
-  expected value, or its single element when the expected value is a one-element list (APPS).
+  argument list and prints its result; here, after a JSON round trip (tuples become lists), it
+  must equal the expected value, or its single element when the expected value is a
+  one-element list (APPS). Expected outputs never enter the sandbox.
 * assert-based tests (HumanEval, MBPP): one child; prelude, program, setup code, then every
-  snippet; each must run without raising.
+  snippet, each ``assert`` rewritten so that the child prints its operands and this process
+  compares them (:mod:`protocol.rewards.asserts`); every assert must be reached and hold.
+
+A run stopped by a resource limit before any test failed scores 0 with ``limit_hit`` set, so
+that callers can tell "the program failed" from "this machine's limit was hit".
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ import math
 import re
 import time
 
+from protocol.rewards.asserts import judge_assert_records, judge_call_records, plan_asserts
 from protocol.rewards.base import SandboxLimits
 from protocol.rewards.math import answer_region
-from protocol.rewards.sandbox import run_python
+from protocol.rewards.sandbox import RECORDS_MAX_BYTES, require_sandbox, run_python
 from protocol.tasks import CodeTests
 
 logger = logging.getLogger(__name__)
@@ -71,8 +77,11 @@ def stdout_matches(actual: str, expected: str) -> bool:
     return all(math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-8) for x, y in pairs)
 
 
-def code_reward(completion: str, tests: CodeTests, limits: SandboxLimits) -> tuple[float, str]:
+def code_reward(completion: str, tests: CodeTests, limits: SandboxLimits) -> tuple[float, str, str | None]:
     """Score a code completion by running its program against all tests.
+
+    The sandbox only runs the program and reports raw outputs; expected outputs stay here and
+    are compared here (see :mod:`protocol.rewards.asserts`).
 
     Args:
         completion: the generated text.
@@ -80,46 +89,50 @@ def code_reward(completion: str, tests: CodeTests, limits: SandboxLimits) -> tup
         limits: sandbox limits (per process and in total, in seconds and bytes).
 
     Returns:
-        ``(1.0 or 0.0, detail)``.
+        ``(1.0 or 0.0, detail, limit_hit)``: ``limit_hit`` names the resource limit (``"wall"``,
+        ``"cpu"``, ``"memory"``, ``"output"``) that stopped the run before any test failed, else
+        ``None``.
 
     Raises:
-        RewardError: if the sandbox cannot start.
+        RewardError: if the sandbox is unavailable (the message says what to install) or the
+            task's tests do not parse.
     """
     code = extract_code(completion)
     if code is None:
-        return 0.0, "no complete ```python code block"
+        return 0.0, "no complete ```python code block", None
+    require_sandbox()
     if tests.kind == "stdio":
         return _run_stdio(code, tests, limits)
     if tests.kind == "call":
-        payload = {"inputs": list(tests.inputs), "outputs": list(tests.outputs), "fn_name": tests.fn_name}
+        run = run_python("call", code, {"inputs": list(tests.inputs), "fn_name": tests.fn_name}, limits)
+        verdict, detail = judge_call_records(list(tests.outputs), run.records)
     else:
-        payload = {
-            "assert_tests": list(tests.assert_tests),
-            "setup_code": tests.setup_code,
-            "prelude": tests.prelude,
-        }
-    run = run_python(tests.kind, code, payload, limits)
-    if run.timed_out:
-        return 0.0, f"wall limit of {limits.wall_time_s} s reached"
-    if run.result is None:
-        return 0.0, f"no result (exit status {run.exit_code}): {run.stderr[-300:]}"
-    passed, total = run.result.get("passed"), run.result.get("total")
-    if passed == total == tests.n_cases and not run.result.get("error"):
-        return 1.0, f"all {total} tests passed"
-    return 0.0, f"{passed}/{tests.n_cases} tests passed; {run.result.get('error', '')}"
+        plan = plan_asserts(tests.assert_tests, tests.setup_code, tests.prelude)
+        payload = {"prelude": plan.prelude, "setup_code": plan.setup_code, "snippets": list(plan.snippets)}
+        run = run_python("assert", code, payload, limits)
+        verdict, detail = judge_assert_records(plan, run.records)
+    if verdict == "fail":  # a check failed before any limit: the program's own failure
+        return 0.0, detail, None
+    if run.records_truncated:
+        return 0.0, f"more than {RECORDS_MAX_BYTES} bytes of test records", "output"
+    if run.limit_hit is not None:
+        return 0.0, f"{run.limit_hit} limit reached ({detail})", run.limit_hit
+    if verdict == "pass" and run.exit_code == 0:
+        return 1.0, detail, None
+    return 0.0, f"{detail}; exit status {run.exit_code}: {run.stderr[-200:]}", None
 
 
-def _run_stdio(code: str, tests: CodeTests, limits: SandboxLimits) -> tuple[float, str]:
+def _run_stdio(code: str, tests: CodeTests, limits: SandboxLimits) -> tuple[float, str, str | None]:
     deadline = time.monotonic() + limits.total_wall_time_s
     for i, (stdin_text, expected) in enumerate(zip(tests.inputs, tests.outputs)):
         left = deadline - time.monotonic()
         if left <= 0:
-            return 0.0, f"total wall limit of {limits.total_wall_time_s} s reached at case {i}"
+            return 0.0, f"total wall limit of {limits.total_wall_time_s} s reached at case {i}", "wall"
         run = run_python("stdio", code, {}, limits, stdin_text=stdin_text, wall_time_s=left)
-        if run.timed_out:
-            return 0.0, f"case {i}: wall limit reached"
+        if run.limit_hit is not None:
+            return 0.0, f"case {i}: {run.limit_hit} limit reached", run.limit_hit
         if run.exit_code != 0:
-            return 0.0, f"case {i}: exit status {run.exit_code}: {run.stderr[-300:]}"
+            return 0.0, f"case {i}: exit status {run.exit_code}: {run.stderr[-300:]}", None
         if not stdout_matches(run.stdout, expected):
-            return 0.0, f"case {i}: wrong output"
-    return 1.0, f"all {tests.n_cases} tests passed"
+            return 0.0, f"case {i}: wrong output", None
+    return 1.0, f"all {tests.n_cases} tests passed", None

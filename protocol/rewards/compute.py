@@ -27,7 +27,9 @@ def compute_reward(
 
     Deterministic for given inputs, except where a resource limit (CPU or wall seconds) is hit
     near its boundary: a program that needs about as long as the limit may pass on one machine
-    and fail on another.
+    and fail on another. Such results carry ``limit_hit`` (see :class:`RewardResult`). Math
+    answers are checked in a killable verifier process and code runs in a bubblewrap sandbox,
+    so the calling thread never holds the GIL for long; safe to call from several threads.
 
     Args:
         task: the task the completion answers.
@@ -41,18 +43,20 @@ def compute_reward(
         ``RewardResult(task_reward, reward, detail)``.
 
     Raises:
-        RewardError: on a malformed task, bad lengths or λ, or a sandbox that cannot start.
+        RewardError: on a malformed task, bad lengths or λ, a code task where the sandbox is
+            unavailable (no bubblewrap: the message says what to install), or a math verifier
+            that cannot start.
     """
     limits = limits or RewardLimits()
     try:
         if task.task_type == "verifiable_math":
-            task_reward, detail = math_reward(completion_text, task.ground_truth, limits)
+            task_reward, detail, limit_hit = math_reward(completion_text, task.ground_truth, limits)
         elif task.task_type == "prime_rl_code":
-            task_reward, detail = code_reward(completion_text, task.test_cases, limits.sandbox)
+            task_reward, detail, limit_hit = code_reward(completion_text, task.test_cases, limits.sandbox)
         else:
             raise RewardError(f"task {task.problem_id}: unknown task_type {task.task_type!r}")
     except TaskError as e:
         raise RewardError(f"task {task.problem_id} cannot be scored: {e}") from e
     reward = length_penalty(task_reward, completion_len_tokens, target_length, lam)
     logger.debug("reward %s: r_task=%.1f r=%.4f (%s)", task.problem_id, task_reward, reward, detail)
-    return RewardResult(task_reward=task_reward, reward=reward, detail=detail)
+    return RewardResult(task_reward=task_reward, reward=reward, detail=detail, limit_hit=limit_hit)

@@ -12,24 +12,31 @@ Rule (INTELLECT-2 / prime-rl ``verifiable_math``, with GSM8K's integer answers):
    units and a trailing period removed) they are compared exactly (as rationals). Otherwise
    ``math_verify.verify(parse("\\boxed{gold}"), parse("\\boxed{answer}"))`` decides.
 
-``math-verify`` bounds its time with ``signal.alarm``, which works only on the main thread. Off
-the main thread its timeouts are switched off and time is bounded only by refusing answers
-longer than ``max_answer_chars``; callers that need a hard bound should score in a process pool
-(the pool's workers run rewards on their main thread, where the alarm works).
+Bounds: extraction is linear in the completion's length. Before any parsing, cheap structural
+pre-checks (:func:`answer_precheck`) give 0 to answers that are too long, nest braces or
+exponents too deeply, carry huge digit runs, exponents or factorials — ``\\boxed{9^{9^{9^{9}}}}``
+scores 0 at once. The ``math-verify`` check then runs in a killable verifier process with a
+wall and memory limit (:mod:`protocol.rewards.verifier`), never in the caller's thread.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import threading
 from fractions import Fraction
 
 from protocol.rewards.base import RewardLimits
+from protocol.rewards.verifier import verify_answer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["extract_boxed", "extract_math_answer", "math_reward"]
+__all__ = ["answer_precheck", "extract_boxed", "extract_math_answer", "math_reward"]
+
+MAX_BRACE_DEPTH = 12
+MAX_POWER_DEPTH = 2
+MAX_EXPONENT = 100_000
+MAX_DIGIT_RUN = 100
+MAX_BOXES = 2
 
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BOXED_SPACE_RE = re.compile(r"\\boxed +([^\s$]+)")
@@ -49,29 +56,151 @@ def answer_region(completion: str) -> str | None:
     return completion
 
 
+def _matching_braces(text: str) -> dict[int, int]:
+    """Index of each ``{`` -> index of its ``}``, in one pass (backslash escapes skipped)."""
+    match: dict[int, int] = {}
+    stack: list[int] = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "{":
+            stack.append(i)
+        elif c == "}" and stack:
+            match[stack.pop()] = i
+        i += 1
+    return match
+
+
 def extract_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` (balanced braces) or ``\\boxed x``.
+
+    Linear in ``len(text)`` (one brace-matching pass), whatever the completion holds.
 
     Returns:
         The content, or ``None`` when there is no complete box.
     """
     starts = [m.end() for m in _BOXED_RE.finditer(text)]
-    for start in reversed(starts):
-        depth, i = 1, start
-        while i < len(text):
-            c = text[i]
-            if c == "\\":
-                i += 2
-                continue
-            if c == "{":
-                depth += 1
-            elif c == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i]
-            i += 1
+    if starts:
+        match = _matching_braces(text)
+        for start in reversed(starts):
+            end = match.get(start - 1)
+            if end is not None:
+                return text[start:end]
     spaced: list[str] = _BOXED_SPACE_RE.findall(text)
     return spaced[-1] if spaced else None
+
+
+_DIGITS_RE = re.compile(r"\d+")
+_BIG_FACTORIAL_RE = re.compile(r"\d{4,}\s*!|!\s*!")
+_POW_RE = re.compile(r"\^|\*\*")
+
+
+def _numeric_tower_value(group: str) -> int | None:
+    """The value of an exponent made only of digits, ``^``/``**`` and braces, if it is at most
+    :data:`MAX_EXPONENT` ``** 2``; ``-1`` if larger; ``None`` if the exponent is not numeric."""
+    flat = group.replace("{", " ").replace("}", " ").replace("**", "^")
+    parts = [p.strip() for p in flat.split("^")]
+    if not parts or not all(p.isdigit() and len(p) <= 12 for p in parts):
+        return None
+    value = 1
+    for p in reversed(parts):  # right-associative tower, capped
+        base = int(p)
+        if base in (0, 1):
+            value = base
+            continue
+        if value > 64 or base ** value > MAX_EXPONENT**2:
+            return -1
+        value = base**value
+    return value
+
+
+def _skip_spaces(text: str, i: int) -> int:
+    while i < len(text) and text[i] == " ":
+        i += 1
+    return i
+
+
+def answer_precheck(answer: str, max_chars: int) -> str | None:
+    """Structural checks that run before any parsing, in time linear in ``len(answer)``.
+
+    Refused (scored 0, deterministically on every machine): more than ``max_chars``
+    characters; braces nested deeper than :data:`MAX_BRACE_DEPTH`; more than :data:`MAX_BOXES`
+    nested ``\\boxed``; a digit run longer than :data:`MAX_DIGIT_RUN`; powers nested deeper than
+    :data:`MAX_POWER_DEPTH` (``a^{b^{c}}``, ``9^9^9``); a numeric exponent above
+    :data:`MAX_EXPONENT` (``2^{10^{6}}``, ``9^{9^9}``); factorials of 4+ digit numbers and
+    ``!!``.
+
+    Returns:
+        ``None`` when the answer may be parsed, else the reason it is refused.
+    """
+    if len(answer) > max_chars:
+        return f"answer longer than {max_chars} characters"
+    if answer.count("\\boxed") + answer.count("\\fbox") > MAX_BOXES:
+        return "answer nests boxes"
+    if any(len(run) > MAX_DIGIT_RUN for run in _DIGITS_RE.findall(answer)):
+        return f"answer has a digit run longer than {MAX_DIGIT_RUN}"
+    if _BIG_FACTORIAL_RE.search(answer):
+        return "answer has a huge factorial"
+    match = _matching_braces(answer)
+    # Power depth: a power inside a brace group that is an exponent is one level deeper;
+    # a power written right after another power's exponent (x^y^z, 2^{10}^{10}: a LaTeX
+    # "double superscript") is refused outright.
+    outer: list[int] = []  # per open brace: the level outside it
+    closes_power: dict[int, int] = {}  # index of an exponent group's "}" -> its power depth
+    level, prev_end = 0, -1
+    i, n = 0, len(answer)
+    while i < n:
+        c = answer[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "{":
+            outer.append(level)
+            if len(outer) > MAX_BRACE_DEPTH:
+                return f"answer nests braces deeper than {MAX_BRACE_DEPTH}"
+            i += 1
+            continue
+        if c == "}":
+            level = outer.pop() if outer else level
+            if i in closes_power:
+                prev_end = _skip_spaces(answer, i + 1)
+            i += 1
+            continue
+        m = _POW_RE.match(answer, i)
+        if m is None:
+            i += 1
+            continue
+        if i == prev_end:
+            return "answer has a double superscript (exponent tower)"
+        depth = level + 1
+        if depth > MAX_POWER_DEPTH:
+            return "answer has an exponent tower"
+        j = _skip_spaces(answer, m.end())
+        if j < n and answer[j] == "{" and j in match:
+            value = _numeric_tower_value(answer[j + 1 : match[j]])
+            if value is not None and (value < 0 or value > MAX_EXPONENT):
+                return f"answer has an exponent above {MAX_EXPONENT}"
+            closes_power[match[j]] = depth
+            outer.append(level)
+            level = depth
+            i = j + 1
+            continue
+        k = j
+        while k < n and answer[k].isdigit():
+            k += 1
+        if k > j and int(answer[j:k]) > MAX_EXPONENT:
+            return f"answer has an exponent above {MAX_EXPONENT}"
+        if k == j and j < n:  # one character, or one \command
+            k = j + 1
+            if answer[j] == "\\":
+                while k < n and answer[k].isalpha():
+                    k += 1
+        prev_end = _skip_spaces(answer, k)
+        i = k
+    return None
 
 
 def extract_math_answer(completion: str, ground_truth: str) -> str | None:
@@ -110,40 +239,35 @@ def _as_number(text: str) -> Fraction | None:
     return Fraction(t.replace(",", ""))
 
 
-def _verify(gold: str, answer: str, timeout_s: int | None) -> bool:
-    from math_verify import parse, verify  # heavy (sympy): imported on first math reward
-
-    gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=timeout_s)
-    answer_parsed = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout_s)
-    if not gold_parsed or not answer_parsed:
-        return False
-    return bool(verify(gold_parsed, answer_parsed, timeout_seconds=timeout_s))
-
-
-def math_reward(completion: str, ground_truth: str, limits: RewardLimits) -> tuple[float, str]:
+def math_reward(completion: str, ground_truth: str, limits: RewardLimits) -> tuple[float, str, str | None]:
     """Score a math completion.
 
     Args:
         completion: the generated text.
         ground_truth: the task's answer (LaTeX or a number, unboxed).
-        limits: ``math_timeout_s`` (main thread only) and ``max_answer_chars``.
+        limits: ``max_answer_chars``, ``math_timeout_s`` and ``math_memory_bytes``.
 
     Returns:
-        ``(1.0 or 0.0, detail)``.
+        ``(1.0 or 0.0, detail, limit_hit)``: ``limit_hit`` is ``"wall"`` or ``"memory"`` when the
+        verifier was cut off, else ``None``.
+
+    Raises:
+        RewardError: if no math verifier process can be started.
     """
     answer = extract_math_answer(completion, ground_truth)
     if answer is None:
-        return 0.0, "no final answer found"
-    if len(answer) > limits.max_answer_chars:
-        return 0.0, f"answer longer than {limits.max_answer_chars} characters"
+        return 0.0, "no final answer found", None
+    refused = answer_precheck(answer, limits.max_answer_chars)
+    if refused is not None:
+        return 0.0, refused, None
     gold_n, answer_n = _as_number(ground_truth), _as_number(answer)
     if gold_n is not None and answer_n is not None:
         ok = gold_n == answer_n
-        return (1.0 if ok else 0.0), f"number {answer!r} {'=' if ok else '≠'} {ground_truth!r}"
-    on_main = threading.current_thread() is threading.main_thread()
-    try:
-        ok = _verify(ground_truth, answer, limits.math_timeout_s if on_main else None)
-    except Exception as e:  # noqa: BLE001 - a malformed answer scores 0, whatever sympy raises
-        logger.debug("math_verify failed on %r: %s", answer[:100], e)
-        return 0.0, f"answer {answer[:100]!r} could not be verified: {type(e).__name__}"
-    return (1.0 if ok else 0.0), f"math_verify {answer[:100]!r} {'=' if ok else '≠'} {ground_truth[:100]!r}"
+        return (1.0 if ok else 0.0), f"number {answer!r} {'=' if ok else '≠'} {ground_truth!r}", None
+    ok, limit_hit, why = verify_answer(ground_truth, answer, float(limits.math_timeout_s), limits.math_memory_bytes)
+    if limit_hit is not None:
+        logger.debug("math check of %r hit the %s limit: %s", answer[:100], limit_hit, why)
+        return 0.0, f"answer {answer[:100]!r}: {why}", limit_hit
+    if why:
+        return 0.0, f"answer {answer[:100]!r} {why}", None
+    return (1.0 if ok else 0.0), f"math_verify {answer[:100]!r} {'=' if ok else '≠'} {ground_truth[:100]!r}", None
