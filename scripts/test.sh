@@ -11,6 +11,9 @@ python -m pip install -q --disable-pip-version-check -e '.[test]'
 # headless Chromium + its WebDriver for the run page's browser tests (they skip without them)
 { command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver; } \
     || echo "chromium not installed: the run page's browser tests will skip"
+# bubblewrap: the code-reward sandbox (nodes refuse code tasks without it)
+command -v bwrap >/dev/null || { apt-get update -qq && apt-get install -y -qq bubblewrap; } \
+    || echo "bubblewrap not installed: code-reward tests will fail"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 set +e
 python -m pytest -q "$@"
