@@ -172,7 +172,8 @@ class PolicyFollower:
 
         try:
             res = await fetch_step(sources, out, run_id=self.spec.run_id, authorities=self.spec.authorities, held_dir=self.path_for(held[-1]),
-                                   step=step, max_chain=self.spec.shardcast.max_delta_chain, config=self._cfg, full_fallback=False)
+                                   step=step, max_chain=self.spec.shardcast.max_delta_chain, config=self._cfg, full_fallback=False,
+                                   origins=self.origins(), cache=self._manifests)
         except NodeError as e:
             logger.info("step %d not reachable by deltas from step %d (%s); fetching it in full", step, held[-1], e, extra={"step": step})
             return False

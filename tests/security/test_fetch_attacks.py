@@ -29,14 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "node"))  # the Sha
 from shardcast_fixtures import make_run, make_store, publish, serving, wait_until, write_checkpoint  # noqa: E402
 
 from node.errors import SourceError  # noqa: E402
-from node.policy import GossipSources  # noqa: E402
+from node.p2p.peers import PeerTable  # noqa: E402
+from node.policy import GossipSources, PolicyFollower  # noqa: E402
 from node.shardcast.client import fetch_checkpoint  # noqa: E402
 from node.shardcast.download import DownloadConfig, ManifestCache, get_manifest  # noqa: E402
 from node.shardcast.relay import Relay, RelayConfig  # noqa: E402
 from protocol.envelope import open_envelope, seal  # noqa: E402
 from protocol.identity import NodeKey  # noqa: E402
 from protocol.messages import NodeRecord  # noqa: E402
-from protocol.runspec import NetworkSpec, RunSpec  # noqa: E402
 from protocol.shardcast import ROUTE_PREFIX  # noqa: E402
 
 # Short socket timeouts keep the tests quick; they bound how long a tarpit holds a request.
@@ -198,17 +198,21 @@ def fake_relay_records(run, urls: list[str], step: int) -> list[NodeRecord]:  # 
     return out
 
 
+def gossip_view(run, origin_url: str, relay_urls: list[str], step: int) -> PeerTable:  # noqa: ANN001
+    """A peer table as gossip fills it: the coordinator's record (the origin) and the relay records."""
+    table = PeerTable(60.0, coordinator=run.key.peer_id)
+    table.update(NodeRecord(peer_id=run.key.peer_id, role="coordinator", seq=1, version="x", http_url=origin_url, policy_step=step), 1)
+    for r in fake_relay_records(run, relay_urls, step):
+        table.update(r, 1)
+    return table
+
+
 async def test_twenty_tarpit_relay_records_cannot_break_a_fetch(origin, tmp_path):
     """Item 7: 20 self-signed relay records pointing at tarpits; the fetch succeeds from the origin."""
     run, store, ckpt = origin
-    from node.p2p.peers import PeerTable
-
     async with serving(store) as o, tarpits(20) as pit:
-        spec = RunSpec.model_validate({**run.signed.spec.model_dump(), "network": NetworkSpec(origin_urls=[o.url]).model_dump()})
-        table = PeerTable(60.0, coordinator=run.key.peer_id)
-        for r in fake_relay_records(run, pit.urls, 1):
-            table.update(r, 1)
-        chooser = GossipSources(SimpleNamespace(peers=table), spec)
+        table = gossip_view(run, o.url, pit.urls, 1)
+        chooser = GossipSources(SimpleNamespace(peers=table), run.signed.spec)
         sources = chooser(1)
         assert len(sources) == 21 and chooser.origins() == [o.url]
         res = await fetch_checkpoint(sources, tmp_path / "out", run_id=run.run_id, authorities=run.authorities, step=1,
@@ -326,3 +330,21 @@ async def test_upstream_advertising_step_2_pow_40_cannot_stop_a_relay(origin, tm
         assert liar.hits["manifest"] == 0, "steps above the signed latest are never even asked for"
     else:
         assert liar.hits["manifest"] <= len(fake), "each fake offer is asked at most once"
+
+
+async def test_policy_follower_polls_and_fetches_past_tarpit_relays(origin, tmp_path):
+    """The worker's and validator's path (PolicyFollower over gossip sources), with 20 tarpit relay records."""
+    run, store, ckpt = origin
+
+    async with serving(store) as o, tarpits(20) as pit:
+        table = gossip_view(run, o.url, pit.urls, 1)
+        follower = PolicyFollower(run.signed.spec, tmp_path / "ckpts", GossipSources(SimpleNamespace(peers=table), run.signed.spec))
+        follower._cfg = dataclasses.replace(CFG, stall_timeout_s=30.0)
+        try:
+            assert await follower.poll_latest() == 1, "the origin's answer is taken without waiting for the tarpits"
+            decoded = follower._manifests.decoded
+            assert await follower.poll_latest() == 1 and follower._manifests.decoded == decoded, "not decoded again"
+            out = await follower.fetch(1)
+        finally:
+            await follower.close()
+    assert (out / "model.safetensors").read_bytes() == ckpt.read_bytes()
