@@ -59,6 +59,7 @@ class Submitter:
         self.banned = False
         self._session: aiohttp.ClientSession | None = None
         self._failures = FailureLog(logger, interval_s=FAILURE_LOG_INTERVAL_S)
+        self._deferred = FailureLog(logger, interval_s=FAILURE_LOG_INTERVAL_S, level=logging.INFO)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -116,11 +117,15 @@ class Submitter:
                 if out.final:
                     done += 1
                     progress = True
-                else:
+                elif out.status == 0:
                     self._failures.failed(f"ingest not reachable ({out.detail[:200]}); {len(pending)} spooled submissions kept for retry")
+                    break
+                else:  # answered but deferred (backpressure 429, 5xx): normal flow control, quieter
+                    self._deferred.failed(f"ingest deferred a submission ({out.status}: {out.detail[:200]}); retrying with backoff")
                     break
             if progress:
                 self._failures.recovered("ingest reachable")
+                self._deferred.recovered("ingest accepting")
                 backoff.reset()
                 continue
             delay = backoff.next_delay()
