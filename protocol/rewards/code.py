@@ -115,6 +115,8 @@ def code_reward(completion: str, tests: CodeTests, limits: SandboxLimits) -> tup
         return 0.0, detail, None
     if run.records_truncated:
         return 0.0, f"more than {RECORDS_MAX_BYTES} bytes of test records", "output"
+    if run.limit_hit == "wall":
+        return 0.0, f"wall limit of {limits.wall_time_s} s reached ({detail})", "wall"
     if run.limit_hit is not None:
         return 0.0, f"{run.limit_hit} limit reached ({detail})", run.limit_hit
     if verdict == "pass" and run.exit_code == 0:

@@ -170,7 +170,7 @@ def _child_env() -> list[str]:
 
 
 def _memfd(name: str, data: bytes) -> int:
-    fd = os.memfd_create(name, 0)  # not MFD_CLOEXEC: bwrap reads it
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)  # pass_fds opens it to our child only, not to other threads' children
     os.write(fd, data)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
