@@ -81,7 +81,7 @@ class DownloadConfig:
     held_timeout_s: float = 3.0
     max_manifest_bytes: int = DEFAULT_MAX_MANIFEST_BYTES
     latest_grace_s: float = 1.0
-    hedge_after_s: float = 1.0
+    hedge_after_s: float = 0.5
     exploration: float = 0.1
     missing_retry_s: float = 0.5
     stall_timeout_s: float = 60.0
