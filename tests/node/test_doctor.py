@@ -119,3 +119,16 @@ def test_embedded_model_size_estimate_matches_the_built_model():
     model = build_model(embedded_config(len(embedded_tokenizer()), hidden_size=spec.model.hidden_size))
     params = sum(p.numel() for p in model.parameters())
     assert estimate_model_bytes(spec) == params * 4
+
+
+def test_gpu_memory_from_nvidia_smi(tmp_path, monkeypatch):
+    from node.commands.doctor import _check_gpu
+
+    fake = tmp_path / "nvidia-smi"  # prints what the real one prints for --query-gpu=name,memory.free,memory.total
+    fake.write_text("#!/bin/sh\necho 'NVIDIA H200, 140000, 143771'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    ok = _check_gpu(1 << 30, "worker")
+    assert ok.status == "PASS" and "NVIDIA H200" in ok.detail and "136.7 GiB" in ok.detail, ok
+    short = _check_gpu(40 << 30, "worker")  # 4 × 40 GiB does not fit in 136.7 GiB free
+    assert short.status == "WARN" and "--device cpu" in short.fix, short
