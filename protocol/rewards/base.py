@@ -53,7 +53,8 @@ class SandboxLimits:
         output_bytes: largest file a sandboxed process may write, its stdout and stderr included
             (RLIMIT_FSIZE), in bytes; a process that writes more is killed (SIGXFSZ).
         processes: processes and threads the sandbox's user may run at once (RLIMIT_NPROC,
-            counted in the sandbox's own user namespace).
+            counted in the sandbox's own user namespace, so concurrent sandboxes do not share
+            it); bwrap's init and the harness count, leaving ``processes − 2`` to the program.
         open_files: open file descriptors per process (RLIMIT_NOFILE).
         tmpfs_bytes: size of the sandbox's private tmpfs working folder ``/tmp``, in bytes.
         tmp_root: unused since the sandbox's folder is a tmpfs inside it; kept so existing

@@ -3,7 +3,8 @@
 The boundary is the kernel's, set up by bubblewrap (Debian ``bubblewrap``):
 
 * user, pid, mount, network, IPC, UTS and cgroup namespaces (``--unshare-all``): uid/gid 65534
-  inside; no network (only a down loopback); ``/proc`` shows only the sandbox's processes;
+  inside; no network (only a down loopback); ``/proc`` shows only the sandbox's processes; no
+  nested user namespaces (``--disable-userns``);
 * a root file system holding only read-only binds of ``/usr`` (with ``/bin``, ``/lib``,
   ``/lib64`` as on the host), the interpreter's prefix (at its own path, because the
   interpreter's ``RUNPATH`` names it), a fresh ``/dev`` and ``/proc``, a private size-limited
@@ -286,6 +287,8 @@ def run_python(
                 "--unshare-user",
                 "--uid", str(NOBODY_UID),
                 "--gid", str(NOBODY_UID),
+                "--disable-userns",  # no nested user namespaces: less kernel surface
+                "--hostname", "sandbox",
                 "--die-with-parent",
                 "--new-session",
                 "--cap-drop", "ALL",

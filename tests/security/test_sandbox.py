@@ -75,6 +75,16 @@ def test_runs_as_nobody_with_nothing_of_the_host_visible():
     assert score(code, ["assert f(0)[0] == 0"]).task_reward == 0.0
 
 
+def test_no_nested_user_namespaces():
+    code = (
+        "import subprocess\n"
+        "def f(x):\n"
+        "    return subprocess.run(['/usr/bin/unshare', '--user', '--map-root-user', '/bin/true']).returncode\n"
+    )
+    assert score(code, ["assert f(0) != 0"]).task_reward == 1.0
+    assert score(code, ["assert f(0) == 0"]).task_reward == 0.0
+
+
 def test_key_files_are_not_readable(tmp_path):
     secret = secrets.token_hex(16)
     keydir = tmp_path / "root-like"
