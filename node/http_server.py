@@ -116,14 +116,15 @@ class RunningServer:
 
 
 async def start_site(app: web.Application, host: str, port: int = 0, *, limits: ServerLimits | None = None,
-                     reuse_address: bool = False, shutdown_timeout_s: float = 1.0) -> RunningServer:
+                     reuse_address: bool = True, shutdown_timeout_s: float = 1.0) -> RunningServer:
     """Start ``app`` on ``host:port`` with the protections of this module.
 
     Args:
         app: the application (not yet frozen); :data:`identity_only` is added first.
         host: interface; port: TCP port (0: any free one).
         limits: :class:`ServerLimits` (defaults suit every role).
-        reuse_address: set ``SO_REUSEADDR`` (bind again right after a restart).
+        reuse_address: set ``SO_REUSEADDR`` (bind again right after a restart, as asyncio's
+            ``create_server`` does by default on POSIX).
         shutdown_timeout_s: grace period for open requests on stop, seconds.
 
     Returns:

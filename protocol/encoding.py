@@ -100,7 +100,7 @@ class DecodeLimits:
         return cls(max_size, max_size, min(max_size, 1 << 16), min(max_size, 1 << 10), MAX_DEPTH)
 
 
-def unpackb(data: bytes, max_size: int, limits: DecodeLimits | None = None) -> Any:
+def unpackb(data: bytes, max_size: int, limits: DecodeLimits | None = None, *, canonical: bool = True) -> Any:
     """Decode canonical msgpack with hard limits.
 
     Args:
@@ -108,6 +108,9 @@ def unpackb(data: bytes, max_size: int, limits: DecodeLimits | None = None) -> A
         max_size: largest accepted input, in bytes.
         limits: container/bin/str/depth bounds checked by the C decoder; default
             :meth:`DecodeLimits.generic` of ``max_size``.
+        canonical: check the canonical form here; ``False`` leaves it to the caller, who must
+            call :func:`require_canonical` (e.g. after a cheap schema check that fails fast on
+            junk, so junk never gets the Python walk the canonical check needs).
 
     Returns:
         The decoded value (dicts, lists, str, bytes, int, float, bool, None).
@@ -142,10 +145,20 @@ def unpackb(data: bytes, max_size: int, limits: DecodeLimits | None = None) -> A
         raise DecodeError("message nested too deeply") from e
     except (ValueError, TypeError, OverflowError) as e:  # msgpack's FormatError/StackError/UnicodeDecodeError are ValueErrors
         raise DecodeError(f"malformed msgpack: {type(e).__name__}: {e}") from e
+    if canonical:
+        require_canonical(obj, data, lim.max_depth)
+    return obj
+
+
+def require_canonical(obj: Any, data: bytes, max_depth: int = MAX_DEPTH) -> None:
+    """Check that ``data`` is the canonical encoding of ``obj`` (what :func:`unpackb` decoded from it).
+
+    Raises:
+        DecodeError: not canonical, or nested deeper than ``max_depth``.
+    """
     try:
-        again = _pack(obj, lim.max_depth)
+        again = _pack(obj, max_depth)
     except RecursionError as e:
         raise DecodeError("message nested too deeply") from e
     if again != data:
         raise DecodeError("message is not in canonical msgpack form")
-    return obj

@@ -153,8 +153,8 @@ def open_envelope(
     fixed field canonical and tightly bounded; the body is only *skipped* over, not built) →
     field types → known type (and one of ``expect``) → run ID → signature over the raw signed
     bytes → signer allowed for the type → freshness → body decode under its type's schema-derived
-    limits (:data:`protocol.messages.BODY_LIMITS`) and canonical check → body schema → body
-    subject (e.g. a node record's ``peer_id``) equals the signer. So an unsigned or foreign
+    limits (:data:`protocol.messages.BODY_LIMITS`) → body schema (stopping at its first error) →
+    canonical check of the body → body subject (e.g. a node record's ``peer_id``) equals the signer. So an unsigned or foreign
     envelope costs one pass over its bytes in C, never a Python walk of its body.
 
     Args:
@@ -215,10 +215,12 @@ def open_envelope(
         raise SchemaError(f"timestamp is {(ts_ms - now_ms) / 1000:.1f} s in the future", "ts_ms")
     if max_age_s is not None and ts_ms < now_ms - max_age_s * 1000:
         raise SchemaError(f"stale: {(now_ms - ts_ms) / 1000:.1f} s old, limit {max_age_s} s", "ts_ms")
-    body_obj = encoding.unpackb(outer.body_bytes, cls.MAX_BYTES, BODY_LIMITS[type_tag])
+    limits = BODY_LIMITS[type_tag]
+    body_obj = encoding.unpackb(outer.body_bytes, cls.MAX_BYTES, limits, canonical=False)
     if not isinstance(body_obj, dict):
         raise SchemaError("must be a map", "body")
-    body = _check_body(cls, body_obj)
+    body = _check_body(cls, body_obj)  # fails fast on junk (pydantic stops at its first error)
+    encoding.require_canonical(body_obj, outer.body_bytes, limits.max_depth)
     if cls.SIGNER_IS_SUBJECT is not None:
         subject = getattr(body, cls.SIGNER_IS_SUBJECT)
         if subject != peer_id_from_public_key(signer):

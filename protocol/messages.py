@@ -2,7 +2,10 @@
 
 Each class is one message type: its ``TYPE`` tag (versioned, ``name/1``), the largest envelope
 accepted for it (``MAX_BYTES``), who may sign it (``SIGNER``), and a strict schema: exact types
-(no coercion, ``bool`` is not an ``int``), bounded lengths and ranges, no extra fields.
+(no coercion, ``bool`` is not an ``int``), bounded lengths and ranges, no extra fields. Every
+list stops validating at its first bad element (``fail_fast``): 16,000 empty maps where rollouts
+belong cost one error, not 160,000. The decoder limits of each type are derived from these
+schemas (:data:`BODY_LIMITS`).
 
 Producers and consumers:
 
@@ -83,11 +86,11 @@ class NodeRecord(Message):
     peer_id: PeerIdStr
     role: Role
     seq: Count
-    addrs: Annotated[list[ShortStr], Field(max_length=16)] = []
+    addrs: Annotated[list[ShortStr], Field(max_length=16, fail_fast=True)] = []
     http_url: Annotated[str, StringConstraints(max_length=256)] = ""
     version: Annotated[str, StringConstraints(max_length=64)]
     policy_step: Annotated[int, Field(ge=-1, le=2**40)] = -1
-    held_steps: Annotated[list[Step], Field(max_length=64)] = []
+    held_steps: Annotated[list[Step], Field(max_length=64, fail_fast=True)] = []
     hardware: Hardware | None = None
 
 
@@ -96,7 +99,7 @@ class ManifestFile(Message):
 
     name: Name
     size_bytes: Annotated[int, Field(ge=0, le=1 << 50)]
-    pieces: Annotated[list[ContentIdBytes], Field(max_length=1 << 18)]
+    pieces: Annotated[list[ContentIdBytes], Field(max_length=1 << 18, fail_fast=True)]
 
 
 class Manifest(Message):
@@ -112,7 +115,7 @@ class Manifest(Message):
 
     step: Step
     piece_size_bytes: Annotated[int, Field(ge=64 * KiB, le=1 << 30)]
-    files: Annotated[list[ManifestFile], Field(min_length=1, max_length=1024)]
+    files: Annotated[list[ManifestFile], Field(min_length=1, max_length=1024, fail_fast=True)]
     checkpoint_hash: ContentIdBytes
     meta: Annotated[dict[Name, ShortStr], Field(max_length=32)] = {}
 
@@ -161,7 +164,7 @@ class DeltaManifest(Message):
     piece_size_bytes: Annotated[int, Field(ge=64 * KiB, le=1 << 30)]
     size_bytes: Annotated[int, Field(ge=1, le=1 << 50)]
     raw_size_bytes: Annotated[int, Field(ge=8, le=1 << 52)]
-    pieces: Annotated[list[ContentIdBytes], Field(min_length=1, max_length=1 << 18)]
+    pieces: Annotated[list[ContentIdBytes], Field(min_length=1, max_length=1 << 18, fail_fast=True)]
     delta_hash: ContentIdBytes
     changed_elements: Count = 0
     total_elements: Count = 0
@@ -191,7 +194,7 @@ class Rollout(Message):
     finish: Literal["eos", "length"]
     task_reward: FiniteFloat
     reward: FiniteFloat
-    proofs: Annotated[list[Annotated[bytes, Field(max_length=1024)]], Field(max_length=1 << 16)]
+    proofs: Annotated[list[Annotated[bytes, Field(max_length=1024)]], Field(max_length=1 << 16, fail_fast=True)]
 
     @field_validator("prompt_ids", "completion_ids", "logprobs")
     @classmethod
@@ -212,8 +215,8 @@ class Submission(Message):
     worker: PeerIdStr
     policy_step: Step
     counter: Count
-    tasks: Annotated[list[SubmissionTask], Field(min_length=1, max_length=1024)]
-    rollouts: Annotated[list[Rollout], Field(min_length=1, max_length=1 << 14)]
+    tasks: Annotated[list[SubmissionTask], Field(min_length=1, max_length=1024, fail_fast=True)]
+    rollouts: Annotated[list[Rollout], Field(min_length=1, max_length=1 << 14, fail_fast=True)]
 
 
 VerdictValue = bool | int | FiniteFloat | ShortStr
@@ -256,7 +259,7 @@ class BanEntry(Message):
     since_ms: Annotated[int, Field(ge=0, le=2**63 - 1)]
     verdict_id: Annotated[bytes, Field(max_length=CONTENT_ID_BYTES)] = b""
     submission_id: Annotated[bytes, Field(max_length=CONTENT_ID_BYTES)] = b""
-    evidence: Annotated[list[BanEvidence], Field(max_length=2)] = []
+    evidence: Annotated[list[BanEvidence], Field(max_length=2, fail_fast=True)] = []
 
 
 class BanList(Message):
@@ -267,7 +270,7 @@ class BanList(Message):
     SIGNER: ClassVar[Signer] = "coordinator"
 
     version: Count
-    entries: Annotated[list[BanEntry], Field(max_length=4096)]  # ≤ ~0.9 KiB each with evidence: fits MAX_BYTES
+    entries: Annotated[list[BanEntry], Field(max_length=4096, fail_fast=True)]  # ≤ ~0.9 KiB each with evidence: fits MAX_BYTES
 
 
 class LeaseRequest(Message):

@@ -122,7 +122,7 @@ class ShardcastServer:
         """Bind and start serving."""
         from node.http_server import start_site  # header timeout, per-IP connection cap, no compressed bodies
 
-        running = await start_site(self.make_app(), self.host, self.port, reuse_address=True)
+        running = await start_site(self.make_app(), self.host, self.port)
         self._runner, self.port = running.runner, running.port
         logger.info("Shardcast server on %s", self.url)
 

@@ -48,8 +48,14 @@ def test_signed_bodies_are_decoded_under_their_schema_limits() -> None:
     deep: object = {}
     for _ in range(8):
         deep = {"a": deep}
-    with pytest.raises(DecodeError, match="nested deeper than 4"):
-        open_envelope(forge(w, "submission/1", {"tasks": deep}), run_id=RUN)
+    with pytest.raises(SchemaError, match="body.tasks"):  # the schema stops it before any walk of it
+        open_envelope(forge(w, "submission/1", {"counter": 0, "policy_step": 0, "rollouts": [], "tasks": deep, "worker": w.peer_id}), run_id=RUN)
+    with pytest.raises(DecodeError, match="nested deeper than 4"):  # and the decoder's own depth bound
+        encoding.unpackb(encoding.packb({"tasks": deep}), 1 << 20, BODY_LIMITS["submission/1"])
+    # 16,000 empty maps where rollouts belong: one error, not one per missing field of each
+    with pytest.raises(SchemaError, match="body.rollouts.0"):
+        open_envelope(forge(w, "submission/1", {"counter": 0, "policy_step": 0, "rollouts": [{}] * 16_000, "tasks": [{"problem_id": "p", "target_length": 0, "task_index": 0}],
+                                                 "worker": w.peer_id}), run_id=RUN)
     # a huge str where the schema allows 256 characters
     with pytest.raises(DecodeError, match="max_str_len"):
         open_envelope(forge(w, "submission/1", {"worker": "x" * 100_000}), run_id=RUN)
