@@ -17,7 +17,8 @@ What a server started here gets (``docs/operators.md`` "HTTP limits"):
   ``lingering_time`` (10 s);
 * **per-IP and total connection caps** — connections over the cap are aborted as soon as they
   are accepted, so 300 half-open connections from one address hold at most
-  ``max_connections_per_ip`` descriptors and never starve ``/status`` or other clients;
+  ``max_connections_per_ip`` descriptors and never starve ``/status`` or other clients (64: a
+  Shardcast client holds ≤ 6 connections to one server, so a devnet's ~8 nodes on 127.0.0.1 fit);
 * **no compressed bodies** — ``auto_decompress`` is off and :data:`identity_only` answers 415 to
   any request body with a ``Content-Encoding`` other than ``identity``: nothing inflates;
 * small header limits (line and field 8 KiB, 64 headers).
@@ -51,8 +52,8 @@ class ServerLimits:
     """
 
     header_timeout_s: float = 10.0
-    max_connections_per_ip: int = 32
-    max_connections: int = 512
+    max_connections_per_ip: int = 64
+    max_connections: int = 1024
     max_line_size: int = 8190
     max_headers: int = 64
 
