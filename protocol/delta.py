@@ -460,13 +460,13 @@ def _patch_copy(
         raw = _read_exact(base, 2 * w)
         if len(raw) != 2 * w:
             raise DeltaMismatchError(name, -1, "the held base file is shorter than its manifest says")
-        if pos is None or diffs is None:
-            sink.write(raw)
+        lo, hi = (0, 0) if pos is None else np.searchsorted(pos, [cursor, cursor + w])
+        if hi == lo or diffs is None:
+            sink.write(raw)  # no change in this window
         else:
             buf = np.frombuffer(raw, "<u2").copy()
-            lo, hi = np.searchsorted(pos, [cursor, cursor + w])
             buf[pos[lo:hi] - cursor] += diffs[lo:hi]  # uint16 arithmetic wraps mod 2^16, as encoded
-            sink.write(buf.tobytes())
+            sink.write(memoryview(buf).cast("B"))
         cursor += w
     return cursor
 

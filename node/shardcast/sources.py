@@ -138,6 +138,7 @@ class SourcePool:
         keep = [u for u in offered if u in old and not old[u].origin and old[u].banned_until <= now]
         rest = [u for u in offered if u not in keep]
         self._rng.shuffle(rest)
+        rest.sort(key=lambda u: u in old and old[u].banned_until > now)  # banned ones only if nothing else is offered
         chosen = set((keep + rest)[: self.max_candidates])
         picked = [u for u in offered if u in chosen]
         sources: dict[str, SourceState] = {}

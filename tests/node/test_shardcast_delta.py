@@ -333,4 +333,4 @@ async def test_policy_follower_takes_deltas(origin, policies, tmp_path, caplog):
         finally:
             await follower.close()
     assert _same_files(path, policies[2])
-    assert any("policy step 2 from step 0 by 2 delta(s)" in r.getMessage() for r in caplog.records)
+    assert any("policy step 2 from step 0 by 2 delta(s)" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]

@@ -1,0 +1,46 @@
+"""SourcePool rules that keep hostile relays contained: origins kept and reserved, a bounded random
+(sticky) subset of relay candidates, banned ones drawn last, probation, back-off on misses."""
+
+from __future__ import annotations
+
+import random
+
+from node.shardcast.sources import SourcePool
+
+
+def test_origins_kept_candidates_bounded_sticky_and_banned_last() -> None:
+    relays = [f"http://r{i}" for i in range(20)]
+    pool = SourcePool([*relays, "http://origin/"], origins=["http://origin"], max_candidates=8, rng=random.Random(1))
+    assert "http://origin" in pool.urls and pool.get("http://origin").origin  # type: ignore[union-attr]
+    cands = [u for u in pool.urls if u != "http://origin"]
+    assert len(cands) == 8 and pool.offered == 20
+    # the same offer again keeps the same candidates (a Sybil cannot reshuffle them by re-announcing)
+    pool.set_urls([*reversed(relays), "http://origin"], origins=["http://origin"])
+    assert sorted(u for u in pool.urls if u != "http://origin") == sorted(cands)
+    # a banned candidate is replaced by a fresh one, and drawn again only if nothing else is offered
+    bad = pool.get(cands[0])
+    assert bad is not None
+    pool.record_evidence(bad, "bad_hash")
+    pool.set_urls([*relays, "http://origin"], origins=["http://origin"])
+    assert cands[0] not in pool.urls and len(pool.urls) == 9
+    # origins are never dropped, whatever the relays offered
+    pool.set_urls([f"http://sybil{i}" for i in range(100)], origins=["http://origin"])
+    assert "http://origin" in pool.urls and len(pool.urls) == 9
+
+
+def test_probation_reserved_origin_slots_and_miss_backoff() -> None:
+    pool = SourcePool(["http://r"], origins=["http://o"], max_in_flight_per_source=4)
+    r, o = pool.get("http://r"), pool.get("http://o")
+    assert r is not None and o is not None
+    assert pool.capacity(r) == 1 and pool.capacity(o) == 4, "an unproven relay gets one request at a time"
+    assert pool.choose(relays=False) is o, "with no relay slot free only the origin can be chosen"
+    pool.record_success(r, 1000, 0.01)
+    assert pool.capacity(r) == 4
+    delays = []
+    for _ in range(6):
+        pool.record_missing(r)
+        delays.append(r.cooldown_until)
+    assert r not in pool.usable() and "http://r" in pool.cooled()
+    assert all(b >= a for a, b in zip(delays, delays[1:], strict=False)), "back-off grows per consecutive miss"
+    pool.record_success(r, 1000, 0.01)
+    assert r.consecutive_misses == 0
