@@ -97,7 +97,7 @@ def test_operators_guide_end_to_end(tmp_path, shared):
     settings = blocks[0][2]
     ports = {name: str(free_port()) for name in ("COORD_HTTP", "COORD_P2P", "RELAY_HTTP", "RELAY_P2P", "WORKER_HTTP", "VAL_HTTP")}
     values = {"COORD_HOST": "127.0.0.1", "RELAY_HOST": "127.0.0.1", "LISTEN": "127.0.0.1", "DATA_ROOT": str(data_root),
-              "MODEL": str(model), "DEVICE": "cpu", "MAX_TOKENS": "16", **ports}
+              "MODEL": str(model), "DEVICE": "cpu", "MAX_TOKENS": "16", "EVAL_SAMPLES": "1", **ports}
     names = {m.group(1) for m in ASSIGN.finditer(settings)}
     assert names == set(values), f"settings the test does not set: {names - set(values)}"
     prelude = with_values(settings, values)
@@ -154,7 +154,11 @@ def test_operators_guide_end_to_end(tmp_path, shared):
             status = get_json(f"{coord}/status") or status
             now = time.monotonic() - started
             if status:
-                events.setdefault("coordinator_serving_s", now)  # base hashed and loaded, trainer built
+                events.setdefault("coordinator_serving_s", now)  # imports, base hashed and loaded, trainer built
+                for key, prefix in (("probe_started_s", "probing"), ("eval_started_s", "evaluating the initial"),
+                                    ("training_ready_s", "waiting for a batch")):
+                    if str(status.get("state", "")).startswith(prefix):
+                        events.setdefault(key, now)
             if status.get("latest_policy_step", -1) >= 0:
                 events.setdefault("first_publish_s", now)
             if status.get("submissions", {}).get("accepted", 0):
