@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -206,7 +205,7 @@ class SubmissionChecker:
             except RewardError as e:  # our failure to score, not evidence about the worker
                 raise Rejection("reward_error", rollout=j, detail=str(e)[:200]) from None
             if r.task_reward != ro.task_reward or abs(r.reward - ro.reward) > self.tol.reward_tol:
-                raise Rejection(_reward_mismatch_reason(p.task.task_type, ro.task_reward, r.task_reward, r.detail), rollout=j,
+                raise Rejection(_reward_mismatch_reason(ro.task_reward, r.task_reward, r.limit_hit), rollout=j,
                                 reported=ro.reward, recomputed=r.reward, reported_task=ro.task_reward, recomputed_task=r.task_reward,
                                 detail=r.detail[:200])
         timings["reward"] = time.perf_counter() - t
@@ -255,22 +254,16 @@ class SubmissionChecker:
             raise Rejection("logprobs", rollout=j, position=int(diff.argmax()), max_abs_diff=_finite(worst))
 
 
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) else 1e9
-# code-reward details that mean a resource limit ended the run (anchored: the rest of a detail may
-# quote the candidate's own output, which the worker controls)
-_LIMIT_DETAIL = re.compile(r"^(?:(?:total )?wall limit of |case \d+: wall limit reached|case \d+: exit status -\d+|no result \(exit status -\d+\))")
-
-
-def _reward_mismatch_reason(task_type: str, reported_task: float, recomputed_task: float, detail: str) -> str:
+def _reward_mismatch_reason(reported_task: float, recomputed_task: float, limit_hit: str | None) -> str:
     """The verdict reason of a reported reward that differs from the recomputed one.
 
-    ``limit_hit`` (benign) when the difference may come from a wall/CPU/memory limit rather than
-    the worker, which happens only for code tasks: the validator's run was ended by a limit (a
-    wall limit, or a child killed by a signal: RLIMIT_CPU/AS/FSIZE), or a task the worker scored 0
-    passes here (a limit hit on the worker's side looks exactly so). Otherwise ``reward`` (a
-    cheat). The submission is rejected either way; only a cheat reason can lead to a ban.
+    ``limit_hit`` (benign) when a resource limit may explain the difference rather than the
+    worker: the validator's own scoring hit one (``RewardResult.limit_hit``: wall, CPU, memory or
+    output; wall and CPU depend on this machine's load), or the worker reported less than the
+    recomputed task reward (a limit hit on the worker's side looks exactly so, and an
+    under-report gains a worker nothing). Otherwise ``reward`` (a cheat). The submission is
+    rejected either way; only a cheat reason can lead to a ban.
     """
-    if task_type == "prime_rl_code" and (reported_task < recomputed_task or _LIMIT_DETAIL.match(detail or "")):
+    if limit_hit is not None or reported_task < recomputed_task:
         return "limit_hit"
     return "reward"

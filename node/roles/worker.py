@@ -16,6 +16,7 @@ from node.errors import FetchError
 from node.p2p import GossipConfig, GossipNode
 from node.roles import run_until_stopped, sleep_unless
 from node.policy import POLL_INTERVAL_S, PolicyFollower, gossip_sources, relays_lagging
+from node.retry import Backoff, FailureLog
 from node.status_http import StatusServer
 from node.worker.rollouts import BuildStats, build_submission
 from node.worker.spool import Spool
@@ -30,6 +31,8 @@ from protocol.runspec import SignedRunSpec
 logger = logging.getLogger(__name__)
 
 LATE_RETRY_S = 2.0
+LATE_RETRY_MAX_S = 15.0
+"""While too late to generate and the fetch fails, retries back off from LATE_RETRY_S to this (seconds, before jitter)."""
 """Wait between fetch attempts while the held policy is too old to generate with, seconds."""
 MAX_SPOOL_AHEAD = 2
 """Generate no further while this many submissions wait in the spool (the ingest pushes back)."""
@@ -93,6 +96,8 @@ class Worker:
         self._stop = asyncio.Event()
         self._kick = asyncio.Event()
         self._last_poll = 0.0  # monotonic time of the last manifest poll
+        self._late_backoff = Backoff(base_s=LATE_RETRY_S, max_s=LATE_RETRY_MAX_S)
+        self._late_log = FailureLog(logger, interval_s=30.0)
         self._sender: asyncio.Task[None] | None = None
         self.registry = CollectorRegistry()
         self.m_tokens = Counter("intellect_worker_tokens", "Completion tokens generated", registry=self.registry)
@@ -199,14 +204,16 @@ class Worker:
             self.m_step.set(latest)
             if self.gossip is not None:
                 self.gossip.set_record(policy_step=latest)
+            self._late_backoff.reset()
+            self._late_log.recovered(f"policy step {latest} fetched")
             return True
         except FetchError as e:
             if self.policy_step >= latest - self.spec.rl.async_level:
                 logger.info("cannot fetch step %d yet (%s); generating with step %d", latest, e, self.policy_step)
                 return True
             self.state = f"late: hold step {self.policy_step}, need ≥ {latest - self.spec.rl.async_level}; fetch failed: {e}"
-            logger.warning(self.state)
-            await self._sleep(LATE_RETRY_S)
+            self._late_log.failed(self.state)
+            await self._sleep(self._late_backoff.next_delay())
             return False
 
     def _load(self, path: Path) -> None:

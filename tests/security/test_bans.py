@@ -131,21 +131,17 @@ def test_reason_families_are_disjoint() -> None:
 
 
 @pytest.mark.parametrize(
-    ("task_type", "reported", "recomputed", "detail", "reason"),
+    ("reported", "recomputed", "limit_hit", "reason"),
     [
-        # the validator's run of a code task hit a limit: the worker may be right (issue 12, item 9)
-        ("prime_rl_code", 1.0, 0.0, "wall limit of 15.0 s reached", "limit_hit"),
-        ("prime_rl_code", 1.0, 0.0, "total wall limit of 60.0 s reached at case 2", "limit_hit"),
-        ("prime_rl_code", 1.0, 0.0, "case 1: exit status -9: ", "limit_hit"),
-        ("prime_rl_code", 1.0, 0.0, "no result (exit status -24): ", "limit_hit"),
-        # the worker's run hit a limit: it scored 0 what passes here
-        ("prime_rl_code", 0.0, 1.0, "3/3 tests passed; ", "limit_hit"),
-        # an inflated reward with no limit in sight, even when the program's own output says "limit"
-        ("prime_rl_code", 1.0, 0.0, "0/3 tests passed; wall limit of 15 s reached", "reward"),
-        ("prime_rl_code", 1.0, 0.0, "case 0: wrong output", "reward"),
-        ("verifiable_math", 1.0, 0.0, "math_verify 'wall limit of ' ≠ '3'", "reward"),
-        ("verifiable_math", 0.0, 1.0, "number '3' = '3'", "reward"),
+        # the validator's own scoring hit a limit (its load, its memory): the worker may be right (issue 12, item 9)
+        (1.0, 0.0, "wall", "limit_hit"),
+        (1.0, 0.0, "cpu", "limit_hit"),
+        (1.0, 0.0, "memory", "limit_hit"),
+        # the worker's scoring hit a limit: it scored 0 what passes here
+        (0.0, 1.0, None, "limit_hit"),
+        # an inflated reward with no limit in sight
+        (1.0, 0.0, None, "reward"),
     ],
 )
-def test_reward_mismatch_reasons(task_type: str, reported: float, recomputed: float, detail: str, reason: str) -> None:
-    assert _reward_mismatch_reason(task_type, reported, recomputed, detail) == reason
+def test_reward_mismatch_reasons(reported: float, recomputed: float, limit_hit: str | None, reason: str) -> None:
+    assert _reward_mismatch_reason(reported, recomputed, limit_hit) == reason
