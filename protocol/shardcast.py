@@ -41,6 +41,10 @@ MIN_PIECE_SIZE_BYTES = 64 << 10
 MAX_PIECE_SIZE_BYTES = 1 << 30
 READ_CHUNK_BYTES = 1 << 20
 """Streams are read in chunks of at most this many bytes, so memory stays flat."""
+MANIFEST_FETCH_LIMIT_BYTES = 4 << 20
+"""Largest manifest envelope a fetcher reads by default, bytes (≈ 120 000 pieces: 1.9 TB at
+16 MiB pieces); a publisher refuses to sign a larger one (use larger pieces). Tighter than
+``Manifest.MAX_BYTES`` because fetchers read manifests from anyone (issue #12)."""
 
 
 class PieceMismatchError(ProtocolError):

@@ -267,3 +267,7 @@ def _reward_mismatch_reason(reported_task: float, recomputed_task: float, limit_
     if limit_hit is not None or reported_task < recomputed_task:
         return "limit_hit"
     return "reward"
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else 1e9

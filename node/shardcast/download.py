@@ -31,15 +31,15 @@ from protocol.content import hex_id
 from protocol.envelope import Authorities, Envelope
 from protocol.errors import ProtocolError
 from protocol.messages import Manifest
-from protocol.shardcast import READ_CHUNK_BYTES, ROUTE_PREFIX, PieceId, PieceRef, open_manifest
+from protocol.shardcast import MANIFEST_FETCH_LIMIT_BYTES, READ_CHUNK_BYTES, ROUTE_PREFIX, PieceId, PieceRef, open_manifest
 
 logger = logging.getLogger(__name__)
 
 MAX_HELD_BYTES = 64 << 10
 """Largest ``/held`` answer read, in bytes."""
 
-DEFAULT_MAX_MANIFEST_BYTES = 4 << 20
-"""Largest manifest a fetcher reads, in bytes (≈ 120 000 pieces: 1.9 TB at 16 MiB pieces)."""
+DEFAULT_MAX_MANIFEST_BYTES = MANIFEST_FETCH_LIMIT_BYTES
+"""Largest manifest a fetcher reads, in bytes (``protocol.shardcast.MANIFEST_FETCH_LIMIT_BYTES``)."""
 
 WRITE_BATCH_BYTES = 2 << 20
 """Received bytes are hashed and written off the event loop in batches of about this size."""

@@ -19,7 +19,7 @@ from protocol.envelope import Envelope, seal
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
 from protocol.messages import Manifest
-from protocol.shardcast import DEFAULT_PIECE_SIZE_BYTES, build_manifest
+from protocol.shardcast import DEFAULT_PIECE_SIZE_BYTES, MANIFEST_FETCH_LIMIT_BYTES, build_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,8 @@ def publish_checkpoint(
 
     Raises:
         ShardcastError: unreadable files, duplicate names, a step already published with other
-            content, or a key that is not the run's coordinator.
+            content, a key that is not the run's coordinator, or a manifest over the fetch limit
+            (``protocol.shardcast.MANIFEST_FETCH_LIMIT_BYTES``: choose a larger piece size).
     """
     if key.public_key != store.authorities.coordinator:
         raise ShardcastError(f"key {key.peer_id} is not the coordinator of this run; only it can publish")
@@ -111,6 +112,11 @@ def publish_checkpoint(
             raise ShardcastError(f"step {step} is already published with different content")
         return existing
     raw = seal(key, store.run_id, manifest)
+    if len(raw) > MANIFEST_FETCH_LIMIT_BYTES:  # fetchers would refuse it as oversized
+        raise ShardcastError(
+            f"the manifest of step {step} is {len(raw)} bytes, over the {MANIFEST_FETCH_LIMIT_BYTES} bytes fetchers read; "
+            f"use a larger shardcast.piece_size_bytes (now {piece_size_bytes})"
+        )
     if delta_from is not None and delta_from < step and existing is None:
         from node.shardcast.delta import publish_delta  # numpy/zstandard only when deltas are used
 

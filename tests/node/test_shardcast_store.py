@@ -177,3 +177,15 @@ def test_crashed_process_marker_from_this_boot_is_dropped_without_rehashing(tmp_
     monkeypatch.setattr(store_mod.ShardcastStore, "verify_pieces", lambda self: pytest.fail("no re-hash after a process crash"))
     again = _durable_store(run, tmp_path / "node")
     assert again.held_steps() == [1] and _markers(again) == []
+
+
+def test_publish_refuses_a_manifest_fetchers_would_refuse(tmp_path, monkeypatch):
+    """A manifest over the fetch limit (protocol.shardcast.MANIFEST_FETCH_LIMIT_BYTES) is not published."""
+    import node.shardcast.publish as pub
+
+    run = make_run()
+    store = make_store(run, tmp_path / "node")
+    monkeypatch.setattr(pub, "MANIFEST_FETCH_LIMIT_BYTES", 1024)  # 2 MiB at 64 KiB pieces: 32 piece IDs ≈ 1.2 KB
+    with pytest.raises(ShardcastError, match="larger shardcast.piece_size_bytes"):
+        publish(run, store, write_checkpoint(tmp_path / "m.safetensors", 2.0), 1)
+    assert store.steps() == []
