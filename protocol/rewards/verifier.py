@@ -99,7 +99,7 @@ class _Verifier:
         """``(ok, limit_hit, detail)``; kills this verifier on a timeout or a broken pipe."""
         assert self.proc.stdin is not None
         try:
-            self.proc.stdin.write(json.dumps({"gold": gold, "answer": answer}).encode("utf-8") + b"\n")
+            self.proc.stdin.write(json.dumps({"gold": gold, "answer": answer, "timeout_s": timeout_s}).encode("utf-8") + b"\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             self.kill()
