@@ -110,6 +110,10 @@ class Worker:
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if any(t.task_type == "prime_rl_code" for t in self.tasks):
+            from protocol.rewards.sandbox import require_sandbox
+
+            await asyncio.to_thread(require_sandbox)  # code tasks only in a real sandbox: RewardError naming what to install
         if self.options.gossip is not None:
             self.gossip = await GossipNode.create(self.spec, self.key, self.options.gossip, role="worker")
             self.gossip.on_announcement(self._on_announcement)
