@@ -18,7 +18,11 @@ delta, clients apply it (``fetch_step``); **full**: the same step published with
 relays and clients fetch all pieces (``fetch_checkpoint``). Each client reports its peak RSS
 (``VmHWM``).
 
-Run: ``python benchmarks/delta_bench.py [--hidden 768 --layers 12 --vocab 32000] [--steps 3]``.
+With ``--link-mibps R`` part 2 runs again with every hop (origin → each relay, each relay → its
+clients) through a shared link capped at R MiB/s (an in-process forwarding proxy), since on an
+uncapped loopback the network costs nothing and both modes are bound by local hashing and disk.
+
+Run: ``python benchmarks/delta_bench.py [--hidden 768 --layers 12 --vocab 32000] [--steps 3] [--link-mibps 50]``.
 Timings on a shared machine vary; both modes run in the same process, one after the other.
 """
 
@@ -74,6 +78,57 @@ print(json.dumps({"done": time.monotonic(), "via": via, "bytes": nbytes, "vmhwm_
 """
 
 
+class Link:
+    """A bandwidth-capped HTTP hop in front of ``upstream``: every byte it forwards, over all its
+    connections together, waits its turn at ``rate_bps`` (a shared link of that capacity)."""
+
+    def __init__(self, upstream: str, rate_bps: float) -> None:
+        self.upstream, self.rate_bps = upstream, rate_bps
+        self.url = ""
+        self._t = 0.0
+        self._runner = None
+        self._session = None
+
+    async def start(self) -> None:
+        import aiohttp
+        from aiohttp import web
+
+        self._session = aiohttp.ClientSession(auto_decompress=False)
+        app = web.Application()
+        app.router.add_route("GET", "/{tail:.*}", self._forward)
+        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _forward(self, request):  # noqa: ANN001, ANN202
+        from aiohttp import web
+
+        loop = asyncio.get_running_loop()
+        async with self._session.get(self.upstream + request.path_qs) as up:  # type: ignore[union-attr]
+            keep = {k: v for k, v in up.headers.items() if k.lower() in ("content-length", "content-type", "etag") or k.lower().startswith("x-shardcast")}
+            resp = web.StreamResponse(status=up.status, headers=keep)
+            await resp.prepare(request)
+            try:
+                async for chunk in up.content.iter_chunked(256 << 10):
+                    now = loop.time()
+                    self._t = max(self._t, now) + len(chunk) / self.rate_bps
+                    if self._t > now:
+                        await asyncio.sleep(self._t - now)
+                    await resp.write(chunk)
+                await resp.write_eof()
+            except ConnectionResetError:  # the client gave up on this request (aiohttp's reset error subclasses it)
+                pass
+            return resp
+
+
 def train_policies(args: argparse.Namespace, lr: float, root: Path) -> list[Path]:
     import torch
     from trainer_toy import toy_batch
@@ -123,7 +178,7 @@ def delta_ratios(policies: list[Path]) -> list[tuple[int, int, int, int, int]]:
     return rows
 
 
-async def distribute(mode: str, prev: Path, nxt: Path, work: Path, piece_size: int) -> dict[str, float]:
+async def distribute(mode: str, prev: Path, nxt: Path, work: Path, piece_size: int, link_bps: float = 0.0) -> dict[str, float]:
     from node.shardcast.publish import checkpoint_files, publish_checkpoint
     from node.shardcast.relay import Relay, RelayConfig
     from node.shardcast.server import ShardcastServer
@@ -135,6 +190,7 @@ async def distribute(mode: str, prev: Path, nxt: Path, work: Path, piece_size: i
     spec = RunSpec(run=RunInfo(name=f"bench-{mode}", coordinator=key.peer_id), rl=RLSpec(async_level=1),
                    shardcast=ShardcastSpec(piece_size_bytes=piece_size, keep_steps=2))
     signed = sign_run_spec(spec, key)
+    work.mkdir(parents=True, exist_ok=True)
     spec_path = work / f"{mode}.toml"
     spec_path.write_text(dump_run_spec(signed))
 
@@ -145,9 +201,20 @@ async def distribute(mode: str, prev: Path, nxt: Path, work: Path, piece_size: i
     publish_checkpoint(origin, checkpoint_files(prev), step=0, key=key, piece_size_bytes=piece_size)
     server = ShardcastServer(origin)
     await server.start()
-    relays = [Relay(store(f"{mode}-relay{i}"), RelayConfig(upstreams=(server.url,), poll_interval_s=0.05)) for i in range(2)]
+    links: list[Link] = []
+
+    async def hop(url: str) -> str:
+        if not link_bps:
+            return url
+        links.append(Link(url, link_bps))
+        await links[-1].start()
+        return links[-1].url
+
+    origin_url = await hop(server.url)
+    relays = [Relay(store(f"{mode}-relay{i}"), RelayConfig(upstreams=(origin_url,), poll_interval_s=0.05)) for i in range(2)]
     for r in relays:
         await r.start()
+    relay_urls = [await hop(r.url) for r in relays]
     held = work / f"{mode}-held"
     procs: list[subprocess.Popen[str]] = []
     try:
@@ -162,7 +229,7 @@ async def distribute(mode: str, prev: Path, nxt: Path, work: Path, piece_size: i
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
         for i in range(4):
             p = subprocess.Popen([sys.executable, "-c", CLIENT, mode, str(spec_path), str(work / f"{mode}-client{i}"), str(held), "1",
-                                  *[r.url for r in relays]], stdout=subprocess.PIPE, text=True, env=env)
+                                  *relay_urls], stdout=subprocess.PIPE, text=True, env=env)
             procs.append(p)
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
@@ -185,6 +252,8 @@ async def distribute(mode: str, prev: Path, nxt: Path, work: Path, piece_size: i
                 p.kill()
         for r in relays:
             await r.stop()
+        for link in links:
+            await link.stop()
         await server.stop()
 
 
@@ -200,6 +269,8 @@ def main() -> None:
     ap.add_argument("--lrs", default="3e-7,1e-6,1e-5")
     ap.add_argument("--piece-size-mib", type=int, default=4)
     ap.add_argument("--skip-distribution", action="store_true")
+    ap.add_argument("--link-mibps", type=float, default=0.0,
+                    help="also time part 2 with every hop (origin→relay, relay→clients) a shared link of this many MiB/s")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -225,13 +296,15 @@ def main() -> None:
         prev, nxt = pols[mid][-2], pols[mid][-1]
         print(f"\nPart 2: origin → 2 relays → 4 clients, step {args.steps - 1} → {args.steps} at lr {mid:g}, "
               f"piece {args.piece_size_mib} MiB")
-        res = {m: asyncio.run(distribute(m, prev, nxt, work, args.piece_size_mib * MiB)) for m in ("full", "delta")}
-        print(f"{'mode':>6} {'publish s':>10} {'publish→last client s':>22} {'client bytes':>13} {'client VmHWM MiB':>17} {'via':>6}")
-        for m, r in res.items():
-            print(f"{m:>6} {r['publish_s']:>10.2f} {r['total_s']:>22.2f} {int(r['client_bytes']):>13d} {r['vmhwm_mib']:>17.1f} "
-                  f"{r['via']:>6}")
-        print(f"speed-up delta vs full: {res['full']['total_s'] / res['delta']['total_s']:.1f}× "
-              f"(without publishing: {(res['full']['total_s'] - res['full']['publish_s']) / max(1e-9, res['delta']['total_s'] - res['delta']['publish_s']):.1f}×)")
+        for link in ([0.0, args.link_mibps * MiB] if args.link_mibps else [0.0]):
+            res = {m: asyncio.run(distribute(m, prev, nxt, work / f"{m}-{link:g}", args.piece_size_mib * MiB, link)) for m in ("full", "delta")}
+            print(f"links: {'loopback, uncapped' if not link else f'{link / MiB:g} MiB/s per hop'}")
+            print(f"{'mode':>6} {'publish s':>10} {'publish→last client s':>22} {'client bytes':>13} {'client VmHWM MiB':>17} {'via':>6}")
+            for m, r in res.items():
+                print(f"{m:>6} {r['publish_s']:>10.2f} {r['total_s']:>22.2f} {int(r['client_bytes']):>13d} {r['vmhwm_mib']:>17.1f} "
+                      f"{r['via']:>6}")
+            print(f"speed-up delta vs full: {res['full']['total_s'] / res['delta']['total_s']:.1f}× (after the publish: "
+                  f"{(res['full']['total_s'] - res['full']['publish_s']) / max(1e-9, res['delta']['total_s'] - res['delta']['publish_s']):.1f}×)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
