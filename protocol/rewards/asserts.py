@@ -306,10 +306,24 @@ def _eval(node: Any, leaves: list[Any]) -> Any:
     return True
 
 
+def _has_leaf(node: Any) -> bool:
+    kind = node[0]
+    if kind == "leaf":
+        return True
+    if kind == "lit":
+        return False
+    if kind in ("truth", "not"):
+        return _has_leaf(node[1])
+    if kind in ("and", "or"):
+        return any(_has_leaf(c) for c in node[1])
+    return any(_has_leaf(c) for c in node[2])
+
+
 def judge_assert_records(plan: AssertPlan, records: list[dict[str, Any]]) -> tuple[Verdict, str]:
     """Whether the sandbox's records show every assert of ``plan`` holding.
 
-    Every site must have been reached at least once, every report of it must hold, and the
+    Every report of a site must hold, every site that checks a value from the sandbox must have
+    been reached at least once (a program cannot stop early after forging its end), and the
     harness must have reached its end (``{"done": true}``).
 
     Args:
@@ -342,7 +356,9 @@ def judge_assert_records(plan: AssertPlan, records: list[dict[str, Any]]) -> tup
         checked += 1
     if not any(rec.get("done") is True for rec in records):
         return "incomplete", f"tests did not finish ({checked} checks passed)"
-    missing = [i for i, n in enumerate(hit) if n == 0]
+    # an assert made of literals only (``assert False`` after a call expected to raise) may be
+    # skipped; one that checks the program's values must have run
+    missing = [i for i, n in enumerate(hit) if n == 0 and _has_leaf(plan.sites[i])]
     if missing:
         return "fail", f"assert {missing[0]} never ran"
     return "pass", f"{checked} checks passed"

@@ -362,3 +362,31 @@ def test_output_flood_is_bounded(humaneval):
     t0 = time.monotonic()
     assert reward(task, fenced("while True:\n    print('x' * 100000)"), limits) == 0.0
     assert time.monotonic() - t0 < 10
+
+
+def test_assert_forms_are_judged_in_the_parent():
+    # each (program, asserts, expected reward): the sandbox prints operands, this process compares
+    cases = [
+        ("def f(x):\n    return x * 2", ["assert f(2) == 4", "assert f(2) != 5", "assert 3 < f(2) <= 4"], 1.0),
+        ("def f(x):\n    return (x, x)", ["assert f(1) == (1, 1)"], 1.0),
+        ("def f(x):\n    return [x, x]", ["assert f(1) == (1, 1)"], 0.0),  # a list is not a tuple, as in Python
+        ("def f(x):\n    return None", ["assert f(1) is None", "assert not f(1)"], 1.0),
+        ("def f(x):\n    return 0", ["assert f(1) is False"], 0.0),
+        ("def f(x):\n    return {'a': 1} if x else {}", ["assert f(1) == {'a': 1} and not f(0)", "assert f(0) == {} or f(0) is None"], 1.0),
+        ("def f(x):\n    return 3.14159", ["import math\nassert math.isclose(f(1), 3.1416, rel_tol=1e-4)", "assert abs(f(1) - 3.14159) < 1e-9"], 1.0),
+        ("import collections\ndef f(s):\n    return collections.Counter(s)", ["assert f('aab') == {'a': 2, 'b': 1}"], 1.0),
+        ("import collections\ndef f(x):\n    return collections.deque([x])", ["import collections\nassert f(1) == collections.deque([1])"], 1.0),
+        ("def f(x):\n    return {(1, 2): {3}, 'k': frozenset({b'x'})}", ["assert f(0) == {(1, 2): {3}, 'k': frozenset({b'x'})}"], 1.0),
+        ("def f(x):\n    return float('nan')", ["assert f(0) == float('nan')"], 0.0),
+        ("def f(x):\n    return 'b'", ["assert f(0) in 'abc'", "assert f(0) not in ['a']"], 1.0),
+        ("def f(x):\n    if x < 0:\n        raise ValueError\n    return x", ["try:\n    f(-1)\n    assert False\nexcept ValueError:\n    pass"], 1.0),
+        ("def f(x):\n    return x", ["try:\n    f(-1)\n    assert False\nexcept ValueError:\n    pass"], 0.0),
+        ("def f(x):\n    return x", ["for i in range(50):\n    assert f(i) == i"], 1.0),
+        ("def f(x):\n    return x if x != 37 else 0", ["for i in range(50):\n    assert f(i) == i"], 0.0),
+        ("def f(x):\n    return f", ["assert f(0) == 1"], 0.0),  # a function is not a value
+    ]
+    for code, asserts, want in cases:
+        task = code_task("t", "t", {"assert_tests": asserts})
+        r = compute_reward(task, fenced(code), 10, None, 0.0, FAST)
+        assert r.task_reward == want, (code, asserts, r.detail)
+        assert r.limit_hit is None
