@@ -20,7 +20,8 @@ import pytest
 
 from protocol.messages import NodeRecord
 
-STEPS = 8
+STEPS = 20
+"""More than the test needs: it stops the devnet once it has seen what it checks."""
 START_TIMEOUT_S = 300.0
 CHROMIUM_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -67,20 +68,20 @@ def _wait_for(cond, timeout_s: float, what: str, proc: subprocess.Popen[bytes] |
 
 @pytest.fixture
 def devnet(tmp_path) -> Iterator[LiveDevnet]:
-    """A devnet (2 workers, 2 relays, 1 validator, a few steps) running while the test looks at it.
+    """A devnet (2 workers, 1 reward-inflating adversary, 2 relays, 1 validator) running while the test looks at it.
 
     Function-scoped: the suite's autouse fixture reaps every child process after each test."""
     out = tmp_path / "out"
     log = open(out.parent / "devnet.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "node", "devnet", "--steps", str(STEPS), "--workers", "2", "--relays", "2",
-                             "--validators", "1", "--no-dashboard", "--out", str(out), "--timeout", "500"],
+                             "--validators", "1", "--adversary", "inflated-reward", "--no-dashboard", "--out", str(out), "--timeout", "500"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
         url = _wait_for(lambda: (out / "run.toml").exists() and re.search(r"http://127\.0\.0\.1:\d+", (out / "run.toml").read_text()),
                         60, "the run spec", proc).group(0)
         # every role on gossip and the first trainer step done: the page has something to show
         _wait_for(lambda: (_get_json(f"{url}/api/run") or {}).get("trainer", {}).get("step", 0) >= 1
-                  and len((_get_json(f"{url}/api/run") or {}).get("nodes", [])) >= 6, START_TIMEOUT_S, "step 1 and all nodes", proc)
+                  and len((_get_json(f"{url}/api/run") or {}).get("nodes", [])) >= 7, START_TIMEOUT_S, "step 1 and all nodes", proc)
         yield LiveDevnet(out, url, proc)
     finally:
         if proc.poll() is None:
@@ -158,6 +159,17 @@ def _check_run_page(devnet: LiveDevnet, browser) -> None:
         return bool(want) and got == want and sum(want.values()) > 0
 
     WebDriverWait(browser, 120, poll_frequency=0.2).until(board_matches)
+    # the adversary's ban, with the rejecting verdict's evidence
+    from protocol.identity import NodeKey
+
+    adversary = NodeKey.load(devnet.out / "keys" / "adversary.key").peer_id
+
+    def ban_shown(d) -> bool:
+        return any(r[0] == adversary and r[1] == "reward" and "=" in r[5] for r in _table_rows(d, "bans") if len(r) > 5)
+
+    WebDriverWait(browser, 300, poll_frequency=0.25).until(ban_shown)
+    board = {r[1]: r for r in _table_rows(browser, "leaderboard")}
+    assert board[adversary][8].startswith("banned") and board[adversary][7] == "0.00"
     assert browser.execute_script("return document.querySelectorAll('#chart-reward svg path').length") > 0
     assert _table_rows(browser, "propagation"), "no propagation rows"
     assert _severe(browser) == [], _severe(browser)
