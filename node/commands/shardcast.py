@@ -34,6 +34,8 @@ def _publish(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--key", required=True, help="the coordinator's key file")
     p.add_argument("--data-dir", default=None, help=f"node data directory holding the store (default: {default_data_dir()})")
     p.add_argument("--meta", type=_meta_arg, action="append", default=[], metavar="KEY=VALUE", help="manifest annotation (repeatable)")
+    p.add_argument("--delta-from", type=int, default=None, metavar="STEP",
+                   help="also publish the step delta from this complete, earlier step of the store (docs/shardcast.md §9)")
     p.set_defaults(handler=_run_publish)
 
 
@@ -51,11 +53,16 @@ def _run_publish(args: argparse.Namespace) -> int:
         store = ShardcastStore(data_dir, run_id=signed.run_id, authorities=spec.authorities, keep_steps=spec.shardcast.keep_steps)
         env = publish_checkpoint(
             store, checkpoint_files(Path(args.path)), step=args.step, key=key,
-            piece_size_bytes=spec.shardcast.piece_size_bytes, meta=dict(args.meta),
+            piece_size_bytes=spec.shardcast.piece_size_bytes, meta=dict(args.meta), delta_from=args.delta_from,
         )
     except ShardcastError as e:
         raise CliError(str(e)) from None
     m = env.body
+    delta = store.delta(m.step) if args.delta_from is not None else None
+    if delta is not None:
+        print(f"delta {delta.body.base_step} → {m.step}: {delta.body.size_bytes} bytes, {len(delta.body.pieces)} pieces")
+    elif args.delta_from is not None:
+        print(f"no delta from step {args.delta_from} (see the log)", file=sys.stderr)
     print(
         f"published step {m.step}: {len(m.files)} file(s), {total_size_bytes(m)} bytes, "
         f"{sum(1 for _ in iter_pieces(m))} pieces of {m.piece_size_bytes} bytes; manifest {env.id.hex()}; store {store.root}"
@@ -72,6 +79,9 @@ def _fetch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="directory to create with the checkpoint files")
     p.add_argument("--concurrency", type=int, default=8, help="pieces downloaded at once (default 8)")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds (default 3600)")
+    p.add_argument("--held", default=None, metavar="DIR",
+                   help="a directory holding an earlier step (from an earlier fetch): reach --step by signed deltas from it "
+                        "when the sources have them, else fetch in full (docs/shardcast.md §9)")
     p.set_defaults(handler=_run_fetch)
 
 
@@ -89,6 +99,8 @@ def _run_fetch(args: argparse.Namespace) -> int:
     if args.concurrency < 1 or args.timeout <= 0:
         raise CliError("--concurrency must be ≥ 1 and --timeout > 0")
     cfg = DownloadConfig(max_concurrency=args.concurrency, deadline_s=args.timeout)
+    if args.held is not None:
+        return _fetch_held(args, signed, sources, cfg)
     try:
         res = asyncio.run(
             fetch_checkpoint(sources, Path(args.out), run_id=signed.run_id, authorities=signed.spec.authorities, step=args.step, config=cfg,
@@ -106,4 +118,27 @@ def _run_fetch(args: argparse.Namespace) -> int:
         f"fetched step {res.step} into {res.out_dir}: {mib:.1f} MiB downloaded in {res.elapsed_s:.2f} s"
         f" ({mib / max(res.elapsed_s, 1e-9):.0f} MiB/s), {res.pieces_resumed} pieces resumed"
     )
+    return 0
+
+
+def _fetch_held(args: argparse.Namespace, signed, sources: list[str], cfg) -> int:  # noqa: ANN001
+    """``fetch --held DIR``: deltas from the held step when possible, else the full checkpoint."""
+    import asyncio
+
+    from node.errors import FetchError
+    from node.shardcast.delta import fetch_step
+
+    try:
+        res = asyncio.run(fetch_step(sources, Path(args.out), run_id=signed.run_id, authorities=signed.spec.authorities,
+                                     held_dir=Path(args.held), step=args.step, max_chain=signed.spec.shardcast.max_delta_chain,
+                                     config=cfg))
+    except FetchError as e:
+        print(f"error: fetch failed: {e}", file=sys.stderr)
+        for url, reason in e.faulty_sources.items():
+            print(f"faulty source: {url} ({reason})", file=sys.stderr)
+        return 1
+    for url, reason in res.faulty_sources.items():
+        print(f"faulty source: {url} ({reason})", file=sys.stderr)
+    how = f"by {len(res.deltas_applied)} delta(s)" if res.via == "delta" else f"in full ({res.fallback_reason})"
+    print(f"fetched step {res.step} into {res.out_dir} {how}: {res.bytes_downloaded / 2**20:.1f} MiB downloaded in {res.elapsed_s:.2f} s")
     return 0

@@ -334,3 +334,36 @@ async def test_policy_follower_takes_deltas(origin, policies, tmp_path, caplog):
             await follower.close()
     assert _same_files(path, policies[2])
     assert any("policy step 2 from step 0 by 2 delta(s)" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_cli_publish_delta_and_fetch_held(tmp_path, policies, capsys):
+    import threading
+
+    from node.cli import main
+    from node.shardcast.server import ShardcastServer
+    from protocol.runspec import dump_run_spec
+
+    run = make_run(keep_steps=4)
+    (tmp_path / "run.toml").write_text(dump_run_spec(run.signed))
+    run.key.save(tmp_path / "coord.key")
+    common = ["--run", str(tmp_path / "run.toml")]
+    assert main(["publish", str(policies[0]), "--step", "0", *common, "--key", str(tmp_path / "coord.key"), "--data-dir", str(tmp_path / "o")]) == 0
+    assert main(["publish", str(policies[1]), "--step", "1", *common, "--key", str(tmp_path / "coord.key"), "--data-dir", str(tmp_path / "o"),
+                 "--delta-from", "0"]) == 0
+    assert "delta 0 → 1:" in capsys.readouterr().out
+    store = make_store(run, tmp_path / "o")
+    loop = asyncio.new_event_loop()
+    server = ShardcastServer(store)
+    loop.run_until_complete(server.start())
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        assert main(["fetch", *common, "--step", "0", "--source", server.url, "--out", str(tmp_path / "c0")]) == 0
+        assert main(["fetch", *common, "--step", "1", "--source", server.url, "--out", str(tmp_path / "c1"), "--held", str(tmp_path / "c0")]) == 0
+        assert "by 1 delta(s)" in capsys.readouterr().out
+        assert _same_files(tmp_path / "c1", policies[1])
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(timeout=10)
+        loop.close()
