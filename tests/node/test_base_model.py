@@ -126,3 +126,35 @@ def test_engine_hot_swap_of_a_bf16_checkpoint_computes_in_float32(base):
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         assert torch.equal(engine.model(input_ids=ids).logits, fresh(input_ids=ids).logits)
+
+
+async def test_worker_refuses_a_step_0_that_is_not_the_pinned_base(tmp_path):
+    """Workers and validators check a fetched policy step 0 against ``model.base_hash``."""
+    from shardcast_fixtures import Run, make_store, serving, write_checkpoint
+
+    from node.errors import FetchError
+    from node.policy import PolicyFollower
+    from node.shardcast import publish_checkpoint
+    from protocol.identity import NodeKey
+    from protocol.runspec import ModelSpec, RunInfo, RunSpec, sign_run_spec
+
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt / "model.safetensors", size_mib=0.1)
+    (ckpt / "config.json").write_text('{"model_type": "qwen2"}')
+    for pinned, ok in ((base_hash(ckpt), True), ("0" * 64, False)):
+        key = NodeKey.generate()
+        spec = RunSpec(run=RunInfo(coordinator=key.peer_id), model=ModelSpec(base=str(ckpt), base_hash=pinned))
+        run = Run(key, sign_run_spec(spec, key))
+        origin = make_store(run, tmp_path / f"origin-{ok}")
+        publish_checkpoint(origin, sorted(ckpt.iterdir()), step=0, key=key, piece_size_bytes=spec.shardcast.piece_size_bytes)
+        async with serving(origin) as server:
+            follower = PolicyFollower(spec, tmp_path / f"fetched-{ok}", lambda step, url=server.url: [url])
+            try:
+                if ok:
+                    assert base_hash(await follower.fetch(0)) == pinned
+                else:
+                    with pytest.raises(FetchError, match="not the run's base model"):
+                        await follower.fetch(0)
+                    assert not follower.have(0)
+            finally:
+                await follower.close()
