@@ -1,7 +1,8 @@
 """Resolve the run spec's ``data.tasks`` into the training tasks and the held-out tasks.
 
 ``data.tasks`` is ``"embedded"`` (the devnet's addition set), a public set name known to
-:func:`protocol.tasks.convert` (``gsm8k``, ``math500``, ``humaneval``, ``mbpp``, …, read from a
+:func:`protocol.tasks.convert` (``gsm8k`` = the GSM8K test split, ``gsm8k_train``, ``math500``,
+``math_train``, ``humaneval``, ``mbpp``: :data:`protocol.tasks.CONVERTER_SPLITS`, read from a
 data root the caller passes), or a path to a file in the INTELLECT-2 schema. Every node resolves
 it the same way; ``data.tasks_hash`` (when set) pins the training list's content so a node with
 different files refuses to start instead of deriving different tasks.
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.embedded import embedded_tasks, split_heldout
-from protocol.tasks import CONVERTER_NAMES, Task, TaskError, convert, dataset_hash, load_tasks
+from protocol.tasks import CONVERTER_NAMES, Task, TaskError, convert, dataset_hash, load_tasks, task_set_help
 
 HELDOUT_EVERY_EMBEDDED = 5
 HELDOUT_EVERY_PUBLIC = 50
@@ -52,7 +53,7 @@ def resolve_tasks(ref: str, data_root: Path | None = None, expected_hash: str = 
     else:
         path = Path(ref)
         if not path.exists():
-            raise TaskError(f"data.tasks {ref!r} is neither 'embedded', a known set ({', '.join(CONVERTER_NAMES)}) nor an existing file")
+            raise TaskError(f"data.tasks {ref!r} is neither 'embedded', a known set ({task_set_help()}) nor an existing file")
         try:
             tasks = load_tasks(path)
         except TaskError:

@@ -317,3 +317,14 @@ def test_build_messages():
     assert build_messages(task, None, length_prompt_location="system_prompt") == [{"role": "user", "content": task.prompt}]
     with pytest.raises(TaskError):
         build_messages(task, 10, length_prompt_location="elsewhere")  # type: ignore[arg-type]
+
+
+def test_task_set_names_list_their_split():
+    from protocol.dataset import resolve_tasks
+    from protocol.tasks import CONVERTER_NAMES, CONVERTER_SPLITS, task_set_help
+
+    assert set(CONVERTER_SPLITS) == set(CONVERTER_NAMES)
+    assert "gsm8k (GSM8K test split" in task_set_help() and "gsm8k_train (GSM8K train split" in task_set_help()
+    with pytest.raises(TaskError, match="gsm8k_train") as e:
+        resolve_tasks("gsm9k")
+    assert "\n" not in str(e.value)
