@@ -195,6 +195,7 @@ class RunPage:
         self._last_alive: dict[str, dict[str, Any]] = {}
         self._snapshot: bytes = b""
         self._task: asyncio.Task[None] | None = None
+        self._refreshing: asyncio.Lock | None = None  # one rebuild at a time (made on the loop)
 
     # --- wiring --------------------------------------------------------------------------------
 
@@ -245,9 +246,11 @@ class RunPage:
                 logger.exception("run page refresh failed")
 
     async def _refresh(self) -> None:
-        nodes = self._nodes()  # the peer table belongs to the event loop: read it here
-        snap = await asyncio.to_thread(self.build, nodes)
-        self._snapshot = snap
+        if self._refreshing is None:
+            self._refreshing = asyncio.Lock()
+        async with self._refreshing:  # a request before start() must not race the first rebuild
+            nodes = self._nodes()  # the peer table belongs to the event loop: read it here
+            self._snapshot = await asyncio.to_thread(self.build, nodes)
 
     def _nodes(self) -> list[dict[str, Any]]:
         now = time.monotonic()

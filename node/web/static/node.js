@@ -18,7 +18,7 @@ function render(s) {
   const state = s.state || (s.role === "relay" ? "serving" : "–");
   document.getElementById("state").textContent = state;
   const waiting = s.waiting_for || (WAIT_WORDS.test(state) ? state : "");
-  document.getElementById("waiting").textContent = waiting ? `waiting for: ${waiting}` : "";
+  document.getElementById("waiting").textContent = waiting ? `waiting — ${waiting}` : "";
   document.getElementById("updated").textContent = "updated " + new Date().toISOString().slice(11, 19) + " UTC";
   const rates = Object.entries(s).filter(([k, v]) => RATE_KEYS.test(k) && k !== "last_errors");
   fillTable(document.getElementById("throughput"), [["", false], ["", true]], rates.map(([k, v]) => [k, cell(v)]));
