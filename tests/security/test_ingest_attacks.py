@@ -219,3 +219,28 @@ async def test_slowloris_half_open_connections_do_not_starve_status(tmp_path: Pa
                 attacker.wait()
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_status_servers_get_the_same_protections() -> None:
+    """A worker's or validator's status port: connection cap per address, header timeout, no compressed bodies."""
+    from prometheus_client import CollectorRegistry
+
+    from node.status_http import StatusServer
+
+    server = StatusServer(lambda: {"role": "worker"}, CollectorRegistry())
+    await server.start()
+    attacker = subprocess.Popen([sys.executable, "-c", SLOWLORIS, "127.0.0.1", str(server.port), "300"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(attacker.stdout.readline), timeout=30)
+        assert line.strip() == "ready"
+        assert len(server._runner.server.connections) <= ServerLimits().max_connections_per_ip  # type: ignore[union-attr]
+        async with honest_session(server.url) as http:
+            async with http.get("/status") as r:
+                assert r.status == 200 and (await r.json())["role"] == "worker"
+            status, body = await post(http, "/status", zlib.compress(b"x" * 1000), headers={"Content-Encoding": "deflate"})
+            assert status == 415 and body["error"] == "unsupported_encoding"
+    finally:
+        attacker.kill()
+        attacker.wait()
+        await server.stop()
