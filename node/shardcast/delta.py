@@ -239,7 +239,8 @@ async def _ask_delta(session: aiohttp.ClientSession, pool: SourcePool, step: int
                      cfg: DownloadConfig) -> Envelope[DeltaManifest] | None:
     """The delta into ``step`` from the first usable source that has a valid one (evidence recorded).
 
-    Origins first, then relays that delivered, so silent relay candidates are asked last.
+    Origins first, then relays that delivered, so silent relay candidates are asked last; when an
+    origin says it has no such delta (404), relays are not asked (they only mirror what it published).
     """
     for src in sorted(pool.usable(), key=lambda s: (not s.origin, not s.proven)):
         try:
@@ -249,6 +250,8 @@ async def _ask_delta(session: aiohttp.ClientSession, pool: SourcePool, step: int
             continue
         if env is not None:
             return env
+        if src.origin:
+            return None
     return None
 
 

@@ -348,3 +348,35 @@ async def test_policy_follower_polls_and_fetches_past_tarpit_relays(origin, tmp_
         finally:
             await follower.close()
     assert (out / "model.safetensors").read_bytes() == ckpt.read_bytes()
+
+
+async def test_next_step_without_a_delta_is_fetched_in_full_without_asking_tarpits(tmp_path):
+    """The follower holds step 1; step 2 has no delta at the origin: relays (tarpits) are not asked for one."""
+    from node.shardcast.publish import publish_checkpoint
+
+    run = make_run()
+    store = make_store(run, tmp_path / "origin")
+
+    def publish_step(step: int) -> Path:
+        d = tmp_path / f"s{step}"
+        ckpt = write_checkpoint(d / "model.safetensors", 1.0, seed=step)
+        (d / "config.json").write_text("{}")
+        publish_checkpoint(store, [ckpt, d / "config.json"], step=step, key=run.key, piece_size_bytes=run.signed.spec.shardcast.piece_size_bytes)
+        return ckpt
+
+    publish_step(1)
+    async with serving(store) as o, tarpits(20) as pit:
+        table = gossip_view(run, o.url, pit.urls, 1)
+        follower = PolicyFollower(run.signed.spec, tmp_path / "ckpts", GossipSources(SimpleNamespace(peers=table), run.signed.spec))
+        follower._cfg = dataclasses.replace(CFG, stall_timeout_s=30.0)
+        try:
+            await follower.fetch(1)
+            assert follower.have(1)
+            ckpt2 = publish_step(2)  # no delta_from: the origin has no delta into step 2
+            for r in fake_relay_records(run, pit.urls, 2):
+                table.update(r, 2)
+            out = await follower.fetch(2)
+        finally:
+            await follower.close()
+    assert (out / "model.safetensors").read_bytes() == ckpt2.read_bytes()
+    assert not [r for reqs in pit.requests.values() for r in reqs if "/deltas/" in r], "no tarpit was asked for a delta"
