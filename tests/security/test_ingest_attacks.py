@@ -244,3 +244,25 @@ async def test_status_servers_get_the_same_protections() -> None:
         attacker.kill()
         attacker.wait()
         await server.stop()
+
+
+async def test_slow_big_bodies_cannot_pin_the_coordinators_memory(tmp_path: Path) -> None:
+    """Bodies declared at 30 MiB and sent slowly: at most 64 MiB of them per address are taken on."""
+    limits = IngestLimits(max_body_bytes_in_flight_per_ip=64 << 20)
+    async with running_ingest(tmp_path, limits=limits) as ing:
+        writers = []
+        try:
+            answers = []
+            for _ in range(3):
+                reader, writer = await asyncio.open_connection("127.0.0.1", ing.server.port, local_addr=(ATTACKER_IP, 0))
+                writers.append(writer)
+                writer.write(f"POST {SUBMISSIONS} HTTP/1.1\r\nHost: x\r\nContent-Length: {30 << 20}\r\n\r\n".encode() + b"\x88" * 1000)
+                await writer.drain()
+                answers.append(reader)
+            # the third is refused at once (the first two hold 60 MiB and wait for their bytes)
+            head = await asyncio.wait_for(answers[2].readuntil(b"\r\n\r\n"), timeout=10)
+            assert head.startswith(b"HTTP/1.1 429")
+            await honest_round(ing.url, NodeKey.generate(), 0)  # another address is not affected
+        finally:
+            for w in writers:
+                w.close()

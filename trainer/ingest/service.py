@@ -29,7 +29,7 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +94,9 @@ class IngestLimits:
         decode_timeout_s: time allowed to receive one request body, seconds.
         decode_concurrency_per_ip: envelopes from one IP address decoded at once (more wait).
         decode_concurrency: envelopes decoded at once in all.
+        max_body_bytes_in_flight_per_ip: submission bytes being received, decoded or stored at
+            once for one address (the declared length is reserved before reading), bytes.
+        max_body_bytes_in_flight: the same in all, bytes.
         lease_max_age_s: a ``lease_request/1`` older than this is refused, seconds; within it each
             one is accepted once (its ID is remembered that long).
         lease_nonce_capacity: lease-request IDs remembered; when full of unexpired IDs new lease
@@ -115,6 +118,8 @@ class IngestLimits:
     decode_timeout_s: float = 30.0
     decode_concurrency_per_ip: int = 2
     decode_concurrency: int = 4
+    max_body_bytes_in_flight_per_ip: int = 96 << 20
+    max_body_bytes_in_flight: int = 512 << 20
     lease_max_age_s: float = 60.0
     lease_nonce_capacity: int = 4096
     max_pending_rechecks: int = 64
@@ -168,6 +173,8 @@ class IngestService:
         self._peer_limiter = RateLimiter(self.limits.requests_per_s, self.limits.burst)
         self._decode_all = asyncio.Semaphore(self.limits.decode_concurrency)
         self._decode_ip: dict[str, tuple[asyncio.Semaphore, int]] = {}  # address → (semaphore, users)
+        self._inflight_ip: dict[str, int] = {}  # address → body bytes reserved
+        self._inflight = 0
         self._admit = asyncio.Lock()  # quota and counter checks and the store's add are one step
         self._lease_seen: OrderedDict[bytes, float] = OrderedDict()  # lease-request ID → forget after (epoch s)
         self._retired_s = 0.0
@@ -241,8 +248,33 @@ class IngestService:
         if n:
             logger.info("deleted %d submission files that fell out of the async window", n)
 
+    @contextlib.contextmanager
+    def _body_budget(self, request: web.Request, limit: int) -> Iterator[None]:
+        """Reserve the body's bytes (declared length, or ``limit`` for a chunked body) while it is
+        read, decoded and stored: at most ``max_body_bytes_in_flight_per_ip`` per address and
+        ``max_body_bytes_in_flight`` in all are held in memory; beyond, 429 ``busy``."""
+        ip = request.remote or "?"
+        n = min(request.content_length if request.content_length is not None else limit, limit)
+        lim = self.limits
+        if self._inflight_ip.get(ip, 0) + n > lim.max_body_bytes_in_flight_per_ip or self._inflight + n > lim.max_body_bytes_in_flight:
+            self.m_submissions.labels("busy").inc()
+            raise _error(429, "busy", f"too many request bytes in flight from {ip} or in all; retry later", retry_after=1.0)
+        self._inflight_ip[ip] = self._inflight_ip.get(ip, 0) + n
+        self._inflight += n
+        try:
+            yield
+        finally:
+            self._inflight -= n
+            self._inflight_ip[ip] -= n
+            if not self._inflight_ip[ip]:
+                del self._inflight_ip[ip]
+
     async def post_submission(self, request: web.Request) -> web.Response:
         self._ip_gate(request)
+        with self._body_budget(request, self.limits.max_submission_bytes):
+            return await self._post_submission(request)
+
+    async def _post_submission(self, request: web.Request) -> web.Response:
         ip = request.remote or "?"
         data = await self._read_body(request, self.limits.max_submission_bytes)
         async with self._decode_slot(ip):
