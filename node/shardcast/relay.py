@@ -36,7 +36,7 @@ from node.errors import FetchError, SourceError
 from node.shardcast.delta import mirror_delta, rebuild_from_delta
 from node.shardcast.download import DownloadConfig, PieceDownloader, get_held, get_manifest, make_session
 from node.shardcast.server import ShardcastServer
-from node.shardcast.sources import SourcePool
+from node.shardcast.sources import SourcePool, normalise_url
 from node.shardcast.store import PieceWriter, ShardcastStore
 from protocol.errors import ProtocolError
 from protocol.shardcast import PieceRef
@@ -72,6 +72,12 @@ class RelayConfig:
     peer_id: str = ""
 
 
+def _origins_among(urls: Iterable[str], origins: Iterable[str]) -> list[str]:
+    """The URLs of ``urls`` that name one of ``origins`` (trailing slashes ignored)."""
+    wanted = {normalise_url(o) for o in origins}
+    return [u for u in urls if normalise_url(u) in wanted]
+
+
 class Relay:
     """Serve a store and keep it filled from upstreams.
 
@@ -91,7 +97,7 @@ class Relay:
         self.server = ShardcastServer(store, host=self.config.host, port=self.config.port, peer_id=self.config.peer_id)
         self.pool = SourcePool(
             self.config.upstreams,
-            origins=[u for u in self.config.origins if u in self.config.upstreams],
+            origins=_origins_among(self.config.upstreams, self.config.origins),
             exploration=self.config.download.exploration,
             max_in_flight_per_source=self.config.download.max_in_flight_per_source,
             ban_s=self.config.upstream_ban_s,
@@ -130,7 +136,7 @@ class Relay:
                 ``urls`` named in ``config.origins``. An origin not in ``urls`` is added.
         """
         urls = list(urls)
-        chosen = list(origins) if origins is not None else [u for u in self.config.origins if u in urls]
+        chosen = list(origins) if origins is not None else _origins_among(urls, self.config.origins)
         self.pool.set_urls(urls, origins=chosen)
         self._wake.set()
         logger.info("upstreams: %s", ", ".join(self.pool.urls) or "none (origin)")
