@@ -127,7 +127,12 @@ def _launch() -> _Launch:
     python = os.path.realpath(sys.executable)
     prefix = os.path.realpath(sys.base_prefix)
     if not python.startswith(prefix + os.sep):
-        prefix = os.path.dirname(os.path.dirname(python))
+        # a venv made with --copies: run the base interpreter, whose prefix holds the stdlib
+        base_python = os.path.realpath(os.path.join(prefix, "bin", f"python{sys.version_info[0]}.{sys.version_info[1]}"))
+        if base_python.startswith(prefix + os.sep) and os.access(base_python, os.X_OK):
+            python = base_python
+        else:
+            prefix = os.path.dirname(os.path.dirname(python))
     binds: list[tuple[str, str]] = []
     prefix_cmd: list[str] = []
     if prefix != "/usr" and not prefix.startswith("/usr/"):
