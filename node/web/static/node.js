@@ -13,14 +13,17 @@ function cell(v) {
 function render(s) {
   document.getElementById("role").textContent = s.role || "node";
   document.getElementById("peer-id").textContent = s.peer_id || "";
-  const step = s.policy_step !== undefined ? s.policy_step : (s.held_steps && s.held_steps.length ? s.held_steps[s.held_steps.length - 1] : null);
+  // workers report the policy they generate with; validators and relays the latest step they know or hold
+  const step = s.policy_step !== undefined ? s.policy_step : s.latest_step !== undefined ? s.latest_step
+    : (s.held_steps && s.held_steps.length ? s.held_steps[s.held_steps.length - 1] : null);
   document.getElementById("policy-step").textContent = fmt(step);
   const state = s.state || (s.role === "relay" ? "serving" : "–");
-  document.getElementById("state").textContent = state;
-  const waiting = s.waiting_for || (WAIT_WORDS.test(state) ? state : "");
-  document.getElementById("waiting").textContent = waiting ? `waiting — ${waiting}` : "";
+  const stateEl = document.getElementById("state");
+  stateEl.textContent = state;
+  stateEl.className = WAIT_WORDS.test(state) ? "state warn" : "state ok";  // waiting states say what for and why
+  document.getElementById("waiting").textContent = s.waiting_for ? `waiting for: ${s.waiting_for}` : "";
   document.getElementById("updated").textContent = "updated " + new Date().toISOString().slice(11, 19) + " UTC";
-  const rates = Object.entries(s).filter(([k, v]) => RATE_KEYS.test(k) && k !== "last_errors");
+  const rates = Object.entries(s).filter(([k, v]) => RATE_KEYS.test(k) && (v === null || typeof v !== "object"));
   fillTable(document.getElementById("throughput"), [["", false], ["", true]], rates.map(([k, v]) => [k, cell(v)]));
   const errs = s.last_errors || [];
   const et = document.getElementById("errors");
