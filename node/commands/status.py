@@ -12,6 +12,9 @@ from node.cli import CliError, command, load_spec
 DEFAULT_WAIT_S = 10.0
 QUIET_HEARTBEATS = 1.5
 """Stop collecting once no new peer appeared for this many heartbeat intervals (after the first record)."""
+MIN_HEARTBEATS = 2.5
+"""…but collect at least this many heartbeat intervals after the first record, so every live peer
+(each publishes one record per interval) had a chance to be heard, even on a slow mesh."""
 
 
 @command
@@ -61,14 +64,17 @@ async def _collect(spec: Any, bootstrap: list[str], wait_s: float, listen_host: 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         quiet_s = QUIET_HEARTBEATS * node.heartbeat_interval_s
+        min_s = MIN_HEARTBEATS * node.heartbeat_interval_s
         seen: set[str] = set()
-        last_change = loop.time()
+        last_change = first_record = loop.time()
         while loop.time() < deadline:
             now_ids = {p.peer_id for p in node.peers}
             if now_ids - seen:
+                if not seen:
+                    first_record = loop.time()
                 seen |= now_ids
                 last_change = loop.time()
-            elif seen and loop.time() - last_change >= quiet_s:
+            elif seen and loop.time() - last_change >= quiet_s and loop.time() - first_record >= min_s:
                 break
             await asyncio.sleep(0.05)
         stats = await node.stats()
