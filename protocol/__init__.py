@@ -6,6 +6,7 @@ No sockets, no event loop, no paths of its own. What lives where:
 * ``encoding``  — canonical msgpack; ``envelope`` — signed envelopes (:func:`seal`, :func:`open_envelope`).
 * ``messages``  — typed message bodies; ``runspec`` — the signed run spec (:class:`RunSpec`).
 * ``content``   — content IDs (SHA-256).
+* ``shardcast``, ``delta`` — checkpoint pieces and manifests; step deltas (byte format, encoder, streaming applier).
 * ``toploc``, ``sampling`` — inference proofs and replayable sampling.
 * ``tasks``, ``rewards`` — task schema, derivation and the one reward implementation.
 """

@@ -8,6 +8,8 @@ What lives where (format rules are pure, in :mod:`protocol.shardcast`):
 * :mod:`.relay`    — :class:`Relay`, follow upstreams, verify, serve cut-through, keep the last K steps.
 * :mod:`.client`   — :func:`fetch_checkpoint`, multi-source verified download with resume.
 * :mod:`.download`, :mod:`.sources` — the HTTP fetch engine and source choice both use.
+* :mod:`.delta`    — step deltas: :func:`~.delta.publish_delta` (origin), :func:`~.delta.fetch_step`
+  (apply a delta chain, else fetch in full), relay mirroring and rebuilding from deltas.
 * :mod:`.weights`  — :func:`load_safetensors_dir`, load fetched weights (safetensors only).
 """
 
