@@ -6,11 +6,21 @@ Topics (``/intellect/<first 16 hex digits of the run ID>/<kind>/1``):
 ============ =============================== =================== ============================
 kind         message type                    signer              limit (bytes)
 ============ =============================== =================== ============================
-nodes        ``node_record/1``               the record's node   8 KiB
+nodes        ``node_record/1`` (infra roles) the record's node   8 KiB
+workers      ``node_record/1`` (worker,      the record's node   8 KiB
+             observer)
 checkpoints  ``checkpoint_announcement/1``   coordinator         4 KiB
 verdicts     ``verdict/1``                   a run validator     64 KiB
 bans         ``ban_list/1``                  coordinator         :data:`BAN_GOSSIP_MAX_BYTES` (128 KiB)
 ============ =============================== =================== ============================
+
+Records are split by who needs them (:func:`record_kind`, :func:`subscribed_kinds`): records
+of the *infrastructure* roles (coordinator, relay, validator: few, and every node needs them)
+go on ``nodes``, which everyone subscribes to; records of workers and observers (many, needed
+only to track their liveness) go on ``workers``, which only infrastructure nodes and silent
+observers subscribe to — a worker publishes there through gossipsub's fanout and never receives
+another worker's heartbeat, so its message rate does not grow with the number of workers
+(``docs/gossip.md``, message budget). A record on the wrong topic for its role is rejected.
 
 A node record claiming role ``coordinator`` must be signed by the run's coordinator key, and one
 claiming ``validator`` by a validator key of the run. Messages are never larger than
@@ -35,8 +45,10 @@ from protocol.envelope import Authorities, Envelope, open_envelope
 from protocol.errors import DecodeError, ProtocolError, SchemaError, SignatureError, WrongRunError
 from protocol.messages import BanList, CheckpointAnnouncement, KiB, Message, MiB, NodeRecord, Verdict
 
-TopicKind = Literal["nodes", "checkpoints", "verdicts", "bans"]
-TOPIC_KINDS: tuple[TopicKind, ...] = ("nodes", "checkpoints", "verdicts", "bans")
+TopicKind = Literal["nodes", "workers", "checkpoints", "verdicts", "bans"]
+TOPIC_KINDS: tuple[TopicKind, ...] = ("nodes", "workers", "checkpoints", "verdicts", "bans")
+INFRA_ROLES = frozenset({"coordinator", "relay", "validator"})
+"""Roles whose records go on the ``nodes`` topic (every node subscribes); the rest use ``workers``."""
 TOPIC_VERSION = 1
 GOSSIP_MAX_BYTES = 1 * MiB - 64 * KiB
 """Largest gossip payload, in bytes: under py-libp2p's 1 MiB RPC limit with room for framing."""
@@ -58,6 +70,7 @@ class TopicRule:
 
 TOPIC_RULES: dict[TopicKind, TopicRule] = {
     "nodes": TopicRule("nodes", NodeRecord, NodeRecord.MAX_BYTES),
+    "workers": TopicRule("workers", NodeRecord, NodeRecord.MAX_BYTES),
     "checkpoints": TopicRule("checkpoints", CheckpointAnnouncement, CheckpointAnnouncement.MAX_BYTES),
     "verdicts": TopicRule("verdicts", Verdict, Verdict.MAX_BYTES),
     "bans": TopicRule("bans", BanList, min(BanList.MAX_BYTES, BAN_GOSSIP_MAX_BYTES)),
@@ -76,6 +89,25 @@ def topic_names(run_id: bytes) -> dict[TopicKind, str]:
     return {kind: topic_name(run_id, kind) for kind in TOPIC_KINDS}
 
 
+def record_kind(role: str, *, split: bool = True) -> TopicKind:
+    """The topic a node of ``role`` publishes its records on (``split=False``: always ``nodes``,
+    the single-topic layout kept for benchmark comparison)."""
+    return "nodes" if role in INFRA_ROLES or not split else "workers"
+
+
+def subscribed_kinds(role: str, *, split: bool = True, publishes_records: bool = True) -> tuple[TopicKind, ...]:
+    """Topics a node of ``role`` subscribes to.
+
+    Everyone: ``nodes`` (infrastructure records), ``checkpoints``, ``verdicts``, ``bans``.
+    ``workers`` only for infrastructure roles (the coordinator and validators track workers'
+    liveness; relays carry worker records to them) and for a silent observer (``node status``,
+    ``publishes_records=False``) that wants the whole table. ``split=False``: every topic.
+    """
+    if not split or role in INFRA_ROLES or not publishes_records:
+        return TOPIC_KINDS
+    return tuple(k for k in TOPIC_KINDS if k != "workers")
+
+
 class DuplicateEnvelope(ProtocolError):
     """An envelope already accepted once (a replay within the freshness window, or an echo)."""
 
@@ -90,6 +122,8 @@ class EnvelopeValidator:
         max_age_s: oldest accepted timestamp, seconds before now.
         max_future_s: newest accepted timestamp, seconds after now (clock skew).
         clock: wall clock in seconds since the epoch (tests pass a fake one).
+        split_records: records must be on their role's topic (:func:`record_kind`); ``False``
+            accepts every record on ``nodes`` only (the single-topic layout).
     """
 
     def __init__(
@@ -100,7 +134,9 @@ class EnvelopeValidator:
         max_age_s: float,
         max_future_s: float,
         clock: Callable[[], float] = time.time,
+        split_records: bool = True,
     ) -> None:
+        self.split_records = split_records
         self.run_id = run_id
         self.authorities = authorities
         self.max_age_s = max_age_s
@@ -140,6 +176,9 @@ class EnvelopeValidator:
         )
         if isinstance(env.body, NodeRecord):
             self._check_role(env.body, env.signer)
+            if kind != record_kind(env.body.role, split=self.split_records):
+                raise SchemaError(f"a {env.body.role} record on the {kind} topic (it belongs on {record_kind(env.body.role, split=self.split_records)})",
+                                  "body.role")
         env_id = bytes(env.id)
         self._expire(now)
         if env_id in self._seen:

@@ -34,7 +34,16 @@ from node import __version__
 from node.errors import GossipError, PublishError
 from node.p2p.bridge import TrioBridge, TrioTaskHandle, make_bridge
 from node.p2p.config import GossipConfig
-from node.p2p.gossip import TOPIC_KINDS, EnvelopeValidator, PeerScores, TopicKind, penalty_for, topic_names
+from node.p2p.gossip import (
+    TOPIC_KINDS,
+    EnvelopeValidator,
+    PeerScores,
+    TopicKind,
+    penalty_for,
+    record_kind,
+    subscribed_kinds,
+    topic_names,
+)
 from node.p2p.host import P2PHost
 from node.p2p.peers import PeerTable
 from protocol.envelope import Envelope, seal
@@ -47,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 Handler = Callable[[Envelope[Any]], None | Awaitable[None]]
 """Called on the asyncio loop with each verified envelope of a topic; may be a coroutine function."""
+StepHandler = Callable[[int], None]
+"""Called on the asyncio loop with the new latest coordinator-signed checkpoint step."""
 
 CALL_TIMEOUT_S = 5.0
 """Limit of one asyncio → trio call (publish, stats), seconds."""
@@ -123,7 +134,8 @@ class GossipNode:
         )
         max_age_s = self.config.missed_heartbeats * self.heartbeat_interval_s + self.config.freshness_slack_s
         self._validator = EnvelopeValidator(
-            self.run_id, spec.authorities, max_age_s=max_age_s, max_future_s=self.config.max_future_s
+            self.run_id, spec.authorities, max_age_s=max_age_s, max_future_s=self.config.max_future_s,
+            split_records=self.config.split_records,
         )
         self._scores = PeerScores(self.config.penalty_limit, self.config.penalty_half_life_s)
         self._record: dict[str, Any] = {
@@ -135,6 +147,12 @@ class GossipNode:
         }
         self._seq = 0
         self._handlers: dict[TopicKind, list[Handler]] = {kind: [] for kind in TOPIC_KINDS}
+        self._step_handlers: list[StepHandler] = []
+        self._latest_step: int | None = None
+        # fixed at start: who needs whose records (node.p2p.gossip.subscribed_kinds)
+        self.subscribed: tuple[TopicKind, ...] = subscribed_kinds(
+            role, split=self.config.split_records, publishes_records=self.config.publish_records
+        )
         self._bridge = bridge
         self._owns_bridge = bridge is None
         self._host: P2PHost | None = None
@@ -312,8 +330,20 @@ class GossipNode:
     # --- what we hear ------------------------------------------------------------------------
 
     def on_record(self, handler: Handler) -> None:
-        """Call ``handler(envelope)`` for each verified :class:`NodeRecord` of another node."""
+        """Call ``handler(envelope)`` for each verified :class:`NodeRecord` of another node (of
+        the topics this node reads: a worker hears infrastructure records only)."""
         self._handlers["nodes"].append(handler)
+        self._handlers["workers"].append(handler)
+
+    def on_latest_step(self, handler: StepHandler) -> None:
+        """Call ``handler(step)`` each time the latest coordinator-signed checkpoint step rises.
+
+        Two signed sources raise it: a checkpoint announcement, and the coordinator's own node
+        record (``policy_step``, republished every heartbeat interval). So a node that missed
+        an announcement still learns its step within one heartbeat interval of the record that
+        follows it (``docs/gossip.md``, lost announcements).
+        """
+        self._step_handlers.append(handler)
 
     def on_announcement(self, handler: Handler) -> None:
         """Call ``handler(envelope)`` for each verified :class:`CheckpointAnnouncement`."""
@@ -381,7 +411,7 @@ class GossipNode:
     async def _beat(self) -> None:
         self._seq += 1
         try:
-            await self.publish("nodes", self.seal(self.make_record()))
+            await self.publish(record_kind(self._record["role"], split=self.config.split_records), self.seal(self.make_record()))
         except PublishError as e:
             logger.warning("heartbeat not published: %s", e)
 
@@ -405,6 +435,18 @@ class GossipNode:
                 task = asyncio.ensure_future(result)
                 self._handler_tasks.add(task)
                 task.add_done_callback(self._handler_done)
+        self._check_latest_step()
+
+    def _check_latest_step(self) -> None:
+        step = self.peers.latest_step()
+        if step is None or (self._latest_step is not None and step <= self._latest_step):
+            return
+        self._latest_step = step
+        for handler in self._step_handlers:
+            try:
+                handler(step)
+            except Exception:
+                logger.exception("latest-step handler %r failed", handler)
 
     def _handler_done(self, task: asyncio.Task[None]) -> None:
         self._handler_tasks.discard(task)
@@ -418,8 +460,8 @@ class GossipNode:
         self._host = host
         async with trio.open_nursery() as nursery:
             addrs = await nursery.start(host.serve)
-            for kind, topic in self.topics.items():
-                sub = await host.subscribe(topic, self._make_validator(kind, host))
+            for kind in self.subscribed:
+                sub = await host.subscribe(self.topics[kind], self._make_validator(kind, host))
                 nursery.start_soon(self._read_topic, kind, sub, host)
             bootstrap = list(dict.fromkeys([*self.config.bootstrap, *self.spec.network.bootstrap]))
             if bootstrap:

@@ -117,6 +117,7 @@ class Worker:
         if self.options.gossip is not None:
             self.gossip = await GossipNode.create(self.spec, self.key, self.options.gossip, role="worker")
             self.gossip.on_announcement(self._on_announcement)
+            self.gossip.on_latest_step(self.follower.note_step)  # a missed announcement: the coordinator's next record
             self.gossip.on_verdict(self._on_verdict)
         self.follower.sources = gossip_sources(self.gossip, self.spec)
         self.follower.relays_waiting = relays_lagging(self.gossip)

@@ -14,6 +14,8 @@ from node.p2p.gossip import (
     EnvelopeValidator,
     PeerScores,
     penalty_for,
+    record_kind,
+    subscribed_kinds,
     topic_name,
     topic_names,
 )
@@ -44,7 +46,7 @@ def validator(run: Run) -> EnvelopeValidator:
 def test_topic_names_are_per_run_and_versioned(run: Run) -> None:
     names = topic_names(run.spec.run_id)
     assert names["nodes"] == f"/intellect/{run.spec.run_id.hex()[:16]}/nodes/1"
-    assert set(names) == {"nodes", "checkpoints", "verdicts", "bans"}
+    assert set(names) == {"nodes", "workers", "checkpoints", "verdicts", "bans"}
     assert topic_name(Run().spec.run_id, "nodes") != names["nodes"]
     assert all(rule.max_bytes <= GOSSIP_MAX_BYTES < 1 << 20 for rule in TOPIC_RULES.values())
 
@@ -52,18 +54,20 @@ def test_topic_names_are_per_run_and_versioned(run: Run) -> None:
 def test_accepts_valid_messages_once(run: Run, validator: EnvelopeValidator) -> None:
     key = NodeKey.generate()
     data = seal(key, run.spec.run_id, record(key))
-    env = validator.check("nodes", data)
+    env = validator.check("workers", data)
     assert env.body.peer_id == key.peer_id
     with pytest.raises(DuplicateEnvelope):
-        validator.check("nodes", data)
+        validator.check("workers", data)
+    relay = NodeKey.generate()
+    assert validator.check("nodes", seal(relay, run.spec.run_id, record(relay, "relay"))).body.role == "relay"
     assert penalty_for(DuplicateEnvelope("x")) == ("duplicate", 0.0)
     ann = CheckpointAnnouncement(step=3, manifest_id=b"\1" * 32, checkpoint_hash=b"\2" * 32)
     assert validator.check("checkpoints", seal(run.coordinator, run.spec.run_id, ann)).body.step == 3
     assert validator.check("verdicts", seal(run.validator, run.spec.run_id, verdict(key))).body.accepted
     # remember=False (the publisher's pre-check) leaves the envelope acceptable afterwards
     fresh = seal(key, run.spec.run_id, record(key))
-    validator.check("nodes", fresh, remember=False)
-    validator.check("nodes", fresh)
+    validator.check("workers", fresh, remember=False)
+    validator.check("workers", fresh)
 
 
 def forgeries(run: Run) -> dict[str, tuple[str, bytes, type[ProtocolError], str]]:
@@ -84,6 +88,8 @@ def forgeries(run: Run) -> dict[str, tuple[str, bytes, type[ProtocolError], str]
         "replayed old timestamp": ("nodes", seal(mallory, rid, record(mallory), ts_ms=int(time.time() * 1000) - 3_600_000), SchemaError, "stale"),
         "from the future": ("nodes", seal(mallory, rid, record(mallory), ts_ms=int(time.time() * 1000) + 3_600_000), SchemaError, "stale"),
         "oversized": ("nodes", forge(mallory, rid, "node_record/1", {**rec, "version": "x" * 9000}), DecodeError, "malformed"),
+        "worker record on the nodes topic": ("nodes", seal(mallory, rid, record(mallory)), SchemaError, "bad_schema"),
+        "relay record on the workers topic": ("workers", seal(mallory, rid, record(mallory, "relay")), SchemaError, "bad_schema"),
         "garbage": ("verdicts", b"\x93\x01\x02" + b"\0" * 64, DecodeError, "malformed"),
     }
 
@@ -95,6 +101,23 @@ def test_rejects_forgeries(name: str, run: Run, validator: EnvelopeValidator) ->
         validator.check(kind, data)  # type: ignore[arg-type]
     assert penalty_for(info.value)[0] == reason
     assert penalty_for(info.value)[1] > 0
+
+
+def test_records_go_where_they_are_needed() -> None:
+    """Workers' heartbeats reach infrastructure nodes only; the single-topic layout stays available."""
+    assert record_kind("worker") == "workers" and record_kind("observer") == "workers"
+    assert {record_kind(r) for r in ("coordinator", "relay", "validator")} == {"nodes"}
+    assert record_kind("worker", split=False) == "nodes"
+    assert "workers" not in subscribed_kinds("worker")
+    assert all("workers" in subscribed_kinds(r) for r in ("coordinator", "relay", "validator"))
+    assert "workers" in subscribed_kinds("observer", publishes_records=False)  # node status: the whole table
+    assert set(subscribed_kinds("worker", split=False)) == set(TOPIC_RULES)
+
+
+def test_single_topic_layout_accepts_worker_records_on_nodes(run: Run) -> None:
+    flat = EnvelopeValidator(run.spec.run_id, run.spec.authorities, max_age_s=6.0, max_future_s=10.0, split_records=False)
+    key = NodeKey.generate()
+    assert flat.check("nodes", seal(key, run.spec.run_id, record(key))).body.role == "worker"
 
 
 def test_scores_decay_and_hit_the_limit() -> None:

@@ -15,6 +15,7 @@ import pytest
 from p2p_helpers import HEARTBEAT_S, REPO, NodeProcess, Run, config, eventually, forge, shared_bridge, swarm
 
 from node.p2p import GossipNode
+from node.p2p.gossip import DuplicateEnvelope
 from node.p2p.host import P2PHost, parse_peer_addr
 from protocol.envelope import Envelope, seal
 from protocol.identity import NodeKey
@@ -27,6 +28,10 @@ def announcement(step: int) -> CheckpointAnnouncement:
     return CheckpointAnnouncement(step=step, manifest_id=bytes([step]) * 32, checkpoint_hash=b"\2" * 32, origin_url="http://origin")
 
 
+def self_subscribed(node: GossipNode) -> set[str]:
+    return set(node.subscribed)
+
+
 async def test_eight_mixed_nodes_see_each_other_with_roles() -> None:
     run = Run()
     roles: list[tuple[str, NodeKey | None]] = [
@@ -37,14 +42,20 @@ async def test_eight_mixed_nodes_see_each_other_with_roles() -> None:
         start = time.monotonic()
         expected = {n.peer_id: role for n, (role, _) in zip(nodes, roles)}
 
-        def all_see_all() -> bool:
+        infra = {k: v for k, v in expected.items() if v != "worker"}
+
+        def tables_complete() -> bool:  # infrastructure nodes see everyone; workers see infrastructure only
             return all(
-                {p.peer_id: p.role for p in n.peers} == {k: v for k, v in expected.items() if k != n.peer_id} for n in nodes
+                {p.peer_id: p.role for p in n.peers} == {k: v for k, v in (infra if r == "worker" else expected).items() if k != n.peer_id}
+                for n, (r, _) in zip(nodes, roles)
             )
 
-        await eventually(all_see_all, 10.0)
+        await eventually(tables_complete, 10.0)
         assert time.monotonic() - start < 10.0
         worker = nodes[4]
+        assert self_subscribed(worker) == {"nodes", "checkpoints", "verdicts", "bans"}  # never reads other workers' heartbeats
+        assert self_subscribed(nodes[0]) == {"nodes", "workers", "checkpoints", "verdicts", "bans"}
+        assert "workers" not in (await worker.stats())["delivered"]
         assert worker.peers.coordinator().peer_id == run.coordinator.peer_id  # type: ignore[union-attr]
         assert [p.peer_id for p in worker.peers.validators()] == [run.validator.peer_id]
         assert worker.peer_id not in worker.peers  # own records are filtered
@@ -59,12 +70,40 @@ async def test_eight_mixed_nodes_see_each_other_with_roles() -> None:
         verdict = Verdict(submission_id=b"\0" * 32, worker=worker.peer_id, policy_step=5, counter=0, accepted=True, reason="ok")
         await validator.publish_verdict(validator.seal(verdict))
         relay.set_record(held_steps=[5], http_url="http://127.0.0.1:1/")
-        await eventually(lambda: all(len(v) == 2 for k, v in got.items() if k not in (coord.peer_id, validator.peer_id)), 5.0)
-        assert len(got[coord.peer_id]) == 1 and len(got[validator.peer_id]) == 1  # each hears the other's, not its own
+        await eventually(lambda: all(len(v) == 2 for k, v in got.items() if k not in (coord.peer_id, validator.peer_id)), 15.0)
+        await eventually(lambda: len(got[coord.peer_id]) == 1 and len(got[validator.peer_id]) == 1, 15.0)  # each hears the other's, not its own
         await eventually(lambda: [p.peer_id for p in worker.peers.relays_holding(5)] == [relay.peer_id], 5.0)
         assert worker.peers.latest_step() == 5
         stats = await worker.stats()
         assert stats["rejected"].get("bad_signer", 0) == 0 and stats["connected"] >= 3
+
+
+async def test_a_node_that_misses_an_announcement_learns_the_step_from_the_coordinators_next_record() -> None:
+    run = Run()
+    roles: list[tuple[str, NodeKey | None]] = [("relay", None), ("coordinator", run.coordinator), ("worker", None)]
+    async with shared_bridge() as bridge, swarm(run, roles, bridge=bridge) as nodes:
+        relay, coord, worker = nodes
+        await eventually(lambda: worker.peers.coordinator() is not None and len(relay.peers) == 2, 10.0)
+        real_check = worker._validator.check
+
+        def drop_announcements(kind: str, data: bytes, *, remember: bool = True) -> Any:  # this node loses every announcement
+            if kind == "checkpoints":
+                raise DuplicateEnvelope("dropped by the test")
+            return real_check(kind, data, remember=remember)  # type: ignore[arg-type]
+
+        worker._validator.check = drop_announcements  # type: ignore[method-assign]
+        heard: list[int] = []
+        learned: list[int] = []
+        relay_heard: list[int] = []
+        worker.on_announcement(lambda env: heard.append(env.body.step))
+        worker.on_latest_step(learned.append)
+        relay.on_announcement(lambda env: relay_heard.append(env.body.step))
+        coord.set_record(policy_step=9)  # what the coordinator does when it announces (node/coordinator/role.py)
+        await coord.publish_announcement(coord.seal(announcement(9)))
+        await eventually(lambda: relay_heard == [9], 10.0)  # the announcement did go out
+        await eventually(lambda: learned == [9], 3 * HEARTBEAT_S + 5.0)  # the worker learned it from the signed record
+        assert heard == [] and worker.peers.latest_step() == 9
+        await eventually(lambda: worker._rejected.get("duplicate", 0) >= 1, 5.0)  # it really was dropped here
 
 
 async def test_killed_node_expires_and_restarted_node_returns(tmp_path: Path) -> None:
@@ -98,7 +137,7 @@ async def test_killed_node_expires_and_restarted_node_returns(tmp_path: Path) ->
 
 async def test_forged_messages_are_not_delivered_nor_forwarded_and_the_sender_is_banned() -> None:
     run = Run()
-    async with shared_bridge() as bridge, swarm(run, [("relay", None), ("worker", None)], bridge=bridge) as (a, c):
+    async with shared_bridge() as bridge, swarm(run, [("relay", None), ("validator", run.validator)], bridge=bridge) as (a, c):
         # c is connected only to a; mallory is a raw libp2p host with no validators, connected only to a
         await eventually(lambda: c.peer_id in a.peers and a.peer_id in c.peers, 10.0)
         mallory_key = NodeKey.generate()
@@ -112,13 +151,13 @@ async def test_forged_messages_are_not_delivered_nor_forwarded_and_the_sender_is
             await bridge.run(mallory.host.connect, parse_peer_addr(a.addrs[0]), timeout_s=10)
 
             def mallory_sees_topics() -> bool:
-                return all(a.topics[k] in mallory.pubsub.peer_topics for k in ("nodes", "verdicts", "checkpoints"))
+                return all(a.topics[k] in mallory.pubsub.peer_topics for k in ("nodes", "workers", "verdicts", "checkpoints"))
 
             await eventually(mallory_sees_topics, 10.0)
             rid = run.spec.run_id
             # control: a valid record from mallory is delivered to a and forwarded to c
             valid = seal(mallory_key, rid, NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=1, version="m"))
-            await bridge.run(mallory.publish, a.topics["nodes"], valid, timeout_s=5)
+            await bridge.run(mallory.publish, a.topics["workers"], valid, timeout_s=5)
             await eventually(lambda: valid in delivered[a.peer_id] and valid in delivered[c.peer_id], 5.0)
 
             rec = NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=2, version="m").model_dump()
@@ -157,7 +196,7 @@ async def test_network_keeps_working_after_the_seed_dies() -> None:
     roles: list[tuple[str, NodeKey | None]] = [("relay", None), ("coordinator", run.coordinator), ("worker", None), ("worker", None)]
     async with shared_bridge() as bridge, swarm(run, roles, bridge=bridge) as nodes:
         seed, coord, w1, w2 = nodes
-        await eventually(lambda: all(len(n.peers) == 3 for n in nodes), 10.0)
+        await eventually(lambda: len(seed.peers) == 3 and len(coord.peers) == 3 and len(w1.peers) == 2 and len(w2.peers) == 2, 10.0)
 
         async def meshed() -> bool:
             counts = [(await n.stats())["connected"] for n in (coord, w1, w2)]
@@ -173,9 +212,10 @@ async def test_network_keeps_working_after_the_seed_dies() -> None:
         w2.on_announcement(lambda env: got.append(env.body.step))
         await coord.publish_announcement(coord.seal(announcement(7)))
         await eventually(lambda: got == [7], 5.0)
-        seen_at = w1.peers.get(w2.peer_id).last_seen  # type: ignore[union-attr]
-        await eventually(lambda: w1.peers.get(w2.peer_id) is not None and w1.peers.get(w2.peer_id).last_seen > seen_at, 3.0)  # type: ignore[union-attr]
-        assert {p.peer_id for p in w1.peers} == {coord.peer_id, w2.peer_id}
+        seen_at = coord.peers.get(w2.peer_id).last_seen  # type: ignore[union-attr]  # workers' records still reach the coordinator
+        await eventually(lambda: coord.peers.get(w2.peer_id) is not None and coord.peers.get(w2.peer_id).last_seen > seen_at, 3.0)  # type: ignore[union-attr]
+        assert {p.peer_id for p in w1.peers} == {coord.peer_id}
+        await eventually(lambda: {p.peer_id for p in coord.peers} == {w1.peer_id, w2.peer_id}, 3 * HEARTBEAT_S + 3.0)
 
 
 async def test_status_command_lists_peers_as_json(tmp_path: Path) -> None:
