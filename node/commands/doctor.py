@@ -1,7 +1,8 @@
 """`doctor`: check this machine and the run's services before joining, each check PASS/WARN/FAIL with a fix.
 
-Cheap on purpose (a devnet worker runs it at start): no torch import, no gossip join. Network checks
-are single HTTP GETs or TCP connects with a short timeout. Exit status 1 when any check FAILs.
+Cheap on purpose: no torch import; network checks are single HTTP GETs or TCP connects with a short
+timeout, plus (unless ``--gossip-wait 0``) a few seconds on the run's gossip as a silent observer
+to hear a signed record of this run. Exit status 1 when any check FAILs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from node.paths import default_data_dir
 Status = Literal["PASS", "WARN", "FAIL"]
 ROLES = ("worker", "relay", "validate")
 DEFAULT_TIMEOUT_S = 3.0
+DEFAULT_GOSSIP_WAIT_S = 5.0
+"""Longest wait on gossip for the coordinator's signed heartbeat, seconds (it beats every ``heartbeat_interval_s``)."""
 MAX_BODY_BYTES = 1 << 20
 """Largest HTTP answer a check reads, bytes."""
 MAX_RELAYS = 16
@@ -59,6 +62,9 @@ def _doctor(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--http-port", type=int, default=0, help="HTTP/status port the node will bind (default 0: any)")
     p.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port the node will bind (default 0: any)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S", help=f"per network check, seconds (default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--gossip-wait", type=float, default=DEFAULT_GOSSIP_WAIT_S, metavar="S",
+                   help=f"join the run's gossip as a silent observer for up to S seconds to hear the coordinator's signed heartbeat "
+                        f"(0: skip; default {DEFAULT_GOSSIP_WAIT_S:g})")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     p.set_defaults(handler=_run_doctor)
 
@@ -66,12 +72,14 @@ def _doctor(sub: argparse._SubParsersAction) -> None:
 def _run_doctor(args: argparse.Namespace) -> int:
     if not 0 < args.timeout <= 60:
         raise CliError("--timeout must be between 0 and 60 seconds")
+    if not 0 <= args.gossip_wait <= 300:
+        raise CliError("--gossip-wait must be between 0 and 300 seconds")
     for name in ("http_port", "p2p_port"):
         if not 0 <= getattr(args, name) <= 65535:
             raise CliError(f"--{name.replace('_', '-')} must be 0…65535")
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     checks = run_checks(Path(args.run), role=args.role, data_dir=data_dir, host=args.host, http_port=args.http_port,
-                        p2p_port=args.p2p_port, timeout_s=args.timeout)
+                        p2p_port=args.p2p_port, timeout_s=args.timeout, gossip_wait_s=args.gossip_wait)
     if args.json:
         print(json.dumps([asdict(c) for c in checks], indent=2))
     else:
@@ -83,7 +91,7 @@ def _run_doctor(args: argparse.Namespace) -> int:
 
 
 def run_checks(run: Path, *, role: str = "worker", data_dir: Path, host: str = "127.0.0.1", http_port: int = 0, p2p_port: int = 0,
-               timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Check]:
+               timeout_s: float = DEFAULT_TIMEOUT_S, gossip_wait_s: float = 0.0) -> list[Check]:
     """All checks for ``role`` against the run spec at ``run``, in report order.
 
     Args:
@@ -92,6 +100,7 @@ def run_checks(run: Path, *, role: str = "worker", data_dir: Path, host: str = "
         data_dir: where checkpoints will be kept (its file system's free space is checked).
         host, http_port, p2p_port: what the node will bind (0: any free port).
         timeout_s: per network check, seconds.
+        gossip_wait_s: longest wait on gossip for the coordinator's signed heartbeat, seconds (0: no gossip check).
 
     Returns:
         The checks; a spec that does not verify ends the list after its FAIL.
@@ -108,6 +117,8 @@ def run_checks(run: Path, *, role: str = "worker", data_dir: Path, host: str = "
     checks = [Check("run spec signature", "PASS", f"run {spec.run.name} ({run_id[:16]}…) signed by coordinator {spec.run.coordinator}")]
     coord_status, clock = _check_ingest(spec, run_id, checks, timeout_s)
     checks += _check_bootstrap(spec, run_id, coord_status, timeout_s)
+    if gossip_wait_s > 0:
+        checks.append(_check_gossip(spec, gossip_wait_s, host))
     checks += _check_origins(spec, run_id, timeout_s)
     checks.append(_check_relays(spec, run_id, timeout_s))
     checks.append(_check_clock(clock))
@@ -245,6 +256,46 @@ def _check_bootstrap(spec: Any, run_id: str, coord: dict[str, Any] | None, timeo
         else:
             out.append(Check(name, "PASS", "libp2p answers; its run is verified by signatures when gossip joins"))
     return out
+
+
+def _check_gossip(spec: Any, wait_s: float, listen_host: str) -> Check:
+    """Join the run's topics as a silent observer through the bootstrap peers and wait for the coordinator's heartbeat.
+
+    A record is delivered only after its signature and run ID verify, so hearing the coordinator
+    proves that the bootstrap peers relay *this* run's gossip.
+    """
+    import asyncio
+
+    try:
+        from node.p2p import GossipConfig, GossipNode
+        from protocol.identity import NodeKey
+    except ImportError as e:
+        return Check("gossip", "WARN", f"libp2p cannot be imported here: {e}", "reinstall intellect-node (pip install -e .)")
+
+    async def listen() -> tuple[int, bool, float]:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        node = await GossipNode.create(spec, NodeKey.generate(), GossipConfig(listen_host=listen_host, publish_records=False),
+                                       role="observer")
+        try:
+            while loop.time() - t0 < wait_s and node.peers.coordinator() is None:
+                await asyncio.sleep(0.05)
+            return len(node.peers), node.peers.coordinator() is not None, loop.time() - t0
+        finally:
+            await node.stop()
+
+    try:
+        peers, coordinator, took = asyncio.run(asyncio.wait_for(listen(), wait_s + 30.0))
+    except Exception as e:  # any failure to join is the finding
+        return Check("gossip", "FAIL", f"could not join the run's gossip: {str(e)[:200] or type(e).__name__}",
+                     "check that the bootstrap peers are reachable on TCP and that --listen-host is a local address")
+    if coordinator:
+        return Check("gossip", "PASS", f"heard the coordinator's signed heartbeat for this run in {took:.1f} s ({peers} live peers)")
+    if peers:
+        return Check("gossip", "WARN", f"{peers} peers of this run heard in {wait_s:g} s, but not the coordinator",
+                     "the coordinator may be down or not connected to these peers; retry with a longer --gossip-wait")
+    return Check("gossip", "FAIL", f"no signed record of this run heard within {wait_s:g} s through the bootstrap peers",
+                 "the bootstrap peers do not relay this run (another run, or gossip blocked): get the current spec or other bootstrap peers")
 
 
 def _check_origins(spec: Any, run_id: str, timeout_s: float) -> list[Check]:

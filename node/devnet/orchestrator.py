@@ -206,7 +206,7 @@ class Devnet:
             with open(log, "ab") as f:
                 running.append((name, log, subprocess.Popen(
                     [*self._bin("intellect-node"), "doctor", "--run", str(run), "--role", "worker", "--data-dir", str(self.out / name),
-                     "--http-port", str(port)], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.group.env)))
+                     "--http-port", str(port), "--gossip-wait", "0"], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.group.env)))
         for name, log, p in running:
             try:
                 rc = p.wait(timeout=DOCTOR_TIMEOUT_S)

@@ -79,10 +79,11 @@ def test_dead_bootstrap_and_wrong_run_ingest_fail(tmp_path, other_run_server, ca
     # the local checks still pass: the machine is fine, the run's services are not
     for name in ("free", "memory", "HTTP/status", "libp2p"):
         assert by[name].status == "PASS", by[name]
-    rc = main(["doctor", "--run", str(run), "--data-dir", str(tmp_path / "data"), "--timeout", "2"])
+    rc = main(["doctor", "--run", str(run), "--data-dir", str(tmp_path / "data"), "--timeout", "2", "--gossip-wait", "2"])
     out = capsys.readouterr().out
     assert rc == 1
     assert "FAIL  bootstrap" in out and "fix:" in out and "failed" in out.splitlines()[-1]
+    assert "FAIL  gossip" in out  # nothing of this run is heard through a dead bootstrap
 
 
 def test_bootstrap_that_is_not_libp2p_fails(tmp_path, other_run_server):

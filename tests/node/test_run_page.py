@@ -196,13 +196,14 @@ def _check_node_pages(devnet: LiveDevnet, browser) -> None:
 def _check_doctor(devnet: LiveDevnet, tmp_path: Path) -> None:
     run = devnet.out / "run.toml"
     for role in ("worker", "relay", "validate"):
-        r = subprocess.run([sys.executable, "-m", "node", "doctor", "--run", str(run), "--role", role, "--json", "--data-dir", str(tmp_path)],
+        r = subprocess.run([sys.executable, "-m", "node", "doctor", "--run", str(run), "--role", role, "--json", "--data-dir", str(tmp_path),
+                            "--gossip-wait", "30"],
                            capture_output=True, text=True, timeout=120)
         checks = json.loads(r.stdout)
         assert r.returncode == 0, checks
         assert all(c["status"] == "PASS" for c in checks), [c for c in checks if c["status"] != "PASS"]
         names = " ".join(c["name"] for c in checks)
-        for want in ("run spec signature", "ingest", "bootstrap", "origin", "relays", "clock offset", "free disk", "memory"):
+        for want in ("run spec signature", "ingest", "bootstrap", "gossip", "origin", "relays", "clock offset", "free disk", "memory"):
             assert want in names
     # the devnet's workers ran it at start and logged it
     assert "doctor (worker):" in (devnet.out / "logs" / "worker-0.log").read_text(errors="replace")
