@@ -145,3 +145,26 @@ def test_reason_families_are_disjoint() -> None:
 )
 def test_reward_mismatch_reasons(reported: float, recomputed: float, limit_hit: str | None, reason: str) -> None:
     assert _reward_mismatch_reason(reported, recomputed, limit_hit) == reason
+
+
+def test_a_long_ban_list_still_fits_its_signed_size(tmp_path: Path) -> None:
+    """Free identities can get themselves banned by the thousand: the signed list must stay valid."""
+    import time
+
+    from protocol.messages import BanEntry, BanEvidence
+    from trainer.ingest import BanBook
+
+    book = BanBook(tmp_path / "bans.msgpack", COORD, RUN)
+    detail = "x" * 200
+    for i in range(6000):  # ≈ 0.8 KiB each with full evidence: ≈ 4.7 MiB, over ban_list/1's 4 MiB
+        pid = NodeKey.generate().peer_id
+        ev = [BanEvidence(by=VALIDATOR.peer_id, verdict_id=bytes(32), reason="toploc", detail=detail),
+              BanEvidence(by=COORD.peer_id, reason="toploc", detail=detail)]
+        book._entries[pid] = BanEntry(peer_id=pid, reason="toploc", since_ms=int(time.time() * 1000) - 10_000 + i, verdict_id=bytes(32), evidence=ev)
+    assert book.ban(VALIDATOR2.peer_id, "sampling", bytes(32), evidence=[BanEvidence(by=VALIDATOR.peer_id, reason="sampling")])
+    env = open_envelope(book.envelope, run_id=RUN, expect=BanList, authorities=SPEC.authorities)
+    by_id = {e.peer_id: e for e in env.body.entries}
+    assert len(by_id) == 6001 and len(book.envelope) <= BanList.MAX_BYTES
+    assert by_id[VALIDATOR2.peer_id].evidence  # the newest keep their evidence, the oldest lost it
+    oldest = min(env.body.entries, key=lambda e: e.since_ms)
+    assert oldest.evidence == []

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from protocol.envelope import open_envelope, seal
-from protocol.errors import ProtocolError
+from protocol.errors import ProtocolError, SchemaError
 from protocol.identity import NodeKey
 from protocol.messages import BanEntry, BanEvidence, BanList
 
@@ -73,12 +73,37 @@ class BanBook:
 
     def _publish(self) -> None:
         self.version += 1
-        body = BanList(version=self.version, entries=sorted(self._entries.values(), key=lambda e: e.peer_id))
-        self.envelope = seal(self.key, self.run_id, body)
+        self.envelope = self._seal_fitting()
         tmp = self.path.with_suffix(".tmp")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_bytes(self.envelope)
         tmp.replace(self.path)
+
+
+    def _seal_fitting(self) -> bytes:
+        """Seal the list; when it would exceed ``ban_list/1``'s size, the oldest entries lose their
+        evidence (still in the ingest's verdict table) until it fits; past the entry limit the
+        newest bans stay only in memory (still refused at the ingest) and an error is logged."""
+        entries = sorted(self._entries.values(), key=lambda e: e.since_ms)
+        if len(entries) > MAX_ENTRIES:
+            logger.error("ban list holds %d entries, over the %d a signed list may carry: the newest are enforced but not published",
+                         len(entries), MAX_ENTRIES)
+            entries = entries[:MAX_ENTRIES]
+        stripped = 0
+        while True:
+            try:
+                return seal(self.key, self.run_id, BanList(version=self.version, entries=sorted(entries, key=lambda e: e.peer_id)))
+            except SchemaError:
+                if stripped >= len(entries):
+                    raise
+                step = max(1, len(entries) // 8)
+                for i in range(stripped, min(len(entries), stripped + step)):
+                    entries[i] = entries[i].model_copy(update={"evidence": []})
+                stripped += step
+
+
+MAX_ENTRIES = 1 << 14
+"""Most entries of a signed ban list (``protocol.messages.BanList``)."""
 
 
 def _self_auth(key: NodeKey):  # noqa: ANN202
