@@ -135,6 +135,13 @@ class StepMetrics:
         zero_advantage_groups: groups filtered out by online filtering.
         stale_groups: groups too old to train.
         staleness: ``step − policy_step`` → rollouts, for the trained rollouts.
+        mismatch_kl: mean over loss tokens of the k3 estimate of KL(behavior ‖ trainer),
+            ``exp(d) − d − 1`` with ``d = log π_trainer − log π_behavior``: how far the trainer's
+            log-probs of the sampled tokens (current weights, before this step's update) are from
+            the workers' sampling log-probs (staleness plus any engine mismatch; prime-rl logs the
+            same as ``mismatch_kl``). 0 when the batch has no loss tokens.
+        is_ratio_mean, is_ratio_min, is_ratio_max: the per-token importance ratio
+            ``π_trainer / π_behavior`` over loss tokens (mean, min, max).
     """
 
     step: int
@@ -159,6 +166,10 @@ class StepMetrics:
     zero_advantage_groups: int
     stale_groups: int
     staleness: dict[int, int]
+    mismatch_kl: float = 0.0
+    is_ratio_mean: float = 1.0
+    is_ratio_min: float = 1.0
+    is_ratio_max: float = 1.0
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict (staleness keys become strings)."""
@@ -273,13 +284,17 @@ class Trainer:
         cfg = self.config
         slices = [self._micro_batches(s) for s in batch.slices(cfg.optimizer_steps_per_batch)]
         self.model.train()
-        recomputed = [self._logprobs(self.model, rows) for rows in slices]  # [K][rows] of [1, T]
+        # behavior log-probs with no KL term need no separate no-grad forward: the off-policy
+        # statistics then come from the first forward of each row (detached), the same weights
+        need_recompute = cfg.old_logprobs == "recompute" or (cfg.loss.kl_beta > 0 and self._ref_model is None)
+        recomputed = [self._logprobs(self.model, rows) for rows in slices] if need_recompute else None  # [K][rows] of [1, T]
         old = recomputed if cfg.old_logprobs == "recompute" else [[mb.behavior_logprobs for mb in rows] for rows in slices]
         ref = recomputed
         if cfg.loss.kl_beta > 0 and self._ref_model is not None:
             ref = [self._logprobs(self._ref_model, rows) for rows in slices]
         world = float(self.ctx.world_size)
         sums: dict[str, float] = defaultdict(float)
+        ratio_lo, ratio_hi = float("inf"), float("-inf")
         grad_norms: list[float] = []
         lr = self.lr_at(self.optimizer_steps)
         for k, rows in enumerate(slices):
@@ -300,6 +315,15 @@ class Trainer:
                 )
                 out = grpo_loss(inputs, cfg.loss)
                 (out.loss * world).backward()
+                with torch.no_grad():  # off-policy statistics: trainer (before this step's update) vs behavior
+                    trainer_lp = recomputed[k][j][0][mask] if recomputed is not None else logp.detach()[0][mask]  # [N]
+                    d = (trainer_lp - mb.behavior_logprobs[0][mask]).double()  # [N] log importance ratio
+                    if d.numel():
+                        r = d.exp()
+                        sums["mismatch_kl_sum"] += float((r - d - 1.0).sum())
+                        sums["is_ratio_sum"] += float(r.sum())
+                        sums["is_tokens"] += float(d.numel())
+                        ratio_lo, ratio_hi = min(ratio_lo, float(r.min())), max(ratio_hi, float(r.max()))
                 sums["loss"] += float(out.loss.detach())
                 for name, v in out.metrics.items():
                     sums[name] += float(v)
@@ -309,6 +333,8 @@ class Trainer:
         self.step += 1
         totals = all_reduce_sum(dict(sums), self.ctx)
         means = summarize_metrics(totals)
+        ratio_lo, ratio_hi = _all_reduce_min_max(ratio_lo, ratio_hi, self.ctx)
+        is_tokens = totals.get("is_tokens", 0.0)
         elapsed = time.perf_counter() - t0
         metrics = StepMetrics(
             step=self.step,
@@ -333,6 +359,10 @@ class Trainer:
             zero_advantage_groups=len(batch.zero_advantage_groups),
             stale_groups=len(batch.stale_groups),
             staleness=batch.staleness_histogram(),
+            mismatch_kl=totals.get("mismatch_kl_sum", 0.0) / is_tokens if is_tokens else 0.0,
+            is_ratio_mean=totals.get("is_ratio_sum", 0.0) / is_tokens if is_tokens else 1.0,
+            is_ratio_min=ratio_lo if is_tokens else 1.0,
+            is_ratio_max=ratio_hi if is_tokens else 1.0,
         )
         logger.info(
             "step %d: loss %.5f grad_norm %.4f reward %.3f pass %.3f clipped %.3f entropy %.3f %.0f tok/s",
@@ -398,3 +428,14 @@ class Trainer:
         self.step = info["step"]
         self.optimizer_steps = info["optimizer_steps"]
         return dict(info["data_position"])
+
+
+def _all_reduce_min_max(lo: float, hi: float, ctx: DistContext) -> tuple[float, float]:
+    """``(min lo, max hi)`` over ranks (identity in a single process). Collective."""
+    if not ctx.distributed:
+        return lo, hi
+    import torch.distributed as dist
+
+    t = torch.tensor([-lo, hi], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(-t[0]), float(t[1])

@@ -36,16 +36,28 @@ def _devnet(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
     p.add_argument("--seed", type=int, default=None, help="run seed (default random)")
     p.add_argument("--async-level", type=int, default=None, help="max policy staleness in steps (default 2)")
+    p.add_argument("--eval-every", type=int, default=None, metavar="N",
+                   help="held-out evaluation every N trainer steps (default: steps/6 rounded up, so the curve has ≥ 6 points after the start)")
+    p.add_argument("--eval-samples", type=int, default=16, help="samples per held-out problem in each evaluation (default 16)")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="train your own model: a local Hugging Face Qwen2 directory (config.json, *.safetensors, tokenizer.json; "
+                        "float32 or bfloat16; a chat template is used when the tokenizer has one); default: the embedded model")
     p.add_argument("--no-dashboard", action="store_true", help="plain progress lines instead of the live view")
     p.set_defaults(handler=_run_devnet)
 
 
 def _run_devnet(args: argparse.Namespace) -> int:
     from node.devnet.orchestrator import Devnet, DevnetOptions
-    from node.devnet.report import read_metrics, write_report
+    from protocol.models import ModelLoadError
+    from node.devnet.report import heldout_summary, read_metrics, write_report
 
     if args.workers < 1 or args.relays < 0 or args.validators < 1 or args.steps < 1:
         raise CliError("need --workers ≥ 1, --validators ≥ 1, --relays ≥ 0 and --steps ≥ 1")
+    if (args.eval_every is not None and args.eval_every < 1) or args.eval_samples < 1:
+        raise CliError("need --eval-every ≥ 1 and --eval-samples ≥ 1")
+    model = Path(args.model).resolve() if args.model else None
+    if model is not None and not (model / "config.json").is_file():
+        raise CliError(f"--model {args.model} has no config.json (a local Hugging Face Qwen2 directory: config.json, *.safetensors, tokenizer)")
     data_root = Path(args.data_root) if args.data_root else _default_data_root()
     if args.tasks != "embedded" and not Path(args.tasks).exists() and data_root is None:
         raise CliError(f"--tasks {args.tasks} needs the public task sets: pass --data-root DIR (holding math/ and code/)")
@@ -55,7 +67,7 @@ def _run_devnet(args: argparse.Namespace) -> int:
     options = DevnetOptions(out=out, workers=args.workers, relays=args.relays, validators=args.validators, steps=args.steps,
                             tasks=args.tasks, data_root=data_root, adversary=args.adversary, kill_worker_at=args.kill_worker_at,
                             dashboard=not args.no_dashboard and sys.stdout.isatty(), timeout_s=args.timeout, seed=args.seed,
-                            async_level=args.async_level)
+                            async_level=args.async_level, eval_every=args.eval_every, eval_samples=args.eval_samples, model=model)
     live = None
     last_print = [0.0]
 
@@ -87,16 +99,19 @@ def _run_devnet(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted; every process was stopped", file=sys.stderr)
         return 130
-    except (RuntimeError, TimeoutError, FileExistsError) as e:
+    except (RuntimeError, TimeoutError, FileExistsError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     md, png = write_report(dn, result)
     st = result.coordinator
-    evals = [r for r in read_metrics(dn.out / "coordinator" / "metrics.jsonl") if r.get("event") == "eval"]
-    start = f"{evals[0]['heldout_pass_rate']:.3f}" if evals else "-"
-    end = f"{evals[-1]['heldout_pass_rate']:.3f}" if len(evals) > 1 else "-"
+    h = heldout_summary([r for r in read_metrics(dn.out / "coordinator" / "metrics.jsonl") if r.get("event") == "eval"])
+    start = f"{h['start']:.3f}" if h["start"] is not None else "-"
+    end = f"{h['end']:.3f}" if h["end"] is not None else "-"
+    gain = ""
+    if h["gain"] is not None:
+        gain = f", gain {h['gain']:+.3f}" + (f" (95% interval {h['gain_ci'][0]:+.3f} to {h['gain_ci'][1]:+.3f})" if h["gain_ci"] else "")
     print(f"devnet {'completed' if result.ok else 'FAILED'}: {result.reason} ({result.wall_s:.0f} s)")
-    print(f"held-out pass rate: start {start} -> end {end}")
+    print(f"held-out pass rate: start {start} -> end {end}{gain} ({h['points']} evaluations)")
     print(f"verdicts: {st.get('verdicts_by_reason')}; banned: {[b['peer_id'] for b in st.get('banned') or []]}")
     print(f"report: {md} and {png}; logs in {dn.out / 'logs'}/")
     return 0 if result.ok else 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from protocol.identity import NodeKey
 from protocol.runspec import DataSpec, ModelSpec, NetworkSpec, RLSpec, RunInfo, RunSpec, SamplingSpec, ShardcastSpec
 
@@ -34,18 +36,40 @@ def devnet_spec(
     seed: int,
     heartbeat_interval_s: float = 1.0,
     async_level: int | None = None,
+    model: Path | None = None,
 ) -> RunSpec:
-    """The unsigned run spec of a devnet whose coordinator serves at ``http_url``."""
-    embedded = tasks == "embedded"
+    """The unsigned run spec of a devnet whose coordinator serves at ``http_url``.
+
+    With ``model`` (a local Hugging Face Qwen2 directory) the spec pins it as ``model.base`` with
+    its ``base_hash``, dtype and hidden size (TOPLOC's proofs use that hidden size), exactly as
+    ``spec init --model-base`` does, and samples with the length-penalty recipe of real task sets
+    (an arbitrary model may solve none of the tasks; the length penalty still varies within groups).
+
+    Raises:
+        protocol.models.ModelLoadError: ``model`` is not a usable Qwen2 directory (one line naming why).
+    """
+    embedded = tasks == "embedded" and model is None
     rl = EMBEDDED_RL if embedded else REAL_TASKS_RL
     if async_level is not None:
         rl = rl.model_copy(update={"async_level": async_level})
     return RunSpec(
         run=RunInfo(name="devnet", seed=seed, coordinator=coordinator.peer_id, validators=validators),
-        model=ModelSpec(base="embedded", hidden_size=128),
-        data=DataSpec(tasks=tasks, tasks_per_submission=4 if embedded else 2),
+        model=_model_spec(model),
+        data=DataSpec(tasks=tasks, tasks_per_submission=4 if tasks == "embedded" else 2),
         sampling=EMBEDDED_SAMPLING if embedded else REAL_TASKS_SAMPLING,
         rl=rl,
         shardcast=ShardcastSpec(piece_size_bytes=256 * 1024, keep_steps=rl.async_level + 2),
         network=NetworkSpec(bootstrap=[bootstrap], ingest_urls=[http_url], origin_urls=[http_url], heartbeat_interval_s=heartbeat_interval_s),
     )
+
+
+def _model_spec(model: Path | None) -> ModelSpec:
+    """``[model]`` of the devnet: the embedded model, or a local directory pinned by its ``base_hash``."""
+    if model is None:
+        return ModelSpec(base="embedded", hidden_size=128)
+    from protocol.models import ModelLoadError, base_hash, inspect_model_dir
+
+    info = inspect_model_dir(model)
+    if info.hidden_size < 128:
+        raise ModelLoadError(f"{model}: hidden size {info.hidden_size} is below TOPLOC's top-k (128)")
+    return ModelSpec(base=str(Path(model).resolve()), base_hash=base_hash(model), hidden_size=info.hidden_size, dtype=info.dtype)

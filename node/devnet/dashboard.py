@@ -21,7 +21,7 @@ def render(dn: Devnet) -> Any:
     head.add_row(
         f"[b]policy step[/b] {st.get('trainer_step', '-')}/{dn.o.steps}",
         f"[b]published[/b] {st.get('published_step', '-')}",
-        f"[b]held-out pass[/b] start {_fmt(st.get('heldout_start'))} end {_fmt(st.get('heldout_end'))}",
+        f"[b]held-out pass[/b] start {_fmt(st.get('heldout_start'))} latest {_latest(st.get('heldout_latest'))}",
         f"[b]utilization[/b] {_fmt(st.get('utilization'))}",
         f"[b]wall[/b] {wall:.0f} s",
     )
@@ -33,6 +33,9 @@ def render(dn: Devnet) -> Any:
         f"[b]pass rate[/b] {_fmt(last.get('pass_rate'))}",
         f"[b]worker tokens/s[/b] {tokens_s:.0f}",
         f"[b]staleness[/b] {last.get('staleness', '-')}",
+        f"[b]mismatch KL[/b] {_fmt(last.get('mismatch_kl'), 4)}",
+        f"[b]ratio[/b] {_fmt(last.get('is_ratio_min'), 2)}–{_fmt(last.get('is_ratio_max'), 2)}",
+        f"[b]clipped[/b] {_fmt(last.get('clipped_frac'))}",
         f"[b]state[/b] {str(st.get('state', 'starting'))[:70]}",
     )
     nodes = Table(title="nodes", expand=True)
@@ -57,5 +60,12 @@ def render(dn: Devnet) -> Any:
     return Panel(Group(head, learn, nodes, info), title="intellect-node devnet", border_style="cyan")
 
 
-def _fmt(x: Any) -> str:
-    return f"{x:.3f}" if isinstance(x, (int, float)) else "-"
+def _fmt(x: Any, digits: int = 3) -> str:
+    return f"{x:.{digits}f}" if isinstance(x, (int, float)) else "-"
+
+
+def _latest(e: Any) -> str:
+    """The latest held-out evaluation: ``pass rate [95 % interval] @ step``."""
+    if not isinstance(e, dict) or not isinstance(e.get("heldout_pass_rate"), (int, float)):
+        return "-"
+    return f"{e['heldout_pass_rate']:.3f} [{_fmt(e.get('heldout_ci_low'))}–{_fmt(e.get('heldout_ci_high'))}] @ step {e.get('step')}"

@@ -50,6 +50,10 @@ class DevnetOptions:
         timeout_s: give up after this many seconds in total.
         seed: run seed (default random).
         async_level: override of the run spec's ``rl.async_level`` (``None``: the devnet default, 2).
+        eval_every: held-out evaluation every this many trainer steps (``None``: :meth:`eval_interval`,
+            so the held-out curve has at least 6 points besides the start).
+        eval_samples: samples per held-out problem in each evaluation.
+        model: a local Hugging Face Qwen2 directory to train instead of the embedded model (``None``: embedded).
     """
 
     out: Path
@@ -65,6 +69,13 @@ class DevnetOptions:
     timeout_s: float = 900.0
     seed: int | None = None
     async_level: int | None = None
+    eval_every: int | None = None
+    eval_samples: int = 16
+    model: Path | None = None
+
+    def eval_interval(self) -> int:
+        """Trainer steps between held-out evaluations: ``eval_every``, else ``ceil(steps / 6)``."""
+        return self.eval_every if self.eval_every else max(1, -(-self.steps // 6))
 
 
 @dataclass
@@ -148,7 +159,8 @@ class Devnet:
         self.coord_url = f"http://127.0.0.1:{self.http_port}"
         bootstrap = f"/ip4/127.0.0.1/tcp/{self.p2p_port}/p2p/{coord.peer_id}"
         spec = devnet_spec(coord, validators, tasks=self.o.tasks, http_url=self.coord_url, bootstrap=bootstrap,
-                           seed=self.o.seed if self.o.seed is not None else secrets.randbits(62), async_level=self.o.async_level)
+                           seed=self.o.seed if self.o.seed is not None else secrets.randbits(62), async_level=self.o.async_level,
+                           model=self.o.model)
         path = self.out / "run.toml"
         path.write_text(dump_run_spec(sign_run_spec(spec, coord)))
         return path
@@ -161,7 +173,8 @@ class Devnet:
         coord = Proc("coordinator", "coordinator", [
             *self._bin("intellect-train"), "--run", str(run), "--key", str(out / "keys" / "coordinator.key"),
             "--data-dir", str(out / "coordinator"), "--http-port", str(self.http_port), "--p2p-port", str(self.p2p_port),
-            "--max-steps", str(self.o.steps), "--batch-timeout", "180", "--eval-samples", "16", "-v", *self._data_root(),
+            "--max-steps", str(self.o.steps), "--batch-timeout", "180", "--eval-samples", str(self.o.eval_samples),
+            "--eval-every", str(self.o.eval_interval()), "-v", *self._data_root(),
         ], out / "logs" / "coordinator.log")
         self.group.start(coord)
         self._wait(lambda: get_json(f"{self.coord_url}/status") is not None, 300.0, "the coordinator to come up", coord)

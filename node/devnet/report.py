@@ -23,25 +23,76 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def heldout_summary(evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """Start, end and gain of the held-out pass rate from a run's ``eval`` rows, with 95 % intervals.
+
+    Returns:
+        ``start``, ``start_ci``, ``end``, ``end_ci`` (``None`` when missing), ``gain`` and
+        ``gain_ci`` (paired bootstrap over the held-out problems, ``node.coordinator.evaluate``;
+        ``None`` without two evaluations of the same problems), ``points`` (evaluations) and ``problems``.
+    """
+    from node.coordinator.evaluate import gain_interval
+
+    def ci(e: dict[str, Any]) -> tuple[float, float] | None:
+        lo, hi = e.get("heldout_ci_low"), e.get("heldout_ci_high")
+        return (float(lo), float(hi)) if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) else None
+
+    out: dict[str, Any] = {"start": None, "start_ci": None, "end": None, "end_ci": None, "gain": None, "gain_ci": None,
+                           "points": len(evals), "problems": evals[0].get("problems") if evals else None}
+    if evals:
+        out["start"], out["start_ci"] = evals[0]["heldout_pass_rate"], ci(evals[0])
+    if len(evals) > 1:
+        a, b = evals[0], evals[-1]
+        out["end"], out["end_ci"] = b["heldout_pass_rate"], ci(b)
+        out["gain"] = b["heldout_pass_rate"] - a["heldout_pass_rate"]
+        pa, pb = a.get("passes"), b.get("passes")
+        if isinstance(pa, list) and isinstance(pb, list) and pa and len(pa) == len(pb):
+            _, lo, hi = gain_interval(pa, pb, int(a.get("samples_per_problem") or 0), int(b.get("samples_per_problem") or 0))
+            out["gain_ci"] = (lo, hi)
+    return out
+
+
+def _ci(c: tuple[float, float] | None) -> str:
+    return f" (95 % {c[0]:.3f}–{c[1]:.3f})" if c else ""
+
+
 def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
     """Write ``OUT/report.md`` and ``OUT/report.png``; returns their paths."""
     rows = read_metrics(dn.out / "coordinator" / "metrics.jsonl")
     steps = [r for r in rows if r.get("event") == "step"]
     evals = [r for r in rows if r.get("event") == "eval"]
+    run = next((r for r in rows if r.get("event") == "run"), {})
     st = result.coordinator
-    start = evals[0]["heldout_pass_rate"] if evals else None
-    end = evals[-1]["heldout_pass_rate"] if len(evals) > 1 else None
+    h = heldout_summary(evals)
     png = dn.out / "report.png"
     _plot(steps, evals, st, png)
     names = {v: k for k, v in dn.peer_ids.items()}
+    gain = "-"
+    if h["gain"] is not None:
+        gain = f"**{h['gain']:+.3f}**" + (f" (95 % {h['gain_ci'][0]:+.3f} to {h['gain_ci'][1]:+.3f}, paired bootstrap over "
+                                         f"{h['problems']} held-out problems)" if h["gain_ci"] else "")
+        if h["gain_ci"]:
+            lo, hi = h["gain_ci"]
+            gain += ("; the interval is above 0: the policy learned" if lo > 0 else "; the interval is below 0: the policy got worse"
+                     if hi < 0 else "; the interval includes 0: not distinguishable from noise")
+    task_set = f"{run.get('tasks', dn.o.tasks)}" + (f" ({run['train_problems']} training problems, {run['heldout_problems']} held out, "
+                                                   f"tasks_hash {str(run.get('tasks_hash', ''))[:12]}…)" if "train_problems" in run else "")
+    model = (f"{run.get('model')} ({run.get('parameters', 0):,} parameters, {run.get('dtype')}, hidden {run.get('hidden_size')}, "
+             f"{run.get('layers')} layers, vocabulary {run.get('vocab_size')}, chat template {'yes' if run.get('chat_template') else 'no'})"
+             if run else (str(dn.o.model) if dn.o.model else "embedded"))
     lines = [
         "# intellect-node devnet report",
         "",
         f"- result: **{'completed' if result.ok else 'FAILED'}** ({result.reason}) in {result.wall_s:.0f} s",
         f"- processes: 1 coordinator, {dn.o.relays} relays, {dn.o.validators} validators, {dn.o.workers} workers"
         + (f", 1 adversary ({dn.o.adversary})" if dn.o.adversary else ""),
-        f"- tasks: {dn.o.tasks}; trainer steps: {len(steps)} of {dn.o.steps}",
-        f"- held-out pass rate: start {_f(start)} → end {_f(end)}" + (f" (change {end - start:+.3f})" if start is not None and end is not None else ""),
+        f"- task set: {task_set}; trainer steps: {len(steps)} of {dn.o.steps}",
+        f"- model: {model}",
+        f"- held-out pass rate: start {_f(h['start'])}{_ci(h['start_ci'])} → end {_f(h['end'])}{_ci(h['end_ci'])}",
+        f"- held-out gain: {gain}",
+        f"- off-policy: mean mismatch KL(behavior ‖ trainer) {_f(_mean([s.get('mismatch_kl') for s in steps]), 5)} nats per token, "
+        f"importance ratio π_trainer/π_behavior in [{_f(min((s.get('is_ratio_min', 1.0) for s in steps), default=None))}, "
+        f"{_f(max((s.get('is_ratio_max', 1.0) for s in steps), default=None))}], mean clipped fraction {_f(_mean([s.get('clipped_frac') for s in steps]))}",
         f"- trainer utilization (busy / wall): {_f(steps[-1].get('utilization') if steps else None)}",
         f"- mean publish time per step (save + cut + sign): {_f(_mean([s.get('broadcast_s') for s in steps]))} s",
         f"- run page (live while the run ran): [{dn.coord_url}/]({dn.coord_url}/), JSON at `{dn.coord_url}/api/run`; "
@@ -64,10 +115,24 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
         trained = (st.get("workers") or {}).get(adv, {}).get("trained", 0)
         lines += ["", f"Adversary `{dn.o.adversary}`: banned = **{'yes (' + banned[adv] + ')' if adv in banned else 'NO'}**, "
                       f"rollouts trained on = **{trained}**."]
-    lines += ["", "## Steps", "", "| step | reward | pass rate | loss | grad norm | staleness | tokens/s | publish s |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "## Held-out evaluations", "",
+              f"Every {run.get('eval_every') or '-'} steps, {evals[0].get('samples_per_problem', '?') if evals else '?'} samples per "
+              "held-out problem; 95 % interval: percentile bootstrap over problems (a problem's samples are correlated, "
+              "so a binomial interval over samples would be too narrow).", "",
+              "| policy step | pass rate | 95 % interval | samples |", "|---|---|---|---|"]
+    for e in evals:
+        lines.append(f"| {e['step']} | {_f(e.get('heldout_pass_rate'))} | {_f(e.get('heldout_ci_low'))}–{_f(e.get('heldout_ci_high'))} | "
+                     f"{e.get('samples', '-')} |")
+    lines += ["", "## Steps", "",
+              "mismatch KL: k3 estimate of KL(behavior ‖ trainer) over the trained tokens; ratio: π_trainer/π_behavior per token "
+              "(min–max); clipped: fraction of loss tokens whose clipped branch was active; staleness: trainer step − policy step "
+              "→ rollouts.", "",
+              "| step | reward | pass rate | loss | grad norm | mismatch KL | ratio | clipped | staleness | tokens/s | publish s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in steps:
         lines.append(f"| {s['step']} | {_f(s.get('reward_mean'))} | {_f(s.get('pass_rate'))} | {_f(s.get('loss'), 4)} | "
-                     f"{_f(s.get('grad_norm'))} | {s.get('staleness')} | {s.get('tokens_per_s', 0):.0f} | {_f(s.get('broadcast_s'))} |")
+                     f"{_f(s.get('grad_norm'))} | {_f(s.get('mismatch_kl'), 5)} | {_f(s.get('is_ratio_min'), 2)}–{_f(s.get('is_ratio_max'), 2)} | "
+                     f"{_f(s.get('clipped_frac'))} | {s.get('staleness')} | {s.get('tokens_per_s', 0):.0f} | {_f(s.get('broadcast_s'))} |")
     if dn.events:
         lines += ["", "## Events", ""] + [f"- {e}" for e in dn.events]
     lines += ["", "![report](report.png)", ""]
@@ -82,14 +147,19 @@ def _plot(steps: list[dict[str, Any]], evals: list[dict[str, Any]], st: dict[str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(2, 3, figsize=(15, 8))
+    fig, ax = plt.subplots(3, 3, figsize=(15, 12))
     x = [s["step"] for s in steps]
     ax[0, 0].plot(x, [s.get("reward_mean") for s in steps], label="reward")
     ax[0, 0].plot(x, [s.get("pass_rate") for s in steps], label="pass rate")
     ax[0, 0].set_title("batch reward and pass rate per step")
     ax[0, 0].set_xlabel("trainer step")
     ax[0, 0].legend()
-    ax[0, 1].plot([e["step"] for e in evals], [e["heldout_pass_rate"] for e in evals], "o-")
+    ex = [e["step"] for e in evals]
+    ax[0, 1].plot(ex, [e["heldout_pass_rate"] for e in evals], "o-", label="held-out pass rate")
+    if evals and all(isinstance(e.get("heldout_ci_low"), (int, float)) for e in evals):
+        ax[0, 1].fill_between(ex, [e["heldout_ci_low"] for e in evals], [e["heldout_ci_high"] for e in evals], alpha=0.25,
+                              label="95 % interval (bootstrap over problems)")
+    ax[0, 1].legend(loc="lower right", fontsize=8)
     ax[0, 1].set_title("held-out pass rate")
     ax[0, 1].set_xlabel("policy step")
     ax[0, 1].set_ylim(0, 1)
@@ -108,6 +178,18 @@ def _plot(steps: list[dict[str, Any]], evals: list[dict[str, Any]], st: dict[str
     ax[1, 2].plot(x, [s.get("utilization") for s in steps])
     ax[1, 2].set_title("trainer utilization (busy / wall)")
     ax[1, 2].set_ylim(0, 1)
+    ax[2, 0].plot(x, [s.get("mismatch_kl") for s in steps])
+    ax[2, 0].set_title("mismatch KL(behavior ‖ trainer), nats/token")
+    ax[2, 0].set_xlabel("trainer step")
+    ax[2, 1].plot(x, [s.get("is_ratio_min") for s in steps], label="min")
+    ax[2, 1].plot(x, [s.get("is_ratio_mean") for s in steps], label="mean")
+    ax[2, 1].plot(x, [s.get("is_ratio_max") for s in steps], label="max")
+    ax[2, 1].set_yscale("log")
+    ax[2, 1].set_title("importance ratio π_trainer / π_behavior")
+    ax[2, 1].legend(fontsize=8)
+    ax[2, 2].plot(x, [s.get("clipped_frac") for s in steps])
+    ax[2, 2].set_title("fraction of clipped tokens")
+    ax[2, 2].set_xlabel("trainer step")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -46,7 +46,14 @@ def test_short_devnet_with_adversary(tmp_path):
     assert any(int(step) >= 1 for step, _ in fetches), fetches
     # workers prefer relays that hold the step over the origin: later steps came through relays
     assert any(url in srcs for _, srcs in fetches for url in relay_urls), (fetches, relay_urls, coord_url)
-    assert sum(1 for row in rows if row.get("event") == "eval") == 2
+    # held-out evaluation at the start, after every step (default interval ceil(3 / 6) = 1) and not twice at the end
+    evals = [row for row in rows if row.get("event") == "eval"]
+    assert [e["step"] for e in evals] == [0, 1, 2, 3]
+    assert all(e["heldout_ci_low"] <= e["heldout_pass_rate"] <= e["heldout_ci_high"] and len(e["passes"]) == e["problems"] for e in evals)
+    assert "held-out gain: **" in report and "## Held-out evaluations" in report
+    # off-policy statistics per step; the first step trains on fresh rollouts of the same weights
+    assert all({"mismatch_kl", "is_ratio_min", "is_ratio_max", "clipped_frac", "staleness"} <= set(s) for s in steps)
+    assert steps[0]["staleness"] == {"0": steps[0]["num_rollouts"]} and steps[0]["mismatch_kl"] < 1e-4
     # submissions were validated and trained on; the adversary was banned and never trained on
     assert "| ok |" in report
     adv_line = next(line for line in report.splitlines() if line.startswith("| adversary |"))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 import trainer_toy as toy
@@ -59,3 +62,39 @@ def test_kl_reference(reference: str) -> None:
         assert m2.kl_mean > 0  # the weights moved away from the frozen base
     else:
         assert m2.kl_mean == pytest.approx(0.0, abs=1e-6)  # one update per batch: old == current
+
+
+def _true_logprobs(model: torch.nn.Module, prompt, completion) -> np.ndarray:
+    """log π(completion | prompt) per completion token (temperature 1), by a plain forward."""
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, :-1].float()  # [T-1, V]
+    lp = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]  # [T-1]
+    return lp[len(prompt) - 1:].numpy().astype(np.float32)
+
+
+@pytest.mark.parametrize("old", ["behavior", "recompute"])
+def test_off_policy_statistics(old: str) -> None:
+    """mismatch KL is 0 and every importance ratio 1 when the workers' log-probs are the trainer's;
+    with other behavior log-probs it is the mean of exp(d) − d − 1 over the sampled tokens."""
+    torch.set_num_threads(1)
+    from trainer.batch import assemble_batch
+
+    model = toy.toy_model(seed=0)
+    records = toy.toy_records(seed=0, step=0)
+    exact = [dataclasses.replace(r, logprobs=_true_logprobs(model, r.prompt_ids, r.completion_ids)) for r in records]
+    cfg = toy.toy_trainer_config(old_logprobs=old, optimizer_steps_per_batch=1)
+    t = Trainer(toy.toy_model(seed=0), cfg)
+    m = t.train_step(assemble_batch(exact, step=0, async_level=1, group_size=toy.GROUP, num_groups=4, adv_eps=1e-4))
+    assert m.mismatch_kl == pytest.approx(0.0, abs=1e-5)
+    assert m.is_ratio_min == pytest.approx(1.0, abs=1e-3) and m.is_ratio_max == pytest.approx(1.0, abs=1e-3)
+    # behavior log-probs 0 (the workers claim probability 1): d = log π_trainer
+    t = Trainer(toy.toy_model(seed=0), cfg)
+    batch = assemble_batch(records, step=0, async_level=1, group_size=toy.GROUP, num_groups=4, adv_eps=1e-4)
+    m = t.train_step(batch)
+    d = np.concatenate([_true_logprobs(model, s.record.prompt_ids, s.record.completion_ids) for s in batch.sequences]).astype(np.float64)
+    assert m.mismatch_kl == pytest.approx(float(np.mean(np.exp(d) - d - 1)), rel=1e-3)
+    assert m.is_ratio_min == pytest.approx(float(np.exp(d).min()), rel=1e-3)
+    assert m.is_ratio_max == pytest.approx(float(np.exp(d).max()), rel=1e-3)
+    assert m.is_ratio_mean == pytest.approx(float(np.exp(d).mean()), rel=1e-3)
+    assert set(m.as_dict()) >= {"mismatch_kl", "is_ratio_mean", "is_ratio_min", "is_ratio_max", "clipped_frac", "staleness"}
