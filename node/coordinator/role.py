@@ -23,7 +23,7 @@ import numpy as np
 from aiohttp import web
 
 from node.coordinator.base import prepare_base
-from node.coordinator.evaluate import EvalResult, evaluate
+from node.coordinator.evaluate import EvalResult, eval_row, evaluate
 from node.coordinator.recheck import CoordinatorRecheck
 from node.coordinator.probe import PROBE_TASKS, SignalProbe, no_signal_advice, probe_learning_signal
 from node.engine.hf import TransformersEngine
@@ -67,7 +67,8 @@ class CoordinatorOptions:
         resume: continue from the latest saved training state.
         batch_timeout_s: give up (exit with the reason) when no batch filled for this long, seconds.
         eval_samples: samples per held-out task in each evaluation (0: no evaluation).
-        eval_every: evaluate every this many steps (0: only at start and end).
+        eval_every: also evaluate every this many steps (0: only at start and end); each evaluation
+            is an ``eval`` row of ``metrics.jsonl`` with its 95 % interval (``evaluate.py``).
         data_root: directory of the public task sets.
         device: torch device of the trainer.
         probe_tasks: training tasks of the start-up learning-signal probe (0: no probe; ``probe.py``).
@@ -115,6 +116,8 @@ class Coordinator:
         self.metrics_path = self.data_dir / "metrics.jsonl"
         self.eval_start: EvalResult | None = None
         self.eval_end: EvalResult | None = None
+        self.eval_latest: dict[str, Any] | None = None  # the last eval row: step, pass rate, interval
+        self._last_eval: EvalResult | None = None
         self.busy_s = 0.0
         self.started_s = time.monotonic()
         self.broadcast_s: dict[int, float] = {}
@@ -183,6 +186,7 @@ class Coordinator:
                 ("tokens_per_s", "Trainer tokens per second in the last step"),
                 ("utilization", "Trainer busy time over wall time"),
                 ("heldout_pass_rate", "Latest held-out pass rate"),
+                ("mismatch_kl", "KL(behavior || trainer) of the last step's sampled tokens (k3 estimate), nats"),
             )
         }
         app = self.server.make_app()
@@ -202,6 +206,15 @@ class Coordinator:
             self.run_page.attach_gossip(self.gossip)
         await self.run_page.start()
         await asyncio.to_thread(self._publish_current)
+        if self.trainer.step == 0:
+            cfg = getattr(model, "config", None)
+            self._log_metrics({"event": "run", "tasks": self.spec.data.tasks, "tasks_hash": self.tasks.hash,
+                               "train_problems": len(self.tasks.train), "heldout_problems": len(self.tasks.heldout),
+                               "model": self.spec.model.base, "dtype": self.spec.model.dtype,
+                               "hidden_size": getattr(cfg, "hidden_size", None), "layers": getattr(cfg, "num_hidden_layers", None),
+                               "vocab_size": getattr(cfg, "vocab_size", None), "parameters": sum(p.numel() for p in model.parameters()),
+                               "chat_template": bool(getattr(self.tokenizer, "chat_template", None)),
+                               "eval_every": self.options.eval_every, "eval_samples": self.options.eval_samples})
         if self.options.probe_tasks and self.trainer.step == 0:
             self.state = "probing the base model for a learning signal"
             self.signal_probe = await asyncio.to_thread(self._probe)
@@ -212,10 +225,7 @@ class Coordinator:
                             self.signal_probe.groups_with_spread, self.signal_probe.groups, self.signal_probe.pass_rate)
         if self.options.eval_samples:
             self.state = "evaluating the initial policy on held-out tasks"
-            self.eval_start = await asyncio.to_thread(self._evaluate)
-            self._log_metrics({"event": "eval", "step": self.trainer.step, "heldout_pass_rate": self.eval_start.pass_rate,
-                               "heldout_reward_mean": self.eval_start.reward_mean, "samples": self.eval_start.samples})
-            logger.warning("held-out pass rate at step %d: %.3f", self.trainer.step, self.eval_start.pass_rate)
+            self.eval_start = await asyncio.to_thread(self._evaluate_and_log)
         self.started_s = time.monotonic()
 
     async def run(self) -> None:
@@ -223,10 +233,10 @@ class Coordinator:
         await asyncio.to_thread(self._train_loop)
         if self.options.eval_samples and self.trainer is not None:
             self.state = "evaluating the final policy on held-out tasks"
-            self.eval_end = await asyncio.to_thread(self._evaluate)
-            self._log_metrics({"event": "eval", "step": self.trainer.step, "heldout_pass_rate": self.eval_end.pass_rate,
-                               "heldout_reward_mean": self.eval_end.reward_mean, "samples": self.eval_end.samples})
-            logger.warning("held-out pass rate at step %d: %.3f", self.trainer.step, self.eval_end.pass_rate)
+            if self.eval_latest is not None and self.eval_latest["step"] == self.published_step and self._last_eval is not None:
+                self.eval_end = self._last_eval  # the periodic evaluation already covered the last step
+            else:
+                self.eval_end = await asyncio.to_thread(self._evaluate_and_log)
         self.state = "done" if self.error is None else f"stopped: {self.error}"
         self._log_metrics({"event": "end", "step": self.trainer.step if self.trainer else 0, "error": self.error,
                            "utilization": self.utilization()})
@@ -276,23 +286,25 @@ class Coordinator:
                    "wall_s": round(time.monotonic() - self.started_s, 3), "verdicts": self.store.verdict_reasons(),
                    "banned": len(self.bans.entries())}
             self._log_metrics(row)
-            self.last_step = {k: row[k] for k in ("step", "reward_mean", "pass_rate", "loss", "staleness", "tokens_per_s")}
+            self.last_step = {k: row[k] for k in ("step", "reward_mean", "pass_rate", "loss", "staleness", "tokens_per_s", "mismatch_kl",
+                                                  "is_ratio_mean", "is_ratio_min", "is_ratio_max", "clipped_frac")}
             for name, value in (("step", m.step), ("reward_mean", m.reward_mean), ("pass_rate", m.pass_rate), ("loss", m.loss),
                                 ("grad_norm", m.grad_norm), ("clipped_frac", m.clipped_frac), ("entropy", m.entropy_mean),
-                                ("tokens_per_s", m.tokens_per_s), ("utilization", self.utilization())):
+                                ("tokens_per_s", m.tokens_per_s), ("utilization", self.utilization()), ("mismatch_kl", m.mismatch_kl)):
                 self.m_train[name].set(value)
             logger.info("step %d: reward %.3f pass %.3f loss %.4f grad %.3f (%d groups, staleness %s)", m.step, m.reward_mean,
                         m.pass_rate, m.loss, m.grad_norm, m.num_groups, m.staleness, extra={"step": m.step})
             self.console.print(
                 f"[bold]step {m.step}[/bold]  reward {m.reward_mean:.3f}  pass {m.pass_rate:.3f}  loss {m.loss:+.4f}  "
-                f"grad {m.grad_norm:.3f}  clipped {m.clipped_frac:.3f}  entropy {m.entropy_mean:.3f}  {m.tokens_per_s:.0f} tok/s  "
+                f"grad {m.grad_norm:.3f}  clipped {m.clipped_frac:.3f}  entropy {m.entropy_mean:.3f}  mismatch KL {m.mismatch_kl:.4f}  "
+                f"ratio {m.is_ratio_min:.2f}-{m.is_ratio_max:.2f}  {m.tokens_per_s:.0f} tok/s  "
                 f"staleness {m.staleness}  utilization {self.utilization():.2f}",
                 highlight=False,
             )
             if self.options.eval_every and self.trainer.step % self.options.eval_every == 0 and self.options.eval_samples:
-                r = self._evaluate()
-                self._log_metrics({"event": "eval", "step": self.trainer.step, "heldout_pass_rate": r.pass_rate,
-                                   "heldout_reward_mean": r.reward_mean, "samples": r.samples})
+                state, self.state = self.state, f"evaluating policy step {self.trainer.step} on held-out tasks"
+                self._evaluate_and_log()
+                self.state = state
         if self.ctx.distributed:
             _control(self.ctx, go=False)
 
@@ -413,6 +425,18 @@ class Coordinator:
         engine = TransformersEngine.from_dir(path)
         return evaluate(self.spec, engine, self.tokenizer, self.tasks.heldout, self.options.eval_samples)
 
+    def _evaluate_and_log(self) -> EvalResult:
+        """Evaluate the published policy on the held-out tasks; log the ``eval`` row (with its 95 % interval)."""
+        assert self.trainer is not None
+        r = self._evaluate()
+        row = eval_row(self.published_step, r)
+        self._log_metrics(row)
+        self._last_eval = r
+        self.eval_latest = {k: row[k] for k in ("step", "heldout_pass_rate", "heldout_ci_low", "heldout_ci_high")}
+        logger.warning("held-out pass rate at step %d: %.3f (95%% interval %.3f-%.3f, %d problems x %d samples)", row["step"],
+                       r.pass_rate, row["heldout_ci_low"], row["heldout_ci_high"], row["problems"], r.samples_per_task)
+        return r
+
     # --- gossip glue (asyncio loop) ------------------------------------------------------------
 
     def _verdict_applied(self, raw: bytes) -> None:
@@ -466,6 +490,7 @@ class Coordinator:
             "utilization": self.utilization(),
             "heldout_start": self.eval_start.pass_rate if self.eval_start else None,
             "heldout_end": self.eval_end.pass_rate if self.eval_end else None,
+            "heldout_latest": self.eval_latest,
             "peers_by_role": peers,
             "broadcast_s": {str(k): round(v, 3) for k, v in list(self.broadcast_s.items())[-5:]},
             "last_step": self.last_step,

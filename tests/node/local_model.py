@@ -33,7 +33,8 @@ def _corpus(data_root: Path) -> list[str]:
     return texts
 
 
-def build_local_model(out: Path, data_root: Path, *, hidden_size: int = 128, layers: int = 2, seed: int = 0) -> Path:
+def build_local_model(out: Path, data_root: Path, *, hidden_size: int = 128, layers: int = 2, seed: int = 0,
+                      vocab_size: int = VOCAB_SIZE, dtype: str = "bfloat16") -> Path:
     """Write the model directory ``out`` (created) and return it.
 
     Args:
@@ -42,10 +43,12 @@ def build_local_model(out: Path, data_root: Path, *, hidden_size: int = 128, lay
         hidden_size: ≥ 128 (TOPLOC top-k).
         layers: decoder layers.
         seed: torch seed of the weights.
+        vocab_size: BPE vocabulary size (the embedding's rows).
+        dtype: ``bfloat16`` or ``float32`` weights.
 
     Returns:
-        ``out``, holding ``config.json`` (dtype bfloat16), ``generation_config.json``,
-        ``model.safetensors`` (bf16), ``tokenizer.json``, ``tokenizer_config.json`` and
+        ``out``, holding ``config.json`` (with ``dtype``), ``generation_config.json``,
+        ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json`` and
         ``chat_template.jinja``.
     """
     import torch
@@ -55,13 +58,13 @@ def build_local_model(out: Path, data_root: Path, *, hidden_size: int = 128, lay
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, min_frequency=1, special_tokens=SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_corpus(Path(data_root)), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
     eos, pad = fast.convert_tokens_to_ids("<|im_end|>"), fast.convert_tokens_to_ids("<|endoftext|>")
     config = Qwen2Config(
-        vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=eos, pad_token_id=pad,
     )
@@ -71,7 +74,7 @@ def build_local_model(out: Path, data_root: Path, *, hidden_size: int = 128, lay
         u = torch.randn(hidden_size)
         with torch.no_grad():
             model.lm_head.weight[eos] = EOS_ROW_SCALE * u / u.norm()
-    model = model.to(torch.bfloat16)
+    model = model.to(torch.bfloat16 if dtype == "bfloat16" else torch.float32)
     out = Path(out)
     model.save_pretrained(str(out))
     fast.save_pretrained(str(out))
