@@ -49,6 +49,8 @@ REFRESH_S = 1.0
 """Seconds between two rebuilds of the snapshot."""
 DECODE_PER_REFRESH = 32
 """Stored submissions decoded per rebuild to count their tokens (bounds the work of one rebuild)."""
+DECODE_BYTES_PER_REFRESH = 16 << 20
+"""...and at most about this many bytes of them (one submission at least), bytes."""
 MAX_RESPONSE_BYTES = 1 << 20
 """Largest ``/api/run`` answer, bytes; curves are thinned until it fits."""
 CAPS = {"curve_points": 300, "heldout_points": 100, "nodes": 300, "leaderboard": 200, "bans": 100, "propagation_steps": 50,
@@ -226,7 +228,10 @@ class RunPage:
 
     async def start(self) -> None:
         """Build the first snapshot and keep rebuilding it every :data:`REFRESH_S` seconds."""
-        await self._refresh()
+        try:
+            await self._refresh()
+        except Exception:  # the page must never keep the coordinator from starting
+            logger.exception("run page: first snapshot failed; retrying every %.0f s", REFRESH_S)
         self._task = asyncio.create_task(self._loop(), name="run-page-refresh")
 
     async def stop(self) -> None:
@@ -272,10 +277,15 @@ class RunPage:
         return [{k: v for k, v in r.items() if k not in ("_seen_wall", "addrs", "hardware", "seq")} for r in rows][: CAPS["nodes"]]
 
     def _count_tokens(self) -> None:
+        budget = DECODE_BYTES_PER_REFRESH
         for seq, sid, worker in self.store.submissions_after(self._token_seq, DECODE_PER_REFRESH):
+            if budget <= 0:
+                break
             self._token_seq = seq
             try:
-                env = open_envelope(self.store.read(sid), run_id=self.signed.run_id, expect=Submission)
+                data = self.store.read(sid)
+                budget -= len(data)
+                env = open_envelope(data, run_id=self.signed.run_id, expect=Submission)
             except (OSError, ProtocolError) as e:
                 logger.debug("run page cannot read submission %s: %s", sid[:12], e)
                 continue

@@ -169,6 +169,9 @@ def _check_run_page(devnet: LiveDevnet, browser) -> None:
 
     WebDriverWait(browser, 300, poll_frequency=0.25).until(ban_shown)
     board = {r[1]: r for r in _table_rows(browser, "leaderboard")}
+    # tokens generated (from the stored submissions) and rollouts trained on are counted for contributors
+    assert all(int(r[6]) > 0 for r in board.values() if int(r[2]) > 0), board
+    assert any(int(r[5]) > 0 for r in board.values()), board
     assert board[adversary][8].startswith("banned") and board[adversary][7] == "0.00"
     assert browser.execute_script("return document.querySelectorAll('#chart-reward svg path').length") > 0
     assert _table_rows(browser, "propagation"), "no propagation rows"
