@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -73,6 +73,10 @@ class SamplingSpec(_Section):
         default_factory=list, description="length-control targets in tokens; empty: no length prompt"
     )
     length_penalty: Annotated[float, Field(ge=0.0, le=1.0, description="λ in r − λ·|len − target|")] = 0.0
+    rule: Annotated[
+        Literal["icdf-v1", "gumbel-v1"],
+        Field(description="sampling rule (protocol.sampling, docs/toploc.md §5): icdf-v1 (default) or the first rule, gumbel-v1"),
+    ] = "icdf-v1"
 
 
 class ToplocSpec(_Section):

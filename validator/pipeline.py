@@ -71,8 +71,10 @@ class Tolerances:
     """Numeric tolerances of the sampling checks (``docs/toploc.md``).
 
     Attributes:
-        replay_eps: a recomputed token may differ only where the top two Gumbel-perturbed scores
-            are within this margin (near-ties from numeric noise).
+        replay_eps: ``gumbel-v1`` runs: a recomputed token may differ only where the top two
+            Gumbel-perturbed scores are within this margin (near-ties from numeric noise).
+        icdf_eps: ``icdf-v1`` runs: a claimed token may differ from the recomputed one only where
+            the uniform lies within this distance (probability units) of its CDF interval.
         max_tie_fraction: at most this fraction of a completion's tokens may be such near-tie
             differences.
         logprob_abs_tol: reported vs recomputed sampling log-prob, absolute nats.
@@ -81,6 +83,7 @@ class Tolerances:
     """
 
     replay_eps: float = sampling.DEFAULT_REPLAY_EPS
+    icdf_eps: float = sampling.DEFAULT_ICDF_EPS
     max_tie_fraction: float = sampling.DEFAULT_MAX_NEAR_TIE_FRACTION
     logprob_abs_tol: float = 1e-2
     reward_tol: float = 1e-6
@@ -243,11 +246,13 @@ class SubmissionChecker:
         term = sampling.termination_check(logits[-1], tokens, [self.eos_id], s.max_tokens, s.temperature, eos_floor, self.tol.eos_prob_slack)
         if not term.ok:
             raise Rejection("termination", rollout=j, p_eos=_finite(term.p_eos), min_p_eos=eos_floor, detail=term.reason[:200])
-        replay = sampling.replay_check(logits, tokens, seed, 0, s.temperature, s.top_p, self.tol.replay_eps, self.tol.max_tie_fraction,
-                                       eos_ids=(self.eos_id,), min_eos_prob=eos_floor, eos_prob_slack=self.tol.eos_prob_slack)
+        eps = self.tol.icdf_eps if s.rule == sampling.RULE_ICDF else self.tol.replay_eps
+        replay = sampling.replay_check(logits, tokens, seed, 0, s.temperature, s.top_p, eps, self.tol.max_tie_fraction,
+                                       eos_ids=(self.eos_id,), min_eos_prob=eos_floor, eos_prob_slack=self.tol.eos_prob_slack, rule=s.rule)
         if not replay.ok:
             raise Rejection("sampling", rollout=j, hard_mismatches=replay.hard_mismatches, near_ties=replay.near_ties, detail=replay.reason[:200])
-        recomputed = torch.log_softmax(logits.float() / s.temperature, dim=-1).gather(-1, tokens[:, None])[:, 0]  # [n]
+        assert replay.logprobs is not None  # replay_check always fills them
+        recomputed = replay.logprobs.to(torch.float32)  # [n] log_softmax(logits / T)[token], from the replay's own pass
         diff = (recomputed - torch.tensor(logprobs, dtype=torch.float32)).abs()
         worst = float(diff.max())
         if not worst <= self.tol.logprob_abs_tol:

@@ -9,6 +9,8 @@ from typing import Literal
 
 import torch
 
+from protocol.sampling import DEFAULT_RULE
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -20,6 +22,7 @@ class SamplingParams:
         top_p: nucleus mass (1.0 = off).
         eos_id: token that ends a completion.
         min_eos_prob: EOS may be sampled only where P(EOS) ≥ this (the run's ``toploc.eos_min_prob``).
+        rule: the sampling rule, the run spec's ``sampling.rule`` (``protocol.sampling.RULES``).
     """
 
     max_tokens: int
@@ -27,6 +30,7 @@ class SamplingParams:
     top_p: float = 1.0
     eos_id: int = 1
     min_eos_prob: float = 0.0
+    rule: str = DEFAULT_RULE
 
 
 @dataclass

@@ -9,8 +9,9 @@ How each output of :class:`node.engine.base.Generation` is produced:
 * **Tokens** — :func:`processor_class` (``GumbelLogitsProcessor``), a vLLM v1 batch logits processor (not
   argmax-invariant, so vLLM applies it before greedy sampling), calls
   :func:`protocol.sampling.sample` on the step's float32 logits ``[B, V]`` with each request's
-  sequence seed and completion position (= tokens generated so far), temperature, top-p and EOS
-  gate, then masks every other token to −inf; the request runs with ``temperature=0`` so vLLM's
+  sequence seed and completion position (= tokens generated so far), temperature, top-p, EOS
+  gate and sampling rule (``icdf-v1`` or ``gumbel-v1``: device tensor ops, no host sync inside
+  the rule), then masks every other token to −inf; the request runs with ``temperature=0`` so vLLM's
   greedy pick is exactly the token of the protocol's rule, computed in the protocol's code.
 * **Log-probs** — the ``logprobs`` that :func:`protocol.sampling.sample` returns in that call.
 * **Committed rows** — the model's ``compute_logits`` is wrapped (through ``collective_rpc``)
@@ -83,6 +84,7 @@ class _Req:
     top_p: float
     eos_id: int
     min_eos_prob: float
+    rule: str
     output_ids: list[int]  # vLLM's live list of the request's generated tokens
 
 
@@ -95,7 +97,7 @@ def processor_class() -> type:
     from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
     class _Gumbel(LogitsProcessor):  # type: ignore[misc]
-        """Seeded Gumbel-max (:func:`protocol.sampling.sample`) over the batch, as a one-hot mask."""
+        """The run's sampling rule (:func:`protocol.sampling.sample`) over the batch, as a one-hot mask."""
 
         def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
             self.reqs: dict[int, _Req] = {}
@@ -115,7 +117,8 @@ def processor_class() -> type:
                     continue
                 self.reqs[index] = _Req(
                     key=rule["key"], seed=int(rule["seed"]), temperature=float(rule["temperature"]), top_p=float(rule["top_p"]),
-                    eos_id=int(rule["eos_id"]), min_eos_prob=float(rule["min_eos_prob"]), output_ids=output_ids,
+                    eos_id=int(rule["eos_id"]), min_eos_prob=float(rule["min_eos_prob"]), rule=str(rule.get("rule", sampling.DEFAULT_RULE)),
+                    output_ids=output_ids,
                 )
             for a, b, direction in batch_update.moved:
                 ra, rb = self.reqs.pop(a, None), self.reqs.pop(b, None)
@@ -132,16 +135,16 @@ def processor_class() -> type:
                 raise RuntimeError("vLLM engine: no final-norm rows stashed for this step's logits (capture not installed?)")
             rows = sorted(self.reqs)
             # requests of one batch share sampling parameters in practice; group by them anyway
-            groups: dict[tuple[float, float, int, float], list[int]] = {}
+            groups: dict[tuple[float, float, int, float, str], list[int]] = {}
             for i in rows:
                 r = self.reqs[i]
-                groups.setdefault((r.temperature, r.top_p, r.eos_id, r.min_eos_prob), []).append(i)
+                groups.setdefault((r.temperature, r.top_p, r.eos_id, r.min_eos_prob, r.rule), []).append(i)
             chosen = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-            for (temperature, top_p, eos_id, floor), idx in groups.items():
+            for (temperature, top_p, eos_id, floor, rule_name), idx in groups.items():
                 index = torch.tensor(idx, dtype=torch.int64, device=logits.device)
                 seeds = _seeds_tensor([self.reqs[i].seed for i in idx], logits.device)
                 positions = torch.tensor([len(self.reqs[i].output_ids) for i in idx], dtype=torch.int64, device=logits.device)
-                tok, lp = sampling.sample(logits[index], seeds, positions, temperature, top_p, (eos_id,), floor)
+                tok, lp = sampling.sample(logits[index], seeds, positions, temperature, top_p, (eos_id,), floor, rule_name)
                 chosen[index] = tok
                 tok_l, lp_l, pos_l = tok.tolist(), lp.tolist(), positions.tolist()
                 rows_bf16 = hidden[index].to(torch.bfloat16).cpu()
@@ -319,7 +322,7 @@ class VllmEngine(Engine):
             vllm.SamplingParams(
                 max_tokens=params.max_tokens, temperature=0.0, ignore_eos=True, stop_token_ids=[params.eos_id], detokenize=False,
                 extra_args={EXTRA_KEY: {"key": key, "seed": int(seed), "temperature": params.temperature, "top_p": params.top_p,
-                                        "eos_id": params.eos_id, "min_eos_prob": params.min_eos_prob}},
+                                        "eos_id": params.eos_id, "min_eos_prob": params.min_eos_prob, "rule": params.rule}},
             )
             for key, seed in zip(keys, seeds, strict=True)
         ]

@@ -35,7 +35,8 @@ class BuildStats:
 def sampling_params(spec: RunSpec, eos_id: int) -> SamplingParams:
     """The run's sampling parameters for an engine."""
     s = spec.sampling
-    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, eos_id=eos_id, min_eos_prob=spec.toploc.eos_min_prob)
+    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, eos_id=eos_id, min_eos_prob=spec.toploc.eos_min_prob,
+                          rule=s.rule)
 
 
 def generate_rollouts(

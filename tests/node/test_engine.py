@@ -160,3 +160,68 @@ def test_load_weights_hot_swap_equals_fresh_engine(tmp_path: Path) -> None:
 def test_generate_rejects_mismatched_seeds(engine: TransformersEngine) -> None:
     with pytest.raises(ValueError):
         engine.generate(_prompts(2), _seeds(3), SamplingParams(max_tokens=2))
+
+
+# --- the default sampling rule (icdf-v1) at a real vocabulary size ---------------------------------
+
+BIG_VOCAB = 32_768
+
+
+def _no_cache_generate(model: torch.nn.Module, prompts: list[list[int]], seeds: list[int], params: SamplingParams) -> list[list[int]]:
+    """An honest worker without a KV cache: a full forward over prompt + tokens so far at every step."""
+    out = []
+    for prompt, seed in zip(prompts, seeds, strict=True):
+        ids: list[int] = []
+        for i in range(params.max_tokens):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + ids])).logits[:, -1]
+            tok, _ = sampling.sample(logits, torch.tensor([seed - (1 << 64) if seed >= 1 << 63 else seed]), torch.tensor([i]),
+                                     params.temperature, params.top_p, (params.eos_id,), params.min_eos_prob, params.rule)
+            ids.append(int(tok))
+            if ids[-1] == params.eos_id:
+                break
+        out.append(ids)
+    return out
+
+
+def test_honest_rollouts_replay_at_large_vocabulary() -> None:
+    """0 false rejections over 224 rollouts at vocabulary 32,768 under the default rule (top-p 0.95,
+    EOS gate 0.1): engines
+    batching 1, 8 or 64 sequences on 1 or 2 threads with the KV cache, and a worker without a KV
+    cache, all replayed against one batched prefill on 2 threads (other shapes, other reduction
+    orders: the logits differ in the last bits)."""
+    model = build_model(embedded_config(BIG_VOCAB, hidden_size=64, layers=1), seed=4)
+    with torch.no_grad():  # a sharper head than random init, so completions hit both flat and peaked rows
+        model.lm_head.weight.mul_(torch.linspace(1.0, 40.0, BIG_VOCAB)[:, None] ** 0.5)
+    eng = TransformersEngine(model, embedded_tokenizer(), max_batch=64)
+    g = torch.Generator().manual_seed(1)
+    temperature, top_p, n = 0.8, 0.95, 52
+    prompts = [torch.randint(3, BIG_VOCAB, (2 + i % 7,), generator=g).tolist() for i in range(n)]
+    seeds = [sampling.derive_sequence_seed(3, 0, "12D3KooWBigVocab", f"t{i}", i % 8) for i in range(n)]
+    params = SamplingParams(max_tokens=8, temperature=temperature, top_p=top_p, eos_id=EOS, min_eos_prob=0.1)
+    assert params.rule == sampling.RULE_ICDF
+    threads = torch.get_num_threads()
+    runs: list[tuple[str, list[list[int]], list[float] | None]] = []
+    try:
+        for max_batch, n_threads in [(1, 1), (8, 2), (64, 1), (64, 2)]:
+            torch.set_num_threads(n_threads)
+            eng.max_batch = max_batch
+            for gen in eng.generate(prompts, seeds, params):
+                runs.append((f"batch {max_batch}, {n_threads} threads", gen.completion_ids.tolist(), gen.logprobs.tolist()))
+        torch.set_num_threads(1)
+        runs += [("no KV cache", ids, None) for ids in _no_cache_generate(model, prompts[:16], seeds[:16], params)]
+        torch.set_num_threads(2)  # the validator: one batched prefill per 64 rollouts
+        near = tokens = 0
+        for lo in range(0, len(runs), 64):
+            chunk = runs[lo : lo + 64]
+            pre = prefill_completions(model, [prompts[i % n] for i in range(lo, lo + len(chunk))], [r[1] for r in chunk], PAD)
+            for i, ((label, ids, lps), p) in enumerate(zip(chunk, pre, strict=True), start=lo):
+                replay = sampling.replay_check(p.logits, ids, seeds[i % n], temperature=temperature, top_p=top_p, eos_ids=(EOS,), min_eos_prob=0.1)
+                assert replay.ok, f"{label}, prompt {i % n}: {replay.reason}"
+                near, tokens = near + replay.near_ties, tokens + len(ids)
+                if lps is not None:
+                    assert replay.logprobs is not None
+                    assert float((replay.logprobs - torch.tensor(lps, dtype=torch.float64)).abs().max()) <= 1e-2
+    finally:
+        torch.set_num_threads(threads)
+    assert len(runs) == 224 and near <= 0.01 * tokens  # near ties are rare at float32 noise

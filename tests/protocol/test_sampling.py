@@ -1,4 +1,4 @@
-"""Tests of protocol.sampling: Philox KATs, Gumbel-max rule, replay, termination, log-probs, seeds."""
+"""Tests of protocol.sampling: Philox KATs, both sampling rules (icdf-v1, gumbel-v1), replay, termination, log-probs, seeds."""
 
 from __future__ import annotations
 
@@ -49,17 +49,97 @@ def test_gumbel_noise_is_keyed_by_seed_and_position_and_pinned() -> None:
     assert float(one) == -math.log(-math.log(u))
 
 
+RULES = pytest.mark.parametrize("rule", sampling.RULES)
+
+
+def test_icdf_uniforms_are_keyed_and_pinned() -> None:
+    seeds = torch.tensor([1, 1, 2, -1], dtype=torch.int64)
+    positions = torch.tensor([0, 1, 0, 0], dtype=torch.int64)
+    u = sampling.uniforms(seeds, positions)
+    assert u.shape == (4, sampling.ICDF_DRAWS + 1) and u.dtype == torch.float64
+    assert bool(((u >= 0) & (u < 1)).all()) and len(set(u.flatten().tolist())) == u.numel()
+    assert torch.equal(u, sampling.uniforms(seeds, positions))
+    # Pinned: uniform 2j+1 of position 3, seed 5 is words 2, 3 of Philox block j (a change is a protocol change).
+    w = sampling.philox4x32(_t(3, 0, 2, sampling.ICDF_COUNTER_TAG), _t(5, 0))  # type: ignore[arg-type]
+    expected = ((int(w[2]) << 21) | (int(w[3]) >> 11)) / 2**53
+    assert float(sampling.uniforms(torch.tensor([5]), torch.tensor([3]))[0, 5]) == expected
+
+
+def test_icdf_uniforms_numpy_and_torch_paths_agree() -> None:
+    """The CPU (numpy uint64) and device (int64 tensor, what CUDA runs) paths give the same words."""
+    g = torch.Generator().manual_seed(3)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (256,), dtype=torch.int64, generator=g)
+    pos = torch.cat([torch.randint(0, 2**40, (128,), generator=g), torch.arange(128)])
+    a = sampling._uniform_words(seeds, pos, 9, use_numpy=True)
+    b = sampling._uniform_words(seeds, pos, 9, use_numpy=False)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _icdf_reference(logits: list[float], seed: int, position: int, temperature: float, top_p: float, eos: set[int], floor: float) -> int:
+    """``icdf-v1`` written out in plain Python floats, token by token (the normative text)."""
+    z = [x / temperature for x in logits]
+    mx = max(z)
+    e = [math.exp(x - mx) for x in z]
+    tot = sum(e)
+    p = [x / tot for x in e]
+    order = sorted(range(len(z)), key=lambda v: (-p[v], v))
+    keep, acc = set(), 0.0
+    for v in order:
+        if acc < top_p:
+            keep.add(v)
+        acc += p[v]
+    if eos and sum(p[v] for v in eos) < floor:
+        keep -= eos
+    u = sampling.uniforms(torch.tensor([seed]), torch.tensor([position]))[0].tolist()
+    cdf = [sum(e[: k + 1]) for k in range(len(e))]
+    for j in range(sampling.ICDF_DRAWS):
+        tok = next(k for k in range(len(e)) if cdf[k] > u[j] * cdf[-1])
+        if tok in keep:
+            return tok
+    if not keep:
+        return max((v for v in range(len(z)) if v not in eos), key=lambda v: (z[v], -v))
+    kc = [sum(e[v] for v in range(k + 1) if v in keep) for k in range(len(e))]
+    return next(k for k in range(len(e)) if kc[k] > u[sampling.ICDF_DRAWS] * kc[-1])
+
+
+@pytest.mark.parametrize(("temperature", "top_p", "floor"), [(1.0, 1.0, 0.0), (0.7, 0.6, 0.0), (1.3, 1.0, 0.3), (0.9, 0.5, 0.5), (1.0, 0.05, 0.99)])
+def test_icdf_matches_reference(temperature: float, top_p: float, floor: float) -> None:
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(64, 40, generator=g) * 2
+    seeds = torch.randint(0, 2**62, (64,), generator=g)
+    pos = torch.arange(64, dtype=torch.int64) * 7
+    toks, _ = sampling.sample(logits, seeds, pos, temperature, top_p, (1, 3), floor, rule=sampling.RULE_ICDF)
+    for i in range(64):
+        ref = _icdf_reference(logits[i].tolist(), int(seeds[i]), int(pos[i]), temperature, top_p, {1, 3}, floor)
+        assert int(toks[i]) == ref, i
+
+
+def test_icdf_fallback_and_empty_kept_set() -> None:
+    # EOS (id 0) holds almost all mass but is gated: 16 draws all land on it, the fallback picks among the rest
+    logits = torch.tensor([[20.0, 0.0, 1.0, 0.5]]).expand(256, -1)
+    seeds, pos = torch.arange(256), torch.zeros(256, dtype=torch.int64)
+    toks, _ = sampling.sample(logits, seeds, pos, eos_ids=(0,), min_eos_prob=1.0, rule=sampling.RULE_ICDF)
+    assert 0 not in toks.tolist() and set(toks.tolist()) == {1, 2, 3}
+    res = sampling.replay_check(logits[:8], toks[:8], 0, eos_ids=(0,), min_eos_prob=1.0)  # seed 0 for row 0 only: row 0 checks out
+    assert float(res.gaps[0]) == 0.0
+    # nucleus = {EOS} and EOS gated: nothing kept, the most probable non-EOS token
+    one, _ = sampling.sample(logits[:4], seeds[:4], pos[:4], top_p=0.5, eos_ids=(0,), min_eos_prob=1.0)
+    assert one.tolist() == [2, 2, 2, 2]
+    assert sampling.replay_check(logits[:4], one[:1].expand(4), 0, top_p=0.5, eos_ids=(0,), min_eos_prob=1.0).ok
+
+
 def test_gumbel_noise_is_standard_gumbel() -> None:
     g = sampling.gumbel_noise(torch.arange(64, dtype=torch.int64), torch.zeros(64, dtype=torch.int64), 4096).flatten()
     assert abs(float(g.mean()) - 0.5772) < 0.01  # Euler–Mascheroni
     assert abs(float(g.var()) - math.pi**2 / 6) < 0.03
 
 
-def test_sample_matches_softmax_distribution() -> None:
+@RULES
+def test_sample_matches_softmax_distribution(rule: str) -> None:
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]], dtype=torch.float32)
     n = 20000
     seeds = torch.arange(n, dtype=torch.int64)
-    toks, lps = sampling.sample(logits.expand(n, -1), seeds, torch.zeros(n, dtype=torch.int64), temperature=1.0)
+    toks, lps = sampling.sample(logits.expand(n, -1), seeds, torch.zeros(n, dtype=torch.int64), temperature=1.0, rule=rule)
     freq = torch.bincount(toks, minlength=4).double() / n
     expected = torch.softmax(logits[0].double(), -1)
     assert torch.allclose(freq, expected, atol=0.015)
@@ -67,23 +147,24 @@ def test_sample_matches_softmax_distribution() -> None:
     assert lps.dtype == torch.float32 and toks.dtype == torch.int64
 
 
-def test_temperature_and_top_p_semantics() -> None:
+@RULES
+def test_temperature_and_top_p_semantics(rule: str) -> None:
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -3.0]])
     n = 4000
     seeds, pos = torch.arange(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
     # top_p: keep v iff mass ranked before v < top_p
     probs = torch.softmax(logits[0].double() / 0.7, -1)
-    toks, lps = sampling.sample(logits.expand(n, -1), seeds, pos, temperature=0.7, top_p=0.8)
+    toks, lps = sampling.sample(logits.expand(n, -1), seeds, pos, temperature=0.7, top_p=0.8, rule=rule)
     before = torch.cumsum(probs, 0) - probs  # logits already sorted descending
     allowed = set(torch.nonzero(before < 0.8).flatten().tolist())
     assert set(toks.tolist()) <= allowed and len(allowed) < 5
     # logprob is of the unfiltered tempered distribution
     assert torch.allclose(lps.double(), torch.log(probs)[toks], atol=1e-6)
     # top-1 nucleus is greedy
-    greedy, _ = sampling.sample(logits.expand(8, -1), seeds[:8], pos[:8], temperature=1.0, top_p=1e-9)
+    greedy, _ = sampling.sample(logits.expand(8, -1), seeds[:8], pos[:8], temperature=1.0, top_p=1e-9, rule=rule)
     assert greedy.tolist() == [0] * 8
     # low temperature concentrates
-    cold, _ = sampling.sample(logits.expand(n, -1), seeds, pos, temperature=0.05)
+    cold, _ = sampling.sample(logits.expand(n, -1), seeds, pos, temperature=0.05, rule=rule)
     assert (cold == 0).float().mean() > 0.99
     with pytest.raises(ValueError):
         sampling.sample(logits, seeds[:1], pos[:1], temperature=0.0)
@@ -91,53 +172,60 @@ def test_temperature_and_top_p_semantics() -> None:
         sampling.sample(logits, seeds[:1], pos[:1], top_p=1.5)
 
 
-def test_sample_is_batch_independent() -> None:
+@RULES
+def test_sample_is_batch_independent(rule: str) -> None:
     torch.manual_seed(0)
     logits = torch.randn(8, 300)
     seeds = torch.randint(0, 2**62, (8,))
     pos = torch.arange(8, dtype=torch.int64) * 3
-    toks, lps = sampling.sample(logits, seeds, pos, 0.9, 0.95)
+    toks, lps = sampling.sample(logits, seeds, pos, 0.9, 0.95, rule=rule)
     for i in range(8):
-        t1, l1 = sampling.sample(logits[i : i + 1], seeds[i : i + 1], pos[i : i + 1], 0.9, 0.95)
+        t1, l1 = sampling.sample(logits[i : i + 1], seeds[i : i + 1], pos[i : i + 1], 0.9, 0.95, rule=rule)
         assert int(t1) == int(toks[i]) and float(l1) == float(lps[i])
 
 
-def _generate(logits: torch.Tensor, seed: int, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
+def _generate(logits: torch.Tensor, seed: int, temperature: float = 1.0, top_p: float = 1.0, rule: str = sampling.DEFAULT_RULE) -> torch.Tensor:
     n = logits.shape[0]
     toks, _ = sampling.sample(
-        logits, torch.full((n,), seed, dtype=torch.int64), torch.arange(n, dtype=torch.int64), temperature, top_p
+        logits, torch.full((n,), seed, dtype=torch.int64), torch.arange(n, dtype=torch.int64), temperature, top_p, rule=rule
     )
     return toks
 
 
-def test_replay_accepts_honest_and_tolerates_noise() -> None:
+@RULES
+def test_replay_accepts_honest_and_tolerates_noise(rule: str) -> None:
     torch.manual_seed(1)
     logits = torch.randn(100, 500) * 2
-    toks = _generate(logits, 42, 0.8, 0.9)
-    res = sampling.replay_check(logits, toks, 42, 0, 0.8, 0.9)
+    toks = _generate(logits, 42, 0.8, 0.9, rule)
+    res = sampling.replay_check(logits, toks, 42, 0, 0.8, 0.9, rule=rule)
     assert res.ok and res.hard_mismatches == 0 and res.near_ties == 0 and torch.equal(res.tokens, toks)
     assert bool((res.gaps == 0).all()) and bool((res.margins > 0).all())
     noisy = logits + 1e-5 * torch.randn_like(logits)
-    assert sampling.replay_check(noisy, toks, 42, 0, 0.8, 0.9).ok
+    assert sampling.replay_check(noisy, toks, 42, 0, 0.8, 0.9, rule=rule).ok
+    assert res.logprobs is not None
+    torch.testing.assert_close(res.logprobs, torch.log_softmax(logits.double() / 0.8, -1).gather(-1, toks[:, None])[:, 0])
 
 
-def test_replay_rejects_other_seed_or_other_model() -> None:
+@RULES
+def test_replay_rejects_other_seed_or_other_model(rule: str) -> None:
     torch.manual_seed(2)
     logits = torch.randn(64, 500) * 2
-    toks = _generate(logits, 7)
-    wrong_seed = sampling.replay_check(logits, toks, 8)
+    toks = _generate(logits, 7, rule=rule)
+    wrong_seed = sampling.replay_check(logits, toks, 8, rule=rule)
     assert not wrong_seed.ok and wrong_seed.hard_mismatches > 30 and "differ" in wrong_seed.reason
-    cheap = _generate(logits + torch.randn_like(logits), 7)  # a different model, right seed
-    res = sampling.replay_check(logits, cheap, 7)
+    cheap = _generate(logits + torch.randn_like(logits), 7, rule=rule)  # a different model, right seed
+    res = sampling.replay_check(logits, cheap, 7, rule=rule)
     assert not res.ok and res.hard_mismatches > 0
-    shifted = sampling.replay_check(logits, toks, 7, start_position=1)
+    other_rule = sampling.RULE_GUMBEL if rule == sampling.RULE_ICDF else sampling.RULE_ICDF
+    assert not sampling.replay_check(logits, toks, 7, rule=other_rule).ok  # the rule is part of the check
+    shifted = sampling.replay_check(logits, toks, 7, start_position=1, rule=rule)
     assert not shifted.ok
 
 
-def test_replay_near_ties_counted_and_bounded() -> None:
+def test_gumbel_replay_near_ties_counted_and_bounded() -> None:
     logits = torch.zeros(20, 50)
-    toks = _generate(logits, 3)
-    res = sampling.replay_check(logits, toks, 3)
+    toks = _generate(logits, 3, rule=sampling.RULE_GUMBEL)
+    res = sampling.replay_check(logits, toks, 3, rule=sampling.RULE_GUMBEL)
     assert res.ok
     # Force near ties: make the claimed token the runner-up where the margin is tiny.
     g = sampling.gumbel_noise(torch.full((20,), 3), torch.arange(20), 50)
@@ -148,20 +236,92 @@ def test_replay_near_ties_counted_and_bounded() -> None:
         gap = float(top2.values[i, 0] - top2.values[i, 1])
         logits2[i, top2.indices[i, 1]] = gap - 0.01  # runner-up now 0.01 below the winner
         fake[i] = top2.indices[i, 1]
-    res2 = sampling.replay_check(logits2, fake, 3, eps=0.1, max_near_tie_fraction=0.1)
+    g_rule = sampling.RULE_GUMBEL
+    res2 = sampling.replay_check(logits2, fake, 3, eps=0.1, max_near_tie_fraction=0.1, rule=g_rule)
     assert res2.near_ties == 3 and res2.hard_mismatches == 0 and res2.allowed_near_ties == 2 and not res2.ok
-    assert sampling.replay_check(logits2, fake, 3, eps=0.1, max_near_tie_fraction=0.2).ok
-    assert not sampling.replay_check(logits2, fake, 3, eps=0.001).ok
+    assert sampling.replay_check(logits2, fake, 3, eps=0.1, max_near_tie_fraction=0.2, rule=g_rule).ok
+    assert not sampling.replay_check(logits2, fake, 3, eps=0.001, rule=g_rule).ok
 
 
-def test_replay_handles_out_of_vocab_and_nucleus() -> None:
+def test_icdf_replay_near_ties_counted_and_bounded() -> None:
+    """A claimed token whose CDF interval ends within ε of the uniform is a near tie, further away a hard mismatch."""
+    n, vocab = 20, 50
+    logits = torch.zeros(n, vocab)  # uniform: token k covers [k/50, (k+1)/50)
+    u = sampling.uniforms(torch.full((n,), 3), torch.arange(n))[:, 0]
+    toks = _generate(logits, 3)
+    assert torch.equal(toks, (u * vocab).floor().long())
+    # claim the neighbour on the nearer side: distance to its interval = distance of u to the shared end
+    frac = u * vocab - toks
+    nearer = torch.where(frac < 0.5, toks - 1, toks + 1).clamp(0, vocab - 1)
+    dist = torch.minimum(frac, 1 - frac) / vocab
+    order = torch.argsort(dist)
+    fake = toks.clone()
+    fake[order[:3]] = nearer[order[:3]]
+    eps = float(dist[order[2]]) * 1.01
+    res = sampling.replay_check(logits, fake, 3, eps=eps, max_near_tie_fraction=0.1)
+    assert res.near_ties == 3 and res.hard_mismatches == 0 and res.allowed_near_ties == 2 and not res.ok
+    assert sampling.replay_check(logits, fake, 3, eps=eps, max_near_tie_fraction=0.2).ok
+    tight = sampling.replay_check(logits, fake, 3, eps=float(dist[order[0]]) * 0.99)
+    assert not tight.ok and tight.hard_mismatches == 3
+    torch.testing.assert_close(res.gaps[order[:3]], dist[order[:3]].double())
+
+
+def test_icdf_single_token_deviation_caught_at_the_stated_rate() -> None:
+    """docs/toploc.md §6: a claimed token c' ≠ the rule's token c passes only if u lies within ε of
+    c''s interval. For a deviation chosen without looking at u, u is uniform on c's interval, so
+    P(pass) = |[lo_c, hi_c) ∩ [lo_c' − ε, hi_c' + ε]| / p_c. Measured over 3 × 512 one-token
+    deviations (random token, the policy's runner-up, the id-neighbour) on flat and peaked rows
+    at vocabulary 32,768, the caught count matches that prediction."""
+    g = torch.Generator().manual_seed(5)
+    vocab, n = 32_768, 64
+    eps = sampling.DEFAULT_ICDF_EPS
+    measured: dict[str, list[float]] = {"random": [0, 0, 0], "runner-up": [0, 0, 0], "neighbour": [0, 0, 0]}  # trials, caught, predicted pass
+    for seed in range(8):
+        logits = torch.randn(n, vocab, generator=g) * (1.0 if seed % 2 else 6.0)  # flat and peaked rows
+        toks = _generate(logits, seed)
+        p = torch.softmax(logits.double(), -1)
+        cdf = torch.cumsum(p, -1)
+        u = sampling.uniforms(torch.full((n,), seed), torch.arange(n))[:, 0]
+        top2 = torch.topk(p, 2).indices
+        fakes = {
+            "random": (toks + torch.randint(1, vocab, (n,), generator=g)) % vocab,
+            "runner-up": torch.where(top2[:, 0] == toks, top2[:, 1], top2[:, 0]),
+            "neighbour": (toks + 1) % vocab,
+        }
+        for kind, fake in fakes.items():
+            res = sampling.replay_check(logits, fake, seed, max_near_tie_fraction=1.0)  # every position deviates: per-position gaps
+            for i in (0, 17, 41):  # each position is judged alone: a one-token deviation gives the same verdict
+                single = toks.clone()
+                single[i] = fake[i]
+                assert sampling.replay_check(logits, single, seed).ok == bool(res.gaps[i] <= eps)
+            lo_c, hi_c = (cdf.gather(-1, toks[:, None]) - p.gather(-1, toks[:, None]))[:, 0], cdf.gather(-1, toks[:, None])[:, 0]
+            lo_f, hi_f = (cdf.gather(-1, fake[:, None]) - p.gather(-1, fake[:, None]))[:, 0] - eps, cdf.gather(-1, fake[:, None])[:, 0] + eps
+            overlap = (torch.minimum(hi_c, hi_f) - torch.maximum(lo_c, lo_f)).clamp_min(0) / (hi_c - lo_c)
+            assert bool(((u >= lo_c - 1e-12) & (u < hi_c + 1e-12)).all())
+            m = measured[kind]
+            m[0] += n
+            m[1] += int((res.gaps > eps).sum())
+            m[2] += float(overlap.sum())
+    for kind, (trials, caught, predicted_pass) in measured.items():
+        sd = math.sqrt(max(predicted_pass * (1 - predicted_pass / trials), 1.0))
+        assert abs((trials - caught) - predicted_pass) <= 4 * sd + 1, (kind, trials, caught, predicted_pass)
+    assert measured["random"][1] == measured["random"][0]  # a token chosen without u is caught
+    assert measured["runner-up"][1] >= 0.99 * measured["runner-up"][0]
+
+
+@RULES
+def test_replay_handles_out_of_vocab_and_nucleus(rule: str) -> None:
     logits = torch.tensor([[5.0, 0.0, -5.0]] * 4)
-    res = sampling.replay_check(logits, [0, 0, 7, -1], 1, top_p=0.5)
+    res = sampling.replay_check(logits, [0, 0, 7, -1], 1, top_p=0.5, rule=rule)
     assert not res.ok and res.hard_mismatches == 2 and math.isinf(float(res.gaps[2]))
-    outside = sampling.replay_check(logits, [0, 2, 0, 0], 1, top_p=0.5)
+    outside = sampling.replay_check(logits, [0, 2, 0, 0], 1, top_p=0.5, rule=rule)
     assert not outside.ok and math.isinf(float(outside.gaps[1]))
     with pytest.raises(ValueError):
-        sampling.replay_check(logits, [0, 0], 1)
+        sampling.replay_check(logits, [0, 0], 1, rule=rule)
+    with pytest.raises(ValueError, match="unknown sampling rule"):
+        sampling.replay_check(logits, [0, 0, 0, 0], 1, rule="gumbel-v0")
+    with pytest.raises(ValueError, match="unknown sampling rule"):
+        sampling.sample(logits, torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), rule="nope")
 
 
 def test_termination_rules() -> None:
@@ -241,6 +401,27 @@ def test_noise_bits_identical_on_gpu() -> None:
     gpu = sampling.philox4x32(tuple(c.cuda() for c in ctr), tuple(k.cuda() for k in key))  # type: ignore[arg-type]
     assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu))
     logits = torch.randn(16, 151_936)
-    t_cpu, _ = sampling.sample(logits, seeds, pos, 0.7, 0.95)
-    t_gpu, _ = sampling.sample(logits.cuda(), seeds.cuda(), pos.cuda(), 0.7, 0.95)
-    assert torch.equal(t_cpu, t_gpu.cpu())
+    for rule in sampling.RULES:
+        t_cpu, _ = sampling.sample(logits, seeds, pos, 0.7, 0.95, rule=rule)
+        t_gpu, _ = sampling.sample(logits.cuda(), seeds.cuda(), pos.cuda(), 0.7, 0.95, rule=rule)
+        assert torch.equal(t_cpu, t_gpu.cpu()), rule
+    assert torch.equal(sampling.uniforms(seeds, pos), sampling.uniforms(seeds.cuda(), pos.cuda()).cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rule", sampling.RULES)
+@pytest.mark.parametrize(("top_p", "floor"), [(1.0, 0.0), (1.0, 0.1), (0.9, 0.1)])
+def test_sampler_never_syncs_with_the_host(rule: str, top_p: float, floor: float) -> None:
+    """The decode loop's sampler stays asynchronous on CUDA: any host synchronisation raises."""
+    logits = torch.randn(64, 151_936, device="cuda")
+    seeds = torch.arange(64, device="cuda", dtype=torch.int64)
+    pos = torch.full((64,), 5, device="cuda", dtype=torch.int64)
+    sampling.sample(logits, seeds, pos, 1.0, top_p, (1,), floor, rule=rule)  # warm-up (allocator, kernels)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        toks, lps = sampling.sample(logits, seeds, pos, 1.0, top_p, (1,), floor, rule=rule)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert toks.shape == (64,) and bool(torch.isfinite(lps).all())
