@@ -10,8 +10,9 @@ The boundary is the kernel's, set up by bubblewrap (Debian ``bubblewrap``):
   interpreter's ``RUNPATH`` names it), a fresh ``/dev`` and ``/proc``, a private size-limited
   tmpfs ``/tmp`` as the working folder, and ``/job`` with the harness and its spec (copied in
   from memfds). No key, data folder, project checkout or home folder is visible;
-* ``--die-with-parent --new-session``; the sandbox's pid 1 is bwrap's init, so killing the
-  bwrap process (a process group of its own) kills the whole pid namespace, daemons included;
+* ``--die-with-parent --new-session``; the sandbox's pid 1 is bwrap's init; on a wall timeout
+  that init is killed directly (a ptrace-ing candidate can clear its parent-death signal), which
+  kills the whole pid namespace, daemons included, then bwrap (a process group of its own);
 * resource limits the harness sets before the candidate runs: RLIMIT_CPU, RLIMIT_AS,
   RLIMIT_FSIZE, RLIMIT_NPROC (counted per user namespace), RLIMIT_NOFILE, no core dumps;
 * when the node runs as root, bwrap itself runs as uid 65534 (``setpriv``), so the sandbox's
@@ -32,6 +33,7 @@ import functools
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import stat
@@ -55,6 +57,7 @@ RECORD_FD_ENV = 3
 _CHILD_SOURCE_PATH = Path(__file__).with_name("_sandbox_child.py")
 _INSTALL_HINT = "code tasks need bubblewrap: apt-get install bubblewrap"
 _PRIVATE_MOUNT = "/mnt"  # only ever mounted on inside a private mount namespace
+_NAMESPACE_EXIT_S = 5.0  # bound on waiting for a killed sandbox's processes to be reaped
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +190,42 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _kill_sandbox(proc: subprocess.Popen[bytes]) -> None:
+    """Kill bwrap and the sandbox's whole pid namespace, and wait until the namespace is gone.
+
+    The sandbox's init (bwrap's child, pid 1 inside) would die with bwrap only through
+    ``PR_SET_PDEATHSIG``, which a candidate can clear by ptrace-attaching to it (same uid, same
+    namespaces) and making it call ``prctl``; its processes then outlived the wall kill. So the
+    init is killed directly (by pidfd: no pid-reuse race): when a pid namespace's init dies the
+    kernel kills every process in it, and the init's pidfd turns readable only after they are
+    all reaped.
+    """
+    pidfds: list[int] = []
+    try:
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children", encoding="ascii") as f:
+            children = [int(p) for p in f.read().split()]
+    except (OSError, ValueError):
+        children = []
+    for child in children:
+        try:
+            pidfds.append(os.pidfd_open(child))
+        except OSError:
+            continue  # already gone
+    try:
+        for fd in pidfds:
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        _kill_group(proc.pid)
+        proc.wait()
+        for fd in pidfds:
+            select.select([fd], [], [], _NAMESPACE_EXIT_S)
+    finally:
+        for fd in pidfds:
+            os.close(fd)
 
 
 def _read_records(f: Any) -> tuple[list[dict[str, Any]], bool]:
@@ -331,8 +370,7 @@ def run_python(
                 exit_code: int | None = proc.wait(timeout=wall)
             except subprocess.TimeoutExpired:
                 timed_out, exit_code = True, None
-                _kill_group(proc.pid)  # bwrap dies; its init gets SIGKILL (die-with-parent): the pid namespace goes
-                proc.wait()
+                _kill_sandbox(proc)
             wall_s = time.monotonic() - t0
             records, truncated = _read_records(frec)
             fout.seek(0)
@@ -344,8 +382,7 @@ def run_python(
             return SandboxRun(exit_code, timed_out, stdout, stderr, records, truncated, limit, wall_s)
         finally:
             if proc is not None and proc.poll() is None:
-                _kill_group(proc.pid)
-                proc.wait()
+                _kill_sandbox(proc)
             for fd in fds:
                 os.close(fd)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from protocol.rewards import RewardError, RewardLimits, SandboxLimits, compute_reward
-from protocol.rewards.sandbox import sandbox_status
+from protocol.rewards.sandbox import run_python, sandbox_status
 from protocol.tasks import code_task
 
 REPO = Path(__file__).resolve().parents[2]
@@ -163,6 +163,50 @@ def test_children_do_not_outlive_the_wall_kill():
     assert (r.task_reward, r.limit_hit) == (0.0, "wall")
     assert wait_until(lambda: not marked_pids(marker)), marked_pids(marker)
 
+
+
+# x86-64 ptrace injection: the candidate attaches to the sandbox's init (pid 1, its own uid) and
+# makes it call prctl(PR_SET_PDEATHSIG, 0), so that killing bwrap no longer kills the namespace
+_CLEAR_INIT_PDEATHSIG = r"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.restype = ctypes.c_long
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+class Regs(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_ulonglong) for n in "r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs eflags rsp ss fs_base gs_base ds es fs gs".split()]
+def pt(req, addr=0, data=0):
+    ctypes.set_errno(0)
+    r = libc.ptrace(req, 1, ctypes.c_void_p(addr), ctypes.c_void_p(data))
+    if r == -1 and ctypes.get_errno():
+        raise OSError(ctypes.get_errno(), "ptrace %d" % req)
+    return r
+pt(16)                                   # PTRACE_ATTACH
+os.waitpid(1, 0x40000000)                # __WALL
+regs = Regs(); pt(12, 0, ctypes.addressof(regs))
+saved = Regs.from_buffer_copy(regs)
+word = pt(1, regs.rip) & 0xFFFFFFFFFFFFFFFF   # PEEKTEXT
+pt(4, regs.rip, (word & ~0xFFFF) | 0x050F)    # a syscall instruction at rip
+regs.rax, regs.orig_rax, regs.rdi, regs.rsi = 157, 0xFFFFFFFFFFFFFFFF, 1, 0  # prctl(PR_SET_PDEATHSIG, 0)
+pt(13, 0, ctypes.addressof(regs)); pt(9); os.waitpid(1, 0x40000000)
+pt(12, 0, ctypes.addressof(regs)); result = regs.rax
+pt(4, saved.rip, word); pt(13, 0, ctypes.addressof(saved)); pt(17)  # restore, detach
+print("init prctl returned", result, flush=True)
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the injection is x86-64 code")
+def test_a_ptraced_init_does_not_keep_the_namespace_alive():
+    marker = f"{secrets.randbelow(10**6) + 3 * 10**6}.{secrets.randbelow(1000)}"
+    # the program then becomes a long sleep: the init's main child, holding the namespace open
+    code = _CLEAR_INIT_PDEATHSIG + f"os.execv('/bin/sleep', ['/bin/sleep', '{marker}'])\n"
+    try:
+        run = run_python("stdio", code, {}, SandboxLimits(cpu_time_s=5, wall_time_s=4.0))
+        assert "init prctl returned 0" in run.stdout, run.stderr  # the attack ran
+        assert run.limit_hit == "wall"
+        assert marked_pids(marker) == []  # run_python returns only once the pid namespace is gone
+    finally:
+        for pid in marked_pids(marker):  # what a failing run left: the init's main child (the init then exits)
+            os.kill(pid, 9)
 
 def test_no_process_survives_a_normal_exit():
     marker = f"{secrets.randbelow(10**6) + 2 * 10**6}.{secrets.randbelow(1000)}"
