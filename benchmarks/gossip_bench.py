@@ -2,12 +2,17 @@
 
 Modes:
 
-* ``propagation`` (default): ``--nodes`` gossip nodes in child processes (one seed, the rest
-  bootstrapping from it) plus this process as the coordinator. The coordinator publishes
-  ``--announcements`` checkpoint announcements; every node logs when it delivered each one.
-  Reports publish → delivered latency over all (announcement, node) pairs (p50/p99), the time until
-  *every* node had an announcement (p50/p99), delivery ratio, then per-node CPU and memory after
-  ``--idle-s`` seconds of idle heartbeats.
+* ``propagation`` (default): ``--nodes`` gossip nodes in child processes (``--relays`` relays,
+  the first the seed, the rest workers bootstrapping from it) plus this process as the
+  coordinator. The coordinator publishes ``--announcements`` checkpoint announcements (and its
+  record's ``policy_step``, as the coordinator role does); every node logs when it delivered each
+  one, and ``--lossy`` workers drop every announcement and log when the coordinator's record
+  told them the step instead. Reports delivery ratio, publish → delivered latency over all
+  (announcement, node) pairs (p50/p99/max), the p99 time until *every* node had an announcement,
+  then per-node CPU (workers and relays apart) and memory over ``--idle-s`` seconds of idle
+  heartbeats, and the records per second the coordinator receives. ``--layout both`` (default)
+  runs the old single-topic layout and the split one in one invocation and prints them side by
+  side, with the load average at the start and end of each.
 * ``bridge``: asyncio → trio → asyncio round trips through each bridge kind, and how long libp2p's
   side (a 10 ms trio ticker) stalls while the asyncio thread blocks for 200 ms.
 
@@ -39,7 +44,8 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-async def propagation(args: argparse.Namespace) -> None:
+async def propagation_once(args: argparse.Namespace, layout: str) -> dict[str, object]:
+    """One network of ``args.nodes`` child nodes in ``layout`` (``split`` or ``flat``); returns its numbers."""
     import psutil
 
     from node.p2p import GossipConfig, GossipNode
@@ -53,14 +59,21 @@ async def propagation(args: argparse.Namespace) -> None:
     (tmp / "run.toml").write_text(dump_run_spec(sign_run_spec(spec, coord)))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     procs: list[subprocess.Popen[str]] = []
+    roles: list[str] = []
+    lossy: set[int] = set()
     lines: list[tuple[int, str]] = []  # (node index, stdout line)
     lock = threading.Lock()
+    out: dict[str, object] = {"layout": layout, "load_start": round(os.getloadavg()[0], 1)}
 
     def start(i: int, bootstrap: list[str]) -> subprocess.Popen[str]:
         key = NodeKey.generate()
         key.save(tmp / f"k{i}")
-        cmd = [sys.executable, str(RUNNER), "--run", str(tmp / "run.toml"), "--key", str(tmp / f"k{i}"), "--role", "relay",
+        role = "relay" if i < args.relays else "worker"
+        drop = role == "worker" and i >= args.nodes - args.lossy
+        cmd = [sys.executable, str(RUNNER), "--run", str(tmp / "run.toml"), "--key", str(tmp / f"k{i}"), "--role", role,
                "--bridge", args.bridge, "--log-announcements"]
+        cmd += ["--flat"] if layout == "flat" else []
+        cmd += ["--drop-announcements"] if drop else []
         for b in bootstrap:
             cmd += ["--bootstrap", b]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
@@ -73,6 +86,9 @@ async def propagation(args: argparse.Namespace) -> None:
 
         threading.Thread(target=pump, daemon=True).start()
         procs.append(p)
+        roles.append(role)
+        if drop:
+            lossy.add(i)
         return p
 
     def ready_addr(i: int) -> str | None:
@@ -92,53 +108,70 @@ async def propagation(args: argparse.Namespace) -> None:
             await asyncio.sleep(0.05)
         for i in range(1, args.nodes):
             start(i, [seed])
-        node = await GossipNode.create(spec, coord, GossipConfig(bootstrap=[seed]), role="coordinator")
+        node = await GossipNode.create(spec, coord, GossipConfig(bootstrap=[seed], split_records=layout == "split"), role="coordinator")
         while len(node.peers) < args.nodes:
             if time.monotonic() - t0 > args.join_timeout_s:
-                raise SystemExit(f"only {len(node.peers)}/{args.nodes} nodes joined within {args.join_timeout_s} s")
+                out["joined"] = f"{len(node.peers)}/{args.nodes} in {args.join_timeout_s:.0f} s"
+                return out
             await asyncio.sleep(0.1)
-        print(f"{args.nodes} nodes up and seen by the coordinator after {time.monotonic() - t0:.1f} s (bridge: {args.bridge})")
+        out["joined"] = f"{args.nodes}/{args.nodes} in {time.monotonic() - t0:.0f} s"
         await asyncio.sleep(2 * args.heartbeat_s)  # let meshes settle
         sent_ns: dict[int, int] = {}
         for step in range(1, args.announcements + 1):
             ann = CheckpointAnnouncement(step=step, manifest_id=step.to_bytes(32, "big"), checkpoint_hash=b"\0" * 32)
             env_bytes = node.seal(ann)
             sent_ns[step] = time.time_ns()
+            node.set_record(policy_step=step)  # as the coordinator role does: its next record carries the step
             await node.publish_announcement(env_bytes)
             await asyncio.sleep(args.interval_s)
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(2.0 + args.heartbeat_s)
+        listening = [i for i in range(args.nodes) if i not in lossy]
         per_pair: list[float] = []
         per_ann: dict[int, list[float]] = {s: [] for s in sent_ns}
-        per_node = [0] * args.nodes
+        learned: dict[int, int] = {}  # lossy node → newest step it learned from records
+        learn_lat: list[float] = []
         with lock:
             for i, line in lines:
-                if line.startswith("{"):
-                    rec = json.loads(line)
-                    if rec["step"] in sent_ns:
-                        lat = (rec["recv_ns"] - sent_ns[rec["step"]]) / 1e9
-                        per_pair.append(lat)
-                        per_ann[rec["step"]].append(lat)
-                        per_node[i] += 1
-        expected = args.nodes * args.announcements
-        complete = [max(v) for v in per_ann.values() if len(v) == args.nodes]
-        print(f"delivered {len(per_pair)}/{expected} (announcement, node) pairs; per node: {per_node}")
+                if not line.startswith("{"):
+                    continue
+                rec = json.loads(line)
+                if "step" in rec and rec["step"] in sent_ns and i not in lossy:
+                    lat = (rec["recv_ns"] - sent_ns[rec["step"]]) / 1e9
+                    per_pair.append(lat)
+                    per_ann[rec["step"]].append(lat)
+                elif "latest" in rec and i in lossy and rec["latest"] in sent_ns:
+                    learned[i] = max(learned.get(i, 0), rec["latest"])
+                    learn_lat.append((rec["recv_ns"] - sent_ns[rec["latest"]]) / 1e9)
+        complete = [max(v) for v in per_ann.values() if len(v) == len(listening)]
+        out["delivered"] = f"{len(per_pair)}/{len(listening) * args.announcements}"
+        out["delivered_ratio"] = len(per_pair) / max(1, len(listening) * args.announcements)
         if per_pair:
-            print(f"publish → delivered at a node:   p50 {pct(per_pair, 0.5) * 1e3:7.1f} ms   p99 {pct(per_pair, 0.99) * 1e3:7.1f} ms   max {max(per_pair) * 1e3:7.1f} ms")
+            out["p50_ms"], out["p99_ms"], out["max_ms"] = (round(pct(per_pair, q) * 1e3) for q in (0.5, 0.99, 1.0))
         if complete:
-            print(f"publish → delivered at every node: p50 {pct(complete, 0.5) * 1e3:7.1f} ms   p99 {pct(complete, 0.99) * 1e3:7.1f} ms   ({len(complete)}/{args.announcements} reached all)")
+            out["all_p99_ms"] = round(pct(complete, 0.99) * 1e3)
+        if lossy:
+            ok = sum(1 for i in lossy if learned.get(i) == args.announcements)
+            out["lossy_learned_last"] = f"{ok}/{len(lossy)}"
+            out["lossy_learn_p99_ms"] = round(pct(learn_lat, 0.99) * 1e3) if learn_lat else None
         # idle: heartbeats only
         ps = [psutil.Process(p.pid) for p in procs]
         for p in ps:
             p.cpu_percent(None)
+        stats0 = await node.stats()
         await asyncio.sleep(args.idle_s)
         cpu = [p.cpu_percent(None) for p in ps]
         rss = [p.memory_info().rss / 2**20 for p in ps]
-        stats = await node.stats()
-        print(
-            f"idle ({args.idle_s:.0f} s, heartbeat {args.heartbeat_s:g} s, {args.nodes} peers): CPU per node mean {statistics.mean(cpu):.1f}% "
-            f"max {max(cpu):.1f}% of one core; RSS per node mean {statistics.mean(rss):.0f} MiB max {max(rss):.0f} MiB; "
-            f"coordinator connections {stats['connected']}, rejected {stats['rejected']}"
-        )
+        stats1 = await node.stats()
+        for role in ("worker", "relay"):
+            c = [x for x, r in zip(cpu, roles) if r == role]
+            if c:
+                out[f"idle_cpu_{role}_mean"] = round(statistics.mean(c), 1)
+                out[f"idle_cpu_{role}_max"] = round(max(c), 1)
+        out["rss_mean_mib"] = round(statistics.mean(rss))
+        got = {k: stats1["delivered"].get(k, 0) - stats0["delivered"].get(k, 0) for k in ("nodes", "workers")}
+        out["coordinator_records_per_s"] = round(sum(got.values()) / args.idle_s, 1)
+        out["load_end"] = round(os.getloadavg()[0], 1)
+        return out
     finally:
         if node is not None:
             await node.stop()
@@ -150,6 +183,23 @@ async def propagation(args: argparse.Namespace) -> None:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+
+
+async def propagation(args: argparse.Namespace) -> None:
+    """Run each layout in turn in this one invocation and print them side by side."""
+    layouts = ["flat", "split"] if args.layout == "both" else [args.layout]
+    results = []
+    for layout in layouts:
+        r = await propagation_once(args, layout)
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    keys = list(dict.fromkeys(k for r in results for k in r))
+    print(f"\n{args.nodes} nodes ({args.relays} relays, {args.lossy} dropping every announcement), heartbeat {args.heartbeat_s:g} s, "
+          f"{args.announcements} announcements every {args.interval_s:g} s, idle window {args.idle_s:g} s, CPU in % of one core")
+    print(f"{'':28s}" + "".join(f"{r['layout']:>22s}" for r in results))
+    for k in keys:
+        if k != "layout":
+            print(f"{k:28s}" + "".join(f"{str(r.get(k, '-')):>22s}" for r in results))
 
 
 async def bridge_bench(args: argparse.Namespace) -> None:
@@ -197,12 +247,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("mode", nargs="?", default="propagation", choices=["propagation", "bridge"])
     p.add_argument("--nodes", type=int, default=16, help="gossip nodes in child processes (default 16)")
-    p.add_argument("--announcements", type=int, default=40, help="announcements to publish (default 40)")
+    p.add_argument("--announcements", type=int, default=20, help="announcements to publish (default 20)")
     p.add_argument("--interval-s", type=float, default=0.25, help="seconds between announcements (default 0.25)")
     p.add_argument("--heartbeat-s", type=float, default=2.0, help="node record interval, seconds (default 2, the spec default)")
     p.add_argument("--idle-s", type=float, default=10.0, help="idle measurement window, seconds (default 10)")
     p.add_argument("--join-timeout-s", type=float, default=120.0, help="seconds for all nodes to start and be seen")
     p.add_argument("--bridge", default="thread", choices=["thread", "guest"], help="bridge used by the child nodes")
+    p.add_argument("--layout", default="both", choices=["both", "split", "flat"],
+                   help="split: worker records on their own topic (default layout); flat: every record to every node (before issue 18); both: flat then split in one run")
+    p.add_argument("--relays", type=int, default=2, help="child nodes that are relays (the seed is one); the rest are workers (default 2)")
+    p.add_argument("--lossy", type=int, default=2, help="workers that drop every announcement and must learn steps from the coordinator's record (default 2)")
     p.add_argument("--calls", type=int, default=2000, help="bridge mode: round trips per bridge kind")
     args = p.parse_args()
     asyncio.run(propagation(args) if args.mode == "propagation" else bridge_bench(args))

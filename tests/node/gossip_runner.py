@@ -17,6 +17,7 @@ from pathlib import Path
 
 async def _main(args: argparse.Namespace) -> None:
     from node.p2p import GossipConfig, GossipNode
+    from node.p2p.gossip import DuplicateEnvelope
     from protocol.identity import NodeKey
     from protocol.runspec import load_run_spec
 
@@ -26,11 +27,23 @@ async def _main(args: argparse.Namespace) -> None:
         bootstrap=args.bootstrap,
         heartbeat_interval_s=args.heartbeat,
         bridge=args.bridge,
+        split_records=not args.flat,
     )
     node = await GossipNode.create(spec, NodeKey.load(Path(args.key)), config, role=args.role, http_url=args.http_url)
+    if args.drop_announcements:  # a node that loses every announcement (benchmark of the record path)
+        real_check = node._validator.check
+
+        def drop(kind: str, data: bytes, *, remember: bool = True) -> object:
+            if kind == "checkpoints":
+                raise DuplicateEnvelope("dropped on purpose")
+            return real_check(kind, data, remember=remember)  # type: ignore[arg-type]
+
+        node._validator.check = drop  # type: ignore[method-assign]
     if args.log_announcements:
-        # one JSON line per announcement: {"step", "recv_ns"} (wall clock, for the benchmark)
+        # one JSON line per announcement: {"step", "recv_ns"} (wall clock, for the benchmark), and one
+        # per rise of the latest signed step: {"latest", "recv_ns"}
         node.on_announcement(lambda env: print(json.dumps({"step": env.body.step, "recv_ns": time.time_ns()}), flush=True))
+        node.on_latest_step(lambda step: print(json.dumps({"latest": step, "recv_ns": time.time_ns()}), flush=True))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -53,6 +66,8 @@ def main() -> None:
     p.add_argument("--heartbeat", type=float, default=None)
     p.add_argument("--bridge", default="thread", choices=["thread", "guest"])
     p.add_argument("--log-announcements", action="store_true")
+    p.add_argument("--flat", action="store_true", help="every record on one topic every node reads (the layout before issue 18)")
+    p.add_argument("--drop-announcements", action="store_true", help="reject every checkpoint announcement (learn steps from records)")
     asyncio.run(_main(p.parse_args()))
     sys.exit(0)
 

@@ -1,0 +1,244 @@
+"""Ingest capacity: real signed submissions from many worker keys against a real ingest on 127.0.0.1.
+
+The ingest (``trainer.ingest.IngestService`` with its durable ``SubmissionStore`` — tmp file,
+fsync, rename, fsync of the directory — and the coordinator's HTTP server ``start_site`` with its
+per-address connection cap) runs in a child process; this process is the load. Before the clock
+starts it makes ``--workers`` ed25519 keys and signs every submission (``--submissions`` of them,
+the run spec's default shape unless told otherwise: 2 tasks × group 8 = 16 rollouts, 32
+completion tokens each with their log-probs and one 258-byte TOPLOC proof, ``--prompt-tokens``
+prompt tokens), so only the ingest's work is timed: receive, verify the signature, decode and
+schema-check, quota checks, durable write, answer.
+
+Quotas (H2's, ``IngestLimits``): every load client connects from 127.0.0.1, so the per-address
+limits are set out of the way for this benchmark — per-address request rate (4 × ``requests_per_s``)
+to 4,000/s, unjudged submissions per address to 10⁶, decode slots per address to the global 4, disk
+quotas to 10⁶ files / 1 TiB — and each worker key sends at most ``max_pending_per_worker`` (4)
+submissions, because nothing judges them here. Per-key rate and the global decode concurrency
+stay at their defaults. The server's own cap of 64 connections per address bounds
+``--concurrency``.
+
+Each concurrency level in ``--concurrency`` gets a fresh ingest and store and runs for at most
+``--submissions`` requests or ``--max-s`` seconds; the levels are printed side by side with the
+machine's load average, the ingest process's CPU per accepted submission, and the median time of
+one durable file write on the same disk measured just before (the store admits submissions one at
+a time under one lock, each with a file fsync, a directory fsync and a SQLite WAL commit, so that
+time bounds accepted/s when the disk is slow).
+
+Run: ``python benchmarks/ingest_load.py [--submissions 1200] [--concurrency 4,16,48] [--max-tokens 32]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+COORD_SEED = b"c" * 32
+
+
+def pct(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0…1) of ``values`` (nearest rank)."""
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def bench_spec():  # type: ignore[no-untyped-def]
+    from protocol.identity import NodeKey
+    from protocol.runspec import RunInfo, RunSpec
+
+    return RunSpec(run=RunInfo(coordinator=NodeKey.from_seed(COORD_SEED).peer_id, seed=1))
+
+
+def bench_limits():  # type: ignore[no-untyped-def]
+    from trainer.ingest.service import IngestLimits
+
+    return IngestLimits(requests_per_s=1000.0, burst=1000.0, max_pending_per_ip=1_000_000, max_pending_bytes_per_ip=1 << 40,
+                        max_disk_files=1_000_000, max_disk_bytes=1 << 40, decode_concurrency_per_ip=4)
+
+
+async def serve(root: Path) -> None:
+    """Child process: run the ingest on 127.0.0.1, print ``PORT <n>``, stop when stdin closes."""
+    from aiohttp import web
+
+    from node.http_server import start_site
+    from protocol.identity import NodeKey
+    from trainer.ingest import BanBook, SubmissionStore
+    from trainer.ingest.service import IngestService, error_middleware
+
+    spec = bench_spec()
+    store = SubmissionStore(root / "ingest", spec.run_id)
+    bans = BanBook(root / "bans.msgpack", NodeKey.from_seed(COORD_SEED), spec.run_id)
+    service = IngestService(spec, store, bans, trainer_step=lambda: 0, latest_policy_step=lambda: 0, limits=bench_limits())
+    app = web.Application(middlewares=[error_middleware], client_max_size=64 << 20)
+    service.add_routes(app)
+    running = await start_site(app, "127.0.0.1", 0)
+    print(f"PORT {running.port}", flush=True)
+    await asyncio.to_thread(sys.stdin.read)  # until the parent closes our stdin
+    await running.stop()
+    service.close()
+    store.close()
+
+
+def build_submissions(n: int, workers: int, per_worker: int, prompt_tokens: int, max_tokens: int, tasks: int, group: int) -> list[bytes]:
+    """``n`` signed ``submission/1`` envelopes from ``workers`` keys, ``per_worker`` each at most."""
+    import numpy as np
+
+    from protocol.envelope import seal
+    from protocol.identity import NodeKey
+    from protocol.messages import Rollout, Submission, SubmissionTask
+
+    run_id = bench_spec().run_id
+    rng = np.random.default_rng(0)
+    proofs = -(-max_tokens // 32)
+    out: list[bytes] = []
+    keys = [NodeKey.generate() for _ in range(workers)]
+    for i in range(n):
+        key = keys[i // per_worker]
+        rollouts = [
+            Rollout(task=t, sample=s, seed=int(rng.integers(1 << 31)),
+                    prompt_ids=rng.integers(0, 4096, prompt_tokens, dtype=np.uint32).astype("<u4").tobytes(),
+                    completion_ids=rng.integers(0, 4096, max_tokens, dtype=np.uint32).astype("<u4").tobytes(),
+                    logprobs=(-rng.random(max_tokens, dtype=np.float32)).astype("<f4").tobytes(),
+                    finish="length", task_reward=0.0, reward=0.0, proofs=[rng.bytes(258) for _ in range(proofs)])
+            for t in range(tasks) for s in range(group)
+        ]
+        body = Submission(worker=key.peer_id, policy_step=0, counter=i % per_worker,
+                          tasks=[SubmissionTask(task_index=t, problem_id=f"p{t}", target_length=0) for t in range(tasks)], rollouts=rollouts)
+        out.append(seal(key, run_id, body))
+    return out
+
+
+async def load(port: int, subs: list[bytes], concurrency: int, max_s: float) -> dict[str, object]:
+    """POST ``subs`` with ``concurrency`` requests in flight; latency per request, status counts."""
+    import aiohttp
+
+    lat: list[float] = []
+    codes: dict[int, int] = {}
+    it = iter(subs)
+    deadline = time.monotonic() + max_s
+    url = f"http://127.0.0.1:{port}/ingest/1/submissions"
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=conn) as http:
+
+        async def client() -> None:
+            for data in it:
+                if time.monotonic() > deadline:
+                    return
+                t = time.perf_counter()
+                async with http.post(url, data=data, headers={"Content-Type": "application/msgpack"}) as r:
+                    await r.read()
+                    codes[r.status] = codes.get(r.status, 0) + 1
+                lat.append(time.perf_counter() - t)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    ok = codes.get(200, 0)
+    return {"requests": len(lat), "accepted": ok, "status": codes, "wall_s": round(wall, 2), "accepted_per_s": round(ok / wall, 1),
+            "p50_ms": round(pct(lat, 0.5) * 1e3, 1), "p99_ms": round(pct(lat, 0.99) * 1e3, 1), "max_ms": round(max(lat) * 1e3, 1)}
+
+
+def fsync_probe(directory: Path, size: int, n: int = 20) -> float:
+    """Median seconds of one durable write as the store does it (write, fsync, rename, fsync the directory)."""
+    times = []
+    data = os.urandom(size)
+    for i in range(n):
+        t = time.perf_counter()
+        tmp, final = directory / f"probe{i}.tmp", directory / f"probe{i}.sub"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        times.append(time.perf_counter() - t)
+        final.unlink()
+    return statistics.median(times)
+
+
+async def run_level(subs: list[bytes], concurrency: int, max_s: float) -> dict[str, object]:
+    import psutil
+
+    with tempfile.TemporaryDirectory(prefix="ingest-load-") as tmp:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen([sys.executable, __file__, "--serve", tmp], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
+            if not line.startswith("PORT "):
+                raise SystemExit(f"ingest did not start: {line!r}")
+            server = psutil.Process(proc.pid)
+            load0 = os.getloadavg()[0]
+            cpu0 = sum(server.cpu_times()[:2])
+            probe = await asyncio.to_thread(fsync_probe, Path(tmp), len(subs[0]))
+            out = await load(int(line.split()[1]), subs, concurrency, max_s)
+            out["durable_write_ms_p50"] = round(probe * 1e3, 1)  # measured just before, same disk: the store's serialized step
+            cpu = sum(server.cpu_times()[:2]) - cpu0
+            out["ingest_cpu_ms_per_accepted"] = round(cpu * 1e3 / max(1, int(out["accepted"])), 2)  # type: ignore[call-overload]
+            out["ingest_cpu_cores"] = round(cpu / float(out["wall_s"]), 2)  # type: ignore[arg-type]
+            out["load"] = f"{load0:.1f} → {os.getloadavg()[0]:.1f}"
+            return {"concurrency": concurrency, **out}
+        finally:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if max(levels) > 64:
+        raise SystemExit("--concurrency above 64: the server accepts 64 connections per address")
+    per_worker = 4  # IngestLimits.max_pending_per_worker: nothing judges them here
+    t = time.perf_counter()
+    subs = build_submissions(args.submissions, -(-args.submissions // per_worker), per_worker, args.prompt_tokens, args.max_tokens,
+                             args.tasks, args.group)
+    size = statistics.mean(len(s) for s in subs)
+    print(f"{len(subs)} signed submissions from {-(-args.submissions // per_worker)} worker keys, {size / 1024:.1f} KiB each "
+          f"({args.tasks}×{args.group} rollouts, {args.prompt_tokens}+{args.max_tokens} tokens), built in {time.perf_counter() - t:.1f} s", flush=True)
+    results = []
+    for c in levels:
+        r = await run_level(subs, c, args.max_s)
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    print(f"\n{'concurrency':26s}" + "".join(f"{r['concurrency']:>20}" for r in results))
+    for k in [k for k in results[0] if k != "concurrency"]:
+        print(f"{k:26s}" + "".join(f"{str(r.get(k)):>20s}" for r in results))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--serve", metavar="DIR", help=argparse.SUPPRESS)
+    p.add_argument("--submissions", type=int, default=1200, help="submissions per concurrency level (default 1200)")
+    p.add_argument("--concurrency", default="4,16,48", help="requests in flight, comma-separated levels (default 4,16,48; ≤ 64)")
+    p.add_argument("--max-s", type=float, default=60.0, help="time limit per level, seconds (default 60)")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="prompt tokens per rollout (default 64)")
+    p.add_argument("--max-tokens", type=int, default=32, help="completion tokens per rollout (default 32, the run spec's)")
+    p.add_argument("--tasks", type=int, default=2, help="tasks per submission (default 2, the run spec's)")
+    p.add_argument("--group", type=int, default=8, help="rollouts per task (default 8, the run spec's)")
+    args = p.parse_args()
+    if args.serve:
+        asyncio.run(serve(Path(args.serve)))
+        return
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()
