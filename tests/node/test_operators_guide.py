@@ -147,12 +147,15 @@ def test_operators_guide_end_to_end(tmp_path, shared):
         relay_status: dict = {}
         worker_status: dict = {}
         submitted_before_step1: int | None = None
+        wait_reasons: list[str] = []
         events: dict[str, float] = {}
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while True:
             alive_or_fail()
             status = get_json(f"{coord}/status") or status
             now = time.monotonic() - started
+            if status.get("wait_reason"):
+                wait_reasons.append(status["wait_reason"])
             if status:
                 events.setdefault("coordinator_serving_s", now)  # imports, base hashed and loaded, trainer built
                 for key, prefix in (("probe_started_s", "probing"), ("eval_started_s", "evaluating the initial"),
@@ -182,7 +185,8 @@ def test_operators_guide_end_to_end(tmp_path, shared):
         assert relay_status["role"] == "relay" and relay_status["latest_step"] >= 1 and relay_status["pieces_served"] > 0
         assert worker_status["refused"] == {}, worker_status  # an honest worker: nothing refused, not banned
         assert status["verdicts_by_reason"].get("ok", 0) > 0 and set(status["verdicts_by_reason"]) == {"ok"}, status["verdicts_by_reason"]
-        assert status["signal_probe"] is not None and status["signal_probe"]["groups"] > 0
+        assert status["signal_probe"] is not None and status["signal_probe"]["groups"] > 0 and status["warnings"] == []
+        assert any("usable groups" in r for r in wait_reasons), wait_reasons[:3]  # while waiting, /status said why
         # the published checkpoint kept the base's format
         step_dir = work / "coord-data" / "policies" / "step-1"
         for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
