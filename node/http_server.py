@@ -18,7 +18,10 @@ What a server started here gets (``docs/operators.md`` "HTTP limits"):
 * **per-IP and total connection caps** — connections over the cap are aborted as soon as they
   are accepted, so 300 half-open connections from one address hold at most
   ``max_connections_per_ip`` descriptors and never starve ``/status`` or other clients (64: a
-  Shardcast client holds ≤ 6 connections to one server, so a devnet's ~8 nodes on 127.0.0.1 fit);
+  Shardcast client holds ≤ 6 connections to one server, so a devnet's ~8 nodes on 127.0.0.1 fit).
+  When the total cap is full (many addresses, each under its own cap), a newcomer from an
+  address holding fewer connections than the heaviest address takes the place of that
+  address's oldest connection, so addresses cannot together lock others out;
 * **no compressed bodies** — ``auto_decompress`` is off and :data:`identity_only` answers 415 to
   any request body with a ``Content-Encoding`` other than ``identity``: nothing inflates;
 * small header limits (line and field 8 KiB, 64 headers).
@@ -27,6 +30,7 @@ What a server started here gets (``docs/operators.md`` "HTTP limits"):
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -45,7 +49,7 @@ class ServerLimits:
     Attributes:
         header_timeout_s: a connection must deliver a complete request head within this many
             seconds of opening (or of its previous response), seconds.
-        max_connections_per_ip: open connections from one IP address; more are aborted.
+        max_connections_per_ip: open connections from one IPv4 address or IPv6 /64; more are aborted.
         max_connections: open connections in all; more are aborted.
         max_line_size: longest request line or header line, bytes.
         max_headers: most header fields in one request.
@@ -71,6 +75,20 @@ async def identity_only(request: web.Request, handler: Callable[[web.Request], A
     return await handler(request)
 
 
+def _address_key(host: str) -> str:
+    """What the per-address cap counts: an IPv4 address, or an IPv6 address's /64 (one host or
+    site usually holds a whole /64, so counting single IPv6 addresses would cap nothing)."""
+    try:
+        addr = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.IPv6Network((addr, 64), strict=False))
+    return str(addr)
+
+
 def _cap_connections(server: web_server.Server, limits: ServerLimits) -> None:
     """Abort connections over the per-IP or total cap right after they are accepted.
 
@@ -79,26 +97,46 @@ def _cap_connections(server: web_server.Server, limits: ServerLimits) -> None:
     """
     made, lost = server.connection_made, server.connection_lost
     per_ip: dict[str, int] = {}
-    counted: dict[Any, str] = {}
+    counted: dict[Any, tuple[str, asyncio.Transport]] = {}  # oldest first
+
+    def refuse(transport: asyncio.Transport) -> None:
+        # after the handler's start task has begun (aborting now would run connection_lost first)
+        asyncio.get_running_loop().call_soon(transport.abort)
 
     def connection_made(handler: Any, transport: asyncio.Transport) -> None:
         made(handler, transport)
         peer = transport.get_extra_info("peername")
-        ip = str(peer[0]) if peer else "?"
-        if per_ip.get(ip, 0) >= limits.max_connections_per_ip or len(counted) >= limits.max_connections:
-            logger.debug("refusing a connection from %s: over the connection cap", ip)
-            # after the handler's start task has begun (aborting now would run connection_lost first)
-            asyncio.get_running_loop().call_soon(transport.abort)
+        ip = _address_key(str(peer[0])) if peer else "?"
+        if per_ip.get(ip, 0) >= limits.max_connections_per_ip:
+            logger.debug("refusing a connection from %s: over the per-address connection cap", ip)
+            refuse(transport)
             return
+        if len(counted) >= limits.max_connections:
+            # Full: many addresses (a loopback range, a botnet) each under their own cap. Make
+            # room by dropping the oldest connection of the address holding the most, if that is
+            # more than this address holds; otherwise refuse the newcomer.
+            heaviest = max(per_ip, key=per_ip.__getitem__)
+            if per_ip[heaviest] <= per_ip.get(ip, 0):
+                logger.debug("refusing a connection from %s: over the connection cap", ip)
+                refuse(transport)
+                return
+            victim = next(h for h, (vip, _) in counted.items() if vip == heaviest)
+            logger.debug("dropping a connection from %s to make room for %s: over the connection cap", heaviest, ip)
+            refuse(counted[victim][1])
+            forget(victim)
         per_ip[ip] = per_ip.get(ip, 0) + 1
-        counted[handler] = ip
+        counted[handler] = (ip, transport)
 
-    def connection_lost(handler: Any, exc: BaseException | None = None) -> None:
-        ip = counted.pop(handler, None)
-        if ip is not None:
+    def forget(handler: Any) -> None:
+        entry = counted.pop(handler, None)
+        if entry is not None:
+            ip = entry[0]
             per_ip[ip] -= 1
             if not per_ip[ip]:
                 del per_ip[ip]
+
+    def connection_lost(handler: Any, exc: BaseException | None = None) -> None:
+        forget(handler)
         lost(handler, exc)
 
     server.connection_made = connection_made  # type: ignore[method-assign]

@@ -266,3 +266,48 @@ async def test_slow_big_bodies_cannot_pin_the_coordinators_memory(tmp_path: Path
         finally:
             for w in writers:
                 w.close()
+
+
+SLOWLORIS_MANY_IPS = textwrap.dedent("""
+    import socket, sys
+    host, port, per_ip, ips = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
+    socks = []
+    for ip in ips:
+        for _ in range(per_ip):
+            s = socket.create_connection((host, port), timeout=5, source_address=(ip, 0))
+            s.send(b"GET /status HTTP/1.1\\r\\nHost: x\\r\\n")  # half a request head, never finished
+            socks.append(s)
+    print("ready", flush=True)
+    sys.stdin.read()  # hold every socket until the test ends
+""")
+
+
+async def test_many_loopback_addresses_cannot_fill_the_global_connection_cap(tmp_path: Path) -> None:
+    """Six attacker addresses (127.0.0.10–15), each at its per-address cap, together hold more
+    connections than the server's total cap: an honest client from yet another address is still served."""
+    per_ip, total = 8, 32
+    ips = [f"127.0.0.{10 + i}" for i in range(6)]  # 48 connections > 32
+    server_limits = ServerLimits(header_timeout_s=60.0, max_connections_per_ip=per_ip, max_connections=total)
+    async with running_ingest(tmp_path, server_limits=server_limits) as ing:
+        attacker = subprocess.Popen([sys.executable, "-c", SLOWLORIS_MANY_IPS, "127.0.0.1", str(ing.server.port), str(per_ip), ",".join(ips)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            line = await asyncio.wait_for(asyncio.to_thread(attacker.stdout.readline), timeout=30)
+            assert line.strip() == "ready"
+            # connections over a cap are aborted right after accept
+            await wait_until(lambda: len(ing.server.runner.server.connections) <= total, what=f"at most {total} connections")  # type: ignore[union-attr]
+            await honest_round(ing.url, NodeKey.generate(), 0)
+            await honest_round(ing.url, NodeKey.generate(), 1)
+        finally:
+            attacker.kill()
+            attacker.wait()
+
+
+def test_ipv6_addresses_count_per_64() -> None:
+    """A host holds a whole IPv6 /64: counting single addresses would cap nothing."""
+    from node.http_server import _address_key
+
+    assert _address_key("2001:db8::1") == _address_key("2001:db8::ffff:2") == "2001:db8::/64"
+    assert _address_key("2001:db8:0:1::1") != _address_key("2001:db8::1")
+    assert _address_key("::ffff:10.0.0.1") == _address_key("10.0.0.1") == "10.0.0.1"
+    assert _address_key("127.0.0.2") != _address_key("127.0.0.3")
