@@ -516,7 +516,9 @@ def apply_delta(
         if name != tf.name or size != tf.size_bytes:
             raise DeltaFormatError(f"file {name!r} of {size} bytes where the target manifest has {tf.name!r} of {tf.size_bytes}")
         bf = base_files.get(tf.name)
-        if kind in (KIND_SAME, KIND_WORDS) and (bf is None or bf.size_bytes != size or size % 2):
+        if kind == KIND_SAME and (bf is None or bf.size_bytes != size):
+            raise DeltaFormatError(f"{name}: kind {kind} needs a base file of the same size")
+        if kind == KIND_WORDS and (bf is None or bf.size_bytes != size or size % 2):
             raise DeltaFormatError(f"{name}: kind {kind} needs a base file of the same, even size")
         sink = _PieceCheck(open_out(tf), tf, target.piece_size_bytes)
         if kind == KIND_SAME:
