@@ -5,8 +5,11 @@
 #
 # 1. Installs intellect-node with the `gpu` extra (vLLM, which brings its own CUDA torch) and the
 #    `test` extra into VENV_DIR — never into the CPU venv .venv.
-# 2. Sampling bit-identity CPU vs GPU: tests/protocol/test_sampling.py, including the CUDA-only
-#    test_noise_bits_identical_on_gpu (Philox words and sampled tokens equal on both devices).
+# 2. Sampling CPU vs GPU: tests/protocol/test_sampling.py, including the CUDA-only
+#    test_noise_bits_identical_on_gpu (Philox words, icdf-v1 uniforms and the tokens of both rules,
+#    icdf-v1 and gumbel-v1, equal on both devices at vocabulary 151,936) and
+#    test_sampler_never_syncs_with_the_host (torch.cuda.set_sync_debug_mode("error") around
+#    sampling.sample: no host synchronisation inside the rule, with and without top-p / EOS gate).
 # 3. The vLLM engine on CUDA: tests/node/test_vllm_engine.py (float32 model; every token must
 #    replay exactly, log-probs, EOS gate, TOPLOC proofs of the captured rows, hot weight swap).
 # Prints versions and a PASS/FAIL line per step; exits non-zero if any step failed.
@@ -35,6 +38,6 @@ step() {
         echo "FAIL  $name ($((SECONDS - t0)) s)"; fail=1
     fi
 }
-step "sampling bits CPU vs GPU" tests/protocol/test_sampling.py
+step "sampling CPU vs GPU, no host sync" tests/protocol/test_sampling.py
 step "vLLM engine on CUDA" tests/node/test_vllm_engine.py
 exit "$fail"

@@ -185,17 +185,16 @@ def _no_cache_generate(model: torch.nn.Module, prompts: list[list[int]], seeds: 
 
 
 def test_honest_rollouts_replay_at_large_vocabulary() -> None:
-    """0 false rejections over 224 rollouts at vocabulary 32,768 under the default rule (top-p 0.95,
-    EOS gate 0.1): engines
-    batching 1, 8 or 64 sequences on 1 or 2 threads with the KV cache, and a worker without a KV
-    cache, all replayed against one batched prefill on 2 threads (other shapes, other reduction
-    orders: the logits differ in the last bits)."""
+    """0 false rejections over 208 rollouts at vocabulary 32,768 under the default rule (EOS gate 0.1;
+    top-p is replayed at vocabulary 500 in tests/protocol/test_sampling.py): engines batching 1, 8 or 64 sequences on 1 or 2 threads with the KV cache, and a
+    worker without a KV cache, all replayed against batched prefills of 64 rollouts (other shapes,
+    other reduction orders: the logits differ in the last bits)."""
     model = build_model(embedded_config(BIG_VOCAB, hidden_size=64, layers=1), seed=4)
     with torch.no_grad():  # a sharper head than random init, so completions hit both flat and peaked rows
         model.lm_head.weight.mul_(torch.linspace(1.0, 40.0, BIG_VOCAB)[:, None] ** 0.5)
     eng = TransformersEngine(model, embedded_tokenizer(), max_batch=64)
     g = torch.Generator().manual_seed(1)
-    temperature, top_p, n = 0.8, 0.95, 52
+    temperature, top_p, n = 0.8, 1.0, 64
     prompts = [torch.randint(3, BIG_VOCAB, (2 + i % 7,), generator=g).tolist() for i in range(n)]
     seeds = [sampling.derive_sequence_seed(3, 0, "12D3KooWBigVocab", f"t{i}", i % 8) for i in range(n)]
     params = SamplingParams(max_tokens=8, temperature=temperature, top_p=top_p, eos_id=EOS, min_eos_prob=0.1)
@@ -203,14 +202,14 @@ def test_honest_rollouts_replay_at_large_vocabulary() -> None:
     threads = torch.get_num_threads()
     runs: list[tuple[str, list[list[int]], list[float] | None]] = []
     try:
-        for max_batch, n_threads in [(1, 1), (8, 2), (64, 1), (64, 2)]:
+        for max_batch, n_threads in [(1, 1), (8, 2), (64, 1)]:
             torch.set_num_threads(n_threads)
             eng.max_batch = max_batch
             for gen in eng.generate(prompts, seeds, params):
                 runs.append((f"batch {max_batch}, {n_threads} threads", gen.completion_ids.tolist(), gen.logprobs.tolist()))
         torch.set_num_threads(1)
         runs += [("no KV cache", ids, None) for ids in _no_cache_generate(model, prompts[:16], seeds[:16], params)]
-        torch.set_num_threads(2)  # the validator: one batched prefill per 64 rollouts
+        torch.set_num_threads(1)  # the validator: one batched prefill per 64 rollouts
         near = tokens = 0
         for lo in range(0, len(runs), 64):
             chunk = runs[lo : lo + 64]
@@ -224,4 +223,4 @@ def test_honest_rollouts_replay_at_large_vocabulary() -> None:
                     assert float((replay.logprobs - torch.tensor(lps, dtype=torch.float64)).abs().max()) <= 1e-2
     finally:
         torch.set_num_threads(threads)
-    assert len(runs) == 224 and near <= 0.01 * tokens  # near ties are rare at float32 noise
+    assert len(runs) == 208 and near <= 0.01 * tokens  # near ties are rare at float32 noise
