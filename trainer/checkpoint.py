@@ -1,9 +1,10 @@
 """Policy checkpoints (for publishing) and training state (for ``--resume``), without pickle.
 
 Tensors go to safetensors, scalars to JSON; nothing is ever unpickled (no ``torch.save`` /
-``torch.load``). Every write is atomic: files are written to a temporary name, fsynced, and
-renamed; a state directory is built under a temporary name and renamed whole, then the
-``latest`` pointer is replaced, so a crash at any point leaves the previous state loadable.
+``torch.load``). Every write is atomic (:func:`protocol.durable.atomic_write`): files are written
+to a temporary name, fsynced, and renamed; a state directory is built under a temporary name and
+renamed whole, then the ``latest`` pointer is replaced, so a crash at any point leaves the previous
+state loadable.
 
 Policy checkpoint (``save_policy``), the layout workers load with ``from_pretrained``; this module
 is the one place that writes a policy directory::
@@ -51,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from protocol.durable import atomic_write, fsync_dir
 from trainer.distributed import DistContext
 from trainer.errors import StateError
 
@@ -74,23 +76,6 @@ STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"
 TIED_HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, write: Any) -> None:
-    """Call ``write(tmp_path)``, fsync, rename onto ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _sha256(path: Path) -> str:
@@ -138,9 +123,9 @@ def _write_policy(model: Any, state: dict[str, Any], directory: Path, dtype: tor
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items() if not (tied and k == TIED_HEAD)}
     cfg_path, model_path = directory / CONFIG_FILE, directory / MODEL_FILE
     text = _config_json(model, dtype, base_dir)
-    _atomic_write(cfg_path, lambda p: p.write_text(text))
-    _atomic_write(model_path, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
-    _fsync_dir(directory)
+    atomic_write(cfg_path, lambda p: p.write_text(text), sync_dir=False)
+    atomic_write(model_path, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}), sync_dir=False)
+    fsync_dir(directory)
     return [cfg_path, model_path]
 
 
@@ -178,9 +163,9 @@ def save_policy(
         if base_dir is not None:
             for src in _base_extras(Path(base_dir)):
                 dst = directory / src.name
-                _atomic_write(dst, lambda p, src=src: shutil.copyfile(src, p))
+                atomic_write(dst, lambda p, src=src: shutil.copyfile(src, p), sync_dir=False)
                 paths.append(dst)
-            _fsync_dir(directory)
+            fsync_dir(directory)
         elif tokenizer is not None:
             paths += [Path(p) for p in tokenizer.save_pretrained(str(directory)) if Path(p).is_file()]
         paths = sorted(set(paths))
@@ -205,9 +190,9 @@ def write_base_policy(base_dir: Path, directory: Path) -> list[Path]:
     out = []
     for src in model_files(Path(base_dir)):
         dst = directory / src.name
-        _atomic_write(dst, lambda p, src=src: shutil.copyfile(src, p))
+        atomic_write(dst, lambda p, src=src: shutil.copyfile(src, p), sync_dir=False)
         out.append(dst)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return sorted(out)
 
 
@@ -274,8 +259,8 @@ def save_training_state(
             for fqn, entry in optim_state["state"].items()
             for name, t in entry.items()
         }
-        _atomic_write(tmp / OPTIMIZER_FILE, lambda p: save_file(tensors, str(p)))
-        _atomic_write(tmp / RNG_FILE, lambda p: save_file({k: v.contiguous() for k, v in rng.items()}, str(p)))
+        atomic_write(tmp / OPTIMIZER_FILE, lambda p: save_file(tensors, str(p)), sync_dir=False)
+        atomic_write(tmp / RNG_FILE, lambda p: save_file({k: v.contiguous() for k, v in rng.items()}, str(p)), sync_dir=False)
         files += [tmp / OPTIMIZER_FILE, tmp / RNG_FILE]
         groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in optim_state["param_groups"]]
         meta = {
@@ -287,14 +272,13 @@ def save_training_state(
             "data_position": data_json,
             "sha256": {p.name: _sha256(p) for p in files},
         }
-        _atomic_write(tmp / STATE_FILE, lambda p: p.write_text(json.dumps(meta, indent=1, sort_keys=True)))
-        _fsync_dir(tmp)
+        atomic_write(tmp / STATE_FILE, lambda p: p.write_text(json.dumps(meta, indent=1, sort_keys=True)), sync_dir=False)
+        fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
-        _atomic_write(root / LATEST_FILE, lambda p: p.write_text(final.name + "\n"))
-        _fsync_dir(root)
+        fsync_dir(root)
+        atomic_write(root / LATEST_FILE, lambda p: p.write_text(final.name + "\n"))
         olds = sorted(d for d in root.glob("step-*") if d.is_dir() and d.name != final.name)
         for d in olds[: max(0, len(olds) - (keep - 1))]:
             shutil.rmtree(d, ignore_errors=True)

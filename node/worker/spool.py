@@ -1,18 +1,19 @@
 """The worker's spool: every signed submission is on disk before it is sent.
 
-Files are ``<counter:012d>-<id>.sub`` written atomically (tmp, fsync, rename). A file leaves the
-spool only when the ingest acknowledged it, or refused it for good (stale, malformed). After a
-crash the worker re-sends the spool in counter order, and resumes its counter past the highest
-counter ever spooled (kept in ``counter`` so a reused counter is never signed twice).
+Files are ``<counter:012d>-<id>.sub`` written atomically and durably
+(:func:`protocol.durable.atomic_write`). A file leaves the spool only when the ingest acknowledged
+it, or refused it for good (stale, malformed). After a crash the worker re-sends the spool in
+counter order, and resumes its counter past the highest counter ever spooled (kept in ``counter``
+so a reused counter is never signed twice).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 from protocol.content import content_id
+from protocol.durable import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +40,13 @@ class Spool:
             n = 0
         highest = max((int(p.name.split("-", 1)[0]) + 1 for p in self.pending()), default=0)
         n = max(n, highest)
-        _atomic_write(self._counter_file, str(n + 1).encode())
+        atomic_write(self._counter_file, str(n + 1).encode())
         return n
 
     def put(self, counter: int, envelope: bytes) -> Path:
         """Store ``envelope`` durably; returns its path."""
         path = self.root / f"{counter:012d}-{content_id(envelope).hex()[:16]}.sub"
-        _atomic_write(path, envelope)
+        atomic_write(path, envelope)
         return path
 
     def pending(self) -> list[Path]:
@@ -55,16 +56,3 @@ class Spool:
     def remove(self, path: Path) -> None:
         path.unlink(missing_ok=True)
 
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)

@@ -1,10 +1,11 @@
 """Durable submission store: envelope files plus a SQLite index.
 
 Write path of :meth:`SubmissionStore.add` (the ingest acknowledges only after it returns):
-write ``<id>.sub`` to a temporary file, ``fsync``, rename into place, ``fsync`` the directory,
-then insert the index row in a SQLite transaction (WAL, ``synchronous=FULL``). A crash before the
-row commits leaves an orphan file that :meth:`recover` re-indexes on start, so an acknowledged
-submission is never lost and an unacknowledged one is at worst accepted late.
+write ``<id>.sub`` with :func:`protocol.durable.atomic_write` (temporary file, ``fsync``, rename
+into place, ``fsync`` the directory), then insert the index row in a SQLite transaction (WAL,
+``synchronous=FULL``). A crash before the row commits leaves an orphan file that :meth:`recover`
+re-indexes on start, so an acknowledged submission is never lost and an unacknowledged one is at
+worst accepted late.
 
 States: ``pending`` → (leased to a validator for ``lease_s``) → ``accepted`` | ``rejected``.
 The trainer reads accepted submissions in arrival order and marks them ``consumed`` only when the
@@ -20,13 +21,13 @@ remain unique per worker for the whole run (:meth:`counter_used`).
 from __future__ import annotations
 
 import logging
-import os
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from protocol.durable import atomic_write
 from protocol.envelope import Envelope, open_envelope
 from protocol.errors import ProtocolError
 from protocol.messages import Submission
@@ -156,7 +157,7 @@ class SubmissionStore:
         if self.get(sid) is not None:
             return False
         path = self.dir / f"{sid}.sub"
-        _write_durably(path, env.raw)
+        atomic_write(path, env.raw)
         self._index(sid, env, now_ms or int(time.time() * 1000), source_ip)
         return True
 
@@ -420,21 +421,3 @@ class SubmissionStore:
             out.setdefault(worker, {})["trained"] = int(n)
         return out
 
-
-def _write_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically and durably (tmp file, fsync, rename, fsync dir)."""
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
