@@ -143,6 +143,12 @@ class P2PHost:
             max_messages_per_topic_per_second=config.max_messages_per_topic_per_second,
             eclipse_protection_enabled=False,
         )
+        # py-libp2p 0.8's "GRAFT flood" check (not in the gossipsub v1.1 spec) records when a peer
+        # PRUNEd *us* and then refuses that peer's GRAFT for 10 s: a node that pruned an
+        # oversubscribed mesh and later needs peers again is refused and penalized by honest
+        # peers ("GRAFT flood detected … applying penalty"), and meshes around a busy seed keep
+        # churning. The spec's prune backoff (60 s, honoured by the pruned side) stays in force.
+        self.router.graft_flood_threshold = 0.0
         self.pubsub = Pubsub(
             self.host,
             self.router,
