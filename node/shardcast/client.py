@@ -31,6 +31,7 @@ from node.errors import FetchError, SourceError
 from node.shardcast.download import DownloadConfig, ManifestCache, PieceDownloader, get_manifest, make_session
 from node.shardcast.sources import SourcePool
 from protocol.content import hex_id
+from protocol.durable import fsync_dir
 from protocol.envelope import Authorities, Envelope, open_envelope
 from protocol.errors import ProtocolError
 from protocol.messages import Manifest
@@ -250,11 +251,7 @@ def _finish(staging: Path, out_dir: Path, fds: list[int], env: Envelope[Manifest
     if out_dir.exists():
         out_dir.rmdir()  # checked empty before the download
     os.replace(staging, out_dir)
-    dfd = os.open(out_dir.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    fsync_dir(out_dir.parent)
 
 
 class _Progress:

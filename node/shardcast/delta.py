@@ -49,6 +49,7 @@ from protocol.delta import (
     iter_delta_pieces,
     open_delta_manifest,
 )
+from protocol.durable import fsync_dir
 from protocol.envelope import Authorities, Envelope, open_envelope, seal
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
@@ -324,14 +325,6 @@ async def _download_delta(session: aiohttp.ClientSession, pool: SourcePool, cfg:
     return stats.bytes, sum(r.size_bytes for r in refs if r.index in done)
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def apply_into_dir(delta_path: Path, dm: DeltaManifest, base: Envelope[Manifest], base_dir: Path, target: Envelope[Manifest],
                    dest: Path) -> DeltaStats:
     """Apply a downloaded delta to the checkpoint in ``base_dir``, creating ``dest`` crash-safely (blocking).
@@ -370,14 +363,14 @@ def apply_into_dir(delta_path: Path, dm: DeltaManifest, base: Envelope[Manifest]
             mf.write(target.raw)
             mf.flush()
             os.fsync(mf.fileno())
-        _fsync_dir(staging)
+        fsync_dir(staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     if dest.exists():
         dest.rmdir()  # empty (checked by the caller); a non-empty one raises and keeps both
     os.replace(staging, dest)
-    _fsync_dir(dest.parent)
+    fsync_dir(dest.parent)
     return stats
 
 

@@ -41,6 +41,7 @@ from pathlib import Path
 from node.errors import StoreError
 from protocol.content import hex_id
 from protocol.delta import iter_delta_pieces, open_delta_manifest
+from protocol.durable import atomic_write, fsync_dir
 from protocol.envelope import Authorities, Envelope
 from protocol.errors import SchemaError
 from protocol.messages import DeltaManifest, Manifest
@@ -155,14 +156,6 @@ def _pid_alive(pid: int) -> bool:
     except OSError:
         return True
     return True
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fsync_close(fd: int) -> None:
@@ -286,7 +279,7 @@ class ShardcastStore:
                 f.write(f"{os.getpid()} {_boot_id()}\n")
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_path(self.root)
+            fsync_dir(self.root)
             self._marker = marker
 
     def sync(self) -> None:
@@ -302,7 +295,7 @@ class ShardcastStore:
             for fut in pending:
                 fut.result()
             for d in dirs:
-                _fsync_path(d)
+                fsync_dir(d)
             with self._sync_lock:
                 if self._marker is not None and installs == self._installs:
                     self._marker.unlink(missing_ok=True)
@@ -354,7 +347,7 @@ class ShardcastStore:
                     removed += 1
         for d in self._piece_dir.iterdir():
             if d.is_dir():
-                _fsync_path(d)
+                fsync_dir(d)
         return removed
 
     # --- manifests --------------------------------------------------------------------------
@@ -449,13 +442,7 @@ class ShardcastStore:
         with self._lock:
             if dm.step in self._deltas:
                 return self._deltas[dm.step]
-        tmp = self.tmp_path(b"delta")
-        with open(tmp, "wb") as f:
-            f.write(env.raw)
-            if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, self._delta_path(dm.step))
+        atomic_write(self._delta_path(dm.step), env.raw, tmp=self.tmp_path(b"delta"), durable=self.fsync, sync_dir=False)
         with self._lock:
             if dm.step not in self._deltas:
                 self._deltas[dm.step] = env
@@ -494,13 +481,7 @@ class ShardcastStore:
         with self._lock:
             if step in self._manifests:
                 return self._manifests[step]
-        tmp = self.tmp_path(b"manifest")
-        with open(tmp, "wb") as f:
-            f.write(env.raw)
-            if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, self._manifest_path(step))
+        atomic_write(self._manifest_path(step), env.raw, tmp=self.tmp_path(b"manifest"), durable=self.fsync, sync_dir=False)
         with self._lock:
             if step not in self._manifests:
                 self._manifests[step] = env
