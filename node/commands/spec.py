@@ -56,6 +56,7 @@ def _run_spec_init(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from protocol import runspec as rs
+    from protocol.durable import atomic_write
 
     key = load_key(args.coordinator_key)
     out = Path(args.out)
@@ -100,9 +101,7 @@ def _run_spec_init(args: argparse.Namespace) -> int:
         raise CliError(f"invalid option for {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
     signed = rs.sign_run_spec(spec, key)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(rs.dump_run_spec(signed))
-    tmp.replace(out)
+    atomic_write(out, rs.dump_run_spec(signed).encode())
     print(f"run spec written to {out}; run ID {signed.run_id.hex()}")
     return 0
 

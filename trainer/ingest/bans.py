@@ -7,6 +7,7 @@ import threading
 import time
 from pathlib import Path
 
+from protocol.durable import atomic_write
 from protocol.envelope import open_envelope, seal
 from protocol.errors import ProtocolError, SchemaError
 from protocol.identity import NodeKey
@@ -74,10 +75,10 @@ class BanBook:
     def _publish(self) -> None:
         self.version += 1
         self.envelope = self._seal_fitting()
-        tmp = self.path.with_suffix(".tmp")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(self.envelope)
-        tmp.replace(self.path)
+        # atomic, not flushed (as before): the list is re-signed and rewritten on every ban, by the
+        # thousand under attack
+        atomic_write(self.path, self.envelope, durable=False)
 
 
     def _seal_fitting(self) -> bytes:
