@@ -37,3 +37,40 @@ def test_failure_log_once_per_interval_then_recovery(caplog):
     assert not log.failing and "again after 148 failed attempts" in caplog.records[-1].getMessage()
     log.recovered("ingest reachable")  # no streak: nothing more
     assert len(caplog.records) == 4
+
+
+async def test_validator_backs_off_and_logs_once_while_no_ingest_answers(tmp_path, caplog):
+    """The issue's validator logged "ingest unreachable" 148 times in 90 s after the coordinator
+    exited: now its lease retries wait longer each time (jittered doubling) and log once."""
+    import socket
+
+    from node.roles.validator import IDLE_POLL_S, LEASE_BACKOFF_MAX_S, ValidatorNode, ValidatorOptions
+    from protocol.identity import NodeKey
+    from protocol.runspec import NetworkSpec, RunInfo, RunSpec, sign_run_spec
+
+    with socket.socket() as s:  # a port nobody listens on: every lease is refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    coord, val = NodeKey.generate(), NodeKey.generate()
+    spec = RunSpec(run=RunInfo(coordinator=coord.peer_id, validators=[val.peer_id]),
+                   network=NetworkSpec(ingest_urls=[f"http://127.0.0.1:{port}"]))
+    node = ValidatorNode(sign_run_spec(spec, coord), val, ValidatorOptions(data_dir=tmp_path, gossip=None, http_port=None))
+    delays: list[float] = []
+
+    async def record_sleep(seconds: float) -> None:  # no real waiting: the loop's requested delays are the evidence
+        delays.append(seconds)
+        if len(delays) == 10:
+            node.request_stop()
+
+    node._sleep = record_sleep  # type: ignore[method-assign]
+    caplog.set_level(logging.INFO, logger="node.roles.validator")
+    await node.start()
+    try:
+        await node.run()
+    finally:
+        await node.stop()
+    bounds = [min(LEASE_BACKOFF_MAX_S, IDLE_POLL_S * 2**k) for k in range(10)]
+    assert all(0.5 * b <= d < 1.5 * b for d, b in zip(delays, bounds)), delays
+    lines = [r.getMessage() for r in caplog.records if "lease failed" in r.getMessage()]
+    assert len(lines) == 1 and f"127.0.0.1:{port} unreachable" in lines[0]
+    assert node.state.startswith("ingest unreachable")
