@@ -24,7 +24,15 @@ one durable file write on the same disk measured just before (the store admits s
 a time under one lock, each with a file fsync, a directory fsync and a SQLite WAL commit, so that
 time bounds accepted/s when the disk is slow).
 
-Run: ``python benchmarks/ingest_load.py [--submissions 1200] [--concurrency 4,16,48] [--max-tokens 32]``.
+``--relay``: a relay's capacity instead. A Shardcast server (``node.shardcast.server``, the
+one relays and the origin run, ``sendfile`` from its store) serves a published ``--relay-mib``
+checkpoint (4 MiB pieces) from a child process; for each level of ``--clients``, that many
+concurrent clients in this process each GET every piece once (bytes read and dropped, not
+verified, so the clients cost as little as possible). Prints aggregate MiB/s and the p50/p99 time
+per client to hold the whole checkpoint, side by side, with the load average.
+
+Run: ``python benchmarks/ingest_load.py [--submissions 1200] [--concurrency 4,16,48] [--max-tokens 32]``
+or ``python benchmarks/ingest_load.py --relay [--relay-mib 64] [--clients 1,8,32]``.
 """
 
 from __future__ import annotations
@@ -87,6 +95,92 @@ async def serve(root: Path) -> None:
     await running.stop()
     service.close()
     store.close()
+
+
+async def serve_relay(root: Path, size_mib: int) -> None:
+    """Child process: publish a ``size_mib`` checkpoint into a store, serve it, print ``PORT <n> <piece ids…>``."""
+    from node.shardcast.publish import publish_checkpoint
+    from node.shardcast.server import ShardcastServer
+    from node.shardcast.store import ShardcastStore
+    from protocol.identity import NodeKey
+    from protocol.shardcast import iter_pieces
+
+    spec = bench_spec()
+    ckpt = root / "ckpt"
+    ckpt.mkdir()
+    with open(ckpt / "model.safetensors", "wb") as f:
+        for _ in range(size_mib):
+            f.write(os.urandom(1 << 20))
+    store = ShardcastStore(root / "store", run_id=spec.run_id, authorities=spec.authorities, keep_steps=2)
+    env = await asyncio.to_thread(publish_checkpoint, store, [ckpt / "model.safetensors"], step=1, key=NodeKey.from_seed(COORD_SEED),
+                                  piece_size_bytes=4 << 20)
+    server = ShardcastServer(store)
+    await server.start()
+    print(f"PORT {server.port} " + " ".join(ref.piece_id.hex() for ref in iter_pieces(env.body)), flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+    await server.stop()
+
+
+async def relay_level(port: int, pieces: list[str], clients: int) -> dict[str, object]:
+    """``clients`` concurrent clients, each GETting every piece once; aggregate MiB/s."""
+    import aiohttp
+
+    per_client: list[float] = []
+    total = 0
+
+    async def client(http: aiohttp.ClientSession) -> None:
+        nonlocal total
+        t = time.perf_counter()
+        for pid in pieces:
+            async with http.get(f"http://127.0.0.1:{port}/shardcast/1/pieces/{pid}") as r:
+                if r.status != 200:
+                    raise SystemExit(f"piece {pid[:12]}: HTTP {r.status}")
+                async for chunk in r.content.iter_chunked(1 << 20):
+                    total += len(chunk)
+        per_client.append(time.perf_counter() - t)
+
+    conn = aiohttp.TCPConnector(limit=clients)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as http:
+        load0 = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+        wall = time.perf_counter() - t0
+    return {"clients": clients, "MiB": round(total / 2**20), "wall_s": round(wall, 2), "aggregate_MiB_per_s": round(total / 2**20 / wall, 1),
+            "per_client_p50_s": round(pct(per_client, 0.5), 2), "per_client_p99_s": round(pct(per_client, 0.99), 2),
+            "load": f"{load0:.1f} → {os.getloadavg()[0]:.1f}"}
+
+
+async def relay_main(args: argparse.Namespace) -> None:
+    levels = [int(c) for c in args.clients.split(",")]
+    if max(levels) > 64:
+        raise SystemExit("--clients above 64: the server accepts 64 connections per address")
+    with tempfile.TemporaryDirectory(prefix="relay-load-") as tmp:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen([sys.executable, __file__, "--serve-relay", tmp, "--relay-mib", str(args.relay_mib)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 300)
+            if not line.startswith("PORT "):
+                raise SystemExit(f"relay did not start: {line!r}")
+            port, *pieces = line.split()[1:]
+            results = []
+            for c in levels:
+                r = await relay_level(int(port), pieces, c)
+                print(json.dumps(r), flush=True)
+                results.append(r)
+        finally:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+    print(f"\nrelay serving a {args.relay_mib} MiB checkpoint (4 MiB pieces) on 127.0.0.1")
+    print(f"{'clients':26s}" + "".join(f"{r['clients']:>20}" for r in results))
+    for k in [k for k in results[0] if k != "clients"]:
+        print(f"{k:26s}" + "".join(f"{str(r.get(k)):>20s}" for r in results))
 
 
 def build_submissions(n: int, workers: int, per_worker: int, prompt_tokens: int, max_tokens: int, tasks: int, group: int) -> list[bytes]:
@@ -226,6 +320,10 @@ async def main_async(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--serve", metavar="DIR", help=argparse.SUPPRESS)
+    p.add_argument("--serve-relay", metavar="DIR", help=argparse.SUPPRESS)
+    p.add_argument("--relay", action="store_true", help="measure a relay (concurrent clients, aggregate bytes/s) instead of the ingest")
+    p.add_argument("--relay-mib", type=int, default=64, help="relay mode: checkpoint size, MiB (default 64)")
+    p.add_argument("--clients", default="1,8,32", help="relay mode: concurrent clients, comma-separated levels (default 1,8,32)")
     p.add_argument("--submissions", type=int, default=1200, help="submissions per concurrency level (default 1200)")
     p.add_argument("--concurrency", default="4,16,48", help="requests in flight, comma-separated levels (default 4,16,48; ≤ 64)")
     p.add_argument("--max-s", type=float, default=60.0, help="time limit per level, seconds (default 60)")
@@ -236,6 +334,12 @@ def main() -> None:
     args = p.parse_args()
     if args.serve:
         asyncio.run(serve(Path(args.serve)))
+        return
+    if args.serve_relay:
+        asyncio.run(serve_relay(Path(args.serve_relay), args.relay_mib))
+        return
+    if args.relay:
+        asyncio.run(relay_main(args))
         return
     asyncio.run(main_async(args))
 
