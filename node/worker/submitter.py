@@ -60,6 +60,7 @@ class Submitter:
         self._session: aiohttp.ClientSession | None = None
         self._failures = FailureLog(logger, interval_s=FAILURE_LOG_INTERVAL_S)
         self._deferred = FailureLog(logger, interval_s=FAILURE_LOG_INTERVAL_S, level=logging.INFO)
+        self._sleep = asyncio.sleep  # the backoff wait (a test records the delays instead)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -131,4 +132,4 @@ class Submitter:
             delay = backoff.next_delay()
             if end is not None and loop.time() + delay > end:
                 return done
-            await asyncio.sleep(delay)
+            await self._sleep(delay)

@@ -74,3 +74,33 @@ async def test_validator_backs_off_and_logs_once_while_no_ingest_answers(tmp_pat
     lines = [r.getMessage() for r in caplog.records if "lease failed" in r.getMessage()]
     assert len(lines) == 1 and f"127.0.0.1:{port} unreachable" in lines[0]
     assert node.state.startswith("ingest unreachable")
+
+
+async def test_submitter_backs_off_and_logs_once_while_no_ingest_answers(tmp_path, caplog):
+    import socket
+
+    from node.worker.spool import Spool
+    from node.worker.submitter import Submitter
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spool = Spool(tmp_path / "spool")
+    path = spool.put(1, b"not sent anyway")
+    sub = Submitter(spool, [f"http://127.0.0.1:{port}"], base_backoff_s=0.5, max_backoff_s=8.0)
+    delays: list[float] = []
+
+    async def record_sleep(seconds: float) -> None:  # no real waiting: the requested delays are the evidence
+        delays.append(seconds)
+        if len(delays) == 8:
+            spool.remove(path)  # taken care of elsewhere: drain ends
+
+    sub._sleep = record_sleep  # type: ignore[method-assign]
+    caplog.set_level(logging.INFO, logger="node.worker.submitter")
+    try:
+        assert await sub.drain() == 0
+    finally:
+        await sub.close()
+    bounds = [min(8.0, 0.5 * 2**k) for k in range(8)]
+    assert all(0.5 * b <= d < 1.5 * b for d, b in zip(delays, bounds)), delays
+    assert sum("ingest not reachable" in r.getMessage() for r in caplog.records) == 1
