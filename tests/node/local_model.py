@@ -34,7 +34,7 @@ def _corpus(data_root: Path) -> list[str]:
 
 
 def build_local_model(out: Path, data_root: Path, *, hidden_size: int = 128, layers: int = 2, seed: int = 0,
-                      vocab_size: int = VOCAB_SIZE, dtype: str = "bfloat16") -> Path:
+                      vocab_size: int = VOCAB_SIZE, dtype: str = "bfloat16", eos_rate: float | None = None) -> Path:
     """Write the model directory ``out`` (created) and return it.
 
     Args:
@@ -45,6 +45,11 @@ def build_local_model(out: Path, data_root: Path, *, hidden_size: int = 128, lay
         seed: torch seed of the weights.
         vocab_size: BPE vocabulary size (the embedding's rows).
         dtype: ``bfloat16`` or ``float32`` weights.
+        eos_rate: when given, the EOS row of ``lm_head`` instead points along the mean final hidden
+            state of random token sequences (what the untrained model samples), scaled so that EOS
+            has this mean probability on that calibration sample (fresh sequences see about a
+            quarter of it): completion lengths then vary within most groups (a model that can stop,
+            as a pretrained one would).
 
     Returns:
         ``out``, holding ``config.json`` (with ``dtype``), ``generation_config.json``,
@@ -74,8 +79,26 @@ def build_local_model(out: Path, data_root: Path, *, hidden_size: int = 128, lay
         u = torch.randn(hidden_size)
         with torch.no_grad():
             model.lm_head.weight[eos] = EOS_ROW_SCALE * u / u.norm()
+            if eos_rate is not None:
+                _calibrate_eos(model, eos, eos_rate)
     model = model.to(torch.bfloat16 if dtype == "bfloat16" else torch.float32)
     out = Path(out)
     model.save_pretrained(str(out))
     fast.save_pretrained(str(out))
     return out
+
+
+def _calibrate_eos(model, eos: int, rate: float) -> None:  # noqa: ANN001
+    """Set ``lm_head[eos]`` = c · mean hidden direction, c found by bisection so mean p(EOS) ≈ ``rate``."""
+    import torch
+
+    ids = torch.randint(0, model.config.vocab_size, (16, 48))  # [16, 48] uniform tokens
+    hidden = model.model(input_ids=ids).last_hidden_state.reshape(-1, model.config.hidden_size)  # [768, H]
+    direction = hidden.mean(0) / hidden.mean(0).norm()
+    lm = model.lm_head.weight
+    lo, hi = 0.0, 64.0
+    for _ in range(40):
+        c = (lo + hi) / 2
+        lm[eos] = c * direction
+        p = torch.softmax(hidden @ lm.T, -1)[:, eos].mean().item()
+        lo, hi = (c, hi) if p < rate else (lo, c)
