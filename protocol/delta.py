@@ -187,6 +187,20 @@ def _sections(bounds: list[int], size: int) -> list[int]:
     return out
 
 
+def zigzag16(diff: np.ndarray) -> np.ndarray:
+    """16-bit word differences (``[n] uint16``, mod 2^16) as zigzag codes: the difference read as a
+    signed int16 *s* becomes ``2s`` (s ≥ 0) or ``−2s − 1`` (s < 0), so ±1 ulp is 2 or 1 and the
+    high byte plane is all zeros. Returns ``[n] <u2``; 0 ↔ 0."""
+    s = diff.astype("<u2").view(np.int16).astype(np.int32)
+    return ((s << 1) ^ (s >> 31)).astype("<u2")
+
+
+def unzigzag16(code: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`zigzag16`: ``[n] <u2`` codes → ``[n] uint16`` differences (mod 2^16)."""
+    z = code.astype(np.int32)
+    return ((z >> 1) ^ -(z & 1)).astype(np.int16).view(np.uint16)
+
+
 def _planes(values: np.ndarray, width: int) -> bytes:
     """Little-endian values as ``width`` byte planes (all low bytes first): zstd packs them well."""
     return np.ascontiguousarray(values.view(np.uint8).reshape(-1, width).T).tobytes()
@@ -240,7 +254,7 @@ def _encode_words(base: BinaryIO, target: BinaryIO, sections: list[int], out: _C
                 m = min(BLOCK_CHANGES, pending)
                 p, d = p_all[:m], d_all[:m]
                 gaps = np.diff(p, prepend=prev).astype("<u4")  # ≥ 1: positions strictly increase
-                out.write(_U32.pack(m) + _planes(gaps, 4) + _planes(d.astype("<u2"), 2))
+                out.write(_U32.pack(m) + _planes(gaps, 4) + _planes(zigzag16(d), 2))
                 prev = int(p[-1])
                 pos, diff, pending = [p_all[m:]], [d_all[m:]], pending - m
 
@@ -435,7 +449,7 @@ def _apply_words(body: _Body, base: BinaryIO, sink: _PieceCheck, size_bytes: int
             if m > BLOCK_CHANGES:
                 raise DeltaFormatError(f"{name}: block of {m} changes (at most {BLOCK_CHANGES})")
             gaps = _unplanes(body.read(4 * m, "gaps"), m, "<u4")
-            diffs = _unplanes(body.read(2 * m, "values"), m, "<u2")
+            diffs = unzigzag16(_unplanes(body.read(2 * m, "values"), m, "<u2"))
             if not gaps.all() or not diffs.all():
                 raise DeltaFormatError(f"{name}: zero gap or zero change in a block")
             pos = prev + np.cumsum(gaps, dtype=np.int64)

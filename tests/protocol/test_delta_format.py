@@ -22,6 +22,8 @@ from protocol.delta import (
     encode_delta,
     iter_delta_pieces,
     open_delta_manifest,
+    unzigzag16,
+    zigzag16,
 )
 from protocol.envelope import open_envelope, seal
 from protocol.errors import ProtocolError, SchemaError, SignatureError
@@ -100,6 +102,13 @@ def test_bit_exact_roundtrip_all_kinds():
     assert len(comp) < len(target_files["model.safetensors"]) / 20
 
 
+def test_zigzag_codes_every_difference():
+    d = np.arange(1 << 16, dtype=np.uint16)
+    z = zigzag16(d)
+    assert sorted(z.tolist()) == list(range(1 << 16)) and (unzigzag16(z) == d).all()
+    assert zigzag16(np.array([1, 0xFFFF, 0], np.uint16)).tolist() == [2, 1, 0]  # +1, -1 ulp, none
+
+
 def test_many_blocks_and_wrapping_values():
     base = np.random.default_rng(0).integers(0, 1 << 16, 3 * BLOCK_CHANGES + 17, dtype=np.uint16)
     target = base.copy()
@@ -131,12 +140,12 @@ def _apply(comp, dm, base, target, base_files):
 def test_malformed_bodies_refused_with_reason():
     bf, tf = {"w.bin": bytes(64)}, {"w.bin": bytes(62) + b"\1\0"}
     head = MAGIC + struct.pack("<I", 1) + bytes([5]) + b"w.bin" + struct.pack("<BQ", 2, 64)
-    good = head + struct.pack("<I", 1) + struct.pack("<Q", 32) + struct.pack("<I", 1) + struct.pack("<I", 32) + struct.pack("<H", 1) + struct.pack("<I", 0)
+    good = head + struct.pack("<I", 1) + struct.pack("<Q", 32) + struct.pack("<I", 1) + struct.pack("<I", 32) + struct.pack("<H", 2) + struct.pack("<I", 0)
     _apply(*_body_delta(good, bf, tf), bf)  # the hand-written body is valid
     cases = {
         "bad magic": b"XXXX" + good[4:],
-        "beyond its": good.replace(struct.pack("<I", 32) + struct.pack("<H", 1), struct.pack("<I", 33) + struct.pack("<H", 1)),
-        "zero gap": good.replace(struct.pack("<I", 32) + struct.pack("<H", 1), struct.pack("<I", 0) + struct.pack("<H", 1)),
+        "beyond its": good.replace(struct.pack("<I", 32) + struct.pack("<H", 2), struct.pack("<I", 33) + struct.pack("<H", 2)),
+        "zero gap": good.replace(struct.pack("<I", 32) + struct.pack("<H", 2), struct.pack("<I", 0) + struct.pack("<H", 2)),
         "at most": good.replace(struct.pack("<Q", 32) + struct.pack("<I", 1), struct.pack("<Q", 32) + struct.pack("<I", BLOCK_CHANGES + 1)),
         "cover": head + struct.pack("<I", 1) + struct.pack("<Q", 16) + struct.pack("<I", 0),
         "past the declared|ends inside": good[:-6],
