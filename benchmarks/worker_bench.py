@@ -6,27 +6,97 @@ token the gate never allows, ``generate`` gets no EOS id), so every sequence dec
 ``--new-tokens`` tokens and the token counts are equal. Time is process CPU time on CPU (damps
 machine load; the model is single-threaded unless ``--threads``) and wall time on CUDA.
 
-Prints tokens/s of each, the engine/generate ratio (goal ≥ 1.5×), and the share of
-:func:`protocol.toploc.build_proofs` time in generation + proof time (goal ≤ 2 %).
+Prints tokens/s of each, the engine/generate ratio (goal ≥ 1.5× at the default small shape,
+≥ 1.0× at the 0.5B profile), the share of :func:`protocol.sampling.sample` in the engine's decode
+time (goal ≤ 5 %), the share of :func:`protocol.toploc.build_proofs` time in generation + proof
+time (goal ≤ 2 %), and a side-by-side table of the sampling rules on the model's own next-token
+logits: ``icdf-v1`` (the default), ``gumbel-v1`` (Philox noise for every vocabulary entry) and
+Gumbel-max with exact candidate pruning (noise only where ``z_v + g_max ≥`` a lower bound of the
+best score; same tokens as ``gumbel-v1``, checked), for a random and a ``peaked`` model.
 
 Usage::
 
     python benchmarks/worker_bench.py [--hidden 256 --layers 4 --vocab 4096 --batch 16 --new-tokens 128]
+    python benchmarks/worker_bench.py --profile qwen2.5-0.5b --layers 4 --batch 8 --repeats 1
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.profiles import DEFAULT_PEAK_SCALE, PROFILES, QWEN25_05B, build_profile_model
 from node.engine.base import SamplingParams
 from node.engine.hf import TransformersEngine
-from protocol import toploc
+from protocol import sampling, toploc
 from protocol.models import build_model, embedded_config, embedded_tokenizer
+
+G_MAX = -math.log(-math.log((2**32 - 0.5) / 2**32))
+"""Largest ``gumbel-v1`` noise value: ``u`` is at most ``(2^32 − 0.5) / 2^32``."""
+
+
+def gumbel_pruned(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, probe: int = 64) -> tuple[torch.Tensor, float]:
+    """``gumbel-v1`` tokens (temperature 1, no top-p or EOS gate) with exact candidate pruning.
+
+    The noise of the ``probe`` largest logits gives a lower bound ``L`` of the best perturbed
+    score; every noise value is ``≤ G_MAX``, so a token with ``z_v + G_MAX < L`` cannot win and
+    only candidates ``z_v ≥ L − G_MAX`` need their Philox noise. Exact: the same argmax as the
+    full rule. Returns ``(tokens [B], mean candidates per row)``.
+    """
+    z = logits.to(torch.float64)
+    b = z.shape[0]
+    top = torch.topk(z, probe, dim=-1).indices  # [B, probe]
+
+    def noise(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        s, t = seeds[rows], positions[rows]
+        ctr = (ids, t & 0xFFFFFFFF, (t >> 32) & 0xFFFFFFFF, torch.full_like(ids, sampling.COUNTER_TAG))
+        r = sampling.philox4x32(ctr, (s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF))[0]
+        u = (r.to(torch.float64) + 0.5) / 2**32
+        return -torch.log(-torch.log(u))
+
+    rows = torch.arange(b)[:, None].expand(-1, probe)
+    bound = (z.gather(-1, top) + noise(rows.reshape(-1), top.reshape(-1)).reshape(b, probe)).amax(-1)  # [B]
+    cand = (z >= (bound - G_MAX)[:, None]).nonzero()  # [N, 2]
+    scores = torch.full_like(z, -math.inf)
+    scores[cand[:, 0], cand[:, 1]] = z[cand[:, 0], cand[:, 1]] + noise(cand[:, 0], cand[:, 1])
+    return scores.argmax(-1), cand.shape[0] / b
+
+
+def sampler_table(variants: dict[str, torch.Tensor], repeats: int) -> None:
+    """Per-step sampling cost of each rule on captured ``[B, V]`` logits, side by side (CPU ms)."""
+    print(f"{'sampler on the model logits':34}" + "".join(f"{k + ' ms/step':>22}" for k in variants))
+    rows: dict[str, list[str]] = {"icdf-v1 (default)": [], "gumbel-v1": [], "gumbel-v1, exact pruning": [], "  pruning candidates/row": []}
+    for logits in variants.values():
+        b = logits.shape[0]
+        seeds, pos = torch.arange(1, b + 1, dtype=torch.int64), torch.full((b,), 7, dtype=torch.int64)
+
+        def best(fn: Callable[[], object]) -> float:
+            fn()
+            out = math.inf
+            for _ in range(repeats):
+                t0 = time.process_time()
+                fn()
+                out = min(out, time.process_time() - t0)
+            return out * 1e3
+
+        rows["icdf-v1 (default)"].append(f"{best(lambda: sampling.sample(logits, seeds, pos, rule=sampling.RULE_ICDF)):22.2f}")
+        rows["gumbel-v1"].append(f"{best(lambda: sampling.sample(logits, seeds, pos, rule=sampling.RULE_GUMBEL)):22.2f}")
+        rows["gumbel-v1, exact pruning"].append(f"{best(lambda: gumbel_pruned(logits, seeds, pos)):22.2f}")
+        ref, _ = sampling.sample(logits, seeds, pos, rule=sampling.RULE_GUMBEL)
+        pruned, n_cand = gumbel_pruned(logits, seeds, pos)
+        assert torch.equal(ref, pruned), "pruned Gumbel-max differs from the full rule"
+        rows["  pruning candidates/row"].append(f"{n_cand:22.0f}")
+    for k, v in rows.items():
+        print(f"{k:34}" + "".join(v))
 
 
 def _clock(device: str) -> Callable[[], float]:
@@ -51,11 +121,26 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed repetitions (median reported)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--profile", choices=PROFILES, default=None, help="realistic shape (benchmarks/profiles.py); --layers still applies")
+    ap.add_argument("--peaked", type=float, default=0.0, help="scale the logits by this (0: random weights, flat logits)")
+    ap.add_argument("--rule", choices=sampling.RULES, default=sampling.DEFAULT_RULE, help="the engine's sampling rule")
+    ap.add_argument("--sampler-repeats", type=int, default=5, help="samples per rule in the sampler table (minimum reported); 0: skip")
+    args, _ = ap.parse_known_args()
+    if args.profile:
+        ap.set_defaults(layers=QWEN25_05B["layers"], vocab=QWEN25_05B["vocab"], hidden=QWEN25_05B["hidden"], new_tokens=256, batch=8)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     clock = _clock(args.device)
 
-    model = build_model(embedded_config(args.vocab, hidden_size=args.hidden, layers=args.layers), seed=0).to(args.device)
+    if args.profile:
+        model = build_profile_model(args.layers, peaked=args.peaked).to(args.device)
+        label = f"{args.profile} shape, {args.layers} layers" + (f", peaked ×{args.peaked:g}" if args.peaked else ", random weights")
+    else:
+        model = build_model(embedded_config(args.vocab, hidden_size=args.hidden, layers=args.layers), seed=0).to(args.device)
+        if args.peaked:
+            with torch.no_grad():
+                model.model.norm.weight.mul_(args.peaked)
+        label = f"Qwen2 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}" + (f", peaked ×{args.peaked:g}" if args.peaked else "")
     tok = embedded_tokenizer()
     engine = TransformersEngine(model, tok, device=args.device, max_batch=args.batch)
     g = torch.Generator().manual_seed(0)
@@ -63,7 +148,7 @@ def main() -> None:
     prompt_lists = prompts.tolist()
     seeds = list(range(1, args.batch + 1))
     # eos_id = pad (0) with min_eos_prob 1.0: the gate never admits it, so no sequence stops early.
-    params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, eos_id=0, min_eos_prob=1.0)
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, eos_id=0, min_eos_prob=1.0, rule=args.rule)
     n_tokens = args.batch * args.new_tokens
 
     def run_engine() -> float:
@@ -87,11 +172,27 @@ def main() -> None:
         assert out.shape[1] == args.prompt_len + args.new_tokens
         return dt
 
+    # time spent inside the sampler during the engine's decode (same clock)
+    sample_s = [0.0]
+    inner_sample = sampling.sample
+
+    def timed_sample(*a: object, **k: object) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = clock()
+        out = inner_sample(*a, **k)  # type: ignore[arg-type]
+        sample_s[0] += clock() - t0
+        return out
+
     gens = engine.generate(prompt_lists, seeds, params)  # warm-up (and rows for the proof timing)
     run_generate()
-    t_engine, t_generate = [], []
+    t_engine, t_generate, t_sample = [], [], []
     for _ in range(args.repeats):  # interleave so drifting machine load hits both alike
-        t_engine.append(run_engine())
+        sample_s[0] = 0.0
+        sampling.sample = timed_sample  # type: ignore[assignment]
+        try:
+            t_engine.append(run_engine())
+        finally:
+            sampling.sample = inner_sample  # type: ignore[assignment]
+        t_sample.append(sample_s[0] / t_engine[-1])
         t_generate.append(run_generate())
     e_s, g_s = statistics.median(t_engine), statistics.median(t_generate)
 
@@ -104,13 +205,28 @@ def main() -> None:
     p_s = statistics.median(t_proof)
 
     unit = "CPU s" if args.device == "cpu" else "s"
-    print(f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; device {args.device}, {args.threads} thread(s)")
+    goal = 1.0 if args.profile else 1.5
+    share = statistics.median(t_sample)
+    print(f"model: {label}; device {args.device}, {args.threads} thread(s); engine rule {args.rule}")
     print(f"batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens ({n_tokens} tokens per run), median of {args.repeats}")
     print(f"TransformersEngine.generate : {e_s:7.3f} {unit}  {n_tokens / e_s:9.1f} tok/s")
     print(f"model.generate (sampling)   : {g_s:7.3f} {unit}  {n_tokens / g_s:9.1f} tok/s")
-    print(f"ratio engine / generate     : {g_s / e_s:7.2f}x  (goal >= 1.5x)")
+    print(f"ratio engine / generate     : {g_s / e_s:7.2f}x  (goal >= {goal}x: {'met' if g_s / e_s >= goal else 'missed'})")
+    print(f"sampler share of decode     : {100 * share:7.2f}%  (goal <= 5%: {'met' if share <= 0.05 else 'missed'})")
     print(f"TOPLOC build_proofs         : {p_s:7.3f} CPU s for {len(gens)} completions "
           f"({-(-args.new_tokens // 32)} proofs each); share of generation+proofs {100 * p_s / (e_s + p_s):.2f}% (goal <= 2%)")
+    if args.sampler_repeats > 0 and args.device == "cpu":
+        # next-token logits of the prompts, from this model and from a peaked copy of its head
+        with torch.no_grad():
+            h = model.model(input_ids=ids).last_hidden_state[:, -1]  # [B, H], final-norm output
+            flat = model.lm_head(h).float()
+            scale = args.peaked or DEFAULT_PEAK_SCALE
+            other = flat * (scale if not args.peaked else 1.0 / scale)
+        variants = {"peaked": flat, "random": other} if args.peaked else {"random": flat, f"peaked x{scale:g}": other}
+        for k, v in variants.items():
+            pmax = torch.softmax(v.double(), -1).amax(-1).median()
+            print(f"  {k}: median top-token probability {float(pmax):.3g}")
+        sampler_table(variants, args.sampler_repeats)
 
 
 if __name__ == "__main__":
