@@ -12,7 +12,10 @@ Modes:
   then per-node CPU (workers and relays apart) and memory over ``--idle-s`` seconds of idle
   heartbeats, and the records per second the coordinator receives. ``--layout both`` (default)
   runs the old single-topic layout and the split one in one invocation and prints them side by
-  side, with the load average at the start and end of each.
+  side, with the load average at the start and end of each. ``--layout all --p2pd PATH`` adds
+  the same workload (single topic) on go-libp2p daemons (``p2pd`` from the ``hivemind`` wheel:
+  ``pip download hivemind==1.1.12 --no-deps`` and unzip ``hivemind/hivemind_cli/p2pd`` and
+  ``hivemind/proto/p2pd_pb2.py``; protobuf ≥ 5.27 imports it).
 * ``bridge``: asyncio → trio → asyncio round trips through each bridge kind, and how long libp2p's
   side (a 10 ms trio ticker) stalls while the asyncio thread blocks for 200 ms.
 
@@ -185,12 +188,163 @@ async def propagation_once(args: argparse.Namespace, layout: str) -> dict[str, o
                 p.wait(5)
 
 
+class P2PDaemon:
+    """One go-libp2p daemon (``p2pd``) and its control socket (varint-delimited protobufs of
+    ``p2pd.proto``). Used only by the ``p2pd`` layout of this benchmark."""
+
+    def __init__(self, binary: str, sock: Path) -> None:
+        self.sock = sock
+        self.proc = subprocess.Popen([binary, f"-listen=/unix{sock}", "-hostAddrs=/ip4/127.0.0.1/tcp/0", "-pubsub",
+                                      "-pubsubRouter=gossipsub", "-gossipsubHeartbeatInterval=1s", "-q"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.peer = b""
+        self.addrs: list[bytes] = []
+        self._kept: list[asyncio.StreamWriter] = []
+
+    @staticmethod
+    async def _read_msg(reader: asyncio.StreamReader, cls: type) -> object:
+        shift, size = 0, 0
+        while True:
+            b = (await reader.readexactly(1))[0]
+            size |= (b & 0x7F) << shift
+            if not b & 0x80:
+                break
+            shift += 7
+        msg = cls()
+        msg.ParseFromString(await reader.readexactly(size))
+        return msg
+
+    @staticmethod
+    def _frame(msg: object) -> bytes:
+        data = msg.SerializeToString()  # type: ignore[attr-defined]
+        n, out = len(data), bytearray()
+        while True:
+            out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+            n >>= 7
+            if not n:
+                return bytes(out) + data
+
+    async def request(self, pb: object, req: object, *, keep: bool = False) -> tuple[object, asyncio.StreamReader | None]:
+        reader, writer = await asyncio.open_unix_connection(str(self.sock))
+        writer.write(self._frame(req))
+        await writer.drain()
+        resp = await self._read_msg(reader, pb.Response)  # type: ignore[attr-defined]
+        if resp.type != pb.Response.OK:  # type: ignore[attr-defined]
+            raise RuntimeError(f"p2pd: {resp.error.msg}")  # type: ignore[attr-defined]
+        if keep:
+            self._kept.append(writer)  # a dropped StreamWriter closes its connection, and the daemon ends the subscription
+            return resp, reader
+        writer.close()
+        return resp, None
+
+
+async def propagation_p2pd(args: argparse.Namespace) -> dict[str, object]:
+    """The same workload on go-libp2p daemons: ``args.nodes`` daemons (star on the first plus two
+    random earlier peers each), every daemon publishes a 512-byte record every heartbeat on one
+    topic every daemon reads (the single-topic layout), one publishes the announcements.
+
+    What is *not* the same: the daemon's control protocol has no topic validator hook, so no
+    envelope is checked before it is forwarded (the application could only check after
+    delivery); the records are random bytes; the driving Python client (this process) is not
+    counted in the daemons' CPU.
+    """
+    import random
+
+    import psutil
+
+    sys.path.insert(0, str(Path(args.p2pd).resolve().parents[1] / "proto"))
+    import p2pd_pb2 as pb  # from the hivemind wheel, next to the binary
+
+    tmp = Path(tempfile.mkdtemp(prefix="p2pd-bench-"))
+    out: dict[str, object] = {"layout": "p2pd", "load_start": round(os.getloadavg()[0], 1)}
+    daemons = [P2PDaemon(args.p2pd, tmp / f"d{i}.sock") for i in range(args.nodes + 1)]  # the last one publishes announcements
+    readers: list[asyncio.Task[None]] = []
+    recv: list[tuple[int, int, int]] = []  # (daemon, step, recv_ns)
+    try:
+        t0 = time.monotonic()
+        for d in daemons:
+            while True:
+                try:
+                    resp, _ = await d.request(pb, pb.Request(type=pb.Request.IDENTIFY))
+                    break
+                except (FileNotFoundError, ConnectionRefusedError):
+                    if time.monotonic() - t0 > 60:
+                        raise SystemExit("p2pd did not start within 60 s") from None
+                    await asyncio.sleep(0.05)
+            d.peer, d.addrs = resp.identify.id, list(resp.identify.addrs)  # type: ignore[attr-defined]
+        rng = random.Random(0)
+        for i, d in enumerate(daemons[1:], start=1):
+            for j in {0, *rng.sample(range(i), min(2, i))}:
+                await d.request(pb, pb.Request(type=pb.Request.CONNECT, connect=pb.ConnectRequest(peer=daemons[j].peer, addrs=daemons[j].addrs, timeout=10)))
+
+        async def read(i: int, reader: asyncio.StreamReader) -> None:
+            while True:
+                msg = await P2PDaemon._read_msg(reader, pb.PSMessage)
+                if msg.data[:1] == b"A":  # type: ignore[attr-defined]
+                    recv.append((i, int.from_bytes(msg.data[1:9], "big"), time.time_ns()))  # type: ignore[attr-defined]
+
+        for i, d in enumerate(daemons[: args.nodes]):
+            for topic in ("nodes", "checkpoints"):
+                _, reader = await d.request(pb, pb.Request(type=pb.Request.PUBSUB, pubsub=pb.PSRequest(type=pb.PSRequest.SUBSCRIBE, topic=topic)), keep=True)
+                assert reader is not None
+                readers.append(asyncio.create_task(read(i, reader)))
+        out["joined"] = f"{args.nodes}/{args.nodes} in {time.monotonic() - t0:.0f} s"
+
+        async def heartbeats() -> None:
+            while True:
+                for d in daemons[: args.nodes]:
+                    await d.request(pb, pb.Request(type=pb.Request.PUBSUB, pubsub=pb.PSRequest(type=pb.PSRequest.PUBLISH, topic="nodes", data=b"R" + os.urandom(511))))
+                await asyncio.sleep(args.heartbeat_s)
+
+        beats = asyncio.create_task(heartbeats())
+        try:
+            await asyncio.sleep(2 * args.heartbeat_s + 3)  # meshes settle
+            pub = daemons[-1]
+            sent_ns: dict[int, int] = {}
+            for step in range(1, args.announcements + 1):
+                sent_ns[step] = time.time_ns()
+                data = b"A" + step.to_bytes(8, "big") + os.urandom(300)
+                await pub.request(pb, pb.Request(type=pb.Request.PUBSUB, pubsub=pb.PSRequest(type=pb.PSRequest.PUBLISH, topic="checkpoints", data=data)))
+                await asyncio.sleep(args.interval_s)
+            await asyncio.sleep(2.0 + args.heartbeat_s)
+            lat = [(ns - sent_ns[step]) / 1e9 for _, step, ns in recv if step in sent_ns]
+            out["delivered"] = f"{len(lat)}/{args.nodes * args.announcements}"
+            out["delivered_ratio"] = len(lat) / (args.nodes * args.announcements)
+            if lat:
+                out["p50_ms"], out["p99_ms"], out["max_ms"] = (round(pct(lat, q) * 1e3) for q in (0.5, 0.99, 1.0))
+            ps = [psutil.Process(d.proc.pid) for d in daemons[: args.nodes]]
+            for p in ps:
+                p.cpu_percent(None)
+            await asyncio.sleep(args.idle_s)
+            cpu = [p.cpu_percent(None) for p in ps]
+            out["idle_cpu_daemon_mean"] = round(statistics.mean(cpu), 1)
+            out["idle_cpu_daemon_max"] = round(max(cpu), 1)
+            out["rss_mean_mib"] = round(statistics.mean(p.memory_info().rss / 2**20 for p in ps))
+        finally:
+            beats.cancel()
+        out["load_end"] = round(os.getloadavg()[0], 1)
+        return out
+    finally:
+        for t in readers:
+            t.cancel()
+        for d in daemons:
+            d.proc.terminate()
+        for d in daemons:
+            try:
+                d.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                d.proc.kill()
+                d.proc.wait(5)
+
+
 async def propagation(args: argparse.Namespace) -> None:
     """Run each layout in turn in this one invocation and print them side by side."""
-    layouts = ["flat", "split"] if args.layout == "both" else [args.layout]
+    layouts = {"both": ["flat", "split"], "all": ["flat", "split", "p2pd"]}.get(args.layout, [args.layout])
+    if "p2pd" in layouts and not args.p2pd:
+        raise SystemExit("--p2pd PATH (the p2pd binary of the hivemind wheel) is needed for the p2pd layout")
     results = []
     for layout in layouts:
-        r = await propagation_once(args, layout)
+        r = await (propagation_p2pd(args) if layout == "p2pd" else propagation_once(args, layout))
         print(json.dumps(r), flush=True)
         results.append(r)
     keys = list(dict.fromkeys(k for r in results for k in r))
@@ -253,8 +407,10 @@ def main() -> None:
     p.add_argument("--idle-s", type=float, default=10.0, help="idle measurement window, seconds (default 10)")
     p.add_argument("--join-timeout-s", type=float, default=120.0, help="seconds for all nodes to start and be seen")
     p.add_argument("--bridge", default="thread", choices=["thread", "guest"], help="bridge used by the child nodes")
-    p.add_argument("--layout", default="both", choices=["both", "split", "flat"],
-                   help="split: worker records on their own topic (default layout); flat: every record to every node (before issue 18); both: flat then split in one run")
+    p.add_argument("--layout", default="both", choices=["both", "all", "split", "flat", "p2pd"],
+                   help="split: worker records on their own topic (default layout); flat: every record to every node (before issue 18); "
+                        "p2pd: the flat workload on go-libp2p daemons; both: flat then split; all: flat, split, p2pd — in one run")
+    p.add_argument("--p2pd", default="", help="p2pd binary (hivemind wheel: hivemind/hivemind_cli/p2pd, p2pd_pb2.py in ../proto)")
     p.add_argument("--relays", type=int, default=2, help="child nodes that are relays (the seed is one); the rest are workers (default 2)")
     p.add_argument("--lossy", type=int, default=2, help="workers that drop every announcement and must learn steps from the coordinator's record (default 2)")
     p.add_argument("--calls", type=int, default=2000, help="bridge mode: round trips per bridge kind")
