@@ -36,6 +36,8 @@ def _spec(sub: argparse._SubParsersAction) -> None:
     init.add_argument("--max-tokens", type=int, default=None, help="completion length limit in tokens (default 32)")
     init.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
     init.add_argument("--top-p", type=float, default=None, help="nucleus mass (default 1.0)")
+    init.add_argument("--sampling-rule", choices=["icdf-v1", "gumbel-v1"], default=None,
+                      help="sampling rule (docs/toploc.md §5; default icdf-v1)")
     init.add_argument("--target-length", type=int, action="append", default=[], metavar="TOKENS",
                       help="length-control target (repeatable; INTELLECT-2 style 'Think for N tokens')")
     init.add_argument("--length-penalty", type=float, default=None, help="λ of the length penalty (INTELLECT-2: 0.0003)")
@@ -76,7 +78,7 @@ def _run_spec_init(args: argparse.Namespace) -> int:
     if args.model_base is not None and args.model_base != "embedded":
         model.update(_describe_base(Path(args.model_base), args.hidden_size))
     sampling = given(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, length_penalty=args.length_penalty,
-                     target_lengths=args.target_length or None)
+                     target_lengths=args.target_length or None, rule=args.sampling_rule)
     async_level = rl.get("async_level", rs.RLSpec().async_level)
     shard = {"keep_steps": args.keep_steps if args.keep_steps is not None else async_level + 1}
     if args.piece_size is not None:
