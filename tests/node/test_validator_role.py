@@ -197,3 +197,43 @@ def test_fraction_sampling_is_seeded_per_validator_and_near_the_fraction(tmp_pat
         assert 150 <= sum(picked) <= 250  # 800 × 0.25 = 200, binomial sd ≈ 12
     finally:
         node.ledger.close()
+
+
+async def test_a_validator_out_of_resources_retries_once_then_sends_a_benign_resources_verdict(tmp_path: Path, monkeypatch) -> None:
+    """Running out of memory while checking is the validator's failure: the lease is left to expire
+    once (the failure may pass), then a ``resources`` verdict rejects the submission without a ban."""
+    import node.roles.validator as role
+
+    calls = []
+
+    def out_of_memory(self, env):
+        calls.append(env.id.hex())
+        raise MemoryError("cannot allocate the prefill's logits")
+
+    monkeypatch.setattr(role, "LEASE_S", 1.0)  # a short lease, so the retry comes at once
+    monkeypatch.setattr(role.SubmissionChecker, "check", out_of_memory)
+    async with coordinator(tmp_path / "coord") as coord:
+        spec, run_id = coord.signed.spec, coord.signed.run_id
+        blob = await asyncio.to_thread(build_submission, spec, run_id, HONEST, coord.engine, coord.engine.tokenizer,
+                                       resolve_tasks(spec.data.tasks).train, 0, 0)
+        async with ClientSession() as http, http.post(f"{coord.url}/ingest/1/submissions", data=blob) as r:
+            assert r.status == 200
+            sid = (await r.json())["id"]
+        node = ValidatorNode(coord.signed, VALIDATOR, ValidatorOptions(data_dir=tmp_path / "validator", gossip=None, http_port=None))
+        await node.start()
+        runner = asyncio.create_task(node.run())
+        try:
+            end = asyncio.get_running_loop().time() + VERDICT_WAIT_S
+            while coord.store.get(sid).state == "pending":
+                assert not runner.done() and asyncio.get_running_loop().time() < end, f"no verdict; validator state: {node.state}"
+                await asyncio.sleep(0.1)
+            reputation = node.status()["reputation"]
+        finally:
+            node.request_stop()
+            await asyncio.wait_for(runner, timeout=30)
+            await node.stop()
+        stored = coord.store.get(sid)
+        assert (stored.state, stored.reason) == ("rejected", "resources")
+        assert calls == [sid, sid]  # one retry after the lease expired
+        assert not coord.bans.is_banned(HONEST.peer_id)
+        assert reputation == {HONEST.peer_id: {"resources": 1}}
