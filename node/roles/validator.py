@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import hashlib
 import logging
 from collections import OrderedDict
@@ -11,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -19,9 +17,9 @@ from node.errors import FetchError
 from node.p2p import GossipConfig, GossipNode
 from node.roles import sleep_unless
 from node.policy import PolicyFollower, gossip_sources, relays_lagging
+from node.ingest_client import IngestClient, IngestUnavailable
 from node.retry import Backoff, FailureLog
 from node.status_http import StatusServer
-from protocol import encoding
 from protocol.envelope import open_envelope, seal
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
@@ -34,13 +32,6 @@ from validator.pipeline import CheckResult, SubmissionChecker
 
 logger = logging.getLogger(__name__)
 
-RESOURCE_ERRNOS = frozenset({errno.ENOMEM, errno.ENOSPC, errno.EMFILE, errno.ENFILE, errno.EDQUOT})
-"""``OSError`` numbers that mean this validator ran out of memory, disk or descriptors."""
-RESOURCE_RETRIES = 1
-"""Times a submission whose check ran this validator out of resources is left to a later lease
-(the failure may be passing); the next failure on it gets a ``resources`` verdict (benign)."""
-RESOURCE_FAILURES_KEPT = 1024
-"""Submissions whose resource failures are remembered (oldest forgotten first)."""
 LEASE_S = 120.0
 IDLE_POLL_S = 0.5
 LEASE_BACKOFF_MAX_S = 15.0
@@ -101,7 +92,8 @@ class ValidatorNode:
         self._models: OrderedDict[int, torch.nn.Module] = OrderedDict()
         self.banned: set[str] = set()
         self._stop = asyncio.Event()
-        self._http: aiohttp.ClientSession | None = None
+        self.ingest = IngestClient(self.ingest_urls, timeout_s=60.0)
+        self._lease_retry_after_s = 0.0
         self.state = "starting"
         self.checked = 0
         self.reasons: dict[str, int] = {}
@@ -116,7 +108,6 @@ class ValidatorNode:
         self.status_server: StatusServer | None = None
         self._lease_backoff = Backoff(base_s=IDLE_POLL_S, max_s=LEASE_BACKOFF_MAX_S)
         self._lease_failures = FailureLog(logger, interval_s=FAILURE_LOG_INTERVAL_S)
-        self._resource_failures: OrderedDict[str, int] = OrderedDict()  # submission ID -> failed checks
 
     async def start(self) -> None:
         if any(t.task_type == "prime_rl_code" for t in self.tasks):
@@ -129,7 +120,6 @@ class ValidatorNode:
             self.gossip.on_ban_list(self._on_ban_list)
         self.follower.sources = gossip_sources(self.gossip, self.spec)
         self.follower.relays_waiting = relays_lagging(self.gossip)
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
         if self.options.http_port is not None:
             self.status_server = StatusServer(self.status, self.registry, port=self.options.http_port)
             await self.status_server.start()
@@ -139,8 +129,7 @@ class ValidatorNode:
 
     async def stop(self) -> None:
         self._stop.set()
-        if self._http is not None:
-            await self._http.close()
+        await self.ingest.close()
         await self.follower.close()
         if self.gossip is not None:
             await self.gossip.stop()
@@ -155,8 +144,8 @@ class ValidatorNode:
             self.queue = len(blobs)
             self.m_queue.set(self.queue)
             if not blobs:
-                if self._lease_failures.failing:  # no ingest answered: back off with jitter
-                    await self._sleep(self._lease_backoff.next_delay())
+                if self._lease_failures.failing:  # no ingest leased: back off with jitter, never sooner than its Retry-After
+                    await self._sleep(max(self._lease_backoff.next_delay(), self._lease_retry_after_s))
                     continue
                 self.state = "idle: no pending submissions"
                 await self._sleep(IDLE_POLL_S)
@@ -175,23 +164,17 @@ class ValidatorNode:
 
     async def _lease(self) -> list[bytes]:
         req = seal(self.key, self.signed.run_id, LeaseRequest(limit=self.options.batch, lease_s=LEASE_S))
-        assert self._http is not None
-        errors = []
-        for url in self.ingest_urls:
-            try:
-                async with self._http.post(f"{url}/ingest/1/lease", data=req) as r:
-                    if r.status != 200:
-                        errors.append(f"{url} refused the lease: {r.status} {(await r.text())[:200]}")
-                        continue
-                    body = encoding.unpackb(await r.read(), 1 << 30)
-                self._lease_failures.recovered("ingest reachable")
-                self._lease_backoff.reset()
-                return [b for b in body.get("submissions", []) if isinstance(b, bytes)]
-            except (aiohttp.ClientError, TimeoutError, ProtocolError) as e:
-                errors.append(f"{url} unreachable: {type(e).__name__}: {e}")
-        self.state = f"ingest unreachable: {'; '.join(errors) or 'no ingest URL'}"
-        self._lease_failures.failed(f"lease failed: {'; '.join(errors) or 'no ingest URL'}")
-        return []
+        try:
+            blobs = await self.ingest.lease(req, self.options.batch)
+        except IngestUnavailable as e:
+            self._lease_retry_after_s = e.retry_after_s or 0.0
+            self.state = f"ingest unreachable: {e}"
+            self._lease_failures.failed(f"lease failed: {e}")
+            return []
+        self._lease_failures.recovered("ingest reachable")
+        self._lease_backoff.reset()
+        self._lease_retry_after_s = 0.0
+        return blobs
 
     async def _judge(self, blob: bytes) -> None:
         try:
@@ -210,20 +193,7 @@ class ValidatorNode:
             await self._prepare(sub.policy_step)
             checker = SubmissionChecker(self.spec, self.tasks, self.tokenizer, self._models.get, trainer_step=self._trainer_step,
                                         counter_seen=self.ledger.counter_seen)
-            try:
-                result = await asyncio.to_thread(checker.check, env)
-            except (MemoryError, OSError, RuntimeError) as e:
-                kind = _resource_failure(e)
-                if kind is None:
-                    raise
-                failures = self._resource_failures.pop(sid, 0) + 1
-                self._resource_failures[sid] = failures
-                while len(self._resource_failures) > RESOURCE_FAILURES_KEPT:
-                    self._resource_failures.popitem(last=False)
-                if failures <= RESOURCE_RETRIES:
-                    logger.warning("ran out of resources checking %s (%s: %s); leaving it to a later lease", sid[:12], kind, str(e)[:200])
-                    return
-                result = CheckResult(False, "resources", {"error": kind, "failures": failures, "detail": str(e)[:200]})
+            result = await asyncio.to_thread(checker.check, env)
         if result.reason == "banned_worker":
             return  # the coordinator already rejects a banned worker's pending work
         if result.reason == "unknown_checkpoint":
@@ -287,18 +257,17 @@ class ValidatorNode:
             self._models.popitem(last=False)
 
     async def _post_verdict(self, verdict: bytes) -> None:
-        assert self._http is not None
+        """Post a verdict to the ingest: up to 5 tries while it answers *retry* or not at all (backing
+        off, never sooner than its ``Retry-After``); a final refusal is logged and not retried."""
         for attempt in range(5):
-            for url in self.ingest_urls:
-                try:
-                    async with self._http.post(f"{url}/ingest/1/verdicts", data=verdict) as r:
-                        if r.status == 200:
-                            return
-                        logger.warning("verdict refused by %s: %d %s", url, r.status, (await r.text())[:200])
-                        return
-                except (aiohttp.ClientError, TimeoutError) as e:
-                    logger.info("verdict post to %s failed: %s", url, e)
-            await self._sleep(min(10.0, 0.5 * 2**attempt))
+            answer = await self.ingest.post_verdict(verdict)
+            if answer.ok:
+                return
+            if answer.outcome == "final":
+                logger.warning("verdict refused by %s: %d %s", answer.url, answer.status, answer.detail[:200])
+                return
+            logger.info("verdict post to %s not taken (%s): %s", answer.url or "no ingest", answer.code or "unreachable", answer.detail[:200])
+            await self._sleep(max(min(10.0, 0.5 * 2**attempt), answer.retry_after_s or 0.0))
 
     def _on_ban_list(self, env: Any) -> None:
         if isinstance(env.body, BanList):
@@ -321,13 +290,3 @@ class ValidatorNode:
             "reputation": self.ledger.reputation(),
             "fraction": self.options.fraction,
         }
-
-
-def _resource_failure(e: BaseException) -> str | None:
-    """The name of the resource a check ran out of (memory, disk, descriptors), else ``None``
-    (a bug, which is no verdict's business: the lease expires)."""
-    if isinstance(e, (MemoryError, torch.OutOfMemoryError)):  # torch's (a RuntimeError): an accelerator's memory
-        return type(e).__name__
-    if isinstance(e, OSError) and e.errno in RESOURCE_ERRNOS:
-        return errno.errorcode.get(e.errno or 0, "OSError")
-    return None

@@ -13,9 +13,9 @@ GET        ``/status``                     JSON view of the coordinator
 GET        ``/metrics``                    Prometheus text
 =========  ==============================  =====================================================
 
-Errors are JSON ``{"error": code, "detail": text}`` with 400 (malformed), 403 (banned or not a
-validator), 409 (stale policy), 413 (too large), 429 (rate limited, with
-``Retry-After``), 507 (the worker's pending quota is full).
+Routes, the lease answer's format and the error codes with their HTTP statuses are defined once in
+:mod:`protocol.ingest_api` (the client, ``node/ingest_client.py``, reads the same module). Errors
+are JSON ``{"error": code, "detail": text}``; 429 and 507 carry ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -37,8 +37,16 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from protocol import encoding
 from protocol.envelope import open_envelope
+from protocol.ingest_api import (
+    BANS_ROUTE,
+    ERROR_CODES,
+    LEASE_CONTENT_TYPE,
+    LEASE_ROUTE,
+    SUBMISSIONS_ROUTE,
+    VERDICTS_ROUTE,
+    pack_lease_answer,
+)
 from protocol.errors import ProtocolError
 from protocol.messages import BanEvidence, LeaseRequest, Submission, Verdict
 from protocol.runspec import RunSpec
@@ -48,8 +56,6 @@ from trainer.ingest.limits import RateLimiter
 from trainer.ingest.store import DecidingVerdict, SubmissionStore
 
 logger = logging.getLogger(__name__)
-
-PREFIX = "/ingest/1"
 
 RETIRE_EVERY_S = 5.0
 """How often the ingest drops pending or accepted work that fell out of the async window, seconds."""
@@ -193,10 +199,10 @@ class IngestService:
 
     def add_routes(self, app: web.Application) -> None:
         """Register the ingest routes on ``app``."""
-        app.router.add_post(f"{PREFIX}/submissions", self.post_submission)
-        app.router.add_post(f"{PREFIX}/lease", self.post_lease)
-        app.router.add_post(f"{PREFIX}/verdicts", self.post_verdict)
-        app.router.add_get(f"{PREFIX}/bans", self.get_bans)
+        app.router.add_post(SUBMISSIONS_ROUTE, self.post_submission)
+        app.router.add_post(LEASE_ROUTE, self.post_lease)
+        app.router.add_post(VERDICTS_ROUTE, self.post_verdict)
+        app.router.add_get(BANS_ROUTE, self.get_bans)
         app.router.add_get("/status", self.get_status)
         app.router.add_get("/metrics", self.get_metrics)
 
@@ -213,16 +219,16 @@ class IngestService:
     async def _read_body(self, request: web.Request, limit: int) -> bytes:
         enc = request.headers.get("Content-Encoding", "identity").strip().lower()
         if enc not in ("", "identity"):  # nothing is inflated here: a small body stays small
-            raise _error(415, "unsupported_encoding", f"Content-Encoding {enc[:32]!r} refused: send identity bodies")
+            raise _error("unsupported_encoding", f"Content-Encoding {enc[:32]!r} refused: send identity bodies")
         try:
             return await read_body(request, limit, self.limits.decode_timeout_s)
         except BodyError as e:
-            raise _error(e.status, e.code, e.detail) from None
+            raise _error(e.code, e.detail) from None
 
     def _ip_gate(self, request: web.Request) -> None:
         ip = request.remote or "?"
         if not self._ip_limiter.allow(ip):
-            raise _error(429, "rate_limited", "too many requests from this address", retry_after=self._ip_limiter.retry_after_s(ip))
+            raise _error("rate_limited", "too many requests from this address", retry_after=self._ip_limiter.retry_after_s(ip))
 
     @contextlib.asynccontextmanager
     async def _decode_slot(self, ip: str) -> AsyncIterator[None]:
@@ -258,7 +264,7 @@ class IngestService:
         lim = self.limits
         if self._inflight_ip.get(ip, 0) + n > lim.max_body_bytes_in_flight_per_ip or self._inflight + n > lim.max_body_bytes_in_flight:
             self.m_submissions.labels("busy").inc()
-            raise _error(429, "busy", f"too many request bytes in flight from {ip} or in all; retry later", retry_after=1.0)
+            raise _error("busy", f"too many request bytes in flight from {ip} or in all; retry later", retry_after=1.0)
         self._inflight_ip[ip] = self._inflight_ip.get(ip, 0) + n
         self._inflight += n
         try:
@@ -282,19 +288,19 @@ class IngestService:
                 env = await asyncio.to_thread(open_envelope, data, run_id=self.run_id, expect=Submission)
             except ProtocolError as e:
                 self.m_submissions.labels("malformed").inc()
-                raise _error(400, "malformed", str(e)) from None
+                raise _error("malformed", str(e)) from None
         sub = env.body
         if not self._peer_limiter.allow(sub.worker):
             self.m_submissions.labels("rate_limited").inc()
-            raise _error(429, "rate_limited", f"worker {sub.worker} is over its rate", retry_after=self._peer_limiter.retry_after_s(sub.worker))
+            raise _error("rate_limited", f"worker {sub.worker} is over its rate", retry_after=self._peer_limiter.retry_after_s(sub.worker))
         if self.bans.is_banned(sub.worker):
             self.m_submissions.labels("banned").inc()
-            raise _error(403, "banned", f"worker {sub.worker} is banned")
+            raise _error("banned", f"worker {sub.worker} is banned")
         lo = self.trainer_step() - self.spec.rl.async_level
         hi = self.latest_policy_step()
         if not lo <= sub.policy_step <= hi:
             self.m_submissions.labels("stale").inc()
-            raise _error(409, "stale_policy", f"policy step {sub.policy_step} outside the window [{lo}, {hi}]")
+            raise _error("stale_policy", f"policy step {sub.policy_step} outside the window [{lo}, {hi}]")
         await self._retire()
         sid = env.id.hex()
         async with self._admit:
@@ -304,7 +310,7 @@ class IngestService:
                 return web.json_response({"id": sid, "stored": False, "duplicate": True, "state": existing.state})
             if self.store.counter_used(sub.worker, sub.counter, sid):
                 self.m_submissions.labels("replay").inc()
-                raise _error(409, "replay", f"worker {sub.worker} already submitted counter {sub.counter} in another submission")
+                raise _error("replay", f"worker {sub.worker} already submitted counter {sub.counter} in another submission")
             self._check_quotas(sub.worker, ip, len(data))
             t0 = time.perf_counter()
             await asyncio.to_thread(self.store.add, env, None, ip)
@@ -321,23 +327,23 @@ class IngestService:
         u = self.store.usage(worker, ip)
         if u.worker_pending >= lim.max_pending_per_worker:
             self.m_submissions.labels("backpressure").inc()
-            raise _error(429, "backpressure", f"worker {worker} has {lim.max_pending_per_worker} submissions awaiting verdicts; retry later",
+            raise _error("backpressure", f"worker {worker} has {lim.max_pending_per_worker} submissions awaiting verdicts; retry later",
                          retry_after=1.0)
         if u.worker_bytes + size > lim.max_pending_bytes_per_worker:
             self.m_submissions.labels("quota").inc()
-            raise _error(507, "quota", f"worker {worker} has too many unjudged bytes; retry later", retry_after=10.0)
+            raise _error("quota", f"worker {worker} has too many unjudged bytes; retry later", retry_after=10.0)
         if u.ip_pending >= lim.max_pending_per_ip or u.ip_bytes + size > lim.max_pending_bytes_per_ip:
             self.m_submissions.labels("ip_quota").inc()
-            raise _error(507, "ip_quota", f"address {ip} has {u.ip_pending} submissions ({u.ip_bytes} bytes) awaiting verdicts; retry later",
+            raise _error("ip_quota", f"address {ip} has {u.ip_pending} submissions ({u.ip_bytes} bytes) awaiting verdicts; retry later",
                          retry_after=10.0)
         if u.disk_files >= lim.max_disk_files or u.disk_bytes + size > lim.max_disk_bytes:
             self.m_submissions.labels("disk_quota").inc()
-            raise _error(507, "disk_quota", f"the ingest holds {u.disk_files} submissions ({u.disk_bytes} bytes), its limit; retry later",
+            raise _error("disk_quota", f"the ingest holds {u.disk_files} submissions ({u.disk_bytes} bytes), its limit; retry later",
                          retry_after=10.0)
         free = shutil.disk_usage(self.store.dir).free
         if free - size < lim.min_free_disk_bytes:
             self.m_submissions.labels("disk_full").inc()
-            raise _error(507, "disk_full", f"only {free} bytes free on the ingest's disk; retry later", retry_after=30.0)
+            raise _error("disk_full", f"only {free} bytes free on the ingest's disk; retry later", retry_after=30.0)
 
     async def post_lease(self, request: web.Request) -> web.Response:
         self._ip_gate(request)
@@ -345,12 +351,12 @@ class IngestService:
         try:
             env = open_envelope(data, run_id=self.run_id, expect=LeaseRequest, authorities=self.authorities, max_age_s=self.limits.lease_max_age_s)
         except ProtocolError as e:
-            raise _error(403, "not_validator", str(e)) from None
+            raise _error("not_validator", str(e)) from None
         self._remember_lease(bytes(env.id))
         await self._retire()
         ids = self.store.lease_pending(env.body.limit, env.body.lease_s)
         blobs = [await asyncio.to_thread(self.store.read, i) for i in ids]
-        return web.Response(body=encoding.packb({"submissions": blobs}), content_type="application/msgpack")
+        return web.Response(body=pack_lease_answer(blobs), content_type=LEASE_CONTENT_TYPE)
 
     def _remember_lease(self, lease_id: bytes) -> None:
         """Accept each signed lease request once while it is fresh (a captured one cannot lease again)."""
@@ -361,9 +367,9 @@ class IngestService:
                 break
             del self._lease_seen[first]
         if lease_id in self._lease_seen:
-            raise _error(409, "replay", "this lease request was already served; sign a new one")
+            raise _error("replay", "this lease request was already served; sign a new one")
         if len(self._lease_seen) >= self.limits.lease_nonce_capacity:
-            raise _error(429, "busy", "too many lease requests in the last minute", retry_after=1.0)
+            raise _error("busy", "too many lease requests in the last minute", retry_after=1.0)
         # remembered past its validity (plus the allowed clock skew of open_envelope's max_future_s)
         self._lease_seen[lease_id] = now + self.limits.lease_max_age_s + 30.0
 
@@ -373,7 +379,7 @@ class IngestService:
         try:
             env = open_envelope(data, run_id=self.run_id, expect=Verdict, authorities=self.authorities)
         except ProtocolError as e:
-            raise _error(400, "malformed", str(e)) from None
+            raise _error("malformed", str(e)) from None
         applied = self.apply_verdict(env.raw)
         return web.json_response({"applied": applied})
 
@@ -515,8 +521,9 @@ class Rejected(Exception):
         self.status, self.code, self.detail, self.retry_after = status, code, detail, retry_after
 
 
-def _error(status: int, code: str, detail: str, retry_after: float | None = None) -> Rejected:
-    return Rejected(status, code, detail, retry_after)
+def _error(code: str, detail: str, retry_after: float | None = None) -> Rejected:
+    """A refusal with one of :data:`protocol.ingest_api.ERROR_CODES` (which fixes its HTTP status)."""
+    return Rejected(ERROR_CODES[code][0], code, detail, retry_after)
 
 
 @web.middleware
@@ -537,9 +544,9 @@ def _summary(evidence: dict[str, Any]) -> str:
 class BodyError(Exception):
     """A request body refused while reading it: ``status`` 408 (too slow), 413 (too large) or 400 (cut short)."""
 
-    def __init__(self, status: int, code: str, detail: str) -> None:
+    def __init__(self, code: str, detail: str) -> None:
         super().__init__(detail)
-        self.status, self.code, self.detail = status, code, detail
+        self.status, self.code, self.detail = ERROR_CODES[code][0], code, detail
 
 
 async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
@@ -554,7 +561,7 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
     """
     declared = request.content_length
     if declared is not None and declared > limit:
-        raise BodyError(413, "too_large", f"body of {declared} bytes exceeds {limit} bytes")
+        raise BodyError("too_large", f"body of {declared} bytes exceeds {limit} bytes")
     chunks: list[bytes] = []
     got = 0
     try:
@@ -569,9 +576,9 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
                     chunks.append(data)
                     got += len(data)
                     if got > limit:
-                        raise BodyError(413, "too_large", f"body exceeds {limit} bytes")
+                        raise BodyError("too_large", f"body exceeds {limit} bytes")
     except TimeoutError:
-        raise BodyError(408, "timeout", f"body not received within {timeout_s} s") from None
+        raise BodyError("timeout", f"body not received within {timeout_s} s") from None
     except asyncio.IncompleteReadError as e:
-        raise BodyError(400, "truncated", f"body ended after {len(e.partial)} of {declared} bytes") from None
+        raise BodyError("truncated", f"body ended after {len(e.partial)} of {declared} bytes") from None
     return b"".join(chunks)

@@ -1,0 +1,165 @@
+"""The ingest's HTTP API, defined once: routes, the lease answer's format, error codes and what a
+client does with each answer (``docs/protocol.md`` §8).
+
+Pure (no sockets): the coordinator's server (``trainer/ingest/service.py``) registers these routes
+and raises these codes; the one client (``node/ingest_client.py``), used by the worker's submitter,
+the validator role and the tests, builds its URLs from them and decides with :func:`disposition`
+whether to drop, retry later or give up.
+
+Every error answer is JSON ``{"error": code, "detail": text}``. A code is one of three kinds:
+
+* **final** — the same bytes will be refused again (malformed, banned, stale, replayed, too large,
+  a compressed body, a key that is no validator): a client never retries it.
+* **retry** — flow control (rate limit, backpressure, quotas, a full disk): retry the same bytes
+  after the answer's ``Retry-After`` seconds (or the client's own back-off without one).
+* **transient** — the transfer, not the bytes, failed (the body arrived too slowly or cut short):
+  retry at most :data:`TRANSIENT_RETRIES` times, then give up.
+
+An answer without a JSON code (another server in front, an old ingest) falls back on its HTTP
+status: 400/403/409/413/415 final, 408 transient, 429/503/507 and other 5xx retry. Any other
+status (404 from a wrong URL, …) is treated as *retry*: a misconfigured address must never make a
+worker drop the submissions in its spool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from protocol import encoding
+from protocol.errors import DecodeError
+from protocol.messages import Submission
+
+PREFIX: Final = "/ingest/1"
+"""Versioned prefix of every ingest route."""
+SUBMISSIONS_ROUTE: Final = f"{PREFIX}/submissions"
+"""``POST`` a ``submission/1`` envelope; 200 JSON ``{"id", "stored"}`` (``"duplicate", "state"`` when already stored)."""
+LEASE_ROUTE: Final = f"{PREFIX}/lease"
+"""``POST`` a validator's ``lease_request/1``; 200 msgpack ``{"submissions": [bin…]}`` (:func:`pack_lease_answer`),
+at most the request's ``limit`` pending submissions, each leased for its ``lease_s``."""
+VERDICTS_ROUTE: Final = f"{PREFIX}/verdicts"
+"""``POST`` a ``verdict/1`` envelope of a run validator; 200 JSON ``{"applied": bool}``."""
+BANS_ROUTE: Final = f"{PREFIX}/bans"
+"""``GET`` the coordinator-signed ``ban_list/1`` envelope."""
+
+LEASE_CONTENT_TYPE: Final = "application/msgpack"
+
+
+def lease_answer_max_bytes(limit: int) -> int:
+    """Largest lease answer to a request for ``limit`` submissions: ``limit`` envelopes of at most
+    ``Submission.MAX_BYTES`` each, with msgpack framing, bytes."""
+    return limit * (Submission.MAX_BYTES + 8) + 32
+
+
+TRANSIENT_RETRIES: Final = 3
+"""How often a client re-sends after a *transient* answer (408, a cut-short body) before giving up."""
+MAX_RETRY_AFTER_S: Final = 300.0
+"""A ``Retry-After`` above this many seconds is capped (a hostile or broken server cannot park a client)."""
+
+Kind = Literal["final", "retry", "transient"]
+
+ERROR_CODES: Final[dict[str, tuple[int, Kind]]] = {
+    "malformed": (400, "final"),  # any ProtocolError of the envelope, naming the field
+    "truncated": (400, "transient"),  # body shorter than its Content-Length
+    "banned": (403, "final"),
+    "not_validator": (403, "final"),  # the lease request is not signed by a validator of the spec, or too old
+    "timeout": (408, "transient"),  # body not received whole in time
+    "stale_policy": (409, "final"),  # policy step outside [trainer_step − async_level, published step]
+    "replay": (409, "final"),  # counter already used by this worker, or a lease request already served
+    "too_large": (413, "final"),
+    "unsupported_encoding": (415, "final"),  # a Content-Encoding other than identity
+    "rate_limited": (429, "retry"),
+    "backpressure": (429, "retry"),  # the worker has its quota of unjudged submissions
+    "busy": (429, "retry"),  # too many body bytes in flight, or too many lease requests
+    "quota": (507, "retry"),
+    "ip_quota": (507, "retry"),
+    "disk_quota": (507, "retry"),
+    "disk_full": (507, "retry"),
+}
+"""Every error code the ingest answers with: its HTTP status and what a client does with it."""
+
+_STATUS_FALLBACK: Final[dict[int, tuple[str, Kind]]] = {
+    400: ("malformed", "final"),
+    403: ("banned", "final"),
+    408: ("timeout", "transient"),
+    409: ("stale_policy", "final"),
+    413: ("too_large", "final"),
+    415: ("unsupported_encoding", "final"),
+}
+
+
+@dataclass(frozen=True)
+class Disposition:
+    """What a client does with one answer of the ingest.
+
+    Attributes:
+        outcome: ``"ok"`` (2xx), or the error's kind: ``"final"``, ``"retry"``, ``"transient"``.
+        code: the error code (the JSON ``error`` field, else one derived from the status), ``""`` on success.
+        retry_after_s: the answer's ``Retry-After`` in seconds (capped at :data:`MAX_RETRY_AFTER_S`), or ``None``.
+    """
+
+    outcome: Literal["ok", "final", "retry", "transient"]
+    code: str
+    retry_after_s: float | None
+
+
+def retry_after_seconds(header: str | None) -> float | None:
+    """Parse a ``Retry-After`` header given in seconds (RFC 9110 §10.2.3); an HTTP date or junk gives ``None``.
+
+    Returns:
+        Seconds in ``[0, MAX_RETRY_AFTER_S]``, or ``None``.
+    """
+    if header is None:
+        return None
+    try:
+        s = float(header.strip()[:16])
+    except ValueError:
+        return None
+    if s != s or s < 0:  # NaN or negative
+        return None
+    return min(s, MAX_RETRY_AFTER_S)
+
+
+def disposition(status: int, body: Any = None, retry_after: str | None = None) -> Disposition:
+    """Classify one ingest answer (see the module docstring).
+
+    Args:
+        status: the HTTP status.
+        body: the decoded JSON body, if it was JSON (its ``error`` field names the code).
+        retry_after: the ``Retry-After`` header, if any.
+
+    Returns:
+        The :class:`Disposition`.
+    """
+    after = retry_after_seconds(retry_after)
+    if 200 <= status < 300:
+        return Disposition("ok", "", after)
+    code = body.get("error") if isinstance(body, dict) else None
+    if isinstance(code, str) and code in ERROR_CODES and ERROR_CODES[code][0] == status:
+        return Disposition(ERROR_CODES[code][1], code, after)
+    if status in _STATUS_FALLBACK:
+        name, kind = _STATUS_FALLBACK[status]
+        return Disposition(kind, name, after)
+    return Disposition("retry", f"http_{status}", after)
+
+
+def pack_lease_answer(submissions: list[bytes]) -> bytes:
+    """The body of a 200 lease answer: canonical msgpack ``{"submissions": [bin…]}``."""
+    return encoding.packb({"submissions": list(submissions)})
+
+
+def unpack_lease_answer(data: bytes, limit: int) -> list[bytes]:
+    """Decode the answer to a lease request for ``limit`` submissions, bounded before decoding
+    (:func:`lease_answer_max_bytes`, ≤ ``limit`` entries of ≤ ``Submission.MAX_BYTES``). Each entry
+    is still an unverified ``submission/1`` envelope for the caller to open.
+
+    Raises:
+        DecodeError: oversized, not canonical msgpack, or not ``{"submissions": [bin…]}``.
+    """
+    bound = lease_answer_max_bytes(limit)
+    lim = encoding.DecodeLimits(max_bin_len=Submission.MAX_BYTES, max_str_len=16, max_array_len=limit, max_map_len=1, max_depth=2)
+    obj = encoding.unpackb(data, bound, lim)
+    subs = obj.get("submissions") if isinstance(obj, dict) else None
+    if not isinstance(subs, list) or not all(isinstance(b, bytes) for b in subs):
+        raise DecodeError("lease answer is not {'submissions': [bin…]}")
+    return list(subs)
