@@ -1,4 +1,4 @@
-"""Posts spooled submissions to the coordinator's ingest with retry and backoff."""
+"""Posts spooled submissions to the coordinator's ingest (through the one ingest client) with retry and backoff."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
-
+from node.ingest_client import IngestClient
 from node.retry import Backoff, FailureLog
 from node.worker.spool import Spool
+from protocol.ingest_api import TRANSIENT_RETRIES
 
 FAILURE_LOG_INTERVAL_S = 30.0
 """A repeated delivery failure is logged at most once per this many seconds."""
@@ -27,20 +27,27 @@ class SubmitOutcome:
         status: HTTP status, or 0 when no ingest answered.
         final: ``True`` if the file left the spool (acknowledged, or refused for good).
         detail: the ingest's answer or the connection error.
+        code: the ingest's error code (``protocol.ingest_api.ERROR_CODES``), ``""`` when none.
+        retry_after_s: the ingest's ``Retry-After``, seconds, or ``None``.
     """
 
     path: Path
     status: int
     final: bool
     detail: str
+    code: str = ""
+    retry_after_s: float | None = None
 
 
 class Submitter:
-    """Sends the spool to the first ingest URL that answers.
+    """Sends the spool to the first ingest URL that answers, through :class:`node.ingest_client.IngestClient`.
 
-    Acknowledged (200) and permanently refused (400 malformed, 403 banned, 409 stale) submissions
-    leave the spool; refusals that may pass later (408, 429, 5xx, 507, connection errors) stay
-    and are retried with exponential backoff (``base_backoff_s`` doubling up to ``max_backoff_s``, with jitter).
+    What each answer means is :func:`protocol.ingest_api.disposition`'s: acknowledged (200) and
+    *final* refusals (malformed, banned, stale, replay, too large, …) leave the spool and are never
+    retried; *retry* answers (429, 507, 5xx) and connection errors keep the file and are retried with
+    exponential backoff (``base_backoff_s`` doubling up to ``max_backoff_s``, with jitter), never
+    sooner than the ingest's ``Retry-After``; a *transient* one (408, a body cut short) is retried
+    at most :data:`protocol.ingest_api.TRANSIENT_RETRIES` times, then dropped.
 
     Args:
         spool: the spool.
@@ -50,53 +57,43 @@ class Submitter:
 
     def __init__(self, spool: Spool, ingest_urls: list[str], *, timeout_s: float = 60.0, base_backoff_s: float = 0.5, max_backoff_s: float = 30.0) -> None:
         self.spool = spool
-        self.ingest_urls = [u.rstrip("/") for u in ingest_urls]
+        self.ingest = IngestClient(ingest_urls, timeout_s=timeout_s)
+        self.ingest_urls = self.ingest.urls
         self.timeout_s = timeout_s
         self.base_backoff_s = base_backoff_s
         self.max_backoff_s = max_backoff_s
         self.acked = 0
         self.refused: dict[str, int] = {}
         self.banned = False
-        self._session: aiohttp.ClientSession | None = None
+        self._transient: dict[str, int] = {}  # spool file name → transient failures so far
         self._failures = FailureLog(logger, interval_s=FAILURE_LOG_INTERVAL_S)
         self._deferred = FailureLog(logger, interval_s=FAILURE_LOG_INTERVAL_S, level=logging.INFO)
         self._sleep = asyncio.sleep  # the backoff wait (a test records the delays instead)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-        return self._session
+        await self.ingest.close()
 
     async def send_one(self, path: Path) -> SubmitOutcome:
-        """Try each ingest URL once for ``path``."""
+        """Try each ingest URL once for ``path`` (until one accepts it or refuses it for good)."""
         data = await asyncio.to_thread(path.read_bytes)
-        last = SubmitOutcome(path, 0, False, "no ingest URL")
-        for url in self.ingest_urls:
-            try:
-                async with self._http().post(f"{url}/ingest/1/submissions", data=data, headers={"Content-Type": "application/octet-stream"}) as r:
-                    text = await r.text()
-                    status = r.status
-            except (aiohttp.ClientError, TimeoutError) as e:
-                last = SubmitOutcome(path, 0, False, f"{url}: {type(e).__name__}: {e}")
-                continue
-            if status == 200:
-                self.acked += 1
-                self.spool.remove(path)
-                return SubmitOutcome(path, status, True, text)
-            if status in (400, 403, 409):
-                code = {400: "malformed", 403: "banned", 409: "stale"}[status]
-                self.refused[code] = self.refused.get(code, 0) + 1
-                self.banned = self.banned or status == 403
-                logger.warning("ingest refused %s for good (%d): %s", path.name, status, text[:300])
-                self.spool.remove(path)
-                return SubmitOutcome(path, status, True, text)
-            last = SubmitOutcome(path, status, False, text[:300])
-        return last
+        a = await self.ingest.post_submission(data)
+        if a.ok:
+            self.acked += 1
+            self._transient.pop(path.name, None)
+            self.spool.remove(path)
+            return SubmitOutcome(path, a.status, True, a.detail)
+        transient = a.outcome == "transient" and self._transient.get(path.name, 0) >= TRANSIENT_RETRIES
+        if a.outcome == "final" or transient:
+            self.refused[a.code] = self.refused.get(a.code, 0) + 1
+            self.banned = self.banned or a.code == "banned"
+            logger.warning("ingest refused %s for good (%d %s): %s", path.name, a.status, a.code, a.detail[:300])
+            self._transient.pop(path.name, None)
+            self.spool.remove(path)
+            return SubmitOutcome(path, a.status, True, a.detail, a.code, a.retry_after_s)
+        if a.outcome == "transient":
+            self._transient[path.name] = self._transient.get(path.name, 0) + 1
+        detail = a.detail if a.status == 0 else a.detail[:300]
+        return SubmitOutcome(path, a.status, False, f"{a.url}: {detail}" if a.status == 0 and a.url else detail, a.code, a.retry_after_s)
 
     async def drain(self, deadline_s: float | None = None) -> int:
         """Send everything in the spool, retrying with backoff; returns how many left the spool.
@@ -113,6 +110,7 @@ class Submitter:
             if not pending:
                 return done
             progress = False
+            wait_s = 0.0  # the ingest's Retry-After, if it gave one
             for path in pending:
                 out = await self.send_one(path)
                 if out.final:
@@ -123,13 +121,14 @@ class Submitter:
                     break
                 else:  # answered but deferred (backpressure 429, 5xx): normal flow control, quieter
                     self._deferred.failed(f"ingest deferred a submission ({out.status}: {out.detail[:200]}); retrying with backoff")
+                    wait_s = out.retry_after_s or 0.0
                     break
             if progress:
                 self._failures.recovered("ingest reachable")
                 self._deferred.recovered("ingest accepting")
                 backoff.reset()
                 continue
-            delay = backoff.next_delay()
+            delay = max(backoff.next_delay(), wait_s)
             if end is not None and loop.time() + delay > end:
                 return done
             await self._sleep(delay)

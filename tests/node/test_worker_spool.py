@@ -18,10 +18,9 @@ from aiohttp import web
 
 from node.worker.spool import Spool
 from node.worker.submitter import Submitter
+from protocol.ingest_api import SUBMISSIONS_ROUTE, TRANSIENT_RETRIES
 
 REPO = Path(__file__).resolve().parents[2]
-
-INGEST_PATH = "/ingest/1/submissions"
 
 
 # --- spool -------------------------------------------------------------------------------------
@@ -72,10 +71,12 @@ def test_counter_resumes_past_spooled_files_without_a_counter_file(tmp_path: Pat
 
 
 class Ingest:
-    """A test ingest: answers each POST with the next status of ``script`` (the last one repeats)."""
+    """A test ingest: answers each POST with the next status of ``script`` (the last one repeats),
+    as plain text, or as the ingest's JSON error with ``code`` and ``Retry-After`` when given."""
 
-    def __init__(self, script: list[int]) -> None:
+    def __init__(self, script: list[int], code: str | None = None, retry_after: str | None = None) -> None:
         self.script = list(script)
+        self.code, self.retry_after = code, retry_after
         self.received: list[bytes] = []
         self.statuses: list[int] = []
 
@@ -85,13 +86,17 @@ class Ingest:
         self.statuses.append(status)
         if status == 200:
             self.received.append(body)
-        return web.Response(status=status, text=f"status {status}")
+            return web.json_response({"stored": True})
+        headers = {"Retry-After": self.retry_after} if self.retry_after else None
+        if self.code:
+            return web.json_response({"error": self.code, "detail": "scripted"}, status=status, headers=headers)
+        return web.Response(status=status, text=f"status {status}", headers=headers)
 
 
 @asynccontextmanager
 async def serve(ingest: Ingest, port: int = 0) -> AsyncIterator[str]:
     app = web.Application()
-    app.router.add_post(INGEST_PATH, ingest.handle)
+    app.router.add_post(SUBMISSIONS_ROUTE, ingest.handle)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
@@ -134,11 +139,14 @@ async def test_acknowledged_submissions_leave_the_spool(tmp_path: Path) -> None:
     assert spool.pending() == [] and sub.acked == 3 and not sub.banned
 
 
-@pytest.mark.parametrize(("status", "reason"), [(409, "stale"), (403, "banned"), (400, "malformed")])
-async def test_permanent_refusals_remove_for_good(tmp_path: Path, status: int, reason: str) -> None:
+@pytest.mark.parametrize(("status", "code", "reason"), [
+    (409, None, "stale_policy"), (403, None, "banned"), (400, None, "malformed"), (413, None, "too_large"),
+    (409, "replay", "replay"), (415, "unsupported_encoding", "unsupported_encoding"),
+])
+async def test_permanent_refusals_remove_for_good(tmp_path: Path, status: int, code: str | None, reason: str) -> None:
     spool = Spool(tmp_path)
     _fill(spool, 2)
-    ingest = Ingest([status])
+    ingest = Ingest([status], code)
     async with serve(ingest) as url:
         sub = _submitter(spool, url)
         try:
@@ -161,15 +169,54 @@ async def test_transient_refusals_keep_the_file_and_retry_with_backoff(tmp_path:
         try:
             out = await sub.send_one(spool.pending()[0])
             assert not out.final and out.status == transient and len(spool.pending()) == 2  # kept
-            loop = asyncio.get_running_loop()
-            t0 = loop.time()
+            delays = _record_sleeps(sub)
             assert await asyncio.wait_for(sub.drain(deadline_s=10.0), 20.0) == 2
-            waited = loop.time() - t0
         finally:
             await sub.close()
     assert ingest.statuses == [transient] * 3 + [200, 200]
     assert ingest.received == bodies and spool.pending() == []
-    assert waited >= 0.5 * (0.05 + 0.1)  # two backoffs (with ≥ 0.5× jitter) before the third try succeeded
+    assert len(delays) == 2 and 0.5 * 0.05 <= delays[0] < 1.5 * 0.05 and 0.5 * 0.1 <= delays[1] < 1.5 * 0.1  # jittered doubling
+
+
+def _record_sleeps(sub: Submitter) -> list[float]:
+    """Make ``sub``'s backoff waits instant and return the list the requested delays go into."""
+    delays: list[float] = []
+
+    async def record(seconds: float) -> None:
+        delays.append(seconds)
+
+    sub._sleep = record  # type: ignore[method-assign]
+    return delays
+
+
+async def test_retry_after_is_honoured(tmp_path: Path) -> None:
+    spool = Spool(tmp_path)
+    bodies = _fill(spool, 1)
+    ingest = Ingest([429, 507, 200], code=None, retry_after="3")
+    async with serve(ingest) as url:
+        sub = _submitter(spool, url)
+        delays = _record_sleeps(sub)
+        try:
+            assert await asyncio.wait_for(sub.drain(deadline_s=60.0), 20.0) == 1
+        finally:
+            await sub.close()
+    assert ingest.statuses == [429, 507, 200] and ingest.received == bodies
+    assert delays == [3.0, 3.0]  # the ingest's Retry-After, not the 0.05 s backoff
+
+
+async def test_a_body_timeout_is_retried_a_bounded_number_of_times(tmp_path: Path) -> None:
+    spool = Spool(tmp_path)
+    _fill(spool, 1)
+    ingest = Ingest([408])
+    async with serve(ingest) as url:
+        sub = _submitter(spool, url)
+        delays = _record_sleeps(sub)
+        try:
+            assert await asyncio.wait_for(sub.drain(deadline_s=60.0), 20.0) == 1
+        finally:
+            await sub.close()
+    assert ingest.statuses == [408] * (TRANSIENT_RETRIES + 1) and len(delays) == TRANSIENT_RETRIES
+    assert spool.pending() == [] and sub.refused == {"timeout": 1} and sub.acked == 0
 
 
 async def test_drain_gives_up_at_its_deadline_and_keeps_everything(tmp_path: Path) -> None:
