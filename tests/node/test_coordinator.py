@@ -25,6 +25,7 @@ from protocol import encoding
 from protocol.dataset import resolve_tasks
 from protocol.envelope import open_envelope, seal
 from protocol.identity import NodeKey
+from protocol.ingest_api import LEASE_ROUTE, SUBMISSIONS_ROUTE, VERDICTS_ROUTE
 from protocol.messages import LeaseRequest, Submission, Verdict
 from protocol.models import load_tokenizer
 from protocol.runspec import DataSpec, ModelSpec, NetworkSpec, RLSpec, RunInfo, RunSpec, SamplingSpec, dump_run_spec, sign_run_spec
@@ -112,18 +113,18 @@ def test_train_kill_resume(tmp_path):
         engine = TransformersEngine.from_dir(out)
         data = build_submission(spec, spec.run_id, worker, engine, tok, tasks.train, step, counter[0])
         counter[0] += 1
-        status, body = _post(f"{url}/ingest/1/submissions", data)
+        status, body = _post(f"{url}{SUBMISSIONS_ROUTE}", data)
         if status == 200:
             acked.append(json.loads(body)["id"])
         lease = seal(val, spec.run_id, LeaseRequest(limit=16, lease_s=30.0))
-        status, body = _post(f"{url}/ingest/1/lease", lease)
+        status, body = _post(f"{url}{LEASE_ROUTE}", lease)
         if status != 200:
             return
         for blob in encoding.unpackb(body, 1 << 28)["submissions"]:
             env_ = open_envelope(blob, run_id=spec.run_id, expect=Submission)
             v = seal(val, spec.run_id, Verdict(submission_id=env_.id, worker=env_.body.worker, policy_step=env_.body.policy_step,
                                                 counter=env_.body.counter, accepted=True, reason="ok"))
-            assert _post(f"{url}/ingest/1/verdicts", v)[0] in (0, 200)
+            assert _post(f"{url}{VERDICTS_ROUTE}", v)[0] in (0, 200)
 
     try:
         _wait(lambda: _get(f"{url}/status"), 120, "the coordinator's status", proc)

@@ -12,6 +12,7 @@ from ingest_attack_helpers import COORD, RUN, SPEC, VALIDATOR, VALIDATOR2, hones
 
 from protocol.envelope import open_envelope
 from protocol.identity import NodeKey
+from protocol.ingest_api import SUBMISSIONS_ROUTE, VERDICTS_ROUTE
 from protocol.messages import BanList
 from protocol.verdicts import BENIGN_REASONS, CHEAT_REASONS, is_cheat
 from trainer.ingest.service import RecheckResult
@@ -43,7 +44,7 @@ async def wait_until(cond, timeout_s: float = 20.0, what: str = "condition") -> 
 async def _stored(ing, worker: NodeKey, counter: int = 0) -> bytes:
     sub = submission(worker, counter=counter)
     async with honest_session(ing.url) as http:
-        status, _ = await post(http, "/ingest/1/submissions", sub)
+        status, _ = await post(http, SUBMISSIONS_ROUTE, sub)
     assert status == 200
     return sub
 
@@ -93,7 +94,7 @@ async def test_cheat_reproduced_by_the_coordinator_bans_with_evidence(tmp_path: 
         sub = await _stored(ing, w, 0)
         later = await _stored(ing, w, 1)
         honest = await _stored(ing, other, 0)
-        status, body = await post(http, "/ingest/1/verdicts", verdict(sub, False, "toploc", rollout=0, chunk=3))
+        status, body = await post(http, VERDICTS_ROUTE, verdict(sub, False, "toploc", rollout=0, chunk=3))
         assert (status, body) == (200, {"applied": True})
         await wait_until(lambda: ing.gossiped, what="ban published")
         env = open_envelope(ing.gossiped[-1], run_id=RUN, expect=BanList, authorities=SPEC.authorities)

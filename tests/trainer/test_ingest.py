@@ -10,6 +10,7 @@ from aiohttp import ClientSession, web
 from protocol import encoding
 from protocol.envelope import open_envelope, seal
 from protocol.identity import NodeKey
+from protocol.ingest_api import BANS_ROUTE, LEASE_ROUTE, SUBMISSIONS_ROUTE, VERDICTS_ROUTE
 from protocol.messages import BanList, LeaseRequest, Rollout, Submission, SubmissionTask, Verdict
 from protocol.runspec import RunInfo, RunSpec
 from trainer.ingest import BanBook, SubmissionStore
@@ -84,9 +85,9 @@ async def test_store_ack_duplicate_and_state(ingest):
     coord, http = ingest
     w = NodeKey.generate()
     sub = submission(w)
-    status, body = await post(http, "/ingest/1/submissions", sub)
+    status, body = await post(http, SUBMISSIONS_ROUTE, sub)
     assert status == 200 and body["stored"] is True
-    status, body2 = await post(http, "/ingest/1/submissions", sub)
+    status, body2 = await post(http, SUBMISSIONS_ROUTE, sub)
     assert status == 200 and body2 == {"id": body["id"], "stored": False, "duplicate": True, "state": "pending"}
     assert coord.store.counts()["pending"] == 1
 
@@ -97,16 +98,16 @@ async def test_rejections_have_clear_errors(ingest):
     good = submission(w)
     obj = encoding.unpackb(good, 1 << 26)
     obj["sig"] = bytes([obj["sig"][0] ^ 1]) + obj["sig"][1:]
-    status, body = await post(http, "/ingest/1/submissions", encoding.packb(obj))
+    status, body = await post(http, SUBMISSIONS_ROUTE, encoding.packb(obj))
     assert status == 400 and body["error"] == "malformed" and "signature" in body["detail"]
-    status, body = await post(http, "/ingest/1/submissions", b"\x93garbage")
+    status, body = await post(http, SUBMISSIONS_ROUTE, b"\x93garbage")
     assert status == 400 and body["error"] == "malformed"
-    status, body = await post(http, "/ingest/1/submissions", submission(w, step=5))
+    status, body = await post(http, SUBMISSIONS_ROUTE, submission(w, step=5))
     assert status == 409 and body["error"] == "stale_policy"
-    status, body = await post(http, "/ingest/1/submissions", b"\x00" * (Submission.MAX_BYTES + 1))
+    status, body = await post(http, SUBMISSIONS_ROUTE, b"\x00" * (Submission.MAX_BYTES + 1))
     assert status == 413
     other_run = seal(w, bytes(32), open_envelope(good, run_id=RUN).body)
-    status, body = await post(http, "/ingest/1/submissions", other_run)
+    status, body = await post(http, SUBMISSIONS_ROUTE, other_run)
     assert status == 400 and "run" in body["detail"]
     assert coord.store.counts()["pending"] == 0
 
@@ -115,8 +116,8 @@ async def test_staleness_window(ingest):
     coord, http = ingest
     coord.step = 5  # async level 2: policy steps 3..5 are accepted
     w = NodeKey.generate()
-    assert (await post(http, "/ingest/1/submissions", submission(w, counter=1, step=3)))[0] == 200
-    assert (await post(http, "/ingest/1/submissions", submission(w, counter=2, step=2)))[0] == 409
+    assert (await post(http, SUBMISSIONS_ROUTE, submission(w, counter=1, step=3)))[0] == 200
+    assert (await post(http, SUBMISSIONS_ROUTE, submission(w, counter=2, step=2)))[0] == 409
 
 
 async def test_verdicts_bans_and_lease(ingest):
@@ -124,22 +125,22 @@ async def test_verdicts_bans_and_lease(ingest):
     honest, cheat = NodeKey.generate(), NodeKey.generate()
     s1, s2, s3 = submission(honest), submission(cheat, counter=0), submission(cheat, counter=1)
     for s in (s1, s2, s3):
-        assert (await post(http, "/ingest/1/submissions", s))[0] == 200
+        assert (await post(http, SUBMISSIONS_ROUTE, s))[0] == 200
     lease = seal(VALIDATOR, RUN, LeaseRequest(limit=10, lease_s=30.0))
-    async with http.post("/ingest/1/lease", data=lease) as r:
+    async with http.post(LEASE_ROUTE, data=lease) as r:
         got = encoding.unpackb(await r.read(), 1 << 26)["submissions"]
     assert sorted(got) == sorted([s1, s2, s3])
-    status, body = await post(http, "/ingest/1/lease", lease)  # a captured lease request cannot lease again
+    status, body = await post(http, LEASE_ROUTE, lease)  # a captured lease request cannot lease again
     assert status == 409 and body["error"] == "replay"
-    async with http.post("/ingest/1/lease", data=seal(VALIDATOR, RUN, LeaseRequest(limit=10, lease_s=30.0))) as r:  # all leased now
+    async with http.post(LEASE_ROUTE, data=seal(VALIDATOR, RUN, LeaseRequest(limit=10, lease_s=30.0))) as r:  # all leased now
         assert encoding.unpackb(await r.read(), 1 << 26)["submissions"] == []
     # a worker cannot lease or judge
-    status, body = await post(http, "/ingest/1/lease", seal(honest, RUN, LeaseRequest(limit=1, lease_s=1.0)))
+    status, body = await post(http, LEASE_ROUTE, seal(honest, RUN, LeaseRequest(limit=1, lease_s=1.0)))
     assert status == 403
-    status, body = await post(http, "/ingest/1/verdicts", verdict(s1, True, "ok", key=honest))
+    status, body = await post(http, VERDICTS_ROUTE, verdict(s1, True, "ok", key=honest))
     assert status == 400 and "validator" in body["detail"]
-    assert (await post(http, "/ingest/1/verdicts", verdict(s1, True, "ok")))[1] == {"applied": True}
-    assert (await post(http, "/ingest/1/verdicts", verdict(s2, False, "toploc")))[1] == {"applied": True}
+    assert (await post(http, VERDICTS_ROUTE, verdict(s1, True, "ok")))[1] == {"applied": True}
+    assert (await post(http, VERDICTS_ROUTE, verdict(s2, False, "toploc")))[1] == {"applied": True}
     await wait_until(lambda: coord.gossiped)  # banned once the coordinator's re-check reproduced it
     assert coord.bans.is_banned(cheat.peer_id) and not coord.bans.is_banned(honest.peer_id)
     assert coord.store.get(open_envelope(s3, run_id=RUN).id.hex()).state == "rejected"  # pending work of a banned peer
@@ -149,9 +150,9 @@ async def test_verdicts_bans_and_lease(ingest):
     assert entry.submission_id == open_envelope(s2, run_id=RUN).id
     assert [(x.by, x.reason) for x in entry.evidence] == [(VALIDATOR.peer_id, "toploc"), (COORD.peer_id, "toploc")]
     assert len(entry.evidence[0].verdict_id) == 32 and entry.evidence[1].verdict_id == b""  # a re-check has no verdict envelope
-    status, body = await post(http, "/ingest/1/submissions", submission(cheat, counter=7))
+    status, body = await post(http, SUBMISSIONS_ROUTE, submission(cheat, counter=7))
     assert status == 403 and body["error"] == "banned"
-    async with http.get("/ingest/1/bans") as r:
+    async with http.get(BANS_ROUTE) as r:
         assert await r.read() == coord.bans.envelope
     async with http.get("/status") as r:
         st = await r.json()
@@ -165,8 +166,8 @@ async def test_benign_rejection_does_not_ban(ingest):
     coord, http = ingest
     w = NodeKey.generate()
     s = submission(w)
-    await post(http, "/ingest/1/submissions", s)
-    await post(http, "/ingest/1/verdicts", verdict(s, False, "stale_policy"))
+    await post(http, SUBMISSIONS_ROUTE, s)
+    await post(http, VERDICTS_ROUTE, verdict(s, False, "stale_policy"))
     assert not coord.bans.is_banned(w.peer_id)
 
 
@@ -174,7 +175,7 @@ async def test_fifty_workers_at_once_none_lost(ingest):
     coord, http = ingest
     workers = [NodeKey.generate() for _ in range(50)]
     subs = [submission(w, payload=2000) for w in workers]
-    results = await asyncio.gather(*(post(http, "/ingest/1/submissions", s) for s in subs))
+    results = await asyncio.gather(*(post(http, SUBMISSIONS_ROUTE, s) for s in subs))
     stored = [r for r in results if r[0] == 200]
     refused = [r for r in results if r[0] != 200]
     assert all(r[0] in (429, 507) for r in refused)
