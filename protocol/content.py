@@ -1,4 +1,4 @@
-"""Content IDs: SHA-256 of bytes, streamed for files.
+"""Content IDs: SHA-256 of bytes, streamed for large inputs.
 
 SHA-256 rather than BLAKE3 because it needs no extra dependency, runs at ≈1.5–2 GB/s per core
 with the SHA-NI instructions OpenSSL uses on current x86 and ARM CPUs (faster than a loopback
@@ -9,7 +9,6 @@ understand (``sha256sum`` verifies a piece by hand). See ``docs/protocol.md`` §
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 from typing import BinaryIO, NewType
 
 ContentId = NewType("ContentId", bytes)
@@ -36,12 +35,6 @@ def content_id_of_stream(stream: BinaryIO, length: int | None = None) -> Content
         if remaining is not None:
             remaining -= len(chunk)
     return ContentId(h.digest())
-
-
-def content_id_of_file(path: Path) -> ContentId:
-    """The content ID of a whole file, streamed (memory stays flat for any size)."""
-    with open(path, "rb") as f:
-        return content_id_of_stream(f)
 
 
 def hex_id(cid: bytes) -> str:

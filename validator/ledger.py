@@ -6,7 +6,6 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from protocol.verdicts import is_cheat
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS judged (
@@ -79,15 +78,3 @@ class Ledger:
         for worker, reason, n in rows:
             out.setdefault(worker, {})[reason] = int(n)
         return out
-
-    def score(self, worker: str) -> float:
-        """A reputation in [0, 1]: accepted / judged, with cheat reasons counted ten times.
-
-        Every other rejection, the benign reasons of ``protocol.verdicts`` included (the
-        validator's own reward error, a resource limit hit on either side, a stale policy),
-        counts once, as a non-cheat.
-        """
-        counts = self.reputation().get(worker, {})
-        ok = counts.get("ok", 0)
-        bad = sum(n * (10 if is_cheat(r) else 1) for r, n in counts.items() if r != "ok")
-        return ok / (ok + bad) if ok + bad else 1.0

@@ -357,22 +357,6 @@ class GossipNode:
         """Call ``handler(envelope)`` for each verified ``BanList``."""
         self._handlers["bans"].append(handler)
 
-    async def wait_for_peers(self, count: int, *, timeout_s: float, role: Role | None = None) -> bool:
-        """Wait until the peer table holds ``count`` live peers (of ``role``, if given).
-
-        Returns:
-            Whether the count was reached within ``timeout_s`` seconds.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
-            found = len(self.peers.by_role(role)) if role is not None else len(self.peers)
-            if found >= count:
-                return True
-            if loop.time() >= deadline:
-                return False
-            await asyncio.sleep(min(0.05, max(0.0, deadline - loop.time())))
-
     async def stats(self) -> dict[str, Any]:
         """Counters: connections, mesh sizes, bans, delivered and rejected messages by reason.
 
