@@ -115,8 +115,8 @@ class Link:
         async with self._session.get(self.upstream + request.path_qs) as up:  # type: ignore[union-attr]
             keep = {k: v for k, v in up.headers.items() if k.lower() in ("content-length", "content-type", "etag") or k.lower().startswith("x-shardcast")}
             resp = web.StreamResponse(status=up.status, headers=keep)
-            await resp.prepare(request)
             try:
+                await resp.prepare(request)
                 async for chunk in up.content.iter_chunked(256 << 10):
                     now = loop.time()
                     self._t = max(self._t, now) + len(chunk) / self.rate_bps
