@@ -17,6 +17,7 @@ one message type or run can never be replayed as another.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -146,6 +147,7 @@ def open_envelope(
     now_ms: int | None = None,
     max_age_s: float | None = None,
     max_future_s: float = 30.0,
+    body_limits: encoding.DecodeLimits | None = None,
 ) -> Envelope[M]:
     """Decode and verify an envelope; nothing of the body is trusted before this returns.
 
@@ -166,6 +168,8 @@ def open_envelope(
         now_ms: the receiver's clock for freshness checks (default: now).
         max_age_s: reject envelopes older than this many seconds (``None``: no age limit).
         max_future_s: reject timestamps further than this many seconds ahead of ``now_ms``.
+        body_limits: tighter decoder bounds for the body than its type's (each bound is the
+            smaller of the two), e.g. :func:`protocol.rollout.submission_decode_limits` of the run.
 
     Returns:
         The verified envelope with a typed body.
@@ -216,6 +220,8 @@ def open_envelope(
     if max_age_s is not None and ts_ms < now_ms - max_age_s * 1000:
         raise SchemaError(f"stale: {(now_ms - ts_ms) / 1000:.1f} s old, limit {max_age_s} s", "ts_ms")
     limits = BODY_LIMITS[type_tag]
+    if body_limits is not None:
+        limits = encoding.DecodeLimits(*(min(a, b) for a, b in zip(dataclasses.astuple(limits), dataclasses.astuple(body_limits))))
     body_obj = encoding.unpackb(outer.body_bytes, cls.MAX_BYTES, limits, canonical=False)
     if not isinstance(body_obj, dict):
         raise SchemaError("must be a map", "body")

@@ -9,6 +9,7 @@ targets, prompts and seeds equal :func:`plan_submission`'s (``docs/protocol.md``
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol import sampling
+from protocol.encoding import DecodeLimits
+from protocol.messages import BODY_LIMITS, Submission
 from protocol.runspec import RunSpec
 from protocol.tasks import Task, build_messages, build_prompt_text, derive_task_indices
 
@@ -103,6 +106,22 @@ def plan_submission(
             )
         )
     return plan
+
+
+def submission_decode_limits(spec: RunSpec) -> DecodeLimits:
+    """Decoder bounds of a ``submission/1`` body in this run (``docs/protocol.md`` §2).
+
+    No array may be longer than an honest submission's longest: its ``tasks_per_submission``
+    tasks, their ``tasks_per_submission × group_size`` rollouts, or a rollout's
+    ``⌈max_tokens / chunk_size⌉`` proofs; every other bound is the schema's
+    (:data:`protocol.messages.BODY_LIMITS`). The schema alone allows 65,536-element arrays, so a
+    signed 31 MB body of 240 rollouts × 65,536 empty proofs made a node build 16 M objects
+    (≈ 6 s and ≈ 330 MB to decode); under these bounds the C decoder refuses it at once.
+    """
+    base = BODY_LIMITS[Submission.TYPE]
+    n_tasks = spec.data.tasks_per_submission
+    longest = max(n_tasks, n_tasks * spec.rl.group_size, -(-spec.sampling.max_tokens // spec.toploc.chunk_size))
+    return dataclasses.replace(base, max_array_len=min(base.max_array_len, longest))
 
 
 def completion_text(tokenizer: Any, completion_ids: Sequence[int], eos_id: int | None) -> str:

@@ -311,3 +311,24 @@ def test_ipv6_addresses_count_per_64() -> None:
     assert _address_key("2001:db8:0:1::1") != _address_key("2001:db8::1")
     assert _address_key("::ffff:10.0.0.1") == _address_key("10.0.0.1") == "10.0.0.1"
     assert _address_key("127.0.0.2") != _address_key("127.0.0.3")
+
+
+async def test_arrays_longer_than_the_run_allows_are_refused_before_they_are_built(tmp_path: Path) -> None:
+    """A correctly signed body inside the schema's limits (arrays ≤ 65,536) but made of millions of
+    empty proofs: the ingest decodes submissions under the run's bounds (here ≤ 16 rollouts,
+    1 proof each), so the C decoder refuses it and nothing is stored."""
+    from protocol.envelope import open_envelope
+    from protocol.messages import Submission
+
+    w = NodeKey.generate()
+    rollout = {"task": 0, "sample": 0, "seed": 1, "prompt_ids": b"\x01\x00\x00\x00", "completion_ids": b"\x02\x00\x00\x00",
+               "logprobs": b"\x00" * 4, "finish": "length", "task_reward": 0.0, "reward": 0.0, "proofs": [b""] * 65_536}
+    body = {"worker": w.peer_id, "policy_step": 0, "counter": 0, "tasks": [{"task_index": 0, "problem_id": "p0", "target_length": 0}],
+            "rollouts": [rollout] * 32}  # 2 M objects in 4 MiB
+    bomb = forge(w, "submission/1", body)
+    assert len(open_envelope(bomb, run_id=RUN, expect=Submission).body.rollouts) == 32  # the schema alone lets it through
+    async with running_ingest(tmp_path) as ing, attacker_session(ing.url) as evil:
+        status, answer = await post(evil, SUBMISSIONS, bomb)
+        assert status == 400 and answer["error"] == "malformed" and "max_array_len" in answer["detail"], answer
+        assert list(ing.store.dir.glob("*.sub")) == []
+        await honest_round(ing.url, NodeKey.generate(), 0)

@@ -49,6 +49,7 @@ from protocol.ingest_api import (
 )
 from protocol.errors import ProtocolError
 from protocol.messages import BanEvidence, LeaseRequest, Submission, Verdict
+from protocol.rollout import submission_decode_limits
 from protocol.runspec import RunSpec
 from protocol.verdicts import is_cheat
 from trainer.ingest.bans import BanBook
@@ -165,6 +166,7 @@ class IngestService:
     ) -> None:
         self.spec = spec
         self.run_id = spec.run_id
+        self._body_limits = submission_decode_limits(spec)  # no array longer than an honest submission's
         self.authorities = spec.authorities
         self.store = store
         self.bans = bans
@@ -285,7 +287,7 @@ class IngestService:
         data = await self._read_body(request, self.limits.max_submission_bytes)
         async with self._decode_slot(ip):
             try:
-                env = await asyncio.to_thread(open_envelope, data, run_id=self.run_id, expect=Submission)
+                env = await asyncio.to_thread(open_envelope, data, run_id=self.run_id, expect=Submission, body_limits=self._body_limits)
             except ProtocolError as e:
                 self.m_submissions.labels("malformed").inc()
                 raise _error("malformed", str(e)) from None
