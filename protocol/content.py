@@ -9,32 +9,16 @@ understand (``sha256sum`` verifies a piece by hand). See ``docs/protocol.md`` §
 from __future__ import annotations
 
 import hashlib
-from typing import BinaryIO, NewType
+from typing import NewType
 
 ContentId = NewType("ContentId", bytes)
 
 CONTENT_ID_BYTES = 32
-_READ_CHUNK_BYTES = 1 << 20
 
 
 def content_id(data: bytes | bytearray | memoryview) -> ContentId:
     """The 32-byte content ID (SHA-256) of ``data``."""
     return ContentId(hashlib.sha256(data).digest())
-
-
-def content_id_of_stream(stream: BinaryIO, length: int | None = None) -> ContentId:
-    """Hash ``length`` bytes (or everything) read from ``stream`` in 1 MiB chunks; flat memory."""
-    h = hashlib.sha256()
-    remaining = length
-    while remaining is None or remaining > 0:
-        n = _READ_CHUNK_BYTES if remaining is None else min(_READ_CHUNK_BYTES, remaining)
-        chunk = stream.read(n)
-        if not chunk:
-            break
-        h.update(chunk)
-        if remaining is not None:
-            remaining -= len(chunk)
-    return ContentId(h.digest())
 
 
 def hex_id(cid: bytes) -> str:

@@ -173,17 +173,6 @@ def load_state_dict(model: Any, state: dict[str, torch.Tensor], *, strict: bool 
                 setattr(parent, child_name, type(child)(child.config))
 
 
-def model_summary(model: Any) -> dict[str, Any]:
-    """Parameters count and the config fields that matter for TOPLOC and sampling."""
-    cfg = model.config
-    return {
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "hidden_size": cfg.hidden_size,
-        "layers": cfg.num_hidden_layers,
-        "vocab_size": cfg.vocab_size,
-    }
-
-
 def read_config(model_dir: Path) -> dict[str, Any]:
     """``config.json`` of ``model_dir`` as a dict."""
     try:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from protocol import encoding
 from protocol.envelope import Authorities
 from protocol.errors import ProtocolError, RunSpecError, SignatureError
-from protocol.identity import NodeKey, PeerId, public_key_from_peer_id, verify_signature
+from protocol.identity import NodeKey, public_key_from_peer_id, verify_signature
 
 RUN_ID_DOMAIN = b"intellect-node/run-spec/1\x00"
 SIGNATURE_DOMAIN = b"intellect-node/run-spec-signature/1\x00"
@@ -311,7 +311,3 @@ def load_run_spec(path: Path) -> SignedRunSpec:
         return parse_run_spec(text)
     except RunSpecError as e:
         raise RunSpecError(f"{path}: {e}") from None
-
-
-def coordinator_peer_id(spec: RunSpec) -> PeerId:
-    return PeerId(spec.run.coordinator)

@@ -48,8 +48,3 @@ ALL_REASONS: Final[frozenset[str]] = CHEAT_REASONS | BENIGN_REASONS | {OK}
 def is_cheat(reason: str) -> bool:
     """Whether ``reason`` is evidence of cheating (grounds for a ban once a second check reproduces it)."""
     return reason in CHEAT_REASONS
-
-
-def is_benign(reason: str) -> bool:
-    """Whether ``reason`` is a rejection that says nothing about the worker's honesty."""
-    return reason in BENIGN_REASONS

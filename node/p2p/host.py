@@ -207,10 +207,6 @@ class P2PHost:
 
     # --- peers -------------------------------------------------------------------------------
 
-    def connected_peers(self) -> list[str]:
-        """Peer IDs with an open connection."""
-        return [p.to_base58() for p in self.host.get_connected_peers()]
-
     def is_connected(self, peer_id: str) -> bool:
         """Whether a connection to ``peer_id`` is open."""
         return bool(self.host.get_network().get_connections(ID.from_base58(peer_id)))

@@ -220,12 +220,6 @@ class SubmissionStore:
             ).fetchone()
         return row is not None
 
-    def pending_count(self, worker: str) -> int:
-        """How many of ``worker``'s submissions wait for a verdict."""
-        with self._lock:
-            row = self._db.execute("SELECT COUNT(*) FROM submissions WHERE worker = ? AND state = 'pending'", (worker,)).fetchone()
-        return int(row[0])
-
     def usage(self, worker: str, source_ip: str) -> Usage:
         """What one worker, one address and everybody hold: the inputs of the ingest's quotas."""
         with self._lock:
@@ -235,12 +229,6 @@ class SubmissionStore:
                                   (source_ip,)).fetchone()
             disk = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size_bytes), 0) FROM submissions WHERE on_disk = 1").fetchone()
         return Usage(int(w[0]), int(w[1]), int(ip[0]), int(ip[1]), int(disk[0]), int(disk[1]))
-
-    def pending_bytes(self, worker: str) -> int:
-        """Bytes of ``worker``'s submissions not yet judged (its share of the disk)."""
-        with self._lock:
-            row = self._db.execute("SELECT COALESCE(SUM(size_bytes), 0) FROM submissions WHERE worker = ? AND state = 'pending'", (worker,)).fetchone()
-        return int(row[0])
 
     def lease_pending(self, limit: int, lease_s: float, now_ms: int | None = None) -> list[str]:
         """Hand out up to ``limit`` pending submissions not leased in the last ``lease_s`` seconds.
