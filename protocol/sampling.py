@@ -112,7 +112,10 @@ DEFAULT_LOGPROB_MAX_ABS = 0.5
 DEFAULT_LOGPROB_MEAN_ABS = 0.05
 """Largest tolerated mean |reported − recomputed| sampling log-prob over a completion, nats."""
 _ROW_BLOCK = 64  # rows of [T, V] scored at once in replay (bounds memory for large vocabularies)
-_ICDF_ROW_BLOCK = 32  # icdf-v1 replay keeps ~3 float64 [rows, V] tensors: 117 MB at V = 151,936
+_ICDF_BLOCK_ELEMENTS = 1 << 20
+"""icdf-v1 on the CPU works on row blocks of at most this many float64 entries (8 MiB): larger
+temporaries come from fresh mmap'd pages, and their page faults cost more than the arithmetic
+(measured 2.1 vs 0.67 ms per row at vocabulary 151,936)."""
 
 _M32 = 0xFFFFFFFF
 _PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
@@ -435,11 +438,28 @@ def _icdf_fallback(z: torch.Tensor, e: torch.Tensor, keep: torch.Tensor, u: torc
     return tok, cum
 
 
+def _icdf_rows_per_block(vocab: int) -> int:
+    return max(1, min(64, _ICDF_BLOCK_ELEMENTS // max(1, vocab)))
+
+
 def _icdf_sample(
     logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float, top_p: float,
     eos_ids: Sequence[int], min_eos_prob: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rule ``icdf-v1`` for ``[B, V]`` logits; every op stays on the logits' device (no host sync)."""
+    """Rule ``icdf-v1`` for ``[B, V]`` logits; every op stays on the logits' device (no host sync).
+    On the CPU, large batches go in row blocks (:data:`_ICDF_BLOCK_ELEMENTS`)."""
+    block = _icdf_rows_per_block(logits.shape[-1])
+    if logits.device.type == "cpu" and logits.shape[0] > block:
+        parts = [_icdf_sample_rows(logits[i : i + block], seeds[i : i + block], positions[i : i + block], temperature, top_p,
+                                   eos_ids, min_eos_prob) for i in range(0, logits.shape[0], block)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return _icdf_sample_rows(logits, seeds, positions, temperature, top_p, eos_ids, min_eos_prob)
+
+
+def _icdf_sample_rows(
+    logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float, top_p: float,
+    eos_ids: Sequence[int], min_eos_prob: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     z = logits.to(torch.float64, copy=True)  # [B, V]
     m = logits.amax(dim=-1, keepdim=True).to(torch.float64)  # [B, 1]: the same value as max z (exact, monotone), a cheaper pass
     if temperature != 1.0:
@@ -617,8 +637,9 @@ def _icdf_replay(
     eos_idx = torch.tensor(eos_list, dtype=torch.int64, device=logits.device) if eos_list else None
     k = ICDF_DRAWS
     rec, margins, gaps, lps = [], [], [], []
-    for lo in range(0, n_tok, _ICDF_ROW_BLOCK):
-        hi = min(n_tok, lo + _ICDF_ROW_BLOCK)
+    block = _icdf_rows_per_block(vocab)
+    for lo in range(0, n_tok, block):
+        hi = min(n_tok, lo + block)
         c = safe[lo:hi, None]  # [b, 1]
         z = logits[lo:hi].to(torch.float64, copy=True)  # [b, V]
         m = logits[lo:hi].amax(dim=-1, keepdim=True).to(torch.float64)

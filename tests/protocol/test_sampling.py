@@ -425,3 +425,17 @@ def test_sampler_never_syncs_with_the_host(rule: str, top_p: float, floor: float
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert toks.shape == (64,) and bool(torch.isfinite(lps).all())
+
+
+def test_icdf_row_blocks_do_not_change_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU splits large batches into row blocks (memory); tokens, log-probs and replay are the same."""
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(9, 300, generator=g)
+    seeds, pos = torch.randint(0, 2**62, (9,), generator=g), torch.arange(9, dtype=torch.int64)
+    whole = sampling.sample(logits, seeds, pos, 0.9, 0.9, (1,), 0.1)
+    rep = sampling.replay_check(logits, whole[0], 3, top_p=0.9, eos_ids=(1,), min_eos_prob=0.1)
+    monkeypatch.setattr(sampling, "_ICDF_BLOCK_ELEMENTS", 600)  # 2 rows per block
+    blocked = sampling.sample(logits, seeds, pos, 0.9, 0.9, (1,), 0.1)
+    assert torch.equal(whole[0], blocked[0]) and torch.equal(whole[1], blocked[1])
+    rep2 = sampling.replay_check(logits, whole[0], 3, top_p=0.9, eos_ids=(1,), min_eos_prob=0.1)
+    assert torch.equal(rep.gaps, rep2.gaps) and torch.equal(rep.tokens, rep2.tokens) and torch.equal(rep.logprobs, rep2.logprobs)
