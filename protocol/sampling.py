@@ -22,18 +22,23 @@ Shared by both rules (normative):
 * **Log-prob.** ``logprob = log_softmax(z)[token]`` of the *unfiltered* tempered distribution,
   computed in float64 and returned as float32.
 
-Rule ``icdf-v1`` (:data:`RULE_ICDF`, the default): inverse-CDF sampling from one uniform per
-position.
+Rule ``icdf-v1`` (:data:`RULE_ICDF`, the default): inverse-CDF draws from a few counter-based
+uniforms per position (``docs/toploc.md`` §5.1).
 
-* **Uniform.** ``(w0, w1) = Philox4x32-10(counter=(t mod 2^32, t >> 32, 0, 0x49434446),
-  key=(seed mod 2^32, seed >> 32))`` words 0 and 1, ``u = (w0 · 2^21 + (w1 >> 11)) / 2^53`` in
-  ``[0, 1)`` (exact in float64); ``t`` is the completion position (0 = first generated token).
-* **Choice.** ``w_v = exp(z_v − max z)`` for kept tokens, 0 otherwise; the token is the smallest
-  id ``k`` with ``Σ_{v ≤ k} w_v > u · Σ_v w_v`` (canonical order = token id). If no token is kept
-  (the nucleus holds only gated EOS tokens), the most probable non-EOS token (lowest id on a tie).
-  Cost per position: one exp, one sum and one cumulative sum over the vocabulary, no random
-  numbers per token. Implementations may sum in any order in float64; the replay tolerance
-  (an absolute ε on ``u``) absorbs rounding and device differences.
+* **Uniforms.** Philox block ``j`` of position ``t`` has counter ``(t mod 2^32, t >> 32, j,
+  0x49434446)`` and key ``(seed mod 2^32, seed >> 32)``; uniform ``2j`` is made of its words 0
+  and 1, uniform ``2j + 1`` of words 2 and 3, as ``(hi · 2^21 + (lo >> 11)) / 2^53 ∈ [0, 1)``.
+  :data:`ICDF_DRAWS` = 16 draws and one fallback uniform: 9 blocks per position.
+* **Draws.** ``w_v = exp(z_v − max z)`` over the unfiltered distribution, canonical order =
+  token id; draw ``j`` is the smallest id ``k`` with ``Σ_{v ≤ k} w_v > u_j · Σ_v w_v``.
+* **Choice.** The first draw whose token is kept (top-p, EOS gate): rejection sampling, so the
+  token follows the renormalised kept distribution exactly, and the kept set never moves any
+  token's interval.
+* **Fallback.** All 16 draws rejected: inverse CDF over the kept tokens with the last uniform;
+  nothing kept (the nucleus holds only gated EOS tokens): the most probable non-EOS token.
+* Weights may be computed in float32 (as here: relative error ~1e-7) and summed in any order in
+  float64; the replay tolerance (an absolute ε on ``u``) absorbs rounding and device
+  differences. Cost per position: one exp, one cumulative sum, 16 binary searches.
 
 Rule ``gumbel-v1`` (:data:`RULE_GUMBEL`, still accepted for runs whose spec names it): Gumbel-max
 with noise for every vocabulary entry.
@@ -430,12 +435,22 @@ def _kept_mask(e: torch.Tensor, total: torch.Tensor, top_p: float, eos_idx: torc
 def _icdf_fallback(z: torch.Tensor, e: torch.Tensor, keep: torch.Tensor, u: torch.Tensor, eos_idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The fallback choice (inverse CDF over the kept set with uniform ``u [B]``; the most probable
     non-EOS token if nothing is kept) and the kept set's cumulative weights ``[B, V]``."""
-    cum = torch.cumsum(e.masked_fill(~keep, 0.0), dim=-1)
+    cum = torch.cumsum(e.masked_fill(~keep, 0.0), dim=-1, dtype=torch.float64)
     tok = _icdf_search(cum, u[:, None])[:, 0]
     if eos_idx is not None:
         best = z.index_fill(-1, eos_idx, -math.inf).argmax(dim=-1)
         tok = torch.where(cum[:, -1] > 0, tok, best)
     return tok, cum
+
+
+def _icdf_weights(x: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``icdf-v1`` weights ``w = exp((x − max x) / T)`` in float32 (relative error ~1e-7, far
+    inside the replay tolerance) and ``max x / T`` in float64, from ``[B, V]`` float32 logits."""
+    mx = x.amax(dim=-1, keepdim=True)  # [B, 1]
+    e = torch.sub(x, mx)
+    if temperature != 1.0:
+        e.mul_(1.0 / temperature)
+    return e.exp_(), mx.to(torch.float64) / temperature
 
 
 def _icdf_rows_per_block(vocab: int) -> int:
@@ -460,19 +475,15 @@ def _icdf_sample_rows(
     logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float, top_p: float,
     eos_ids: Sequence[int], min_eos_prob: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    z = logits.to(torch.float64, copy=True)  # [B, V]
-    m = logits.amax(dim=-1, keepdim=True).to(torch.float64)  # [B, 1]: the same value as max z (exact, monotone), a cheaper pass
-    if temperature != 1.0:
-        z.div_(temperature)
-        m.div_(temperature)
-    vocab = z.shape[-1]
-    e = torch.sub(z, m).exp_()  # [B, V] unnormalised probabilities, max 1 (in place: one pass fewer)
-    cum = torch.cumsum(e, dim=-1)  # [B, V]
+    x = logits.float()  # [B, V] (no copy for float32 logits)
+    vocab = x.shape[-1]
+    e, m = _icdf_weights(x, temperature)  # [B, V] float32, [B, 1] float64
+    cum = torch.cumsum(e, dim=-1, dtype=torch.float64)  # [B, V]
     total = cum[:, -1]  # [B]
     u = uniforms(seeds, positions)  # [B, K + 1]
     draws = _icdf_search(cum, u[:, :ICDF_DRAWS])  # [B, K]
-    eos = [x for x in eos_ids if 0 <= x < vocab]
-    eos_idx = _ids_on(tuple(eos), str(z.device)) if eos else None
+    eos = [v for v in eos_ids if 0 <= v < vocab]
+    eos_idx = _ids_on(tuple(eos), str(x.device)) if eos else None
     gated = e[:, eos_idx].sum(dim=-1) / total < min_eos_prob if eos_idx is not None and min_eos_prob > 0.0 else None
     if top_p >= 1.0 and gated is None:
         tokens = draws[:, 0]
@@ -488,12 +499,12 @@ def _icdf_sample_rows(
         any_kept = kept.any(dim=-1)
         # the fallback is rare: on the CPU (where reading a flag costs nothing) it is computed only when needed;
         # on other devices always, so the decode loop never waits for the device
-        if z.device.type != "cpu" or not bool(any_kept.all()):
+        if x.device.type != "cpu" or not bool(any_kept.all()):
             if keep is None:
                 keep = _kept_mask(e, total, top_p, eos_idx, gated)
-            fallback, _ = _icdf_fallback(z, e, keep, u[:, ICDF_DRAWS], eos_idx)
+            fallback, _ = _icdf_fallback(x, e, keep, u[:, ICDF_DRAWS], eos_idx)
             tokens = torch.where(any_kept, tokens, fallback)
-    logprobs = z.gather(-1, tokens[:, None])[:, 0] - m[:, 0] - torch.log(total)
+    logprobs = x.gather(-1, tokens[:, None])[:, 0].to(torch.float64) / temperature - m[:, 0] - torch.log(total)
     return tokens, logprobs.to(torch.float32)
 
 
@@ -641,15 +652,11 @@ def _icdf_replay(
     for lo in range(0, n_tok, block):
         hi = min(n_tok, lo + block)
         c = safe[lo:hi, None]  # [b, 1]
-        z = logits[lo:hi].to(torch.float64, copy=True)  # [b, V]
-        m = logits[lo:hi].amax(dim=-1, keepdim=True).to(torch.float64)
-        if temperature != 1.0:
-            z.div_(temperature)
-            m.div_(temperature)
-        e = torch.sub(z, m).exp_()  # [b, V]
-        cum = torch.cumsum(e, dim=-1)
+        z = logits[lo:hi].float()  # [b, V]
+        e, m = _icdf_weights(z, temperature)  # [b, V] float32, [b, 1] float64
+        cum = torch.cumsum(e, dim=-1, dtype=torch.float64)
         total = cum[:, -1]  # [b]
-        lps.append(z.gather(-1, c)[:, 0] - m[:, 0] - torch.log(total))
+        lps.append(z.gather(-1, c)[:, 0].to(torch.float64) / temperature - m[:, 0] - torch.log(total))
         u = uniforms(seeds[lo:hi], positions[lo:hi])  # [b, K + 1]
         draws = _icdf_search(cum, u[:, :k])  # [b, K]
         d_hi = cum.gather(-1, draws) / total[:, None]
