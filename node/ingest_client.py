@@ -24,6 +24,7 @@ from protocol.ingest_api import (
     SUBMISSIONS_ROUTE,
     VERDICTS_ROUTE,
     Disposition,
+    LeaseAnswer,
     disposition,
     lease_answer_max_bytes,
     unpack_lease_answer,
@@ -171,11 +172,12 @@ class IngestClient:
         settled, answers = await self._first("POST", VERDICTS_ROUTE, envelope, settle_on_final=True)
         return settled or (answers[-1] if answers else IngestAnswer("", 0, None, "no ingest URL"))
 
-    async def lease(self, request: bytes, limit: int) -> list[bytes]:
+    async def lease(self, request: bytes, limit: int) -> LeaseAnswer:
         """Lease pending submissions with a signed ``lease_request/1`` for ``limit`` of them.
 
         Returns:
-            The leased envelopes (unverified: open each with ``open_envelope``).
+            The leased envelopes (unverified: open each with ``open_envelope``) and the
+            coordinator's trainer step.
 
         Raises:
             IngestUnavailable: no ingest leased (each one's answer attached, with ``Retry-After``).

@@ -35,8 +35,9 @@ PREFIX: Final = "/ingest/1"
 SUBMISSIONS_ROUTE: Final = f"{PREFIX}/submissions"
 """``POST`` a ``submission/1`` envelope; 200 JSON ``{"id", "stored"}`` (``"duplicate", "state"`` when already stored)."""
 LEASE_ROUTE: Final = f"{PREFIX}/lease"
-"""``POST`` a validator's ``lease_request/1``; 200 msgpack ``{"submissions": [bin…]}`` (:func:`pack_lease_answer`),
-at most the request's ``limit`` pending submissions, each leased for its ``lease_s``."""
+"""``POST`` a validator's ``lease_request/1``; 200 msgpack ``{"submissions": [bin…], "trainer_step": int}``
+(:func:`pack_lease_answer`): at most the request's ``limit`` pending submissions, each leased for its
+``lease_s``, and the coordinator's trainer step (``protocol.window``)."""
 VERDICTS_ROUTE: Final = f"{PREFIX}/verdicts"
 """``POST`` a ``verdict/1`` envelope of a run validator; 200 JSON ``{"applied": bool}``."""
 BANS_ROUTE: Final = f"{PREFIX}/bans"
@@ -143,23 +144,39 @@ def disposition(status: int, body: Any = None, retry_after: str | None = None) -
     return Disposition("retry", f"http_{status}", after)
 
 
-def pack_lease_answer(submissions: list[bytes]) -> bytes:
-    """The body of a 200 lease answer: canonical msgpack ``{"submissions": [bin…]}``."""
-    return encoding.packb({"submissions": list(submissions)})
+@dataclass(frozen=True)
+class LeaseAnswer:
+    """A decoded lease answer.
+
+    Attributes:
+        submissions: the leased ``submission/1`` envelopes, still unverified (open each with ``open_envelope``).
+        trainer_step: the coordinator's trainer step when it answered (:mod:`protocol.window`'s ``n``:
+            what a validator judges freshness against), or ``None`` from an ingest that does not say.
+    """
+
+    submissions: list[bytes]
+    trainer_step: int | None
 
 
-def unpack_lease_answer(data: bytes, limit: int) -> list[bytes]:
+def pack_lease_answer(submissions: list[bytes], trainer_step: int) -> bytes:
+    """The body of a 200 lease answer: canonical msgpack ``{"submissions": [bin…], "trainer_step": int}``."""
+    return encoding.packb({"submissions": list(submissions), "trainer_step": int(trainer_step)})
+
+
+def unpack_lease_answer(data: bytes, limit: int) -> LeaseAnswer:
     """Decode the answer to a lease request for ``limit`` submissions, bounded before decoding
-    (:func:`lease_answer_max_bytes`, ≤ ``limit`` entries of ≤ ``Submission.MAX_BYTES``). Each entry
-    is still an unverified ``submission/1`` envelope for the caller to open.
+    (:func:`lease_answer_max_bytes`, ≤ ``limit`` entries of ≤ ``Submission.MAX_BYTES``).
 
     Raises:
-        DecodeError: oversized, not canonical msgpack, or not ``{"submissions": [bin…]}``.
+        DecodeError: oversized, not canonical msgpack, or not ``{"submissions": [bin…], "trainer_step": int}``.
     """
     bound = lease_answer_max_bytes(limit)
-    lim = encoding.DecodeLimits(max_bin_len=Submission.MAX_BYTES, max_str_len=16, max_array_len=limit, max_map_len=1, max_depth=2)
+    lim = encoding.DecodeLimits(max_bin_len=Submission.MAX_BYTES, max_str_len=16, max_array_len=limit, max_map_len=2, max_depth=2)
     obj = encoding.unpackb(data, bound, lim)
     subs = obj.get("submissions") if isinstance(obj, dict) else None
     if not isinstance(subs, list) or not all(isinstance(b, bytes) for b in subs):
-        raise DecodeError("lease answer is not {'submissions': [bin…]}")
-    return list(subs)
+        raise DecodeError("lease answer is not {'submissions': [bin…], 'trainer_step': int}")
+    step = obj.get("trainer_step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or not -(2**62) < step < 2**62):
+        raise DecodeError("lease answer's trainer_step is not an int")
+    return LeaseAnswer(list(subs), step)

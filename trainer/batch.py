@@ -10,7 +10,7 @@ Pipeline of one trainer step ``n`` (``docs/trainer.md`` §3–§5)::
 
 Rules:
     * **Staleness**: step ``n`` trains only on groups whose every rollout has
-      ``policy_step ≥ n − async_level`` (and ``≤ n``). A rollout from ``n − async_level − 1`` is
+      ``policy_step ≥ n − async_level`` (and ``≤ n``): :mod:`protocol.window`, the one rule. A rollout from ``n − async_level − 1`` is
       never trained on, even if a validator accepted it.
     * **Grouping**: by ``(task_key, group_seed)``, never by position (see ``advantages.py``).
     * **Whole groups only**: a group must hold exactly ``group_size`` rollouts; a group with all-zero
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from protocol.messages import Submission
+from protocol.window import oldest_fresh_step
 from trainer.advantages import compute_group_advantages
 from trainer.errors import BatchError, NotEnoughRolloutsError
 
@@ -307,10 +308,10 @@ def assemble_batch(
             break
         batch.group_submissions[key] = frozenset(r.submission_id for r in rows)
         steps = [r.policy_step for r in rows]
-        if min(steps) < step - async_level:
+        if min(steps) < oldest_fresh_step(step, async_level):
             batch.stale_groups.append(key)
             continue
-        if max(steps) > step:
+        if max(steps) > step:  # in_window's upper bound: a policy the trainer has not reached yet
             logger.warning("group %s has policy step %d > trainer step %d; skipped", key, max(steps), step)
             batch.incomplete_groups.append(key)
             continue

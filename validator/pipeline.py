@@ -32,6 +32,7 @@ from protocol.rollout import completion_text, plan_submission, unpack_f32, unpac
 from protocol.runspec import RunSpec
 from protocol.tasks import Task
 from protocol.verdicts import OK
+from protocol.window import in_window
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class SubmissionChecker:
         tasks: the run's dataset in canonical order.
         tokenizer: the policy's tokenizer.
         model_for_step: returns the policy model of a step, or ``None`` if it cannot be had.
-        trainer_step: returns the coordinator's current step (the async window's upper end).
+        trainer_step: returns the coordinator's trainer step ``n`` (:mod:`protocol.window`; the window's upper end).
         counter_seen: returns whether (worker, counter) was already judged in another submission.
         tolerances: numeric tolerances.
         reward_limits: sandbox limits for code rewards.
@@ -144,7 +145,7 @@ class SubmissionChecker:
         spec = self.spec
         # policy window
         now = self.trainer_step()
-        if sub.policy_step < now - spec.rl.async_level or sub.policy_step > now:
+        if not in_window(sub.policy_step, trainer_step=now, async_level=spec.rl.async_level):
             raise Rejection("stale_policy", policy_step=sub.policy_step, trainer_step=now, async_level=spec.rl.async_level)
         # replay
         if self.counter_seen(sub.worker, sub.counter, env.id.hex()):

@@ -39,6 +39,7 @@ from protocol.identity import NodeKey
 from protocol.messages import CheckpointAnnouncement, Submission
 from protocol.models import load_model, load_tokenizer
 from protocol.runspec import SignedRunSpec
+from protocol.window import oldest_fresh_step
 from trainer.batch import Batch, RolloutRecord, assemble_batch, records_from_submission
 from trainer.distributed import DistContext, broadcast_batch
 from trainer.errors import NotEnoughRolloutsError, TrainerError
@@ -314,7 +315,7 @@ class Coordinator:
         t0 = time.monotonic()
         last_reason = ""
         while not self._stop.is_set():
-            records = self._fresh_records(step - self.spec.rl.async_level)
+            records = self._fresh_records(oldest_fresh_step(step, self.spec.rl.async_level))
             try:
                 batch = assemble_batch(records, step=step, async_level=self.spec.rl.async_level, group_size=self.spec.rl.group_size,
                                        num_groups=self.spec.rl.batch_groups, adv_eps=self.spec.rl.adv_eps)

@@ -94,6 +94,7 @@ class ValidatorNode:
         self._stop = asyncio.Event()
         self.ingest = IngestClient(self.ingest_urls, timeout_s=60.0)
         self._lease_retry_after_s = 0.0
+        self.coordinator_step: int | None = None  # the coordinator's trainer step, from the last lease answer
         self.state = "starting"
         self.checked = 0
         self.reasons: dict[str, int] = {}
@@ -165,7 +166,7 @@ class ValidatorNode:
     async def _lease(self) -> list[bytes]:
         req = seal(self.key, self.signed.run_id, LeaseRequest(limit=self.options.batch, lease_s=LEASE_S))
         try:
-            blobs = await self.ingest.lease(req, self.options.batch)
+            answer = await self.ingest.lease(req, self.options.batch)
         except IngestUnavailable as e:
             self._lease_retry_after_s = e.retry_after_s or 0.0
             self.state = f"ingest unreachable: {e}"
@@ -174,7 +175,9 @@ class ValidatorNode:
         self._lease_failures.recovered("ingest reachable")
         self._lease_backoff.reset()
         self._lease_retry_after_s = 0.0
-        return blobs
+        if answer.trainer_step is not None:
+            self.coordinator_step = answer.trainer_step
+        return answer.submissions
 
     async def _judge(self, blob: bytes) -> None:
         try:
@@ -235,6 +238,11 @@ class ValidatorNode:
         return int.from_bytes(h[:8], "big") < self.options.fraction * 2**64
 
     def _trainer_step(self) -> int:
+        """The trainer step the async window is judged against (:mod:`protocol.window`): the
+        coordinator's, from the last lease answer; from an ingest that does not send it, the newest
+        policy step this validator has heard of (a lower bound of it)."""
+        if self.coordinator_step is not None:
+            return self.coordinator_step
         return max(self.follower.latest_step, max(self._models, default=-1))
 
     async def _prepare(self, step: int) -> None:

@@ -27,6 +27,7 @@ from protocol.identity import NodeKey
 from protocol.messages import Verdict
 from protocol.models import load_tokenizer
 from protocol.runspec import SignedRunSpec
+from protocol.window import in_window, oldest_fresh_step
 
 logger = logging.getLogger(__name__)
 
@@ -213,10 +214,12 @@ class Worker:
             self._late_log.recovered(f"policy step {latest} fetched")
             return True
         except FetchError as e:
-            if self.policy_step >= latest - self.spec.rl.async_level:
+            # the newest announced step stands in for the trainer step (a lower bound of it): protocol.window
+            if in_window(self.policy_step, trainer_step=latest, async_level=self.spec.rl.async_level):
                 logger.info("cannot fetch step %d yet (%s); generating with step %d", latest, e, self.policy_step)
                 return True
-            self.state = f"late: hold step {self.policy_step}, need ≥ {latest - self.spec.rl.async_level}; fetch failed: {e}"
+            need = oldest_fresh_step(latest, self.spec.rl.async_level)
+            self.state = f"late: hold step {self.policy_step}, need ≥ {need}; fetch failed: {e}"
             self._late_log.failed(self.state)
             await self._sleep(self._late_backoff.next_delay())
             return False

@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from node.ingest_client import IngestClient, IngestUnavailable
-from protocol.ingest_api import BANS_ROUTE, LEASE_ROUTE, SUBMISSIONS_ROUTE, VERDICTS_ROUTE, pack_lease_answer
+from protocol.ingest_api import BANS_ROUTE, LEASE_ROUTE, SUBMISSIONS_ROUTE, VERDICTS_ROUTE, LeaseAnswer, pack_lease_answer
 
 
 @asynccontextmanager
@@ -71,10 +71,10 @@ async def test_nobody_listening_is_an_unreachable_answer_not_an_exception() -> N
 
 
 async def test_lease_decodes_bounded_answers_and_reports_retry_after() -> None:
-    async with serve({LEASE_ROUTE: pack_lease_answer([b"s1", b"s2"]), BANS_ROUTE: b"ban-list"}) as (url, _):
+    async with serve({LEASE_ROUTE: pack_lease_answer([b"s1", b"s2"], 5), BANS_ROUTE: b"ban-list"}) as (url, _):
         client = IngestClient([url], timeout_s=5.0)
         try:
-            assert await client.lease(b"request", 2) == [b"s1", b"s2"]
+            assert await client.lease(b"request", 2) == LeaseAnswer([b"s1", b"s2"], 5)
             with pytest.raises(IngestUnavailable, match="bad lease answer"):
                 await client.lease(b"request", 1)  # more submissions than asked for
             assert await client.get_bans() == b"ban-list"

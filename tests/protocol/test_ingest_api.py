@@ -8,6 +8,7 @@ from protocol import encoding
 from protocol.errors import DecodeError
 from protocol.ingest_api import (
     ERROR_CODES,
+    LeaseAnswer,
     MAX_RETRY_AFTER_S,
     disposition,
     lease_answer_max_bytes,
@@ -51,12 +52,15 @@ def test_retry_after_is_parsed_in_seconds_and_capped() -> None:
 
 def test_lease_answer_round_trip_and_bounds() -> None:
     blobs = [b"a" * 10, b"b" * 20]
-    assert unpack_lease_answer(pack_lease_answer(blobs), 2) == blobs
-    assert unpack_lease_answer(pack_lease_answer([]), 1) == []
+    assert unpack_lease_answer(pack_lease_answer(blobs, 7), 2) == LeaseAnswer(blobs, 7)
+    assert unpack_lease_answer(pack_lease_answer([], 0), 1) == LeaseAnswer([], 0)
+    assert unpack_lease_answer(encoding.packb({"submissions": blobs}), 2) == LeaseAnswer(blobs, None)  # an ingest that does not say
     with pytest.raises(DecodeError):
-        unpack_lease_answer(pack_lease_answer(blobs), 1)  # more than asked for
+        unpack_lease_answer(pack_lease_answer(blobs, 7), 1)  # more than asked for
     with pytest.raises(DecodeError):
         unpack_lease_answer(encoding.packb({"submissions": ["text"]}), 4)
+    with pytest.raises(DecodeError):
+        unpack_lease_answer(encoding.packb({"submissions": [], "trainer_step": "3"}), 4)
     with pytest.raises(DecodeError):
         unpack_lease_answer(encoding.packb([b"x"]), 4)
     with pytest.raises(DecodeError):

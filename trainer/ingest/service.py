@@ -6,7 +6,7 @@ Routes (``docs/protocol.md`` §8):
 method     path                            what
 =========  ==============================  =====================================================
 POST       ``/ingest/1/submissions``       a ``submission/1`` envelope; 200 ``{"id", "stored"}``
-POST       ``/ingest/1/lease``             a validator's ``lease_request/1``; msgpack ``{"submissions": [bin…]}``
+POST       ``/ingest/1/lease``             a validator's ``lease_request/1``; msgpack ``{"submissions", "trainer_step"}``
 POST       ``/ingest/1/verdicts``          a ``verdict/1`` envelope from a run validator
 GET        ``/ingest/1/bans``              the coordinator-signed ``ban_list/1`` envelope
 GET        ``/status``                     JSON view of the coordinator
@@ -52,6 +52,7 @@ from protocol.messages import BanEvidence, LeaseRequest, Submission, Verdict
 from protocol.rollout import submission_decode_limits
 from protocol.runspec import RunSpec
 from protocol.verdicts import is_cheat
+from protocol.window import in_window, oldest_fresh_step
 from trainer.ingest.bans import BanBook
 from trainer.ingest.limits import RateLimiter
 from trainer.ingest.store import DecidingVerdict, SubmissionStore
@@ -252,7 +253,7 @@ class IngestService:
         if now - self._retired_s < RETIRE_EVERY_S:
             return
         self._retired_s = now
-        n = await asyncio.to_thread(self.store.retire_stale, self.trainer_step() - self.spec.rl.async_level)
+        n = await asyncio.to_thread(self.store.retire_stale, oldest_fresh_step(self.trainer_step(), self.spec.rl.async_level))
         if n:
             logger.info("deleted %d submission files that fell out of the async window", n)
 
@@ -298,9 +299,9 @@ class IngestService:
         if self.bans.is_banned(sub.worker):
             self.m_submissions.labels("banned").inc()
             raise _error("banned", f"worker {sub.worker} is banned")
-        lo = self.trainer_step() - self.spec.rl.async_level
-        hi = self.latest_policy_step()
-        if not lo <= sub.policy_step <= hi:
+        now, hi = self.trainer_step(), self.latest_policy_step()
+        if not in_window(sub.policy_step, trainer_step=now, async_level=self.spec.rl.async_level, newest_step=hi):
+            lo = oldest_fresh_step(now, self.spec.rl.async_level)
             self.m_submissions.labels("stale").inc()
             raise _error("stale_policy", f"policy step {sub.policy_step} outside the window [{lo}, {hi}]")
         await self._retire()
@@ -358,7 +359,7 @@ class IngestService:
         await self._retire()
         ids = self.store.lease_pending(env.body.limit, env.body.lease_s)
         blobs = [await asyncio.to_thread(self.store.read, i) for i in ids]
-        return web.Response(body=pack_lease_answer(blobs), content_type=LEASE_CONTENT_TYPE)
+        return web.Response(body=pack_lease_answer(blobs, self.trainer_step()), content_type=LEASE_CONTENT_TYPE)
 
     def _remember_lease(self, lease_id: bytes) -> None:
         """Accept each signed lease request once while it is fresh (a captured one cannot lease again)."""
