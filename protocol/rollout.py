@@ -16,6 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from protocol import sampling
 from protocol.encoding import DecodeLimits
 from protocol.messages import BODY_LIMITS, Submission
@@ -132,13 +135,20 @@ def completion_text(tokenizer: Any, completion_ids: Sequence[int], eos_id: int |
     return str(tokenizer.decode(ids, skip_special_tokens=True))
 
 
+# The packed arrays of a rollout, one codec for every reader (worker, validator, trainer):
+# ``prompt_ids`` / ``completion_ids`` little-endian uint32, ``logprobs`` little-endian float32
+# (``docs/protocol.md`` §6; ``Rollout`` checks the length is a multiple of 4 bytes).
+U32_DTYPE = np.dtype("<u4")
+F32_DTYPE = np.dtype("<f4")
+
+
 def pack_u32(values: Sequence[int]) -> bytes:
-    """Little-endian uint32 array (``Rollout.prompt_ids``, ``completion_ids``)."""
+    """Little-endian uint32 array (``Rollout.prompt_ids``, ``completion_ids``).
+
+    Raises:
+        struct.error: a value outside ``[0, 2**32)`` (never wrapped silently).
+    """
     return struct.pack(f"<{len(values)}I", *values)
-
-
-def unpack_u32(data: bytes) -> list[int]:
-    return list(struct.unpack(f"<{len(data) // 4}I", data))
 
 
 def pack_f32(values: Sequence[float]) -> bytes:
@@ -146,5 +156,29 @@ def pack_f32(values: Sequence[float]) -> bytes:
     return struct.pack(f"<{len(values)}f", *values)
 
 
+def u32_array(data: bytes) -> npt.NDArray[np.uint32]:
+    """A packed uint32 array as a read-only ``[N] uint32`` view of ``data`` (no copy).
+
+    Raises:
+        ValueError: ``len(data)`` is not a multiple of 4.
+    """
+    return np.frombuffer(data, dtype=U32_DTYPE)
+
+
+def f32_array(data: bytes) -> npt.NDArray[np.float32]:
+    """A packed float32 array as a read-only ``[N] float32`` view of ``data`` (no copy).
+
+    Raises:
+        ValueError: ``len(data)`` is not a multiple of 4.
+    """
+    return np.frombuffer(data, dtype=F32_DTYPE)
+
+
+def unpack_u32(data: bytes) -> list[int]:
+    """A packed uint32 array as Python ints."""
+    return [int(v) for v in u32_array(data).tolist()]
+
+
 def unpack_f32(data: bytes) -> list[float]:
-    return list(struct.unpack(f"<{len(data) // 4}f", data))
+    """A packed float32 array as Python floats (each exactly the float32 value)."""
+    return [float(v) for v in f32_array(data).tolist()]

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from protocol.messages import Submission
+from protocol.rollout import f32_array, u32_array
 from protocol.window import oldest_fresh_step
 from trainer.advantages import compute_group_advantages
 from trainer.errors import BatchError, NotEnoughRolloutsError
@@ -161,9 +162,9 @@ def records_from_submission(submission: Submission, submission_id: str) -> list[
                 task_key=f"{task.task_index}:{task.problem_id}",
                 group_seed=group_seed_of(submission.worker, submission.policy_step, submission.counter, ro.task),
                 sample=ro.sample,
-                prompt_ids=np.frombuffer(ro.prompt_ids, dtype="<u4").astype(np.int64),
-                completion_ids=np.frombuffer(ro.completion_ids, dtype="<u4").astype(np.int64),
-                logprobs=np.frombuffer(ro.logprobs, dtype="<f4").astype(np.float32),
+                prompt_ids=u32_array(ro.prompt_ids).astype(np.int64),
+                completion_ids=u32_array(ro.completion_ids).astype(np.int64),
+                logprobs=f32_array(ro.logprobs).astype(np.float32),
                 reward=ro.reward,
                 task_reward=ro.task_reward,
                 finish=ro.finish,
