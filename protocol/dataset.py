@@ -16,7 +16,7 @@ from pathlib import Path
 from protocol.embedded import embedded_tasks, split_heldout
 from protocol.tasks import CONVERTER_NAMES, Task, TaskError, convert, dataset_hash, load_tasks, task_set_help
 
-HELDOUT_EVERY_EMBEDDED = 5
+HELDOUT_EVERY_EMBEDDED = 10
 HELDOUT_EVERY_PUBLIC = 50
 
 

@@ -3,6 +3,7 @@ Shardcast HTTP and the ingest — the code paths of a real deployment."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -28,7 +29,8 @@ from protocol.runspec import dump_run_spec, sign_run_spec
 
 logger = logging.getLogger(__name__)
 
-DISCOVERY_TIMEOUT_S = 90.0
+DISCOVERY_TIMEOUT_S = 180.0
+"""Longest wait for every node to appear on gossip, seconds (a loaded 2-core machine needed > 90 s)."""
 STATUS_POLL_S = 0.5
 DOCTOR_TIMEOUT_S = 60.0
 """Longest time the workers' start-up ``doctor`` may take, seconds."""
@@ -96,11 +98,12 @@ def free_port() -> int:
 
 
 def get_json(url: str, timeout_s: float = 2.0) -> dict[str, Any] | None:
-    """GET ``url`` as JSON, ``None`` on any failure (nodes come and go)."""
+    """GET ``url`` as JSON, ``None`` on any failure (nodes come and go; a port another process took
+    may answer something other than HTTP)."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - loopback URLs we built
             return json.loads(r.read())
-    except (OSError, ValueError, urllib.error.URLError):
+    except (OSError, ValueError, urllib.error.URLError, http.client.HTTPException):
         return None
 
 

@@ -39,9 +39,9 @@ def test_devnet_on_own_bf16_model_with_chat_template(tmp_path, shared):
     # held-out evaluation at the start, mid-run (step 1) and the end, each with its interval
     evals = [row for row in rows if row.get("event") == "eval"]
     assert [e["step"] for e in evals] == [0, 1, 2]
-    assert all(e["problems"] == run["heldout_problems"] == 20 and "heldout_ci_low" in e for e in evals)
+    assert all(e["problems"] == run["heldout_problems"] == 100 and "heldout_ci_low" in e for e in evals)
     report = (out / "report.md").read_text()
-    assert "task set: embedded (80 training problems, 20 held out" in report
+    assert "task set: embedded (900 training problems, 100 held out" in report
     assert "bfloat16, hidden 128" in report and "vocabulary 32768, chat template yes" in report
     assert "| 1 | 0.000 |" in report or "## Held-out evaluations" in report
     assert "held-out gain: **" in report and "mismatch KL" in report
