@@ -362,7 +362,8 @@ class RunPage:
             "steps": [{"step": s.get("step"), "reward_mean": _r(s.get("reward_mean")), "pass_rate": _r(s.get("pass_rate")),
                        "loss": _r(s.get("loss")), "tokens_per_s": _r(s.get("tokens_per_s")), "publish_s": _r(s.get("broadcast_s")),
                        "wall_s": s.get("wall_s")} for s in steps],
-            "heldout": [{"step": e.get("step"), "pass_rate": _r(e.get("heldout_pass_rate"))} for e in evals],
+            "heldout": [{"step": e.get("step"), "pass_rate": _r(e.get("heldout_pass_rate")), "ci_low": _r(e.get("heldout_ci_low")),
+                         "ci_high": _r(e.get("heldout_ci_high"))} for e in evals],
             "verdicts": [{"step": s.get("step"), "by_reason": {str(k)[:64]: int(v) for k, v in list((s.get("verdicts") or {}).items())[:32]}}
                          for s in steps],
         }

@@ -41,7 +41,7 @@ function fillTable(table, headers, rows) {
 
 function pid(id) { return el("span", { class: "pid", title: id }, id); }
 
-// A line chart as inline SVG. series: [{name, color, points: [[x, y], ...]}]
+// A line chart as inline SVG. series: [{name, color, points: [[x, y], ...], dash (optional: dashed, no dots)}]
 function lineChart(container, series, opts) {
   const W = 420, H = 180, L = 40, R = 8, T = 8, B = 22;
   const all = series.flatMap((s) => s.points);
@@ -68,10 +68,11 @@ function lineChart(container, series, opts) {
   for (const s of series) {
     if (s.points.length === 0) continue;
     const d = s.points.map((p, i) => `${i ? "L" : "M"}${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ");
-    root.appendChild(svg("path", { d, fill: "none", stroke: s.color, "stroke-width": 1.6 }));
+    root.appendChild(svg("path", { d, fill: "none", stroke: s.color, "stroke-width": s.dash ? 1 : 1.6, ...(s.dash ? { "stroke-dasharray": s.dash } : {}) }));
+    if (s.dash) continue;
     if (s.points.length < 40) for (const p of s.points) root.appendChild(svg("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 2.2, fill: s.color }));
   }
-  const legend = el("div", { class: "legend" }, ...series.map((s) => el("span", {}, el("i", { style: `background:${s.color}` }), s.name)));
+  const legend = el("div", { class: "legend" }, ...series.filter((s) => s.name).map((s) => el("span", {}, el("i", { style: `background:${s.color}` }), s.name)));
   container.replaceChildren(root, legend);
 }
 

@@ -22,6 +22,10 @@ function renderCurves(curves) {
     { name: "batch reward", color: PALETTE[0], points: steps.filter((s) => s.reward_mean !== null).map((s) => [s.step, s.reward_mean]) },
     { name: "batch pass rate", color: PALETTE[1], points: steps.filter((s) => s.pass_rate !== null).map((s) => [s.step, s.pass_rate]) },
     { name: "held-out pass rate", color: PALETTE[2], points: curves.heldout.map((e) => [e.step, e.pass_rate]) },
+    { name: "held-out 95 % interval", color: PALETTE[2], dash: "4 3",
+      points: curves.heldout.filter((e) => e.ci_low !== null && e.ci_low !== undefined).map((e) => [e.step, e.ci_low]) },
+    { name: "", color: PALETTE[2], dash: "4 3",
+      points: curves.heldout.filter((e) => e.ci_high !== null && e.ci_high !== undefined).map((e) => [e.step, e.ci_high]) },
   ], { empty: "no trainer step yet" });
   const reasons = [...new Set(curves.verdicts.flatMap((v) => Object.keys(v.by_reason)))].sort();
   lineChart(document.getElementById("chart-verdicts"), reasons.map((r, i) => ({
