@@ -8,7 +8,8 @@ A trainer step ``n`` (``docs/trainer.md`` §4):
    forwards (FSDP2 collectives);
 3. recompute the old log-probs of every row with the current weights, under ``no_grad``, with
    the same forward used for the new ones (INTELLECT-2 §3.1); for ``kl_reference = "base"`` also
-   the frozen base model's;
+   the frozen base model's (skipped when the ratio's denominator is the workers' behavior
+   log-probs and there is no KL term: nothing would read them);
 4. per slice: forward/backward each row (gradient accumulation; each row's loss is its token sum
    over the constant ``norm_tokens``, scaled by the world size because FSDP2 averages gradients
    over ranks), clip the global gradient norm, AdamW step with linear warmup;
