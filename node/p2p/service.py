@@ -1,10 +1,11 @@
 """``GossipNode``: the one object a role uses to be on the run's gossip network.
 
 It owns (or shares) a trio bridge, runs a :class:`~node.p2p.host.P2PHost` on it, subscribes the
-run's four topics with an :class:`~node.p2p.gossip.EnvelopeValidator` as the libp2p topic
+run's topics its role needs (:func:`~node.p2p.gossip.subscribed_kinds`: workers do not read other
+workers' records) with an :class:`~node.p2p.gossip.EnvelopeValidator` as the libp2p topic
 validator (so nothing invalid is delivered or forwarded), publishes a signed
-:class:`~protocol.messages.NodeRecord` every heartbeat, keeps the :class:`~node.p2p.peers.PeerTable`
-up to date and calls the role's handlers on the asyncio loop.
+:class:`~protocol.messages.NodeRecord` every heartbeat on its role's record topic, keeps the
+:class:`~node.p2p.peers.PeerTable` up to date and calls the role's handlers on the asyncio loop.
 
 Typical use::
 
@@ -271,7 +272,8 @@ class GossipNode:
         """Change what this node's heartbeat says; a record with the change is published at once.
 
         Args:
-            role: the announced role.
+            role: the announced role (its records then go on that role's topic; the topics this
+                node *reads* stay those of the role it started with).
             http_url: the node's HTTP endpoint (``""``: none).
             policy_step: the policy step it works with (−1: none).
             held_steps: checkpoint steps it serves (relays; at most 64).

@@ -122,7 +122,6 @@ class Proc:
 
 @pytest.mark.skipif(bool(_can_make_namespaces()), reason=_can_make_namespaces() or "ok")
 async def test_partition_heals_without_losing_acknowledged_submissions(tmp_path: Path) -> None:
-    from protocol.envelope import Envelope  # noqa: F401 - imported for its side effect of loading the schema early
     from trainer.ingest import SubmissionStore
 
     sys.path.insert(0, str(NODE.parent))
