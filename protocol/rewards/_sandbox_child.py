@@ -119,6 +119,19 @@ def _plain(v):
     return _decode(_encode(v))
 
 
+def _items(v):
+    """A list of what an iterable operand yields (the parent applies ``sorted``, ``set``, ``sum``…
+    to it); other values unchanged."""
+    if isinstance(v, (str, bytes, bytearray, list, tuple, dict, set, frozenset, collections.deque)) or not hasattr(v, "__iter__"):
+        return v
+    out = []
+    for x in v:
+        out.append(x)
+        if len(out) > _MAX_ITEMS:
+            raise _NotPlain("iterable too long")
+    return out
+
+
 def _main():
     with open(_SPEC_PATH, encoding="utf-8") as f:
         spec = json.load(f)
@@ -186,7 +199,7 @@ def _main():
         record({"s": site, "v": [leaf(t) for t in thunks]})
 
     ns = {"__name__": "__solution__", "__builtins__": __builtins__,
-          "__intellect_report__": report, "__intellect_plain__": _plain}
+          "__intellect_report__": report, "__intellect_plain__": _plain, "__intellect_items__": _items}
     try:
         if mode == "call":
             exec(compile(code, "<solution>", "exec"), ns)
@@ -210,7 +223,7 @@ def _main():
             if tests["prelude"]:
                 exec(compile(tests["prelude"], "<prelude>", "exec"), ns)
             exec(compile(code, "<solution>", "exec"), ns)
-            ns["__intellect_report__"], ns["__intellect_plain__"] = report, _plain
+            ns["__intellect_report__"], ns["__intellect_plain__"], ns["__intellect_items__"] = report, _plain, _items
             if tests["setup_code"]:
                 exec(compile(tests["setup_code"], "<setup_code>", "exec"), ns)
             for i, snippet in enumerate(tests["snippets"]):

@@ -14,8 +14,13 @@ Decomposition of an assert's test expression (the message is dropped):
 * ``and`` / ``or`` / ``not`` and comparisons (``==``, ``!=``, ``<``, ``<=``, ``>``, ``>=``,
   ``in``, ``not in``, and ``is`` / ``is not`` against ``None``/``True``/``False``, chains
   included) are evaluated by the parent, with Python's short-circuit order;
-* their operands are *literals* (``ast.literal_eval`` succeeds; kept by the parent) or
-  *leaves* evaluated in the sandbox; any other test expression is one leaf judged by truth.
+* their operands are *literals* (``ast.literal_eval`` succeeds; kept by the parent), calls of
+  built-ins the parent evaluates itself on its operands (``abs``, ``round``, ``len``, ``sorted``,
+  ``set``, ``list``, ``sum``, ``min``, ``max``, ``any``, ``all``…, ``math.isclose``; unless the
+  task's own code rebinds the name, or an argument is a lambda or generator: an iterable
+  argument is materialised as a list in the sandbox), or *leaves* evaluated in the sandbox; any
+  other test expression is one leaf judged by truth. (A program that shadowed ``abs`` passed
+  ``abs(candidate(x) - y) < 1e-6`` with a wrong answer while ``abs`` ran in the sandbox.)
 
 Inside a leaf every call result and every name passes through ``__intellect_plain__`` (except
 callees and values passed straight as call arguments, whose call's result is wrapped instead),
@@ -44,6 +49,17 @@ __all__ = ["AssertPlan", "Verdict", "decode_value", "judge_assert_records", "jud
 
 REPORT = "__intellect_report__"
 PLAIN = "__intellect_plain__"
+ITEMS = "__intellect_items__"
+
+# Built-in functions a test applies to the candidate's values: the parent calls them itself on the
+# decoded values, so a program that shadows ``abs`` (or patches ``math.isclose``) changes nothing.
+# Those that consume an iterable get their argument materialised in the sandbox first (a
+# candidate may return a generator), as a list.
+_NUMERIC_CALLS: dict[str, Any] = {"abs": abs, "round": round, "math.isclose": math.isclose, "math.fabs": math.fabs}
+_ITERABLE_CALLS: dict[str, Any] = {"sorted": sorted, "set": set, "frozenset": frozenset, "list": list, "tuple": tuple, "sum": sum,
+                                   "min": min, "max": max, "any": any, "all": all}
+_SIZED_CALLS: dict[str, Any] = {"len": len}
+_PARENT_CALLS: dict[str, Any] = {**_NUMERIC_CALLS, **_ITERABLE_CALLS, **_SIZED_CALLS}
 MAX_SITES = 10_000
 MAX_DECODE_DEPTH = 80
 
@@ -73,7 +89,7 @@ class AssertPlan:
         snippets: the rewritten test snippets, in order.
         sites: per assert (index = site number), the parent's tree: ``("lit", value)``,
             ``("leaf", k)``, ``("truth", node)``, ``("not", node)``, ``("and"|"or", [node, ...])``,
-            ``("cmp", [op, ...], [node, ...])``.
+            ``("cmp", [op, ...], [node, ...])``, ``("call", name, [node, ...], {kw: node})``.
     """
 
     prelude: str
@@ -143,8 +159,9 @@ class _WrapValues(ast.NodeTransformer):
 
 
 class _Rewriter(ast.NodeTransformer):
-    def __init__(self, sites: list[Any]) -> None:
+    def __init__(self, sites: list[Any], own_names: frozenset[str] = frozenset()) -> None:
         self.sites = sites
+        self.own_names = own_names  # names the task's own code binds: not the built-ins then
 
     def visit_Assert(self, node: ast.Assert) -> ast.stmt:
         leaves: list[ast.expr] = []
@@ -167,8 +184,40 @@ class _Rewriter(ast.NodeTransformer):
         ok, value = _is_literal(node)
         if ok:
             return ("lit", value)
+        name = self._parent_call(node)
+        if name is not None:
+            assert isinstance(node, ast.Call)
+            materialise = name in _ITERABLE_CALLS and len(node.args) == 1 and not _is_literal(node.args[0])[0]
+            args = [self._operand(ast.Call(func=ast.Name(id=ITEMS, ctx=ast.Load()), args=[a], keywords=[]) if materialise else a, leaves)
+                    for a in node.args]
+            kwargs = {kw.arg: self._operand(kw.value, leaves) for kw in node.keywords if kw.arg is not None}
+            call = ("call", name, args, kwargs)
+            if _has_leaf(call):
+                return call
+            # only literals: no check of the candidate's values but a call of the function under
+            # test that is named like a built-in (MBPP/126 defines ``sum``): the sandbox calls it
         leaves.append(node)
         return ("leaf", len(leaves) - 1)
+
+    def _parent_call(self, node: ast.expr) -> str | None:
+        """The name of the built-in the parent evaluates for this call, if it may."""
+        if not isinstance(node, ast.Call):
+            return None
+        f = node.func
+        if isinstance(f, ast.Name):
+            name = f.id
+        elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "math":
+            name = f"math.{f.attr}"
+        else:
+            return None
+        if name not in _PARENT_CALLS or name.split(".")[0] in self.own_names:
+            return None
+        values = [*node.args, *(kw.value for kw in node.keywords)]
+        if any(kw.arg is None for kw in node.keywords) or any(isinstance(v, (ast.Starred, ast.Lambda)) for v in values):
+            return None  # key functions run where they were written
+        if any(isinstance(v, ast.GeneratorExp) for v in values) and not (name in _ITERABLE_CALLS and len(values) == 1):
+            return None  # a generator is only materialised as the one iterable argument
+        return name
 
     def _split(self, e: ast.expr, leaves: list[ast.expr], top: bool = False) -> Any:
         if isinstance(e, ast.BoolOp):
@@ -192,6 +241,27 @@ class _Rewriter(ast.NodeTransformer):
         return True
 
 
+def _bound_names(sources: list[str]) -> frozenset[str]:
+    """Names that the task's own code binds (definitions, assignments, imports)."""
+    names: set[str] = set()
+    for source in sources:
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            continue  # reported by plan_asserts
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.alias):
+                names.add((node.asname or node.name).split(".")[0])
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+    names.discard("math")  # ``import math`` binds the module whose functions the parent has too
+    return frozenset(names)
+
+
 def plan_asserts(assert_tests: tuple[str, ...] | list[str], setup_code: str, prelude: str) -> AssertPlan:
     """Rewrite a task's assert tests into the sandbox's half and the parent's half.
 
@@ -209,7 +279,7 @@ def plan_asserts(assert_tests: tuple[str, ...] | list[str], setup_code: str, pre
         RewardError: if a snippet is not valid Python or has more than ``MAX_SITES`` asserts.
     """
     sites: list[Any] = []
-    rewriter = _Rewriter(sites)
+    rewriter = _Rewriter(sites, _bound_names([prelude, setup_code, *assert_tests]))
 
     def rewrite(source: str, where: str) -> str:
         if not source:
@@ -285,6 +355,10 @@ def _eval(node: Any, leaves: list[Any]) -> Any:
             return decode_value(entry[1])
         except ValueError as e:
             raise _Failed(str(e)) from None
+    if kind == "call":
+        args = [_eval(a, leaves) for a in node[2]]
+        kwargs = {k: _eval(v, leaves) for k, v in node[3].items()}
+        return _PARENT_CALLS[node[1]](*args, **kwargs)
     if kind == "truth":
         return bool(_eval(node[1], leaves))
     if kind == "not":
@@ -312,6 +386,8 @@ def _has_leaf(node: Any) -> bool:
         return True
     if kind == "lit":
         return False
+    if kind == "call":
+        return any(_has_leaf(c) for c in [*node[2], *node[3].values()])
     if kind in ("truth", "not"):
         return _has_leaf(node[1])
     if kind in ("and", "or"):

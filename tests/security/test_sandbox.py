@@ -334,6 +334,35 @@ def test_lying_objects_do_not_pass():
     assert all(score(honest, [a]).task_reward == 1.0 for a in asserts)
 
 
+
+def test_shadowed_builtins_do_not_pass():
+    """A wrong program that rebinds the built-ins tests apply to its values (HumanEval/4 checks
+    ``abs(candidate(x) - y) < 1e-6``) or patches ``math.isclose``: the parent evaluates them."""
+    honest = (
+        "import math\n"
+        "def f(x):\n    return x * x\n"
+        "def g(x):\n    return (i * i for i in reversed(range(x)))\n"  # a generator: materialised for sorted()
+        "def h(x):\n    return list(range(x))\n"
+    )
+    wrong = (
+        "import math, builtins\n"
+        "def abs(x):\n    return 0\n"
+        "def sorted(x, **k):\n    return [0, 1, 4]\n"
+        "def len(x):\n    return 3\n"
+        "def any(x):\n    return True\n"
+        "builtins.abs, builtins.sorted, builtins.len, builtins.any = abs, sorted, len, any\n"
+        "math.isclose = lambda *a, **k: True\n"
+        "def f(x):\n    return 7.0\n"
+        "def g(x):\n    return []\n"
+        "def h(x):\n    return []\n"
+    )
+    asserts = ["assert abs(f(2) - 4.0) < 1e-6", "assert math.isclose(f(3), 9.0)", "assert sorted(g(3)) == [0, 1, 4]",
+               "assert len(h(3)) == 3", "assert any(v == 4 for v in h(5))"]
+    for a in asserts:
+        assert score(honest, [a]).task_reward == 1.0, a
+        r = score(wrong, [a])
+        assert r.task_reward == 0.0, (a, r.detail)
+
 # ----------------------------------------------------------------------------- network and resources
 
 
