@@ -9,7 +9,6 @@ import os
 import random
 import socket
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -306,23 +305,28 @@ def test_rewards_are_deterministic(humaneval):
 # ----------------------------------------------------------------------------- sandbox
 
 
+def limited(task: Task, text: str, limits: RewardLimits = FAST) -> tuple[float, str | None]:
+    """The task reward and the resource limit that stopped scoring (``None``: the completion's own result)."""
+    r = compute_reward(task, text, 10, None, 0.0, limits)
+    return r.task_reward, r.limit_hit
+
+
 def test_infinite_loop_is_stopped(humaneval):
+    # stopped by its limits (the kill is the evidence; no wall-clock assert)
     task, _ = humaneval[0]
-    t0 = time.monotonic()
-    assert reward(task, fenced("def has_close_elements(n, t):\n    while True:\n        pass\nhas_close_elements(1, 2)")) == 0.0
+    score, limit = limited(task, fenced("def has_close_elements(n, t):\n    while True:\n        pass\nhas_close_elements(1, 2)"))
+    assert score == 0.0 and limit in ("cpu", "wall")
     sleepy = RewardLimits(sandbox=SandboxLimits(cpu_time_s=30, wall_time_s=1.5))
-    assert reward(task, fenced("import time\ntime.sleep(60)"), sleepy) == 0.0
-    assert time.monotonic() - t0 < 10
+    assert limited(task, fenced("import time\ntime.sleep(60)"), sleepy) == (0.0, "wall")
 
 
 def test_huge_allocation_is_stopped(humaneval):
     task, raw = humaneval[0]
-    t0 = time.monotonic()
     code = "_hog = bytearray(10 * 1024**3)\n" + he_solution(raw)
-    assert reward(task, fenced(code)) == 0.0
+    assert limited(task, fenced(code)) == (0.0, "memory")
     code = "_hog = []\nwhile True:\n    _hog.append(bytearray(100 * 1024**2))\n"
-    assert reward(task, fenced(code)) == 0.0
-    assert time.monotonic() - t0 < 10
+    score, limit = limited(task, fenced(code))
+    assert score == 0.0 and limit in ("memory", "wall")  # which comes first depends on the machine's load
 
 
 def test_socket_is_refused(humaneval):
@@ -359,9 +363,7 @@ def test_writes_stay_inside_the_sandbox(humaneval, tmp_path):
 def test_output_flood_is_bounded(humaneval):
     task, _ = humaneval[0]
     limits = RewardLimits(sandbox=SandboxLimits(cpu_time_s=5, wall_time_s=5.0, output_bytes=1024 * 1024))
-    t0 = time.monotonic()
-    assert reward(task, fenced("while True:\n    print('x' * 100000)"), limits) == 0.0
-    assert time.monotonic() - t0 < 10
+    assert limited(task, fenced("while True:\n    print('x' * 100000)"), limits) == (0.0, "output")
 
 
 def test_assert_forms_are_judged_in_the_parent():
