@@ -24,15 +24,13 @@ def _nobody_listens(port: int) -> bool:
 
 def test_short_devnet_with_adversary(tmp_path):
     out = tmp_path / "out"
-    t0 = time.monotonic()
     r = subprocess.run(
         [sys.executable, "-m", "node", "devnet", "--steps", "3", "--workers", "1", "--relays", "2", "--validators", "1",
          "--adversary", "inflated-reward", "--out", str(out), "--no-dashboard", "--timeout", "240"],
         capture_output=True, text=True, timeout=300,
     )
-    took = time.monotonic() - t0
+    # the time budget is the devnet's own --timeout: past it the devnet fails (non-zero exit)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert took < 240
     report = (out / "report.md").read_text()
     assert (out / "report.png").stat().st_size > 10_000
     # at least two policy steps published and fetched through the relays
@@ -67,3 +65,22 @@ def test_short_devnet_with_adversary(tmp_path):
     left = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
     assert left == []
     assert _nobody_listens(int(coord_url.rsplit(":", 1)[1]))
+
+
+def test_short_devnet_survives_a_killed_worker(tmp_path):
+    """--kill-worker-at with the default task set: worker 0 is SIGKILLed at step 2 and restarted on
+    its data directory; the run completes its steps and keeps evaluating held-out."""
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-m", "node", "devnet", "--steps", "4", "--workers", "1", "--relays", "1", "--validators", "1",
+         "--kill-worker-at", "2", "--eval-every", "2", "--eval-samples", "4", "--out", str(out), "--no-dashboard", "--timeout", "400"],
+        capture_output=True, text=True, timeout=460,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    report = (out / "report.md").read_text()
+    assert "killed worker-0 at step" in report and "restarted worker-0" in report
+    rows = [json.loads(line) for line in (out / "coordinator" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if row.get("event") == "step"] == [1, 2, 3, 4]
+    assert [row["step"] for row in rows if row.get("event") == "eval"] == [0, 2, 4]
+    worker_line = next(line for line in report.splitlines() if line.startswith("| worker-0 |"))
+    assert int(worker_line.split("|")[6]) > 0

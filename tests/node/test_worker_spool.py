@@ -236,9 +236,17 @@ async def test_nothing_is_lost_while_the_coordinator_is_down(tmp_path: Path) -> 
     sub = _submitter(spool, f"http://127.0.0.1:{port}")
     bodies = _fill(spool, 2)
     ingest = Ingest([200])
+    backoffs = asyncio.Semaphore(0)
+
+    async def sleep_and_count(seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        backoffs.release()
+
+    sub._sleep = sleep_and_count  # type: ignore[method-assign]
     try:
         drain = asyncio.create_task(sub.drain(deadline_s=30.0))  # coordinator down: refused connections
-        await asyncio.sleep(0.6)
+        for _ in range(2):  # two failed rounds, each followed by a backoff
+            await asyncio.wait_for(backoffs.acquire(), 10.0)
         assert not drain.done() and len(spool.pending()) == 2
         bodies += _fill(spool, 2)  # the worker keeps generating meanwhile
         async with serve(ingest, port):  # coordinator comes back on its address
