@@ -122,8 +122,12 @@ async def test_request_for_a_piece_being_filled_waits_for_it(tmp_path):
     async with serving(mirror) as server, aiohttp.ClientSession(auto_decompress=False) as s:
         assert (await _get(s, f"{server.url}{ROUTE_PREFIX}/pieces/{other}"))[0] == 404, "unknown pieces are not waited for"
         req = asyncio.create_task(_get(s, f"{server.url}{ROUTE_PREFIX}/pieces/{ref.piece_id.hex()}"))
-        await asyncio.sleep(0.3)
-        assert not req.done(), "held until the piece arrives, not answered 404"
+        end = asyncio.get_running_loop().time() + 5.0
+        while ref.piece_id not in server._waiters:  # the event: the request is parked on the piece
+            assert not req.done(), "held until the piece arrives, not answered 404"
+            assert asyncio.get_running_loop().time() < end, "the request never waited for the piece"
+            await asyncio.sleep(0.01)
+        assert not req.done()
         w = mirror.piece_writer(ref.piece_id, ref.size_bytes)
         w.write(data)
         w.commit()
