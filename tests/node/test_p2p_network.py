@@ -39,7 +39,6 @@ async def test_eight_mixed_nodes_see_each_other_with_roles() -> None:
         ("relay", None), ("worker", None), ("worker", None), ("worker", None), ("worker", None),
     ]
     async with shared_bridge() as bridge, swarm(run, roles, bridge=bridge) as nodes:
-        start = time.monotonic()
         expected = {n.peer_id: role for n, (role, _) in zip(nodes, roles)}
 
         infra = {k: v for k, v in expected.items() if v != "worker"}
@@ -50,8 +49,7 @@ async def test_eight_mixed_nodes_see_each_other_with_roles() -> None:
                 for n, (r, _) in zip(nodes, roles)
             )
 
-        await eventually(tables_complete, 10.0)
-        assert time.monotonic() - start < 10.0
+        await eventually(tables_complete, 10.0)  # fails past 10 s
         worker = nodes[4]
         assert self_subscribed(worker) == {"nodes", "checkpoints", "verdicts", "bans"}  # never reads other workers' heartbeats
         assert self_subscribed(nodes[0]) == {"nodes", "workers", "checkpoints", "verdicts", "bans"}
@@ -121,8 +119,7 @@ async def test_killed_node_expires_and_restarted_node_returns(tmp_path: Path) ->
         await proc.ready()
         await eventually(lambda: worker_key.peer_id in seed.peers, 10.0)
         proc.kill()  # SIGKILL: no goodbye, the records just stop
-        took = await eventually(lambda: worker_key.peer_id not in seed.peers, 3 * HEARTBEAT_S + 3.0)
-        assert took <= 3 * HEARTBEAT_S + 3.0
+        await eventually(lambda: worker_key.peer_id not in seed.peers, 3 * HEARTBEAT_S + 3.0)  # expired within 3 heartbeats (+ slack)
         again = NodeProcess(spec_path, key_path, role="worker", bootstrap=[seed.addrs[0]], extra=extra)
         procs.append(again)
         await again.ready()
@@ -179,13 +176,20 @@ async def test_forged_messages_are_not_delivered_nor_forwarded_and_the_sender_is
             while mallory_key.peer_id not in (await a.stats())["banned"]:
                 assert time.monotonic() < deadline, "mallory was not banned"
                 await asyncio.sleep(0.05)
-            await asyncio.sleep(1.0)  # time for anything that slipped through to arrive
+            # the event: a has judged (rejected) the forged messages it got before the ban cut mallory off;
+            # c hears only what a forwards, so nothing more can arrive after that
+            while sum((await a.stats())["rejected"].values()) < len(forged) - 1:
+                assert time.monotonic() < deadline + 5.0, "the forged messages were never judged"
+                await asyncio.sleep(0.05)
             assert not forged_bytes & set(delivered[a.peer_id])
             assert not forged_bytes & set(delivered[c.peer_id])
             stats_a, stats_c = await a.stats(), await c.stats()
             assert sum(stats_a["rejected"].values()) >= len(forged) - 1  # the ban may cut the last one off
             assert stats_c["rejected"] == {}  # nothing invalid was forwarded to c
-            assert not await bridge.run_sync(mallory.is_connected, a.peer_id, timeout_s=5)
+            end = time.monotonic() + 5.0
+            while await bridge.run_sync(mallory.is_connected, a.peer_id, timeout_s=5):  # a hangs up on a banned peer
+                assert time.monotonic() < end, "a kept its connection to banned mallory"
+                await asyncio.sleep(0.05)
             assert a.peers.get(mallory_key.peer_id).role == "worker"  # type: ignore[union-attr]  # the forged coordinator claim did not stick
         finally:
             await handle.cancel()
