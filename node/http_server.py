@@ -30,7 +30,6 @@ What a server started here gets (``docs/operators.md`` "HTTP limits"):
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -38,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web, web_server
+
+from protocol.ingest_api import address_key
 
 logger = logging.getLogger(__name__)
 
@@ -75,20 +76,6 @@ async def identity_only(request: web.Request, handler: Callable[[web.Request], A
     return await handler(request)
 
 
-def _address_key(host: str) -> str:
-    """What the per-address cap counts: an IPv4 address, or an IPv6 address's /64 (one host or
-    site usually holds a whole /64, so counting single IPv6 addresses would cap nothing)."""
-    try:
-        addr = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if isinstance(addr, ipaddress.IPv6Address):
-        if addr.ipv4_mapped is not None:
-            return str(addr.ipv4_mapped)
-        return str(ipaddress.IPv6Network((addr, 64), strict=False))
-    return str(addr)
-
-
 def _cap_connections(server: web_server.Server, limits: ServerLimits) -> None:
     """Abort connections over the per-IP or total cap right after they are accepted.
 
@@ -106,7 +93,7 @@ def _cap_connections(server: web_server.Server, limits: ServerLimits) -> None:
     def connection_made(handler: Any, transport: asyncio.Transport) -> None:
         made(handler, transport)
         peer = transport.get_extra_info("peername")
-        ip = _address_key(str(peer[0])) if peer else "?"
+        ip = address_key(str(peer[0])) if peer else "?"
         if per_ip.get(ip, 0) >= limits.max_connections_per_ip:
             logger.debug("refusing a connection from %s: over the per-address connection cap", ip)
             refuse(transport)

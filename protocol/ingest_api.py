@@ -23,6 +23,7 @@ worker drop the submissions in its spool.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -180,3 +181,19 @@ def unpack_lease_answer(data: bytes, limit: int) -> LeaseAnswer:
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or not -(2**62) < step < 2**62):
         raise DecodeError("lease answer's trainer_step is not an int")
     return LeaseAnswer(list(subs), step)
+
+
+def address_key(host: str) -> str:
+    """The client address that per-address limits count (the ingest's quotas, every HTTP
+    server's connection cap): an IPv4 address, or an IPv6 address's /64 (one host or site
+    usually holds a whole /64, so counting single IPv6 addresses would bound nothing); an
+    IPv4-mapped IPv6 address counts as its IPv4 address. Anything else is returned unchanged."""
+    try:
+        addr = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.IPv6Network((addr, 64), strict=False))
+    return str(addr)

@@ -45,6 +45,7 @@ from protocol.ingest_api import (
     LEASE_ROUTE,
     SUBMISSIONS_ROUTE,
     VERDICTS_ROUTE,
+    address_key,
     pack_lease_answer,
 )
 from protocol.errors import ProtocolError
@@ -229,7 +230,7 @@ class IngestService:
             raise _error(e.code, e.detail) from None
 
     def _ip_gate(self, request: web.Request) -> None:
-        ip = request.remote or "?"
+        ip = address_key(request.remote or "?")
         if not self._ip_limiter.allow(ip):
             raise _error("rate_limited", "too many requests from this address", retry_after=self._ip_limiter.retry_after_s(ip))
 
@@ -262,7 +263,7 @@ class IngestService:
         """Reserve the body's bytes (declared length, or ``limit`` for a chunked body) while it is
         read, decoded and stored: at most ``max_body_bytes_in_flight_per_ip`` per address and
         ``max_body_bytes_in_flight`` in all are held in memory; beyond, 429 ``busy``."""
-        ip = request.remote or "?"
+        ip = address_key(request.remote or "?")
         n = min(request.content_length if request.content_length is not None else limit, limit)
         lim = self.limits
         if self._inflight_ip.get(ip, 0) + n > lim.max_body_bytes_in_flight_per_ip or self._inflight + n > lim.max_body_bytes_in_flight:
@@ -284,7 +285,7 @@ class IngestService:
             return await self._post_submission(request)
 
     async def _post_submission(self, request: web.Request) -> web.Response:
-        ip = request.remote or "?"
+        ip = address_key(request.remote or "?")
         data = await self._read_body(request, self.limits.max_submission_bytes)
         async with self._decode_slot(ip):
             try:
