@@ -78,8 +78,9 @@ class IngestUnavailable(Exception):
 
     def __init__(self, answers: list[IngestAnswer]) -> None:
         self.answers = answers
-        super().__init__("; ".join(f"{a.url} unreachable: {a.detail[:200]}" if a.status == 0 else f"{a.url} refused: {a.status} {a.detail[:200]}"
-                                   for a in answers) or "no ingest URL")
+        parts = [f"{a.url} unreachable: {a.detail[:200]}" if a.status == 0 else f"{a.url} refused: {a.status} {a.detail[:200]}"
+                 for a in answers]
+        super().__init__("; ".join(parts) or "no ingest URL")
 
     @property
     def retry_after_s(self) -> float | None:

@@ -1,14 +1,30 @@
-"""Pure protocol layer of intellect-node: everything two nodes must agree on, byte for byte.
+"""Protocol layer of intellect-node: everything two nodes must agree on, byte for byte.
 
-No sockets, no event loop, no paths of its own. What lives where:
+Pure where it says so: wire formats, identity, encoding and the math every node must agree on
+open no sockets, run no event loop and hold no paths of their own. The few modules that must run
+identically on every node but read files or start processes say so in their names and first
+docstring line. What lives where:
 
-* ``identity``  — ed25519 :class:`NodeKey`, libp2p peer IDs.
+Pure:
+
+* ``identity``  — ed25519 :class:`NodeKey`, libp2p peer IDs (``NodeKey.save``/``load``: a key file the caller names).
 * ``encoding``  — canonical msgpack; ``envelope`` — signed envelopes (:func:`seal`, :func:`open_envelope`).
 * ``messages``  — typed message bodies; ``runspec`` — the signed run spec (:class:`RunSpec`).
 * ``content``   — content IDs (SHA-256).
 * ``shardcast``, ``delta`` — checkpoint pieces and manifests; step deltas (byte format, encoder, streaming applier).
-* ``toploc``, ``sampling`` — inference proofs and replayable sampling.
-* ``tasks``, ``rewards`` — task schema, derivation and the one reward implementation.
+* ``toploc``, ``sampling``, ``inference`` — inference proofs, replayable sampling, the shared forward pass.
+* ``tasks``     — task schema, dataset hash and task derivation, prompts (``tasks.files`` reads files, below).
+* ``rollout``   — the rollout rule (derived tasks, targets, prompts, seeds) and the packed-array codec.
+* ``window``    — the async window (which policy steps are fresh for a trainer step).
+* ``ingest_api``— the ingest's routes, lease answer and error codes (what a client does with each).
+* ``verdicts``  — verdict reasons (cheat vs benign); ``embedded`` — the devnet's generated addition task set.
+
+Read files or start processes (named so):
+
+* ``tasks.files``, ``dataset`` — task files and the public sets under a caller's data root.
+* ``models``    — policy models and tokenizers from a local directory.
+* ``durable``   — the one atomic, durable file write.
+* ``rewards``   — the reward functions; ``rewards.sandbox`` and ``rewards.verifier`` start processes.
 """
 
 from protocol.content import content_id

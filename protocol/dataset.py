@@ -1,4 +1,5 @@
-"""Resolve the run spec's ``data.tasks`` into the training tasks and the held-out tasks.
+"""Resolve the run spec's ``data.tasks`` into the training tasks and the held-out tasks (reads task
+files under the caller's data root; not pure).
 
 ``data.tasks`` is ``"embedded"`` (the devnet's addition set), a public set name known to
 :func:`protocol.tasks.convert` (``gsm8k`` = the GSM8K test split, ``gsm8k_train``, ``math500``,

@@ -1,4 +1,5 @@
-"""Policy models and tokenizers: Qwen2-architecture models through transformers, local files only.
+"""Policy models and tokenizers (reads model files; not pure): Qwen2-architecture models through
+transformers, local files only.
 
 Every role loads the policy the same way: from a directory holding ``config.json``,
 ``*.safetensors`` and the tokenizer files (what Shardcast assembles, or a local base model).

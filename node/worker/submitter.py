@@ -92,8 +92,8 @@ class Submitter:
             return SubmitOutcome(path, a.status, True, a.detail, a.code, a.retry_after_s)
         if a.outcome == "transient":
             self._transient[path.name] = self._transient.get(path.name, 0) + 1
-        detail = a.detail if a.status == 0 else a.detail[:300]
-        return SubmitOutcome(path, a.status, False, f"{a.url}: {detail}" if a.status == 0 and a.url else detail, a.code, a.retry_after_s)
+        detail = f"{a.url}: {a.detail}" if a.status == 0 and a.url else a.detail[:300]
+        return SubmitOutcome(path, a.status, False, detail, a.code, a.retry_after_s)
 
     async def drain(self, deadline_s: float | None = None) -> int:
         """Send everything in the spool, retrying with backoff; returns how many left the spool.

@@ -33,7 +33,13 @@ What lives where (one concern per module; every name is importable from ``protoc
 * ``prompts``    — :func:`build_prompt_text`, :func:`build_messages` (pure).
 """
 
-from protocol.tasks.derivation import MAX_PEER_ID_BYTES, TASK_DERIVATION_DOMAIN, canonical_task_line, dataset_hash, derive_task_indices
+from protocol.tasks.derivation import (
+    MAX_PEER_ID_BYTES,
+    TASK_DERIVATION_DOMAIN,
+    canonical_task_line,
+    dataset_hash,
+    derive_task_indices,
+)
 from protocol.tasks.files import (
     CODE_INSTRUCTION,
     CONVERTER_FILES,
