@@ -189,10 +189,8 @@ def _record_sleeps(sub: Submitter) -> list[float]:
     return delays
 
 
-async def test_retry_after_is_honoured(tmp_path: Path) -> None:
-    spool = Spool(tmp_path)
-    bodies = _fill(spool, 1)
-    ingest = Ingest([429, 507, 200], code=None, retry_after="3")
+async def _drain_recording_backoffs(spool: Spool, ingest: Ingest) -> tuple[Submitter, list[float]]:
+    """Drain ``spool`` (one submission) into ``ingest`` with instant backoffs; the submitter and the delays it asked for."""
     async with serve(ingest) as url:
         sub = _submitter(spool, url)
         delays = _record_sleeps(sub)
@@ -200,6 +198,14 @@ async def test_retry_after_is_honoured(tmp_path: Path) -> None:
             assert await asyncio.wait_for(sub.drain(deadline_s=60.0), 20.0) == 1
         finally:
             await sub.close()
+    return sub, delays
+
+
+async def test_retry_after_is_honoured(tmp_path: Path) -> None:
+    spool = Spool(tmp_path)
+    bodies = _fill(spool, 1)
+    ingest = Ingest([429, 507, 200], code=None, retry_after="3")
+    sub, delays = await _drain_recording_backoffs(spool, ingest)
     assert ingest.statuses == [429, 507, 200] and ingest.received == bodies
     assert delays == [3.0, 3.0]  # the ingest's Retry-After, not the 0.05 s backoff
 
@@ -208,13 +214,7 @@ async def test_a_body_timeout_is_retried_a_bounded_number_of_times(tmp_path: Pat
     spool = Spool(tmp_path)
     _fill(spool, 1)
     ingest = Ingest([408])
-    async with serve(ingest) as url:
-        sub = _submitter(spool, url)
-        delays = _record_sleeps(sub)
-        try:
-            assert await asyncio.wait_for(sub.drain(deadline_s=60.0), 20.0) == 1
-        finally:
-            await sub.close()
+    sub, delays = await _drain_recording_backoffs(spool, ingest)
     assert ingest.statuses == [408] * (TRANSIENT_RETRIES + 1) and len(delays) == TRANSIENT_RETRIES
     assert spool.pending() == [] and sub.refused == {"timeout": 1} and sub.acked == 0
 
