@@ -108,17 +108,21 @@ def _run_fetch(args: argparse.Namespace) -> int:
         )
     except FetchError as e:
         print(f"error: fetch failed: {e}", file=sys.stderr)
-        for url, reason in e.faulty_sources.items():
-            print(f"faulty source: {url} ({reason})", file=sys.stderr)
+        _print_faulty(e.faulty_sources)
         return 1
-    for url, reason in res.faulty_sources.items():
-        print(f"faulty source: {url} ({reason})", file=sys.stderr)
+    _print_faulty(res.faulty_sources)
     mib = res.bytes_downloaded / 2**20
     print(
         f"fetched step {res.step} into {res.out_dir}: {mib:.1f} MiB downloaded in {res.elapsed_s:.2f} s"
         f" ({mib / max(res.elapsed_s, 1e-9):.0f} MiB/s), {res.pieces_resumed} pieces resumed"
     )
     return 0
+
+
+def _print_faulty(faulty_sources: dict[str, str]) -> None:
+    """Name each source a fetch found faulty, with its reason (stderr)."""
+    for url, reason in faulty_sources.items():
+        print(f"faulty source: {url} ({reason})", file=sys.stderr)
 
 
 def _fetch_held(args: argparse.Namespace, signed, sources: list[str], cfg) -> int:  # noqa: ANN001
@@ -134,11 +138,9 @@ def _fetch_held(args: argparse.Namespace, signed, sources: list[str], cfg) -> in
                                      config=cfg))
     except FetchError as e:
         print(f"error: fetch failed: {e}", file=sys.stderr)
-        for url, reason in e.faulty_sources.items():
-            print(f"faulty source: {url} ({reason})", file=sys.stderr)
+        _print_faulty(e.faulty_sources)
         return 1
-    for url, reason in res.faulty_sources.items():
-        print(f"faulty source: {url} ({reason})", file=sys.stderr)
+    _print_faulty(res.faulty_sources)
     how = f"by {len(res.deltas_applied)} delta(s)" if res.via == "delta" else f"in full ({res.fallback_reason})"
     print(f"fetched step {res.step} into {res.out_dir} {how}: {res.bytes_downloaded / 2**20:.1f} MiB downloaded in {res.elapsed_s:.2f} s")
     return 0
