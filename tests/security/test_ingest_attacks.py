@@ -334,3 +334,23 @@ async def test_arrays_longer_than_the_run_allows_are_refused_before_they_are_bui
         assert status == 400 and answer["error"] == "malformed" and "max_array_len" in answer["detail"], answer
         assert list(ing.store.dir.glob("*.sub")) == []
         await honest_round(ing.url, NodeKey.generate(), 0)
+
+
+async def test_junk_from_many_keys_and_addresses_does_not_hide_honest_work_from_leases(tmp_path: Path) -> None:
+    """Two addresses each post 64 fresh junk submissions from 16 free keys after an honest worker's
+    one: the next lease of 8 still holds the honest submission (fair share across addresses)."""
+    honest = NodeKey.generate()
+    async with running_ingest(tmp_path) as ing, honest_session(ing.url) as http:
+        status, body = await post(http, SUBMISSIONS, submission(honest))
+        assert status == 200
+        honest_id = body["id"]
+        for ip in ("127.0.0.4", "127.0.0.5"):
+            async with aiohttp.ClientSession(base_url=ing.url, connector=aiohttp.TCPConnector(local_addr=(ip, 0))) as evil:
+                for k in range(16):
+                    key = NodeKey.generate()
+                    for c in range(4):
+                        status, _ = await post(evil, SUBMISSIONS, submission(key, counter=c))
+                        assert status == 200
+        ids = ing.store.lease_pending(8, 30.0)
+        assert honest_id in ids, "the honest submission was not leased"
+        assert len(ids) == 8

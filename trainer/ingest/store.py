@@ -67,9 +67,6 @@ CREATE INDEX IF NOT EXISTS verdicts_submission ON verdicts(submission_id);
 """
 
 
-_LEASE_SCAN_FACTOR = 16  # pending rows looked at per leased one (workers hold ≤ a few pending each)
-
-
 @dataclass(frozen=True)
 class Usage:
     """Pending submissions and bytes of one worker and of one address, and files on disk in all."""
@@ -233,10 +230,14 @@ class SubmissionStore:
     def lease_pending(self, limit: int, lease_s: float, now_ms: int | None = None) -> list[str]:
         """Hand out up to ``limit`` pending submissions not leased in the last ``lease_s`` seconds.
 
-        Fair share across workers: round-robin over the workers with pending work, the worker
-        whose oldest pending submission waited longest first, so junk from one key cannot push
-        honest work back. Within a worker newest first: what validators judge first is what the
-        trainer can still use; the oldest pending work ages out of the async window instead.
+        Fair share across client addresses, then across workers: round-robin over the addresses
+        with pending work, and within an address over its workers, the one whose oldest pending
+        submission waited longest first, so junk from many free keys (or from several addresses)
+        cannot push honest work back. Every pending submission is considered (the ingest's disk
+        quota bounds how many there are): looking only at the newest ones let 128 fresh junk
+        submissions from two addresses hide an honest worker's older one from every lease. Within
+        a worker newest first: what validators judge first is what the trainer can still use; the
+        oldest pending work ages out of the async window instead.
 
         Returns:
             Submission IDs in round-robin order; each is leased until ``now + lease_s``.
@@ -244,21 +245,28 @@ class SubmissionStore:
         now = now_ms or int(time.time() * 1000)
         with self._lock:
             rows = self._db.execute(
-                "SELECT id, worker, seq FROM submissions WHERE state = 'pending' AND lease_until_ms <= ? ORDER BY seq DESC LIMIT ?",
-                (now, max(limit, 1) * _LEASE_SCAN_FACTOR),
+                "SELECT id, worker, source_ip, seq FROM submissions WHERE state = 'pending' AND lease_until_ms <= ? ORDER BY seq DESC",
+                (now,),
             ).fetchall()
-            by_worker: dict[str, list[tuple[str, int]]] = {}
-            for sid, worker, seq in rows:
-                by_worker.setdefault(worker, []).append((sid, seq))
-            queues = sorted(by_worker.values(), key=lambda q: q[-1][1])  # oldest waiting worker first
+            by_ip: dict[str, dict[str, list[tuple[str, int]]]] = {}
+            for sid, worker, ip, seq in rows:
+                by_ip.setdefault(ip, {}).setdefault(worker, []).append((sid, seq))
+            # per address: its workers' queues, oldest waiting worker first; addresses likewise
+            addresses = sorted(
+                (sorted(workers.values(), key=lambda q: q[-1][1]) for workers in by_ip.values()),
+                key=lambda qs: min(q[-1][1] for q in qs),
+            )
             ids: list[str] = []
-            while len(ids) < limit and queues:
-                for q in list(queues):
+            while len(ids) < limit and addresses:
+                for qs in list(addresses):
                     if len(ids) >= limit:
                         break
+                    q = qs.pop(0)  # this address's next worker
                     ids.append(q.pop(0)[0])
-                    if not q:
-                        queues.remove(q)
+                    if q:
+                        qs.append(q)
+                    if not qs:
+                        addresses.remove(qs)
             self._db.executemany("UPDATE submissions SET lease_until_ms = ? WHERE id = ?", [(now + int(lease_s * 1000), i) for i in ids])
         return ids
 
