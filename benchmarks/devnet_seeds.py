@@ -15,7 +15,6 @@ already uses every core); say what else loaded the machine next to any figure yo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -27,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from node.devnet.report import heldout_summary  # noqa: E402
+from node.devnet.report import heldout_summary, read_metrics  # noqa: E402
 
 
 def run_seed(seed: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
@@ -39,14 +38,7 @@ def run_seed(seed: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout + 120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     wall = time.monotonic() - t0
-    rows = []
-    path = out / "coordinator" / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue
+    rows = read_metrics(out / "coordinator" / "metrics.jsonl")
     steps = [x for x in rows if x.get("event") == "step"]
     evals = [x for x in rows if x.get("event") == "eval"]
     passes = [float(s["pass_rate"]) for s in steps]
