@@ -170,13 +170,7 @@ async def relay_main(args: argparse.Namespace) -> None:
                 print(json.dumps(r), flush=True)
                 results.append(r)
         finally:
-            if proc.stdin is not None:
-                proc.stdin.close()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+            _stop(proc)
     print(f"\nrelay serving a {args.relay_mib} MiB checkpoint (4 MiB pieces) on 127.0.0.1")
     print(f"{'clients':26s}" + "".join(f"{r['clients']:>20}" for r in results))
     for k in [k for k in results[0] if k != "clients"]:
@@ -242,6 +236,17 @@ async def load(port: int, subs: list[bytes], concurrency: int, max_s: float) -> 
             "p50_ms": round(pct(lat, 0.5) * 1e3, 1), "p99_ms": round(pct(lat, 0.99) * 1e3, 1), "max_ms": round(max(lat) * 1e3, 1)}
 
 
+
+def _stop(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
+    """End a helper process: close its stdin (its signal to exit), wait 15 s, then kill it."""
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
 def fsync_probe(directory: Path, size: int, n: int = 20) -> float:
     """Median seconds of one durable write as the store does it (write, fsync, rename, fsync the directory)."""
     times = []
@@ -287,13 +292,7 @@ async def run_level(subs: list[bytes], concurrency: int, max_s: float) -> dict[s
             out["load"] = f"{load0:.1f} → {os.getloadavg()[0]:.1f}"
             return {"concurrency": concurrency, **out}
         finally:
-            if proc.stdin is not None:
-                proc.stdin.close()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+            _stop(proc)
 
 
 async def main_async(args: argparse.Namespace) -> None:
