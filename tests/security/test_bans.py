@@ -169,3 +169,35 @@ def test_a_long_ban_list_still_fits_its_signed_size(tmp_path: Path) -> None:
     assert by_id[VALIDATOR2.peer_id].evidence  # the newest keep their evidence, the oldest lost it
     oldest = min(env.body.entries, key=lambda e: e.since_ms)
     assert oldest.evidence == []
+
+
+async def test_queued_rechecks_hold_no_submission_bytes(tmp_path: Path) -> None:
+    """Cheat verdicts on big junk submissions while the re-check is busy: the queue holds their IDs
+    (64 queued 32 MiB bodies would be 2 GiB of the coordinator's memory); each is read when its
+    turn comes, and still reproduced and banned."""
+    release = threading.Event()
+
+    class Blocked(Recheck):
+        def __call__(self, raw: bytes) -> RecheckResult:
+            assert len(raw) > 1 << 20  # the whole stored submission, read when re-checked
+            release.wait(30)
+            return super().__call__(raw)
+
+    recheck = Blocked(False, "toploc")
+    workers = [NodeKey.generate() for _ in range(6)]
+    async with running_ingest(tmp_path, recheck=recheck) as ing, honest_session(ing.url) as http:
+        subs = []
+        for w in workers:
+            sub = submission(w, payload_tokens=1 << 18)  # ≈ 2 MiB of completion and log-probs
+            status, _ = await post(http, "/ingest/1/submissions", sub)
+            assert status == 200
+            subs.append(sub)
+        try:
+            for sub in subs:
+                assert ing.service.apply_verdict(verdict(sub, False, "toploc")) is True
+            queued = list(ing.service._recheck_q.queue)
+            assert len(queued) >= len(subs) - 1 and all(isinstance(q, str) for q in queued), queued
+        finally:
+            release.set()
+        await wait_until(lambda: all(ing.bans.is_banned(w.peer_id) for w in workers), what="every cheat reproduced and banned")
+        assert recheck.calls == len(subs)

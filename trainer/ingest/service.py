@@ -188,7 +188,8 @@ class IngestService:
         self._admit = asyncio.Lock()  # quota and counter checks and the store's add are one step
         self._lease_seen: OrderedDict[bytes, float] = OrderedDict()  # lease-request ID → forget after (epoch s)
         self._retired_s = 0.0
-        self._recheck_q: queue.Queue[tuple[str, bytes] | None] = queue.Queue(maxsize=self.limits.max_pending_rechecks)
+        # submission IDs, not bytes: 64 queued 32 MiB junk submissions would hold 2 GiB (read when re-checked)
+        self._recheck_q: queue.Queue[str | None] = queue.Queue(maxsize=self.limits.max_pending_rechecks)
         self._recheck_thread: threading.Thread | None = None
         self.rechecks = {"queued": 0, "reproduced": 0, "not_reproduced": 0, "dropped": 0}
         self.started_s = time.time()
@@ -436,8 +437,8 @@ class IngestService:
             self._recheck_thread = threading.Thread(target=self._recheck_loop, name="ingest-recheck", daemon=True)
             self._recheck_thread.start()
         try:
-            self._recheck_q.put_nowait((sid, self.store.read(sid)))
-        except (queue.Full, OSError) as e:
+            self._recheck_q.put_nowait(sid)
+        except queue.Full as e:
             self.rechecks["dropped"] += 1
             self.m_rechecks.labels("dropped").inc()
             logger.warning("no re-check of %s (%s): its worker is not banned on one verdict", sid[:12], type(e).__name__)
@@ -448,14 +449,20 @@ class IngestService:
         """Re-check queued submissions one at a time (a background thread)."""
         assert self.recheck is not None
         while True:
-            item = self._recheck_q.get()
-            if item is None:
+            sid = self._recheck_q.get()
+            if sid is None:
                 return
-            sid, raw = item
             try:
                 decision = self.store.deciding_verdict(sid)
                 stored = self.store.get(sid)
                 if decision is None or stored is None or self.bans.is_banned(stored.worker):
+                    continue
+                try:
+                    raw = self.store.read(sid)
+                except OSError as e:
+                    self.rechecks["dropped"] += 1
+                    self.m_rechecks.labels("dropped").inc()
+                    logger.warning("no re-check of %s (%s): its worker is not banned on one verdict", sid[:12], type(e).__name__)
                     continue
                 try:
                     result = self.recheck(raw)
