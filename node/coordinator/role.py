@@ -33,10 +33,10 @@ from node.retry import FailureLog
 from node.shardcast import ShardcastServer, ShardcastStore, publish_checkpoint
 from node.web.runpage import RunPage
 from protocol.dataset import resolve_tasks
-from protocol.envelope import open_envelope, seal
+from protocol.envelope import Envelope, open_envelope, seal
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
-from protocol.messages import CheckpointAnnouncement, Submission
+from protocol.messages import CheckpointAnnouncement, Submission, Verdict
 from protocol.models import load_model, load_tokenizer
 from protocol.runspec import SignedRunSpec
 from protocol.window import oldest_fresh_step
@@ -203,7 +203,7 @@ class Coordinator:
         self.run_page.url = self.url
         if self.options.gossip is not None:
             self.gossip = await GossipNode.create(self.spec, self.key, self.options.gossip, role="coordinator", http_url=self.url)
-            self.gossip.on_verdict(lambda env: self._apply_gossip_verdict(env.raw))
+            self.gossip.on_verdict(self._apply_gossip_verdict)
             self.run_page.attach_gossip(self.gossip)
         await self.run_page.start()
         await asyncio.to_thread(self._publish_current)
@@ -440,10 +440,11 @@ class Coordinator:
 
     # --- gossip glue (asyncio loop) ------------------------------------------------------------
 
-    def _verdict_applied(self, raw: bytes) -> None:
+    def _verdict_applied(self, raw: bytes, gossip: bool) -> None:
         if self.run_page is not None:
             self.run_page.note_verdict(raw)  # a ban's evidence on the run page
-        self._gossip_verdict(raw)
+        if gossip:  # posted over HTTP; one that came on gossip is already there
+            self._gossip_verdict(raw)
 
     def _gossip_verdict(self, raw: bytes) -> None:
         if self.gossip is not None and self._loop is not None:
@@ -463,11 +464,12 @@ class Coordinator:
         except Exception as e:  # gossip is best effort: HTTP remains the source of truth
             logger.debug("gossip publish of %s failed: %s", kind, e)
 
-    def _apply_gossip_verdict(self, raw: bytes) -> None:
+    def _apply_gossip_verdict(self, env: Envelope[Verdict]) -> None:
+        """A verdict from gossip, already verified there (signed by a validator of the spec): applied as is."""
         if self.ingest is None:
             return
         try:
-            self.ingest.apply_verdict(raw)
+            self.ingest.apply_verdict(env, via_gossip=True)
         except ProtocolError as e:
             logger.debug("ignoring gossiped verdict: %s", e)
 

@@ -56,7 +56,9 @@ class Coordinator:
         self.bans = BanBook(root / "bans.msgpack", COORD, RUN)
         self.gossiped: list[bytes] = []
         self.service = IngestService(SPEC, self.store, self.bans, trainer_step=lambda: self.step, latest_policy_step=lambda: self.step,
-                                     on_ban=self.gossiped.append, limits=limits, recheck=recheck)
+                                     on_ban=self.gossiped.append, limits=limits, recheck=recheck,
+                                     on_verdict=lambda raw, gossip: self.verdicts.append((raw, gossip)))
+        self.verdicts: list[tuple[bytes, bool]] = []  # (verdict, still to gossip) as on_verdict saw them
 
 
 @pytest.fixture
@@ -160,6 +162,26 @@ async def test_verdicts_bans_and_lease(ingest):
     async with http.get("/metrics") as r:
         text = await r.text()
     assert 'intellect_ingest_verdicts_total{reason="toploc"} 1.0' in text
+
+
+async def test_a_verdict_is_verified_once_and_gossiped_only_if_it_came_over_http(ingest, monkeypatch):
+    coord, http = ingest
+    w = NodeKey.generate()
+    s1, s2 = submission(w, counter=1), submission(w, counter=2)
+    for s in (s1, s2):
+        assert (await post(http, SUBMISSIONS_ROUTE, s))[0] == 200
+    import trainer.ingest.service as service
+
+    opened = []
+    real_open = service.open_envelope
+    monkeypatch.setattr(service, "open_envelope", lambda data, **kw: opened.append(kw.get("expect")) or real_open(data, **kw))
+    v1 = verdict(s1, True, "ok")
+    assert (await post(http, VERDICTS_ROUTE, v1))[1] == {"applied": True}
+    assert opened == [Verdict]  # the HTTP handler's check; apply_verdict took the verified envelope
+    v2 = open_envelope(verdict(s2, True, "ok"), run_id=RUN, expect=Verdict, authorities=SPEC.authorities)  # as gossip hands it over
+    assert coord.service.apply_verdict(v2, via_gossip=True) is True
+    assert opened == [Verdict]
+    assert coord.verdicts == [(v1, True), (v2.raw, False)]  # one that came on gossip is not gossiped again
 
 
 async def test_benign_rejection_does_not_ban(ingest):

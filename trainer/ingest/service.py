@@ -37,7 +37,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from protocol.envelope import open_envelope
+from protocol.envelope import Envelope, open_envelope
 from protocol.ingest_api import (
     BANS_ROUTE,
     ERROR_CODES,
@@ -143,7 +143,8 @@ class IngestService:
         bans: the ban book.
         trainer_step: callable returning the trainer's current step (for the staleness window).
         latest_policy_step: callable returning the newest published policy step.
-        on_verdict: called with verdict envelope bytes after one is applied (to gossip it).
+        on_verdict: called with a verdict envelope's bytes after it decided a submission, and
+            whether it still needs gossiping (``False`` when it arrived on gossip).
         on_ban: called with the new ban-list envelope bytes after a ban (to gossip it).
         status_extra: callable adding fields to ``/status``.
         limits: :class:`IngestLimits`.
@@ -160,7 +161,7 @@ class IngestService:
         *,
         trainer_step: Callable[[], int],
         latest_policy_step: Callable[[], int],
-        on_verdict: Callable[[bytes], None] | None = None,
+        on_verdict: Callable[[bytes, bool], None] | None = None,
         on_ban: Callable[[bytes], None] | None = None,
         status_extra: Callable[[], dict[str, Any]] | None = None,
         limits: IngestLimits | None = None,
@@ -385,10 +386,10 @@ class IngestService:
             env = open_envelope(data, run_id=self.run_id, expect=Verdict, authorities=self.authorities)
         except ProtocolError as e:
             raise _error("malformed", str(e)) from None
-        applied = self.apply_verdict(env.raw)
+        applied = self.apply_verdict(env)  # verified once, here
         return web.json_response({"applied": applied})
 
-    def apply_verdict(self, data: bytes) -> bool:
+    def apply_verdict(self, verdict: bytes | Envelope[Verdict], *, via_gossip: bool = False) -> bool:
         """Apply a verdict envelope (from HTTP or gossip) under the ban rule of ``docs/validator.md``.
 
         The first verdict on a pending submission decides it. A deciding cheat verdict bans only
@@ -398,13 +399,22 @@ class IngestService:
         it corroborates the deciding cheat verdict, changes nothing (a contradicting second
         verdict neither applies nor bans).
 
+        Args:
+            verdict: the envelope's bytes (verified here), or an envelope this process already
+                opened with the run's authorities (HTTP handler, gossip): not verified again.
+            via_gossip: it arrived on gossip, so it is not gossiped again (``on_verdict`` gets
+                ``gossip=False``).
+
         Returns:
             Whether it decided a submission's state.
 
         Raises:
-            ProtocolError: the envelope is not a valid verdict of a run validator.
+            ProtocolError: the bytes are not a valid verdict of a run validator.
         """
-        env = open_envelope(data, run_id=self.run_id, expect=Verdict, authorities=self.authorities)
+        if isinstance(verdict, Envelope):
+            env = verdict
+        else:
+            env = open_envelope(verdict, run_id=self.run_id, expect=Verdict, authorities=self.authorities)
         v = env.body
         sid = v.submission_id.hex()
         stored = self.store.get(sid)
@@ -414,7 +424,7 @@ class IngestService:
         if applied:
             self.m_verdicts.labels(v.reason).inc()
             if self.on_verdict:
-                self.on_verdict(env.raw)
+                self.on_verdict(env.raw, not via_gossip)
         cheat = not v.accepted and is_cheat(v.reason)
         if applied and not v.accepted and (not cheat or self.bans.is_banned(v.worker)):
             self.store.delete_files([sid])  # final: nothing will read it again
