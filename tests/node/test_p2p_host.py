@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 
 import pytest
@@ -39,7 +40,8 @@ def free_port() -> int:
 
 
 @pytest.mark.integration
-async def test_node_survives_a_dead_bootstrap_and_joins_when_it_appears() -> None:
+async def test_node_survives_a_dead_bootstrap_and_joins_when_it_appears(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="node.p2p.host")
     run = Run()
     seed_key = NodeKey.generate()
     port = free_port()
@@ -47,7 +49,11 @@ async def test_node_survives_a_dead_bootstrap_and_joins_when_it_appears() -> Non
     joiner = await GossipNode.create(run.spec, NodeKey.generate(), config(bootstrap=[seed_addr, "/ip4/127.0.0.1/tcp/1"]), role="worker")
     try:
         assert joiner.addrs[0].startswith("/ip4/127.0.0.1/tcp/") and joiner.addrs[0].endswith(joiner.peer_id)
-        await asyncio.sleep(1.5)  # several failed attempts with backoff; the node keeps running
+        # the event: the dial to the dead bootstrap failed (and is retried with backoff); the node keeps running
+        def dial_failed() -> bool:
+            return any("unreachable" in r.getMessage() and seed_key.peer_id in r.getMessage() for r in caplog.records)
+
+        await eventually(dial_failed, 10.0)
         assert joiner.running and len(joiner.peers) == 0
         seed = await GossipNode.create(run.spec, seed_key, config(p2p_port=port), role="relay")
         try:
