@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import logging
 from collections import OrderedDict
@@ -32,6 +33,13 @@ from validator.pipeline import CheckResult, SubmissionChecker
 
 logger = logging.getLogger(__name__)
 
+RESOURCE_ERRNOS = frozenset({errno.ENOMEM, errno.ENOSPC, errno.EMFILE, errno.ENFILE, errno.EDQUOT})
+"""``OSError`` numbers that mean this validator ran out of memory, disk or descriptors."""
+RESOURCE_RETRIES = 1
+"""Times a submission whose check ran this validator out of resources is left to a later lease
+(the failure may be passing); the next failure on it gets a ``resources`` verdict (benign)."""
+RESOURCE_FAILURES_KEPT = 1024
+"""Submissions whose resource failures are remembered (oldest forgotten first)."""
 LEASE_S = 120.0
 IDLE_POLL_S = 0.5
 LEASE_BACKOFF_MAX_S = 15.0
@@ -109,6 +117,7 @@ class ValidatorNode:
         self.status_server: StatusServer | None = None
         self._lease_backoff = Backoff(base_s=IDLE_POLL_S, max_s=LEASE_BACKOFF_MAX_S)
         self._lease_failures = FailureLog(logger, interval_s=FAILURE_LOG_INTERVAL_S)
+        self._resource_failures: OrderedDict[str, int] = OrderedDict()  # submission ID -> failed checks
 
     async def start(self) -> None:
         if any(t.task_type == "prime_rl_code" for t in self.tasks):
@@ -196,7 +205,20 @@ class ValidatorNode:
             await self._prepare(sub.policy_step)
             checker = SubmissionChecker(self.spec, self.tasks, self.tokenizer, self._models.get, trainer_step=self._trainer_step,
                                         counter_seen=self.ledger.counter_seen)
-            result = await asyncio.to_thread(checker.check, env)
+            try:
+                result = await asyncio.to_thread(checker.check, env)
+            except (MemoryError, OSError, RuntimeError) as e:
+                kind = _resource_failure(e)
+                if kind is None:
+                    raise
+                failures = self._resource_failures.pop(sid, 0) + 1
+                self._resource_failures[sid] = failures
+                while len(self._resource_failures) > RESOURCE_FAILURES_KEPT:
+                    self._resource_failures.popitem(last=False)
+                if failures <= RESOURCE_RETRIES:
+                    logger.warning("ran out of resources checking %s (%s: %s); leaving it to a later lease", sid[:12], kind, str(e)[:200])
+                    return
+                result = CheckResult(False, "resources", {"error": kind, "failures": failures, "detail": str(e)[:200]})
         if result.reason == "banned_worker":
             return  # the coordinator already rejects a banned worker's pending work
         if result.reason == "unknown_checkpoint":
@@ -298,3 +320,13 @@ class ValidatorNode:
             "reputation": self.ledger.reputation(),
             "fraction": self.options.fraction,
         }
+
+
+def _resource_failure(e: BaseException) -> str | None:
+    """The name of the resource a check ran out of (memory, disk, descriptors), else ``None``
+    (a bug, which is no verdict's business: the lease expires)."""
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)):  # torch's (a RuntimeError): an accelerator's memory
+        return type(e).__name__
+    if isinstance(e, OSError) and e.errno in RESOURCE_ERRNOS:
+        return errno.errorcode.get(e.errno or 0, "OSError")
+    return None
