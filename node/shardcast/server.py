@@ -41,6 +41,12 @@ PIECE_WAIT_S = 5.0
 """How long a request for a piece of a step being filled is held until the piece is stored."""
 
 
+def _is_step(name: str) -> bool:
+    """Whether a path segment names a step: 1–13 ASCII digits, at most ``_MAX_STEP`` (``str.isdigit``
+    alone also takes "１" or "١", which ``int`` reads as 1)."""
+    return name.isascii() and name.isdigit() and len(name) <= 13 and int(name) <= _MAX_STEP
+
+
 class ShardcastServer:
     """An aiohttp server for one store.
 
@@ -160,7 +166,7 @@ class ShardcastServer:
             if step is None:
                 raise web.HTTPNotFound(text="no manifest yet\n")
         else:
-            if not name.isdigit() or len(name) > 13 or int(name) > _MAX_STEP:
+            if not _is_step(name):
                 raise web.HTTPBadRequest(text="step must be a non-negative integer or 'latest'\n")
             step = int(name)
         env = self.store.manifest(step)
@@ -176,7 +182,7 @@ class ShardcastServer:
 
     async def _delta(self, request: web.Request) -> web.Response:
         name = request.match_info["step"]
-        if not name.isdigit() or len(name) > 13 or int(name) > _MAX_STEP:
+        if not _is_step(name):
             raise web.HTTPBadRequest(text="step must be a non-negative integer\n")
         env = self.store.delta(int(name))
         if env is None:

@@ -380,3 +380,20 @@ async def test_next_step_without_a_delta_is_fetched_in_full_without_asking_tarpi
             await follower.close()
     assert (out / "model.safetensors").read_bytes() == ckpt2.read_bytes()
     assert not [r for reqs in pit.requests.values() for r in reqs if "/deltas/" in r], "no tarpit was asked for a delta"
+
+
+async def test_steps_in_paths_are_ascii_digits_only(origin):
+    """Path traversal and look-alike steps: only ASCII digits name a step (``str.isdigit`` also
+    takes "１" and "١", which ``int`` reads as 1, and the delta route echoed the raw name in a header)."""
+    import aiohttp
+
+    _, store, _ = origin
+    async with serving(store) as server, aiohttp.ClientSession() as http:
+        for route in ("manifests", "deltas"):
+            for name in ("１", "١", "1\u0301", "..%2F..%2Fkeys", "1e3"):
+                async with http.get(f"{server.url}/shardcast/1/{route}/{name}") as r:
+                    assert r.status == 400, (route, name, r.status)
+            async with http.get(f"{server.url}/shardcast/1/{route}/%2e%2e") as r:  # the client resolves it to /shardcast/1/
+                assert r.status == 404
+        async with http.get(f"{server.url}/shardcast/1/manifests/1") as r:
+            assert r.status == 200
