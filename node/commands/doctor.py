@@ -234,7 +234,7 @@ def _check_bootstrap(spec: Any, run_id: str, coord: dict[str, Any] | None, timeo
         return [Check("bootstrap", "WARN", "the run spec lists no bootstrap peer", "pass --bootstrap MULTIADDR to join (ask the coordinator for one)")]
     for addr in spec.network.bootstrap[:8]:
         parsed = _parse_multiaddr(addr)
-        name = f"bootstrap {addr[:60]}"
+        name = f"bootstrap {addr if len(addr) <= 120 else addr[:119] + '…'}"
         if parsed is None:
             out.append(Check(name, "FAIL", "not a /ip4|dns/HOST/tcp/PORT/p2p/PEER multiaddr", "ask the coordinator for a spec with a valid bootstrap address"))
             continue
@@ -294,8 +294,9 @@ def _check_gossip(spec: Any, wait_s: float, listen_host: str) -> Check:
     if peers:
         return Check("gossip", "WARN", f"{peers} peers of this run heard in {wait_s:g} s, but not the coordinator",
                      "the coordinator may be down or not connected to these peers; retry with a longer --gossip-wait")
-    return Check("gossip", "FAIL", f"no signed record of this run heard within {wait_s:g} s through the bootstrap peers",
-                 "the bootstrap peers do not relay this run (another run, or gossip blocked): get the current spec or other bootstrap peers")
+    return Check("gossip", "FAIL", f"no peer of this run heard within {wait_s:g} s through the bootstrap peers",
+                 "no bootstrap peer answered with this run's records (down, blocked, or another run): check the bootstrap checks above, "
+                 "get the current spec or other bootstrap peers")
 
 
 def _check_origins(spec: Any, run_id: str, timeout_s: float) -> list[Check]:
@@ -321,13 +322,18 @@ def _check_shardcast(name: str, url: str, run_id: str, timeout_s: float) -> Chec
 def _check_relays(spec: Any, run_id: str, timeout_s: float) -> Check:
     """Relays the coordinator's run page lists (from gossip heartbeats) serve this run."""
     nodes: list[dict[str, Any]] = []
+    answered = False
     for url in spec.network.ingest_urls[:4]:
         try:
             doc, _ = _get(f"{url.rstrip('/')}/api/run", timeout_s)
         except (OSError, ValueError):
             continue
+        answered = True
         nodes = [n for n in doc.get("nodes", []) if isinstance(n, dict)]
         break
+    if not answered:
+        return Check("relays", "WARN", "the coordinator's run page did not answer, so its relay list is unknown",
+                     "see the ingest check above; checkpoints come from the origin until relays appear on gossip")
     relays = [n for n in nodes if n.get("role") == "relay" and n.get("state") == "alive" and n.get("http_url")][:MAX_RELAYS]
     if not relays:
         return Check("relays", "WARN", "the coordinator lists no live relay yet", "checkpoints come from the origin until relays appear on gossip")
