@@ -33,6 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
+from node import __version__
 from node.web.assets import SECURITY_HEADERS, PageLimiter, add_page_routes
 from protocol.envelope import Envelope, open_envelope
 from protocol.errors import ProtocolError
@@ -300,7 +301,7 @@ class RunPage:
         spec = self.spec
         published = int(st.get("published_step", st.get("latest_policy_step", -1)))
         coordinator_row = {"peer_id": self.peer_id, "role": "coordinator", "state": str(st.get("state", "")), "policy_step": published,
-                           "held_steps": [], "last_seen_s": 0.0, "http_url": self.url, "version": ""}
+                           "held_steps": [], "last_seen_s": 0.0, "http_url": self.url, "version": __version__}
         banned = {e.peer_id: e for e in self.bans.entries()}
         workers = self.store.worker_stats()
         trained = self.store.rollouts_trained()
