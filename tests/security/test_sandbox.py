@@ -287,7 +287,9 @@ def test_forged_records_do_not_pass():
         "    return 0\n"
     )
     r = score(code, ["assert f(2) == 4", "assert f(3) == 9", "assert f(4) == 16"])
-    assert r.task_reward == 0.0 and "never ran" in r.detail, r.detail
+    # Which forged line lands on the record channel depends on the fds the run was given; either
+    # way the parent judged no assert of the program as passed.
+    assert r.task_reward == 0.0 and ("never ran" in r.detail or "did not finish (0 checks passed)" in r.detail), r.detail
 
 
 def test_frame_and_gc_walks_find_no_expected_value():
