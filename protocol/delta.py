@@ -310,7 +310,7 @@ def encode_delta(
     base_files = {f.name: f for f in base.files}
     params = zstandard.ZstdCompressionParameters.from_level(level, window_log=ZSTD_WINDOW_LOG)
     with zstandard.ZstdCompressor(compression_params=params).stream_writer(out, closefd=False) as zw:
-        w = _Counting(zw)  # type: ignore[arg-type]
+        w = _Counting(zw)
         w.write(MAGIC + _U32.pack(len(target.files)))
         for tf in target.files:
             bf = base_files.get(tf.name)
@@ -358,7 +358,7 @@ class _Body:
         if self.consumed + n > self.limit:
             raise DeltaFormatError(f"{what} runs past the declared {self.limit}-byte body")
         try:
-            data = _read_exact(self._r, n)  # type: ignore[arg-type]
+            data = _read_exact(self._r, n)
         except zstandard.ZstdError as e:
             raise DeltaFormatError(f"zstd: {e}") from None
         if len(data) != n:
@@ -478,9 +478,10 @@ def _patch_copy(
         if hi == lo or diffs is None:
             sink.write(raw)  # no change in this window
         else:
+            assert pos is not None  # lo < hi needs positions
             buf = np.frombuffer(raw, "<u2").copy()
             buf[pos[lo:hi] - cursor] += diffs[lo:hi]  # uint16 arithmetic wraps mod 2^16, as encoded
-            sink.write(memoryview(buf).cast("B"))
+            sink.write(buf.data.cast("B"))
         cursor += w
     return cursor
 

@@ -313,11 +313,11 @@ def _uniform_words(seeds: torch.Tensor, positions: torch.Tensor, blocks: int, *,
         c = [np.broadcast_to(x, (sd.shape[0], blocks)).copy() for x in (ps & m32, ps >> s32, j, np.full_like(ps, ICDF_COUNTER_TAG))]
         words = _philox_numpy(c, [sd & m32, sd >> s32])
         return [torch.from_numpy(np.ascontiguousarray(w).view(np.int64)).to(device) for w in words]
-    j = torch.arange(blocks, dtype=torch.int64, device=device).reshape(1, -1)
-    zero = torch.zeros_like(j)
+    jt = torch.arange(blocks, dtype=torch.int64, device=device).reshape(1, -1)
+    zero = torch.zeros_like(jt)
     key = (seeds & _M32, (seeds >> 32) & _M32)
     lo, hi = (positions & _M32) + zero, ((positions >> 32) & _M32) + zero  # [B, blocks]
-    return list(philox4x32((lo, hi, j + torch.zeros_like(lo), torch.zeros_like(lo) + ICDF_COUNTER_TAG), key))
+    return list(philox4x32((lo, hi, jt + torch.zeros_like(lo), torch.zeros_like(lo) + ICDF_COUNTER_TAG), key))
 
 
 def uniforms(seeds: torch.Tensor, positions: torch.Tensor, count: int = ICDF_DRAWS + 1) -> torch.Tensor:

@@ -15,7 +15,7 @@ import resource
 import sys
 
 
-def main():
+def main() -> None:
     memory_bytes = int(sys.argv[1])
     from math_verify import parse, verify  # heavy (sympy): imported once per process
 
@@ -32,7 +32,7 @@ def main():
             gold = parse("\\boxed{" + req["gold"] + "}", parsing_timeout=None)
             answer = parse("\\boxed{" + req["answer"] + "}", parsing_timeout=None)
             ok = bool(gold and answer and verify(gold, answer, timeout_seconds=None))
-            resp = {"ok": ok}
+            resp: dict[str, object] = {"ok": ok}
         except MemoryError:
             resp = {"limit": "memory"}
         except Exception as e:  # noqa: BLE001 - a malformed answer scores 0, whatever sympy raises

@@ -38,6 +38,8 @@ import resource
 import sys
 import traceback
 import types
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 _SPEC_PATH = "/job/spec.json"
 _MAX_DEPTH = 64
@@ -49,7 +51,7 @@ class _NotPlain(TypeError):
     pass
 
 
-def _encode(v, depth=0, budget=None):
+def _encode(v: Any, depth: int = 0, budget: list[int] | None = None) -> Any:
     """Tagged JSON-ready form of a plain value (see the module docstring)."""
     if budget is None:
         budget = [_MAX_ITEMS]
@@ -81,14 +83,14 @@ def _encode(v, depth=0, budget=None):
     if isinstance(v, (bytes, bytearray)):
         return ["B", bytes(memoryview(v)).hex()]
     if isinstance(v, complex):
-        re_, im = complex.__getnewargs__(v)
+        re_, im = complex.__getnewargs__(v)  # type: ignore[attr-defined]  # the base type's own method: a subclass's properties can't lie
         return ["C", [re_, im]]
     if isinstance(v, collections.deque):
         return ["Q", [_encode(x, d, budget) for x in collections.deque.__iter__(v)]]
     raise _NotPlain(f"a {t.__name__} is not a plain value")
 
 
-def _decode(x):
+def _decode(x: Any) -> Any:
     """Inverse of :func:`_encode`, used to hand tests plain copies of the candidate's values."""
     if not isinstance(x, list):
         return x
@@ -110,7 +112,7 @@ def _decode(x):
     return collections.deque(_decode(i) for i in items)
 
 
-def _plain(v):
+def _plain(v: Any) -> Any:
     """A value the tests may compare honestly: functions, classes and modules pass through
     unchanged (they are called, not compared); data becomes an exact-type copy; anything
     else (an object whose operators could lie) is refused."""
@@ -119,12 +121,12 @@ def _plain(v):
     return _decode(_encode(v))
 
 
-def _items(v):
+def _items(v: Any) -> Any:
     """A list of what an iterable operand yields (the parent applies ``sorted``, ``set``, ``sum``…
     to it); other values unchanged."""
     if isinstance(v, (str, bytes, bytearray, list, tuple, dict, set, frozenset, collections.deque)) or not hasattr(v, "__iter__"):
         return v
-    out = []
+    out: list[Any] = []
     for x in v:
         out.append(x)
         if len(out) > _MAX_ITEMS:
@@ -132,7 +134,7 @@ def _items(v):
     return out
 
 
-def _main():
+def _main() -> None:
     with open(_SPEC_PATH, encoding="utf-8") as f:
         spec = json.load(f)
     record_fd = int(spec["record_fd"])
@@ -150,14 +152,14 @@ def _main():
 
     write, dumps = os.write, json.dumps
 
-    def record(obj):
+    def record(obj: Any) -> None:
         try:
             line = dumps(obj, allow_nan=True, separators=(",", ":"))
         except (TypeError, ValueError, RecursionError) as e:
             line = dumps({"e": f"unencodable record: {type(e).__name__}"})
         write(record_fd, (line + "\n").encode("utf-8", "surrogatepass"))
 
-    def fail(e):
+    def fail(e: BaseException) -> NoReturn:
         if isinstance(e, MemoryError):
             record({"limit": "memory"})
         elif isinstance(e, OSError) and e.errno == errno.EFBIG:  # RLIMIT_FSIZE (Python ignores SIGXFSZ)
@@ -187,7 +189,7 @@ def _main():
         record({"done": True})
         os._exit(0)
 
-    def leaf(thunk):
+    def leaf(thunk: Callable[[], Any]) -> list[Any]:
         try:
             return ["v", _encode(thunk())]
         except MemoryError:
@@ -195,7 +197,7 @@ def _main():
         except BaseException as e:  # noqa: BLE001 - a failing operand is the parent's to judge
             return ["e", f"{type(e).__name__}: {e}"[:200]]
 
-    def report(site, *thunks):
+    def report(site: int, *thunks: Callable[[], Any]) -> None:
         record({"s": site, "v": [leaf(t) for t in thunks]})
 
     ns = {"__name__": "__solution__", "__builtins__": __builtins__,
