@@ -262,9 +262,10 @@ class ValidatorNode:
     def _trainer_step(self) -> int:
         """The trainer step the async window is judged against (:mod:`protocol.window`): the
         coordinator's, from the last lease answer; from an ingest that does not send it, the newest
-        policy step this validator has heard of (a lower bound of it)."""
+        policy step this validator has heard of (a lower bound of it). An answer below that signed
+        lower bound (every published step is ≤ ``n``) is a stale or lying ingest: the bound is used."""
         if self.coordinator_step is not None:
-            return self.coordinator_step
+            return max(self.coordinator_step, self.follower.latest_step)
         return max(self.follower.latest_step, max(self._models, default=-1))
 
     async def _prepare(self, step: int) -> None:

@@ -1,0 +1,39 @@
+"""A lease answer's ``trainer_step`` is unsigned: one below a step the coordinator signed is refused.
+
+Every published step is ≤ the trainer step ``n`` (:mod:`protocol.window`), so a validator that
+has a coordinator-signed announcement of step 5 knows ``n ≥ 5``. A stale or lying ingest that
+answers ``trainer_step`` −2⁶¹ (or 0) would otherwise put every fresh submission above the
+window's upper end, and the validator would sign ``stale_policy`` rejections of honest work.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from node.roles.validator import ValidatorNode, ValidatorOptions
+from protocol.identity import NodeKey
+from protocol.runspec import NetworkSpec, RLSpec, RunInfo, RunSpec, sign_run_spec
+from protocol.window import in_window
+
+COORD = NodeKey.from_seed(b"C" * 32)
+VALIDATOR = NodeKey.from_seed(b"V" * 32)
+
+
+def _validator(tmp_path: Path) -> ValidatorNode:
+    spec = RunSpec(run=RunInfo(coordinator=COORD.peer_id, validators=[VALIDATOR.peer_id], seed=3), rl=RLSpec(async_level=1),
+                   network=NetworkSpec(ingest_urls=["http://127.0.0.1:9"]))
+    return ValidatorNode(sign_run_spec(spec, COORD), VALIDATOR, ValidatorOptions(data_dir=tmp_path, gossip=None, http_port=None))
+
+
+def test_a_lease_answer_below_the_signed_latest_step_does_not_move_the_window(tmp_path: Path) -> None:
+    node = _validator(tmp_path)
+    try:
+        node.follower.note_step(5)  # a verified coordinator announcement
+        for lie in (-(2**61), -1, 0, 4):
+            node.coordinator_step = lie  # what _lease keeps from the answer
+            assert node._trainer_step() == 5
+            assert in_window(5, trainer_step=node._trainer_step(), async_level=1)
+        node.coordinator_step = 7  # an honest answer above the bound is taken as it is
+        assert node._trainer_step() == 7
+    finally:
+        node.ledger.close()
