@@ -174,7 +174,11 @@ class PeerTable:
         return self.by_role("validator")
 
     def coordinator(self) -> PeerInfo | None:
-        """The run's coordinator, if alive."""
+        """The run's coordinator, if alive (looked up by ID when known: called for every delivered
+        message, so it must not scan a table that self-signed records can fill)."""
+        if self.coordinator_id is not None:
+            p = self.get(self.coordinator_id)
+            return p if p is not None and p.role == "coordinator" else None
         found = self.by_role("coordinator")
         return found[0] if found else None
 
