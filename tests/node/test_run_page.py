@@ -20,8 +20,9 @@ import pytest
 
 from protocol.messages import NodeRecord
 
-STEPS = 20
-"""More than the test needs: it stops the devnet once it has seen what it checks."""
+STEPS = 5000
+"""Far more than the test needs, so the devnet is still running while the page is checked (an idle
+machine trains 20 steps in under 40 s, less than doctor and the node pages take); the fixture stops it."""
 START_TIMEOUT_S = 300.0
 CHROMIUM_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -74,7 +75,7 @@ def devnet(tmp_path) -> Iterator[LiveDevnet]:
     out = tmp_path / "out"
     log = open(out.parent / "devnet.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "node", "devnet", "--steps", str(STEPS), "--workers", "2", "--relays", "2",
-                             "--validators", "1", "--adversary", "inflated-reward", "--no-dashboard", "--out", str(out), "--timeout", "500"],
+                             "--validators", "1", "--adversary", "inflated-reward", "--no-dashboard", "--out", str(out), "--timeout", "850"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
         url = _wait_for(lambda: (out / "run.toml").exists() and re.search(r"http://127\.0\.0\.1:\d+", (out / "run.toml").read_text()),
@@ -129,6 +130,7 @@ def _severe(driver) -> list[dict]:
 
 
 def _check_run_page(devnet: LiveDevnet, browser) -> None:
+    from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get(f"{devnet.url}/")
@@ -151,14 +153,26 @@ def _check_run_page(devnet: LiveDevnet, browser) -> None:
     first = int(browser.execute_script("window.__not_reloaded = true; return document.getElementById('policy-step').textContent"))
     WebDriverWait(browser, 600, poll_frequency=0.25).until(lambda d: _text(d, "policy-step").isdigit() and int(_text(d, "policy-step")) > first)
     assert browser.execute_script("return window.__not_reloaded === true")
-    # the leaderboard's accepted counts are the coordinator's records (read in the same moment)
-    def board_matches(d) -> bool:
-        status = _get_json(f"{devnet.url}/status") or {}
-        want = {peer: c.get("accepted", 0) for peer, c in (status.get("workers") or {}).items()}
-        got = {r[1]: int(r[2]) for r in _table_rows(d, "leaderboard") if len(r) > 2}
-        return bool(want) and got == want and sum(want.values()) > 0
+    # the leaderboard's accepted counts are the coordinator's records: accepted counts only grow, so
+    # the page's count lies between /status read just before and just after it
+    seen: list[tuple[dict, dict, dict]] = []
 
-    WebDriverWait(browser, 120, poll_frequency=0.2).until(board_matches)
+    def accepted() -> dict[str, int]:
+        status = _get_json(f"{devnet.url}/status") or {}
+        return {peer: c.get("accepted", 0) for peer, c in (status.get("workers") or {}).items()}
+
+    def board_matches(d) -> bool:
+        before = accepted()
+        got = {r[1]: int(r[2]) for r in _table_rows(d, "leaderboard") if len(r) > 2}
+        after = accepted()
+        seen[:] = [(before, got, after)]
+        return (bool(before) and set(got) == set(before) == set(after) and sum(before.values()) > 0
+                and all(before[p] <= got[p] <= after[p] for p in got))
+
+    try:
+        WebDriverWait(browser, 120, poll_frequency=0.2).until(board_matches)
+    except TimeoutException:
+        raise AssertionError(f"leaderboard never matched /status (devnet alive: {devnet.proc.poll() is None}); last (status before, page, status after): {seen}") from None
     # the adversary's ban, with the rejecting verdict's evidence
     from protocol.identity import NodeKey
 
