@@ -133,7 +133,8 @@ def train_policies(args: argparse.Namespace, lr: float, root: Path) -> list[Path
     import torch
     from trainer_toy import toy_batch
 
-    from trainer.model import build_model, tiny_qwen2_config
+    from protocol.models import build_model
+    from trainer.model import tiny_qwen2_config
     from trainer.train import Trainer, TrainerConfig
 
     cfg = tiny_qwen2_config(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,

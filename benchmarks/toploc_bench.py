@@ -81,13 +81,13 @@ def _worker_overhead(batch: int, n_new: int, model: torch.nn.Module | None = Non
     import transformers
 
     from protocol import sampling
+    from protocol.models import build_model
 
     if model is None:
         cfg = transformers.Qwen2Config(
             vocab_size=4096, hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
         )
-        torch.manual_seed(0)
-        model = transformers.Qwen2ForCausalLM(cfg).eval()
+        model = build_model(cfg, seed=0)
     vocab = int(model.config.vocab_size)
     rows: list[torch.Tensor] = []
     hook = model.model.norm.register_forward_hook(lambda _m, _i, out: rows.append(out[:, -1].detach()))

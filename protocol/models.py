@@ -1,9 +1,14 @@
-"""Policy models and tokenizers (reads model files; not pure): Qwen2-architecture models through
-transformers, local files only.
+"""Policy models and tokenizers (reads and writes model files; not pure): Qwen2-architecture
+models through transformers, local files only.
 
 Every role loads the policy the same way: from a directory holding ``config.json``,
 ``*.safetensors`` and the tokenizer files (what Shardcast assembles, or a local base model).
 Weights are read with safetensors only; nothing is unpickled and the hub is never contacted.
+
+This module is also the one place that builds a fresh model (:func:`build_model`: the same
+tensors for the same config and seed wherever it runs — devnet base, tests, benchmarks) and the
+one writer of a model directory (:func:`save_model`: the embedded base, every published policy
+step, the weights of a training state; :func:`copy_model`: policy step 0, the base file for file).
 
 The **embedded** model is the one-machine default: a tiny Qwen2 (hidden 128 = TOPLOC's top-k)
 with a character-level tokenizer, created deterministically from a seed so a devnet needs no
@@ -12,10 +17,13 @@ downloads.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
+import shutil
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +31,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from protocol.durable import atomic_write, fsync_dir
 from protocol.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -31,6 +40,8 @@ PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 # printable ASCII plus newline; anything else maps to <unk>
 EMBEDDED_CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
 WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+TIED_HEAD = "lm_head.weight"
 
 
 class ModelLoadError(ProtocolError):
@@ -78,30 +89,149 @@ def embedded_config(vocab_size: int, hidden_size: int = 128, layers: int = 2) ->
 
 
 def build_model(config: Any, seed: int = 0) -> Any:
-    """A freshly initialised ``Qwen2ForCausalLM`` (float32, eval mode), deterministic in ``seed``."""
+    """A freshly initialised ``Qwen2ForCausalLM``: the one builder of new weights.
+
+    The weights depend only on ``config`` and ``seed``: torch's CPU generator is seeded with
+    ``seed`` inside :func:`torch.random.fork_rng`, so the caller's global RNG state is neither
+    read nor changed (building a model never shifts a later random draw, and an earlier draw
+    never changes the model). Built on the CPU.
+
+    Args:
+        config: a ``Qwen2Config`` (its attention implementation is set to ``sdpa``, the
+            transformers default here, so every role computes the same forward).
+        seed: the initialisation seed.
+
+    Returns:
+        The model: float32 parameters, CPU, sdpa attention, ``eval()`` mode (the trainer
+        switches to ``train()`` and turns the KV cache off itself).
+    """
     from transformers import Qwen2ForCausalLM
 
+    config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model: Any = Qwen2ForCausalLM(config)
-    return model.eval()
+    return model.to(torch.float32).eval()
 
 
-def save_model(model: Any, tokenizer: Any, out_dir: Path) -> list[Path]:
-    """Write ``config.json``, ``model.safetensors`` and the tokenizer files into ``out_dir``.
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _config_text(config: Any, dtype: torch.dtype | None, base_dir: Path | None) -> str:
+    """``config.json`` of a written model directory (see :func:`save_model`)."""
+    if base_dir is not None and (Path(base_dir) / CONFIG_FILE).is_file():
+        cfg = json.loads((Path(base_dir) / CONFIG_FILE).read_text())
+    else:
+        cfg = json.loads(config.to_json_string())
+        if cfg.get("use_cache") is False:
+            cfg.pop("use_cache")  # the trainer turns the KV cache off; a policy for generation keeps the default
+    if dtype is not None:
+        for k in [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]:
+            cfg[k] = _dtype_name(dtype)
+    # the same bytes as transformers' ``to_json_string`` when nothing above changed a field
+    return json.dumps(cfg, indent=2) + "\n"
+
+
+def _base_extras(base_dir: Path) -> list[Path]:
+    """Files of a base that a policy directory carries unchanged: all of :func:`model_files` but
+    the config and the weights."""
+    return [
+        p for p in model_files(base_dir)
+        if p.name != CONFIG_FILE and not p.name.endswith((".safetensors", ".safetensors.index.json"))
+    ]
+
+
+def _copy_into(files: list[Path], out_dir: Path) -> list[Path]:
+    """Copy ``files`` byte-identical into ``out_dir`` under their names, each atomically."""
+    out = []
+    for src in files:
+        dst = out_dir / src.name
+        atomic_write(dst, functools.partial(shutil.copyfile, src), sync_dir=False)
+        out.append(dst)
+    return out
+
+
+def save_model(
+    model: Any,
+    tokenizer: Any,
+    out_dir: Path,
+    *,
+    state: Mapping[str, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+    base_dir: Path | None = None,
+) -> list[Path]:
+    """Write a model directory: the one writer of ``config.json`` + ``model.safetensors`` + the
+    tokenizer and other files (``docs/trainer.md`` §7; what :func:`load_model` and Shardcast read).
+
+    Files::
+
+        config.json          base_dir's config.json if given, else the model's config as
+                             transformers writes it (a ``use_cache: false`` the trainer set is
+                             dropped); with ``dtype``, its ``dtype``/``torch_dtype`` field(s) say it
+        model.safetensors    every tensor of ``state`` in ``dtype`` (default: as they are), on the
+                             CPU, HF parameter names; a tied ``lm_head.weight`` is omitted
+                             (safetensors refuses shared storage; loaders re-tie it)
+        …                    with base_dir: every other file of it (tokenizer files, chat
+                             template, generation_config.json) byte-identical; else the
+                             tokenizer's own files (``save_pretrained``), if one is given
+
+    Each file is written atomically and durably (:mod:`protocol.durable`); files of the same names
+    already in ``out_dir`` are replaced.
+
+    Args:
+        model: the model whose ``config`` (and, without ``state``, whose weights) are written;
+            an FSDP2-sharded model works when ``state`` is its gathered full state dict.
+        tokenizer: written only without ``base_dir``; ``None`` writes no tokenizer files.
+        out_dir: created if missing.
+        state: the full state dict to write, ``name → tensor``; default ``model.state_dict()``.
+        dtype: dtype of the written floating-point weights (the run spec's ``model.dtype``);
+            ``None`` keeps each tensor's dtype and leaves the config's dtype field as it is.
+        base_dir: the run's base model directory (see above).
 
     Returns:
-        The written files, sorted by name (what a Shardcast manifest lists).
+        The written files, sorted (for a fresh ``out_dir``: what a Shardcast manifest lists).
+
+    Raises:
+        OSError: a write failed (files already replaced stay replaced; none is torn).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.config.to_json_file(out_dir / "config.json")
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)  # tied: stored once, as safetensors refuses shared storage
-    save_file(state, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    tokenizer.save_pretrained(str(out_dir))
-    return sorted(p for p in out_dir.iterdir() if p.is_file())
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    source = model.state_dict() if state is None else state
+    tensors = {
+        k: v.detach().to(device="cpu", dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype).contiguous()
+        for k, v in source.items()
+        if not (tied and k == TIED_HEAD)
+    }
+    text = _config_text(model.config, dtype, base_dir)
+    cfg_path, weights_path = out_dir / CONFIG_FILE, out_dir / WEIGHTS_FILE
+    atomic_write(cfg_path, text.encode(), sync_dir=False)
+    atomic_write(weights_path, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}), sync_dir=False)
+    paths = [cfg_path, weights_path]
+    if base_dir is not None:
+        paths += _copy_into(_base_extras(Path(base_dir)), out_dir)
+    elif tokenizer is not None:
+        paths += [Path(p) for p in tokenizer.save_pretrained(str(out_dir)) if Path(p).is_file()]
+    fsync_dir(out_dir)
+    return sorted(set(paths))
+
+
+def copy_model(model_dir: Path, out_dir: Path) -> list[Path]:
+    """Copy a model directory's files (:func:`model_files`) byte-identical into ``out_dir``, each
+    atomically and durably, so :func:`base_hash` of ``out_dir`` equals ``model_dir``'s (policy step 0).
+
+    Returns:
+        The written files, sorted.
+
+    Raises:
+        OSError: a read or write failed.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = _copy_into(model_files(Path(model_dir)), out_dir)
+    fsync_dir(out_dir)
+    return sorted(out)
 
 
 def load_tokenizer(model_dir: Path) -> Any:

@@ -6,8 +6,8 @@ to a temporary name, fsynced, and renamed; a state directory is built under a te
 renamed whole, then the ``latest`` pointer is replaced, so a crash at any point leaves the previous
 state loadable.
 
-Policy checkpoint (``save_policy``), the layout workers load with ``from_pretrained``; this module
-is the one place that writes a policy directory::
+Policy checkpoint (``save_policy``): the full weights gathered on rank 0 and written by
+``protocol.models.save_model``, the one writer of a model directory (the layout every role loads)::
 
     <dir>/config.json          the base's config.json, its dtype field set to the weights' dtype
     <dir>/model.safetensors    full weights in the run spec's model.dtype, HF parameter names
@@ -15,7 +15,7 @@ is the one place that writes a policy directory::
     <dir>/…                    every other file of the base (tokenizer files, chat template,
                                generation_config.json), byte-identical
 
-Step 0 is the base directory itself (``write_base_policy``), file for file.
+Step 0 is the base directory itself (``write_base_policy``: ``protocol.models.copy_model``), file for file.
 
 Training state (``save_training_state``), one directory per trainer step under a root::
 
@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from protocol.durable import atomic_write, fsync_dir
+from protocol.models import TIED_HEAD, WEIGHTS_FILE, copy_model, save_model
 from trainer.distributed import DistContext
 from trainer.errors import StateError
 
@@ -68,13 +69,11 @@ __all__ = [
 ]
 
 STATE_FORMAT = "intellect-node/trainer-state/1"
-CONFIG_FILE = "config.json"
-MODEL_FILE = "model.safetensors"
+MODEL_FILE = WEIGHTS_FILE
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"
-TIED_HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
 
 
@@ -89,44 +88,6 @@ def _sha256(path: Path) -> str:
 def _full_model_state(model: torch.nn.Module) -> dict[str, Any]:
     """Full (unsharded) CPU state dict on rank 0; empty on other ranks of a group. Collective."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _config_json(model: Any, dtype: torch.dtype, base_dir: Path | None) -> str:
-    """``config.json`` text: the base's own config (else the model's), with its dtype made true."""
-    if base_dir is not None and (Path(base_dir) / CONFIG_FILE).is_file():
-        cfg = json.loads((Path(base_dir) / CONFIG_FILE).read_text())
-    else:
-        cfg = json.loads(model.config.to_json_string())
-        cfg.pop("use_cache", None)  # the trainer turns the KV cache off; a policy for generation keeps the default
-    keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]
-    for k in keys:
-        cfg[k] = _dtype_name(dtype)
-    return json.dumps(cfg, indent=2) + "\n"
-
-
-def _base_extras(base_dir: Path) -> list[Path]:
-    """Files of the base a policy directory carries unchanged: all but config and weights."""
-    return [
-        p for p in sorted(Path(base_dir).iterdir())
-        if p.is_file() and not p.name.startswith(".") and p.name != CONFIG_FILE
-        and not p.name.endswith((".safetensors", ".safetensors.index.json"))
-    ]
-
-
-def _write_policy(model: Any, state: dict[str, Any], directory: Path, dtype: torch.dtype, base_dir: Path | None = None) -> list[Path]:
-    directory.mkdir(parents=True, exist_ok=True)
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items() if not (tied and k == TIED_HEAD)}
-    cfg_path, model_path = directory / CONFIG_FILE, directory / MODEL_FILE
-    text = _config_json(model, dtype, base_dir)
-    atomic_write(cfg_path, lambda p: p.write_text(text), sync_dir=False)
-    atomic_write(model_path, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}), sync_dir=False)
-    fsync_dir(directory)
-    return [cfg_path, model_path]
 
 
 def save_policy(
@@ -158,42 +119,26 @@ def save_policy(
     state = _full_model_state(model)
     paths: list[Path] = []
     if ctx.is_main:
-        directory = Path(directory)
-        paths = _write_policy(model, state, directory, dtype, base_dir)
-        if base_dir is not None:
-            for src in _base_extras(Path(base_dir)):
-                dst = directory / src.name
-                atomic_write(dst, lambda p, src=src: shutil.copyfile(src, p), sync_dir=False)
-                paths.append(dst)
-            fsync_dir(directory)
-        elif tokenizer is not None:
-            paths += [Path(p) for p in tokenizer.save_pretrained(str(directory)) if Path(p).is_file()]
-        paths = sorted(set(paths))
+        paths = save_model(model, tokenizer, Path(directory), state=state, dtype=dtype, base_dir=base_dir)
     if ctx.distributed:
         dist.barrier()
     return paths
 
 
 def write_base_policy(base_dir: Path, directory: Path) -> list[Path]:
-    """Policy step 0: the base directory's files copied unchanged into ``directory`` (no gather).
+    """Policy step 0: the base directory's files copied unchanged into ``directory`` (no gather;
+    ``protocol.models.copy_model``).
 
     Copies the non-hidden top-level files, so ``protocol.models.base_hash`` of ``directory``
     equals the base's (what workers and validators check against ``model.base_hash``).
 
     Returns:
         The written paths, sorted.
-    """
-    from protocol.models import model_files
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    out = []
-    for src in model_files(Path(base_dir)):
-        dst = directory / src.name
-        atomic_write(dst, lambda p, src=src: shutil.copyfile(src, p), sync_dir=False)
-        out.append(dst)
-    fsync_dir(directory)
-    return sorted(out)
+    Raises:
+        OSError: a read or write failed.
+    """
+    return copy_model(Path(base_dir), Path(directory))
 
 
 def _rng_states(ctx: DistContext) -> dict[str, torch.Tensor]:
@@ -253,7 +198,7 @@ def save_training_state(
         root.mkdir(parents=True, exist_ok=True)
         tmp = root / f".tmp-step-{step:08d}"
         shutil.rmtree(tmp, ignore_errors=True)
-        files = _write_policy(model, model_state, tmp, torch.float32)
+        files = save_model(model, None, tmp, state=model_state, dtype=torch.float32)
         tensors = {
             f"state/{fqn}/{name}": t.detach().cpu().contiguous().reshape(t.shape)
             for fqn, entry in optim_state["state"].items()

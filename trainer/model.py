@@ -1,5 +1,7 @@
-"""The policy model on the trainer side: building it, sharding it with FSDP2, and the one forward
-that gives per-token log-probs and entropies (used for old, reference and new log-probs alike).
+"""The policy model on the trainer side: sharding it with FSDP2, and the one forward that gives
+per-token log-probs and entropies (used for old, reference and new log-probs alike). Models are
+built by ``protocol.models.build_model`` (fresh weights from a config and seed) or loaded by
+``protocol.models.load_model`` (a model directory), as on every other node.
 
 FSDP2 layout (``docs/trainer.md`` §6): ``fully_shard`` on each ``Qwen2DecoderLayer`` (one
 all-gather/reduce-scatter unit per layer), then on the whole model (embeddings, final norm and
@@ -10,18 +12,17 @@ the layers compute in bf16 (``MixedPrecisionPolicy``) and reduce gradients in fl
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config
 
 from trainer.batch import MicroBatch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_model", "shard_model", "tiny_qwen2_config", "token_logprobs"]
+__all__ = ["shard_model", "tiny_qwen2_config", "token_logprobs"]
 
 
 def tiny_qwen2_config(
@@ -35,7 +36,8 @@ def tiny_qwen2_config(
     max_position_embeddings: int = 512,
     tie_word_embeddings: bool = False,
 ) -> Qwen2Config:
-    """A small Qwen2 configuration for tests and CPU runs (sdpa attention)."""
+    """A small Qwen2 configuration for tests and CPU runs (sdpa attention; build it with
+    ``protocol.models.build_model``)."""
     cfg = Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -49,37 +51,6 @@ def tiny_qwen2_config(
     )
     cfg._attn_implementation = "sdpa"
     return cfg
-
-
-def build_model(source: str | Path | Qwen2Config, *, seed: int | None = None) -> Qwen2ForCausalLM:
-    """A float32 Qwen2 policy in training mode.
-
-    Args:
-        source: a local directory holding ``config.json`` and ``*.safetensors`` (loaded by
-            ``protocol.models.load_model``, the loader every role shares: safetensors only, tied
-            embeddings re-tied), or a ``Qwen2Config`` for fresh weights.
-        seed: seeds torch's RNG before initialising fresh weights (ignored for a directory).
-
-    Returns:
-        The model, on CPU, float32, sdpa attention, ``train()`` mode.
-
-    Raises:
-        protocol.models.ModelLoadError: the directory lacks a config or weights, or they do not match.
-    """
-    if isinstance(source, Qwen2Config):
-        if seed is not None:
-            torch.manual_seed(seed)
-        source._attn_implementation = "sdpa"
-        model = Qwen2ForCausalLM(source)
-    else:
-        from protocol.models import load_model
-
-        model = load_model(Path(source), dtype=torch.float32)  # type: ignore[assignment]
-        model.config._attn_implementation = "sdpa"
-    model.to(torch.float32)
-    model.config.use_cache = False
-    model.train()
-    return model
 
 
 def shard_model(model: torch.nn.Module, mesh: DeviceMesh | None, *, compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -205,7 +205,7 @@ class Trainer:
         broadcast to all, so the others' initial values do not matter.
 
         Args:
-            model: an unsharded float32 Qwen2 policy (``trainer.model.build_model``).
+            model: an unsharded float32 Qwen2 policy (``protocol.models.build_model`` or ``load_model``).
             config: the settings.
             ctx: the distributed context; ``None``: a single process on CPU.
             step: the policy step of the given weights (a resumed run overwrites it in ``load_state``).
@@ -389,9 +389,10 @@ class Trainer:
     def save_checkpoint(
         self, directory: Path, *, dtype: torch.dtype = torch.float32, tokenizer: Any = None, base_dir: Path | None = None
     ) -> list[Path]:
-        """Write the current policy as a model directory for publishing (``trainer.checkpoint.save_policy``:
-        weights in ``dtype``, the base's config and other files when ``base_dir`` is given, else the
-        tokenizer's files). Collective; rank 0 gathers the full weights (CPU offload) and writes.
+        """Write the current policy as a model directory for publishing (``trainer.checkpoint.save_policy``,
+        which writes with ``protocol.models.save_model``: weights in ``dtype``, the base's config and
+        other files when ``base_dir`` is given, else the tokenizer's files). Collective; rank 0
+        gathers the full weights (CPU offload) and writes.
 
         Returns:
             The written paths, sorted, on rank 0; ``[]`` elsewhere.

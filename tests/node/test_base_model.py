@@ -90,12 +90,12 @@ def test_coordinator_base_refuses_other_files(base, tmp_path):
 def test_published_checkpoint_keeps_the_base_format(base, tmp_path):
     from trainer.checkpoint import save_policy, write_base_policy
     from trainer.distributed import DistContext
-    from trainer.model import build_model
 
     step0 = write_base_policy(base, tmp_path / "step-0")
     assert base_hash(tmp_path / "step-0") == base_hash(base)
     assert [p.name for p in step0] == sorted(p.name for p in base.iterdir())
-    model = build_model(base)  # float32 masters, use_cache off: the trainer's view
+    model = load_model(base)  # float32 masters, as the coordinator hands them to the Trainer
+    model.config.use_cache = False  # the trainer's view
     out = tmp_path / "step-1"
     files = save_policy(model, out, DistContext(), dtype=torch.bfloat16, base_dir=base)
     assert sorted(p.name for p in files) == sorted(p.name for p in base.iterdir())

@@ -26,7 +26,8 @@ from protocol.shardcast import build_manifest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
 from trainer_toy import toy_batch  # noqa: E402
 
-from trainer.model import build_model, tiny_qwen2_config  # noqa: E402
+from protocol.models import build_model  # noqa: E402
+from trainer.model import tiny_qwen2_config  # noqa: E402
 from trainer.train import Trainer, TrainerConfig  # noqa: E402
 
 FAST = DownloadConfig(max_concurrency=4, stall_timeout_s=20.0, deadline_s=60.0, connect_timeout_s=2.0, read_timeout_s=5.0)

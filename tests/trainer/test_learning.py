@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+from protocol.models import build_model
 from trainer.batch import RolloutRecord, assemble_batch
 from trainer.errors import NotEnoughRolloutsError
 from trainer.loss import LossConfig
-from trainer.model import build_model, tiny_qwen2_config
+from trainer.model import tiny_qwen2_config
 from trainer.train import Trainer, TrainerConfig
 
 logger = logging.getLogger(__name__)

@@ -13,9 +13,10 @@ import pytest
 import torch
 import trainer_toy as toy
 
+from protocol.models import build_model
 from trainer.checkpoint import STATE_FILE, latest_state_dir
 from trainer.errors import StateError
-from trainer.model import build_model, tiny_qwen2_config
+from trainer.model import tiny_qwen2_config
 from trainer.train import Trainer
 
 HERE = Path(__file__).resolve().parent

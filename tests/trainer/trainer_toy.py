@@ -19,9 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from protocol.models import build_model
 from trainer.batch import Batch, RolloutRecord, assemble_batch
 from trainer.loss import LossConfig
-from trainer.model import build_model, tiny_qwen2_config
+from trainer.model import tiny_qwen2_config
 from trainer.train import Trainer, TrainerConfig
 
 VOCAB = 32
