@@ -22,7 +22,7 @@ Pure:
 Read files or start processes (named so):
 
 * ``tasks.files``, ``dataset`` — task files and the public sets under a caller's data root.
-* ``models``    — policy models and tokenizers from a local directory.
+* ``models``    — policy models and tokenizers: the one builder, loader and writer of a model directory.
 * ``durable``   — the one atomic, durable file write.
 * ``rewards``   — the reward functions; ``rewards.sandbox`` and ``rewards.verifier`` start processes.
 """

@@ -1,9 +1,9 @@
 """File I/O (not pure): the one atomic, durable write every node uses.
 
-This is the only module of ``protocol/`` besides ``identity.NodeKey.save`` that writes files, and it
-writes only paths its caller passes in. It lives here, at the bottom of the import graph, so that
-``trainer/`` (checkpoints, the ingest store) and ``node/`` (the worker's spool, the Shardcast store,
-client and delta applier) share one spelling of the rule:
+Besides it, only ``identity.NodeKey.save`` and ``models`` (a model directory, through this module)
+write files in ``protocol/``, and only at paths their caller passes in. It lives here, at the bottom
+of the import graph, so that ``trainer/`` (checkpoints, the ingest store) and ``node/`` (the worker's
+spool, the Shardcast store, client and delta applier) share one spelling of the rule:
 
     write a temporary file next to the target → ``fsync`` it → ``os.replace`` onto the target →
     ``fsync`` the directory (so the rename itself survives a power cut).
