@@ -26,6 +26,9 @@ RUN_ID_DOMAIN = b"intellect-node/run-spec/1\x00"
 SIGNATURE_DOMAIN = b"intellect-node/run-spec-signature/1\x00"
 MAX_SPEC_BYTES = 1 << 20
 MiB = 1 << 20
+LOGPROB_TOL_LIMIT = 5.0
+"""Upper bound on ``toploc.logprob_*`` tolerances, nats: beyond a factor of e⁵ ≈ 150 in probability
+a reported log-prob no longer says anything about the policy."""
 
 PeerIdField = Annotated[str, Field(pattern=r"^12D3KooW[1-9A-HJ-NP-Za-km-z]{44}$")]
 
@@ -80,7 +83,15 @@ class SamplingSpec(_Section):
 
 
 class ToplocSpec(_Section):
-    """TOPLOC proof parameters and verifier thresholds (arXiv 2501.16007; ``docs/toploc.md``)."""
+    """TOPLOC proof parameters and the verifier thresholds of proofs and sampling (arXiv 2501.16007; ``docs/toploc.md``).
+
+    ``logprob_max_abs`` / ``logprob_mean_abs`` bound how far a worker's reported sampling
+    log-probs may lie from the validator's recomputed ones (:func:`protocol.sampling.logprob_check`,
+    ``docs/toploc.md`` §8). The defaults (0.01 and 0.001 nats) are for fp32 on both sides: honest
+    CPU workers differ by ≤ 1.1e-5 nats per token and ≤ 3.7e-6 on a completion's mean; a run whose
+    workers decode in bf16 raises both. Both must be finite, in (0, :data:`LOGPROB_TOL_LIMIT`], with
+    mean ≤ max.
+    """
 
     chunk_size: Annotated[int, Field(ge=1, le=1024, description="tokens per proof")] = 32
     topk: Annotated[int, Field(ge=1, le=1024)] = 128
@@ -88,6 +99,25 @@ class ToplocSpec(_Section):
     max_mant_err_mean: Annotated[float, Field(ge=0.0)] = 10.0
     max_mant_err_median: Annotated[float, Field(ge=0.0)] = 8.0
     eos_min_prob: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
+    logprob_max_abs: Annotated[
+        float,
+        Field(gt=0.0, le=LOGPROB_TOL_LIMIT, allow_inf_nan=False,
+              description="largest per-token |reported − recomputed| sampling log-prob, nats (docs/toploc.md §8)"),
+    ] = 1e-2
+    logprob_mean_abs: Annotated[
+        float,
+        Field(gt=0.0, le=LOGPROB_TOL_LIMIT, allow_inf_nan=False,
+              description="largest mean |reported − recomputed| sampling log-prob over one completion, nats; ≤ logprob_max_abs"),
+    ] = 1e-3
+
+    @model_validator(mode="after")
+    def _logprob_tolerances(self) -> ToplocSpec:
+        if self.logprob_mean_abs > self.logprob_max_abs:
+            raise ValueError(
+                f"toploc.logprob_mean_abs {self.logprob_mean_abs} exceeds toploc.logprob_max_abs {self.logprob_max_abs}: "
+                "a mean of per-token differences never exceeds their maximum, so that bound would never apply"
+            )
+        return self
 
 
 class RLSpec(_Section):

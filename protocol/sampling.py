@@ -112,10 +112,6 @@ DEFAULT_MIN_EOS_PROB = 0.1
 """A completion may stop with EOS only where the recomputed P(EOS) is at least this."""
 DEFAULT_EOS_PROB_SLACK = 0.01
 """Numeric slack around the EOS floor: worker and validator may see P(EOS) differ by this much."""
-DEFAULT_LOGPROB_MAX_ABS = 0.5
-"""Largest tolerated per-token |reported − recomputed| sampling log-prob, nats."""
-DEFAULT_LOGPROB_MEAN_ABS = 0.05
-"""Largest tolerated mean |reported − recomputed| sampling log-prob over a completion, nats."""
 _ROW_BLOCK = 64  # rows of [T, V] scored at once in replay (bounds memory for large vocabularies)
 _ICDF_BLOCK_ELEMENTS = 1 << 20
 """icdf-v1 on the CPU works on row blocks of at most this many float64 entries (8 MiB): larger
@@ -883,46 +879,59 @@ class LogprobResult:
 
     Attributes:
         ok: both tolerances hold.
-        max_abs_err: largest per-token |reported − recomputed|, nats.
-        mean_abs_err: mean of the same, nats.
+        max_abs_err: largest per-token |reported − recomputed|, nats (``inf``: counts differ or a
+            value is not finite).
+        mean_abs_err: mean of the same over the completion, nats.
+        position: completion position of the largest difference (the first non-finite one; 0
+            when the counts differ).
         reason: why it failed, ``""`` when ok.
     """
 
     ok: bool
     max_abs_err: float
     mean_abs_err: float
+    position: int = 0
     reason: str = ""
 
 
 def logprob_check(
     reported: torch.Tensor | Sequence[float],
     recomputed: torch.Tensor,
-    max_abs: float = DEFAULT_LOGPROB_MAX_ABS,
-    mean_abs: float = DEFAULT_LOGPROB_MEAN_ABS,
+    *,
+    max_abs: float,
+    mean_abs: float,
 ) -> LogprobResult:
-    """Compare the worker's reported sampling log-probs with the validator's.
+    """Compare a worker's reported sampling log-probs with the validator's: the one log-prob rule.
+
+    The tolerances are the run's (run spec ``toploc.logprob_max_abs`` / ``logprob_mean_abs``,
+    ``docs/toploc.md`` §8); the validator pipeline, and through it the coordinator's re-check,
+    call this with them. The comparison is in float64; a difference exactly at a tolerance passes.
 
     Args:
-        reported: ``[T]`` the worker's log-probs (untrusted; NaN/inf fail).
+        reported: ``[T]`` the worker's log-probs (untrusted; float32 on the wire; NaN/inf fail).
         recomputed: ``[T]`` ``log_softmax(logits / temperature)[claimed token]`` from the
-            validator's prefill (as :func:`sample` defines it).
-        max_abs: per-token tolerance, nats.
-        mean_abs: mean tolerance, nats.
+            validator's prefill (as :func:`sample` defines it; :attr:`ReplayResult.logprobs`).
+        max_abs: per-token tolerance, nats, > 0.
+        mean_abs: tolerance on the mean over the ``T`` tokens, nats, > 0.
 
     Returns:
-        A :class:`LogprobResult`.
+        A :class:`LogprobResult`; a count mismatch, an empty completion or a non-finite value
+        fails with a reason rather than raising.
     """
     rep = torch.as_tensor(reported, dtype=torch.float64).reshape(-1)
     ref = recomputed.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
     if rep.numel() != ref.numel() or rep.numel() == 0:
-        return LogprobResult(False, math.inf, math.inf, f"{rep.numel()} log-probs reported for {ref.numel()} tokens")
+        return LogprobResult(False, math.inf, math.inf, 0, f"{rep.numel()} log-probs reported for {ref.numel()} tokens")
     err = (rep - ref).abs()
-    if not bool(torch.isfinite(err).all()):
-        return LogprobResult(False, math.inf, math.inf, "non-finite reported log-prob")
-    worst, mean = float(err.max()), float(err.mean())
+    finite = torch.isfinite(err)
+    if not bool(finite.all()):
+        at = int((~finite).nonzero()[0, 0])
+        return LogprobResult(False, math.inf, math.inf, at, f"non-finite log-prob at position {at}")
+    at = int(err.argmax())
+    worst, mean = float(err[at]), float(err.mean())
     problems = []
     if worst > max_abs:
-        problems.append(f"max |Δ logprob| {worst:.4f} > {max_abs}")
+        problems.append(f"max |Δ logprob| {worst:.4g} at position {at} > {max_abs}")
     if mean > mean_abs:
-        problems.append(f"mean |Δ logprob| {mean:.4f} > {mean_abs}")
-    return LogprobResult(not problems, worst, mean, "; ".join(problems))
+        problems.append(f"mean |Δ logprob| {mean:.4g} > {mean_abs}")
+    return LogprobResult(not problems, worst, mean, at, "; ".join(problems))

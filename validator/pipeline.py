@@ -69,7 +69,10 @@ class Rejection(Exception):
 
 @dataclass(frozen=True)
 class Tolerances:
-    """Numeric tolerances of the sampling checks (``docs/toploc.md``).
+    """Numeric tolerances of the sampling checks (``docs/toploc.md``) that are the validator's own.
+
+    The log-prob tolerances are not here: every node of a run applies the signed run spec's
+    ``toploc.logprob_max_abs`` / ``logprob_mean_abs`` (:func:`protocol.sampling.logprob_check`).
 
     Attributes:
         replay_eps: ``gumbel-v1`` runs: a recomputed token may differ only where the top two
@@ -78,7 +81,6 @@ class Tolerances:
             the uniform lies within this distance (probability units) of its CDF interval.
         max_tie_fraction: at most this fraction of a completion's tokens may be such near-tie
             differences.
-        logprob_abs_tol: reported vs recomputed sampling log-prob, absolute nats.
         reward_tol: reported vs recomputed reward, absolute.
         eos_prob_slack: numeric slack on P(EOS) around the run's EOS floor.
     """
@@ -86,7 +88,6 @@ class Tolerances:
     replay_eps: float = sampling.DEFAULT_REPLAY_EPS
     icdf_eps: float = sampling.DEFAULT_ICDF_EPS
     max_tie_fraction: float = sampling.DEFAULT_MAX_NEAR_TIE_FRACTION
-    logprob_abs_tol: float = 1e-2
     reward_tol: float = 1e-6
     eos_prob_slack: float = sampling.DEFAULT_EOS_PROB_SLACK
 
@@ -252,12 +253,12 @@ class SubmissionChecker:
                                        eos_ids=(self.eos_id,), min_eos_prob=eos_floor, eos_prob_slack=self.tol.eos_prob_slack, rule=s.rule)
         if not replay.ok:
             raise Rejection("sampling", rollout=j, hard_mismatches=replay.hard_mismatches, near_ties=replay.near_ties, detail=replay.reason[:200])
-        assert replay.logprobs is not None  # replay_check always fills them
-        recomputed = replay.logprobs.to(torch.float32)  # [n] log_softmax(logits / T)[token], from the replay's own pass
-        diff = (recomputed - torch.tensor(logprobs, dtype=torch.float32)).abs()
-        worst = float(diff.max())
-        if not worst <= self.tol.logprob_abs_tol:
-            raise Rejection("logprobs", rollout=j, position=int(diff.argmax()), max_abs_diff=_finite(worst))
+        assert replay.logprobs is not None  # replay_check always fills them: [n] log_softmax(logits / T)[token]
+        t = self.spec.toploc
+        lp = sampling.logprob_check(logprobs, replay.logprobs, max_abs=t.logprob_max_abs, mean_abs=t.logprob_mean_abs)
+        if not lp.ok:
+            raise Rejection("logprobs", rollout=j, position=lp.position, max_abs_diff=_finite(lp.max_abs_err),
+                            mean_abs_diff=_finite(lp.mean_abs_err), detail=lp.reason[:200])
 
 
 def _reward_mismatch_reason(reported_task: float, recomputed_task: float, limit_hit: str | None) -> str:

@@ -70,3 +70,27 @@ def test_authorities():
     assert s.authorities.allows("coordinator", COORD.public_key)
     assert s.authorities.allows("validator", v.public_key)
     assert not s.authorities.allows("validator", COORD.public_key)
+
+
+def test_logprob_tolerances_validated():
+    """``toploc.logprob_max_abs`` / ``logprob_mean_abs``: finite, in (0, 5] nats, mean ≤ max; one-line errors naming the field."""
+    from protocol.runspec import LOGPROB_TOL_LIMIT, ToplocSpec
+
+    signed = sign_run_spec(spec(), COORD)
+    text = dump_run_spec(signed)
+    assert "logprob_max_abs = 0.01" in text and "logprob_mean_abs = 0.001" in text
+    unsigned = text[: text.index("[signature]")]
+    for field in ("logprob_max_abs", "logprob_mean_abs"):
+        for bad in ("nan", "inf", "-inf", "0.0", "-0.01", str(LOGPROB_TOL_LIMIT * 2), '"abc"'):
+            edited = re.sub(rf"(?m)^{field} = .*$", f"{field} = {bad}", unsigned)
+            with pytest.raises(RunSpecError, match=rf"^run spec field toploc\.{field}: ") as e:
+                parse_run_spec(edited, require_signature=False)
+            assert "\n" not in str(e.value)
+    with pytest.raises(RunSpecError, match=r"^run spec field toploc: .*logprob_mean_abs 0\.02 exceeds toploc\.logprob_max_abs 0\.01"):
+        parse_run_spec(unsigned.replace("logprob_mean_abs = 0.001", "logprob_mean_abs = 0.02"), require_signature=False)
+    # in range: accepted, and part of the signed content (another value is another run)
+    other = parse_run_spec(unsigned.replace("logprob_max_abs = 0.01", "logprob_max_abs = 0.5"), require_signature=False).spec
+    assert other.toploc.logprob_max_abs == 0.5 and other.run_id != signed.run_id
+    assert ToplocSpec(logprob_max_abs=LOGPROB_TOL_LIMIT, logprob_mean_abs=LOGPROB_TOL_LIMIT).logprob_mean_abs == LOGPROB_TOL_LIMIT
+    with pytest.raises(RunSpecError, match="modified after signing"):
+        parse_run_spec(text.replace("logprob_mean_abs = 0.001", "logprob_mean_abs = 0.002"))

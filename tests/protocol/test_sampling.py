@@ -345,12 +345,28 @@ def test_termination_rules() -> None:
 
 
 def test_logprob_check() -> None:
-    ref = torch.tensor([-1.0, -2.0, -0.5])
-    assert sampling.logprob_check([-1.0, -2.01, -0.5], ref).ok
-    assert not sampling.logprob_check([-1.0, -3.0, -0.5], ref).ok
-    assert not sampling.logprob_check([-1.1, -2.1, -0.6], ref).ok  # mean 0.1 > 0.05
-    assert not sampling.logprob_check([-1.0, float("nan"), -0.5], ref).ok
-    assert not sampling.logprob_check([-1.0], ref).ok
+    """Both tolerances are the caller's (the run spec's); the result names the worst position."""
+    ref = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64)
+    loose = {"max_abs": 0.5, "mean_abs": 0.05}
+    ok = sampling.logprob_check([-1.0, -2.01, -0.5], ref, **loose)
+    assert ok.ok and ok.reason == "" and ok.position == 1
+    assert ok.max_abs_err == pytest.approx(0.01) and ok.mean_abs_err == pytest.approx(0.01 / 3)
+    far = sampling.logprob_check([-1.0, -3.0, -0.5], ref, **loose)
+    assert not far.ok and far.position == 1 and far.max_abs_err == pytest.approx(1.0) and "max" in far.reason
+    biased = sampling.logprob_check([-1.1, -2.1, -0.6], ref, **loose)  # every token 0.1 off: max holds, mean 0.1 > 0.05
+    assert not biased.ok and "mean" in biased.reason and "max" not in biased.reason
+    # the same inputs against other tolerances: nothing is built in
+    assert sampling.logprob_check([-1.1, -2.1, -0.6], ref, max_abs=0.2, mean_abs=0.2).ok
+    assert not sampling.logprob_check([-1.0, -2.01, -0.5], ref, max_abs=0.005, mean_abs=0.005).ok
+    # a difference exactly at the tolerance passes
+    assert sampling.logprob_check([-1.0, -2.25, -0.5], ref, max_abs=0.25, mean_abs=0.25).ok
+    nan = sampling.logprob_check([-1.0, float("nan"), -0.5], ref, **loose)
+    assert not nan.ok and nan.position == 1 and nan.max_abs_err == math.inf
+    assert not sampling.logprob_check([-1.0, -2.0, float("-inf")], ref, **loose).ok
+    assert not sampling.logprob_check([-1.0], ref, **loose).ok
+    assert not sampling.logprob_check([], torch.tensor([], dtype=torch.float64), **loose).ok
+    with pytest.raises(TypeError):
+        sampling.logprob_check([-1.0, -2.0, -0.5], ref)  # type: ignore[call-arg]  # no default tolerances
 
 
 def test_derive_sequence_seed_layout() -> None:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from protocol import sampling, toploc
+from protocol.runspec import ToplocSpec
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,6 +28,7 @@ RUN_SEED, STEP, PEER = 1234, 7, "12D3KooWTestWorker"
 # Thresholds for a deterministic fp32 engine (what a run could set in its spec when workers and
 # validators both run fp32); the defaults are calibrated for bf16 GPU kernels.
 FP32_PROFILE = {"max_mismatches": 4, "max_mant_err_mean": 0.1, "max_mant_err_median": 0.0}
+LOGPROB = ToplocSpec()  # the run spec's default log-prob tolerances (fp32 on both sides, as here)
 
 
 def _model(seed: int, layers: int = 3) -> torch.nn.Module:
@@ -147,7 +149,8 @@ def check_profiles(
         for ro, (hidden, logits) in zip(group, prefill(model, [(r.prompt, r.tokens) for r in group])):
             replay = sampling.replay_check(logits, ro.tokens, ro.seed)
             recomputed = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(ro.tokens)[:, None])[:, 0]
-            sampling_ok = replay.ok and sampling.logprob_check(ro.logprobs, recomputed).ok
+            sampling_ok = replay.ok and sampling.logprob_check(ro.logprobs, recomputed, max_abs=LOGPROB.logprob_max_abs,
+                                                               mean_abs=LOGPROB.logprob_mean_abs).ok
             for name, thresholds in profiles.items():
                 results = toploc.verify_proofs(hidden, ro.proofs, **thresholds)  # type: ignore[arg-type]
                 out[name].append((all(r.ok for r in results), sampling_ok, results))

@@ -29,7 +29,7 @@ from protocol.identity import NodeKey
 from protocol.messages import Submission, Verdict
 from protocol.models import build_model, load_model, load_tokenizer
 from protocol.rollout import pack_f32, pack_u32, unpack_f32, unpack_u32
-from protocol.runspec import DataSpec, RLSpec, RunInfo, RunSpec, SamplingSpec
+from protocol.runspec import DataSpec, RLSpec, RunInfo, RunSpec, SamplingSpec, ToplocSpec
 from protocol.tasks import Task
 from protocol.verdicts import ALL_REASONS, is_cheat
 from validator.ledger import Ledger
@@ -355,3 +355,62 @@ def test_sampling_rule_named_by_the_run_spec(world: World) -> None:
     with pytest.raises(RunSpecError, match=r"^run spec field sampling\.rule: .*'icdf-v1' or 'gumbel-v1'") as e:
         parse_run_spec(text, require_signature=False)
     assert "\n" not in str(e.value)
+
+
+# --- the log-prob tolerances are the run spec's ------------------------------------------------
+
+
+def _with_logprob_tolerances(max_abs: float, mean_abs: float) -> RunSpec:
+    """``SPEC`` with other ``toploc.logprob_*`` tolerances (same tasks, seeds and sampling; another run ID)."""
+    return RunSpec(run=SPEC.run, data=SPEC.data, sampling=SPEC.sampling, rl=SPEC.rl,
+                   toploc=ToplocSpec(logprob_max_abs=max_abs, logprob_mean_abs=mean_abs))
+
+
+def _logprobs_shifted(env: Envelope[Submission], spec: RunSpec, shift: Callable[[int, int], float]) -> Envelope[Submission]:
+    """Rollout 0 with log-prob ``i`` of ``n`` lowered by ``shift(i, n)`` nats, signed by the worker in ``spec``'s run."""
+    lps = unpack_f32(env.body.rollouts[0].logprobs)
+    n = len(lps)
+    rollouts = list(env.body.rollouts)
+    rollouts[0] = rollouts[0].model_copy(update={"logprobs": pack_f32([x - shift(i, n) for i, x in enumerate(lps)])})
+    return open_envelope(seal(WORKER, spec.run_id, env.body.model_copy(update={"rollouts": rollouts})), run_id=spec.run_id, expect=Submission)
+
+
+def test_logprob_tolerances_come_from_the_run_spec(world: World, honest_env: Envelope[Submission]) -> None:
+    """Log-probs off by more than the spec's tolerance are rejected, within it accepted, for
+    non-default ``toploc.logprob_max_abs`` / ``logprob_mean_abs``: the values are the run spec's."""
+    assert (SPEC.toploc.logprob_max_abs, SPEC.toploc.logprob_mean_abs) == (1e-2, 1e-3)  # the defaults
+
+    def check(spec: RunSpec, env: Envelope[Submission]) -> CheckResult:
+        return SubmissionChecker(spec, world.tasks, world.tokenizer, lambda s: world.model, trainer_step=lambda: 0,
+                                 counter_seen=lambda w, c, sid: False).check(env)
+
+    # the last token 0.05 nats off: beyond the default max (0.01), within a run's max of 0.1
+    n = len(unpack_f32(honest_env.body.rollouts[0].logprobs))
+    def last(i: int, count: int) -> float:
+        return 0.05 if i == count - 1 else 0.0
+
+    result = check(SPEC, _logprobs_shifted(honest_env, SPEC, last))
+    assert_rejected(result, {"logprobs"})
+    assert is_cheat(result.reason)
+    assert result.evidence["rollout"] == 0 and result.evidence["position"] == n - 1
+    assert result.evidence["max_abs_diff"] == pytest.approx(0.05, abs=1e-4)
+    loose = _with_logprob_tolerances(0.1, 0.05)
+    assert check(loose, _logprobs_shifted(honest_env, loose, last)).accepted
+    tighter = _with_logprob_tolerances(0.04, 0.04)
+    assert_rejected(check(tighter, _logprobs_shifted(honest_env, tighter, last)), {"logprobs"})
+    # every token 0.005 off: inside the default max, beyond the default mean (0.001); a run with
+    # a mean tolerance of 0.008 accepts it, one with 0.004 does not
+    def every(i: int, count: int) -> float:
+        return 0.005
+
+    result = check(SPEC, _logprobs_shifted(honest_env, SPEC, every))
+    assert_rejected(result, {"logprobs"})
+    assert result.evidence["mean_abs_diff"] == pytest.approx(0.005, abs=1e-4) and "mean" in str(result.evidence["detail"])
+    assert result.evidence["max_abs_diff"] < SPEC.toploc.logprob_max_abs
+    mean_ok = _with_logprob_tolerances(0.01, 0.008)
+    assert check(mean_ok, _logprobs_shifted(honest_env, mean_ok, every)).accepted
+    mean_bad = _with_logprob_tolerances(0.01, 0.004)
+    assert_rejected(check(mean_bad, _logprobs_shifted(honest_env, mean_bad, every)), {"logprobs"})
+    # the unedited submission passes under every one of these runs
+    for spec in (loose, tighter, mean_ok, mean_bad):
+        assert check(spec, _logprobs_shifted(honest_env, spec, lambda i, n: 0.0)).accepted
