@@ -17,6 +17,7 @@ downloads.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -97,8 +98,9 @@ def build_model(config: Any, seed: int = 0) -> Any:
     never changes the model). Built on the CPU.
 
     Args:
-        config: a ``Qwen2Config`` (its attention implementation is set to ``sdpa``, the
-            transformers default here, so every role computes the same forward).
+        config: a ``Qwen2Config``; not changed (the model gets a copy with the attention
+            implementation set to ``sdpa``, the transformers default here, so every role computes
+            the same forward).
         seed: the initialisation seed.
 
     Returns:
@@ -107,6 +109,7 @@ def build_model(config: Any, seed: int = 0) -> Any:
     """
     from transformers import Qwen2ForCausalLM
 
+    config = copy.deepcopy(config)
     config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -47,11 +47,14 @@ def test_same_config_and_seed_build_the_same_tensors_whatever_the_callers_rng(ma
     assert not second.training and second.config._attn_implementation == "sdpa"
 
 
-def test_building_leaves_the_callers_rng_alone():
+def test_building_leaves_the_callers_rng_and_config_alone():
     torch.manual_seed(3)
     state = torch.get_rng_state()
-    build_model(_untied_config(), seed=0)
+    config = _untied_config()
+    config._attn_implementation = "eager"  # e.g. a live policy's config, handed to build a cheap copy
+    build_model(config, seed=0)
     assert torch.equal(torch.get_rng_state(), state)
+    assert config._attn_implementation == "eager"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
