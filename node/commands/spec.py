@@ -45,6 +45,10 @@ def _spec(sub: argparse._SubParsersAction) -> None:
     init.add_argument("--batch-groups", type=int, default=None, help="whole groups per trainer step (default 4)")
     init.add_argument("--old-logprobs", choices=["recompute", "behavior"], default=None,
                       help="GRPO ratio denominator (default recompute, as INTELLECT-2)")
+    init.add_argument("--logprob-max-abs", type=float, default=None,
+                      help="per-token tolerance on reported vs recomputed sampling log-probs, nats (default 0.01; docs/toploc.md §8)")
+    init.add_argument("--logprob-mean-abs", type=float, default=None,
+                      help="tolerance on their mean over a completion, nats, ≤ --logprob-max-abs (default 0.001)")
     init.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     init.set_defaults(handler=_run_spec_init)
     show = ssub.add_parser("show", help="print a run spec and whether its signature holds")
@@ -79,6 +83,7 @@ def _run_spec_init(args: argparse.Namespace) -> int:
         model.update(_describe_base(Path(args.model_base), args.hidden_size))
     sampling = given(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, length_penalty=args.length_penalty,
                      target_lengths=args.target_length or None, rule=args.sampling_rule)
+    toploc = given(logprob_max_abs=args.logprob_max_abs, logprob_mean_abs=args.logprob_mean_abs)
     async_level = rl.get("async_level", rs.RLSpec().async_level)
     shard = {"keep_steps": args.keep_steps if args.keep_steps is not None else async_level + 1}
     if args.piece_size is not None:
@@ -94,13 +99,15 @@ def _run_spec_init(args: argparse.Namespace) -> int:
             model=rs.ModelSpec(**model),
             data=rs.DataSpec(**data),
             sampling=rs.SamplingSpec(**sampling),
+            toploc=rs.ToplocSpec(**toploc),
             rl=rs.RLSpec(**rl),
             shardcast=rs.ShardcastSpec(**shard),
             network=rs.NetworkSpec(bootstrap=args.bootstrap, ingest_urls=args.ingest_url, origin_urls=args.origin_url),
         )
     except ValidationError as e:
         err = e.errors()[0]
-        raise CliError(f"invalid option for {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        where = ".".join(map(str, err["loc"]))
+        raise CliError(f"invalid option{' for ' + where if where else ''}: {err['msg']}") from None
     signed = rs.sign_run_spec(spec, key)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, rs.dump_run_spec(signed).encode())
