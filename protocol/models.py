@@ -22,6 +22,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import shutil
 import string
 from collections.abc import Mapping
@@ -349,12 +350,9 @@ def base_hash(model_dir: Path) -> str:
     h = hashlib.sha256(BASE_HASH_DOMAIN)
     for f in files:
         name = f.name.encode("utf-8")
-        content = hashlib.sha256()
-        size = 0
         with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                content.update(chunk)
-                size += len(chunk)
+            size = os.fstat(fh.fileno()).st_size
+            content = hashlib.file_digest(fh, "sha256")
         h.update(len(name).to_bytes(4, "big") + name + size.to_bytes(8, "big") + content.digest())
     return h.hexdigest()
 

@@ -1,10 +1,13 @@
 """The coordinator: ingest + Shardcast origin on one HTTP port, gossip, and the training loop.
 
-Rank 0 runs the services on the asyncio loop and the trainer in a worker thread; with
-``torchrun --nproc-per-node N`` the other ranks run :func:`follow_rank` (collectives only). Each
-trainer step: wait for a batch of validator-accepted, fresh, whole groups → GRPO step → write the
-policy as safetensors → publish it into the origin store (signed manifest) → announce it on
-gossip → save the training state → retire the consumed rollouts (``docs/trainer.md``).
+Every rank runs the same loop (:func:`trainer.loop.run_training`); rank 0 also serves: its
+:class:`Coordinator` runs the services on the asyncio loop and the loop in a worker thread, and
+is the loop's hooks (batches from the rollout buffer, publishing, logging). With
+``torchrun --nproc-per-node N`` the other ranks run :func:`follow_rank`: the same trainer, built
+the same way, and the same loop without hooks. Each trainer step: wait for a batch of
+validator-accepted, fresh, whole groups (``trainer/buffer.py``) → GRPO step → write the policy as
+safetensors → publish it into the origin store (signed manifest) → announce it on gossip → save
+the training state → retire the consumed rollouts (``docs/trainer.md``).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from aiohttp import web
 
 from node.coordinator.base import prepare_base
 from node.coordinator.evaluate import EvalResult, eval_row, evaluate
-from node.coordinator.recheck import CoordinatorRecheck
 from node.coordinator.probe import PROBE_TASKS, SignalProbe, no_signal_advice, probe_learning_signal
+from node.coordinator.recheck import CoordinatorRecheck
 from node.engine.hf import TransformersEngine
 from node.http_server import start_site
 from node.p2p import GossipConfig, GossipNode
@@ -33,20 +36,21 @@ from node.retry import FailureLog
 from node.shardcast import ShardcastServer, ShardcastStore, publish_checkpoint
 from node.web.runpage import RunPage
 from protocol.dataset import resolve_tasks
-from protocol.envelope import Envelope, open_envelope, seal
+from protocol.envelope import Envelope, seal
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
-from protocol.messages import CheckpointAnnouncement, Submission, Verdict
+from protocol.messages import CheckpointAnnouncement, Verdict
 from protocol.models import load_model, load_tokenizer
 from protocol.runspec import SignedRunSpec
-from protocol.window import oldest_fresh_step
-from trainer.batch import Batch, RolloutRecord, assemble_batch, records_from_submission
-from trainer.distributed import DistContext, broadcast_batch
+from trainer.batch import Batch
+from trainer.buffer import RolloutBuffer
+from trainer.checkpoint import write_base_policy
+from trainer.distributed import DistContext
 from trainer.errors import NotEnoughRolloutsError, TrainerError
 from trainer.ingest import BanBook, SubmissionStore
 from trainer.ingest.service import IngestService, error_middleware
-from trainer.checkpoint import write_base_policy
-from trainer.train import Trainer, TrainerConfig
+from trainer.loop import LoopPaths, run_training, torch_dtype
+from trainer.train import StepMetrics, Trainer, TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +126,7 @@ class Coordinator:
         self.busy_s = 0.0
         self.started_s = time.monotonic()
         self.broadcast_s: dict[int, float] = {}
-        self._records: dict[str, list[RolloutRecord]] = {}
-        self._consumed_groups: set[tuple[str, int]] = set()
+        self.buffer = RolloutBuffer(self.store, signed.run_id, self.spec.rl)
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -144,17 +147,12 @@ class Coordinator:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.state = "preparing the base model"
-        base = await asyncio.to_thread(prepare_base, self.spec, self.tasks, self.data_dir / "base")
+        self.trainer, base, self.tokenizer, pos = await asyncio.to_thread(build_trainer, self.signed, self.tasks, self.data_dir, self.ctx,
+                                                                          resume=self.options.resume)
         self.base_dir = base
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, base)
-        model = await asyncio.to_thread(load_model, base)
-        cfg = TrainerConfig.from_spec(self.spec)
-        cfg = TrainerConfig(**{**cfg.__dict__, "pad_token_id": int(self.tokenizer.pad_token_id or 0)})
-        self.trainer = Trainer(model, cfg, self.ctx)
-        if self.options.resume and (self.data_dir / "state" / "latest").exists():
-            pos = await asyncio.to_thread(self.trainer.load_state, self.data_dir / "state")
-            self._consumed_groups = {(k, int(s)) for k, s in pos.get("consumed_groups", [])}
-            n = self.store.unconsume_after(self.trainer.step)
+        model = self.trainer.model
+        if pos is not None:
+            n = self.buffer.restore(pos, self.trainer.step)
             logger.info("resumed at step %d; %d submissions from later steps trainable again", self.trainer.step, n)
         self.origin = await asyncio.to_thread(
             ShardcastStore, self.data_dir / "origin", run_id=self.signed.run_id, authorities=self.spec.authorities,
@@ -167,6 +165,7 @@ class Coordinator:
             trainer_step=lambda: self.trainer.step if self.trainer else 0,
             latest_policy_step=lambda: self.published_step,
             on_verdict=self._verdict_applied, on_ban=self._gossip_bans, status_extra=self._status_extra,
+            on_stored=self.buffer.note_stored,  # the verified body goes on: the buffer does not verify it again
             # a validator's cheat verdict bans only once this independent re-check reproduces it
             recheck=CoordinatorRecheck(self.spec, self.signed.run_id, self.tasks.train, lambda: self.tokenizer, self._policy_dir,
                                        by=self.key.peer_id, device=self.options.device),
@@ -206,7 +205,7 @@ class Coordinator:
             self.gossip.on_verdict(self._apply_gossip_verdict)
             self.run_page.attach_gossip(self.gossip)
         await self.run_page.start()
-        await asyncio.to_thread(self._publish_current)
+        await asyncio.to_thread(self._publish_start)
         if self.trainer.step == 0:
             cfg = getattr(model, "config", None)
             self._log_metrics({"event": "run", "tasks": self.spec.data.tasks, "tasks_hash": self.tasks.hash,
@@ -263,51 +262,49 @@ class Coordinator:
 
     def _train_loop(self) -> None:
         assert self.trainer is not None
-        while not self._stop.is_set():
-            if self.options.max_steps is not None and self.trainer.step >= self.options.max_steps:
-                break
-            batch = self._wait_for_batch()
-            if batch is None:
-                break
-            if self.ctx.distributed:
-                _control(self.ctx, go=True)
-                broadcast_batch(batch, self.ctx)
-            t0 = time.monotonic()
-            m = self.trainer.train_step(batch)
-            self.busy_s += time.monotonic() - t0
-            self._publish_current()
-            state_dir = self.data_dir / "state"
-            self._consumed_groups.update(batch.consumed_groups)
-            retired = self._retire(batch)
-            self.trainer.save_state(state_dir, {"consumed_groups": sorted([list(k) for k in self._consumed_groups])})
-            self.store.mark_consumed(retired, self.trainer.step)
-            for sid in retired:
-                self._records.pop(sid, None)
-            row = {"event": "step", **m.as_dict(), "utilization": self.utilization(), "broadcast_s": self.broadcast_s.get(self.trainer.step),
-                   "wall_s": round(time.monotonic() - self.started_s, 3), "verdicts": self.store.verdict_reasons(),
-                   "banned": len(self.bans.entries())}
-            self._log_metrics(row)
-            self.last_step = {k: row[k] for k in ("step", "reward_mean", "pass_rate", "loss", "staleness", "tokens_per_s", "mismatch_kl",
-                                                  "is_ratio_mean", "is_ratio_min", "is_ratio_max", "clipped_frac")}
-            for name, value in (("step", m.step), ("reward_mean", m.reward_mean), ("pass_rate", m.pass_rate), ("loss", m.loss),
-                                ("grad_norm", m.grad_norm), ("clipped_frac", m.clipped_frac), ("entropy", m.entropy_mean),
-                                ("tokens_per_s", m.tokens_per_s), ("utilization", self.utilization()), ("mismatch_kl", m.mismatch_kl)):
-                self.m_train[name].set(value)
-            logger.info("step %d: reward %.3f pass %.3f loss %.4f grad %.3f (%d groups, staleness %s)", m.step, m.reward_mean,
-                        m.pass_rate, m.loss, m.grad_norm, m.num_groups, m.staleness, extra={"step": m.step})
-            self.console.print(
-                f"[bold]step {m.step}[/bold]  reward {m.reward_mean:.3f}  pass {m.pass_rate:.3f}  loss {m.loss:+.4f}  "
-                f"grad {m.grad_norm:.3f}  clipped {m.clipped_frac:.3f}  entropy {m.entropy_mean:.3f}  mismatch KL {m.mismatch_kl:.4f}  "
-                f"ratio {m.is_ratio_min:.2f}-{m.is_ratio_max:.2f}  {m.tokens_per_s:.0f} tok/s  "
-                f"staleness {m.staleness}  utilization {self.utilization():.2f}",
-                highlight=False,
-            )
-            if self.options.eval_every and self.trainer.step % self.options.eval_every == 0 and self.options.eval_samples:
-                state, self.state = self.state, f"evaluating policy step {self.trainer.step} on held-out tasks"
-                self._evaluate_and_log()
-                self.state = state
-        if self.ctx.distributed:
-            _control(self.ctx, go=False)
+        paths = LoopPaths(policies=self.data_dir / "policies", state=self.data_dir / "state", base=self.base_dir)
+        run_training(self.trainer, self.ctx, paths, publish_every=self.spec.rl.publish_every, dtype=torch_dtype(self.spec.model.dtype),
+                     hooks=self, stop=self._stop, max_steps=self.options.max_steps)
+
+    # --- the loop's hooks (trainer.loop.StepHooks; training thread, never a collective) ----------
+
+    def next_batch(self) -> Batch | None:
+        """Block until the buffer fills the next step's batch; ``None`` on stop or batch timeout."""
+        return self._wait_for_batch()
+
+    def position(self) -> dict[str, Any]:
+        return self.buffer.position()
+
+    def published(self, step: int, files: list[Path]) -> None:
+        self._publish(step, files)
+
+    def step_done(self, batch: Batch, m: StepMetrics) -> None:
+        assert self.trainer is not None
+        self.busy_s += m.step_time_s
+        self.buffer.retire(self.buffer.consume(batch), self.trainer.step)
+        row = {"event": "step", **m.as_dict(), "utilization": self.utilization(), "broadcast_s": self.broadcast_s.get(self.trainer.step),
+               "wall_s": round(time.monotonic() - self.started_s, 3), "verdicts": self.store.verdict_reasons(),
+               "banned": len(self.bans.entries())}
+        self._log_metrics(row)
+        self.last_step = {k: row[k] for k in ("step", "reward_mean", "pass_rate", "loss", "staleness", "tokens_per_s", "mismatch_kl",
+                                              "is_ratio_mean", "is_ratio_min", "is_ratio_max", "clipped_frac")}
+        for name, value in (("step", m.step), ("reward_mean", m.reward_mean), ("pass_rate", m.pass_rate), ("loss", m.loss),
+                            ("grad_norm", m.grad_norm), ("clipped_frac", m.clipped_frac), ("entropy", m.entropy_mean),
+                            ("tokens_per_s", m.tokens_per_s), ("utilization", self.utilization()), ("mismatch_kl", m.mismatch_kl)):
+            self.m_train[name].set(value)
+        logger.info("step %d: reward %.3f pass %.3f loss %.4f grad %.3f (%d groups, staleness %s)", m.step, m.reward_mean,
+                    m.pass_rate, m.loss, m.grad_norm, m.num_groups, m.staleness, extra={"step": m.step})
+        self.console.print(
+            f"[bold]step {m.step}[/bold]  reward {m.reward_mean:.3f}  pass {m.pass_rate:.3f}  loss {m.loss:+.4f}  "
+            f"grad {m.grad_norm:.3f}  clipped {m.clipped_frac:.3f}  entropy {m.entropy_mean:.3f}  mismatch KL {m.mismatch_kl:.4f}  "
+            f"ratio {m.is_ratio_min:.2f}-{m.is_ratio_max:.2f}  {m.tokens_per_s:.0f} tok/s  "
+            f"staleness {m.staleness}  utilization {self.utilization():.2f}",
+            highlight=False,
+        )
+        if self.options.eval_every and self.trainer.step % self.options.eval_every == 0 and self.options.eval_samples:
+            state, self.state = self.state, f"evaluating policy step {self.trainer.step} on held-out tasks"
+            self._evaluate_and_log()
+            self.state = state
 
     def _wait_for_batch(self) -> Batch | None:
         assert self.trainer is not None
@@ -315,10 +312,8 @@ class Coordinator:
         t0 = time.monotonic()
         last_reason = ""
         while not self._stop.is_set():
-            records = self._fresh_records(oldest_fresh_step(step, self.spec.rl.async_level))
             try:
-                batch = assemble_batch(records, step=step, async_level=self.spec.rl.async_level, group_size=self.spec.rl.group_size,
-                                       num_groups=self.spec.rl.batch_groups, adv_eps=self.spec.rl.adv_eps)
+                batch = self.buffer.next_batch(step)
                 self.wait_reason = None
                 self._wait_log.recovered(f"batch for step {step} filled")
                 return batch
@@ -340,58 +335,35 @@ class Coordinator:
             self._stop.wait(WAIT_POLL_S)
         return None
 
-    def _fresh_records(self, min_policy_step: int) -> list[RolloutRecord]:
-        out: list[RolloutRecord] = []
-        # freshest policy first: the batch stays as close to on-policy as the workers allow;
-        # older groups wait and are retired once they fall out of the async window
-        subs = sorted(self.store.accepted_unconsumed(min_policy_step), key=lambda s: -s.policy_step)
-        for sub in subs:
-            recs = self._records.get(sub.id)
-            if recs is None:
-                try:
-                    env = open_envelope(self.store.read(sub.id), run_id=self.signed.run_id, expect=Submission)
-                    recs = records_from_submission(env.body, sub.id)
-                except (OSError, ProtocolError, TrainerError) as e:
-                    logger.warning("cannot train on submission %s: %s", sub.id[:12], e)
-                    self.store.mark_consumed([sub.id], -2)
-                    continue
-                self._records[sub.id] = recs
-            out.extend(r for r in recs if r.group_key not in self._consumed_groups)
-        return out
-
-    def _retire(self, batch: Batch) -> list[str]:
-        """Submissions all of whose groups are now consumed."""
-        done = []
-        for sid in batch.consumed_submission_ids:
-            recs = self._records.get(sid, [])
-            if all(r.group_key in self._consumed_groups for r in recs):
-                done.append(sid)
-        self._consumed_groups.difference_update({r.group_key for sid in done for r in self._records.get(sid, [])})
-        return done
-
-    def _publish_current(self) -> None:
-        """Write the current policy, publish it into the origin store and announce it (rank 0)."""
+    def _publish_start(self) -> None:
+        """At start: policy 0 is the base as it is (no gather); on resume, the saved step's policy is
+        already in the origin and is announced again."""
         assert self.trainer is not None and self.origin is not None
         step = self.trainer.step
-        if step <= self.published_step or (step % self.spec.rl.publish_every and step != 0):
-            return
-        t0 = time.monotonic()
-        if self.origin.manifest(step) is None:
-            out = self.data_dir / "policies" / f"step-{step}"
+        if self.origin.manifest(step) is not None:
+            self._publish(step, [])
+        elif step == 0 and self.base_dir is not None:
+            out = self.data_dir / "policies" / "step-0"
             shutil.rmtree(out, ignore_errors=True)
-            if step == 0 and self.base_dir is not None:
-                # the base model is policy 0 as it is: no collective gather needed
-                files = write_base_policy(self.base_dir, out)
-            else:
-                files = self.trainer.save_checkpoint(out, dtype=_torch_dtype(self.spec.model.dtype), base_dir=self.base_dir)
+            self._publish(0, write_base_policy(self.base_dir, out))
+        else:
+            raise TrainerError(f"resumed at step {step} but the origin store holds no policy of that step")
+
+    def _publish(self, step: int, files: list[Path]) -> None:
+        """Publish the policy of ``step`` written to ``files`` into the origin store (signed manifest,
+        and a delta from the previous published step for bf16 policies) and announce it. A step the
+        origin already holds (a resume after it was published) is announced as it went out."""
+        assert self.origin is not None
+        t0 = time.monotonic()
+        env = self.origin.manifest(step)
+        if env is None:
             # bf16 policies also go out as a delta from the previous published step (docs/shardcast.md §9)
             deltas = self.spec.model.dtype == "bfloat16" and self.spec.shardcast.max_delta_chain > 0 and self.published_step >= 0
             env = publish_checkpoint(self.origin, files, step=step, key=self.key, piece_size_bytes=self.spec.shardcast.piece_size_bytes,
                                      delta_from=self.published_step if deltas else None)
             self._prune_policies(step)
-        else:
-            env = self.origin.manifest(step)
-            assert env is not None
+        elif files:
+            logger.warning("policy step %d was published before a restart; its manifest stays as it went out", step)
         self.published_step = step
         self.broadcast_s[step] = time.monotonic() - t0
         if self.run_page is not None:
@@ -511,42 +483,50 @@ class Coordinator:
             f.write(json.dumps(row, default=_json_default) + "\n")
 
 
-def _control(ctx: DistContext, *, go: bool) -> bool:
-    """Collective: rank 0 tells the other ranks whether another step follows."""
-    import torch
+def build_trainer(signed: SignedRunSpec, tasks: Any, data_dir: Path, ctx: DistContext, *,
+                  resume: bool = False) -> tuple[Trainer, Path, Any, dict[str, Any] | None]:
+    """The trainer every rank builds the same way: base model (``node/coordinator/base.py``; ranks
+    > 0 prepare their own copy, the weights come from rank 0 when sharding), tokenizer's pad ID,
+    the spec's trainer config, and the saved state when resuming. Collective when distributed.
+
+    Returns:
+        ``(trainer, base directory, tokenizer, data position)``; the position is ``None`` unless a
+        state was loaded (and ``{}`` on ranks > 0).
+    """
+    spec = signed.spec
+    if ctx.distributed and not ctx.is_main:
+        _barrier()  # rank 0 builds (or finds) the machine-wide cached base first; the others copy it
+    base = prepare_base(spec, tasks, Path(data_dir) / ("base" if ctx.is_main else f"base-rank{ctx.rank}"))
+    if ctx.distributed and ctx.is_main:
+        _barrier()
+    tokenizer = load_tokenizer(base)
+    cfg = TrainerConfig.from_spec(spec)
+    cfg = TrainerConfig(**{**cfg.__dict__, "pad_token_id": int(tokenizer.pad_token_id or 0)})
+    trainer = Trainer(load_model(base), cfg, ctx)
+    pos = None
+    if resume and (Path(data_dir) / "state" / "latest").exists():
+        pos = trainer.load_state(Path(data_dir) / "state")
+    return trainer, base, tokenizer, pos
+
+
+def _barrier() -> None:
     import torch.distributed as dist
 
-    flag = torch.tensor([1 if go else 0], dtype=torch.long, device=ctx.device)
-    dist.broadcast(flag, src=0)
-    return bool(flag.item())
+    dist.barrier()
 
 
 def follow_rank(signed: SignedRunSpec, data_dir: Path, ctx: DistContext, *, resume: bool = False, data_root: Path | None = None) -> None:
-    """Ranks > 0 under torchrun: join every collective of rank 0's loop (train, gather, save).
+    """Ranks > 0 under torchrun: the trainer built as on rank 0 (:func:`build_trainer`) and the same
+    loop (:func:`trainer.loop.run_training`) without hooks; it ends when rank 0's does.
 
     ``data_root`` is the directory of the public task sets (``--data-root``), needed for a named
     ``data.tasks`` exactly as on rank 0.
     """
     spec = signed.spec
     tasks = resolve_tasks(spec.data.tasks, data_root, spec.data.tasks_hash)
-    base = prepare_base(spec, tasks, Path(data_dir) / f"base-rank{ctx.rank}")
-    trainer = Trainer(load_model(base), TrainerConfig.from_spec(spec), ctx)
-    state = Path(data_dir) / "state"
-    if resume and (state / "latest").exists():
-        trainer.load_state(state)
-    while _control(ctx, go=False):
-        batch = broadcast_batch(None, ctx)
-        trainer.train_step(batch)
-        if trainer.step % spec.rl.publish_every == 0:
-            trainer.save_checkpoint(Path(data_dir) / "policies" / f"step-{trainer.step}", dtype=_torch_dtype(spec.model.dtype))
-        trainer.save_state(state, {})
-
-
-def _torch_dtype(name: str) -> Any:
-    """The torch dtype of the run spec's ``model.dtype`` (``float32`` or ``bfloat16``)."""
-    import torch
-
-    return torch.bfloat16 if name == "bfloat16" else torch.float32
+    trainer, base, _, _ = build_trainer(signed, tasks, data_dir, ctx, resume=resume)
+    paths = LoopPaths(policies=Path(data_dir) / "policies", state=Path(data_dir) / "state", base=base)
+    run_training(trainer, ctx, paths, publish_every=spec.rl.publish_every, dtype=torch_dtype(spec.model.dtype), hooks=None)
 
 
 def _json_default(o: Any) -> Any:

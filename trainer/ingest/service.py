@@ -146,6 +146,8 @@ class IngestService:
         on_verdict: called with a verdict envelope's bytes after it decided a submission, and
             whether it still needs gossiping (``False`` when it arrived on gossip).
         on_ban: called with the new ban-list envelope bytes after a ban (to gossip it).
+        on_stored: called with a new submission's ID and its verified body once it is durable
+            (the coordinator's rollout buffer keeps it, so the envelope is verified once).
         status_extra: callable adding fields to ``/status``.
         limits: :class:`IngestLimits`.
         recheck: the coordinator's independent re-check of a submission (:data:`Recheck`), run
@@ -163,6 +165,7 @@ class IngestService:
         latest_policy_step: Callable[[], int],
         on_verdict: Callable[[bytes, bool], None] | None = None,
         on_ban: Callable[[bytes], None] | None = None,
+        on_stored: Callable[[str, Submission], None] | None = None,
         status_extra: Callable[[], dict[str, Any]] | None = None,
         limits: IngestLimits | None = None,
         recheck: Recheck | None = None,
@@ -177,6 +180,7 @@ class IngestService:
         self.latest_policy_step = latest_policy_step
         self.on_verdict = on_verdict
         self.on_ban = on_ban
+        self.on_stored = on_stored
         self.status_extra = status_extra
         self.limits = limits or IngestLimits()
         self.recheck = recheck
@@ -323,6 +327,8 @@ class IngestService:
         self.m_latency.observe(time.perf_counter() - t0)
         self.m_bytes.inc(len(data))
         self.m_submissions.labels("stored").inc()
+        if self.on_stored:
+            self.on_stored(sid, sub)
         logger.info("stored submission %s from %s (step %d, %d rollouts)", sid[:12], sub.worker, sub.policy_step, len(sub.rollouts),
                     extra={"peer_id": sub.worker, "step": sub.policy_step})
         return web.json_response({"id": sid, "stored": True})

@@ -350,7 +350,7 @@ class SubmissionStore:
         with self._lock:
             rows = self._db.execute(
                 "SELECT id, worker, policy_step, counter, n_rollouts, size_bytes, received_ms, state, reason FROM submissions"
-                " WHERE state = 'accepted' AND consumed_step < 0 AND policy_step >= ? ORDER BY seq",
+                " WHERE state = 'accepted' AND consumed_step = -1 AND policy_step >= ? ORDER BY seq",
                 (min_policy_step,),
             ).fetchall()
         return [StoredSubmission(*r) for r in rows]
