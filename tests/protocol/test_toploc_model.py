@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from protocol import sampling, toploc
+from protocol.models import build_model
 from protocol.runspec import ToplocSpec
 
 transformers = pytest.importorskip("transformers")
@@ -44,8 +45,7 @@ def _model(seed: int, layers: int = 3) -> torch.nn.Module:
         tie_word_embeddings=False,
         pad_token_id=PAD,
     )
-    torch.manual_seed(seed)
-    return transformers.Qwen2ForCausalLM(cfg).eval()
+    return build_model(cfg, seed=seed)
 
 
 @contextmanager
