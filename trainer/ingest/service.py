@@ -313,17 +313,27 @@ class IngestService:
             raise _error("stale_policy", f"policy step {sub.policy_step} outside the window [{lo}, {hi}]")
         await self._retire()
         sid = env.id.hex()
+        # Admission is one step of the event loop (no await inside): the checks see every earlier
+        # admitted submission, durable or still being written (the store counts staged ones), and
+        # this one is counted before the next request is checked. The durable write happens after,
+        # group-committed with whatever else is being stored (trainer/ingest/store.py).
         async with self._admit:
             existing = self.store.get(sid)
             if existing is not None:
                 self.m_submissions.labels("duplicate").inc()
                 return web.json_response({"id": sid, "stored": False, "duplicate": True, "state": existing.state})
-            if self.store.counter_used(sub.worker, sub.counter, sid):
-                self.m_submissions.labels("replay").inc()
-                raise _error("replay", f"worker {sub.worker} already submitted counter {sub.counter} in another submission")
-            self._check_quotas(sub.worker, ip, len(data))
+            if not self.store.storing(sid):  # the same bytes already being stored: a duplicate, answered when they are durable
+                if self.store.counter_used(sub.worker, sub.counter, sid):
+                    self.m_submissions.labels("replay").inc()
+                    raise _error("replay", f"worker {sub.worker} already submitted counter {sub.counter} in another submission")
+                self._check_quotas(sub.worker, ip, len(data))
             t0 = time.perf_counter()
-            await asyncio.to_thread(self.store.add, env, None, ip)
+            durable = self.store.submit(env, None, ip)
+        # the answer waits for this submission's group commit: a 200 means it survives a crash
+        if not await asyncio.wrap_future(durable):
+            existing = self.store.get(sid)
+            self.m_submissions.labels("duplicate").inc()
+            return web.json_response({"id": sid, "stored": False, "duplicate": True, "state": existing.state if existing else "pending"})
         self.m_latency.observe(time.perf_counter() - t0)
         self.m_bytes.inc(len(data))
         self.m_submissions.labels("stored").inc()

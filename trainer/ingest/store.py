@@ -1,11 +1,23 @@
 """Durable submission store: envelope files plus a SQLite index.
 
-Write path of :meth:`SubmissionStore.add` (the ingest acknowledges only after it returns):
-write ``<id>.sub`` with :func:`protocol.durable.atomic_write` (temporary file, ``fsync``, rename
-into place, ``fsync`` the directory), then insert the index row in a SQLite transaction (WAL,
-``synchronous=FULL``). A crash before the row commits leaves an orphan file that :meth:`recover`
-re-indexes on start, so an acknowledged submission is never lost and an unacknowledged one is at
-worst accepted late.
+Write path (group commit; the ingest acknowledges a submission only once its future resolves):
+
+1. :meth:`SubmissionStore.submit` reserves the submission in memory at once (so
+   :meth:`usage` and :meth:`counter_used` count it from that instant: quotas and replay
+   protection stay exact while it is written) and hands it to a writer thread;
+2. a writer thread writes ``<id>.sub`` with :func:`protocol.durable.atomic_write` without the
+   directory flush (temporary file, ``fsync``, rename into place) — several files at once;
+3. the commit thread takes every written submission waiting for it, flushes the directory
+   once for all of them (the renames are durable) and inserts all their index rows in one SQLite
+   transaction (WAL, ``synchronous=FULL``: the commit returns once the WAL is on stable
+   storage); only then does each one's future resolve. Submissions written while a commit runs
+   wait for the next one, so under load one directory ``fsync`` and one WAL ``fsync`` serve a
+   whole group instead of every submission.
+
+The ordering per submission is the one a single durable write had (file data, rename, directory,
+index row, then the answer), so an acknowledged submission survives a crash or a power cut. A
+crash before the row commits leaves an orphan file that :meth:`recover` re-indexes on start, so an
+unacknowledged one is at worst accepted late.
 
 States: ``pending`` → (leased to a validator for ``lease_s``) → ``accepted`` | ``rejected``.
 The trainer reads accepted submissions in arrival order and marks them ``consumed`` only when the
@@ -24,10 +36,11 @@ import logging
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from protocol.durable import atomic_write
+from protocol.durable import atomic_write, fsync_dir
 from protocol.envelope import Envelope, open_envelope
 from protocol.errors import ProtocolError
 from protocol.messages import Submission
@@ -105,10 +118,34 @@ class StoredSubmission:
     reason: str
 
 
+@dataclass
+class _Staged:
+    """A submission admitted but not yet committed: counted by the quotas, not yet visible to readers."""
+
+    sid: str
+    worker: str
+    policy_step: int
+    counter: int
+    n_rollouts: int
+    size_bytes: int
+    received_ms: int
+    source_ip: str
+    raw: bytes
+    future: Future[bool] = field(default_factory=Future)
+    admitted: int = 0  # admission number: a group is indexed in admission order
+
+
+WRITERS = 8
+"""Submission files written and flushed (``fsync``) at once: concurrent flushes share the file
+system's journal commits, so a slow disk is waited for once per group, not once per file."""
+
+
 class SubmissionStore:
     """Submissions on disk under ``root``: ``root/submissions/<id>.sub`` and ``root/index.sqlite``.
 
-    Thread-safe (one connection guarded by a lock; SQLite work is milliseconds).
+    Thread-safe (one connection guarded by a lock; SQLite work is milliseconds). Writes are group
+    committed by a writer pool and one commit thread, started on the first :meth:`submit` and
+    stopped by :meth:`close` (which first finishes every submission already submitted).
 
     Args:
         root: directory (created).
@@ -120,7 +157,16 @@ class SubmissionStore:
         self.dir = self.root / "submissions"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the connection and the in-memory tables below
+        self._staged: dict[str, _Staged] = {}  # submitted, not yet committed (by submission ID)
+        self._written: list[_Staged] = []  # files durable and renamed, waiting for the commit thread
+        self._wake = threading.Condition(self._lock)  # the commit thread waits here for written files
+        self._admitted = 0
+        self._writers: ThreadPoolExecutor | None = None
+        self._committer: threading.Thread | None = None
+        self._closing = False
+        self.commits = {"groups": 0, "submissions": 0, "largest_group": 0}
+        """Group commits done, submissions they committed, and the most in one (for benchmarks)."""
         self._db = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
@@ -134,13 +180,24 @@ class SubmissionStore:
         self.recover()
 
     def close(self) -> None:
+        """Finish every submitted write (their futures resolve), stop the threads, close the index."""
+        with self._lock:
+            self._closing = True
+            self._wake.notify_all()
+            writers, committer = self._writers, self._committer
+        if writers is not None:
+            writers.shutdown(wait=True)  # every written file reaches _written
+        if committer is not None:
+            with self._lock:
+                self._wake.notify_all()
+            committer.join()
         with self._lock:
             self._db.close()
 
     # --- write path --------------------------------------------------------------------------
 
     def add(self, env: Envelope[Submission], now_ms: int | None = None, source_ip: str = "") -> bool:
-        """Store a verified submission durably.
+        """Store a verified submission durably (blocking until it is; see :meth:`submit`).
 
         Args:
             env: the verified envelope (its raw bytes are what is stored).
@@ -149,24 +206,122 @@ class SubmissionStore:
 
         Returns:
             ``True`` if stored now, ``False`` if this exact envelope was already stored (idempotent).
+
+        Raises:
+            OSError, sqlite3.Error: the write or the commit failed; nothing was stored.
+        """
+        return self.submit(env, now_ms, source_ip).result()
+
+    def submit(self, env: Envelope[Submission], now_ms: int | None = None, source_ip: str = "") -> Future[bool]:
+        """Start storing a verified submission; its future resolves once it is durable.
+
+        Returns at once (no I/O in the calling thread, so the event loop may call it). From the
+        moment it returns, the submission counts in :meth:`usage` and :meth:`counter_used`; it
+        becomes visible to :meth:`get` and every other reader when its group commits, just before
+        the future resolves.
+
+        Args:
+            env: the verified envelope (its raw bytes are what is stored).
+            now_ms: arrival time, ms since the epoch.
+            source_ip: the address it came from (counted in its per-IP quota).
+
+        Returns:
+            A future of ``True`` (stored now and durable: the file, its name and its index row are
+            on stable storage) or ``False`` (this exact envelope was already stored, or is being
+            stored by an earlier call: resolves when that one does). It raises ``OSError`` or
+            ``sqlite3.Error`` if the write or the commit failed (nothing stored) and
+            ``RuntimeError`` if the store is closing.
         """
         sid = env.id.hex()
-        if self.get(sid) is not None:
-            return False
-        path = self.dir / f"{sid}.sub"
-        atomic_write(path, env.raw)
-        self._index(sid, env, now_ms or int(time.time() * 1000), source_ip)
-        return True
-
-    def _index(self, sid: str, env: Envelope[Submission], now_ms: int, source_ip: str = "") -> None:
         body = env.body
+        fut: Future[bool] = Future()
+        fut.set_running_or_notify_cancel()  # nobody can cancel it: the commit thread resolves every future it holds
         with self._lock:
-            seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM submissions").fetchone()[0]
-            self._db.execute(
+            if self._closing:
+                raise RuntimeError("the submission store is closed")
+            earlier = self._staged.get(sid)
+            if earlier is None and self._db.execute("SELECT 1 FROM submissions WHERE id = ?", (sid,)).fetchone():
+                fut.set_result(False)
+                return fut
+            if earlier is not None:  # the same bytes posted twice at once: answer when the first is durable
+                earlier.future.add_done_callback(lambda f: _chain_duplicate(f, fut))
+                return fut
+            item = _Staged(sid, body.worker, body.policy_step, body.counter, len(body.rollouts), len(env.raw),
+                           now_ms or int(time.time() * 1000), source_ip, env.raw, fut, self._admitted)
+            self._admitted += 1
+            self._staged[sid] = item
+            if self._writers is None:
+                self._writers = ThreadPoolExecutor(WRITERS, thread_name_prefix="ingest-write")
+                self._committer = threading.Thread(target=self._commit_loop, name="ingest-commit", daemon=True)
+                self._committer.start()
+            writers = self._writers
+        writers.submit(self._write, item)
+        return fut
+
+    def _write(self, item: _Staged) -> None:
+        """Writer thread: the file durably under its final name; the directory is flushed per group."""
+        try:
+            atomic_write(self.dir / f"{item.sid}.sub", item.raw, sync_dir=False)
+        except Exception as e:  # noqa: BLE001 - whatever failed, the waiting request gets it as its answer
+            with self._lock:
+                self._staged.pop(item.sid, None)
+            item.future.set_exception(e)
+            return
+        with self._lock:
+            self._written.append(item)
+            self._wake.notify()
+
+    def _commit_loop(self) -> None:
+        """Commit thread: one directory ``fsync`` and one SQLite transaction per group of written files."""
+        while True:
+            with self._lock:
+                while not self._written and not (self._closing and not self._staged):
+                    self._wake.wait()
+                if not self._written:
+                    return  # closing and nothing left to commit
+                group, self._written = sorted(self._written, key=lambda i: i.admitted), []
+            try:
+                fsync_dir(self.dir)
+                with self._lock:
+                    self._insert(group)
+                    for item in group:  # visible in the index and gone from the staged table in one step
+                        del self._staged[item.sid]
+                    self.commits["groups"] += 1
+                    self.commits["submissions"] += len(group)
+                    self.commits["largest_group"] = max(self.commits["largest_group"], len(group))
+            except Exception as e:  # noqa: BLE001 - whatever failed, every waiting request gets it as its answer
+                for item in group:  # not acknowledged: drop the files too, so the disk quota stays exact
+                    (self.dir / f"{item.sid}.sub").unlink(missing_ok=True)
+                with self._lock:
+                    for item in group:
+                        self._staged.pop(item.sid, None)
+                logger.error("could not commit %d submissions: %s", len(group), e)
+                for item in group:
+                    item.future.set_exception(e)
+                continue
+            for item in group:
+                item.future.set_result(True)
+
+    def _insert(self, items: list[_Staged]) -> None:
+        """Insert index rows in one transaction, in order (caller holds the lock)."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM submissions").fetchone()[0]
+            rows = []
+            for item in items:
+                seq += 1
+                rows.append((item.sid, item.worker, item.policy_step, item.counter, item.n_rollouts, item.size_bytes, item.received_ms,
+                             seq, item.source_ip))
+            self._db.executemany(
                 "INSERT OR IGNORE INTO submissions (id, worker, policy_step, counter, n_rollouts, size_bytes, received_ms, seq, source_ip)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (sid, body.worker, body.policy_step, body.counter, len(body.rollouts), len(env.raw), now_ms, seq, source_ip),
+                rows,
             )
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
 
     def recover(self) -> int:
         """Index submission files a crash left unindexed; remove stray temporary files.
@@ -174,11 +329,11 @@ class SubmissionStore:
         Returns:
             How many files were re-indexed.
         """
-        n = 0
         for tmp in self.dir.glob("*.tmp"):
             tmp.unlink(missing_ok=True)
         with self._lock:
             known = {row[0] for row in self._db.execute("SELECT id FROM submissions")}
+        found: list[_Staged] = []
         for path in sorted(self.dir.glob("*.sub"), key=lambda p: p.stat().st_mtime):
             sid = path.stem
             if sid in known:
@@ -189,11 +344,14 @@ class SubmissionStore:
                 logger.warning("dropping unreadable stored submission %s: %s", path.name, e)
                 path.unlink(missing_ok=True)
                 continue
-            self._index(sid, env, int(path.stat().st_mtime * 1000))
-            n += 1
-        if n:
-            logger.info("re-indexed %d submissions after an unclean stop", n)
-        return n
+            body = env.body
+            found.append(_Staged(sid, body.worker, body.policy_step, body.counter, len(body.rollouts), len(env.raw),
+                                 int(path.stat().st_mtime * 1000), "", b""))
+        if found:
+            with self._lock:
+                self._insert(found)
+            logger.info("re-indexed %d submissions after an unclean stop", len(found))
+        return len(found)
 
     # --- reads -------------------------------------------------------------------------------
 
@@ -210,22 +368,38 @@ class SubmissionStore:
         return (self.dir / f"{sid}.sub").read_bytes()
 
     def counter_used(self, worker: str, counter: int, exclude_id: str) -> bool:
-        """Whether ``worker`` already has another stored submission with this counter."""
+        """Whether ``worker`` already has another stored submission with this counter (stored or being stored)."""
         with self._lock:
+            if any(s.worker == worker and s.counter == counter and s.sid != exclude_id for s in self._staged.values()):
+                return True
             row = self._db.execute(
                 "SELECT 1 FROM submissions WHERE worker = ? AND counter = ? AND id != ? LIMIT 1", (worker, counter, exclude_id)
             ).fetchone()
         return row is not None
 
     def usage(self, worker: str, source_ip: str) -> Usage:
-        """What one worker, one address and everybody hold: the inputs of the ingest's quotas."""
+        """What one worker, one address and everybody hold: the inputs of the ingest's quotas.
+
+        Submissions still being stored (:meth:`submit`) count as pending and on disk: the staged
+        table and the index are read under one lock, and a group leaves the one as it enters the
+        other, so each submission is counted exactly once.
+        """
         with self._lock:
             w = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size_bytes), 0) FROM submissions WHERE worker = ? AND state = 'pending'",
                                  (worker,)).fetchone()
             ip = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size_bytes), 0) FROM submissions WHERE source_ip = ? AND state = 'pending'",
                                   (source_ip,)).fetchone()
             disk = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size_bytes), 0) FROM submissions WHERE on_disk = 1").fetchone()
-        return Usage(int(w[0]), int(w[1]), int(ip[0]), int(ip[1]), int(disk[0]), int(disk[1]))
+            staged = list(self._staged.values())
+        sw = [s.size_bytes for s in staged if s.worker == worker]
+        si = [s.size_bytes for s in staged if s.source_ip == source_ip]
+        return Usage(int(w[0]) + len(sw), int(w[1]) + sum(sw), int(ip[0]) + len(si), int(ip[1]) + sum(si),
+                     int(disk[0]) + len(staged), int(disk[1]) + sum(s.size_bytes for s in staged))
+
+    def storing(self, sid: str) -> bool:
+        """Whether submission ``sid`` was submitted and is not yet committed (nor failed)."""
+        with self._lock:
+            return sid in self._staged
 
     def lease_pending(self, limit: int, lease_s: float, now_ms: int | None = None) -> list[str]:
         """Hand out up to ``limit`` pending submissions not leased in the last ``lease_s`` seconds.
@@ -417,3 +591,11 @@ class SubmissionStore:
             out.setdefault(worker, {})["trained"] = int(n)
         return out
 
+
+def _chain_duplicate(first: Future[bool], dup: Future[bool]) -> None:
+    """Resolve a duplicate's future when the first copy's does: ``False`` (already stored), or its error."""
+    e = first.exception()
+    if e is not None:
+        dup.set_exception(e)
+    else:
+        dup.set_result(False)
