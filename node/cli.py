@@ -13,9 +13,13 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from node import __version__
 from node.paths import default_key_path
+
+if TYPE_CHECKING:
+    from node.p2p import GossipConfig
 
 Handler = Callable[[argparse.Namespace], int]
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
@@ -63,6 +67,44 @@ def load_key(path: str | None, data_dir: str | None = None, *, create: bool = Fa
         return NodeKey.load_or_create(key_path) if create else NodeKey.load(key_path)
     except KeyFileError as e:
         raise CliError(str(e)) from None
+
+
+def add_gossip_arguments(p: argparse._ActionsContainer, *, off_help: str) -> None:
+    """Add ``--p2p-port``, ``--listen-host``, ``--bootstrap`` and ``--no-gossip`` (read back by :func:`gossip_config`).
+
+    Args:
+        p: the parser or argument group of a command that joins gossip.
+        off_help: what ``--no-gossip`` means for this command (where it gets checkpoints or peers instead).
+    """
+    p.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port (default: any free port)")
+    p.add_argument("--listen-host", default="127.0.0.1", help="interface for libp2p (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                   help="bootstrap peer /ip4/…/tcp/…/p2p/12D3KooW… (repeatable; added to the run spec's)")
+    p.add_argument("--no-gossip", action="store_true", help=off_help)
+
+
+_GOSSIP_FLAGS = {"listen_host": "--listen-host", "p2p_port": "--p2p-port", "bootstrap": "--bootstrap"}
+
+
+def gossip_config(args: argparse.Namespace) -> GossipConfig | None:
+    """The gossip settings the flags of :func:`add_gossip_arguments` ask for; ``None`` with ``--no-gossip``.
+
+    Raises:
+        CliError: a flag out of range (a port above 65535, more than 64 or over-long bootstrap
+            addresses), in one line naming the flag.
+    """
+    if args.no_gossip:
+        return None
+    from pydantic import ValidationError
+
+    from node.p2p import GossipConfig
+
+    try:
+        return GossipConfig(listen_host=args.listen_host, p2p_port=args.p2p_port, bootstrap=args.bootstrap)
+    except ValidationError as e:
+        err = e.errors()[0]
+        flag = _GOSSIP_FLAGS.get(str(err["loc"][0]) if err["loc"] else "", "gossip option")
+        raise CliError(f"invalid {flag}: {err['msg']}") from None
 
 
 # --- entry --------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from node import __version__
+from node.cli import add_gossip_arguments
 from node.paths import default_data_dir
 
 logger = logging.getLogger(__name__)
@@ -32,10 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="HTTP interface for ingest + origin (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, default=0, help="HTTP port (default: any free port, printed at start)")
     p.add_argument("--public-url", default="", help="URL other nodes reach this server at (default http://HOST:PORT)")
-    p.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port (default: any)")
-    p.add_argument("--listen-host", default="127.0.0.1", help="libp2p interface (default 127.0.0.1)")
-    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help="bootstrap peer (repeatable)")
-    p.add_argument("--no-gossip", action="store_true", help="stay off gossip (workers must use the run spec's URLs)")
+    add_gossip_arguments(p, off_help="stay off gossip (workers must use the run spec's URLs)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many trainer steps")
     p.add_argument("--batch-timeout", type=float, default=600.0, help="seconds without a full batch before giving up (default 600)")
     p.add_argument("--eval-samples", type=int, default=8, help="samples per held-out task in evaluations (0: none)")
@@ -53,13 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from node.cli import CliError, load_key, load_spec
+    from node.cli import CliError, gossip_config, load_key, load_spec
     from node.logs import setup_logging
 
     setup_logging(args.verbose, json_lines=args.log_json)
     try:
         signed = load_spec(args.run)
         key = load_key(args.key)
+        gossip = gossip_config(args)
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -72,7 +71,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     from node.coordinator.role import CoordinatorOptions, follow_rank
-    from node.p2p import GossipConfig
     from trainer.distributed import init_distributed
 
     ctx = init_distributed()
@@ -85,7 +83,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: rank {ctx.rank}: {e}", file=sys.stderr)
             return 2
         return 0
-    gossip = None if args.no_gossip else GossipConfig(listen_host=args.listen_host, p2p_port=args.p2p_port, bootstrap=args.bootstrap)
     options = CoordinatorOptions(
         data_dir=data_dir, host=args.host, port=args.http_port, public_url=args.public_url, gossip=gossip, max_steps=args.max_steps,
         resume=args.resume, batch_timeout_s=args.batch_timeout, eval_samples=args.eval_samples, eval_every=args.eval_every,

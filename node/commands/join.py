@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from node.cli import command
+from node.cli import add_gossip_arguments, command
 from node.paths import default_data_dir, default_key_path
 
 
@@ -55,13 +55,7 @@ def _join(sub: argparse._SubParsersAction) -> None:
     worker.add_argument("--adversary", choices=ADVERSARIES, default=None,
                         help="chaos testing only: cheat in this way so validators and bans can be seen working")
     gossip = p.add_argument_group("gossip (libp2p)")
-    gossip.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port (default: any free port)")
-    gossip.add_argument("--listen-host", default="127.0.0.1", help="interface for libp2p (default 127.0.0.1; 0.0.0.0 for all)")
-    gossip.add_argument(
-        "--bootstrap", action="append", default=[], metavar="MULTIADDR",
-        help="bootstrap peer /ip4/…/tcp/…/p2p/12D3KooW… (repeatable; added to the run spec's)",
-    )
-    gossip.add_argument("--no-gossip", action="store_true", help="stay off gossip (follow --upstream only; nothing announced)")
+    add_gossip_arguments(gossip, off_help="stay off gossip (follow --upstream only; nothing announced)")
     p.set_defaults(handler=_run_join)
 
 

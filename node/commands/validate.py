@@ -6,7 +6,7 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from node.cli import CliError, command, load_key, load_spec
+from node.cli import CliError, add_gossip_arguments, command, gossip_config, load_key, load_spec
 from node.paths import default_data_dir
 
 
@@ -22,15 +22,11 @@ def _validate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-root", default=None,
                    help="directory of the public task sets (math/, code/): required when data.tasks names one (gsm8k, gsm8k_train, …)")
     p.add_argument("--device", default="cpu", help="torch device for prefill (cpu, cuda)")
-    p.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port (default: any)")
-    p.add_argument("--listen-host", default="127.0.0.1", help="libp2p interface (default 127.0.0.1)")
-    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help="bootstrap peer (repeatable)")
-    p.add_argument("--no-gossip", action="store_true", help="stay off gossip (checkpoints from the run spec's origin URLs)")
+    add_gossip_arguments(p, off_help="stay off gossip (checkpoints from the run spec's origin URLs)")
     p.set_defaults(handler=_run_validate)
 
 
 def _run_validate(args: argparse.Namespace) -> int:
-    from node.p2p import GossipConfig
     from node.roles import run_until_stopped
     from node.roles.validator import ValidatorNode, ValidatorOptions
 
@@ -42,7 +38,7 @@ def _run_validate(args: argparse.Namespace) -> int:
     if not 0.0 < args.fraction <= 1.0:
         raise CliError("--fraction must be in (0, 1]")
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
-    gossip = None if args.no_gossip else GossipConfig(listen_host=args.listen_host, p2p_port=args.p2p_port, bootstrap=args.bootstrap)
+    gossip = gossip_config(args)
     options = ValidatorOptions(data_dir=data_dir, data_root=Path(args.data_root) if args.data_root else None, gossip=gossip,
                                http_port=args.http_port, fraction=args.fraction, ingest_urls=list(args.ingest_url), device=args.device)
     if not (options.ingest_urls or signed.spec.network.ingest_urls):

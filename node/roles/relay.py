@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from node import __version__
-from node.cli import CliError, load_key, load_spec
+from node.cli import CliError, gossip_config, load_key, load_spec
 from node.errors import NodeError
 from node.p2p import GossipConfig, GossipNode
 from node.p2p.follow import follow_relay
@@ -112,12 +112,7 @@ def run_relay_from_args(args: argparse.Namespace) -> int:
     key = load_key(args.key, str(data_dir), create=True)
     if not 0 <= args.http_port <= 65535:
         raise CliError("--http-port must be 0…65535")
-    gossip = None
-    if not args.no_gossip:
-        try:
-            gossip = GossipConfig(listen_host=args.listen_host, p2p_port=args.p2p_port, bootstrap=args.bootstrap)
-        except ValueError as e:
-            raise CliError(f"invalid gossip option: {e}") from None
+    gossip = gossip_config(args)
     try:
         asyncio.run(
             run_relay(signed, key, data_dir=data_dir, host=args.host, port=args.http_port, upstreams=args.upstream, gossip=gossip,

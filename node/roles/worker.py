@@ -276,18 +276,13 @@ class Worker:
 
 def run_worker_from_args(args: Any) -> int:
     """``join --role worker``: load spec and key, run a :class:`Worker` until SIGINT/SIGTERM."""
-    from node.cli import CliError, load_key, load_spec
+    from node.cli import gossip_config, load_key, load_spec
     from node.paths import default_data_dir
 
     signed = load_spec(args.run)
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     key = load_key(args.key, str(data_dir), create=True)
-    gossip = None
-    if not args.no_gossip:
-        try:
-            gossip = GossipConfig(listen_host=args.listen_host, p2p_port=args.p2p_port, bootstrap=args.bootstrap)
-        except ValueError as e:
-            raise CliError(f"invalid gossip option: {e}") from None
+    gossip = gossip_config(args)
     options = WorkerOptions(
         data_dir=data_dir, engine=args.engine, device=args.device, data_root=Path(args.data_root) if args.data_root else None,
         gossip=gossip, http_port=args.http_port, max_submissions=args.max_submissions, ingest_urls=list(args.ingest_url),

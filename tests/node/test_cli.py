@@ -85,3 +85,17 @@ def test_spec_init_logprob_tolerances(tmp_path):
         bad = cli("spec", "init", "--coordinator-key", str(key), "--out", str(tmp_path / "bad.toml"), *opt)
         assert bad.returncode == 2 and "invalid option" in bad.stderr and "logprob" in bad.stderr, bad.stderr
         assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_bad_gossip_flags_are_one_line_errors_in_every_role(tmp_path):
+    """``join``, ``validate`` and ``intellect-train`` read the gossip flags the same way (node.cli.gossip_config)."""
+    key = tmp_path / "coord"
+    cli("keygen", "--key", str(key))
+    run = tmp_path / "run.toml"
+    assert cli("spec", "init", "--coordinator-key", str(key), "--out", str(run), "--validator",
+               PEER_ID.search(cli("id", "--key", str(key)).stdout).group()).returncode == 0
+    common = ["--run", str(run), "--data-dir", str(tmp_path / "data"), "--p2p-port", "70000"]
+    for args in (["-m", "node", "join", "--role", "worker", *common], ["-m", "node", "join", "--role", "relay", *common],
+                 ["-m", "node", "validate", "--key", str(key), *common], ["-m", "node.train_cli", "--key", str(key), *common]):
+        r = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, check=False)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: invalid --p2p-port: Input should be less than or equal to 65535"], (args, r.stderr)
