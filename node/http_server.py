@@ -130,6 +130,11 @@ def _cap_connections(server: web_server.Server, limits: ServerLimits) -> None:
     server.connection_lost = connection_lost  # type: ignore[method-assign]
 
 
+def http_url(host: str, port: int) -> str:
+    """``http://host:port``, with an IPv6 literal in brackets (``http://[::1]:8700``)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 @dataclass
 class RunningServer:
     """A started server: its runner (``await cleanup()`` to stop) and bound port."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -10,8 +9,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from node.http_server import start_site
-from node.web.assets import RecentErrors, add_page_routes
+from node.http_server import http_url, start_site
+from node.web.assets import RecentErrors, add_status_routes
 
 
 class StatusServer:
@@ -34,33 +33,22 @@ class StatusServer:
         self.port = port
         self._runner: web.AppRunner | None = None
         self.errors = RecentErrors()
-        self._detach_errors: Callable[[], None] | None = None
 
     async def start(self) -> None:
         app = web.Application()
-        app.router.add_get("/status", self._status)
+        add_status_routes(app, self.status, self.errors)
         app.router.add_get("/metrics", self._metrics)
-        add_page_routes(app, "node.html")
-        self._detach_errors = self.errors.install()
         running = await start_site(app, self.host, self.port)  # header timeout, per-IP cap, no compressed bodies
         self._runner, self.port = running.runner, running.port
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return http_url(self.host, self.port)
 
     async def stop(self) -> None:
-        if self._detach_errors is not None:
-            self._detach_errors()
-            self._detach_errors = None
         if self._runner is not None:
-            await self._runner.cleanup()
+            await self._runner.cleanup()  # also detaches self.errors
             self._runner = None
-
-    async def _status(self, request: web.Request) -> web.Response:
-        doc = self.status()
-        doc.setdefault("last_errors", self.errors.snapshot())
-        return web.json_response(doc, dumps=lambda o: json.dumps(o, default=str))
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

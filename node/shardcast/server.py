@@ -72,7 +72,6 @@ class ShardcastServer:
         self.pieces_served = 0
         self.status: Callable[[], dict[str, Any]] | None = None
         self._runner: web.AppRunner | None = None
-        self._detach_errors: Callable[[], None] | None = None
         self._waiters: dict[bytes, list[asyncio.Future[None]]] = {}
 
     def piece_stored(self, piece_id: bytes) -> None:
@@ -111,18 +110,11 @@ class ShardcastServer:
         app.router.add_get(f"{ROUTE_PREFIX}/deltas/{{step}}", self._delta)
         app.router.add_get(f"{ROUTE_PREFIX}/pieces/{{piece_id}}", self._piece)  # GET also answers HEAD
         if self.status is not None:
-            from node.web.assets import RecentErrors, add_page_routes
+            from node.web.assets import RecentErrors, add_status_routes
 
-            app.router.add_get("/status", self._status)
-            add_page_routes(app, "node.html")  # the relay's page at / (polls /status)
-            if self._detach_errors is None:
-                self.errors = RecentErrors()
-                self._detach_errors = self.errors.install()
+            self.errors = RecentErrors()
+            add_status_routes(app, lambda: self.status() if self.status is not None else {}, self.errors)  # the relay's page at /
         return app
-
-    async def _status(self, request: web.Request) -> web.Response:
-        assert self.status is not None
-        return web.json_response({"last_errors": self.errors.snapshot(), **self.status()})
 
     async def start(self) -> None:
         """Bind and start serving."""
@@ -134,9 +126,6 @@ class ShardcastServer:
 
     async def stop(self) -> None:
         """Stop serving and close connections."""
-        if self._detach_errors is not None:
-            self._detach_errors()
-            self._detach_errors = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -144,8 +133,9 @@ class ShardcastServer:
     @property
     def url(self) -> str:
         """Base URL of this server (what clients pass as a source)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        from node.http_server import http_url
+
+        return http_url(self.host, self.port)
 
     async def _held(self, request: web.Request) -> web.Response:
         steps = self.store.steps()

@@ -7,6 +7,7 @@ are served, from memory; nothing is read from a path a request names.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -126,3 +127,36 @@ class RecentErrors(logging.Handler):
         root = logging.getLogger()
         root.addHandler(self)
         return lambda: root.removeHandler(self)
+
+
+def add_status_routes(app: web.Application, status: Callable[[], dict[str, Any]], errors: RecentErrors, page: str = "node.html") -> None:
+    """Serve a node's ``GET /status`` (JSON) and its page at ``GET /`` (which polls ``/status``).
+
+    ``/status`` carries ``last_errors``, the records ``errors`` keeps, unless ``status()`` sets that
+    key itself. ``errors`` is attached to the root logger while ``app`` runs: from its start-up to
+    its clean-up (``AppRunner.setup`` / ``AppRunner.cleanup``), so a server that stops, or fails to
+    bind, leaves no handler behind.
+
+    Args:
+        app: the server's application (before it starts).
+        status: returns the JSON-ready status dict (values JSON cannot hold are sent as ``str``).
+        errors: where this process's last warnings and errors are kept.
+        page: which page ``/`` shows.
+    """
+    root = logging.getLogger()
+
+    async def status_route(request: web.Request) -> web.Response:
+        doc = status()
+        doc.setdefault("last_errors", errors.snapshot())
+        return web.json_response(doc, dumps=lambda o: json.dumps(o, default=str))
+
+    async def attach(_app: web.Application) -> None:
+        root.addHandler(errors)
+
+    async def detach(_app: web.Application) -> None:
+        root.removeHandler(errors)
+
+    app.router.add_get("/status", status_route)
+    add_page_routes(app, page)
+    app.on_startup.append(attach)
+    app.on_cleanup.append(detach)

@@ -3,9 +3,11 @@ step from a relay's held steps."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import aiohttp
+import pytest
 from shardcast_fixtures import make_run, make_store, publish, wait_until, write_checkpoint
 
 from node.commands.status import latest_step
@@ -34,9 +36,36 @@ async def test_relay_status_reports_held_steps(tmp_path):
                 assert r.status == 404  # a plain Shardcast server (the coordinator adds its own /status)
         assert doc["role"] == "relay" and doc["held_steps"] == [0] and doc["latest_step"] == 0
         assert doc["url"] == "http://relay.example:8700" and doc["upstreams"] == [up.url]
+        assert isinstance(doc["last_errors"], list)
+        assert relay.server.errors in logging.getLogger().handlers
     finally:
         await relay.stop()
         await up.stop()
+    assert relay.server.errors not in logging.getLogger().handlers  # detached on stop
+
+
+async def test_a_status_server_that_cannot_bind_leaves_no_log_handler():
+    """The status routes keep this process's last errors only while their server runs (node.web.add_status_routes)."""
+    from prometheus_client import CollectorRegistry
+
+    from node.status_http import StatusServer
+
+    first = StatusServer(lambda: {"role": "worker"}, CollectorRegistry())
+    await first.start()
+    try:
+        second = StatusServer(lambda: {"role": "worker"}, CollectorRegistry(), port=first.port)
+        with pytest.raises(OSError):
+            await second.start()
+        assert second.errors not in logging.getLogger().handlers
+    finally:
+        await first.stop()
+
+
+def test_urls_bracket_ipv6_hosts():
+    from node.http_server import http_url
+
+    assert http_url("127.0.0.1", 8700) == "http://127.0.0.1:8700"
+    assert http_url("::1", 8700) == "http://[::1]:8700"
 
 
 def test_status_latest_step_from_any_peer():
