@@ -89,6 +89,18 @@ def normalise_url(url: str) -> str:
     return url.rstrip("/")
 
 
+def _cool_down(src: SourceState, reason: str, base_s: float, max_s: float, streak: int) -> float:
+    """Keep ``src`` unasked for ``base_s · 2^(streak−1)`` seconds (at most ``max_s``); returns that delay.
+
+    A cool-down never shortens one already running; every one is counted and its reason kept.
+    """
+    delay = min(max_s, base_s * 2 ** (streak - 1))
+    src.cooldown_until = max(src.cooldown_until, time.monotonic() + delay)
+    src.cooldowns += 1
+    src.last_failure = reason
+    return delay
+
+
 class SourcePool:
     """The sources of one fetch (or of a relay's upstream set, which can change at run time).
 
@@ -240,10 +252,7 @@ class SourcePool:
     def record_failure(self, src: SourceState, reason: str) -> None:
         """A transport failure (refused, reset, timeout, 5xx, truncated): cool the source down."""
         src.consecutive_failures += 1
-        delay = min(_MAX_COOLDOWN_S, _BASE_COOLDOWN_S * 2 ** (src.consecutive_failures - 1))
-        src.cooldown_until = max(src.cooldown_until, time.monotonic() + delay)
-        src.cooldowns += 1
-        src.last_failure = reason
+        delay = _cool_down(src, reason, _BASE_COOLDOWN_S, _MAX_COOLDOWN_S, src.consecutive_failures)
         logger.debug("source %s failed (%s); cooling down %.2f s", src.url, reason, delay)
 
     def record_missing(self, src: SourceState, reason: str = "missing") -> None:
@@ -254,10 +263,7 @@ class SourcePool:
         honest relay still filling that step is asked again within seconds.
         """
         src.consecutive_misses += 1
-        delay = min(_MAX_MISS_COOLDOWN_S, _BASE_MISS_COOLDOWN_S * 2 ** (src.consecutive_misses - 1))
-        src.cooldown_until = max(src.cooldown_until, time.monotonic() + delay)
-        src.cooldowns += 1
-        src.last_failure = reason
+        delay = _cool_down(src, reason, _BASE_MISS_COOLDOWN_S, _MAX_MISS_COOLDOWN_S, src.consecutive_misses)
         logger.debug("source %s does not hold what it offered (%s); cooling down %.2f s", src.url, reason, delay)
 
     def record_evidence(self, src: SourceState, reason: str) -> None:

@@ -44,3 +44,28 @@ def test_probation_reserved_origin_slots_and_miss_backoff() -> None:
     assert all(b >= a for a, b in zip(delays, delays[1:], strict=False)), "back-off grows per consecutive miss"
     pool.record_success(r, 1000, 0.01)
     assert r.consecutive_misses == 0
+
+
+def test_failure_and_miss_cool_downs_double_to_their_caps(monkeypatch) -> None:
+    """Transport failures: 0.25 s doubling to 30 s; "not held" misses: 0.5 s doubling to 10 s; a
+    cool-down never shortens one already running (clock frozen, so the delays are exact)."""
+    import node.shardcast.sources as sources
+
+    monkeypatch.setattr(sources.time, "monotonic", lambda: 1000.0)
+    pool = SourcePool(["http://r", "http://m"])
+    r, m = pool.get("http://r"), pool.get("http://m")
+    assert r is not None and m is not None
+    failures = []
+    for i in range(9):
+        pool.record_failure(r, f"refused {i}")
+        failures.append(r.cooldown_until - 1000.0)
+    assert failures == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert (r.cooldowns, r.last_failure) == (9, "refused 8")
+    misses = []
+    for _ in range(6):
+        pool.record_missing(m)
+        misses.append(m.cooldown_until - 1000.0)
+    assert misses == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0]
+    pool.record_success(r, 1000, 0.01)
+    pool.record_failure(r, "reset")  # a new streak starts at 0.25 s but keeps the 30 s already running
+    assert r.cooldown_until - 1000.0 == 30.0 and r.cooldowns == 10
