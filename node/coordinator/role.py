@@ -336,18 +336,21 @@ class Coordinator:
         return None
 
     def _publish_start(self) -> None:
-        """At start: policy 0 is the base as it is (no gather); on resume, the saved step's policy is
-        already in the origin and is announced again."""
+        """At start: policy 0 is the base as it is (no gather). On resume, the newest policy the
+        origin holds up to the saved step is announced again (with ``rl.publish_every`` > 1 the
+        saved step may not have been published: the loop publishes before it saves the state)."""
         assert self.trainer is not None and self.origin is not None
         step = self.trainer.step
-        if self.origin.manifest(step) is not None:
-            self._publish(step, [])
+        held = [s for s in self.origin.held_steps() if s <= step]
+        if held:
+            self._publish(max(held), [])
         elif step == 0 and self.base_dir is not None:
             out = self.data_dir / "policies" / "step-0"
             shutil.rmtree(out, ignore_errors=True)
             self._publish(0, write_base_policy(self.base_dir, out))
         else:
-            raise TrainerError(f"resumed at step {step} but the origin store holds no policy of that step")
+            raise TrainerError(f"resumed at step {step} but the origin store holds no policy up to that step (was {self.data_dir / 'origin'} "
+                               "removed?)")
 
     def _publish(self, step: int, files: list[Path]) -> None:
         """Publish the policy of ``step`` written to ``files`` into the origin store (signed manifest,
