@@ -3,12 +3,23 @@ only on a cheat reproduced by a second independent check, with the evidence in t
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from pathlib import Path
 
 import pytest
-from ingest_attack_helpers import COORD, RUN, SPEC, VALIDATOR, VALIDATOR2, honest_session, post, running_ingest, submission, verdict
+from ingest_attack_helpers import (
+    COORD,
+    RUN,
+    SPEC,
+    VALIDATOR,
+    VALIDATOR2,
+    honest_session,
+    post,
+    running_ingest,
+    submission,
+    verdict,
+    wait_until,
+)
 
 from protocol.envelope import open_envelope
 from protocol.identity import NodeKey
@@ -31,14 +42,6 @@ class Recheck:
         self.calls += 1
         self.done.set()
         return self.result
-
-
-async def wait_until(cond, timeout_s: float = 20.0, what: str = "condition") -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not cond():
-        assert loop.time() < end, f"{what} not reached within {timeout_s} s"
-        await asyncio.sleep(0.02)
 
 
 async def _stored(ing, worker: NodeKey, counter: int = 0) -> bytes:

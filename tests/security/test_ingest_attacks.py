@@ -27,6 +27,7 @@ from ingest_attack_helpers import (
     running_ingest,
     submission,
     verdict,
+    wait_until,
 )
 
 from node.http_server import ServerLimits
@@ -37,14 +38,6 @@ from protocol.messages import LeaseRequest
 from trainer.ingest.service import IngestLimits
 
 SUBMISSIONS = "/ingest/1/submissions"
-
-
-async def wait_until(cond, timeout_s: float = 20.0, what: str = "condition") -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not cond():
-        assert loop.time() < end, f"{what} not reached within {timeout_s} s"
-        await asyncio.sleep(0.02)
 
 
 async def honest_round(url: str, worker: NodeKey, counter: int) -> None:
