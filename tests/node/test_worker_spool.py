@@ -125,17 +125,36 @@ def _submitter(spool: Spool, url: str) -> Submitter:
     return Submitter(spool, [url], timeout_s=5.0, base_backoff_s=0.05, max_backoff_s=0.2)
 
 
+def _record_sleeps(sub: Submitter) -> list[float]:
+    """Make ``sub``'s backoff waits instant and return the list the requested delays go into."""
+    delays: list[float] = []
+
+    async def record(seconds: float) -> None:
+        delays.append(seconds)
+
+    sub._sleep = record  # type: ignore[method-assign]
+    return delays
+
+
+async def _drain(spool: Spool, ingest: Ingest, expect: int) -> tuple[Submitter, list[float]]:
+    """Drain ``spool`` into ``ingest`` with instant backoffs, checking that ``expect`` submissions were
+    settled (acknowledged or refused for good); the closed submitter and the backoff delays it asked for."""
+    async with serve(ingest) as url:
+        sub = _submitter(spool, url)
+        delays = _record_sleeps(sub)
+        try:
+            assert await asyncio.wait_for(sub.drain(deadline_s=60.0), 20.0) == expect
+        finally:
+            await sub.close()
+    return sub, delays
+
+
 async def test_acknowledged_submissions_leave_the_spool(tmp_path: Path) -> None:
     spool = Spool(tmp_path)
     bodies = _fill(spool, 3)
     ingest = Ingest([200])
-    async with serve(ingest) as url:
-        sub = _submitter(spool, url)
-        try:
-            assert await asyncio.wait_for(sub.drain(deadline_s=10.0), 20.0) == 3
-        finally:
-            await sub.close()
-    assert ingest.received == bodies  # in counter order
+    sub, delays = await _drain(spool, ingest, expect=3)
+    assert ingest.received == bodies and delays == []  # in counter order, no backoff
     assert spool.pending() == [] and sub.acked == 3 and not sub.banned
 
 
@@ -147,13 +166,8 @@ async def test_permanent_refusals_remove_for_good(tmp_path: Path, status: int, c
     spool = Spool(tmp_path)
     _fill(spool, 2)
     ingest = Ingest([status], code)
-    async with serve(ingest) as url:
-        sub = _submitter(spool, url)
-        try:
-            assert await asyncio.wait_for(sub.drain(deadline_s=10.0), 20.0) == 2
-        finally:
-            await sub.close()
-    assert ingest.statuses == [status, status]  # each tried once, never retried
+    sub, delays = await _drain(spool, ingest, expect=2)
+    assert ingest.statuses == [status, status] and delays == []  # each tried once, never retried
     assert spool.pending() == [] and sub.acked == 0
     assert sub.refused == {reason: 2}
     assert sub.banned == (status == 403)
@@ -178,35 +192,12 @@ async def test_transient_refusals_keep_the_file_and_retry_with_backoff(tmp_path:
     assert len(delays) == 2 and 0.5 * 0.05 <= delays[0] < 1.5 * 0.05 and 0.5 * 0.1 <= delays[1] < 1.5 * 0.1  # jittered doubling
 
 
-def _record_sleeps(sub: Submitter) -> list[float]:
-    """Make ``sub``'s backoff waits instant and return the list the requested delays go into."""
-    delays: list[float] = []
-
-    async def record(seconds: float) -> None:
-        delays.append(seconds)
-
-    sub._sleep = record  # type: ignore[method-assign]
-    return delays
-
-
-async def _drain_recording_backoffs(spool: Spool, ingest: Ingest) -> tuple[Submitter, list[float]]:
-    """Drain ``spool`` (one submission) into ``ingest`` with instant backoffs; the submitter and the delays it asked for."""
-    async with serve(ingest) as url:
-        sub = _submitter(spool, url)
-        delays = _record_sleeps(sub)
-        try:
-            assert await asyncio.wait_for(sub.drain(deadline_s=60.0), 20.0) == 1
-        finally:
-            await sub.close()
-    return sub, delays
-
-
 async def test_retry_after_is_honoured(tmp_path: Path) -> None:
     spool = Spool(tmp_path)
     bodies = _fill(spool, 1)
     ingest = Ingest([429, 507, 200], code=None, retry_after="3")
-    sub, delays = await _drain_recording_backoffs(spool, ingest)
-    assert ingest.statuses == [429, 507, 200] and ingest.received == bodies
+    sub, delays = await _drain(spool, ingest, expect=1)
+    assert ingest.statuses == [429, 507, 200] and ingest.received == bodies and sub.acked == 1
     assert delays == [3.0, 3.0]  # the ingest's Retry-After, not the 0.05 s backoff
 
 
@@ -214,7 +205,7 @@ async def test_a_body_timeout_is_retried_a_bounded_number_of_times(tmp_path: Pat
     spool = Spool(tmp_path)
     _fill(spool, 1)
     ingest = Ingest([408])
-    sub, delays = await _drain_recording_backoffs(spool, ingest)
+    sub, delays = await _drain(spool, ingest, expect=1)
     assert ingest.statuses == [408] * (TRANSIENT_RETRIES + 1) and len(delays) == TRANSIENT_RETRIES
     assert spool.pending() == [] and sub.refused == {"timeout": 1} and sub.acked == 0
 
