@@ -1,13 +1,15 @@
-"""The coordinator: ingest + Shardcast origin on one HTTP port, gossip, and the training loop.
+"""The coordinator (rank 0): wires the parts and is the training loop's hooks.
 
-Every rank runs the same loop (:func:`trainer.loop.run_training`); rank 0 also serves: its
-:class:`Coordinator` runs the services on the asyncio loop and the loop in a worker thread, and
-is the loop's hooks (batches from the rollout buffer, publishing, logging). With
-``torchrun --nproc-per-node N`` the other ranks run :func:`follow_rank`: the same trainer, built
-the same way, and the same loop without hooks. Each trainer step: wait for a batch of
-validator-accepted, fresh, whole groups (``trainer/buffer.py``) → GRPO step → write the policy as
-safetensors → publish it into the origin store (signed manifest) → announce it on gossip → save
-the training state → retire the consumed rollouts (``docs/trainer.md``).
+Parts, each in its own module: the ingest (``trainer/ingest/``) and the Shardcast origin on one
+HTTP port with ``/status``, ``/metrics`` and the run page (``node/web/``); the rollout buffer
+(``trainer/buffer.py``: what each step trains on); the one training loop every rank runs
+(``trainer/loop.py``) in a worker thread, so the event loop stays responsive; publishing
+(``node/coordinator/publish.py``); held-out evaluation (``evaluate.py``); the ban re-check
+(``recheck.py``); gossip. With ``torchrun --nproc-per-node N`` the other ranks run
+:func:`follow_rank`: the trainer built the same way (:func:`build_trainer`) and the same loop
+without hooks. Each trainer step: a batch of validator-accepted, fresh, whole groups → GRPO step
+→ the policy written as safetensors → published into the origin (signed manifest) → announced on
+gossip → the training state saved → the consumed rollouts retired (``docs/trainer.md``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,23 +29,23 @@ from aiohttp import web
 from node.coordinator.base import prepare_base
 from node.coordinator.evaluate import EvalResult, eval_row, evaluate
 from node.coordinator.probe import PROBE_TASKS, SignalProbe, no_signal_advice, probe_learning_signal
+from node.coordinator.publish import PolicyPublisher
 from node.coordinator.recheck import CoordinatorRecheck
 from node.engine.hf import TransformersEngine
 from node.http_server import start_site
 from node.p2p import GossipConfig, GossipNode
 from node.retry import FailureLog
-from node.shardcast import ShardcastServer, ShardcastStore, publish_checkpoint
+from node.shardcast import ShardcastServer, ShardcastStore
 from node.web.runpage import RunPage
 from protocol.dataset import resolve_tasks
-from protocol.envelope import Envelope, seal
+from protocol.envelope import Envelope
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
-from protocol.messages import CheckpointAnnouncement, Verdict
+from protocol.messages import Verdict
 from protocol.models import load_model, load_tokenizer
 from protocol.runspec import SignedRunSpec
 from trainer.batch import Batch
 from trainer.buffer import RolloutBuffer
-from trainer.checkpoint import write_base_policy
 from trainer.distributed import DistContext
 from trainer.errors import NotEnoughRolloutsError, TrainerError
 from trainer.ingest import BanBook, SubmissionStore
@@ -116,7 +117,7 @@ class Coordinator:
         self.gossip: GossipNode | None = None
         self.trainer: Trainer | None = None
         self.tokenizer: Any = None
-        self.published_step = -1
+        self.publisher: PolicyPublisher | None = None
         self.state = "starting"
         self.metrics_path = self.data_dir / "metrics.jsonl"
         self.eval_start: EvalResult | None = None
@@ -125,7 +126,6 @@ class Coordinator:
         self._last_eval: EvalResult | None = None
         self.busy_s = 0.0
         self.started_s = time.monotonic()
-        self.broadcast_s: dict[int, float] = {}
         self.buffer = RolloutBuffer(self.store, signed.run_id, self.spec.rl)
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -147,13 +147,12 @@ class Coordinator:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.state = "preparing the base model"
-        self.trainer, base, self.tokenizer, pos = await asyncio.to_thread(build_trainer, self.signed, self.tasks, self.data_dir, self.ctx,
-                                                                          resume=self.options.resume)
-        self.base_dir = base
-        model = self.trainer.model
+        trainer, base, self.tokenizer, pos = await asyncio.to_thread(build_trainer, self.signed, self.tasks, self.data_dir, self.ctx,
+                                                                     resume=self.options.resume)
+        self.trainer, self.base_dir, model = trainer, base, trainer.model
         if pos is not None:
-            n = self.buffer.restore(pos, self.trainer.step)
-            logger.info("resumed at step %d; %d submissions from later steps trainable again", self.trainer.step, n)
+            n = self.buffer.restore(pos, trainer.step)
+            logger.info("resumed at step %d; %d submissions from later steps trainable again", trainer.step, n)
         self.origin = await asyncio.to_thread(
             ShardcastStore, self.data_dir / "origin", run_id=self.signed.run_id, authorities=self.spec.authorities,
             keep_steps=self.spec.shardcast.keep_steps,
@@ -162,12 +161,13 @@ class Coordinator:
         self.server = ShardcastServer(self.origin, host=self.options.host, port=self.options.port, peer_id=self.key.peer_id)
         self.ingest = IngestService(
             self.spec, self.store, self.bans,
-            trainer_step=lambda: self.trainer.step if self.trainer else 0,
+            trainer_step=lambda: trainer.step,
             latest_policy_step=lambda: self.published_step,
             on_verdict=self._verdict_applied, on_ban=self._gossip_bans, status_extra=self._status_extra,
             on_stored=self.buffer.note_stored,  # the verified body goes on: the buffer does not verify it again
             # a validator's cheat verdict bans only once this independent re-check reproduces it
-            recheck=CoordinatorRecheck(self.spec, self.signed.run_id, self.tasks.train, lambda: self.tokenizer, self._policy_dir,
+            recheck=CoordinatorRecheck(self.spec, self.signed.run_id, self.tasks.train, lambda: self.tokenizer,
+                                       lambda step: self.publisher.policy_dir(step) if self.publisher else None,
                                        by=self.key.peer_id, device=self.options.device),
         )
         from prometheus_client import Gauge
@@ -205,8 +205,9 @@ class Coordinator:
             self.gossip.on_verdict(self._apply_gossip_verdict)
             self.run_page.attach_gossip(self.gossip)
         await self.run_page.start()
-        await asyncio.to_thread(self._publish_start)
-        if self.trainer.step == 0:
+        self.publisher = PolicyPublisher(self.origin, self.key, self.signed, self.data_dir / "policies", self.url, self._announce)
+        await asyncio.to_thread(self.publisher.start, trainer.step, self.base_dir)
+        if trainer.step == 0:
             cfg = getattr(model, "config", None)
             self._log_metrics({"event": "run", "tasks": self.spec.data.tasks, "tasks_hash": self.tasks.hash,
                                "train_problems": len(self.tasks.train), "heldout_problems": len(self.tasks.heldout),
@@ -215,7 +216,7 @@ class Coordinator:
                                "vocab_size": getattr(cfg, "vocab_size", None), "parameters": sum(p.numel() for p in model.parameters()),
                                "chat_template": bool(getattr(self.tokenizer, "chat_template", None)),
                                "eval_every": self.options.eval_every, "eval_samples": self.options.eval_samples})
-        if self.options.probe_tasks and self.trainer.step == 0:
+        if self.options.probe_tasks and trainer.step == 0:
             self.state = "probing the base model for a learning signal"
             self.signal_probe = await asyncio.to_thread(self._probe)
             if self.signal_probe.warning:
@@ -276,13 +277,14 @@ class Coordinator:
         return self.buffer.position()
 
     def published(self, step: int, files: list[Path]) -> None:
-        self._publish(step, files)
+        assert self.publisher is not None
+        self.publisher.publish(step, files)
 
     def step_done(self, batch: Batch, m: StepMetrics) -> None:
         assert self.trainer is not None
         self.busy_s += m.step_time_s
         self.buffer.retire(self.buffer.consume(batch), self.trainer.step)
-        row = {"event": "step", **m.as_dict(), "utilization": self.utilization(), "broadcast_s": self.broadcast_s.get(self.trainer.step),
+        row = {"event": "step", **m.as_dict(), "utilization": self.utilization(), "broadcast_s": self.publisher.publish_s.get(self.trainer.step) if self.publisher else None,
                "wall_s": round(time.monotonic() - self.started_s, 3), "verdicts": self.store.verdict_reasons(),
                "banned": len(self.bans.entries())}
         self._log_metrics(row)
@@ -335,60 +337,18 @@ class Coordinator:
             self._stop.wait(WAIT_POLL_S)
         return None
 
-    def _publish_start(self) -> None:
-        """At start: policy 0 is the base as it is (no gather). On resume, the newest policy the
-        origin holds up to the saved step is announced again (with ``rl.publish_every`` > 1 the
-        saved step may not have been published: the loop publishes before it saves the state)."""
-        assert self.trainer is not None and self.origin is not None
-        step = self.trainer.step
-        held = [s for s in self.origin.held_steps() if s <= step]
-        if held:
-            self._publish(max(held), [])
-        elif step == 0 and self.base_dir is not None:
-            out = self.data_dir / "policies" / "step-0"
-            shutil.rmtree(out, ignore_errors=True)
-            self._publish(0, write_base_policy(self.base_dir, out))
-        else:
-            raise TrainerError(f"resumed at step {step} but the origin store holds no policy up to that step (was {self.data_dir / 'origin'} "
-                               "removed?)")
+    @property
+    def published_step(self) -> int:
+        """The newest policy step published (−1 before the base is)."""
+        return self.publisher.published_step if self.publisher is not None else -1
 
-    def _publish(self, step: int, files: list[Path]) -> None:
-        """Publish the policy of ``step`` written to ``files`` into the origin store (signed manifest,
-        and a delta from the previous published step for bf16 policies) and announce it. A step the
-        origin already holds (a resume after it was published) is announced as it went out."""
-        assert self.origin is not None
-        t0 = time.monotonic()
-        env = self.origin.manifest(step)
-        if env is None:
-            # bf16 policies also go out as a delta from the previous published step (docs/shardcast.md §9)
-            deltas = self.spec.model.dtype == "bfloat16" and self.spec.shardcast.max_delta_chain > 0 and self.published_step >= 0
-            env = publish_checkpoint(self.origin, files, step=step, key=self.key, piece_size_bytes=self.spec.shardcast.piece_size_bytes,
-                                     delta_from=self.published_step if deltas else None)
-            self._prune_policies(step)
-        elif files:
-            logger.warning("policy step %d was published before a restart; its manifest stays as it went out", step)
-        self.published_step = step
-        self.broadcast_s[step] = time.monotonic() - t0
+    def _announce(self, step: int, announcement: bytes, publish_s: float) -> None:
+        """A policy step is in the origin: show it on the run page and announce it on gossip."""
         if self.run_page is not None:
-            self.run_page.propagation.note_published(step, self.broadcast_s[step])
-        ann = seal(self.key, self.signed.run_id, CheckpointAnnouncement(step=step, manifest_id=env.id, checkpoint_hash=env.body.checkpoint_hash,
-                                                                        origin_url=self.url))
+            self.run_page.propagation.note_published(step, publish_s)
         if self.gossip is not None and self._loop is not None:
             self.gossip.set_record(policy_step=step)
-            asyncio.run_coroutine_threadsafe(self.gossip.publish_announcement(ann), self._loop)
-        logger.info("published policy step %d", step, extra={"step": step})
-
-    def _policy_dir(self, step: int) -> Path | None:
-        """The published policy of ``step`` (for the ban re-check), if still kept."""
-        path = self.data_dir / "policies" / f"step-{step}"
-        return path if (path / "config.json").is_file() else None
-
-    def _prune_policies(self, step: int) -> None:
-        keep = self.spec.shardcast.keep_steps + 1
-        for p in (self.data_dir / "policies").glob("step-*"):
-            s = p.name.split("-", 1)[1]
-            if s.isdigit() and int(s) <= step - keep:
-                shutil.rmtree(p, ignore_errors=True)
+            asyncio.run_coroutine_threadsafe(self.gossip.publish_announcement(announcement), self._loop)
 
     def _probe(self) -> SignalProbe:
         """The start-up learning-signal probe on the published base (``node/coordinator/probe.py``)."""
@@ -470,7 +430,7 @@ class Coordinator:
             "heldout_end": self.eval_end.pass_rate if self.eval_end else None,
             "heldout_latest": self.eval_latest,
             "peers_by_role": peers,
-            "broadcast_s": {str(k): round(v, 3) for k, v in list(self.broadcast_s.items())[-5:]},
+            "broadcast_s": {str(k): round(v, 3) for k, v in list(self.publisher.publish_s.items())[-5:]} if self.publisher else {},
             "last_step": self.last_step,
             "wait_reason": self.wait_reason,
             "signal_probe": self.signal_probe.as_dict() if self.signal_probe else None,
