@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node.coordinator.base import prepare_base
 from node.engine.hf import TransformersEngine
+from node.worker.adversary import perturbed_model
 from node.worker.rollouts import build_submission
 from protocol.dataset import resolve_tasks
 from protocol.envelope import open_envelope
@@ -53,15 +54,6 @@ SPEC = RunSpec(
     sampling=SamplingSpec(max_tokens=8, temperature=2.0),
     rl=RLSpec(group_size=4, async_level=2),
 )
-
-
-def _perturbed(model: torch.nn.Module, scale: float) -> torch.nn.Module:
-    out = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in out.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
-    return out
 
 
 def main() -> None:
@@ -91,9 +83,9 @@ def main() -> None:
 
     kinds: list[tuple[str, torch.nn.Module, list[tuple[int, int]], int]] = [
         ("honest fp32 (batch 1/8/64, 1-2 threads)", policy, [(1, 1), (8, 2), (64, 1), (64, 2)], 4),
-        ("0.3 % perturbed copy", _perturbed(policy, 0.003), [(64, 2)], 2),
-        ("1 % perturbed copy", _perturbed(policy, 0.01), [(64, 2)], 2),
-        ("3 % perturbed copy", _perturbed(policy, 0.03), [(64, 2)], 2),
+        ("0.3 % perturbed copy", perturbed_model(policy, 0.003), [(64, 2)], 2),
+        ("1 % perturbed copy", perturbed_model(policy, 0.01), [(64, 2)], 2),
+        ("3 % perturbed copy", perturbed_model(policy, 0.03), [(64, 2)], 2),
         ("honest bf16 copy", copy.deepcopy(policy).to(torch.bfloat16), [(8, 1), (64, 2)], 4),
     ]
     print(f"{'worker':42} {'rollouts':>8} {'max |d|':>10} {'max mean|d|':>12} {'median mean|d|':>15}")

@@ -12,10 +12,14 @@ honest node never uses this module.
 * ``replay`` — re-uses submission counter 0 for new content: caught by the replay check.
 * ``fake-eos`` — cuts every completion short with EOS at the position where the policy gives EOS
   the least probability (proofs and log-probs from an honest prefill): caught by the termination check.
+
+:func:`perturbed_model` makes the "slightly different model" a worker might run instead of the
+policy (the validator's tests and ``benchmarks/logprob_tolerance.py`` measure how it is caught).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -35,6 +39,24 @@ from protocol.rollout import PlannedTask, completion_text, pack_f32, pack_u32, p
 from protocol.runspec import RunSpec
 from protocol.tasks import Task
 
+
+def perturbed_model(model: torch.nn.Module, scale: float, seed: int = 0) -> torch.nn.Module:
+    """A copy of ``model`` with Gaussian noise of ``scale`` × each tensor's std added to every weight.
+
+    Args:
+        model: the policy (left unchanged).
+        scale: noise standard deviation relative to each parameter tensor's own std (0.03: 3 %).
+        seed: seed of the noise (its own generator; the global RNG is left alone).
+
+    Returns:
+        The perturbed copy (same dtypes and device as ``model``).
+    """
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    return out
 
 
 class _CheapModelEngine(Engine):
