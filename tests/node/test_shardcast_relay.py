@@ -69,7 +69,10 @@ async def test_relay_rejects_forged_upstream_and_uses_honest_one(tmp_path):
     async with serving(forged) as fs:
         # the forger serves another run's manifest at every step the relay asks for
         async with relay(make_store(run, tmp_path / "r"), [fs.url]) as r:
-            await asyncio.sleep(0.5)
+            # the event: the relay fetched the forger's manifest and judged it (evidence bans the
+            # source, so nothing more is asked of it); only then is "nothing stored" meaningful
+            await wait_until(lambda: fs.url in r.pool.faulty(), timeout_s=20)
+            assert r.pool.faulty()[fs.url] == "bad_manifest"
             assert r.store.steps() == [], "nothing stored from a forger"
     async with serving(honest) as hs, proxy(hs.url, "corrupt") as evil, relay(make_store(run, tmp_path / "r2"), [evil.url, hs.url]) as r2:
         await wait_until(lambda: r2.held_steps() == [1], timeout_s=20)
