@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from node.engine.base import Engine, Generation, SamplingParams
+from node.engine.static_decode import StaticDecoder, supports
 from protocol import sampling
 from protocol.inference import forward, pad_left
 from protocol.models import load_model, load_state_dict, load_tokenizer
@@ -26,7 +27,10 @@ class TransformersEngine(Engine):
     final-norm row that produced it into preallocated ``[B, max_tokens]`` tensors, so the loop
     does no per-sequence Python work and, on CUDA, no host synchronisation per token (the sampler is
     device tensor ops; "all done?" is read every 16 steps). Finished sequences keep stepping
-    (masked) until all are done.
+    (masked) until all are done. Plain Qwen2 models decode through
+    :class:`node.engine.static_decode.StaticDecoder` (a KV cache preallocated per batch, the layers'
+    ops called directly: bit-identical rows, tokens and log-probs, without transformers' per-step
+    cache concatenation and module overhead); other models through ``transformers``.
 
     Attributes:
         model: the policy (eval mode).
@@ -44,6 +48,8 @@ class TransformersEngine(Engine):
         # "all finished?" reads a device flag: every step on the CPU (free), every 16 steps on CUDA so
         # the decode loop does not wait for the device each token (finished rows step masked meanwhile)
         self.done_check_every = 1 if str(device) == "cpu" else 16
+        # decode supported models with StaticDecoder (False: always through transformers, for comparison)
+        self.static_decode = True
 
     @classmethod
     def from_dir(cls, model_dir: Path, *, device: str = "cpu", max_batch: int = 64) -> TransformersEngine:
@@ -101,9 +107,11 @@ class TransformersEngine(Engine):
         last = torch.tensor([ids.shape[1] - 1], device=self.device)
         step_out = forward(self.model, ids, mask, pos, use_cache=True, logits_positions=last)
         cache = step_out.cache
+        h = step_out.hidden[:, -1]  # [B, H] row that predicts completion token i
+        logits = step_out.logits[:, -1]  # [B, V]
+        decoder = StaticDecoder(self.model, cache, mask, n_max) if self.static_decode and supports(self.model) else None
+        next_pos = pos[:, -1:] + 1  # [B, 1] position of the token sampled at step i, advanced in place
         for i in range(n_max):
-            h = step_out.hidden[:, -1]  # [B, H] row that predicts completion token i
-            logits = step_out.logits[:, -1]  # [B, V]
             positions = torch.full((b,), i, dtype=torch.int64, device=self.device)
             tok, lp = sampling.sample(logits, seed_t, positions, params.temperature, params.top_p, (params.eos_id,), params.min_eos_prob,
                                       params.rule)
@@ -116,10 +124,14 @@ class TransformersEngine(Engine):
             done = done | newly
             if i + 1 == n_max or ((i + 1) % self.done_check_every == 0 and bool(done.all())):
                 break
-            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
-            pos = pos[:, -1:] + 1
-            step_out = forward(self.model, tok.unsqueeze(1), mask, pos, cache, use_cache=True)
-            cache = step_out.cache
+            if decoder is not None:
+                h, logits = decoder.step(tok, next_pos)
+            else:
+                mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
+                step_out = forward(self.model, tok.unsqueeze(1), mask, next_pos, cache, use_cache=True)
+                cache = step_out.cache
+                h, logits = step_out.hidden[:, -1], step_out.logits[:, -1]
+            next_pos = next_pos + 1
         result = []
         lengths_l = lengths.tolist()
         done_l = done.tolist()

@@ -224,3 +224,59 @@ def test_honest_rollouts_replay_at_large_vocabulary() -> None:
     finally:
         torch.set_num_threads(threads)
     assert len(runs) == 208 and near <= 0.01 * tokens  # near ties are rare at float32 noise
+
+
+# --- the preallocated-cache decode step (node/engine/static_decode.py) ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "padded"),
+    [(4, 2, True), (4, 2, False), (4, 4, True), (4, 4, False), (8, 1, True)],
+    ids=["gqa-padded", "gqa-unpadded", "mha-padded", "mha-unpadded", "mqa-padded"],
+)
+def test_static_decode_is_bit_identical_to_transformers_decode(heads: int, kv_heads: int, padded: bool) -> None:
+    """Tokens, log-probs, committed rows and finish reasons of the preallocated-cache decode equal the
+    transformers decode bit for bit (same ops in the same order), with and without padding, for
+    grouped, multi- and single-KV-head attention, top-p, temperature and the EOS gate."""
+    from benchmarks.profiles import qwen_config
+    from node.engine.static_decode import supports
+
+    model = build_model(qwen_config(VOCAB, 128, 2, heads, kv_heads, 256), seed=heads + kv_heads)
+    with torch.no_grad():  # an EOS row strong enough that some completions stop early
+        model.lm_head.weight[EOS] = EOS_SCALE * model.lm_head.weight[EOS] / model.lm_head.weight[EOS].norm()
+    assert supports(model)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, VOCAB, ((3 + 2 * i) if padded else 9,), generator=g).tolist() for i in range(10)]
+    seeds = _seeds(10)
+    eng = TransformersEngine(model, embedded_tokenizer(), max_batch=64)
+    finishes = []
+    for params in (SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, eos_id=EOS, min_eos_prob=0.05),
+                   SamplingParams(max_tokens=30, eos_id=EOS),  # no gate: rows stop early, at different steps
+                   SamplingParams(max_tokens=30, eos_id=EOS, min_eos_prob=1.0)):  # EOS gated off: all run to max_tokens
+        eng.static_decode = False
+        ref = eng.generate(prompts, seeds, params)
+        eng.static_decode = True
+        new = eng.generate(prompts, seeds, params)
+        for a, b in zip(ref, new, strict=True):
+            assert torch.equal(a.completion_ids, b.completion_ids)
+            assert torch.equal(a.logprobs, b.logprobs)
+            assert torch.equal(a.hidden, b.hidden)
+            assert a.finish == b.finish
+        finishes.append({x.finish for x in ref})
+    assert "eos" in finishes[1] and finishes[2] == {"length"}
+
+
+def test_models_the_static_decode_does_not_mirror_decode_through_transformers() -> None:
+    """An eager-attention model is not mirrored by the static decode step; the engine decodes it the
+    transformers way, and its tokens replay under the validator's prefill."""
+    from node.engine.static_decode import supports
+
+    model = _model(0)
+    model.config._attn_implementation = "eager"
+    assert not supports(model)
+    eng = TransformersEngine(model, embedded_tokenizer(), max_batch=64)
+    prompts, seeds = _prompts(4), _seeds(4)
+    gens = eng.generate(prompts, seeds, SamplingParams(max_tokens=12, eos_id=EOS, min_eos_prob=1.0))
+    pre = prefill_completions(model, prompts, [x.completion_ids.tolist() for x in gens], PAD)
+    for x, p, seed in zip(gens, pre, seeds, strict=True):
+        assert sampling.replay_check(p.logits, x.completion_ids, seed, eos_ids=(EOS,), min_eos_prob=1.0).ok

@@ -1,0 +1,162 @@
+"""The engine's decode step for Qwen2: a preallocated KV cache and the layers' ops called directly.
+
+``transformers``' own forward costs, per decode step, a growing ``torch.cat`` of every layer's
+KV cache (O(length) copies each step), an attention mask rebuilt from the 2-D padding mask, and
+a few hundred Python calls of module dispatch, deprecation and config wrappers. At the worker's
+shapes on a CPU that overhead is as large as the matmuls (``benchmarks/worker_bench.py``).
+
+:class:`StaticDecoder` runs the same decode step with the **same tensor ops in the same order** as
+``Qwen2Model.forward`` with ``sdpa`` attention (RMSNorm, projections, RoPE from the model's own
+rotary module, scaled-dot-product attention with the same GQA and mask arguments transformers
+passes, SiLU MLP, residuals, final norm, LM head), so its hidden rows, logits, tokens and
+log-probs are bit-identical to the transformers path (``tests/node/test_engine.py`` compares
+them). What differs is where the numbers live: keys and values are written into ``[B, KV, L, D]``
+buffers allocated once per batch and attention reads a view of their first ``L`` positions; the
+padding mask is built once as an additive ``[B, 1, 1, L]`` float mask (what SDPA makes of the
+boolean mask transformers passes) and sliced.
+
+Only plain Qwen2 models qualify (:func:`supports`): ``sdpa`` attention, full attention in every
+layer, no dropout in training mode. Anything else decodes through ``transformers``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def supports(model: Any) -> bool:
+    """Whether :class:`StaticDecoder` reproduces ``model``'s decode step exactly.
+
+    True for a ``Qwen2ForCausalLM`` in eval mode with ``sdpa`` attention, no sliding-window layer
+    and SiLU activation (the configurations this module mirrors op for op).
+    """
+    try:
+        from transformers import Qwen2ForCausalLM
+    except ImportError:  # pragma: no cover - transformers is a core dependency
+        return False
+    if type(model) is not Qwen2ForCausalLM or model.training:
+        return False
+    cfg = model.config
+    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    return (
+        getattr(cfg, "_attn_implementation", None) == "sdpa"
+        and all(t == "full_attention" for t in layer_types)
+        and getattr(cfg, "hidden_act", "silu") == "silu"
+    )
+
+
+class StaticDecoder:
+    """Batched decode steps of a Qwen2 model from a prefilled cache, into preallocated KV buffers.
+
+    Args:
+        model: a model :func:`supports` accepts.
+        prefill_cache: the ``transformers`` cache returned by the prefill of the ``[B, T]``
+            left-padded prompts (its keys/values are copied into the buffers).
+        attention_mask: ``[B, T]`` int64 padding mask of the prefill (0 on padding).
+        max_new: decode steps that may follow (the buffers hold ``T + max_new`` positions).
+
+    Attributes:
+        length: positions cached so far (``T`` after construction, +1 per :meth:`step`).
+    """
+
+    def __init__(self, model: Any, prefill_cache: Any, attention_mask: torch.Tensor, max_new: int) -> None:
+        self.model = model
+        inner = model.model
+        cfg = model.config
+        self.layers = list(inner.layers[: cfg.num_hidden_layers])
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(cfg.num_key_value_heads)
+        self.n_rep = self.n_heads // self.n_kv
+        b, t = attention_mask.shape
+        self.batch = b
+        self.length = t
+        capacity = t + max_new
+        first = prefill_cache.layers[0].keys  # [B, KV, T, D]
+        self.head_dim = int(first.shape[-1])
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        for layer in prefill_cache.layers[: len(self.layers)]:
+            k = first.new_empty((b, self.n_kv, capacity, self.head_dim))  # [B, KV, L, D]
+            v = first.new_empty((b, self.n_kv, capacity, self.head_dim))
+            k[:, :, :t].copy_(layer.keys)
+            v[:, :, :t].copy_(layer.values)
+            self.keys.append(k)
+            self.values.append(v)
+        # transformers passes no mask when nothing is padded (SDPA then does GQA itself) and the boolean
+        # padding mask otherwise, which SDPA turns into 0 / −inf; the same additive mask, built once
+        padded = not bool(attention_mask.bool().all())
+        self.mask: torch.Tensor | None = None
+        if padded:
+            keep = torch.ones((b, capacity), dtype=torch.bool, device=attention_mask.device)
+            keep[:, :t] = attention_mask.bool()
+            self.mask = torch.zeros((b, 1, 1, capacity), dtype=first.dtype, device=first.device)
+            self.mask.masked_fill_(~keep[:, None, None, :], -math.inf)
+        self.scaling = float(self.layers[0].self_attn.scaling)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step.
+
+        Args:
+            tokens: ``[B]`` int64 the tokens just sampled.
+            position_ids: ``[B, 1]`` int64 their positions.
+
+        Returns:
+            ``(hidden [B, H] final-norm rows, logits [B, V] float32)`` of the next position.
+
+        Raises:
+            RuntimeError: more steps than ``max_new``.
+        """
+        pos = self.length
+        if pos >= self.keys[0].shape[2]:
+            raise RuntimeError("decode past the preallocated cache")
+        inner = self.model.model
+        b, nh, nkv, d = self.batch, self.n_heads, self.n_kv, self.head_dim
+        x = inner.embed_tokens(tokens[:, None])  # [B, 1, H]
+        cos, sin = inner.rotary_emb(x, position_ids)  # [B, 1, D] each
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, 1, D]
+        mask = None if self.mask is None else self.mask[..., : pos + 1]
+        half = d // 2
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            residual = x
+            h = _rms_norm(x, layer.input_layernorm)
+            q = attn.q_proj(h).view(b, 1, nh, d).transpose(1, 2)  # [B, NH, 1, D]
+            k = attn.k_proj(h).view(b, 1, nkv, d).transpose(1, 2)  # [B, KV, 1, D]
+            v = attn.v_proj(h).view(b, 1, nkv, d).transpose(1, 2)
+            q = (q * cos) + (torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin)
+            k = (k * cos) + (torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin)
+            self.keys[li][:, :, pos : pos + 1].copy_(k)
+            self.values[li][:, :, pos : pos + 1].copy_(v)
+            keys = self.keys[li][:, :, : pos + 1]  # [B, KV, pos+1, D] view
+            values = self.values[li][:, :, : pos + 1]
+            if self.n_rep == 1:
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=0.0, scale=self.scaling)
+            elif mask is None:
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=None, dropout_p=0.0, scale=self.scaling, enable_gqa=True)
+            else:  # one query token: the query heads of a KV head become its query rows (transformers' pack_gqa)
+                out = F.scaled_dot_product_attention(q.reshape(b, nkv, self.n_rep, d), keys, values, attn_mask=mask, dropout_p=0.0,
+                                                     scale=self.scaling)
+            out = out.reshape(b, -1, 1, d).transpose(1, 2).contiguous()  # [B, 1, NH, D]
+            x = residual + attn.o_proj(out.reshape(b, 1, -1).contiguous())
+            residual = x
+            h = _rms_norm(x, layer.post_attention_layernorm)
+            mlp = layer.mlp
+            x = residual + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        hidden = _rms_norm(x, inner.norm)  # [B, 1, H]
+        logits = self.model.lm_head(hidden).float()  # [B, 1, V]
+        self.length = pos + 1
+        return hidden[:, -1], logits[:, -1]
+
+
+def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
+    """``Qwen2RMSNorm.forward``, op for op."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * h.to(dtype)
