@@ -7,14 +7,13 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from localnet import free_port, get_json, post
 
 from node.coordinator.base import prepare_base
 from node.engine.hf import TransformersEngine
@@ -33,31 +32,6 @@ from protocol.runspec import DataSpec, ModelSpec, NetworkSpec, RLSpec, RunInfo, 
 pytestmark = pytest.mark.integration
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _get(url: str) -> dict | None:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return json.loads(r.read())
-    except OSError:
-        return None
-
-
-def _post(url: str, data: bytes) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, data=data, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-    except OSError:  # the coordinator finished and closed its port
-        return 0, b""
-
-
 def _wait(cond, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
@@ -73,7 +47,7 @@ def _wait(cond, timeout_s: float, what: str, proc: subprocess.Popen | None = Non
 def test_train_kill_resume(tmp_path):
     coord, val, worker = NodeKey.generate(), NodeKey.generate(), NodeKey.generate()
     coord.save(tmp_path / "coord.key")
-    port = _port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     tasks = resolve_tasks("embedded")
     probe = RunSpec(run=RunInfo(coordinator=coord.peer_id))
@@ -100,7 +74,7 @@ def test_train_kill_resume(tmp_path):
 
     def feed_one_step() -> None:
         """Act as worker (generate with the published policy) and validator (accept what is pending)."""
-        st = _get(f"{url}/status")
+        st = get_json(f"{url}/status")
         if st is None:
             return
         step = st["published_step"]
@@ -113,25 +87,25 @@ def test_train_kill_resume(tmp_path):
         engine = TransformersEngine.from_dir(out)
         data = build_submission(spec, spec.run_id, worker, engine, tok, tasks.train, step, counter[0])
         counter[0] += 1
-        status, body = _post(f"{url}{SUBMISSIONS_ROUTE}", data)
+        status, body = post(f"{url}{SUBMISSIONS_ROUTE}", data)
         if status == 200:
             acked.append(json.loads(body)["id"])
         lease = seal(val, spec.run_id, LeaseRequest(limit=16, lease_s=30.0))
-        status, body = _post(f"{url}{LEASE_ROUTE}", lease)
+        status, body = post(f"{url}{LEASE_ROUTE}", lease)
         if status != 200:
             return
         for blob in encoding.unpackb(body, 1 << 28)["submissions"]:
             env_ = open_envelope(blob, run_id=spec.run_id, expect=Submission)
             v = seal(val, spec.run_id, Verdict(submission_id=env_.id, worker=env_.body.worker, policy_step=env_.body.policy_step,
                                                 counter=env_.body.counter, accepted=True, reason="ok"))
-            assert _post(f"{url}{VERDICTS_ROUTE}", v)[0] in (0, 200)
+            assert post(f"{url}{VERDICTS_ROUTE}", v)[0] in (0, 200)
 
     try:
-        _wait(lambda: _get(f"{url}/status"), 120, "the coordinator's status", proc)
-        _wait(lambda: (feed_one_step(), (_get(f"{url}/status") or {}).get("trainer_step", 0) >= 1)[1], 120, "trainer step 1", proc)
+        _wait(lambda: get_json(f"{url}/status"), 120, "the coordinator's status", proc)
+        _wait(lambda: (feed_one_step(), (get_json(f"{url}/status") or {}).get("trainer_step", 0) >= 1)[1], 120, "trainer step 1", proc)
         # one more acknowledged submission that the killed process never trains on
         feed_one_step()
-        stored_before = _get(f"{url}/status")["submissions"]
+        stored_before = get_json(f"{url}/status")["submissions"]
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         assert (data_dir / "state" / "latest").exists()

@@ -12,18 +12,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from localnet import free_port
 
 from node.cli import main
 from node.commands.doctor import estimate_model_bytes, run_checks
 from node.devnet.config import devnet_spec
 from protocol.identity import NodeKey
 from protocol.runspec import dump_run_spec, sign_run_spec
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -67,7 +62,7 @@ def _by_name(checks: list) -> dict[str, object]:
 
 
 def test_dead_bootstrap_and_wrong_run_ingest_fail(tmp_path, other_run_server, capsys):
-    dead = _free_port()  # nobody listens here
+    dead = free_port()  # nobody listens here
     run = _write_spec(tmp_path, http_url=other_run_server, bootstrap=f"/ip4/127.0.0.1/tcp/{dead}/p2p/{NodeKey.generate().peer_id}")
     checks = run_checks(run, role="worker", data_dir=tmp_path / "data", timeout_s=2.0)
     by = _by_name(checks)

@@ -19,15 +19,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from local_model import build_local_model
+from localnet import free_port, get_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -42,20 +41,6 @@ RUN_TIMEOUT_S = 600.0
 def guide_blocks() -> list[tuple[str, str, str]]:
     """``(kind, name, text)`` of every marked block, in document order."""
     return [(m.group(1), m.group(2) or "", m.group(3)) for m in BLOCK.finditer(GUIDE.read_text())]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def get_json(url: str) -> dict | None:
-    try:
-        with urllib.request.urlopen(url, timeout=2.0) as r:
-            return json.loads(r.read())
-    except (OSError, ValueError):
-        return None
 
 
 def json_values(text: str) -> list:

@@ -6,6 +6,7 @@ import logging
 import socket
 
 import pytest
+from localnet import free_port
 from p2p_helpers import Run, config, eventually
 
 from node.errors import GossipError
@@ -30,12 +31,6 @@ def test_parse_peer_addr_rejects_addresses_without_peer() -> None:
     for bad in ("/ip4/127.0.0.1/tcp/4001", "not a multiaddr", ""):
         with pytest.raises(ValueError):
             parse_peer_addr(bad)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.integration

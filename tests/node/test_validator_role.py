@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import ClientSession, web
+from localnet import free_port
 
 from node.coordinator.recheck import CoordinatorRecheck
 from node.engine.hf import TransformersEngine
@@ -50,12 +50,6 @@ VALIDATOR = NodeKey.from_seed(b"V" * 32)
 HONEST = NodeKey.from_seed(b"h" * 32)
 CHEAT = NodeKey.from_seed(b"x" * 32)
 VERDICT_WAIT_S = 90.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_spec(url: str) -> SignedRunSpec:

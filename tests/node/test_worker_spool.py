@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from localnet import free_port
 
 from node.worker.spool import Spool
 from node.worker.submitter import Submitter
@@ -106,12 +106,6 @@ async def serve(ingest: Ingest, port: int = 0) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{bound}"
     finally:
         await runner.cleanup()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _fill(spool: Spool, n: int) -> list[bytes]:
@@ -213,7 +207,7 @@ async def test_a_body_timeout_is_retried_a_bounded_number_of_times(tmp_path: Pat
 async def test_drain_gives_up_at_its_deadline_and_keeps_everything(tmp_path: Path) -> None:
     spool = Spool(tmp_path)
     _fill(spool, 3)
-    sub = _submitter(spool, f"http://127.0.0.1:{_free_port()}")  # connection refused
+    sub = _submitter(spool, f"http://127.0.0.1:{free_port()}")  # connection refused
     try:
         assert await asyncio.wait_for(sub.drain(deadline_s=0.5), 10.0) == 0
     finally:
@@ -223,7 +217,7 @@ async def test_drain_gives_up_at_its_deadline_and_keeps_everything(tmp_path: Pat
 
 async def test_nothing_is_lost_while_the_coordinator_is_down(tmp_path: Path) -> None:
     spool = Spool(tmp_path)
-    port = _free_port()
+    port = free_port()
     sub = _submitter(spool, f"http://127.0.0.1:{port}")
     bodies = _fill(spool, 2)
     ingest = Ingest([200])
@@ -252,7 +246,7 @@ async def test_second_ingest_url_is_used_when_the_first_is_down(tmp_path: Path) 
     bodies = _fill(spool, 2)
     ingest = Ingest([200])
     async with serve(ingest) as url:
-        sub = Submitter(spool, [f"http://127.0.0.1:{_free_port()}", url], timeout_s=5.0, base_backoff_s=0.05)
+        sub = Submitter(spool, [f"http://127.0.0.1:{free_port()}", url], timeout_s=5.0, base_backoff_s=0.05)
         try:
             assert await asyncio.wait_for(sub.drain(deadline_s=10.0), 20.0) == 2
         finally:

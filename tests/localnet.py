@@ -1,0 +1,41 @@
+"""Loopback helpers shared by tests that start servers and processes on 127.0.0.1.
+
+Importable from every test directory (pytest puts ``tests/``, the directory of the root
+``conftest.py``, on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS's pick; closed again before it is returned)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def get_json(url: str, timeout_s: float = 2.0) -> Any | None:
+    """``GET url`` parsed as JSON; ``None`` when nobody answers, the answer is an HTTP error or not JSON."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - loopback
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+
+
+def post(url: str, data: bytes, timeout_s: float = 10.0) -> tuple[int, bytes]:
+    """``POST data`` to ``url``: ``(status, body)``, also for HTTP errors; ``(0, b"")`` when nobody answers."""
+    req = urllib.request.Request(url, data=data, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:  # noqa: S310 - loopback
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError:  # the server finished and closed its port
+        return 0, b""
