@@ -34,7 +34,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Container, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -352,6 +352,20 @@ class ShardcastStore:
 
     # --- manifests --------------------------------------------------------------------------
 
+    def _unseen_step_files(self, directory: Path, suffix: str, known: Container[int]) -> Iterator[tuple[int, Path]]:
+        """``(step, path)`` of the files ``<step><suffix>`` in ``directory``, ascending by step, whose
+        step ``known`` does not hold (checked under the lock as each file comes up); other names skipped."""
+        steps: list[tuple[int, Path]] = []
+        for p in directory.glob(f"*{suffix}"):
+            name = p.name[: -len(suffix)]
+            if name.isascii() and name.isdigit():
+                steps.append((int(name), p))
+        for step, p in sorted(steps):
+            with self._lock:
+                if step in known:
+                    continue
+            yield step, p
+
     def refresh(self) -> list[int]:
         """Pick up manifests another process wrote (``publish`` into a served store); blocking.
 
@@ -359,14 +373,7 @@ class ShardcastStore:
             Steps newly found, ascending. Unreadable or invalid manifest files are skipped with a warning.
         """
         found: list[int] = []
-        for p in sorted(self._manifest_dir.glob("*.manifest")):
-            try:
-                step = int(p.stem)
-            except ValueError:
-                continue
-            with self._lock:
-                if step in self._manifests:
-                    continue
+        for step, p in self._unseen_step_files(self._manifest_dir, ".manifest", self._manifests):
             try:
                 env = open_manifest(p.read_bytes(), run_id=self.run_id, authorities=self.authorities)
             except Exception as e:  # noqa: BLE001 - a bad file on disk must not stop the node
@@ -396,14 +403,7 @@ class ShardcastStore:
         return self._delta_dir / f"{step}.delta"
 
     def _refresh_deltas(self) -> None:
-        for p in sorted(self._delta_dir.glob("*.delta")):
-            try:
-                step = int(p.stem)
-            except ValueError:
-                continue
-            with self._lock:
-                if step in self._deltas:
-                    continue
+        for step, p in self._unseen_step_files(self._delta_dir, ".delta", self._deltas):
             try:
                 env = open_delta_manifest(p.read_bytes(), run_id=self.run_id, authorities=self.authorities)
                 if env.body.step != step:

@@ -124,6 +124,17 @@ def test_store_skips_corrupt_manifest_files(tmp_path, caplog):
     assert make_store(run, tmp_path / "node").steps() == []
 
 
+def test_refresh_finds_steps_another_process_published_in_step_order(tmp_path):
+    run = make_run(keep_steps=8)
+    server_side = make_store(run, tmp_path / "node")
+    publisher = make_store(run, tmp_path / "node")  # e.g. `shardcast publish` into a served store
+    for step in (10, 2, 9):
+        publish(run, publisher, write_checkpoint(tmp_path / f"m{step}.safetensors", 0.1, seed=step), step)
+    (server_side.root / "manifests" / "notes.manifest").write_bytes(b"not a step")  # other names skipped
+    assert server_side.refresh() == [2, 9, 10]  # by step, not by file name ("10" < "2")
+    assert server_side.refresh() == [] and server_side.steps() == [2, 9, 10]
+
+
 def _durable_store(run, data_dir):
     from node.shardcast.store import ShardcastStore
 
