@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 
 from node.errors import FetchError, SourceError
-from node.shardcast.download import DownloadConfig, ManifestCache, PieceDownloader, get_manifest, make_session
+from node.shardcast.download import DownloadConfig, InPlaceWriter, ManifestCache, PieceDownloader, get_manifest, make_session
 from node.shardcast.sources import SourcePool
 from protocol.content import hex_id
 from protocol.durable import fsync_dir
@@ -80,32 +80,6 @@ class FetchResult:
     cooled_sources: dict[str, str] = field(default_factory=dict)
     source_bytes: dict[str, int] = field(default_factory=dict)
     candidates_offered: int = 0
-
-
-class _StagingWriter:
-    """Writes one piece at its position(s) in the staging files, hashing as it goes."""
-
-    def __init__(self, fds: list[int], refs: list[PieceRef]) -> None:
-        self._fds = fds
-        self._refs = refs
-        self._piece = refs[0]
-        self._hash = hashlib.sha256()
-        self._pos = 0
-
-    def write(self, chunk: bytes | memoryview) -> None:
-        for r in self._refs:
-            os.pwrite(self._fds[r.file_index], chunk, r.offset_bytes + self._pos)
-        self._hash.update(chunk)
-        self._pos += len(chunk)
-
-    def digest_matches(self) -> bool:
-        return self._pos == self._piece.size_bytes and self._hash.digest() == self._piece.piece_id
-
-    def commit(self) -> None:
-        """Nothing to move: the bytes are in place and verified."""
-
-    def abort(self) -> None:
-        """Nothing to undo: unverified bytes in place are overwritten or re-checked on resume."""
 
 
 async def resolve_manifest(
@@ -355,8 +329,8 @@ async def fetch_checkpoint(
             bar = _Progress(sys.stderr.isatty() if progress is None else progress, total_size_bytes(m), resumed_bytes, f"step {m.step}")
             downloader = PieceDownloader(sess, pool, cfg, on_bytes=bar.advance)
 
-            async def open_writer(piece: PieceRef) -> _StagingWriter:
-                return _StagingWriter(fds, pending[piece.piece_id])
+            async def open_writer(piece: PieceRef) -> InPlaceWriter:
+                return InPlaceWriter(fds, pending[piece.piece_id])
 
             try:
                 stats = await downloader.run([rs[0] for rs in pending.values()], open_writer)

@@ -36,7 +36,7 @@ import aiohttp
 
 from node.errors import FetchError, ShardcastError, SourceError, StoreError
 from node.shardcast.client import fetch_checkpoint, resolve_manifest
-from node.shardcast.download import DownloadConfig, ManifestCache, PieceDownloader, make_session
+from node.shardcast.download import DownloadConfig, InPlaceWriter, ManifestCache, PieceDownloader, make_session
 from node.shardcast.sources import SourcePool
 from node.shardcast.store import ShardcastStore
 from protocol.content import hex_id
@@ -256,29 +256,6 @@ async def _ask_delta(session: aiohttp.ClientSession, pool: SourcePool, step: int
     return None
 
 
-class _OffsetWriter:
-    """Writes one delta piece at its offset in the staging delta file, hashing as it goes."""
-
-    def __init__(self, fd: int, ref: PieceRef) -> None:
-        self._fd, self._ref = fd, ref
-        self._hash = hashlib.sha256()
-        self._pos = 0
-
-    def write(self, chunk: bytes | memoryview) -> None:
-        os.pwrite(self._fd, chunk, self._ref.offset_bytes + self._pos)
-        self._hash.update(chunk)
-        self._pos += len(chunk)
-
-    def digest_matches(self) -> bool:
-        return self._pos == self._ref.size_bytes and self._hash.digest() == self._ref.piece_id
-
-    def commit(self) -> None:
-        """The bytes are in place and verified."""
-
-    def abort(self) -> None:
-        """Unverified bytes in place are overwritten, or re-checked on resume."""
-
-
 def _verified_delta_pieces(path: Path, refs: Sequence[PieceRef]) -> set[int]:
     ok: set[int] = set()
     if not path.exists():
@@ -305,18 +282,8 @@ async def _download_delta(session: aiohttp.ClientSession, pool: SourcePool, cfg:
             if r.index not in done:
                 pending.setdefault(r.piece_id, []).append(r)
 
-        class _Multi(_OffsetWriter):  # one download may fill every position of equal pieces
-            def __init__(self, rs: list[PieceRef]) -> None:
-                super().__init__(fd, rs[0])
-                self._rs = rs
-
-            def write(self, chunk: bytes | memoryview) -> None:
-                for r in self._rs[1:]:
-                    os.pwrite(fd, chunk, r.offset_bytes + self._pos)
-                super().write(chunk)
-
-        async def open_writer(p: PieceRef) -> _Multi:
-            return _Multi(pending[p.piece_id])
+        async def open_writer(p: PieceRef) -> InPlaceWriter:  # one download fills every position of equal pieces
+            return InPlaceWriter([fd], pending[p.piece_id])  # one delta file: file_index 0
 
         stats = await PieceDownloader(session, pool, cfg).run([rs[0] for rs in pending.values()], open_writer)
         await asyncio.to_thread(os.fdatasync, fd)

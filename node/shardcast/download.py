@@ -15,8 +15,10 @@ the total), so a tarpit holding its connections cannot delay a request to anothe
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -98,6 +100,42 @@ class PieceWriter(Protocol):
     def commit(self) -> None: ...
 
     def abort(self) -> None: ...
+
+
+class InPlaceWriter:
+    """A :class:`PieceWriter` that puts one piece's bytes at every position it has in open files.
+
+    Identical pieces (same content ID) at several positions are downloaded once and written to
+    each (``os.pwrite``), hashing as the bytes come. Nothing is moved on commit: the bytes are in
+    place and verified; nothing is undone on abort: unverified bytes in place are overwritten by
+    a later download, or re-checked on resume.
+
+    Args:
+        fds: open file descriptors, indexed by :attr:`PieceRef.file_index`.
+        refs: the positions of the piece (same ``piece_id`` and size), at least one.
+    """
+
+    def __init__(self, fds: Sequence[int], refs: Sequence[PieceRef]) -> None:
+        self._fds = fds
+        self._refs = refs
+        self._piece = refs[0]
+        self._hash = hashlib.sha256()
+        self._pos = 0
+
+    def write(self, chunk: bytes | memoryview) -> None:
+        for r in self._refs:
+            os.pwrite(self._fds[r.file_index], chunk, r.offset_bytes + self._pos)
+        self._hash.update(chunk)
+        self._pos += len(chunk)
+
+    def digest_matches(self) -> bool:
+        return self._pos == self._piece.size_bytes and self._hash.digest() == self._piece.piece_id
+
+    def commit(self) -> None:
+        """Nothing to move: the bytes are in place and verified."""
+
+    def abort(self) -> None:
+        """Nothing to undo: unverified bytes in place are overwritten or re-checked on resume."""
 
 
 def piece_url(source: str, piece_id: bytes) -> str:
