@@ -19,10 +19,21 @@ stay at their defaults. The server's own cap of 64 connections per address bound
 
 Each concurrency level in ``--concurrency`` gets a fresh ingest and store and runs for at most
 ``--submissions`` requests or ``--max-s`` seconds; the levels are printed side by side with the
-machine's load average, the ingest process's CPU per accepted submission, and the median time of
-one durable file write on the same disk measured just before (the store admits submissions one at
-a time under one lock, each with a file fsync, a directory fsync and a SQLite WAL commit, so that
-time bounds accepted/s when the disk is slow).
+machine's load average, the ingest process's CPU per accepted submission, the median time of one
+durable file write on the same disk measured just before, and how many submissions the store's
+group commits carried (one directory fsync and one SQLite WAL commit per group; each file has its
+own fsync, several at once).
+
+``--baseline REV[,REV…]``: the same levels also against the ingest of git revision ``REV`` (a copy of
+this checkout's ``protocol/``, ``trainer/`` and ``node/`` in a temporary directory with
+``trainer/ingest/`` taken from ``REV`` by ``git archive``, imported by the server child instead of
+this checkout), alternating baseline and current at each level, so both see the same machine
+load; printed side by side.
+
+``--fsync-delay-ms X``: every ``fsync``/``fdatasync`` of the server child (its own and SQLite's)
+first sleeps X ms, through a small ``LD_PRELOAD`` shim compiled with the system C compiler: a
+reproducible stand-in for the slow disk of a loaded machine (0.4–38 ms per fsync measured on this
+one). Concurrent sleeping fsyncs overlap, as concurrent fsyncs on one ext4 journal largely do.
 
 ``--relay``: a relay's capacity instead. A Shardcast server (``node.shardcast.server``, the
 one relays and the origin run, ``sendfile`` from its store) serves a published ``--relay-mib``
@@ -31,7 +42,8 @@ concurrent clients in this process each GET every piece once (bytes read and dro
 verified, so the clients cost as little as possible). Prints aggregate MiB/s and the p50/p99 time
 per client to hold the whole checkpoint, side by side, with the load average.
 
-Run: ``python benchmarks/ingest_load.py [--submissions 1200] [--concurrency 4,16,48] [--max-tokens 32]``
+Run: ``python benchmarks/ingest_load.py [--submissions 1200] [--concurrency 4,16,48] [--max-tokens 32]
+[--baseline REV] [--fsync-delay-ms X]``
 or ``python benchmarks/ingest_load.py --relay [--relay-mib 64] [--clients 1,8,32]``.
 """
 
@@ -95,6 +107,7 @@ async def serve(root: Path) -> None:
     await running.stop()
     service.close()
     store.close()
+    print("STATS " + json.dumps(getattr(store, "commits", {})), flush=True)  # a baseline store has no group commits
 
 
 async def serve_relay(root: Path, size_mib: int) -> None:
@@ -239,13 +252,49 @@ async def load(port: int, subs: list[bytes], concurrency: int, max_s: float) -> 
 
 def _stop(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
     """End a helper process: close its stdin (its signal to exit), wait 15 s, then kill it."""
-    if proc.stdin is not None:
+    if proc.stdin is not None and not proc.stdin.closed:
         proc.stdin.close()
     try:
         proc.wait(15)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(5)
+
+
+_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <time.h>
+static void delay(void) {
+    static long ns = -1;
+    if (ns < 0) { const char *e = getenv("INGEST_LOAD_FSYNC_DELAY_US"); ns = e ? atol(e) * 1000L : 0; }
+    if (ns > 0) { struct timespec ts = {ns / 1000000000L, ns % 1000000000L}; nanosleep(&ts, NULL); }
+}
+int fsync(int fd) { static int (*real)(int); if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fsync"); delay(); return real(fd); }
+int fdatasync(int fd) { static int (*real)(int); if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fdatasync"); delay(); return real(fd); }
+"""
+
+
+def build_fsync_shim(directory: Path) -> Path:
+    """Compile the ``LD_PRELOAD`` shim that delays every fsync/fdatasync (``--fsync-delay-ms``)."""
+    src, lib = directory / "fsync_delay.c", directory / "fsync_delay.so"
+    src.write_text(_SHIM)
+    subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(src), "-ldl"], check=True)
+    return lib
+
+
+def extract_baseline(rev: str, directory: Path) -> Path:
+    """This checkout's ``protocol/``, ``trainer/`` and ``node/`` under ``directory``, with ``trainer/ingest/``
+    replaced by git revision ``rev``'s (``--baseline``): only the ingest differs from the current code."""
+    import shutil
+
+    for pkg in ("protocol", "trainer", "node"):
+        shutil.copytree(REPO / pkg, directory / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.rmtree(directory / "trainer" / "ingest")
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "trainer/ingest"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(directory)], input=archive, check=True)
+    return directory
 
 def fsync_probe(directory: Path, size: int, n: int = 20) -> float:
     """Median seconds of one durable write as the store does it (write, fsync, rename, fsync the directory)."""
@@ -269,12 +318,18 @@ def fsync_probe(directory: Path, size: int, n: int = 20) -> float:
     return statistics.median(times)
 
 
-async def run_level(subs: list[bytes], concurrency: int, max_s: float) -> dict[str, object]:
+async def run_level(subs: list[bytes], concurrency: int, max_s: float, code: Path = REPO, shim: Path | None = None,
+                    fsync_delay_ms: float = 0.0) -> dict[str, object]:
+    """One level: a fresh ingest (the code under ``code``) in a child process, ``subs`` posted at ``concurrency``."""
     import psutil
 
     with tempfile.TemporaryDirectory(prefix="ingest-load-") as tmp:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        proc = subprocess.Popen([sys.executable, __file__, "--serve", tmp], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
+        if shim is not None:
+            env["LD_PRELOAD"] = str(shim)
+            env["INGEST_LOAD_FSYNC_DELAY_US"] = str(int(fsync_delay_ms * 1000))
+        proc = subprocess.Popen([sys.executable, __file__, "--serve", tmp, "--code", str(code)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, env=env)
         try:
             assert proc.stdout is not None and proc.stdin is not None
             line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
@@ -290,6 +345,11 @@ async def run_level(subs: list[bytes], concurrency: int, max_s: float) -> dict[s
             out["ingest_cpu_ms_per_accepted"] = round(cpu * 1e3 / max(1, int(out["accepted"])), 2)  # type: ignore[call-overload]
             out["ingest_cpu_cores"] = round(cpu / float(out["wall_s"]), 2)  # type: ignore[arg-type]
             out["load"] = f"{load0:.1f} → {os.getloadavg()[0]:.1f}"
+            proc.stdin.close()  # the child stops and prints its store's group-commit counts
+            rest = await asyncio.wait_for(asyncio.to_thread(proc.stdout.read), 60)
+            stats = next((json.loads(ln[6:]) for ln in rest.splitlines() if ln.startswith("STATS ")), {})
+            groups = stats.get("groups", 0)
+            out["per_group_mean_max"] = f"{stats['submissions'] / groups:.1f} / {stats['largest_group']}" if groups else "1 / 1"
             return {"concurrency": concurrency, **out}
         finally:
             _stop(proc)
@@ -306,19 +366,31 @@ async def main_async(args: argparse.Namespace) -> None:
     size = statistics.mean(len(s) for s in subs)
     print(f"{len(subs)} signed submissions from {-(-args.submissions // per_worker)} worker keys, {size / 1024:.1f} KiB each "
           f"({args.tasks}×{args.group} rollouts, {args.prompt_tokens}+{args.max_tokens} tokens), built in {time.perf_counter() - t:.1f} s", flush=True)
-    results = []
-    for c in levels:
-        r = await run_level(subs, c, args.max_s)
-        print(json.dumps(r), flush=True)
-        results.append(r)
-    print(f"\n{'concurrency':26s}" + "".join(f"{r['concurrency']:>20}" for r in results))
-    for k in [k for k in results[0] if k != "concurrency"]:
-        print(f"{k:26s}" + "".join(f"{str(r.get(k)):>20s}" for r in results))
+    with tempfile.TemporaryDirectory(prefix="ingest-load-code-") as tmp:
+        shim = build_fsync_shim(Path(tmp)) if args.fsync_delay_ms > 0 else None
+        codes: list[tuple[str, Path]] = [("current", REPO)]
+        for i, rev in enumerate(args.baseline.split(",") if args.baseline else []):
+            base = Path(tmp) / f"baseline{i}"
+            base.mkdir()
+            codes.insert(i, (f"base {rev[:10]}", extract_baseline(rev, base)))
+        if shim is not None:
+            print(f"every fsync/fdatasync of the ingest delayed by {args.fsync_delay_ms} ms (LD_PRELOAD shim)", flush=True)
+        results = []
+        for c in levels:
+            for name, code in codes:
+                r = await run_level(subs, c, args.max_s, code, shim, args.fsync_delay_ms)
+                r = {"code": name, **r}
+                print(json.dumps(r), flush=True)
+                results.append(r)
+    print(f"\n{'code':26s}" + "".join(f"{r['code']:>20}" for r in results))
+    for k in [k for k in results[0] if k != "code"]:
+        print(f"{k:26s}" + "".join(f"{r.get(k)!s:>20s}" for r in results))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--serve", metavar="DIR", help=argparse.SUPPRESS)
+    p.add_argument("--code", metavar="DIR", help=argparse.SUPPRESS)
     p.add_argument("--serve-relay", metavar="DIR", help=argparse.SUPPRESS)
     p.add_argument("--relay", action="store_true", help="measure a relay (concurrent clients, aggregate bytes/s) instead of the ingest")
     p.add_argument("--relay-mib", type=int, default=64, help="relay mode: checkpoint size, MiB (default 64)")
@@ -330,7 +402,11 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="completion tokens per rollout (default 32, the run spec's)")
     p.add_argument("--tasks", type=int, default=2, help="tasks per submission (default 2, the run spec's)")
     p.add_argument("--group", type=int, default=8, help="rollouts per task (default 8, the run spec's)")
+    p.add_argument("--baseline", metavar="REV[,REV]", help="also measure the ingest code of these git revisions, alternating, side by side")
+    p.add_argument("--fsync-delay-ms", type=float, default=0.0, help="delay every fsync of the ingest by this much (a slow disk), ms")
     args = p.parse_args()
+    if args.code:  # server child: import the ingest from this tree (a --baseline revision or this checkout)
+        sys.path.insert(0, args.code)
     if args.serve:
         asyncio.run(serve(Path(args.serve)))
         return

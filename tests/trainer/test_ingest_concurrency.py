@@ -81,6 +81,35 @@ def test_group_commit_counts_staged_work_and_answers_only_when_durable(tmp_path,
     store.close()
 
 
+def test_a_group_visible_in_the_index_but_not_yet_unstaged_is_counted_once(tmp_path, monkeypatch):
+    """The commit thread writes on its own connection without the lock; between its COMMIT and the
+    end of staging a submission is in both places, and quotas still count it once."""
+    committed, release = threading.Event(), threading.Event()
+    real = SubmissionStore._insert
+
+    def insert(db, items):
+        real(db, items)
+        if db is not store._db:  # the commit thread's transaction, now visible to readers
+            committed.set()
+            assert release.wait(WAIT_S), "test never released the commit"
+
+    monkeypatch.setattr(SubmissionStore, "_insert", staticmethod(insert))
+    store = SubmissionStore(tmp_path, RUN)
+    w = NodeKey.generate()
+    envs = [open_envelope(submission(w, counter=c), run_id=RUN) for c in range(3)]
+    futures = [store.submit(e, source_ip="10.0.0.2") for e in envs]
+    assert committed.wait(WAIT_S)
+    assert store.get(envs[0].id.hex()) is not None and store.storing(envs[0].id.hex())  # in both
+    n_indexed = store.counts()["pending"]
+    u = store.usage(w.peer_id, "10.0.0.2")
+    assert (u.worker_pending, u.ip_pending, u.disk_files) == (3, 3, 3) and u.worker_bytes == sum(len(e.raw) for e in envs)
+    assert store.counter_used(w.peer_id, 0, exclude_id="other")
+    release.set()
+    assert all(f.result(WAIT_S) is True for f in futures)
+    assert store.usage(w.peer_id, "10.0.0.2") == u and n_indexed >= 1
+    store.close()
+
+
 def test_a_failed_commit_answers_an_error_and_leaves_nothing(tmp_path, monkeypatch):
     store = SubmissionStore(tmp_path, RUN)
     w = NodeKey.generate()

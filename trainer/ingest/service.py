@@ -318,11 +318,12 @@ class IngestService:
         # this one is counted before the next request is checked. The durable write happens after,
         # group-committed with whatever else is being stored (trainer/ingest/store.py).
         async with self._admit:
-            existing = self.store.get(sid)
-            if existing is not None:
-                self.m_submissions.labels("duplicate").inc()
-                return web.json_response({"id": sid, "stored": False, "duplicate": True, "state": existing.state})
-            if not self.store.storing(sid):  # the same bytes already being stored: a duplicate, answered when they are durable
+            # staged first, then the index: a submission goes staged → (both, while committing) → index
+            if not self.store.storing(sid):  # the same bytes being stored now: a duplicate, answered when they are durable
+                existing = self.store.get(sid)
+                if existing is not None:
+                    self.m_submissions.labels("duplicate").inc()
+                    return web.json_response({"id": sid, "stored": False, "duplicate": True, "state": existing.state})
                 if self.store.counter_used(sub.worker, sub.counter, sid):
                     self.m_submissions.labels("replay").inc()
                     raise _error("replay", f"worker {sub.worker} already submitted counter {sub.counter} in another submission")
