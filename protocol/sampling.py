@@ -455,28 +455,29 @@ def _icdf_rows_per_block(vocab: int) -> int:
 
 def _icdf_sample(
     logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float, top_p: float,
-    eos_ids: Sequence[int], min_eos_prob: float,
+    eos_ids: Sequence[int], min_eos_prob: float, u: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rule ``icdf-v1`` for ``[B, V]`` logits; every op stays on the logits' device (no host sync).
     On the CPU, large batches go in row blocks (:data:`_ICDF_BLOCK_ELEMENTS`)."""
     block = _icdf_rows_per_block(logits.shape[-1])
     if logits.device.type == "cpu" and logits.shape[0] > block:
         parts = [_icdf_sample_rows(logits[i : i + block], seeds[i : i + block], positions[i : i + block], temperature, top_p,
-                                   eos_ids, min_eos_prob) for i in range(0, logits.shape[0], block)]
+                                   eos_ids, min_eos_prob, None if u is None else u[i : i + block]) for i in range(0, logits.shape[0], block)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    return _icdf_sample_rows(logits, seeds, positions, temperature, top_p, eos_ids, min_eos_prob)
+    return _icdf_sample_rows(logits, seeds, positions, temperature, top_p, eos_ids, min_eos_prob, u)
 
 
 def _icdf_sample_rows(
     logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float, top_p: float,
-    eos_ids: Sequence[int], min_eos_prob: float,
+    eos_ids: Sequence[int], min_eos_prob: float, u: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     x = logits.float()  # [B, V] (no copy for float32 logits)
     vocab = x.shape[-1]
     e, m = _icdf_weights(x, temperature)  # [B, V] float32, [B, 1] float64
     cum = torch.cumsum(e, dim=-1, dtype=torch.float64)  # [B, V]
     total = cum[:, -1]  # [B]
-    u = uniforms(seeds, positions)  # [B, K + 1]
+    if u is None:
+        u = uniforms(seeds, positions)  # [B, K + 1]
     draws = _icdf_search(cum, u[:, :ICDF_DRAWS])  # [B, K]
     eos = [v for v in eos_ids if 0 <= v < vocab]
     eos_idx = _ids_on(tuple(eos), str(x.device)) if eos else None
@@ -513,6 +514,8 @@ def sample(
     eos_ids: Sequence[int] = (),
     min_eos_prob: float = 0.0,
     rule: str = DEFAULT_RULE,
+    *,
+    u: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row by the named rule (module docstring; ``docs/toploc.md`` §5).
 
@@ -528,6 +531,9 @@ def sample(
         eos_ids: token ids that end a completion (for the EOS gate).
         min_eos_prob: EOS may be drawn only where P(EOS) ≥ this (0 disables the gate).
         rule: :data:`RULE_ICDF` (default) or :data:`RULE_GUMBEL`, the run spec's ``sampling.rule``.
+        u: ``icdf-v1`` only: ``[B, ICDF_DRAWS + 1]`` float64, the rows' :func:`uniforms` of
+            ``(seeds, positions)`` when the caller computed them ahead (a decode loop does every
+            position of a batch in one call); default: computed here. Other values are another rule.
 
     Returns:
         ``(tokens, logprobs)``: ``[B]`` int64 token ids and ``[B]`` float32
@@ -540,9 +546,11 @@ def sample(
     _check_rule(rule)
     if logits.dim() != 2 or seeds.shape != (logits.shape[0],) or positions.shape != (logits.shape[0],):
         raise ValueError("need logits [B, V], seeds [B] and positions [B]")
+    if u is not None and (rule != RULE_ICDF or u.shape != (logits.shape[0], ICDF_DRAWS + 1)):
+        raise ValueError(f"precomputed uniforms are for {RULE_ICDF} only, shape [B, {ICDF_DRAWS + 1}]")
     seeds, positions = seeds.to(logits.device), positions.to(logits.device)
     if rule == RULE_ICDF:
-        return _icdf_sample(logits, seeds, positions, temperature, top_p, eos_ids, min_eos_prob)
+        return _icdf_sample(logits, seeds, positions, temperature, top_p, eos_ids, min_eos_prob, u)
     z, _, scores, _ = _scores(logits, seeds, positions, temperature, top_p, eos_ids, min_eos_prob)
     tokens = torch.argmax(scores, dim=-1)  # [B]
     logprobs = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, None])[:, 0]  # [B]

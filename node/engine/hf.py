@@ -102,7 +102,6 @@ class TransformersEngine(Engine):
         tokens = torch.full((b, n_max), self.pad_id, dtype=torch.long, device=self.device)  # [B, N]
         logps = torch.zeros((b, n_max), dtype=torch.float32, device=self.device)  # [B, N]
         rows = torch.zeros((b, n_max, hidden_size), dtype=torch.bfloat16, device=self.device)  # [B, N, H]
-        lengths = torch.full((b,), n_max, dtype=torch.long, device=self.device)  # [B]
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         last = torch.tensor([ids.shape[1] - 1], device=self.device)
         step_out = forward(self.model, ids, mask, pos, use_cache=True, logits_positions=last)
@@ -110,18 +109,23 @@ class TransformersEngine(Engine):
         h = step_out.hidden[:, -1]  # [B, H] row that predicts completion token i
         logits = step_out.logits[:, -1]  # [B, V]
         decoder = StaticDecoder(self.model, cache, mask, n_max) if self.static_decode and supports(self.model) else None
-        next_pos = pos[:, -1:] + 1  # [B, 1] position of the token sampled at step i, advanced in place
+        next_pos = pos[:, -1:] + 1  # [B, 1] position of the token sampled at step i
+        steps = torch.arange(n_max, dtype=torch.int64, device=self.device)  # completion positions
+        icdf = params.rule == sampling.RULE_ICDF
+        u_block = steps  # icdf-v1: the uniforms of the next _UNIFORM_STEPS positions, [B, S, K + 1]
+        eos = (params.eos_id,)
         for i in range(n_max):
-            positions = torch.full((b,), i, dtype=torch.int64, device=self.device)
-            tok, lp = sampling.sample(logits, seed_t, positions, params.temperature, params.top_p, (params.eos_id,), params.min_eos_prob,
-                                      params.rule)
-            tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
+            j = i % _UNIFORM_STEPS
+            if icdf and j == 0:  # one Philox call per block of positions instead of one per step
+                s_ = steps[i : i + _UNIFORM_STEPS]
+                u_block = sampling.uniforms(seed_t.repeat_interleave(len(s_)), s_.repeat(b)).view(b, len(s_), -1)
+            tok, lp = sampling.sample(logits, seed_t, steps[i].expand(b), params.temperature, params.top_p, eos, params.min_eos_prob,
+                                      params.rule, u=u_block[:, j] if icdf else None)
+            tok.masked_fill_(done, self.pad_id)  # finished rows step on, masked
             tokens[:, i] = tok
             logps[:, i] = lp
-            rows[:, i] = h.to(torch.bfloat16)
-            newly = (~done) & (tok == params.eos_id)
-            lengths = torch.where(newly, torch.full_like(lengths, i + 1), lengths)
-            done = done | newly
+            rows[:, i] = h
+            done |= tok == params.eos_id
             if i + 1 == n_max or ((i + 1) % self.done_check_every == 0 and bool(done.all())):
                 break
             if decoder is not None:
@@ -132,6 +136,9 @@ class TransformersEngine(Engine):
                 cache = step_out.cache
                 h, logits = step_out.hidden[:, -1], step_out.logits[:, -1]
             next_pos = next_pos + 1
+        # a row ends at its first EOS (after it the row holds padding, or nothing if every row was done)
+        is_eos = tokens == params.eos_id  # [B, N]
+        lengths = torch.where(done, is_eos.to(torch.int8).argmax(dim=-1) + 1, n_max)  # [B]
         result = []
         lengths_l = lengths.tolist()
         done_l = done.tolist()
@@ -146,6 +153,10 @@ class TransformersEngine(Engine):
                 )
             )
         return result
+
+
+_UNIFORM_STEPS = 64
+"""Decode steps whose ``icdf-v1`` uniforms are computed in one call (``[B, 64, 17]`` float64: 8.5 KiB per row)."""
 
 
 def _seeds_tensor(seeds: list[int], device: str) -> torch.Tensor:

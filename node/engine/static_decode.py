@@ -31,8 +31,8 @@ import torch.nn.functional as F
 def supports(model: Any) -> bool:
     """Whether :class:`StaticDecoder` reproduces ``model``'s decode step exactly.
 
-    True for a ``Qwen2ForCausalLM`` in eval mode with ``sdpa`` attention, no sliding-window layer
-    and SiLU activation (the configurations this module mirrors op for op).
+    True for a float32 ``Qwen2ForCausalLM`` in eval mode with ``sdpa`` attention, no sliding-window
+    layer and SiLU activation (the configurations this module mirrors op for op).
     """
     try:
         from transformers import Qwen2ForCausalLM
@@ -46,6 +46,8 @@ def supports(model: Any) -> bool:
         getattr(cfg, "_attn_implementation", None) == "sdpa"
         and all(t == "full_attention" for t in layer_types)
         and getattr(cfg, "hidden_act", "silu") == "silu"
+        and all(p.dtype == torch.float32 for p in model.parameters())
+        and model.lm_head.bias is None
     )
 
 
@@ -96,6 +98,14 @@ class StaticDecoder:
             self.mask = torch.zeros((b, 1, 1, capacity), dtype=first.dtype, device=first.device)
             self.mask.masked_fill_(~keep[:, None, None, :], -math.inf)
         self.scaling = float(self.layers[0].self_attn.scaling)
+        self.eps = float(self.layers[0].input_layernorm.variance_epsilon)
+        # the tensors of each layer, fetched once (module attribute lookups cost more than the small ops)
+        self.weights = [
+            (layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
+             a.o_proj.weight, layer.post_attention_layernorm.weight, layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight,
+             layer.mlp.down_proj.weight)
+            for layer in self.layers for a in (layer.self_attn,)
+        ]
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,25 +125,23 @@ class StaticDecoder:
         if pos >= self.keys[0].shape[2]:
             raise RuntimeError("decode past the preallocated cache")
         inner = self.model.model
-        b, nh, nkv, d = self.batch, self.n_heads, self.n_kv, self.head_dim
-        x = inner.embed_tokens(tokens[:, None])  # [B, 1, H]
-        cos, sin = inner.rotary_emb(x, position_ids)  # [B, 1, D] each
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, 1, D]
+        b, nh, nkv, d, half = self.batch, self.n_heads, self.n_kv, self.head_dim, self.head_dim // 2
+        x = F.embedding(tokens[:, None], inner.embed_tokens.weight)  # [B, 1, H]
+        cos, sin = inner.rotary_emb(x, position_ids)  # [B, 1, D] each; both halves of a row are equal
+        cos = cos.unsqueeze(1)  # [B, 1, 1, D]
+        # rotate_half(q) · sin = roll(q, D/2) · (−sin | sin): the same products, one op fewer per tensor
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)
         mask = None if self.mask is None else self.mask[..., : pos + 1]
-        half = d // 2
-        for li, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            residual = x
-            h = _rms_norm(x, layer.input_layernorm)
-            q = attn.q_proj(h).view(b, 1, nh, d).transpose(1, 2)  # [B, NH, 1, D]
-            k = attn.k_proj(h).view(b, 1, nkv, d).transpose(1, 2)  # [B, KV, 1, D]
-            v = attn.v_proj(h).view(b, 1, nkv, d).transpose(1, 2)
-            q = (q * cos) + (torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin)
-            k = (k * cos) + (torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin)
-            self.keys[li][:, :, pos : pos + 1].copy_(k)
-            self.values[li][:, :, pos : pos + 1].copy_(v)
-            keys = self.keys[li][:, :, : pos + 1]  # [B, KV, pos+1, D] view
-            values = self.values[li][:, :, : pos + 1]
+        for li, (ln1, wq, bq, wk, bk, wv, bv, wo, ln2, wg, wu, wd) in enumerate(self.weights):
+            h = _rms(x, ln1, self.eps)
+            q = F.linear(h, wq, bq).view(b, 1, nh, d).transpose(1, 2)  # [B, NH, 1, D]
+            k = F.linear(h, wk, bk).view(b, 1, nkv, d).transpose(1, 2)  # [B, KV, 1, D]
+            v = F.linear(h, wv, bv).view(b, 1, nkv, d).transpose(1, 2)
+            q = (q * cos) + (q.roll(half, -1) * sin)
+            kc, vc = self.keys[li], self.values[li]
+            torch.add(k * cos, k.roll(half, -1) * sin, out=kc[:, :, pos : pos + 1])
+            vc[:, :, pos : pos + 1] = v
+            keys, values = kc[:, :, : pos + 1], vc[:, :, : pos + 1]  # [B, KV, pos+1, D] views
             if self.n_rep == 1:
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=0.0, scale=self.scaling)
             elif mask is None:
@@ -141,22 +149,16 @@ class StaticDecoder:
             else:  # one query token: the query heads of a KV head become its query rows (transformers' pack_gqa)
                 out = F.scaled_dot_product_attention(q.reshape(b, nkv, self.n_rep, d), keys, values, attn_mask=mask, dropout_p=0.0,
                                                      scale=self.scaling)
-            out = out.reshape(b, -1, 1, d).transpose(1, 2).contiguous()  # [B, 1, NH, D]
-            x = residual + attn.o_proj(out.reshape(b, 1, -1).contiguous())
-            residual = x
-            h = _rms_norm(x, layer.post_attention_layernorm)
-            mlp = layer.mlp
-            x = residual + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
-        hidden = _rms_norm(x, inner.norm)  # [B, 1, H]
-        logits = self.model.lm_head(hidden).float()  # [B, 1, V]
+            # [B, NH, 1, D] (or [B, KV, rep, D]) is already the layout of [B, 1, NH·D]
+            x = x + F.linear(out.reshape(b, 1, nh * d), wo)
+            h = _rms(x, ln2, self.eps)
+            x = x + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
+        hidden = _rms(x, inner.norm.weight, float(inner.norm.variance_epsilon))  # [B, 1, H]
+        logits = F.linear(hidden, self.model.lm_head.weight).float()  # [B, 1, V]
         self.length = pos + 1
         return hidden[:, -1], logits[:, -1]
 
 
-def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
-    """``Qwen2RMSNorm.forward``, op for op."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(variance + norm.variance_epsilon)
-    return norm.weight * h.to(dtype)
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``Qwen2RMSNorm.forward`` for float32 ``x``, op for op (its dtype casts are no-ops there)."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps)))

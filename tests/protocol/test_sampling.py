@@ -455,3 +455,24 @@ def test_icdf_row_blocks_do_not_change_results(monkeypatch: pytest.MonkeyPatch) 
     assert torch.equal(whole[0], blocked[0]) and torch.equal(whole[1], blocked[1])
     rep2 = sampling.replay_check(logits, whole[0], 3, top_p=0.9, eos_ids=(1,), min_eos_prob=0.1)
     assert torch.equal(rep.gaps, rep2.gaps) and torch.equal(rep.tokens, rep2.tokens) and torch.equal(rep.logprobs, rep2.logprobs)
+
+
+def test_icdf_precomputed_uniforms_give_the_same_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode loop may hand ``sample`` the rows' uniforms computed ahead (all positions at once):
+    the same tokens and log-probs, also across row blocks; other shapes or the gumbel rule are refused."""
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(9, 300, generator=g)
+    seeds, pos = torch.randint(0, 2**62, (9,), generator=g), torch.arange(9, dtype=torch.int64) * 5
+    ahead = sampling.uniforms(seeds.repeat_interleave(4), torch.arange(0, 40, 10).repeat(9)).view(9, 4, -1)  # positions 0, 10, 20, 30
+    pos = torch.full((9,), 20, dtype=torch.int64)
+    for top_p, floor in ((1.0, 0.0), (1.0, 0.3), (0.9, 0.1)):
+        ref = sampling.sample(logits, seeds, pos, 0.8, top_p, (1,), floor)
+        got = sampling.sample(logits, seeds, pos, 0.8, top_p, (1,), floor, u=ahead[:, 2])
+        assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    monkeypatch.setattr(sampling, "_ICDF_BLOCK_ELEMENTS", 600)  # 2 rows per block
+    got = sampling.sample(logits, seeds, pos, 0.8, 0.9, (1,), 0.1, u=ahead[:, 2])
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    with pytest.raises(ValueError):
+        sampling.sample(logits, seeds, pos, u=ahead[:, 2, :5])
+    with pytest.raises(ValueError):
+        sampling.sample(logits, seeds, pos, rule=sampling.RULE_GUMBEL, u=ahead[:, 2])
