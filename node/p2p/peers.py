@@ -21,6 +21,11 @@ from protocol.messages import CheckpointAnnouncement, Hardware, NodeRecord, Role
 FORGET_AFTER_DEAD_FACTOR = 10
 """A peer silent for this many expiry windows is removed from the table altogether."""
 
+MAX_PEERS = 10_000
+"""Peers the table holds at most. Records are self-signed, so anyone can make any number of peer
+IDs; past this bound a new peer takes the place of the least recently heard one whose role was not
+key-checked (the coordinator and the run's validators are never pushed out). ≈ 1 KiB a peer."""
+
 
 @dataclass
 class PeerInfo:
@@ -78,6 +83,7 @@ class PeerTable:
         missed_heartbeats: intervals of silence after which a peer is dead.
         coordinator: the run's coordinator peer ID (its records and announcements set the latest step).
         clock: monotonic clock, seconds.
+        max_peers: see :data:`MAX_PEERS`.
     """
 
     def __init__(
@@ -87,12 +93,16 @@ class PeerTable:
         missed_heartbeats: int = 3,
         coordinator: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_peers: int = MAX_PEERS,
     ) -> None:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.expiry_s = missed_heartbeats * heartbeat_interval_s
         self.coordinator_id = coordinator
         self._clock = clock
-        self._peers: dict[str, PeerInfo] = {}
+        self._peers: dict[str, PeerInfo] = {}  # insertion order = order of the latest record (moved to the end on update)
+        self.max_peers = max_peers
+        self.evicted = 0
+        """Peers pushed out by newer ones because the table was full."""
         self._announced_step: int | None = None
         self._announcement: CheckpointAnnouncement | None = None
 
@@ -112,6 +122,9 @@ class PeerTable:
         if old is not None and (ts_ms, record.seq) <= (old.ts_ms, old.seq):
             return False
         revived = old is None or not self._alive(old, now)
+        if old is None and len(self._peers) >= self.max_peers and not self._make_room():
+            return False
+        self._peers.pop(record.peer_id, None)  # re-inserted last: the dict stays ordered by last record
         self._peers[record.peer_id] = PeerInfo(
             peer_id=PeerId(record.peer_id),
             role=record.role,
@@ -127,6 +140,15 @@ class PeerTable:
             last_seen=now,
         )
         return revived
+
+    def _make_room(self) -> bool:
+        """Drop the least recently heard peer with an unchecked role; ``False`` if every peer is key-checked."""
+        for peer_id, p in self._peers.items():
+            if p.role not in ("coordinator", "validator"):
+                del self._peers[peer_id]
+                self.evicted += 1
+                return True
+        return False
 
     def note_announcement(self, announcement: CheckpointAnnouncement) -> bool:
         """Record a verified checkpoint announcement; returns whether it raised the latest step."""

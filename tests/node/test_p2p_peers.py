@@ -92,3 +92,26 @@ def test_pick_upstreams_prefers_relays_holding_the_latest_step() -> None:
         table.update(rec(NodeKey.generate(), http_url=f"http://sybil{i}", held_steps=[7]), 1)
     sybil_view = pick_upstreams(table, own_peer_id=me.peer_id, own_url="http://me", fanout=3)
     assert len(sybil_view) == 4 and sybil_view[-1] == "http://origin"
+
+
+def test_a_flood_of_new_peer_ids_is_bounded_and_never_pushes_out_the_coordinator_or_a_validator() -> None:
+    clock = Clock()
+    coord, validator, honest = NodeKey.generate(), NodeKey.generate(), NodeKey.generate()
+    table = PeerTable(HB, coordinator=coord.peer_id, clock=clock, max_peers=6)
+    assert table.update(rec(coord, role="coordinator", policy_step=3), ts_ms=1)
+    assert table.update(rec(validator, role="validator"), ts_ms=1)
+    assert table.update(rec(honest, role="relay"), ts_ms=1)
+    flood = [NodeKey.generate() for _ in range(6)]
+    for i, k in enumerate(flood):
+        if i == 3:  # the honest relay heartbeats once the table is full: it becomes the most recent
+            assert not table.update(rec(honest, role="relay", seq=2), ts_ms=2)
+        assert table.update(rec(k, role="worker"), ts_ms=1)
+    # the three oldest flooded IDs made room, least recently heard first
+    assert {p.peer_id for p in table.alive()} == {coord.peer_id, validator.peer_id, honest.peer_id, *(k.peer_id for k in flood[3:])}
+    assert table.evicted == 3 and table.latest_step() == 3
+    # a table of key-checked peers only refuses a newcomer instead of dropping one of them
+    full = PeerTable(HB, coordinator=coord.peer_id, clock=clock, max_peers=2)
+    full.update(rec(coord, role="coordinator"), ts_ms=1)
+    full.update(rec(validator, role="validator"), ts_ms=1)
+    assert not full.update(rec(flood[0], role="worker"), ts_ms=1)
+    assert {p.peer_id for p in full.alive()} == {coord.peer_id, validator.peer_id}
