@@ -2,12 +2,19 @@
 
 * :mod:`.relay` — :func:`run_relay`, a Shardcast relay (or the origin when it has no upstream).
 * :mod:`.worker` — :class:`Worker`; :mod:`.validator` — :class:`ValidatorNode`.
-* :func:`run_until_stopped` — the common start/run/stop life of a role process.
+* :func:`run_until_stopped` — the common start/run/stop life of a role process;
+  :func:`require_sandbox_for` and :func:`start_status_server`, the start-up steps every scoring role shares.
 """
 
 import asyncio
 import signal
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from node.status_http import StatusServer
 
 
 class RoleProcess(Protocol):
@@ -41,3 +48,36 @@ async def sleep_unless(stop: asyncio.Event, seconds: float) -> None:
         await asyncio.wait_for(stop.wait(), timeout=seconds)
     except TimeoutError:
         pass
+
+
+async def require_sandbox_for(tasks: Sequence[Any]) -> None:
+    """Refuse to start a role that will score code tasks (``prime_rl_code``) without a real sandbox.
+
+    Args:
+        tasks: the run's training tasks (:class:`protocol.tasks.Task`).
+
+    Raises:
+        protocol.rewards.base.RewardError: naming what to install (``protocol.rewards.sandbox.require_sandbox``).
+    """
+    if any(t.task_type == "prime_rl_code" for t in tasks):
+        from protocol.rewards.sandbox import require_sandbox
+
+        await asyncio.to_thread(require_sandbox)
+
+
+async def start_status_server(status: Callable[[], dict[str, Any]], registry: "CollectorRegistry", port: int | None) -> "StatusServer | None":
+    """Start a role's ``/status`` + ``/metrics`` server on 127.0.0.1:``port`` (0: any); ``None`` when ``port`` is ``None``.
+
+    Returns:
+        The started :class:`node.status_http.StatusServer`, or ``None``.
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+    if port is None:
+        return None
+    from node.status_http import StatusServer
+
+    server = StatusServer(status, registry, port=port)
+    await server.start()
+    return server

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from node.errors import FetchError
 from node.p2p import GossipConfig, GossipNode
-from node.roles import sleep_unless
+from node.roles import require_sandbox_for, sleep_unless, start_status_server
 from node.policy import PolicyFollower, gossip_sources, relays_lagging
 from node.ingest_client import IngestClient, IngestUnavailable
 from node.retry import Backoff, FailureLog
@@ -120,19 +120,14 @@ class ValidatorNode:
         self._resource_failures: OrderedDict[str, int] = OrderedDict()  # submission ID -> failed checks
 
     async def start(self) -> None:
-        if any(t.task_type == "prime_rl_code" for t in self.tasks):
-            from protocol.rewards.sandbox import require_sandbox
-
-            await asyncio.to_thread(require_sandbox)  # code tasks only in a real sandbox: RewardError naming what to install
+        await require_sandbox_for(self.tasks)  # code tasks only in a real sandbox: RewardError naming what to install
         if self.options.gossip is not None:
             self.gossip = await GossipNode.create(self.spec, self.key, self.options.gossip, role="validator")
             self.gossip.on_announcement(lambda env: self.follower.note_step(env.body.step))
             self.gossip.on_ban_list(self._on_ban_list)
         self.follower.sources = gossip_sources(self.gossip, self.spec)
         self.follower.relays_waiting = relays_lagging(self.gossip)
-        if self.options.http_port is not None:
-            self.status_server = StatusServer(self.status, self.registry, port=self.options.http_port)
-            await self.status_server.start()
+        self.status_server = await start_status_server(self.status, self.registry, self.options.http_port)
 
     def request_stop(self) -> None:
         self._stop.set()

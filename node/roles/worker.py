@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from node.engine import Engine, create_engine
 from node.errors import FetchError
 from node.p2p import GossipConfig, GossipNode
-from node.roles import run_until_stopped, sleep_unless
+from node.roles import require_sandbox_for, run_until_stopped, sleep_unless, start_status_server
 from node.policy import POLL_INTERVAL_S, PolicyFollower, gossip_sources, relays_lagging
 from node.retry import Backoff, FailureLog
 from node.status_http import StatusServer
@@ -111,10 +111,7 @@ class Worker:
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if any(t.task_type == "prime_rl_code" for t in self.tasks):
-            from protocol.rewards.sandbox import require_sandbox
-
-            await asyncio.to_thread(require_sandbox)  # code tasks only in a real sandbox: RewardError naming what to install
+        await require_sandbox_for(self.tasks)  # code tasks only in a real sandbox: RewardError naming what to install
         if self.options.gossip is not None:
             self.gossip = await GossipNode.create(self.spec, self.key, self.options.gossip, role="worker")
             self.gossip.on_announcement(self._on_announcement)
@@ -122,9 +119,7 @@ class Worker:
             self.gossip.on_verdict(self._on_verdict)
         self.follower.sources = gossip_sources(self.gossip, self.spec)
         self.follower.relays_waiting = relays_lagging(self.gossip)
-        if self.options.http_port is not None:
-            self.status_server = StatusServer(self.status, self.registry, port=self.options.http_port)
-            await self.status_server.start()
+        self.status_server = await start_status_server(self.status, self.registry, self.options.http_port)
         self._sender = asyncio.create_task(self._send_loop(), name="worker-submitter")
         if self.spool.pending():
             logger.info("re-sending %d spooled submissions from an earlier run", len(self.spool.pending()))
