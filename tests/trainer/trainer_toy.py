@@ -147,8 +147,8 @@ def _resume(args: argparse.Namespace) -> None:
         trainer.train_step(toy_batch(seed=step, step=step))
     trainer.save_state(Path(args.out), {"next_batch_seed": args.steps})
     (Path(args.out) / "SAVED").write_text("1")
-    while True:  # wait to be killed
-        time.sleep(1)
+    time.sleep(600)  # wait to be killed (the test does at once; bounded, should the test die first)
+    sys.exit(1)
 
 
 if __name__ == "__main__":
