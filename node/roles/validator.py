@@ -257,11 +257,17 @@ class ValidatorNode:
     def _trainer_step(self) -> int:
         """The trainer step the async window is judged against (:mod:`protocol.window`): the
         coordinator's, from the last lease answer; from an ingest that does not send it, the newest
-        policy step this validator has heard of (a lower bound of it). An answer below that signed
-        lower bound (every published step is ≤ ``n``) is a stale or lying ingest: the bound is used."""
+        policy step this validator has heard of (a lower bound of it). The answer is unsigned, so it
+        is held between signed bounds: below the newest coordinator-signed step ``s`` (every
+        published step is ≤ ``n``) it is raised to ``s``; above ``s + rl.publish_every`` (the
+        coordinator publishes at least that often) it is lowered to that, so a lying ingest can
+        neither push fresh work out of the window's top nor its bottom. Lowering only widens the
+        window when this validator's view of ``s`` lags (honest work is never rejected for it)."""
+        latest = self.follower.latest_step
         if self.coordinator_step is not None:
-            return max(self.coordinator_step, self.follower.latest_step)
-        return max(self.follower.latest_step, max(self._models, default=-1))
+            step = max(self.coordinator_step, latest)
+            return min(step, latest + self.spec.rl.publish_every) if latest >= 0 else step
+        return max(latest, max(self._models, default=-1))
 
     async def _prepare(self, step: int) -> None:
         """Load the checkpoint of ``step`` (fetching it through Shardcast) unless cached."""

@@ -1,9 +1,10 @@
-"""A lease answer's ``trainer_step`` is unsigned: one below a step the coordinator signed is refused.
+"""A lease answer's ``trainer_step`` is unsigned: it is held between coordinator-signed bounds.
 
 Every published step is ≤ the trainer step ``n`` (:mod:`protocol.window`), so a validator that
 has a coordinator-signed announcement of step 5 knows ``n ≥ 5``. A stale or lying ingest that
 answers ``trainer_step`` −2⁶¹ (or 0) would otherwise put every fresh submission above the
-window's upper end, and the validator would sign ``stale_policy`` rejections of honest work.
+window's upper end, and the validator would sign ``stale_policy`` rejections of honest work; one
+far above it (2⁶¹) would put every fresh submission below the window's lower end.
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ def test_a_lease_answer_below_the_signed_latest_step_does_not_move_the_window(tm
             node.coordinator_step = lie  # what _lease keeps from the answer
             assert node._trainer_step() == 5
             assert in_window(5, trainer_step=node._trainer_step(), async_level=1)
-        node.coordinator_step = 7  # an honest answer above the bound is taken as it is
-        assert node._trainer_step() == 7
+        node.coordinator_step = 6  # an answer inside the signed bounds is taken as it is
+        assert node._trainer_step() == 6
+        for lie in (7, 2**61):  # above the newest signed step + publish_every (1): lowered to it
+            node.coordinator_step = lie
+            assert node._trainer_step() == 6
+            assert in_window(5, trainer_step=node._trainer_step(), async_level=1)
     finally:
         node.ledger.close()
