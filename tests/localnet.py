@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import time
 import urllib.error
 import urllib.request
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -23,7 +28,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def get_json(url: str, timeout_s: float = 2.0) -> Any | None:
     """``GET url`` parsed as JSON; ``None`` when nobody answers, the answer is an HTTP error or not JSON."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - loopback
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # loopback only
             return json.loads(r.read())
     except (OSError, ValueError):
         return None
@@ -33,9 +38,27 @@ def post(url: str, data: bytes, timeout_s: float = 10.0) -> tuple[int, bytes]:
     """``POST data`` to ``url``: ``(status, body)``, also for HTTP errors; ``(0, b"")`` when nobody answers."""
     req = urllib.request.Request(url, data=data, method="POST")
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:  # noqa: S310 - loopback
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:  # loopback only
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
     except OSError:  # the server finished and closed its port
         return 0, b""
+
+
+def wait_for(cond: Callable[[], T], timeout_s: float, what: str, proc: subprocess.Popen[Any] | None = None, poll_s: float = 0.3) -> T:
+    """Call ``cond`` every ``poll_s`` seconds until it returns something true, and return that.
+
+    Raises:
+        AssertionError: ``proc`` (the process the test waits on) exited first, or ``timeout_s``
+            seconds passed; the message names ``what``.
+    """
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        got = cond()
+        if got:
+            return got
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the process exited ({proc.returncode}) while waiting for {what}")
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")

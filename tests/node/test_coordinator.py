@@ -9,11 +9,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from localnet import free_port, get_json, post
+from localnet import free_port, get_json, post, wait_for
 
 from node.coordinator.base import prepare_base
 from node.engine.hf import TransformersEngine
@@ -30,18 +29,6 @@ from protocol.models import load_tokenizer
 from protocol.runspec import DataSpec, ModelSpec, NetworkSpec, RLSpec, RunInfo, RunSpec, SamplingSpec, dump_run_spec, sign_run_spec
 
 pytestmark = pytest.mark.integration
-
-
-def _wait(cond, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        v = cond()
-        if v:
-            return v
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"coordinator exited ({proc.returncode}) while waiting for {what}")
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_train_kill_resume(tmp_path):
@@ -101,8 +88,8 @@ def test_train_kill_resume(tmp_path):
             assert post(f"{url}{VERDICTS_ROUTE}", v)[0] in (0, 200)
 
     try:
-        _wait(lambda: get_json(f"{url}/status"), 120, "the coordinator's status", proc)
-        _wait(lambda: (feed_one_step(), (get_json(f"{url}/status") or {}).get("trainer_step", 0) >= 1)[1], 120, "trainer step 1", proc)
+        wait_for(lambda: get_json(f"{url}/status"), 120, "the coordinator's status", proc)
+        wait_for(lambda: (feed_one_step(), (get_json(f"{url}/status") or {}).get("trainer_step", 0) >= 1)[1], 120, "trainer step 1", proc)
         # one more acknowledged submission that the killed process never trains on
         feed_one_step()
         stored_before = get_json(f"{url}/status")["submissions"]
@@ -111,7 +98,7 @@ def test_train_kill_resume(tmp_path):
         assert (data_dir / "state" / "latest").exists()
         proc = subprocess.Popen([*cmd, "--resume"], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         # the resumed process may finish at once on the acknowledged rollouts it already holds
-        _wait(lambda: proc.poll() is not None or (feed_one_step(), False)[1], 180, "the resumed run to finish", None)
+        wait_for(lambda: proc.poll() is not None or (feed_one_step(), False)[1], 180, "the resumed run to finish", None)
         assert proc.returncode == 0, (tmp_path / "coord.log").read_text()[-3000:]
     finally:
         if proc.poll() is None:
