@@ -24,14 +24,23 @@ What a server started here gets (``docs/operators.md`` "HTTP limits"):
   address's oldest connection, so addresses cannot together lock others out;
 * **no compressed bodies** — ``auto_decompress`` is off and :data:`identity_only` answers 415 to
   any request body with a ``Content-Encoding`` other than ``identity``: nothing inflates;
+* **stalled writes** — a client that asks for a response and then stops reading it (its receive
+  window stays shut) would hold a connection and a handler forever; once the bytes waiting to go
+  to it (the transport's buffer plus the socket's unsent queue, ``TIOCOUTQ``, which also covers
+  ``sendfile``) stay non-zero and unchanged for ``write_stall_s``, the connection is aborted. A
+  slow reader moves them and keeps its connection;
 * small header limits (line and field 8 KiB, 64 headers).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
 import socket
+import termios
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +63,8 @@ class ServerLimits:
         max_connections: open connections in all; more are aborted.
         max_line_size: longest request line or header line, bytes.
         max_headers: most header fields in one request.
+        write_stall_s: a connection whose unsent response bytes stay non-zero and unchanged this
+            long is aborted, seconds (checked every quarter of it).
     """
 
     header_timeout_s: float = 10.0
@@ -61,6 +72,7 @@ class ServerLimits:
     max_connections: int = 1024
     max_line_size: int = 8190
     max_headers: int = 64
+    write_stall_s: float = 60.0
 
 
 @web.middleware
@@ -76,7 +88,67 @@ async def identity_only(request: web.Request, handler: Callable[[web.Request], A
     return await handler(request)
 
 
-def _cap_connections(server: web_server.Server, limits: ServerLimits) -> None:
+def _unsent_bytes(transport: asyncio.Transport) -> int:
+    """Bytes written to ``transport`` that its peer has not taken yet: the transport's buffer plus
+    the kernel's unsent send queue (``TIOCOUTQ``; where it cannot be read, the buffer alone)."""
+    n = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError, ValueError):
+            n += int.from_bytes(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"), "little")
+    return n
+
+
+class StallWatch:
+    """Aborts connections whose unsent bytes stay non-zero and unchanged for ``stall_s``.
+
+    Attributes:
+        aborted: connections aborted for a stalled write so far.
+    """
+
+    def __init__(self, counted: dict[Any, tuple[str, asyncio.Transport]], stall_s: float) -> None:
+        self.counted = counted
+        self.stall_s = stall_s
+        self.aborted = 0
+        self._seen: dict[Any, tuple[int, float]] = {}  # handler → (unsent bytes, since when unchanged)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self, _app: web.Application | None = None) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def check(self, now: float) -> None:
+        """One pass over the open connections."""
+        seen: dict[Any, tuple[int, float]] = {}
+        for handler, (ip, transport) in list(self.counted.items()):
+            if transport.is_closing():
+                continue
+            unsent = _unsent_bytes(transport)
+            if unsent == 0:
+                continue
+            before, since = self._seen.get(handler, (-1, now))
+            if unsent != before:
+                since = now
+            elif now - since >= self.stall_s:
+                logger.debug("aborting a connection from %s: %d response bytes unread for %.0f s", ip, unsent, now - since)
+                self.aborted += 1
+                transport.abort()
+                continue
+            seen[handler] = (unsent, since)
+        self._seen = seen
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.stall_s / 4)
+            self.check(time.monotonic())
+
+
+def _cap_connections(server: web_server.Server, limits: ServerLimits) -> dict[Any, tuple[str, asyncio.Transport]]:
     """Abort connections over the per-IP or total cap right after they are accepted.
 
     aiohttp has no connection cap of its own; its ``Server`` is told of every connection (made
@@ -128,6 +200,7 @@ def _cap_connections(server: web_server.Server, limits: ServerLimits) -> None:
 
     server.connection_made = connection_made  # type: ignore[method-assign]
     server.connection_lost = connection_lost  # type: ignore[method-assign]
+    return counted
 
 
 def http_url(host: str, port: int) -> str:
@@ -137,10 +210,11 @@ def http_url(host: str, port: int) -> str:
 
 @dataclass
 class RunningServer:
-    """A started server: its runner (``await cleanup()`` to stop) and bound port."""
+    """A started server: its runner (``await cleanup()`` to stop), bound port and stalled-write watch."""
 
     runner: web.AppRunner
     port: int
+    stalls: StallWatch
 
     async def stop(self) -> None:
         await self.runner.cleanup()
@@ -166,6 +240,8 @@ async def start_site(app: web.Application, host: str, port: int = 0, *, limits: 
     """
     lim = limits or ServerLimits()
     app.middlewares.insert(0, identity_only)
+    stalls = StallWatch({}, lim.write_stall_s)
+    app.on_cleanup.append(stalls.stop)  # runner.cleanup() stops the watch with the server
     runner = web.AppRunner(
         app, access_log=None, handle_signals=False, shutdown_timeout=shutdown_timeout_s,
         keepalive_timeout=lim.header_timeout_s, auto_decompress=False,
@@ -173,7 +249,7 @@ async def start_site(app: web.Application, host: str, port: int = 0, *, limits: 
     )
     await runner.setup()
     assert runner.server is not None
-    _cap_connections(runner.server, lim)
+    stalls.counted = _cap_connections(runner.server, lim)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         if reuse_address:
@@ -185,4 +261,5 @@ async def start_site(app: web.Application, host: str, port: int = 0, *, limits: 
         raise
     bound = int(sock.getsockname()[1])
     await web.SockSite(runner, sock, backlog=512).start()
-    return RunningServer(runner, bound)
+    stalls.start()
+    return RunningServer(runner, bound, stalls)

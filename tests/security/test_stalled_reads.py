@@ -1,0 +1,96 @@
+"""A client that requests a response and never reads it loses its connection once the unsent bytes
+stop moving; a slow client that keeps reading keeps its connection (``node/http_server.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from node.http_server import ServerLimits, start_site
+
+BIG = 16 * 1024 * 1024  # far more than the socket buffers on both sides hold
+
+
+async def _wait_until(cond, timeout_s: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not cond():
+        assert loop.time() < end, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+def _app(piece: Path) -> web.Application:
+    app = web.Application()
+
+    async def body(_request: web.Request) -> web.StreamResponse:  # written in chunks (drain-bound)
+        resp = web.StreamResponse()
+        resp.content_length = BIG
+        await resp.prepare(_request)
+        chunk = b"\0" * (1 << 20)
+        for _ in range(BIG // len(chunk)):
+            await resp.write(chunk)
+        return resp
+
+    async def file(_request: web.Request) -> web.StreamResponse:  # sendfile, as Shardcast pieces are served
+        return web.FileResponse(piece)
+
+    app.router.add_get("/body", body)
+    app.router.add_get("/file", file)
+    return app
+
+
+def _connect(port: int, path: str, rcvbuf: int | None = None) -> socket.socket:
+    s = socket.socket()
+    if rcvbuf is not None:  # before connecting, so the advertised window is small from the start
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect(("127.0.0.1", port))
+    s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    return s
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("path", ["/body", "/file"])
+async def test_a_client_that_stops_reading_is_cut_off_and_a_slow_reader_is_not(tmp_path: Path, path: str) -> None:
+    piece = tmp_path / "piece"
+    piece.write_bytes(b"\1" * BIG)
+    running = await start_site(_app(piece), "127.0.0.1", limits=ServerLimits(write_stall_s=1.0))
+    stalled = _connect(running.port, path, rcvbuf=4096)
+    slow = _connect(running.port, path)
+    slow.setblocking(False)
+    got = 0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    try:
+        def slow_read() -> None:
+            nonlocal got
+            try:
+                got += len(slow.recv(65536))
+            except BlockingIOError:
+                pass
+
+        # the slow reader keeps taking a little at a time until the stalled one has been cut off
+        while running.stalls.aborted == 0:
+            slow_read()
+            assert loop.time() < deadline, "the stalled client was never cut off"
+            assert got < BIG, "the slow reader finished before the stall was detected"
+            await asyncio.sleep(0.1)
+        assert running.stalls.aborted == 1
+        await _wait_until(lambda: len(running.stalls.counted) == 1)  # its slot is free again (only the slow reader holds one)
+        # the stalled socket sees the abort (after the bytes already in its buffer)
+        stalled.settimeout(10)
+        with pytest.raises((ConnectionResetError, AssertionError)):
+            while True:
+                data = stalled.recv(1 << 16)
+                assert data, "closed"
+        # the slow reader's connection is still served
+        before = got
+        await _wait_until(lambda: (slow_read(), got > before + 65536)[1])
+        assert running.stalls.aborted == 1
+    finally:
+        stalled.close()
+        slow.close()
+        await running.stop()
