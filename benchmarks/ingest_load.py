@@ -30,6 +30,10 @@ this checkout's ``protocol/``, ``trainer/`` and ``node/`` in a temporary directo
 this checkout), alternating baseline and current at each level, so both see the same machine
 load; printed side by side.
 
+``--history N``: the store starts with N index rows of submissions trained on long ago (files
+deleted, as ``SubmissionStore.mark_consumed`` leaves them; 1,000 worker IDs, 100 addresses):
+what a run has behind it after N submissions, since index rows are kept for the whole run.
+
 ``--fsync-delay-ms X``: every ``fsync``/``fdatasync`` of the server child (its own and SQLite's)
 first sleeps X ms, through a small ``LD_PRELOAD`` shim compiled with the system C compiler: a
 reproducible stand-in for the slow disk of a loaded machine (0.4–38 ms per fsync measured on this
@@ -43,7 +47,7 @@ verified, so the clients cost as little as possible). Prints aggregate MiB/s and
 per client to hold the whole checkpoint, side by side, with the load average.
 
 Run: ``python benchmarks/ingest_load.py [--submissions 1200] [--concurrency 4,16,48] [--max-tokens 32]
-[--baseline REV] [--fsync-delay-ms X]``
+[--baseline REV] [--fsync-delay-ms X] [--history N]``
 or ``python benchmarks/ingest_load.py --relay [--relay-mib 64] [--clients 1,8,32]``.
 """
 
@@ -86,7 +90,23 @@ def bench_limits():  # type: ignore[no-untyped-def]
                         max_disk_files=1_000_000, max_disk_bytes=1 << 40, decode_concurrency_per_ip=4)
 
 
-async def serve(root: Path) -> None:
+def prefill(index: Path, n: int) -> None:
+    """``n`` index rows of submissions trained on long ago (files gone, 1,000 workers, 100 addresses): a run's history."""
+    import secrets
+    import sqlite3
+
+    db = sqlite3.connect(index)
+    with db:
+        start = db.execute("SELECT COALESCE(MAX(seq), 0) FROM submissions").fetchone()[0]
+        db.executemany(
+            "INSERT INTO submissions (id, worker, policy_step, counter, n_rollouts, size_bytes, received_ms, state, reason, consumed_step,"
+            " seq, source_ip, on_disk) VALUES (?, ?, 0, ?, 16, 14700, 0, 'accepted', 'ok', 0, ?, ?, 0)",
+            ((secrets.token_hex(32), f"history-worker-{i % 1000}", i // 1000, start + i + 1, f"10.0.{i % 100}.1") for i in range(n)),
+        )
+    db.close()
+
+
+async def serve(root: Path, history: int = 0) -> None:
     """Child process: run the ingest on 127.0.0.1, print ``PORT <n>``, stop when stdin closes."""
     from aiohttp import web
 
@@ -96,6 +116,9 @@ async def serve(root: Path) -> None:
     from trainer.ingest.service import IngestService, error_middleware
 
     spec = bench_spec()
+    if history:
+        SubmissionStore(root / "ingest", spec.run_id).close()  # the schema (and this code's indexes)
+        prefill(root / "ingest" / "index.sqlite", history)
     store = SubmissionStore(root / "ingest", spec.run_id)
     bans = BanBook(root / "bans.msgpack", NodeKey.from_seed(COORD_SEED), spec.run_id)
     service = IngestService(spec, store, bans, trainer_step=lambda: 0, latest_policy_step=lambda: 0, limits=bench_limits())
@@ -319,7 +342,7 @@ def fsync_probe(directory: Path, size: int, n: int = 20) -> float:
 
 
 async def run_level(subs: list[bytes], concurrency: int, max_s: float, code: Path = REPO, shim: Path | None = None,
-                    fsync_delay_ms: float = 0.0) -> dict[str, object]:
+                    fsync_delay_ms: float = 0.0, history: int = 0) -> dict[str, object]:
     """One level: a fresh ingest (the code under ``code``) in a child process, ``subs`` posted at ``concurrency``."""
     import psutil
 
@@ -328,11 +351,11 @@ async def run_level(subs: list[bytes], concurrency: int, max_s: float, code: Pat
         if shim is not None:
             env["LD_PRELOAD"] = str(shim)
             env["INGEST_LOAD_FSYNC_DELAY_US"] = str(int(fsync_delay_ms * 1000))
-        proc = subprocess.Popen([sys.executable, __file__, "--serve", tmp, "--code", str(code)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen([sys.executable, __file__, "--serve", tmp, "--code", str(code), "--history", str(history)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         try:
             assert proc.stdout is not None and proc.stdin is not None
-            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 600)
             if not line.startswith("PORT "):
                 raise SystemExit(f"ingest did not start: {line!r}")
             server = psutil.Process(proc.pid)
@@ -378,7 +401,7 @@ async def main_async(args: argparse.Namespace) -> None:
         results = []
         for c in levels:
             for name, code in codes:
-                r = await run_level(subs, c, args.max_s, code, shim, args.fsync_delay_ms)
+                r = await run_level(subs, c, args.max_s, code, shim, args.fsync_delay_ms, args.history)
                 r = {"code": name, **r}
                 print(json.dumps(r), flush=True)
                 results.append(r)
@@ -403,12 +426,13 @@ def main() -> None:
     p.add_argument("--tasks", type=int, default=2, help="tasks per submission (default 2, the run spec's)")
     p.add_argument("--group", type=int, default=8, help="rollouts per task (default 8, the run spec's)")
     p.add_argument("--baseline", metavar="REV[,REV]", help="also measure the ingest code of these git revisions, alternating, side by side")
+    p.add_argument("--history", type=int, default=0, help="index rows of earlier, trained-on submissions in the store first (a long run)")
     p.add_argument("--fsync-delay-ms", type=float, default=0.0, help="delay every fsync of the ingest by this much (a slow disk), ms")
     args = p.parse_args()
     if args.code:  # server child: import the ingest from this tree (a --baseline revision or this checkout)
         sys.path.insert(0, args.code)
     if args.serve:
-        asyncio.run(serve(Path(args.serve)))
+        asyncio.run(serve(Path(args.serve), args.history))
         return
     if args.serve_relay:
         asyncio.run(serve_relay(Path(args.serve_relay), args.relay_mib))

@@ -1,0 +1,58 @@
+"""The submission store's index as a run grows: an older index is upgraded in place, and the
+queries run for every submission or commit never scan the run's history (``trainer/ingest/store.py``)."""
+
+from __future__ import annotations
+
+import sqlite3
+
+from test_ingest import RUN, submission
+
+from protocol.envelope import open_envelope
+from protocol.identity import NodeKey
+from trainer.ingest import SubmissionStore
+
+OLD_SCHEMA = """
+CREATE TABLE submissions (id TEXT PRIMARY KEY, worker TEXT NOT NULL, policy_step INTEGER NOT NULL, counter INTEGER NOT NULL,
+    n_rollouts INTEGER NOT NULL, size_bytes INTEGER NOT NULL, received_ms INTEGER NOT NULL, state TEXT NOT NULL DEFAULT 'pending',
+    reason TEXT NOT NULL DEFAULT '', verdict_by TEXT NOT NULL DEFAULT '', lease_until_ms INTEGER NOT NULL DEFAULT 0,
+    consumed_step INTEGER NOT NULL DEFAULT -1, seq INTEGER NOT NULL);
+CREATE TABLE verdicts (id TEXT PRIMARY KEY, submission_id TEXT NOT NULL, validator TEXT NOT NULL, accepted INTEGER NOT NULL,
+    reason TEXT NOT NULL, received_ms INTEGER NOT NULL);
+"""
+
+
+def test_an_index_from_an_older_version_is_upgraded(tmp_path):
+    tmp_path.mkdir(exist_ok=True)
+    db = sqlite3.connect(tmp_path / "index.sqlite")
+    db.executescript(OLD_SCHEMA)
+    db.execute("INSERT INTO submissions (id, worker, policy_step, counter, n_rollouts, size_bytes, received_ms, seq)"
+               " VALUES ('old', 'w', 0, 0, 1, 100, 0, 1)")
+    db.commit()
+    db.close()
+    store = SubmissionStore(tmp_path, RUN)
+    w = NodeKey.generate()
+    assert store.add(open_envelope(submission(w), run_id=RUN), source_ip="10.0.0.3")
+    assert store.usage(w.peer_id, "10.0.0.3").ip_pending == 1
+    assert store.usage("w", "").disk_files == 2 and [s for s, _, _ in store.submissions_after(0, 10)] == [1, 2]
+    store.close()
+
+
+def test_per_submission_queries_use_indexes_not_the_history(tmp_path):
+    """EXPLAIN QUERY PLAN of what admission, group commit, the trainer and the run page ask: no table scan."""
+    store = SubmissionStore(tmp_path, RUN)
+    queries = [
+        ("usage", ("SELECT (SELECT COUNT(*) FROM submissions WHERE worker = ? AND state = 'pending'),"
+                  " (SELECT COALESCE(SUM(size_bytes), 0) FROM submissions WHERE source_ip = ? AND state = 'pending'),"
+                  " (SELECT COALESCE(SUM(size_bytes), 0) FROM submissions WHERE on_disk = 1)"), ("w", "ip")),
+        ("counter_used", "SELECT 1 FROM submissions WHERE worker = ? AND counter = ? AND id != ? LIMIT 1", ("w", 1, "x")),
+        ("next seq", "SELECT COALESCE(MAX(seq), 0) FROM submissions", ()),
+        ("submissions_after", "SELECT seq, id, worker FROM submissions WHERE seq > ? ORDER BY seq LIMIT ?", (5, 10)),
+        ("accepted_unconsumed", "SELECT id FROM submissions WHERE state = 'accepted' AND consumed_step = -1 AND policy_step >= ? ORDER BY seq",
+         (3,)),
+        ("retire_stale", ("SELECT id FROM submissions WHERE on_disk = 1 AND policy_step < ? AND (state = 'pending' OR"
+                         " (state = 'accepted' AND consumed_step = -1))"), (3,)),
+    ]
+    for name, sql, args in queries:
+        plan = [row[3] for row in store._db.execute("EXPLAIN QUERY PLAN " + sql, args)]
+        assert not any(step.startswith("SCAN submissions") or "TEMP B-TREE" in step for step in plan), (name, plan)
+    store.close()
