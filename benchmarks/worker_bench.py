@@ -6,7 +6,9 @@ token the gate never allows, ``generate`` gets no EOS id), so every sequence dec
 ``--new-tokens`` tokens and the token counts are equal. Time is process CPU time on CPU (damps
 machine load; the model is single-threaded unless ``--threads``) and wall time on CUDA.
 
-Prints tokens/s of each, the engine/generate ratio (goal ≥ 1.5× at the default small shape,
+Prints tokens/s of each, and of the engine with ``static_decode`` off (the same loop decoding
+through transformers' own forward and growing cache, as before ``node/engine/static_decode.py``),
+the spread of the repeats, the engine/generate ratio (goal ≥ 1.5× at the default small shape,
 ≥ 1.0× at the 0.5B profile), the share of :func:`protocol.sampling.sample` in the engine's decode
 time (goal ≤ 5 %), the share of :func:`protocol.toploc.build_proofs` time in generation + proof
 time (goal ≤ 2 %), and a side-by-side table of the sampling rules on the model's own next-token
@@ -151,10 +153,12 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, eos_id=0, min_eos_prob=1.0, rule=args.rule)
     n_tokens = args.batch * args.new_tokens
 
-    def run_engine() -> float:
+    def run_engine(static: bool = True) -> float:
+        engine.static_decode = static
         t0 = clock()
         gens = engine.generate(prompt_lists, seeds, params)
         dt = clock() - t0
+        engine.static_decode = True
         assert all(len(x.completion_ids) == args.new_tokens for x in gens)
         return dt
 
@@ -184,8 +188,9 @@ def main() -> None:
 
     gens = engine.generate(prompt_lists, seeds, params)  # warm-up (and rows for the proof timing)
     run_generate()
-    t_engine, t_generate, t_sample = [], [], []
-    for _ in range(args.repeats):  # interleave so drifting machine load hits both alike
+    run_engine(static=False)
+    t_engine, t_generate, t_sample, t_hf = [], [], [], []
+    for _ in range(args.repeats):  # interleave so drifting machine load hits all alike
         sample_s[0] = 0.0
         sampling.sample = timed_sample  # type: ignore[assignment]
         try:
@@ -194,7 +199,10 @@ def main() -> None:
             sampling.sample = inner_sample  # type: ignore[assignment]
         t_sample.append(sample_s[0] / t_engine[-1])
         t_generate.append(run_generate())
-    e_s, g_s = statistics.median(t_engine), statistics.median(t_generate)
+        t_hf.append(run_engine(static=False))
+    e_s, g_s, hf_s = statistics.median(t_engine), statistics.median(t_generate), statistics.median(t_hf)
+    spread = {k: f"{min(v) / statistics.median(v):.2f}–{max(v) / statistics.median(v):.2f}" for k, v in
+              (("engine", t_engine), ("generate", t_generate), ("hf", t_hf))}
 
     t_proof = []
     for _ in range(args.repeats):
@@ -209,9 +217,12 @@ def main() -> None:
     share = statistics.median(t_sample)
     print(f"model: {label}; device {args.device}, {args.threads} thread(s); engine rule {args.rule}")
     print(f"batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens ({n_tokens} tokens per run), median of {args.repeats}")
-    print(f"TransformersEngine.generate : {e_s:7.3f} {unit}  {n_tokens / e_s:9.1f} tok/s")
-    print(f"model.generate (sampling)   : {g_s:7.3f} {unit}  {n_tokens / g_s:9.1f} tok/s")
-    print(f"ratio engine / generate     : {g_s / e_s:7.2f}x  (goal >= {goal}x: {'met' if g_s / e_s >= goal else 'missed'})")
+    print(f"TransformersEngine.generate : {e_s:7.3f} {unit}  {n_tokens / e_s:9.1f} tok/s  (runs within ×{spread['engine']} of the median)")
+    print(f"  same, transformers decode : {hf_s:7.3f} {unit}  {n_tokens / hf_s:9.1f} tok/s  (×{spread['hf']}; static_decode off: "
+          f"transformers' forward and cache per step)")
+    print(f"model.generate (sampling)   : {g_s:7.3f} {unit}  {n_tokens / g_s:9.1f} tok/s  (×{spread['generate']})")
+    print(f"ratio engine / generate     : {g_s / e_s:7.2f}x  (goal >= {goal}x: {'met' if g_s / e_s >= goal else 'missed'}); "
+          f"transformers decode / generate {g_s / hf_s:.2f}x")
     print(f"sampler share of decode     : {100 * share:7.2f}%  (goal <= 5%: {'met' if share <= 0.05 else 'missed'})")
     print(f"TOPLOC build_proofs         : {p_s:7.3f} CPU s for {len(gens)} completions "
           f"({-(-args.new_tokens // 32)} proofs each); share of generation+proofs {100 * p_s / (e_s + p_s):.2f}% (goal <= 2%)")

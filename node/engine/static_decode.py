@@ -134,9 +134,10 @@ class StaticDecoder:
         mask = None if self.mask is None else self.mask[..., : pos + 1]
         for li, (ln1, wq, bq, wk, bk, wv, bv, wo, ln2, wg, wu, wd) in enumerate(self.weights):
             h = _rms(x, ln1, self.eps)
-            q = F.linear(h, wq, bq).view(b, 1, nh, d).transpose(1, 2)  # [B, NH, 1, D]
-            k = F.linear(h, wk, bk).view(b, 1, nkv, d).transpose(1, 2)  # [B, KV, 1, D]
-            v = F.linear(h, wv, bv).view(b, 1, nkv, d).transpose(1, 2)
+            # one query position: [B, 1, NH·D] already has the layout of [B, NH, 1, D] (transformers transposes)
+            q = F.linear(h, wq, bq).view(b, nh, 1, d)
+            k = F.linear(h, wk, bk).view(b, nkv, 1, d)
+            v = F.linear(h, wv, bv).view(b, nkv, 1, d)
             q = (q * cos) + (q.roll(half, -1) * sin)
             kc, vc = self.keys[li], self.values[li]
             torch.add(k * cos, k.roll(half, -1) * sin, out=kc[:, :, pos : pos + 1])
