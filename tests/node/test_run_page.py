@@ -10,13 +10,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from localnet import get_json, wait_for
 
 from protocol.messages import NodeRecord
 
@@ -26,14 +25,6 @@ machine trains 20 steps in under 40 s, less than doctor and the node pages take)
 START_TIMEOUT_S = 300.0
 CHROMIUM_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run"]
-
-
-def _get_json(url: str, timeout_s: float = 3.0) -> dict | None:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - loopback
-            return json.loads(r.read())
-    except (OSError, ValueError):
-        return None
 
 
 @dataclass
@@ -55,18 +46,6 @@ class LiveDevnet:
         return m.group(1)
 
 
-def _wait_for(cond, timeout_s: float, what: str, proc: subprocess.Popen[bytes] | None = None, poll_s: float = 0.5):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        got = cond()
-        if got:
-            return got
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the devnet exited ({proc.returncode}) while waiting for {what}")
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-
-
 @pytest.fixture
 def devnet(tmp_path) -> Iterator[LiveDevnet]:
     """A devnet (2 workers, 1 reward-inflating adversary, 2 relays, 1 validator) running while the test looks at it.
@@ -78,11 +57,11 @@ def devnet(tmp_path) -> Iterator[LiveDevnet]:
                              "--validators", "1", "--adversary", "inflated-reward", "--no-dashboard", "--out", str(out), "--timeout", "850"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
-        url = _wait_for(lambda: (out / "run.toml").exists() and re.search(r"http://127\.0\.0\.1:\d+", (out / "run.toml").read_text()),
+        url = wait_for(lambda: (out / "run.toml").exists() and re.search(r"http://127\.0\.0\.1:\d+", (out / "run.toml").read_text()),
                         60, "the run spec", proc).group(0)
         # every role on gossip and the first trainer step done: the page has something to show
-        _wait_for(lambda: (_get_json(f"{url}/api/run") or {}).get("trainer", {}).get("step", 0) >= 1
-                  and len((_get_json(f"{url}/api/run") or {}).get("nodes", [])) >= 7, START_TIMEOUT_S, "step 1 and all nodes", proc)
+        wait_for(lambda: (get_json(f"{url}/api/run") or {}).get("trainer", {}).get("step", 0) >= 1
+                  and len((get_json(f"{url}/api/run") or {}).get("nodes", [])) >= 7, START_TIMEOUT_S, "step 1 and all nodes", proc)
         yield LiveDevnet(out, url, proc)
     finally:
         if proc.poll() is None:
@@ -158,7 +137,7 @@ def _check_run_page(devnet: LiveDevnet, browser) -> None:
     seen: list[tuple[dict, dict, dict]] = []
 
     def accepted() -> dict[str, int]:
-        status = _get_json(f"{devnet.url}/status") or {}
+        status = get_json(f"{devnet.url}/status") or {}
         return {peer: c.get("accepted", 0) for peer, c in (status.get("workers") or {}).items()}
 
     def board_matches(d) -> bool:
@@ -200,7 +179,7 @@ def _check_node_pages(devnet: LiveDevnet, browser) -> None:
         browser.get(f"{url}/")
         role = name.split("-")[0]
         WebDriverWait(browser, 30, poll_frequency=0.25).until(lambda d: _text(d, "role") == role)
-        status = _get_json(f"{url}/status")
+        status = get_json(f"{url}/status")
         assert _text(browser, "peer-id") == status["peer_id"]
         assert _text(browser, "state") not in ("", "connecting…")
         if role == "worker":

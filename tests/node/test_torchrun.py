@@ -10,18 +10,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from local_model import build_local_model
+from localnet import free_port, get_json, post
 from safetensors.torch import load_file
 
 from protocol.envelope import seal
@@ -29,7 +27,17 @@ from protocol.identity import NodeKey
 from protocol.ingest_api import SUBMISSIONS_ROUTE, VERDICTS_ROUTE
 from protocol.messages import Rollout, Submission, SubmissionTask, Verdict
 from protocol.rollout import pack_f32, pack_u32
-from protocol.runspec import DataSpec, ModelSpec, NetworkSpec, RLSpec, RunInfo, RunSpec, SamplingSpec, dump_run_spec, sign_run_spec
+from protocol.runspec import (
+    DataSpec,
+    ModelSpec,
+    NetworkSpec,
+    RLSpec,
+    RunInfo,
+    RunSpec,
+    SamplingSpec,
+    dump_run_spec,
+    sign_run_spec,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -37,29 +45,6 @@ STEPS = 2
 GROUP_SIZE = 4
 GROUPS = 2
 VOCAB = 4096
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _status(url: str) -> dict | None:
-    try:
-        with urllib.request.urlopen(f"{url}/status", timeout=2) as r:  # noqa: S310 - loopback
-            return json.loads(r.read())
-    except (OSError, ValueError):
-        return None
-
-
-def _post(url: str, data: bytes) -> tuple[int, str]:
-    req = urllib.request.Request(url, data=data, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:  # noqa: S310 - loopback
-            return r.status, ""
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")
 
 
 def _submission(worker: NodeKey, spec: RunSpec, counter: int) -> bytes:
@@ -88,16 +73,18 @@ def _run(cmd: list[str], url: str, spec: RunSpec, worker: NodeKey, validator: No
         try:
             deadline = time.monotonic() + 600
             for counter in range(STEPS):
-                while (_status(url) or {}).get("published_step", -1) < counter:  # policy `counter` out: feed the next step
+                while (get_json(f"{url}/status") or {}).get("published_step", -1) < counter:  # policy `counter` out: feed the next step
                     assert proc.poll() is None, f"the coordinator exited ({proc.returncode}): {log_path.read_text()[-3000:]}"
                     assert time.monotonic() < deadline, f"trainer step {counter} not reached: {log_path.read_text()[-3000:]}"
                     time.sleep(0.2)
                 raw = _submission(worker, spec, counter)
-                assert _post(f"{url}{SUBMISSIONS_ROUTE}", raw) == (200, "")
+                status, body = post(f"{url}{SUBMISSIONS_ROUTE}", raw, timeout_s=30)
+                assert status == 200, body
                 sub = open_envelope(raw, run_id=spec.run_id, expect=Submission)
                 verdict = seal(validator, spec.run_id, Verdict(submission_id=sub.id, worker=worker.peer_id, policy_step=0, counter=counter,
                                                                accepted=True, reason="ok"))
-                assert _post(f"{url}{VERDICTS_ROUTE}", verdict) == (200, "")
+                status, body = post(f"{url}{VERDICTS_ROUTE}", verdict, timeout_s=30)
+                assert status == 200, body
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         finally:
             if proc.poll() is None:
@@ -115,7 +102,7 @@ def test_torchrun_two_gloo_ranks_publish_what_one_process_publishes(tmp_path: Pa
     for name, prefix in (("one", [sys.executable, "-m", "node.train_cli"]),
                          ("two", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                   "-m", "node.train_cli", "--"])):
-        port = _port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         spec = RunSpec(
             run=RunInfo(coordinator=coord.peer_id, validators=[validator.peer_id], seed=5),
