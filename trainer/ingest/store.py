@@ -9,15 +9,19 @@ Write path (group commit; the ingest acknowledges a submission only once its fut
    directory flush (temporary file, ``fsync``, rename into place) — several files at once;
 3. the commit thread takes every written submission waiting for it, flushes the directory
    once for all of them (the renames are durable) and inserts all their index rows in one SQLite
-   transaction (WAL, ``synchronous=FULL``: the commit returns once the WAL is on stable
-   storage); only then does each one's future resolve. Submissions written while a commit runs
-   wait for the next one, so under load one directory ``fsync`` and one WAL ``fsync`` serve a
-   whole group instead of every submission.
+   transaction (WAL) on its own connection, so readers do not wait for it; only then does each
+   one's future resolve. Submissions written while a commit runs wait for the next one, so under
+   load one directory ``fsync`` serves a whole group instead of every submission.
 
 The ordering per submission is the one a single durable write had (file data, rename, directory,
-index row, then the answer), so an acknowledged submission survives a crash or a power cut. A
-crash before the row commits leaves an orphan file that :meth:`recover` re-indexes on start, so an
-unacknowledged one is at worst accepted late.
+index row, then the answer). The group's index rows are committed with ``synchronous=NORMAL``:
+they are in the WAL at once (a crash of the process keeps them) and on stable storage with the
+WAL's next ``fsync`` (any commit of the main connection, all ``synchronous=FULL``, or a
+checkpoint). A power cut can therefore take only the newest index rows, never their files, and
+a WAL is recovered as a prefix, so no later verdict survives without them. :meth:`recover`
+re-indexes on start every file without an index row (that power cut's rows, or a crash between
+file and row): an acknowledged submission is never lost, and an unacknowledged one is at worst
+accepted late (re-indexed without its source address, at its file's time).
 
 States: ``pending`` → (leased to a validator for ``lease_s``) → ``accepted`` | ``rejected``.
 The trainer reads accepted submissions in arrival order and marks them ``consumed`` only when the
