@@ -27,7 +27,8 @@ What a server started here gets (``docs/operators.md`` "HTTP limits"):
 * **stalled writes** — a client that asks for a response and then stops reading it (its receive
   window stays shut) would hold a connection and a handler forever; once the bytes waiting to go
   to it (the transport's buffer plus the socket's unsent queue, ``TIOCOUTQ``, which also covers
-  ``sendfile``) stay non-zero and unchanged for ``write_stall_s``, the connection is aborted. A
+  ``sendfile``) stay non-zero and unchanged for ``write_stall_s``, the connection is shut down
+  and reset (a pending ``sendfile`` fails with it, so its handler ends). A
   slow reader moves them and keeps its connection;
 * small header limits (line and field 8 KiB, 64 headers).
 """
@@ -39,6 +40,7 @@ import contextlib
 import fcntl
 import logging
 import socket
+import struct
 import termios
 import time
 from collections.abc import Awaitable, Callable
@@ -111,6 +113,7 @@ class StallWatch:
         self.stall_s = stall_s
         self.aborted = 0
         self._seen: dict[Any, tuple[int, float]] = {}  # handler → (unsent bytes, since when unchanged)
+        self._cut: set[Any] = set()  # handlers shut down at the previous pass, aborted at this one if still open
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -125,8 +128,12 @@ class StallWatch:
     def check(self, now: float) -> None:
         """One pass over the open connections."""
         seen: dict[Any, tuple[int, float]] = {}
+        cut, self._cut = self._cut, set()
         for handler, (ip, transport) in list(self.counted.items()):
             if transport.is_closing():
+                continue
+            if handler in cut:  # its handler did not close it after the shutdown: close it here
+                transport.abort()
                 continue
             unsent = _unsent_bytes(transport)
             if unsent == 0:
@@ -137,10 +144,30 @@ class StallWatch:
             elif now - since >= self.stall_s:
                 logger.debug("aborting a connection from %s: %d response bytes unread for %.0f s", ip, unsent, now - since)
                 self.aborted += 1
-                transport.abort()
+                self._shut(transport)
+                self._cut.add(handler)
                 continue
             seen[handler] = (unsent, since)
         self._seen = seen
+
+    @staticmethod
+    def _shut(transport: asyncio.Transport) -> None:
+        """Reset the connection under ``transport`` so that whatever writes to it fails now.
+
+        ``transport.abort()`` alone is not enough while ``loop.sendfile`` is copying to the socket
+        (aiohttp's ``FileResponse``): asyncio leaves the sendfile waiting on the closed descriptor,
+        so its handler (and the open file) would never end and the next connection given that
+        descriptor number would hang. ``shutdown`` wakes the pending write or sendfile with
+        ``EPIPE``; the handler then fails and aiohttp closes the transport. ``SO_LINGER`` 0 makes
+        that close a reset, so the kernel drops the unread bytes instead of keeping them.
+        """
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            transport.abort()
+            return
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.shutdown(socket.SHUT_RDWR)
 
     async def _run(self) -> None:
         while True:

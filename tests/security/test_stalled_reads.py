@@ -94,3 +94,51 @@ async def test_a_client_that_stops_reading_is_cut_off_and_a_slow_reader_is_not(t
         stalled.close()
         slow.close()
         await running.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_sendfile_cut_off_ends_its_handler_and_leaves_the_loop_serving(tmp_path: Path) -> None:
+    """A stalled ``sendfile`` that is cut off must not strand its handler (and open file) on the closed
+    descriptor, nor break the next connection that gets that descriptor number (``transport.abort()``
+    alone did both: asyncio's sendfile kept its writer registered on the dead descriptor)."""
+    piece = tmp_path / "piece"
+    piece.write_bytes(b"\1" * BIG)
+    ended = asyncio.Event()
+
+    class _Tracked(web.FileResponse):
+        async def prepare(self, request: web.BaseRequest):  # type: ignore[override]
+            try:
+                return await super().prepare(request)
+            finally:
+                ended.set()
+
+    app = web.Application()
+
+    async def file(_request: web.Request) -> web.StreamResponse:
+        return _Tracked(piece)
+
+    async def small(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app.router.add_get("/file", file)
+    app.router.add_get("/small", small)
+    running = await start_site(app, "127.0.0.1", limits=ServerLimits(write_stall_s=1.0))
+    stalled = _connect(running.port, "/file", rcvbuf=4096)
+    writers: list[asyncio.StreamWriter] = []
+    try:
+        await _wait_until(lambda: running.stalls.aborted == 1)
+        await asyncio.wait_for(ended.wait(), 30)  # the sendfile failed and the handler ended
+        await _wait_until(lambda: len(running.stalls.counted) == 0)
+        # several new connections, all open at once, so one of them (client or server side) gets the
+        # freed descriptor number; every one is answered
+        for _ in range(4):
+            reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", running.port), 10)
+            writers.append(writer)
+            writer.write(b"GET /small HTTP/1.1\r\nHost: x\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 200")
+    finally:
+        for w in writers:
+            w.close()
+        stalled.close()
+        await running.stop()
