@@ -3,20 +3,23 @@
 ``transformers``' own forward costs, per decode step, a growing ``torch.cat`` of every layer's
 KV cache (O(length) copies each step), an attention mask rebuilt from the 2-D padding mask, and
 a few hundred Python calls of module dispatch, deprecation and config wrappers. At the worker's
-shapes on a CPU that overhead is as large as the matmuls (``benchmarks/worker_bench.py``).
+small CPU shapes that overhead is about as large as the matmuls (``benchmarks/worker_bench.py``).
 
-:class:`StaticDecoder` runs the same decode step with the **same tensor ops in the same order** as
-``Qwen2Model.forward`` with ``sdpa`` attention (RMSNorm, projections, RoPE from the model's own
-rotary module, scaled-dot-product attention with the same GQA and mask arguments transformers
-passes, SiLU MLP, residuals, final norm, LM head), so its hidden rows, logits, tokens and
-log-probs are bit-identical to the transformers path (``tests/node/test_engine.py`` compares
-them). What differs is where the numbers live: keys and values are written into ``[B, KV, L, D]``
-buffers allocated once per batch and attention reads a view of their first ``L`` positions; the
-padding mask is built once as an additive ``[B, 1, 1, L]`` float mask (what SDPA makes of the
-boolean mask transformers passes) and sliced.
+:class:`StaticDecoder` computes the decode step of ``Qwen2Model.forward`` with ``sdpa``
+attention with the **same floating-point operations in the same order** (RMSNorm, projections,
+RoPE from the model's own rotary module, scaled-dot-product attention with the GQA and mask
+arguments transformers passes, SiLU MLP, residuals, final norm, LM head), so its hidden rows,
+logits, tokens and log-probs are bit-identical to the transformers path
+(``tests/node/test_engine.py`` compares them). Rewrites that keep every product and sum:
+``rotate_half(q) · sin`` as ``roll(q, D/2) · (−sin | sin)`` (both halves of a RoPE row are equal),
+and one query position viewed as ``[B, heads, 1, D]`` without transposes (same memory). What
+differs is where the numbers live: keys and values are written into ``[B, KV, L, D]`` buffers
+allocated once per batch and attention reads a view of their first ``L`` positions; the padding
+mask is built once (on the CPU as the additive 0 / −inf mask SDPA makes of a boolean one) and
+sliced.
 
-Only plain Qwen2 models qualify (:func:`supports`): ``sdpa`` attention, full attention in every
-layer, no dropout in training mode. Anything else decodes through ``transformers``.
+Only float32 Qwen2 models in eval mode qualify (:func:`supports`): ``sdpa`` attention, full
+attention in every layer, SiLU. Anything else decodes through ``transformers``.
 """
 
 from __future__ import annotations
@@ -89,14 +92,16 @@ class StaticDecoder:
             self.keys.append(k)
             self.values.append(v)
         # transformers passes no mask when nothing is padded (SDPA then does GQA itself) and the boolean
-        # padding mask otherwise, which SDPA turns into 0 / −inf; the same additive mask, built once
+        # padding mask otherwise, built once here; on the CPU as the additive 0 / −inf mask SDPA would
+        # convert it to at every call (other devices get the boolean mask, so SDPA picks the same kernel)
         padded = not bool(attention_mask.bool().all())
         self.mask: torch.Tensor | None = None
         if padded:
-            keep = torch.ones((b, capacity), dtype=torch.bool, device=attention_mask.device)
-            keep[:, :t] = attention_mask.bool()
-            self.mask = torch.zeros((b, 1, 1, capacity), dtype=first.dtype, device=first.device)
-            self.mask.masked_fill_(~keep[:, None, None, :], -math.inf)
+            keep = torch.ones((b, 1, 1, capacity), dtype=torch.bool, device=attention_mask.device)
+            keep[:, 0, 0, :t] = attention_mask.bool()
+            self.mask = keep
+            if keep.device.type == "cpu":
+                self.mask = torch.zeros((b, 1, 1, capacity), dtype=first.dtype, device=first.device).masked_fill_(~keep, -math.inf)
         self.scaling = float(self.layers[0].self_attn.scaling)
         self.eps = float(self.layers[0].input_layernorm.variance_epsilon)
         # the tensors of each layer, fetched once (module attribute lookups cost more than the small ops)
