@@ -21,7 +21,7 @@ Each concurrency level in ``--concurrency`` gets a fresh ingest and store and ru
 ``--submissions`` requests or ``--max-s`` seconds; the levels are printed side by side with the
 machine's load average, the ingest process's CPU per accepted submission, the median time of one
 durable file write on the same disk measured just before, and how many submissions the store's
-group commits carried (one directory fsync and one SQLite WAL commit per group; each file has its
+group commits carried (one directory fsync and one SQLite commit per group; each file has its
 own fsync, several at once).
 
 ``--baseline REV[,REV…]``: the same levels also against the ingest of git revision ``REV`` (a copy of
@@ -37,7 +37,8 @@ what a run has behind it after N submissions, since index rows are kept for the 
 ``--fsync-delay-ms X``: every ``fsync``/``fdatasync`` of the server child (its own and SQLite's)
 first sleeps X ms, through a small ``LD_PRELOAD`` shim compiled with the system C compiler: a
 reproducible stand-in for the slow disk of a loaded machine (0.4–38 ms per fsync measured on this
-one). Concurrent sleeping fsyncs overlap, as concurrent fsyncs on one ext4 journal largely do.
+one). Concurrent sleeping fsyncs overlap fully; concurrent fsyncs on one ext4 journal share its
+commits, so the model is optimistic for the writer threads and exact for the serial steps.
 
 ``--relay``: a relay's capacity instead. A Shardcast server (``node.shardcast.server``, the
 one relays and the origin run, ``sendfile`` from its store) serves a published ``--relay-mib``
