@@ -260,14 +260,18 @@ class ValidatorNode:
         policy step this validator has heard of (a lower bound of it). The answer is unsigned, so it
         is held between signed bounds: below the newest coordinator-signed step ``s`` (every
         published step is ≤ ``n``) it is raised to ``s``; above ``s + rl.publish_every`` (the
-        coordinator publishes at least that often) it is lowered to that, so a lying ingest can
-        neither push fresh work out of the window's top nor its bottom. Lowering only widens the
-        window when this validator's view of ``s`` lags (honest work is never rejected for it)."""
-        latest = self.follower.latest_step
+        coordinator publishes at least that often) it is lowered to that, so a lying ingest cannot
+        push fresh work out of the window's top, and moves its bottom by at most
+        ``publish_every`` steps (the true ``n`` may be anywhere in ``[s, s + publish_every]``;
+        only a signed ``n`` would close that). Lowering only widens the
+        window when this validator's view of ``s`` lags (honest work is never rejected for it).
+        ``s`` counts the checkpoints loaded here too: each came with a coordinator-signed manifest
+        (a validator restarted on its cached checkpoints has them before any announcement)."""
+        latest = max(self.follower.latest_step, max(self._models, default=-1))
         if self.coordinator_step is not None:
             step = max(self.coordinator_step, latest)
             return min(step, latest + self.spec.rl.publish_every) if latest >= 0 else step
-        return max(latest, max(self._models, default=-1))
+        return latest
 
     async def _prepare(self, step: int) -> None:
         """Load the checkpoint of ``step`` (fetching it through Shardcast) unless cached."""

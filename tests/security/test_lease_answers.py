@@ -42,3 +42,19 @@ def test_a_lease_answer_below_the_signed_latest_step_does_not_move_the_window(tm
             assert in_window(5, trainer_step=node._trainer_step(), async_level=1)
     finally:
         node.ledger.close()
+
+
+def test_a_restarted_validator_bounds_the_answer_by_the_checkpoints_it_holds(tmp_path: Path) -> None:
+    """Restarted with checkpoint 5 on its disk and no announcement heard yet (the origin poll failed):
+    the verified checkpoint it loaded proves step 5 was published, so ``n ≥ 5`` bounds the answer
+    as an announcement would (the bound was skipped while no announcement had been heard)."""
+    node = _validator(tmp_path)
+    try:
+        assert node.follower.latest_step == -1
+        node._models[5] = object()  # what _prepare keeps after loading the verified checkpoint of step 5
+        for lie in (2**61, 7, -(2**61), 0):
+            node.coordinator_step = lie
+            assert node._trainer_step() in (5, 6)
+            assert in_window(5, trainer_step=node._trainer_step(), async_level=1)
+    finally:
+        node.ledger.close()
