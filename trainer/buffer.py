@@ -38,12 +38,30 @@ from trainer.ingest.store import SubmissionStore
 logger = logging.getLogger(__name__)
 
 MAX_HELD_BODY_BYTES = 256 * 1024 * 1024
-"""Verified submission bodies the buffer holds in memory, by their packed-array bytes; older ones
-are dropped first and read back from the store when needed."""
+"""Verified submission bodies the buffer holds in memory, by the memory they take (arrays, proofs
+and object overheads, :func:`_body_bytes`); older ones are dropped first and read back from the
+store when needed."""
+
+
+_BODY_OVERHEAD_BYTES = 4096
+_TASK_OVERHEAD_BYTES = 512
+_ROLLOUT_OVERHEAD_BYTES = 1536
+_PROOF_OVERHEAD_BYTES = 64
+"""Python object overheads of a decoded body, bytes: the envelope and model objects, each task's and
+rollout's model, each proof's ``bytes`` object and list slot (above ``tracemalloc`` measurements)."""
 
 
 def _body_bytes(sub: Submission) -> int:
-    return sum(len(r.prompt_ids) + len(r.completion_ids) + len(r.logprobs) for r in sub.rollouts) + 256
+    """Memory a held verified body takes, bytes: its packed arrays, its TOPLOC proofs and its objects.
+
+    Proofs count: a hostile body can be almost all proofs (``⌈max_tokens / chunk⌉`` of up to
+    1 KiB per rollout), which counting the arrays alone let hold ~1000× the bound.
+    """
+    return _BODY_OVERHEAD_BYTES + sum(_TASK_OVERHEAD_BYTES + len(t.problem_id) for t in sub.tasks) + sum(
+        _ROLLOUT_OVERHEAD_BYTES + len(r.prompt_ids) + len(r.completion_ids) + len(r.logprobs)
+        + sum(len(p) for p in r.proofs) + _PROOF_OVERHEAD_BYTES * len(r.proofs)
+        for r in sub.rollouts
+    )
 
 
 class RolloutBuffer:

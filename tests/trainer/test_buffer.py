@@ -14,7 +14,7 @@ from protocol.identity import NodeKey
 from protocol.messages import Rollout, Submission, SubmissionTask
 from protocol.rollout import pack_f32, pack_u32
 from protocol.runspec import RLSpec, RunInfo, RunSpec
-from trainer.buffer import RolloutBuffer
+from trainer.buffer import RolloutBuffer, _body_bytes
 from trainer.errors import NotEnoughRolloutsError
 from trainer.ingest import SubmissionStore
 
@@ -120,13 +120,14 @@ def test_an_unreadable_stored_submission_is_retired_once_with_a_warning(store, c
 
 
 def test_held_bodies_are_bounded(store):
-    buffer = RolloutBuffer(store, RUN, RL, max_held_bytes=600)
+    stored = [_store_accepted(store, _submission(counter, tasks=1)) for counter in range(4)]
+    bound = 2 * _body_bytes(stored[0][1]) + 1  # room for two of the four bodies
+    buffer = RolloutBuffer(store, RUN, RL, max_held_bytes=bound)
     ids = []
-    for counter in range(4):
-        sid, body = _store_accepted(store, _submission(counter, tasks=1))
+    for sid, body in stored:
         buffer.note_stored(sid, body)
         ids.append(sid)
     held = [i for i in ids if i in buffer._held]
-    assert buffer._held_bytes <= 600 and ids[-1] in held and ids[0] not in held
+    assert buffer._held_bytes <= bound and ids[-1] in held and ids[0] not in held
     assert len(buffer.fresh_records(1)) == 2 * len(ids)
     assert buffer.reopened == len(ids) - len(held)  # the dropped ones were read back from the store
