@@ -87,6 +87,7 @@ class RolloutBuffer:
         self._lock = threading.Lock()
         self._records: dict[str, list[RolloutRecord]] = {}  # submission ID → its rollouts, decoded once
         self._consumed: set[GroupKey] = set()  # consumed groups of submissions not yet retired
+        self._unread: dict[str, str] = {}  # live submissions a passing failure kept from being read → the error
         self.reopened = 0
         """Submissions read back from the store and verified again (not held, or after a restart)."""
 
@@ -120,24 +121,37 @@ class RolloutBuffer:
         not yet consumed. Freshest policy first, so a batch stays as close to on-policy as the
         workers allow; older groups wait and are retired once they leave the window.
 
-        A stored submission that cannot be read back or decoded is retired (``consumed_step = -2``)
-        with a warning naming it; it is never trained on.
+        A stored submission whose file is gone or whose bytes do not decode is retired
+        (``consumed_step = -2``) with a warning naming it; it is never trained on. Any other
+        failure to read it (``EMFILE``, ``ENOMEM``, ``EIO``: this node's state, which a peer can
+        provoke for a while, not the submission's) skips it until a later call reads it.
         """
         subs = sorted(self.store.accepted_unconsumed(oldest_fresh_step(step, self.rl.async_level)), key=lambda s: -s.policy_step)
         live = {s.id for s in subs}
         for sid in [sid for sid in self._records if sid not in live]:
             del self._records[sid]  # left the window (the ingest retires it as stale) or retired: never trainable again
+        self._unread = {sid: e for sid, e in self._unread.items() if sid in live}
         out: list[RolloutRecord] = []
         for stored in subs:
             recs = self._records.get(stored.id)
             if recs is None:
                 try:
                     recs = records_from_submission(self._submission(stored.id), stored.id)
-                except (OSError, ProtocolError, TrainerError) as e:
+                except OSError as e:
+                    if not isinstance(e, (FileNotFoundError, IsADirectoryError)):
+                        if stored.id not in self._unread:  # warned once while it lasts
+                            logger.warning("cannot read submission %s now (tried again later): %s", stored.id[:12], e)
+                        self._unread[stored.id] = str(e)
+                        continue
+                    logger.warning("cannot train on submission %s: %s", stored.id[:12], e)
+                    self.store.mark_consumed([stored.id], -2)
+                    continue
+                except (ProtocolError, TrainerError) as e:
                     logger.warning("cannot train on submission %s: %s", stored.id[:12], e)
                     self.store.mark_consumed([stored.id], -2)
                     continue
                 self._records[stored.id] = recs
+                self._unread.pop(stored.id, None)
             out.extend(r for r in recs if r.group_key not in self._consumed)
         return out
 
