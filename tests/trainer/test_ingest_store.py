@@ -7,6 +7,7 @@ import sqlite3
 
 from test_ingest import RUN, submission
 
+import trainer.ingest.store as store_mod
 from protocol.envelope import open_envelope
 from protocol.identity import NodeKey
 from trainer.ingest import SubmissionStore
@@ -41,9 +42,7 @@ def test_per_submission_queries_use_indexes_not_the_history(tmp_path):
     """EXPLAIN QUERY PLAN of what admission, group commit, the trainer and the run page ask: no table scan."""
     store = SubmissionStore(tmp_path, RUN)
     queries = [
-        ("usage", ("SELECT (SELECT COUNT(*) FROM submissions WHERE worker = ? AND state = 'pending'),"
-                  " (SELECT COALESCE(SUM(size_bytes), 0) FROM submissions WHERE source_ip = ? AND state = 'pending'),"
-                  " (SELECT COALESCE(SUM(size_bytes), 0) FROM submissions WHERE on_disk = 1)"), ("w", "ip")),
+        ("usage", store_mod._usage_sql(2), ("w", "ip", "a", "b")),
         ("counter_used", "SELECT 1 FROM submissions WHERE worker = ? AND counter = ? AND id != ? LIMIT 1", ("w", 1, "x")),
         ("next seq", "SELECT COALESCE(MAX(seq), 0) FROM submissions", ()),
         ("submissions_after", "SELECT seq, id, worker FROM submissions WHERE seq > ? ORDER BY seq LIMIT ?", (5, 10)),

@@ -424,17 +424,7 @@ class SubmissionStore:
             staged = list(self._staged.values())
             # not committing: its commit has not begun (the flag is set under this lock first), so not in the index
             committing = [s.sid for s in staged if s.committing]
-            marks = ",".join("?" * len(committing))
-            row = self._db.execute(  # one statement: one snapshot for every count
-                "SELECT (SELECT COUNT(*) FROM submissions WHERE worker = ? AND state = 'pending'),"
-                " (SELECT COALESCE(SUM(size_bytes), 0) FROM submissions WHERE worker = ? AND state = 'pending'),"
-                " (SELECT COUNT(*) FROM submissions WHERE source_ip = ? AND state = 'pending'),"
-                " (SELECT COALESCE(SUM(size_bytes), 0) FROM submissions WHERE source_ip = ? AND state = 'pending'),"
-                " (SELECT COUNT(*) FROM submissions WHERE on_disk = 1),"
-                " (SELECT COALESCE(SUM(size_bytes), 0) FROM submissions WHERE on_disk = 1),"
-                f" (SELECT group_concat(id) FROM submissions WHERE id IN ({marks or 'NULL'}))",
-                (worker, worker, source_ip, source_ip, *committing),
-            ).fetchone()
+            row = self._db.execute(_usage_sql(len(committing)), (worker, source_ip, *committing)).fetchone()
         if row[6]:  # committing and already in the index: counted there
             indexed = set(row[6].split(","))
             staged = [s for s in staged if s.sid not in indexed]
@@ -638,6 +628,19 @@ class SubmissionStore:
         for worker, n in trained:
             out.setdefault(worker, {})["trained"] = int(n)
         return out
+
+
+def _usage_sql(n_committing: int) -> str:
+    """The one statement of :meth:`SubmissionStore.usage` (one snapshot; each index range read once):
+    parameters ``worker, source_ip`` and ``n_committing`` submission IDs; one row ``(worker count,
+    worker bytes, address count, address bytes, files on disk, their bytes, comma-joined IDs of the
+    given ones already indexed)``."""
+    marks = ",".join("?" * n_committing) or "NULL"
+    return ("SELECT w.n, w.b, i.n, i.b, d.n, d.b, x.ids FROM"
+            " (SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS b FROM submissions WHERE worker = ? AND state = 'pending') AS w,"
+            " (SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS b FROM submissions WHERE source_ip = ? AND state = 'pending') AS i,"
+            " (SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS b FROM submissions WHERE on_disk = 1) AS d,"
+            f" (SELECT group_concat(id) AS ids FROM submissions WHERE id IN ({marks})) AS x")
 
 
 def _chain_duplicate(first: Future[bool], dup: Future[bool]) -> None:
