@@ -47,6 +47,11 @@ def group_advantages(rewards: np.ndarray, eps: float) -> np.ndarray:
         raise ValueError("rewards must be finite")
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}")
+    # (r − mean) / (std + ε) is unchanged when r and ε are scaled together; scaling by the largest
+    # |r| keeps the mean and std finite for any finite rewards (unchecked rewards of 1e308 made
+    # NaN advantages, then NaN weights). |r| ≤ 1: no scaling, the same bits as without it.
+    scale = max(1.0, float(np.abs(r).max()))
+    r, eps = r / scale, eps / scale
     centered = r - r.mean()  # [G]
     if not np.any(centered):
         return np.zeros(r.shape, dtype=np.float32)

@@ -32,7 +32,7 @@ from protocol.messages import Submission
 from protocol.runspec import RLSpec
 from protocol.window import oldest_fresh_step
 from trainer.batch import Batch, GroupKey, RolloutRecord, assemble_batch, records_from_submission
-from trainer.errors import TrainerError
+from trainer.errors import BatchError, TrainerError
 from trainer.ingest.store import SubmissionStore
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,11 @@ class RolloutBuffer:
         self._unread: dict[str, str] = {}  # live submissions a passing failure kept from being read → the error
         self.reopened = 0
         """Submissions read back from the store and verified again (not held, or after a restart)."""
+        self.vocab_size: int | None = None
+        """Rows of the policy's embedding, set by the coordinator once the model is built: a
+        submission with a token ID at or above it is retired untrained (an unchecked one, sampled
+        out by a validator's ``--fraction``, would otherwise stop the training step with an
+        out-of-range embedding lookup)."""
 
     # --- intake (event loop) ------------------------------------------------------------------
 
@@ -136,7 +141,7 @@ class RolloutBuffer:
             recs = self._records.get(stored.id)
             if recs is None:
                 try:
-                    recs = records_from_submission(self._submission(stored.id), stored.id)
+                    recs = self._checked(records_from_submission(self._submission(stored.id), stored.id))
                 except OSError as e:
                     if not isinstance(e, (FileNotFoundError, IsADirectoryError)):
                         if stored.id not in self._unread:  # warned once while it lasts
@@ -154,6 +159,19 @@ class RolloutBuffer:
                 self._unread.pop(stored.id, None)
             out.extend(r for r in recs if r.group_key not in self._consumed)
         return out
+
+    def _checked(self, recs: list[RolloutRecord]) -> list[RolloutRecord]:
+        """``recs`` unchanged, after checking their token IDs against :attr:`vocab_size`.
+
+        Raises:
+            BatchError: a prompt or completion token ID ≥ ``vocab_size``.
+        """
+        if self.vocab_size is not None:
+            for r in recs:
+                top = max(int(r.prompt_ids.max(initial=0)), int(r.completion_ids.max(initial=0)))
+                if top >= self.vocab_size:
+                    raise BatchError(f"rollout {r.submission_id}/{r.task_key}/{r.sample}: token ID {top} ≥ vocabulary size {self.vocab_size}")
+        return recs
 
     def _submission(self, submission_id: str) -> Submission:
         held = self._take_held(submission_id)

@@ -100,9 +100,16 @@ class LossOutputs:
     metrics: dict[str, torch.Tensor]
 
 
+LOG_RATIO_MAX = 20.0
+"""Largest log importance ratio exponentiated, nats. Far above ln δ (δ ≤ 1000, ``rl.clip_delta``), so
+the capped ratio and every gradient are unchanged; it keeps ``exp`` finite when the behaviour
+log-prob is absurdly low (``old_logprobs = "behavior"`` with unchecked worker log-probs of −1e30
+made the ratio inf and the weights NaN)."""
+
+
 def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
-    """``[N]`` r = exp(logp − logp_old)."""
-    return torch.exp(logprobs - old_logprobs)
+    """``[N]`` r = exp(min(logp − logp_old, :data:`LOG_RATIO_MAX`))."""
+    return torch.exp(torch.clamp(logprobs - old_logprobs, max=LOG_RATIO_MAX))
 
 
 def capped_ratio(ratio: torch.Tensor, delta: float) -> torch.Tensor:

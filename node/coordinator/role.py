@@ -150,6 +150,7 @@ class Coordinator:
         trainer, base, self.tokenizer, pos = await asyncio.to_thread(build_trainer, self.signed, self.tasks, self.data_dir, self.ctx,
                                                                      resume=self.options.resume)
         self.trainer, self.base_dir, model = trainer, base, trainer.model
+        self.buffer.vocab_size = int(model.get_input_embeddings().num_embeddings)  # out-of-range token IDs are never trained
         if pos is not None:
             n = self.buffer.restore(pos, trainer.step)
             logger.info("resumed at step %d; %d submissions from later steps trainable again", trainer.step, n)
