@@ -26,7 +26,7 @@ from protocol.identity import NodeKey
 from protocol.ingest_api import SUBMISSIONS_ROUTE, VERDICTS_ROUTE
 from protocol.messages import BanList
 from protocol.verdicts import BENIGN_REASONS, CHEAT_REASONS, is_cheat
-from trainer.ingest.service import RecheckResult
+from trainer.ingest.service import IngestLimits, RecheckResult
 from validator.pipeline import _reward_mismatch_reason
 
 
@@ -198,9 +198,42 @@ async def test_queued_rechecks_hold_no_submission_bytes(tmp_path: Path) -> None:
         try:
             for sub in subs:
                 assert ing.service.apply_verdict(verdict(sub, False, "toploc")) is True
-            queued = list(ing.service._recheck_q.queue)
+            queued = list(ing.service._recheck_wait.values())
             assert len(queued) >= len(subs) - 1 and all(isinstance(q, str) for q in queued), queued
         finally:
             release.set()
         await wait_until(lambda: all(ing.bans.is_banned(w.peer_id) for w in workers), what="every cheat reproduced and banned")
         assert recheck.calls == len(subs)
+
+
+async def test_one_cheater_cannot_fill_the_recheck_queue_for_others(tmp_path: Path) -> None:
+    """Many cheat verdicts against one worker while the re-check is busy take one place in the
+    queue (one reproduction bans it); another cheater's verdict still gets its re-check and ban,
+    and the coalesced submissions' files are deleted (rejected, never read again)."""
+    release = threading.Event()
+
+    class Blocked(Recheck):
+        def __call__(self, raw: bytes) -> RecheckResult:
+            release.wait(30)
+            return super().__call__(raw)
+
+    recheck = Blocked(False, "toploc")
+    flooder, other = NodeKey.generate(), NodeKey.generate()
+    limits = IngestLimits(max_pending_rechecks=2, requests_per_s=1000.0, burst=1000)
+    async with running_ingest(tmp_path, recheck=recheck, limits=limits) as ing, honest_session(ing.url) as http:
+        flood = [submission(flooder, counter=c) for c in range(8)]
+        late = submission(other)
+        try:
+            for sub in [*flood, late]:  # each judged right away (the worker's pending quota stays free)
+                assert (await post(http, "/ingest/1/submissions", sub))[0] == 200
+                assert ing.service.apply_verdict(verdict(sub, False, "toploc")) is True
+            assert ing.service.rechecks.get("dropped", 0) == 0
+            # per worker one waits (and one may be in progress): the other worker always got its place
+            assert ing.service.rechecks["queued"] <= 3 and other.peer_id in ing.service._recheck_wait
+            assert ing.service.rechecks["coalesced"] >= len(flood) - 2
+        finally:
+            release.set()
+        await wait_until(lambda: ing.bans.is_banned(flooder.peer_id) and ing.bans.is_banned(other.peer_id), what="both cheaters banned")
+        assert recheck.calls == 2
+        kept = [p.name for p in (tmp_path / "ingest").rglob("*.sub")]
+        assert kept == [], kept

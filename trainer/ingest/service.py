@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import queue
 import shutil
 import threading
 import time
@@ -38,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from protocol.envelope import Envelope, open_envelope
+from protocol.errors import ProtocolError
 from protocol.ingest_api import (
     BANS_ROUTE,
     ERROR_CODES,
@@ -48,7 +48,6 @@ from protocol.ingest_api import (
     address_key,
     pack_lease_answer,
 )
-from protocol.errors import ProtocolError
 from protocol.messages import BanEvidence, LeaseRequest, Submission, Verdict
 from protocol.rollout import submission_decode_limits
 from protocol.runspec import RunSpec
@@ -110,8 +109,10 @@ class IngestLimits:
             one is accepted once (its ID is remembered that long).
         lease_nonce_capacity: lease-request IDs remembered; when full of unexpired IDs new lease
             requests are refused with 429 until some expire.
-        max_pending_rechecks: cheat verdicts waiting for the coordinator's re-check; beyond it a
-            cheat verdict rejects its submission without a ban.
+        max_pending_rechecks: workers with a cheat verdict waiting for the coordinator's re-check
+            (one submission each: one reproduction bans a worker, so a worker's further cheat
+            verdicts while it waits add nothing); a cheat verdict against a further worker
+            rejects its submission without a ban (its next cheat verdict is queued again).
     """
 
     max_submission_bytes: int = Submission.MAX_BYTES
@@ -193,8 +194,11 @@ class IngestService:
         self._admit = asyncio.Lock()  # quota and counter checks and the store's add are one step
         self._lease_seen: OrderedDict[bytes, float] = OrderedDict()  # lease-request ID → forget after (epoch s)
         self._retired_s = 0.0
-        # submission IDs, not bytes: 64 queued 32 MiB junk submissions would hold 2 GiB (read when re-checked)
-        self._recheck_q: queue.Queue[str | None] = queue.Queue(maxsize=self.limits.max_pending_rechecks)
+        # worker → submission ID, oldest first: IDs, not bytes (64 queued 32 MiB submissions would hold
+        # 2 GiB; read when re-checked), and one per worker, so one cheater cannot fill it for others
+        self._recheck_wait: OrderedDict[str, str] = OrderedDict()
+        self._recheck_cv = threading.Condition()
+        self._recheck_stop = False
         self._recheck_thread: threading.Thread | None = None
         self.rechecks = {"queued": 0, "reproduced": 0, "not_reproduced": 0, "dropped": 0}
         self.started_s = time.time()
@@ -219,8 +223,9 @@ class IngestService:
     def close(self) -> None:
         """Stop the re-check thread (queued re-checks are dropped: those submissions stay rejected, unbanned)."""
         if self._recheck_thread is not None:
-            with contextlib.suppress(queue.Full):
-                self._recheck_q.put_nowait(None)
+            with self._recheck_cv:
+                self._recheck_stop = True
+                self._recheck_cv.notify()
             self._recheck_thread.join(timeout=5.0)
             self._recheck_thread = None
 
@@ -448,7 +453,7 @@ class IngestService:
         if not cheat or self.bans.is_banned(v.worker):
             return applied
         if applied:
-            self._queue_recheck(sid)
+            self._queue_recheck(sid, v.worker)
             return applied
         # not deciding: a second validator's cheat verdict corroborates a deciding cheat verdict
         decision = self.store.deciding_verdict(sid)
@@ -457,32 +462,50 @@ class IngestService:
                                                           detail=_summary(v.evidence)))
         return applied
 
-    def _queue_recheck(self, sid: str) -> None:
+    def _queue_recheck(self, sid: str, worker: str) -> None:
         if self.recheck is None:
             return  # only another validator's verdict can confirm it
         if self._recheck_thread is None:
             self._recheck_thread = threading.Thread(target=self._recheck_loop, name="ingest-recheck", daemon=True)
             self._recheck_thread.start()
-        try:
-            self._recheck_q.put_nowait(sid)
-        except queue.Full as e:
-            self.rechecks["dropped"] += 1
-            self.m_rechecks.labels("dropped").inc()
-            logger.warning("no re-check of %s (%s): its worker is not banned on one verdict", sid[:12], type(e).__name__)
-            return
-        self.rechecks["queued"] += 1
+        with self._recheck_cv:
+            if worker in self._recheck_wait:
+                outcome = "coalesced"  # its earlier cheat verdict is already waiting
+            elif len(self._recheck_wait) >= self.limits.max_pending_rechecks:
+                outcome = "dropped"
+            else:
+                self._recheck_wait[worker] = sid
+                self._recheck_cv.notify()
+                self.rechecks["queued"] += 1
+                return
+        self.rechecks[outcome] = self.rechecks.get(outcome, 0) + 1
+        self.m_rechecks.labels(outcome).inc()
+        if outcome == "dropped":
+            logger.warning("no re-check of %s (%d workers already wait for one): its worker is not banned on this verdict", sid[:12],
+                           self.limits.max_pending_rechecks, extra={"peer_id": worker})
+        self.store.delete_files([sid])  # rejected and never re-checked: nothing will read it again
+
+    def _next_recheck(self) -> str | None:
+        """The oldest waiting submission (blocks); ``None`` once the service closes."""
+        with self._recheck_cv:
+            while not self._recheck_wait and not self._recheck_stop:
+                self._recheck_cv.wait()
+            if self._recheck_stop:
+                return None
+            return self._recheck_wait.popitem(last=False)[1]
 
     def _recheck_loop(self) -> None:
         """Re-check queued submissions one at a time (a background thread)."""
         assert self.recheck is not None
         while True:
-            sid = self._recheck_q.get()
+            sid = self._next_recheck()
             if sid is None:
                 return
             try:
                 decision = self.store.deciding_verdict(sid)
                 stored = self.store.get(sid)
                 if decision is None or stored is None or self.bans.is_banned(stored.worker):
+                    self.store.delete_files([sid])  # banned meanwhile (or gone): rejected, never read again
                     continue
                 try:
                     raw = self.store.read(sid)
