@@ -105,10 +105,12 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
     ]
     for reason, n in sorted((st.get("verdicts_by_reason") or {}).items()):
         lines.append(f"| {reason} | {n} |")
-    lines += ["", "## Workers", "", "| node | peer ID | accepted | rejected | pending | trained on | banned |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "## Workers", "", "Rejected counts include submissions retired as `stale_policy` (they left the async window before a "
+              "verdict: no fault of the worker's); they are shown in brackets.", "",
+              "| node | peer ID | accepted | rejected (stale) | pending | trained on | banned |", "|---|---|---|---|---|---|---|"]
     banned = {b["peer_id"]: b["reason"] for b in st.get("banned") or []}
     for peer, counts in sorted((st.get("workers") or {}).items(), key=lambda kv: names.get(kv[0], kv[0])):
-        lines.append(f"| {names.get(peer, '?')} | `{peer}` | {counts.get('accepted', 0)} | {counts.get('rejected', 0)} | "
+        lines.append(f"| {names.get(peer, '?')} | `{peer}` | {counts.get('accepted', 0)} | {counts.get('rejected', 0)} ({counts.get('stale', 0)}) | "
                      f"{counts.get('pending', 0)} | {counts.get('trained', 0)} | {banned.get(peer, 'no')} |")
     if dn.o.adversary:
         adv = dn.peer_ids.get("adversary", "")

@@ -55,3 +55,18 @@ def test_per_submission_queries_use_indexes_not_the_history(tmp_path):
         plan = [row[3] for row in store._db.execute("EXPLAIN QUERY PLAN " + sql, args)]
         assert not any(step.startswith("SCAN submissions") or "TEMP B-TREE" in step for step in plan), (name, plan)
     store.close()
+
+
+def test_worker_stats_tell_stale_retirements_apart_from_other_rejections(tmp_path):
+    store = SubmissionStore(tmp_path, RUN)
+    try:
+        w = NodeKey.generate()
+        old, cheat, fresh = (open_envelope(submission(w, counter=c, step=s), run_id=RUN) for c, s in ((0, 0), (1, 5), (2, 5)))
+        for env in (old, cheat, fresh):
+            assert store.add(env)
+        assert store.record_verdict("v1", cheat.id.hex(), "validator", False, "toploc")
+        store.retire_stale(min_policy_step=4)  # the step-0 submission left the window unjudged
+        stats = store.worker_stats()[w.peer_id]
+        assert stats == {"rejected": 2, "stale": 1, "pending": 1}
+    finally:
+        store.close()

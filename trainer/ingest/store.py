@@ -618,13 +618,19 @@ class SubmissionStore:
         return {w: int(n) for w, n in rows}
 
     def worker_stats(self) -> dict[str, dict[str, int]]:
-        """Per worker: submissions by state, and ``trained`` (submissions a trainer step consumed)."""
+        """Per worker: submissions by state, ``stale`` (of the rejected, those retired as
+        ``stale_policy``: out of the async window, no fault of the worker's) and ``trained``
+        (submissions a trainer step consumed)."""
         with self._lock:
             rows = self._db.execute("SELECT worker, state, COUNT(*) FROM submissions GROUP BY worker, state").fetchall()
+            stale = self._db.execute("SELECT worker, COUNT(*) FROM submissions WHERE state = 'rejected' AND reason = 'stale_policy' "
+                                     "GROUP BY worker").fetchall()
             trained = self._db.execute("SELECT worker, COUNT(*) FROM submissions WHERE consumed_step >= 0 GROUP BY worker").fetchall()
         out: dict[str, dict[str, int]] = {}
         for worker, state, n in rows:
             out.setdefault(worker, {})[state] = int(n)
+        for worker, n in stale:
+            out.setdefault(worker, {})["stale"] = int(n)
         for worker, n in trained:
             out.setdefault(worker, {})["trained"] = int(n)
         return out
