@@ -21,7 +21,7 @@ What a server started here gets (``docs/operators.md`` "HTTP limits"):
   Shardcast client holds ≤ 6 connections to one server, so a devnet's ~8 nodes on 127.0.0.1 fit).
   When the total cap is full (many addresses, each under its own cap), a newcomer from an
   address holding fewer connections than the heaviest address takes the place of that
-  address's oldest connection, so addresses cannot together lock others out;
+  address's oldest connection (reset, :func:`reset`), so addresses cannot together lock others out;
 * **no compressed bodies** — ``auto_decompress`` is off and :data:`identity_only` answers 415 to
   any request body with a ``Content-Encoding`` other than ``identity``: nothing inflates;
 * **stalled writes** — a client that asks for a response and then stops reading it (its receive
@@ -101,6 +101,35 @@ def _unsent_bytes(transport: asyncio.Transport) -> int:
     return n
 
 
+RESET_GRACE_S = 5.0
+"""After :func:`reset`, a connection still open this many seconds later is aborted, seconds."""
+
+
+def reset(transport: asyncio.Transport) -> None:
+    """Reset the connection under ``transport`` so that whatever reads or writes it fails now.
+
+    ``transport.abort()`` alone is not enough while ``loop.sendfile`` is copying to the socket
+    (aiohttp's ``FileResponse``): asyncio leaves the sendfile waiting on the closed descriptor,
+    so its handler (and the open file) would never end and the next connection given that
+    descriptor number would hang. ``shutdown`` wakes a pending write or sendfile with ``EPIPE``
+    and a pending read with EOF; the handler then fails and aiohttp closes the transport.
+    ``SO_LINGER`` 0 makes that close a reset, so the kernel drops the unread bytes instead of
+    keeping them. Callers abort what is still open later (:data:`RESET_GRACE_S`).
+    """
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        transport.abort()
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def _abort_if_open(transport: asyncio.Transport) -> None:
+    if not transport.is_closing():
+        transport.abort()
+
+
 class StallWatch:
     """Aborts connections whose unsent bytes stay non-zero and unchanged for ``stall_s``.
 
@@ -144,30 +173,11 @@ class StallWatch:
             elif now - since >= self.stall_s:
                 logger.debug("aborting a connection from %s: %d response bytes unread for %.0f s", ip, unsent, now - since)
                 self.aborted += 1
-                self._shut(transport)
+                reset(transport)
                 self._cut.add(handler)
                 continue
             seen[handler] = (unsent, since)
         self._seen = seen
-
-    @staticmethod
-    def _shut(transport: asyncio.Transport) -> None:
-        """Reset the connection under ``transport`` so that whatever writes to it fails now.
-
-        ``transport.abort()`` alone is not enough while ``loop.sendfile`` is copying to the socket
-        (aiohttp's ``FileResponse``): asyncio leaves the sendfile waiting on the closed descriptor,
-        so its handler (and the open file) would never end and the next connection given that
-        descriptor number would hang. ``shutdown`` wakes the pending write or sendfile with
-        ``EPIPE``; the handler then fails and aiohttp closes the transport. ``SO_LINGER`` 0 makes
-        that close a reset, so the kernel drops the unread bytes instead of keeping them.
-        """
-        sock = transport.get_extra_info("socket")
-        if sock is None:
-            transport.abort()
-            return
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            sock.shutdown(socket.SHUT_RDWR)
 
     async def _run(self) -> None:
         while True:
@@ -208,7 +218,9 @@ def _cap_connections(server: web_server.Server, limits: ServerLimits) -> dict[An
                 return
             victim = next(h for h, (vip, _) in counted.items() if vip == heaviest)
             logger.debug("dropping a connection from %s to make room for %s: over the connection cap", heaviest, ip)
-            refuse(counted[victim][1])
+            victim_transport = counted[victim][1]
+            reset(victim_transport)  # it may be mid-response (sendfile): see reset()
+            asyncio.get_running_loop().call_later(RESET_GRACE_S, _abort_if_open, victim_transport)
             forget(victim)
         per_ip[ip] = per_ip.get(ip, 0) + 1
         counted[handler] = (ip, transport)
