@@ -23,14 +23,16 @@ class TransformersEngine(Engine):
 
     Generation (``generate``): left-padded prefill of the whole batch, then one batched decode
     step per token with the KV cache. Every step samples with :func:`protocol.sampling.sample`
-    (the run's rule) keyed by (sequence seed, completion index), and writes the token, its log-prob and the
-    final-norm row that produced it into preallocated ``[B, max_tokens]`` tensors, so the loop
+    (the run's rule) keyed by (sequence seed, completion index; ``icdf-v1``'s uniforms computed
+    for 64 positions at a time), and writes the token, its log-prob and the final-norm row that
+    produced it into preallocated ``[B, max_tokens]`` tensors, so the loop
     does no per-sequence Python work and, on CUDA, no host synchronisation per token (the sampler is
     device tensor ops; "all done?" is read every 16 steps). Finished sequences keep stepping
     (masked) until all are done. Plain Qwen2 models decode through
     :class:`node.engine.static_decode.StaticDecoder` (a KV cache preallocated per batch, the layers'
     ops called directly: bit-identical rows, tokens and log-probs, without transformers' per-step
-    cache concatenation and module overhead); other models through ``transformers``.
+    cache concatenation and module overhead; ``benchmarks/worker_bench.py`` times both); other
+    models through ``transformers``.
 
     Attributes:
         model: the policy (eval mode).
@@ -108,7 +110,8 @@ class TransformersEngine(Engine):
         cache = step_out.cache
         h = step_out.hidden[:, -1]  # [B, H] row that predicts completion token i
         logits = step_out.logits[:, -1]  # [B, V]
-        decoder = StaticDecoder(self.model, cache, mask, n_max) if self.static_decode and supports(self.model) else None
+        static = self.static_decode and supports(self.model) and hasattr(cache, "layers")  # a transformers DynamicCache
+        decoder = StaticDecoder(self.model, cache, mask, n_max) if static else None
         next_pos = pos[:, -1:] + 1  # [B, 1] position of the token sampled at step i
         steps = torch.arange(n_max, dtype=torch.int64, device=self.device)  # completion positions
         icdf = params.rule == sampling.RULE_ICDF
