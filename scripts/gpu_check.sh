@@ -12,6 +12,8 @@
 #    sampling.sample: no host synchronisation inside the rule, with and without top-p / EOS gate).
 # 3. The vLLM engine on CUDA: tests/node/test_vllm_engine.py (float32 model; every token must
 #    replay exactly, log-probs, EOS gate, TOPLOC proofs of the captured rows, hot weight swap).
+# 4. The transformers engine's static decode on CUDA (tests/node/test_engine.py -k cuda): no host
+#    synchronisation in a decode step; its tokens and rows pass a CPU validator's replay and TOPLOC.
 # Prints versions and a PASS/FAIL line per step; exits non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,4 +42,5 @@ step() {
 }
 step "sampling CPU vs GPU, no host sync" tests/protocol/test_sampling.py
 step "vLLM engine on CUDA" tests/node/test_vllm_engine.py
+step "transformers engine's static decode on CUDA" tests/node/test_engine.py -k cuda
 exit "$fail"

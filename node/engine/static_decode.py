@@ -19,7 +19,7 @@ mask is built once (on the CPU as the additive 0 / −inf mask SDPA makes of a b
 sliced.
 
 Only float32 Qwen2 models in eval mode qualify (:func:`supports`): ``sdpa`` attention, full
-attention in every layer, SiLU. Anything else decodes through ``transformers``.
+attention in every layer, SiLU, default RoPE. Anything else decodes through ``transformers``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def supports(model: Any) -> bool:
     """Whether :class:`StaticDecoder` reproduces ``model``'s decode step exactly.
 
     True for a float32 ``Qwen2ForCausalLM`` in eval mode with ``sdpa`` attention, no sliding-window
-    layer and SiLU activation (the configurations this module mirrors op for op).
+    layer, SiLU activation and default RoPE (the configurations this module mirrors op for op).
     """
     try:
         from transformers import Qwen2ForCausalLM
@@ -51,6 +51,7 @@ def supports(model: Any) -> bool:
         and getattr(cfg, "hidden_act", "silu") == "silu"
         and all(p.dtype == torch.float32 for p in model.parameters())
         and model.lm_head.bias is None
+        and getattr(model.model.rotary_emb, "rope_type", None) == "default"  # no dynamic/long-context RoPE updates
     )
 
 

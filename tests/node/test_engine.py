@@ -280,3 +280,38 @@ def test_models_the_static_decode_does_not_mirror_decode_through_transformers() 
     pre = prefill_completions(model, prompts, [x.completion_ids.tolist() for x in gens], PAD)
     for x, p, seed in zip(gens, pre, seeds, strict=True):
         assert sampling.replay_check(p.logits, x.completion_ids, seed, eos_ids=(EOS,), min_eos_prob=1.0).ok
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_static_decode_on_cuda_is_accepted_by_a_cpu_validator() -> None:
+    """On CUDA the static decode step runs without host synchronisation, and what it generates
+    (padded batch, GQA, EOS gate) replays and passes TOPLOC against the validator's CPU prefill."""
+    from benchmarks.profiles import qwen_config
+    from node.engine.static_decode import StaticDecoder
+
+    cpu_model = build_model(qwen_config(VOCAB, 128, 2, 4, 2, 256), seed=5)
+    eng = TransformersEngine(build_model(qwen_config(VOCAB, 128, 2, 4, 2, 256), seed=5), embedded_tokenizer(), device="cuda")
+    inner_step = StaticDecoder.step
+    calls = [0]
+
+    def no_sync_step(self: StaticDecoder, tokens: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        calls[0] += 1
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return inner_step(self, tokens, position_ids)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    prompts, seeds = _prompts(8), _seeds(8)
+    params = SamplingParams(max_tokens=40, temperature=0.9, eos_id=EOS, min_eos_prob=0.05)
+    StaticDecoder.step = no_sync_step  # type: ignore[method-assign]
+    try:
+        gens = eng.generate(prompts, seeds, params)
+    finally:
+        StaticDecoder.step = inner_step  # type: ignore[method-assign]
+    assert calls[0] > 0
+    pre = prefill_completions(cpu_model, prompts, [g.completion_ids.tolist() for g in gens], PAD)
+    for g, p, seed in zip(gens, pre, seeds, strict=True):
+        replay = sampling.replay_check(p.logits, g.completion_ids, seed, temperature=0.9, eos_ids=(EOS,), min_eos_prob=0.05)
+        assert replay.ok and replay.hard_mismatches == 0, replay.reason
+        assert all(r.ok for r in toploc.verify_proofs(p.hidden, toploc.build_proofs(g.hidden)))
