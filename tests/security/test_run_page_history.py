@@ -1,0 +1,64 @@
+"""The run page's leaderboard cannot hold the ingest store's lock a growing share of the time.
+
+Its two store queries scan the whole submission history (every row ever stored: counters stay
+unique for the run) under the store's lock, which the ingest's admission also takes on the
+event loop. Rebuilt every second, 200,000 rows of history (≈ 0.3 s a build; hostile workers can
+each add rows with a fresh key) held the lock about a third of the time. It is now rebuilt only
+when ``BOARD_DUTY_FACTOR`` times its last build time has passed (checked with a clock the store
+advances, so no wall time is measured).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from node.web.runpage import BOARD_DUTY_FACTOR, RunPage
+from protocol.identity import NodeKey
+from protocol.runspec import RunInfo, RunSpec, sign_run_spec
+from trainer.ingest import BanBook, SubmissionStore
+
+COORD = NodeKey.from_seed(b"c" * 32)
+SIGNED = sign_run_spec(RunSpec(run=RunInfo(coordinator=COORD.peer_id, seed=1)), COORD)
+SCAN_S = 1.0
+"""What one scan of the history costs on the test's clock, seconds."""
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _LongHistory(SubmissionStore):
+    """A store whose whole-history queries take :data:`SCAN_S` on the test's clock."""
+
+    clock: _Clock
+    scans = 0
+
+    def worker_stats(self) -> dict[str, dict[str, int]]:
+        self.scans += 1
+        self.clock.now += SCAN_S
+        return {f"worker{i}": {"accepted": i} for i in range(3)}
+
+
+def test_the_leaderboard_scans_the_history_a_bounded_share_of_the_time(tmp_path: Path) -> None:
+    clock = _Clock()
+    store = _LongHistory(tmp_path / "ingest", SIGNED.run_id)
+    store.clock = clock
+    try:
+        page = RunPage(SIGNED, store, BanBook(tmp_path / "bans.msgpack", COORD, SIGNED.run_id), status=dict,
+                       metrics_path=tmp_path / "metrics.jsonl", peer_id=COORD.peer_id, clock=clock)
+        first = page.build([])
+        assert store.scans == 1 and b"worker2" in first
+        built_at = clock.now
+        while clock.now < built_at + (BOARD_DUTY_FACTOR - 1) * SCAN_S - 1.0:  # one rebuild a second, as the refresh task does
+            clock.now += 1.0
+            assert b"worker2" in page.build([])  # the last leaderboard is shown meanwhile
+        assert store.scans == 1
+        clock.now = built_at + (BOARD_DUTY_FACTOR - 1) * SCAN_S
+        page.build([])
+        assert store.scans == 2  # due again: at most one scan per BOARD_DUTY_FACTOR × its cost
+    finally:
+        store.close()
