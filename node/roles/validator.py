@@ -198,6 +198,11 @@ class ValidatorNode:
             result = CheckResult(True, "ok", {"sampled_out": True})
         else:
             await self._prepare(sub.policy_step)
+            if sub.policy_step not in self._models:
+                # no checkpoint, no judgement: our failure to fetch is no evidence about the worker,
+                # and with no checkpoint loaded nothing signed bounds the lease answer's trainer step
+                logger.warning("no checkpoint for step %d; leaving %s to a later lease", sub.policy_step, sid[:12])
+                return
             checker = SubmissionChecker(self.spec, self.tasks, self.tokenizer, self._models.get, trainer_step=self._trainer_step,
                                         counter_seen=self.ledger.counter_seen)
             try:

@@ -9,10 +9,16 @@ far above it (2⁶¹) would put every fresh submission below the window's lower 
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import pytest
+
 from node.roles.validator import ValidatorNode, ValidatorOptions
+from protocol.envelope import seal
 from protocol.identity import NodeKey
+from protocol.messages import Rollout, Submission, SubmissionTask
+from protocol.rollout import pack_f32, pack_u32
 from protocol.runspec import NetworkSpec, RLSpec, RunInfo, RunSpec, sign_run_spec
 from protocol.window import in_window
 
@@ -57,4 +63,31 @@ def test_a_restarted_validator_bounds_the_answer_by_the_checkpoints_it_holds(tmp
             assert node._trainer_step() in (5, 6)
             assert in_window(5, trainer_step=node._trainer_step(), async_level=1)
     finally:
+        node.ledger.close()
+
+
+@pytest.mark.asyncio
+async def test_no_verdict_on_a_submission_whose_checkpoint_this_validator_cannot_get(tmp_path: Path) -> None:
+    """With no checkpoint and no announcement (nothing signed bounds the answer), a lying answer
+    (2⁶¹) must not turn into a signed ``stale_policy`` rejection of honest work: the submission
+    gets no verdict, as one whose checkpoint is missing always did (its lease expires)."""
+    node = _validator(tmp_path)
+    posted: list[bytes] = []
+
+    async def post_verdict(verdict: bytes) -> None:
+        posted.append(verdict)
+
+    node._post_verdict = post_verdict  # type: ignore[method-assign]
+    try:
+        worker = NodeKey.from_seed(b"W" * 32)
+        rollout = Rollout(task=0, sample=0, seed=1, prompt_ids=pack_u32([1]), completion_ids=pack_u32([2]), logprobs=pack_f32([-1.0]),
+                          finish="length", task_reward=0.0, reward=0.0, proofs=[b"\0" * 258])
+        blob = seal(worker, node.signed.run_id, Submission(worker=worker.peer_id, policy_step=0, counter=0,
+                                                           tasks=[SubmissionTask(task_index=0, problem_id="p0", target_length=0)],
+                                                           rollouts=[rollout]))
+        node.coordinator_step = 2**61
+        await asyncio.wait_for(node._judge(blob), 60)
+        assert posted == [] and node.checked == 0
+    finally:
+        await node.follower.close()
         node.ledger.close()
