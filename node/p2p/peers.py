@@ -22,9 +22,14 @@ FORGET_AFTER_DEAD_FACTOR = 10
 """A peer silent for this many expiry windows is removed from the table altogether."""
 
 MAX_PEERS = 10_000
-"""Peers the table holds at most. Records are self-signed, so anyone can make any number of peer
-IDs; past this bound a new peer takes the place of the least recently heard one whose role was not
-key-checked (the coordinator and the run's validators are never pushed out). ≈ 1 KiB a peer."""
+"""Peers the table holds at most (≈ 1 KiB a peer). Records are self-signed, so anyone can make any
+number of peer IDs. Past this bound a new peer takes the place of a dead one if there is any,
+else of the most recently *first seen* live peer whose role was not key-checked: a flood of new
+IDs churns among its own newest entries while the peers that were there before it (relays,
+workers) keep their places, and the coordinator and the run's validators are never pushed out."""
+
+KEY_CHECKED_ROLES = ("coordinator", "validator")
+"""Roles whose claims the gossip layer checked against the run spec's keys."""
 
 
 @dataclass
@@ -100,6 +105,7 @@ class PeerTable:
         self.coordinator_id = coordinator
         self._clock = clock
         self._peers: dict[str, PeerInfo] = {}  # insertion order = order of the latest record (moved to the end on update)
+        self._arrivals: dict[str, None] = {}  # insertion order = first seen (alive since), newest last
         self.max_peers = max_peers
         self.evicted = 0
         """Peers pushed out by newer ones because the table was full."""
@@ -122,9 +128,12 @@ class PeerTable:
         if old is not None and (ts_ms, record.seq) <= (old.ts_ms, old.seq):
             return False
         revived = old is None or not self._alive(old, now)
-        if old is None and len(self._peers) >= self.max_peers and not self._make_room():
+        if old is None and len(self._peers) >= self.max_peers and not self._make_room(now):
             return False
         self._peers.pop(record.peer_id, None)  # re-inserted last: the dict stays ordered by last record
+        if revived:
+            self._arrivals.pop(record.peer_id, None)
+            self._arrivals[record.peer_id] = None
         self._peers[record.peer_id] = PeerInfo(
             peer_id=PeerId(record.peer_id),
             role=record.role,
@@ -141,14 +150,21 @@ class PeerTable:
         )
         return revived
 
-    def _make_room(self) -> bool:
-        """Drop the least recently heard peer with an unchecked role; ``False`` if every peer is key-checked."""
-        for peer_id, p in self._peers.items():
-            if p.role not in ("coordinator", "validator"):
-                del self._peers[peer_id]
-                self.evicted += 1
-                return True
-        return False
+    def _make_room(self, now: float) -> bool:
+        """Drop the least recently heard peer if it is dead, else the newest arrival whose role was
+        not key-checked (:data:`MAX_PEERS`); ``False`` if only key-checked peers are alive."""
+        victim = next(iter(self._peers.values()))
+        if self._alive(victim, now):
+            victim = next((self._peers[pid] for pid in reversed(self._arrivals) if self._peers[pid].role not in KEY_CHECKED_ROLES), None)
+            if victim is None:
+                return False
+        self._forget(victim.peer_id)
+        self.evicted += 1
+        return True
+
+    def _forget(self, peer_id: str) -> None:
+        self._peers.pop(peer_id, None)
+        self._arrivals.pop(peer_id, None)
 
     def note_announcement(self, announcement: CheckpointAnnouncement) -> bool:
         """Record a verified checkpoint announcement; returns whether it raised the latest step."""
@@ -160,14 +176,14 @@ class PeerTable:
 
     def remove(self, peer_id: str) -> None:
         """Forget a peer now (e.g. banned)."""
-        self._peers.pop(peer_id, None)
+        self._forget(peer_id)
 
     def prune(self) -> list[str]:
         """Drop peers dead for ``FORGET_AFTER_DEAD_FACTOR`` expiry windows; returns their IDs."""
         cutoff = self._clock() - FORGET_AFTER_DEAD_FACTOR * self.expiry_s
         gone = [p.peer_id for p in self._peers.values() if p.last_seen < cutoff]
         for peer_id in gone:
-            del self._peers[peer_id]
+            self._forget(peer_id)
         return gone
 
     # --- queries -----------------------------------------------------------------------------

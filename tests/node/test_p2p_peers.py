@@ -94,7 +94,7 @@ def test_pick_upstreams_prefers_relays_holding_the_latest_step() -> None:
     assert len(sybil_view) == 4 and sybil_view[-1] == "http://origin"
 
 
-def test_a_flood_of_new_peer_ids_is_bounded_and_never_pushes_out_the_coordinator_or_a_validator() -> None:
+def test_a_flood_of_new_peer_ids_is_bounded_and_never_pushes_out_the_peers_that_were_there() -> None:
     clock = Clock()
     coord, validator, honest = NodeKey.generate(), NodeKey.generate(), NodeKey.generate()
     table = PeerTable(HB, coordinator=coord.peer_id, clock=clock, max_peers=6)
@@ -102,13 +102,20 @@ def test_a_flood_of_new_peer_ids_is_bounded_and_never_pushes_out_the_coordinator
     assert table.update(rec(validator, role="validator"), ts_ms=1)
     assert table.update(rec(honest, role="relay"), ts_ms=1)
     flood = [NodeKey.generate() for _ in range(6)]
-    for i, k in enumerate(flood):
-        if i == 3:  # the honest relay heartbeats once the table is full: it becomes the most recent
-            assert not table.update(rec(honest, role="relay", seq=2), ts_ms=2)
-        assert table.update(rec(k, role="worker"), ts_ms=1)
-    # the three oldest flooded IDs made room, least recently heard first
-    assert {p.peer_id for p in table.alive()} == {coord.peer_id, validator.peer_id, honest.peer_id, *(k.peer_id for k in flood[3:])}
+    for k in flood:
+        table.update(rec(k, role="worker"), ts_ms=1)
+    # full after flood[2]; each later ID took the place of the newest arrival before it
+    assert {p.peer_id for p in table.alive()} == {coord.peer_id, validator.peer_id, honest.peer_id, flood[0].peer_id,
+                                                   flood[1].peer_id, flood[5].peer_id}
     assert table.evicted == 3 and table.latest_step() == 3
+    # once some are dead, a newcomer takes a dead one's place (the least recently heard)
+    clock.t += 3 * HB + 1
+    for k, role in ((coord, "coordinator"), (validator, "validator"), (honest, "relay"), (flood[0], "worker"), (flood[5], "worker")):
+        table.update(rec(k, role=role, seq=2), ts_ms=2)
+    newcomer = NodeKey.generate()
+    assert table.update(rec(newcomer, role="relay"), ts_ms=2)
+    assert flood[1].peer_id not in {p.peer_id for p in table.alive()} and table.get(newcomer.peer_id) is not None
+    assert len(table.alive()) == 6 and table.evicted == 4
     # a table of key-checked peers only refuses a newcomer instead of dropping one of them
     full = PeerTable(HB, coordinator=coord.peer_id, clock=clock, max_peers=2)
     full.update(rec(coord, role="coordinator"), ts_ms=1)
