@@ -25,6 +25,7 @@ import asyncio
 import collections
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -411,4 +412,6 @@ def _thin(rows: list[dict[str, Any]], max_points: int) -> list[dict[str, Any]]:
 
 
 def _r(x: Any, digits: int = 4) -> float | None:
-    return round(float(x), digits) if isinstance(x, (int, float)) else None
+    """A finite number rounded, else ``None`` (JSON has no inf or NaN: ``Infinity`` would break the
+    browser's parse of the whole snapshot, e.g. after one unchecked submission's huge reward)."""
+    return round(float(x), digits) if isinstance(x, (int, float)) and math.isfinite(x) else None

@@ -258,7 +258,10 @@ async def test_api_is_bounded_and_rate_limited(tmp_path):
     bans = BanBook(tmp_path / "bans.msgpack", key, signed.run_id)
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"event": "step", "step": i, "reward_mean": 0.5, "pass_rate": 0.25,
-                                           "verdicts": {"ok": i}}) + "\n" for i in range(1, 2001)) + '{"event": "st')
+                                           "verdicts": {"ok": i}}) + "\n" for i in range(1, 2000))
+                       # an unchecked submission's huge reward made the last mean overflow (json writes Infinity)
+                       + json.dumps({"event": "step", "step": 2000, "reward_mean": float("inf"), "pass_rate": float("nan")}) + "\n"
+                       + '{"event": "st')
     page = RunPage(signed, store, bans, status=lambda: {"trainer_step": 2000, "published_step": 2000, "state": "training"},
                    metrics_path=metrics, peer_id=key.peer_id)
     app = web.Application()
@@ -266,7 +269,11 @@ async def test_api_is_bounded_and_rate_limited(tmp_path):
     async with TestClient(TestServer(app)) as client:
         r = await client.get("/api/run")
         assert r.status == 200
-        doc = await r.json()
+        def strict(c: str) -> None:
+            raise AssertionError(f"{c} in the snapshot: browsers cannot parse it")
+
+        doc = json.loads(await r.text(), parse_constant=strict)
+        assert doc["curves"]["steps"][-1]["reward_mean"] is None and doc["curves"]["steps"][-1]["pass_rate"] is None
         assert len(doc["curves"]["steps"]) <= CAPS["curve_points"] + 1 and doc["curves"]["steps"][-1]["step"] == 2000
         assert doc["nodes"][0]["role"] == "coordinator" and doc["trainer"]["published_step"] == 2000
         assert r.headers["Content-Security-Policy"].startswith("default-src 'none'")
