@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from aiohttp import web
+from http_helpers import file_app
 
 from node.http_server import ServerLimits, start_site
 
@@ -36,26 +36,9 @@ def _stalled_get(port: int, local_ip: str) -> socket.socket:
 async def test_an_evicted_sendfile_connection_ends_its_handler(tmp_path: Path) -> None:
     piece = tmp_path / "piece"
     piece.write_bytes(b"\1" * BIG)
-    started, ended = asyncio.Event(), asyncio.Event()
+    started = asyncio.Event()
 
-    class _Tracked(web.FileResponse):
-        async def prepare(self, request: web.BaseRequest):  # type: ignore[override]
-            started.set()
-            try:
-                return await super().prepare(request)
-            finally:
-                ended.set()
-
-    app = web.Application()
-
-    async def file(_request: web.Request) -> web.StreamResponse:
-        return _Tracked(piece)
-
-    async def small(_request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app.router.add_get("/file", file)
-    app.router.add_get("/small", small)
+    app, ended = file_app(piece, started=started)
     # write_stall_s far beyond the test: only the eviction may end the stalled sendfile
     running = await start_site(app, "127.0.0.1", limits=ServerLimits(max_connections=2, write_stall_s=3600.0))
     socks: list[socket.socket] = []

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from http_helpers import file_app
 
 from node.http_server import ServerLimits, start_site
 
@@ -103,25 +104,8 @@ async def test_a_sendfile_cut_off_ends_its_handler_and_leaves_the_loop_serving(t
     alone did both: asyncio's sendfile kept its writer registered on the dead descriptor)."""
     piece = tmp_path / "piece"
     piece.write_bytes(b"\1" * BIG)
-    ended = asyncio.Event()
 
-    class _Tracked(web.FileResponse):
-        async def prepare(self, request: web.BaseRequest):  # type: ignore[override]
-            try:
-                return await super().prepare(request)
-            finally:
-                ended.set()
-
-    app = web.Application()
-
-    async def file(_request: web.Request) -> web.StreamResponse:
-        return _Tracked(piece)
-
-    async def small(_request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app.router.add_get("/file", file)
-    app.router.add_get("/small", small)
+    app, ended = file_app(piece)
     running = await start_site(app, "127.0.0.1", limits=ServerLimits(write_stall_s=1.0))
     stalled = _connect(running.port, "/file", rcvbuf=4096)
     writers: list[asyncio.StreamWriter] = []
