@@ -61,16 +61,21 @@ class Coordinator:
         self.verdicts: list[tuple[bytes, bool]] = []  # (verdict, still to gossip) as on_verdict saw them
 
 
-@pytest.fixture
-async def ingest(tmp_path):
-    coord = Coordinator(tmp_path)
+async def serve(coord: Coordinator) -> tuple[web.AppRunner, int]:
+    """The coordinator's ingest routes on 127.0.0.1 (any port): its runner (``cleanup()`` stops it) and port."""
     app = web.Application(middlewares=[error_middleware], client_max_size=64 << 20)
     coord.service.add_routes(app)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
+@pytest.fixture
+async def ingest(tmp_path):
+    coord = Coordinator(tmp_path)
+    runner, port = await serve(coord)
     async with ClientSession(base_url=f"http://127.0.0.1:{port}") as http:
         yield coord, http
     await runner.cleanup()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from test_ingest import RUN, Coordinator, post, submission
+from test_ingest import RUN, Coordinator, post, serve, submission
 
 import trainer.ingest.store as store_mod
 from protocol.envelope import open_envelope
@@ -134,20 +134,10 @@ async def test_concurrent_posts_from_many_workers_each_accepted_once_quotas_exac
     """12 workers post 6 counters each, every envelope twice, plus a replayed counter with other bytes,
     all at once: each quota that binds holds exactly, every counter is stored at most once, and
     every stored submission was answered ``stored: true`` exactly once."""
-    from aiohttp import web
-
-    from trainer.ingest.service import error_middleware
-
     limits = IngestLimits(requests_per_s=1000.0, burst=1000.0, decode_concurrency_per_ip=4, max_pending_per_worker=4,
                           max_pending_per_ip={"ip": 30}.get(binding, 10_000), max_disk_files={"disk": 25}.get(binding, 10_000))
     coord = Coordinator(tmp_path, limits=limits)
-    app = web.Application(middlewares=[error_middleware], client_max_size=64 << 20)
-    coord.service.add_routes(app)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, port = await serve(coord)
     workers = [NodeKey.generate() for _ in range(12)]
     subs = [submission(w, counter=c) for w in workers for c in range(6)]
     replays = [submission(w, counter=0, payload=5) for w in workers]  # counter 0 again, other bytes
