@@ -77,6 +77,7 @@ ERROR_CODES: Final[dict[str, tuple[int, Kind]]] = {
     "ip_quota": (507, "retry"),
     "disk_quota": (507, "retry"),
     "disk_full": (507, "retry"),
+    "storage_failed": (503, "retry"),  # the ingest could not write or commit it (disk error): nothing stored
 }
 """Every error code the ingest answers with: its HTTP status and what a client does with it."""
 

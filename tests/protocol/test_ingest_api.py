@@ -24,6 +24,7 @@ from protocol.messages import Submission
     ("malformed", 400, "final"), ("unsupported_encoding", 415, "final"), ("not_validator", 403, "final"),
     ("truncated", 400, "transient"), ("timeout", 408, "transient"),
     ("rate_limited", 429, "retry"), ("backpressure", 429, "retry"), ("busy", 429, "retry"), ("disk_full", 507, "retry"),
+    ("storage_failed", 503, "retry"),
 ])
 def test_each_code_has_one_status_and_one_meaning(code: str, status: int, outcome: str) -> None:
     assert ERROR_CODES[code] == (status, outcome)

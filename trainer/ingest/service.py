@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import shutil
+import sqlite3
 import threading
 import time
 from collections import OrderedDict
@@ -336,7 +337,13 @@ class IngestService:
             t0 = time.perf_counter()
             durable = self.store.submit(env, None, ip)
         # the answer waits for this submission's group commit: a 200 means it survives a crash
-        if not await asyncio.wrap_future(durable):
+        try:
+            stored = await asyncio.wrap_future(durable)
+        except (OSError, sqlite3.Error) as e:  # nothing was stored (the store dropped its file): the same bytes may come again
+            self.m_submissions.labels("storage_failed").inc()
+            raise _error("storage_failed", f"the ingest could not store it ({type(e).__name__}: {str(e)[:120]}); retry later",
+                         retry_after=5.0) from None
+        if not stored:
             existing = self.store.get(sid)
             self.m_submissions.labels("duplicate").inc()
             return web.json_response({"id": sid, "stored": False, "duplicate": True, "state": existing.state if existing else "pending"})

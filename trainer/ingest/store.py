@@ -44,7 +44,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protocol.durable import atomic_write, fsync_dir
+from protocol.durable import atomic_write, fsync_dir, tmp_path_for
 from protocol.envelope import Envelope, open_envelope
 from protocol.errors import ProtocolError
 from protocol.messages import Submission
@@ -291,9 +291,12 @@ class SubmissionStore:
 
     def _write(self, item: _Staged) -> None:
         """Writer thread: the file durably under its final name; the directory is flushed per group."""
+        path = self.dir / f"{item.sid}.sub"
         try:
-            atomic_write(self.dir / f"{item.sid}.sub", item.raw, sync_dir=False)
+            atomic_write(path, item.raw, sync_dir=False)
         except Exception as e:  # noqa: BLE001 - whatever failed, the waiting request gets it as its answer
+            # a failed write (EIO, ENOSPC) leaves its temporary file, counted by no quota: drop it now
+            tmp_path_for(path).unlink(missing_ok=True)
             with self._lock:
                 self._staged.pop(item.sid, None)
             item.future.set_exception(e)
