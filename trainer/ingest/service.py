@@ -347,6 +347,10 @@ class IngestService:
             existing = self.store.get(sid)
             self.m_submissions.labels("duplicate").inc()
             return web.json_response({"id": sid, "stored": False, "duplicate": True, "state": existing.state if existing else "pending"})
+        if self.bans.is_banned(sub.worker):  # banned while it was being stored: the ban's rejection of its pending work missed it
+            await asyncio.to_thread(self.store.reject_worker_pending, sub.worker, "banned")
+            self.m_submissions.labels("banned").inc()
+            raise _error("banned", f"worker {sub.worker} is banned")
         self.m_latency.observe(time.perf_counter() - t0)
         self.m_bytes.inc(len(data))
         self.m_submissions.labels("stored").inc()
