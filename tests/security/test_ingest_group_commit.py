@@ -6,15 +6,18 @@ A real ingest server on 127.0.0.1; disk faults are injected into the real write 
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
+import shutil
 import stat
 import threading
+from collections import namedtuple
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from ingest_attack_helpers import honest_session, post, running_ingest, submission
+from ingest_attack_helpers import honest_session, post, running_ingest, submission, wait_until
 
 from protocol.identity import NodeKey
 
@@ -98,4 +101,26 @@ async def test_a_failed_group_commit_answers_a_retryable_error_and_the_commit_th
             assert _leftovers(ing.store.dir) == []
             assert ing.store.counts()["pending"] == 0
             assert (await post(http, SUBMISSIONS, submission(worker, counter=1)))[0] == 200
+        assert ing.store.counts()["pending"] == 1
+
+
+async def test_concurrent_submissions_cannot_write_the_disk_past_its_free_space_floor(
+        tmp_path: Path, fault: Callable[..., FsyncFault], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was: the free-space check read the file system only, so every submission admitted while
+    earlier ones were still being written saw the same free space, and up to the 512 MiB in flight
+    could be written into the 256 MiB floor (a full disk also stops the index, verdicts and bans)."""
+    async with running_ingest(tmp_path) as ing:
+        a, b = submission(NodeKey.generate(), payload_tokens=2048), submission(NodeKey.generate(), payload_tokens=2048)
+        floor = ing.service.limits.min_free_disk_bytes
+        du = namedtuple("du", "total used free")
+        # room for one of the two above the floor, as the file system reports before either lands
+        monkeypatch.setattr(shutil, "disk_usage", lambda _p: du(1 << 40, 0, floor + len(a) + len(a) // 2))
+        f = fault(files=True, block=True)  # the first file's write waits: it is admitted, not yet on disk
+        async with honest_session(ing.url) as http:
+            first = asyncio.ensure_future(post(http, SUBMISSIONS, a))
+            await wait_until(f.hit.is_set, what="the first submission's write")
+            status, body = await post(http, SUBMISSIONS, b)
+            assert (status, body["error"]) == (507, "disk_full"), body
+            f.release.set()
+            assert (await asyncio.wait_for(first, 20.0))[0] == 200
         assert ing.store.counts()["pending"] == 1

@@ -4,6 +4,7 @@ submission lost when the process is killed (``trainer/ingest/store.py``, ``docs/
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -107,7 +108,8 @@ def test_a_group_visible_in_the_index_but_not_yet_unstaged_is_counted_once(tmp_p
     assert store.counter_used(w.peer_id, 0, exclude_id="other")
     release.set()
     assert all(f.result(WAIT_S) is True for f in futures)
-    assert store.usage(w.peer_id, "10.0.0.2") == u and n_indexed >= 1
+    after = store.usage(w.peer_id, "10.0.0.2")  # every file written now (writing_bytes 0); the rest unchanged
+    assert dataclasses.replace(after, writing_bytes=u.writing_bytes) == u and after.writing_bytes == 0 and n_indexed >= 1
     store.close()
 
 

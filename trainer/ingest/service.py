@@ -379,7 +379,8 @@ class IngestService:
             self.m_submissions.labels("disk_quota").inc()
             raise _error("disk_quota", f"the ingest holds {u.disk_files} submissions ({u.disk_bytes} bytes), its limit; retry later",
                          retry_after=10.0)
-        free = shutil.disk_usage(self.store.dir).free
+        # minus what admitted submissions are still writing: the file system does not show it yet
+        free = shutil.disk_usage(self.store.dir).free - u.writing_bytes
         if free - size < lim.min_free_disk_bytes:
             self.m_submissions.labels("disk_full").inc()
             raise _error("disk_full", f"only {free} bytes free on the ingest's disk; retry later", retry_after=30.0)

@@ -99,7 +99,10 @@ Without them the disk count alone scanned every row: 25 ms of CPU per submission
 
 @dataclass(frozen=True)
 class Usage:
-    """Pending submissions and bytes of one worker and of one address, and files on disk in all."""
+    """Pending submissions and bytes of one worker and of one address, and files on disk in all.
+
+    ``writing_bytes``: bytes of submissions admitted whose files are not yet written (the file
+    system's free space does not show them yet)."""
 
     worker_pending: int
     worker_bytes: int
@@ -107,6 +110,7 @@ class Usage:
     ip_bytes: int
     disk_files: int
     disk_bytes: int
+    writing_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,7 @@ class _Staged:
     future: Future[bool] = field(default_factory=Future)
     admitted: int = 0  # admission number: a group is indexed in admission order
     committing: bool = False  # its group's transaction may already be visible (usage() then checks the index)
+    written: bool = False  # its file is complete (or its write failed): the free space on disk shows it
 
 
 BUSY_TIMEOUT_S = 60.0
@@ -298,10 +303,12 @@ class SubmissionStore:
             # a failed write (EIO, ENOSPC) leaves its temporary file, counted by no quota: drop it now
             tmp_path_for(path).unlink(missing_ok=True)
             with self._lock:
+                item.written = True
                 self._staged.pop(item.sid, None)
             item.future.set_exception(e)
             return
         with self._lock:
+            item.written = True
             self._written.append(item)
             self._wake.notify()
 
@@ -435,7 +442,8 @@ class SubmissionStore:
         sw = [s.size_bytes for s in staged if s.worker == worker]
         si = [s.size_bytes for s in staged if s.source_ip == source_ip]
         return Usage(int(w[0]) + len(sw), int(w[1]) + sum(sw), int(ip[0]) + len(si), int(ip[1]) + sum(si),
-                     int(disk[0]) + len(staged), int(disk[1]) + sum(s.size_bytes for s in staged))
+                     int(disk[0]) + len(staged), int(disk[1]) + sum(s.size_bytes for s in staged),
+                     sum(s.size_bytes for s in staged if not s.written))
 
     def storing(self, sid: str) -> bool:
         """Whether submission ``sid`` was submitted and is not yet committed (nor failed)."""
