@@ -124,3 +124,28 @@ async def test_concurrent_submissions_cannot_write_the_disk_past_its_free_space_
             f.release.set()
             assert (await asyncio.wait_for(first, 20.0))[0] == 200
         assert ing.store.counts()["pending"] == 1
+
+
+async def test_replays_duplicates_and_quota_races_during_the_staged_window(tmp_path: Path, fault: Callable[..., FsyncFault]) -> None:
+    """While a worker's first submission is admitted but not yet written (its file write held), the
+    same bytes again are one stored copy, another envelope with its counter is a replay, and ten
+    concurrent submissions with fresh counters get exactly its quota of 4 pending slots."""
+    async with running_ingest(tmp_path) as ing:
+        worker = NodeKey.generate()
+        first = submission(worker, counter=0)
+        f = fault(files=True, block=True)
+        async with honest_session(ing.url) as http:
+            held = asyncio.ensure_future(post(http, SUBMISSIONS, first))
+            await wait_until(f.hit.is_set, what="the first submission's write")
+            twin = asyncio.ensure_future(post(http, SUBMISSIONS, first))  # answered once the first is durable
+            status, body = await post(http, SUBMISSIONS, submission(worker, counter=0))  # new nonce, same counter
+            assert (status, body["error"]) == (409, "replay"), body
+            answers = await asyncio.gather(*(post(http, SUBMISSIONS, submission(worker, counter=c)) for c in range(1, 11)))
+            f.release.set()
+            assert (await asyncio.wait_for(held, 20.0))[0] == 200
+            twin_status, twin_body = await asyncio.wait_for(twin, 20.0)
+        assert (twin_status, twin_body["stored"], twin_body["duplicate"]) == (200, False, True)
+        codes = sorted(str(s) if s == 200 else b["error"] for s, b in answers)
+        assert codes == ["200"] * 3 + ["backpressure"] * 7, codes  # 4 pending in all, the held one among them
+        assert ing.store.counts()["pending"] == 4
+        assert ing.store.worker_stats()[worker.peer_id] == {"pending": 4}
