@@ -428,7 +428,8 @@ class SubmissionStore:
 
         Submissions still being stored (:meth:`submit`) count as pending and on disk, each exactly
         once: one whose group is committing right now may already be in the index too, so those
-        are looked up there (a group leaves the staged table only after its commit).
+        are looked up there (a group leaves the staged table only after its commit). Those whose
+        file is not yet written make ``writing_bytes`` (not yet in the file system's free space).
         """
         with self._lock:
             staged = list(self._staged.values())
