@@ -84,7 +84,7 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
         "# intellect-node devnet report",
         "",
         f"- result: **{'completed' if result.ok else 'FAILED'}** ({result.reason}) in {result.wall_s:.0f} s",
-        f"- processes: 1 coordinator, {dn.o.relays} relays, {dn.o.validators} validators, {dn.o.workers} workers"
+        f"- processes: 1 coordinator, {_n(dn.o.relays, 'relay')}, {_n(dn.o.validators, 'validator')}, {_n(dn.o.workers, 'worker')}"
         + (f", 1 adversary ({dn.o.adversary})" if dn.o.adversary else ""),
         f"- task set: {task_set}; trainer steps: {len(steps)} of {dn.o.steps}",
         f"- model: {model}",
@@ -204,3 +204,8 @@ def _mean(xs: list[Any]) -> float | None:
 
 def _f(x: Any, digits: int = 3) -> str:
     return f"{x:.{digits}f}" if isinstance(x, (int, float)) else "-"
+
+
+def _n(count: int, noun: str) -> str:
+    """``1 relay``, ``2 relays``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
