@@ -54,6 +54,13 @@ ROUTER_HEARTBEAT_S = 1
 """Gossipsub router heartbeat (mesh maintenance, IHAVE gossip), seconds."""
 SEEN_TTL_S = 300
 """How long gossipsub remembers message IDs it has seen, seconds (longer than any freshness window)."""
+PENDING_MESSAGES_TTL_S = 2.0
+"""How long py-libp2p's router keeps a message for a connected peer that has not (yet) subscribed to
+its topic, seconds. It is meant for the subscription race of a new connection, but it also queues
+every ``workers``-topic record for every connected worker, which by design never subscribes to
+that topic: with py-libp2p's 30 s default each relay held 100 such records per worker, re-filtered
+and logged a warning per worker per record (7.5 % of a core idle at 32 nodes). 2 s covers the
+race; a message missed in it is covered by the coordinator's next heartbeat (``docs/gossip.md``)."""
 MAINTAIN_INTERVAL_S = 1.0
 """How often the connection count is topped up from known peers, seconds."""
 KNOWN_PEER_TTL_S = 60.0
@@ -142,6 +149,7 @@ class P2PHost:
             adaptive_gossip_enabled=False,
             max_messages_per_topic_per_second=config.max_messages_per_topic_per_second,
             eclipse_protection_enabled=False,
+            pending_messages_ttl=PENDING_MESSAGES_TTL_S,
         )
         # py-libp2p 0.8's "GRAFT flood" check (not in the gossipsub v1.1 spec) records when a peer
         # PRUNEd *us* and then refuses that peer's GRAFT for 10 s: a node that pruned an
