@@ -17,7 +17,7 @@ command -v bwrap >/dev/null || { apt-get update -qq && apt-get install -y -qq bu
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Two pytest workers (pytest-xdist), each test module on one worker (its module fixtures built once):
 # most of the slow tests wait on child processes, so two run side by side even on 2 cores
-# (600 tests on the idle 2-core machine: 5 min 17 s and 5 min 55 s, against 9 min 0 s serially).
+# (≈ 610 tests on the idle 2-core machine: 5 min 17 s to 6 min 31 s, against 9 min 0 s serially).
 # TEST_WORKERS=0 runs them serially in this process.
 WORKERS=${TEST_WORKERS:-2}
 XDIST=()
