@@ -82,7 +82,7 @@ class RolloutBuffer:
         self.run_id = run_id
         self.rl = rl
         self.max_held_bytes = max_held_bytes
-        self._held: OrderedDict[str, Submission] = OrderedDict()  # verified bodies, oldest first
+        self._held: OrderedDict[str, tuple[Submission, int]] = OrderedDict()  # verified bodies and their sizes, oldest first
         self._held_bytes = 0
         self._lock = threading.Lock()
         self._records: dict[str, list[RolloutRecord]] = {}  # submission ID → its rollouts, decoded once
@@ -106,18 +106,19 @@ class RolloutBuffer:
         with self._lock:
             if submission_id in self._held:
                 return
-            self._held[submission_id] = submission
+            self._held[submission_id] = (submission, size)
             self._held_bytes += size
             while self._held_bytes > self.max_held_bytes and self._held:
-                _, old = self._held.popitem(last=False)
-                self._held_bytes -= _body_bytes(old)
+                _, (_, old_size) = self._held.popitem(last=False)
+                self._held_bytes -= old_size
 
     def _take_held(self, submission_id: str) -> Submission | None:
         with self._lock:
-            sub = self._held.pop(submission_id, None)
-            if sub is not None:
-                self._held_bytes -= _body_bytes(sub)
-            return sub
+            entry = self._held.pop(submission_id, None)
+            if entry is None:
+                return None
+            self._held_bytes -= entry[1]
+            return entry[0]
 
     # --- training thread ----------------------------------------------------------------------
 
