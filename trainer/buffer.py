@@ -143,18 +143,14 @@ class RolloutBuffer:
             if recs is None:
                 try:
                     recs = self._checked(records_from_submission(self._submission(stored.id), stored.id))
-                except OSError as e:
-                    if not isinstance(e, (FileNotFoundError, IsADirectoryError)):
+                except (OSError, ProtocolError, TrainerError) as e:
+                    if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, IsADirectoryError)):
                         if stored.id not in self._unread:  # warned once while it lasts
                             logger.warning("cannot read submission %s now (tried again later): %s", stored.id[:12], e)
                         self._unread[stored.id] = str(e)
-                        continue
-                    logger.warning("cannot train on submission %s: %s", stored.id[:12], e)
-                    self.store.mark_consumed([stored.id], -2)
-                    continue
-                except (ProtocolError, TrainerError) as e:
-                    logger.warning("cannot train on submission %s: %s", stored.id[:12], e)
-                    self.store.mark_consumed([stored.id], -2)
+                    else:  # gone or undecodable: never trainable
+                        logger.warning("cannot train on submission %s: %s", stored.id[:12], e)
+                        self.store.mark_consumed([stored.id], -2)
                     continue
                 self._records[stored.id] = recs
                 self._unread.pop(stored.id, None)
