@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import math
 import threading
 from collections.abc import Callable
 from importlib import resources
@@ -129,6 +130,23 @@ class RecentErrors(logging.Handler):
         return lambda: root.removeHandler(self)
 
 
+def _finite(value: Any, depth: int = 0) -> Any:
+    """``value`` with every non-finite float (NaN, ±inf) replaced by ``None``, down to 32 levels.
+
+    JSON has no NaN or Infinity: one such value (Python's ``json`` writes ``NaN``) makes the
+    browser's parse of the whole ``/status`` document fail, and the node page goes blank.
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if depth >= 32:
+        return value
+    if isinstance(value, dict):
+        return {k: _finite(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v, depth + 1) for v in value]
+    return value
+
+
 def add_status_routes(app: web.Application, status: Callable[[], dict[str, Any]], errors: RecentErrors, page: str = "node.html") -> None:
     """Serve a node's ``GET /status`` (JSON) and its page at ``GET /`` (which polls ``/status``).
 
@@ -139,7 +157,8 @@ def add_status_routes(app: web.Application, status: Callable[[], dict[str, Any]]
 
     Args:
         app: the server's application (before it starts).
-        status: returns the JSON-ready status dict (values JSON cannot hold are sent as ``str``).
+        status: returns the JSON-ready status dict (values JSON cannot hold are sent as ``str``;
+            non-finite floats as ``null``).
         errors: where this process's last warnings and errors are kept.
         page: which page ``/`` shows.
     """
@@ -148,7 +167,7 @@ def add_status_routes(app: web.Application, status: Callable[[], dict[str, Any]]
     async def status_route(request: web.Request) -> web.Response:
         doc = status()
         doc.setdefault("last_errors", errors.snapshot())
-        return web.json_response(doc, dumps=lambda o: json.dumps(o, default=str))
+        return web.json_response(_finite(doc), dumps=lambda o: json.dumps(o, default=str, allow_nan=False))
 
     async def attach(_app: web.Application) -> None:
         root.addHandler(errors)

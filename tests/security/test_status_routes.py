@@ -1,0 +1,82 @@
+"""Attack review of the shared node ``/status`` route and page (``node.web.assets.add_status_routes``).
+
+A hostile client on 127.0.0.1 sends traversal and encoded asset paths, an oversized header line and
+many headers; peer-controlled strings (a record's version, http_url, addresses, an error message
+with markup) reach ``/status``. The server must answer each with a clear 4xx, read no file a
+request names, keep serving, and send ``/status`` as strict JSON (a browser's ``JSON.parse`` has
+no ``NaN`` / ``Infinity``: one such value would blank the whole node page).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from node.status_http import StatusServer
+
+MARKUP = '<script>alert(1)</script><img src=x onerror=alert(2)>"\'&'
+
+
+async def raw_get(port: int, target: str, extra: bytes = b"") -> tuple[int, bytes]:
+    """One HTTP/1.1 GET with the request line sent byte for byte (no client-side path normalising)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10)
+    try:
+        writer.write(f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n".encode() + extra + b"\r\n")
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(1 << 20), 10)
+    finally:
+        writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+@pytest.fixture
+async def server():
+    doc = {"role": "relay", "version": MARKUP, "url": "javascript:alert(1)", "addrs": [MARKUP] * 3,
+           "nested": {"a": [[[[1]]]]}, "rate_per_s": float("nan"), "inf": float("inf"), "big": -float("inf")}
+    s = StatusServer(lambda: dict(doc), CollectorRegistry(), port=0)
+    await s.start()
+    try:
+        yield s
+    finally:
+        await s.stop()
+
+
+async def test_asset_route_reads_no_named_path(server):
+    for target in ("/web/..%2f..%2fstatus_http.py", "/web/%2e%2e%2fassets.py", "/web/..%5cassets.py", "/web/../assets.py",
+                   "/web/style.css%00.py", "/web/%252e%252e%252fassets.py", "/web/" + "a" * 4000, "/web/run.html",
+                   "//web/../../etc/passwd", "/web/style.css/..%2f..%2fassets.py"):
+        status, body = await raw_get(server.port, target)
+        assert status in (400, 404), (target, status)
+        assert b"import" not in body and b"root:" not in body, target
+        assert len(body) < 400, target  # the 404 echoes at most 64 characters of the name
+    status, body = await raw_get(server.port, "/web/style.css")
+    assert status == 200 and body
+
+
+async def test_oversized_and_many_headers_refused_then_serves(server):
+    status, _ = await raw_get(server.port, "/status", b"X-Big: " + b"a" * 100_000 + b"\r\n")
+    assert status in (400, 431)
+    status, _ = await raw_get(server.port, "/status", b"".join(b"X-%d: 1\r\n" % i for i in range(1000)))
+    assert status in (400, 431)
+    status, body = await raw_get(server.port, "/status")
+    assert status == 200 and json.loads(body)["role"] == "relay"
+
+
+async def test_status_is_strict_json_with_peer_strings_as_data(server):
+    logging.getLogger("node.p2p.test").warning("bad record from %s: %s", MARKUP, "x" * 1000)
+    status, body = await raw_get(server.port, "/status")
+    assert status == 200
+
+    def no_constants(name: str) -> None:
+        raise ValueError(f"non-JSON constant {name} in /status")
+
+    doc = json.loads(body, parse_constant=no_constants)  # what a browser's JSON.parse accepts
+    assert doc["version"] == MARKUP and doc["addrs"] == [MARKUP] * 3  # data, put in the page as text (node.js)
+    assert doc["rate_per_s"] is None and doc["inf"] is None and doc["big"] is None
+    msgs = [e["message"] for e in doc["last_errors"]]
+    assert any(MARKUP in m for m in msgs) and all(len(m) <= 300 for m in msgs)
