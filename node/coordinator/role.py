@@ -270,10 +270,6 @@ class Coordinator:
 
     # --- the loop's hooks (trainer.loop.StepHooks; training thread, never a collective) ----------
 
-    def next_batch(self) -> Batch | None:
-        """Block until the buffer fills the next step's batch; ``None`` on stop or batch timeout."""
-        return self._wait_for_batch()
-
     def position(self) -> dict[str, Any]:
         return self.buffer.position()
 
@@ -309,7 +305,8 @@ class Coordinator:
             self._evaluate_and_log()
             self.state = state
 
-    def _wait_for_batch(self) -> Batch | None:
+    def next_batch(self) -> Batch | None:
+        """Block until the buffer fills the next step's batch; ``None`` on stop or batch timeout."""
         assert self.trainer is not None
         step = self.trainer.step
         t0 = time.monotonic()

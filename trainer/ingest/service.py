@@ -201,7 +201,7 @@ class IngestService:
         self._recheck_cv = threading.Condition()
         self._recheck_stop = False
         self._recheck_thread: threading.Thread | None = None
-        self.rechecks = {"queued": 0, "reproduced": 0, "not_reproduced": 0, "dropped": 0}
+        self.rechecks = {"queued": 0, "reproduced": 0, "not_reproduced": 0, "coalesced": 0, "dropped": 0}
         self.started_s = time.time()
         self.registry = CollectorRegistry()
         self.m_submissions = Counter("intellect_ingest_submissions", "Submissions received, by outcome", ["outcome"], registry=self.registry)
@@ -490,7 +490,7 @@ class IngestService:
                 self._recheck_cv.notify()
                 self.rechecks["queued"] += 1
                 return
-        self.rechecks[outcome] = self.rechecks.get(outcome, 0) + 1
+        self.rechecks[outcome] += 1
         self.m_rechecks.labels(outcome).inc()
         if outcome == "dropped":
             logger.warning("no re-check of %s (%d workers already wait for one): its worker is not banned on this verdict", sid[:12],
