@@ -80,3 +80,23 @@ async def test_status_is_strict_json_with_peer_strings_as_data(server):
     assert doc["rate_per_s"] is None and doc["inf"] is None and doc["big"] is None
     msgs = [e["message"] for e in doc["last_errors"]]
     assert any(MARKUP in m for m in msgs) and all(len(m) <= 300 for m in msgs)
+
+
+async def test_status_flood_from_one_ip_is_limited(server):
+    """A client looping on ``/status`` (each ~7.6 KB with 20 kept errors) gets 429s past the page's
+    burst, with ``Retry-After``, like ``/`` and ``/web/*``: it cannot pull megabytes a second off a
+    relay's public port."""
+    import aiohttp
+
+    from node.web.assets import PAGE_BURST
+
+    codes: dict[int, int] = {}
+    retry_after = None
+    async with aiohttp.ClientSession() as s:
+        for _ in range(200):
+            async with s.get(f"{server.url}/status") as r:
+                await r.read()
+                codes[r.status] = codes.get(r.status, 0) + 1
+                retry_after = r.headers.get("Retry-After") if r.status == 429 else retry_after
+    assert set(codes) == {200, 429} and codes[200] <= PAGE_BURST + 10, codes  # +10: refill while the loop runs
+    assert retry_after is not None and int(retry_after) >= 1
