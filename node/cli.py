@@ -91,7 +91,8 @@ def gossip_config(args: argparse.Namespace) -> GossipConfig | None:
 
     Raises:
         CliError: a flag out of range (a port above 65535, more than 64 or over-long bootstrap
-            addresses), in one line naming the flag.
+            addresses) or a bootstrap address that is not a multiaddr ending in ``/p2p/<peer ID>``,
+            in one line naming the flag.
     """
     if args.no_gossip:
         return None
@@ -100,11 +101,19 @@ def gossip_config(args: argparse.Namespace) -> GossipConfig | None:
     from node.p2p import GossipConfig
 
     try:
-        return GossipConfig(listen_host=args.listen_host, p2p_port=args.p2p_port, bootstrap=args.bootstrap)
+        config = GossipConfig(listen_host=args.listen_host, p2p_port=args.p2p_port, bootstrap=args.bootstrap)
     except ValidationError as e:
         err = e.errors()[0]
         flag = _GOSSIP_FLAGS.get(str(err["loc"][0]) if err["loc"] else "", "gossip option")
         raise CliError(f"invalid {flag}: {err['msg']}") from None
+    from node.p2p.host import parse_peer_addr
+
+    for addr in config.bootstrap:  # a typo would only be a warning once running, leaving the node without its peer
+        try:
+            parse_peer_addr(addr)
+        except ValueError as e:
+            raise CliError(f"invalid --bootstrap: {e}") from None
+    return config
 
 
 # --- entry --------------------------------------------------------------------------------------

@@ -102,12 +102,13 @@ def parse_peer_addr(addr: str) -> PeerInfo:
     """Parse ``/ip4/…/tcp/…/p2p/12D3KooW…`` into a libp2p :class:`PeerInfo`.
 
     Raises:
-        ValueError: not a multiaddr that ends in ``/p2p/<peer ID>``.
+        ValueError: not a multiaddr that ends in ``/p2p/<peer ID>`` (a one-line message).
     """
     try:
         return info_from_p2p_addr(multiaddr.Multiaddr(addr))
     except Exception as e:  # noqa: BLE001 - multiaddr raises a zoo of types for bad input
-        raise ValueError(f"{addr[:256]!r} is not a multiaddr ending in /p2p/<peer ID>: {e}") from None
+        why = " ".join(str(e).split())[:120]  # multiaddr's messages repeat the input over several lines
+        raise ValueError(f"{addr[:256]!r} is not a multiaddr ending in /p2p/<peer ID>: {why}") from None
 
 
 class P2PHost:

@@ -100,3 +100,21 @@ async def test_status_flood_from_one_ip_is_limited(server):
                 retry_after = r.headers.get("Retry-After") if r.status == 429 else retry_after
     assert set(codes) == {200, 429} and codes[200] <= PAGE_BURST + 10, codes  # +10: refill while the loop runs
     assert retry_after is not None and int(retry_after) >= 1
+
+
+@pytest.mark.parametrize("addr", ["garbage", "\x00", "/ip4/1.2.3.4/tcp/99999/p2p/12D3KooWAbc", "/ip4/1.2.3.4/tcp/1",
+                                  "/ip6/::1/tcp/1/p2p/" + "1" * 200, "/dns4/" + "a" * 240 + "/tcp/1"])
+def test_hostile_bootstrap_flag_is_a_one_line_error(addr):
+    """A ``--bootstrap`` that is no ``…/p2p/<peer ID>`` multiaddr stops the command at once, naming
+    the flag (once running it was only a warning, and the node ran without its bootstrap peer)."""
+    import argparse
+
+    from node.cli import CliError, add_gossip_arguments, gossip_config
+
+    p = argparse.ArgumentParser()
+    add_gossip_arguments(p, off_help="off")
+    with pytest.raises(CliError, match=r"^invalid --bootstrap: ") as e:
+        gossip_config(p.parse_args(["--bootstrap", addr]))
+    assert "\n" not in str(e.value) and len(str(e.value)) <= 450
+    ok = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    assert gossip_config(p.parse_args(["--bootstrap", ok])).bootstrap == [ok]
