@@ -34,6 +34,8 @@ def _reap_children():
         return
     for child in psutil.Process().children(recursive=True):
         try:
+            if any(a.endswith("_math_worker.py") for a in child.cmdline()):
+                continue  # this process's math-verify pool: long-lived by design
             child.kill()
         except psutil.Error:
             pass

@@ -93,7 +93,10 @@ class _Verifier:
         self.proc.wait()
         for f in (self.proc.stdin, self.proc.stdout):
             if f is not None:
-                f.close()
+                try:
+                    f.close()
+                except OSError:  # unsent request bytes in a dead verifier's stdin: nothing to do
+                    pass
 
     def check(self, gold: str, answer: str, timeout_s: float) -> tuple[bool, str | None, str]:
         """``(ok, limit_hit, detail)``; kills this verifier on a timeout or a broken pipe."""

@@ -89,3 +89,36 @@ def test_wall_limit_is_reported_to_callers():
     limits = RewardLimits(math_timeout_s=1)
     ok, limit, _ = verify_answer("1", r"9^{9^{9^{9}}}", timeout_s=float(limits.math_timeout_s), memory_bytes=limits.math_memory_bytes)
     assert (ok, limit) == (False, "wall")
+
+
+
+def test_verifier_killed_between_checks_is_replaced(monkeypatch):
+    """A verifier killed while idle (an operator, the OOM killer, a test reaper) that still looks
+    alive when the next check starts: the request hits a closed pipe, the verifier is replaced
+    and the check answered; the caller sees no exception (CI once saw BrokenPipeError here)."""
+    import os
+    import signal
+
+    from protocol.rewards import verifier as v
+
+    assert verify_answer("1", "1", timeout_s=30.0, memory_bytes=1024**3)[0]
+    pool = v._get_pool()
+    with pool.lock:
+        dead = list(pool.all)
+    assert dead
+    for slot in dead:
+        os.killpg(slot.proc.pid, signal.SIGKILL)
+        slot.proc.wait()  # gone, its end of the request pipe closed
+    real_alive = v._Verifier.alive
+    fooled: list[v._Verifier] = []
+
+    def alive_once(self):  # the window between poll() and the write, made certain
+        if self in dead and self not in fooled:
+            fooled.append(self)
+            return True
+        return real_alive(self)
+
+    monkeypatch.setattr(v._Verifier, "alive", alive_once)
+    ok, limit, detail = verify_answer("\\frac{14}{3}", "\\frac{14}{3}", timeout_s=30.0, memory_bytes=1024**3)
+    assert fooled  # the dead verifier was handed the request
+    assert (ok, limit) == (True, None), detail
