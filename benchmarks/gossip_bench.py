@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+OLD_MESH = ("flat", "split-old-mesh")
+"""Layouts run as before issue 18's mesh fixes: hubs' meshes bounded at 12, a yamux WINDOW_UPDATE per read."""
 RUNNER = REPO / "tests" / "node" / "gossip_runner.py"
 
 
@@ -67,6 +69,9 @@ async def propagation_once(args: argparse.Namespace, layout: str) -> dict[str, o
     lines: list[tuple[int, str]] = []  # (node index, stdout line)
     lock = threading.Lock()
     out: dict[str, object] = {"layout": layout, "load_start": round(os.getloadavg()[0], 1)}
+    # the old layouts ran py-libp2p's default yamux credit (a WINDOW_UPDATE per read); read at call time
+    yamux_env = {"PY_YAMUX_RELEASE_ON_READ": "1" if layout in OLD_MESH else "0"}
+    os.environ.update(yamux_env)
 
     def start(i: int, bootstrap: list[str]) -> subprocess.Popen[str]:
         key = NodeKey.generate()
@@ -76,10 +81,11 @@ async def propagation_once(args: argparse.Namespace, layout: str) -> dict[str, o
         cmd = [sys.executable, str(RUNNER), "--run", str(tmp / "run.toml"), "--key", str(tmp / f"k{i}"), "--role", role,
                "--bridge", args.bridge, "--log-announcements"]
         cmd += ["--flat"] if layout == "flat" else []
+        cmd += ["--old-mesh"] if layout in OLD_MESH else []
         cmd += ["--drop-announcements"] if drop else []
         for b in bootstrap:
             cmd += ["--bootstrap", b]
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env | yamux_env)
 
         def pump() -> None:
             assert p.stdout is not None
@@ -111,7 +117,8 @@ async def propagation_once(args: argparse.Namespace, layout: str) -> dict[str, o
             await asyncio.sleep(0.05)
         for i in range(1, args.nodes):
             start(i, [seed])
-        node = await GossipNode.create(spec, coord, GossipConfig(bootstrap=[seed], split_records=layout == "split"), role="coordinator")
+        config = GossipConfig(bootstrap=[seed], split_records=layout != "flat", hub_full_mesh=layout not in OLD_MESH)
+        node = await GossipNode.create(spec, coord, config, role="coordinator")
         while len(node.peers) < args.nodes:
             if time.monotonic() - t0 > args.join_timeout_s:
                 out["joined"] = f"{len(node.peers)}/{args.nodes} in {args.join_timeout_s:.0f} s"
@@ -339,7 +346,7 @@ async def propagation_p2pd(args: argparse.Namespace) -> dict[str, object]:
 
 async def propagation(args: argparse.Namespace) -> None:
     """Run each layout in turn in this one invocation and print them side by side."""
-    layouts = {"both": ["flat", "split"], "all": ["flat", "split", "p2pd"]}.get(args.layout, [args.layout])
+    layouts = {"both": ["flat", "split"], "all": ["flat", "split", "p2pd"], "mesh": ["split-old-mesh", "split"]}.get(args.layout, [args.layout])
     if "p2pd" in layouts and not args.p2pd:
         raise SystemExit("--p2pd PATH (the p2pd binary of the hivemind wheel) is needed for the p2pd layout")
     results = []
@@ -407,8 +414,10 @@ def main() -> None:
     p.add_argument("--idle-s", type=float, default=10.0, help="idle measurement window, seconds (default 10)")
     p.add_argument("--join-timeout-s", type=float, default=120.0, help="seconds for all nodes to start and be seen")
     p.add_argument("--bridge", default="thread", choices=["thread", "guest"], help="bridge used by the child nodes")
-    p.add_argument("--layout", default="both", choices=["both", "all", "split", "flat", "p2pd"],
+    p.add_argument("--layout", default="both", choices=["both", "all", "mesh", "split", "split-old-mesh", "flat", "p2pd"],
                    help="split: worker records on their own topic (default layout); flat: every record to every node (before issue 18); "
+                        "split-old-mesh: split, but hubs' meshes bounded at 12 and a yamux WINDOW_UPDATE per read (before the mesh fixes); "
+                        "mesh: split-old-mesh then split; "
                         "p2pd: the flat workload on go-libp2p daemons; both: flat then split; all: flat, split, p2pd — in one run")
     p.add_argument("--p2pd", default="", help="p2pd binary (hivemind wheel: hivemind/hivemind_cli/p2pd, p2pd_pb2.py in ../proto)")
     p.add_argument("--relays", type=int, default=2, help="child nodes that are relays (the seed is one); the rest are workers (default 2)")

@@ -442,7 +442,7 @@ class GossipNode:
     # --- trio side ---------------------------------------------------------------------------
 
     async def _trio_main(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-        host = P2PHost(self.key, self.config)
+        host = P2PHost(self.key, self.config, hub=self._record["role"] in ("coordinator", "relay", "validator"))
         self._host = host
         async with trio.open_nursery() as nursery:
             addrs = await nursery.start(host.serve)

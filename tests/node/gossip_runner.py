@@ -28,6 +28,7 @@ async def _main(args: argparse.Namespace) -> None:
         heartbeat_interval_s=args.heartbeat,
         bridge=args.bridge,
         split_records=not args.flat,
+        hub_full_mesh=not args.old_mesh,
     )
     node = await GossipNode.create(spec, NodeKey.load(Path(args.key)), config, role=args.role, http_url=args.http_url)
     if args.drop_announcements:  # a node that loses every announcement (benchmark of the record path)
@@ -67,6 +68,7 @@ def main() -> None:
     p.add_argument("--bridge", default="thread", choices=["thread", "guest"])
     p.add_argument("--log-announcements", action="store_true")
     p.add_argument("--flat", action="store_true", help="every record on one topic every node reads (the layout before issue 18)")
+    p.add_argument("--old-mesh", action="store_true", help="hubs bound their mesh at 12 peers (before issue 18's mesh fix); set PY_YAMUX_RELEASE_ON_READ=1 too for the old window updates")
     p.add_argument("--drop-announcements", action="store_true", help="reject every checkpoint announcement (learn steps from records)")
     asyncio.run(_main(p.parse_args()))
     sys.exit(0)
