@@ -12,7 +12,9 @@ Modes:
   then per-node CPU (workers and relays apart) and memory over ``--idle-s`` seconds of idle
   heartbeats, and the records per second the coordinator receives. ``--layout both`` (default)
   runs the old single-topic layout and the split one in one invocation and prints them side by
-  side, with the load average at the start and end of each. ``--layout all --p2pd PATH`` adds
+  side, with the load average at the start and end of each. ``--layout mesh`` runs the split
+  layout before and after issue 18's mesh fixes (hubs' meshes bounded at 12, a yamux
+  WINDOW_UPDATE per read) side by side. ``--layout all --p2pd PATH`` adds
   the same workload (single topic) on go-libp2p daemons (``p2pd`` from the ``hivemind`` wheel:
   ``pip download hivemind==1.1.12 --no-deps`` and unzip ``hivemind/hivemind_cli/p2pd`` and
   ``hivemind/proto/p2pd_pb2.py``; protobuf ≥ 5.27 imports it).
