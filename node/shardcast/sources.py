@@ -94,7 +94,9 @@ def _cool_down(src: SourceState, reason: str, base_s: float, max_s: float, strea
 
     A cool-down never shortens one already running; every one is counted and its reason kept.
     """
-    delay = min(max_s, base_s * 2 ** (streak - 1))
+    # the exponent is capped: 2**1024 does not fit a float, and a long streak (an upstream down for
+    # hours) would raise OverflowError here; 2**62 already exceeds any cap in seconds
+    delay = min(max_s, base_s * 2.0 ** min(streak - 1, 62))
     src.cooldown_until = max(src.cooldown_until, time.monotonic() + delay)
     src.cooldowns += 1
     src.last_failure = reason

@@ -69,3 +69,20 @@ def test_failure_and_miss_cool_downs_double_to_their_caps(monkeypatch) -> None:
     pool.record_success(r, 1000, 0.01)
     pool.record_failure(r, "reset")  # a new streak starts at 0.25 s but keeps the 30 s already running
     assert r.cooldown_until - 1000.0 == 30.0 and r.cooldowns == 10
+
+
+def test_long_failure_and_miss_streaks_stay_at_their_caps(monkeypatch) -> None:
+    """An upstream down for hours (a relay polling it every cool-down) builds a streak of thousands of
+    failures; the back-off stays at its cap instead of overflowing (``0.25 · 2**1024`` raised
+    ``OverflowError`` out of ``record_failure``, stopping the caller's poll loop)."""
+    import node.shardcast.sources as sources
+
+    monkeypatch.setattr(sources.time, "monotonic", lambda: 1000.0)
+    pool = SourcePool(["http://r", "http://m"])
+    r, m = pool.get("http://r"), pool.get("http://m")
+    assert r is not None and m is not None
+    for i in range(3000):
+        pool.record_failure(r, f"refused {i}")
+        pool.record_missing(m)
+    assert (r.consecutive_failures, r.cooldown_until - 1000.0, r.last_failure) == (3000, 30.0, "refused 2999")
+    assert (m.consecutive_misses, m.cooldown_until - 1000.0, m.cooldowns) == (3000, 10.0, 3000)
