@@ -99,12 +99,13 @@ def free_port() -> int:
 
 def get_json(url: str, timeout_s: float = 2.0) -> dict[str, Any] | None:
     """GET ``url`` as JSON, ``None`` on any failure (nodes come and go; a port another process took
-    may answer something other than HTTP)."""
+    may answer something other than HTTP, or JSON that is no object)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - loopback URLs we built
-            return json.loads(r.read())
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # loopback URLs we built
+            doc = json.loads(r.read())
     except (OSError, ValueError, urllib.error.URLError, http.client.HTTPException):
         return None
+    return doc if isinstance(doc, dict) else None
 
 
 class Devnet:
@@ -142,7 +143,7 @@ class Devnet:
         coord = NodeKey.generate()
         coord.save(self.out / "keys" / "coordinator.key")
         self.peer_ids["coordinator"] = coord.peer_id
-        validators = []
+        validators: list[str] = []  # peer IDs as the run spec lists them
         for i in range(self.o.validators):
             k = NodeKey.generate()
             k.save(self.out / "keys" / f"validator-{i}.key")
@@ -184,7 +185,7 @@ class Devnet:
         print(f"run page: {self.coord_url}/", flush=True)
         self.events.append(f"{time.monotonic() - self.started:.0f}s run page at {self.coord_url}/")
         # relays: a tree under the origin (relay i follows relay (i-1)//2, relay 0 the origin)
-        relay_urls = []
+        relay_urls: list[str] = []
         for i in range(self.o.relays):
             port = free_port()
             upstream = self.coord_url if i == 0 else relay_urls[(i - 1) // 2]
