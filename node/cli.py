@@ -20,9 +20,13 @@ from node.paths import default_key_path
 
 if TYPE_CHECKING:
     from node.p2p import GossipConfig
+    from protocol.identity import NodeKey
+    from protocol.runspec import SignedRunSpec
 
 Handler = Callable[[argparse.Namespace], int]
-_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+"""A command module's function that adds its subparsers (see :func:`command`)."""
+_COMMANDS: list[Register] = []
 
 # One module per command family under node/commands/; each registers its subparsers with @command.
 COMMAND_MODULES = (
@@ -41,12 +45,12 @@ class CliError(Exception):
     """A user-facing failure: printed as ``error: …`` and exit status 2."""
 
 
-def command(register: Callable[[argparse._SubParsersAction], None]) -> Callable[[argparse._SubParsersAction], None]:
+def command(register: Register) -> Register:
     _COMMANDS.append(register)
     return register
 
 
-def load_spec(path: str):  # noqa: ANN201 - returns protocol.runspec.SignedRunSpec
+def load_spec(path: str) -> SignedRunSpec:
     """Load and verify ``--run``; a bad spec is a :class:`CliError` naming the problem."""
     from protocol.errors import RunSpecError
     from protocol.runspec import load_run_spec
@@ -57,7 +61,7 @@ def load_spec(path: str):  # noqa: ANN201 - returns protocol.runspec.SignedRunSp
         raise CliError(str(e)) from None
 
 
-def load_key(path: str | None, data_dir: str | None = None, *, create: bool = False):  # noqa: ANN201
+def load_key(path: str | None, data_dir: str | None = None, *, create: bool = False) -> NodeKey:
     """Load the node key from ``--key`` (or the data dir's default); optionally create it."""
     from protocol.errors import KeyFileError
     from protocol.identity import NodeKey

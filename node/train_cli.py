@@ -15,10 +15,17 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from node import __version__
 from node.cli import add_gossip_arguments
 from node.paths import default_data_dir
+
+if TYPE_CHECKING:
+    from node.coordinator.role import CoordinatorOptions
+    from protocol.identity import NodeKey
+    from protocol.runspec import SignedRunSpec
+    from trainer.distributed import DistContext
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-async def _run(signed, key, options, ctx) -> int:  # noqa: ANN001
+async def _run(signed: SignedRunSpec, key: NodeKey, options: CoordinatorOptions, ctx: DistContext) -> int:
     from node.coordinator.role import Coordinator
     from trainer.errors import TrainerError
 

@@ -22,7 +22,7 @@ def _default_data_root() -> Path | None:
 
 
 @command
-def _devnet(sub: argparse._SubParsersAction) -> None:
+def _devnet(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("devnet", help="run every role as its own process on 127.0.0.1 and train (the main job)")
     p.add_argument("--workers", type=int, default=2, help="honest workers (default 2)")
     p.add_argument("--relays", type=int, default=2, help="Shardcast relays, in a tree under the origin (default 2)")
@@ -48,8 +48,8 @@ def _devnet(sub: argparse._SubParsersAction) -> None:
 
 def _run_devnet(args: argparse.Namespace) -> int:
     from node.devnet.orchestrator import Devnet, DevnetOptions
-    from protocol.models import ModelLoadError
     from node.devnet.report import heldout_summary, read_metrics, write_report
+    from protocol.models import ModelLoadError
 
     if args.workers < 1 or args.relays < 0 or args.validators < 1 or args.steps < 1:
         raise CliError("need --workers ≥ 1, --validators ≥ 1, --relays ≥ 0 and --steps ≥ 1")

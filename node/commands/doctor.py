@@ -18,10 +18,13 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from node.cli import CliError, command
 from node.paths import default_data_dir
+
+if TYPE_CHECKING:
+    from protocol.runspec import RunSpec
 
 Status = Literal["PASS", "WARN", "FAIL"]
 ROLES = ("worker", "relay", "validate")
@@ -53,7 +56,7 @@ class Check:
 
 
 @command
-def _doctor(sub: argparse._SubParsersAction) -> None:
+def _doctor(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("doctor", help="check this machine and the run's services before joining (PASS/WARN/FAIL, a fix for each)")
     p.add_argument("--run", required=True, help="the signed run spec (TOML)")
     p.add_argument("--role", choices=ROLES, default="worker", help="what this node will do (default worker)")
@@ -143,7 +146,7 @@ def _get(url: str, timeout_s: float) -> tuple[dict[str, Any], float | None]:
         OSError, ValueError: unreachable, an HTTP error, or not JSON.
     """
     t0 = time.time()
-    with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - URLs from the signed run spec / the coordinator
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:  # URLs from the signed run spec / the coordinator
         body = r.read(MAX_BODY_BYTES + 1)
         date = r.headers.get("Date")
     t1 = time.time()
@@ -151,7 +154,7 @@ def _get(url: str, timeout_s: float) -> tuple[dict[str, Any], float | None]:
         raise ValueError(f"answer larger than {MAX_BODY_BYTES} bytes")
     doc = json.loads(body)
     if not isinstance(doc, dict):
-        raise ValueError("answer is not a JSON object")
+        raise ValueError("answer is not a JSON object")  # noqa: TRY004 - callers treat every bad answer as ValueError
     offset = None
     if date:
         try:
@@ -169,7 +172,7 @@ def _why(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
-def _check_ingest(spec: Any, run_id: str, checks: list[Check], timeout_s: float) -> tuple[dict[str, Any] | None, float | None]:
+def _check_ingest(spec: RunSpec, run_id: str, checks: list[Check], timeout_s: float) -> tuple[dict[str, Any] | None, float | None]:
     """Ingest URLs answer ``/status`` for this run; returns the coordinator's status and clock offset."""
     coord: dict[str, Any] | None = None
     clock: float | None = None
@@ -228,7 +231,7 @@ def _speaks_libp2p(host: str, port: int, timeout_s: float) -> bool:
         return got[1:1 + len(MULTISTREAM)] == MULTISTREAM
 
 
-def _check_bootstrap(spec: Any, run_id: str, coord: dict[str, Any] | None, timeout_s: float) -> list[Check]:
+def _check_bootstrap(spec: RunSpec, run_id: str, coord: dict[str, Any] | None, timeout_s: float) -> list[Check]:
     out = []
     if not spec.network.bootstrap:
         return [Check("bootstrap", "WARN", "the run spec lists no bootstrap peer", "pass --bootstrap MULTIADDR to join (ask the coordinator for one)")]
@@ -258,7 +261,7 @@ def _check_bootstrap(spec: Any, run_id: str, coord: dict[str, Any] | None, timeo
     return out
 
 
-def _check_gossip(spec: Any, wait_s: float, listen_host: str) -> Check:
+def _check_gossip(spec: RunSpec, wait_s: float, listen_host: str) -> Check:
     """Join the run's topics as a silent observer through the bootstrap peers and wait for the coordinator's heartbeat.
 
     A record is delivered only after its signature and run ID verify, so hearing the coordinator
@@ -286,7 +289,7 @@ def _check_gossip(spec: Any, wait_s: float, listen_host: str) -> Check:
 
     try:
         peers, coordinator, took = asyncio.run(asyncio.wait_for(listen(), wait_s + 30.0))
-    except Exception as e:  # any failure to join is the finding
+    except Exception as e:  # noqa: BLE001 - any failure to join is the finding
         return Check("gossip", "FAIL", f"could not join the run's gossip: {str(e)[:200] or type(e).__name__}",
                      "check that the bootstrap peers are reachable on TCP and that --listen-host is a local address")
     if coordinator:
@@ -299,7 +302,7 @@ def _check_gossip(spec: Any, wait_s: float, listen_host: str) -> Check:
                  "get the current spec or other bootstrap peers")
 
 
-def _check_origins(spec: Any, run_id: str, timeout_s: float) -> list[Check]:
+def _check_origins(spec: RunSpec, run_id: str, timeout_s: float) -> list[Check]:
     out = []
     for url in spec.network.origin_urls[:4]:
         out.append(_check_shardcast(f"origin {url}", url, run_id, timeout_s))
@@ -319,7 +322,7 @@ def _check_shardcast(name: str, url: str, run_id: str, timeout_s: float) -> Chec
     return Check(name, "PASS", f"this run; holds steps {doc.get('held_steps', [])[-4:]}")
 
 
-def _check_relays(spec: Any, run_id: str, timeout_s: float) -> Check:
+def _check_relays(spec: RunSpec, run_id: str, timeout_s: float) -> Check:
     """Relays the coordinator's run page lists (from gossip heartbeats) serve this run."""
     nodes: list[dict[str, Any]] = []
     answered = False
@@ -366,7 +369,7 @@ def _check_clock(offset: float | None) -> Check:
 # --- this machine ------------------------------------------------------------------------------
 
 
-def estimate_model_bytes(spec: Any) -> int | None:
+def estimate_model_bytes(spec: RunSpec) -> int | None:
     """Bytes of the policy's weights: the base directory's safetensors, or the embedded Qwen2's shape.
 
     Returns:
@@ -446,34 +449,15 @@ def _check_gpu(model_bytes: int | None, role: str) -> Check:
 def _check_sandbox(tasks: str, role: str) -> Check:
     if role == "relay":
         return Check("code sandbox", "PASS", "relays compute no rewards")
-    try:
-        from protocol.rewards.sandbox import sandbox_status  # type: ignore[attr-defined]
-    except ImportError:
-        sandbox_status = None
-    if sandbox_status is not None:
-        ok, msg = sandbox_status()
-    else:
-        ok, msg = _bwrap_works()
+    from protocol.rewards.sandbox import sandbox_status  # the probe the code-reward sandbox itself uses
+
+    ok, msg = sandbox_status()
     if ok:
         return Check("code sandbox", "PASS", msg)
     needs_code = tasks not in MATH_TASK_SETS
     return Check("code sandbox", "FAIL" if needs_code else "WARN",
                  f"{msg}" + ("" if needs_code else f" (task set {tasks} has no code tasks)"),
                  "apt-get install bubblewrap (and allow unprivileged user namespaces: sysctl kernel.unprivileged_userns_clone=1)")
-
-
-def _bwrap_works() -> tuple[bool, str]:
-    """Whether bubblewrap exists and can make a sandbox with every namespace unshared."""
-    exe = shutil.which("bwrap")
-    if exe is None:
-        return False, "bubblewrap (bwrap) not installed: code rewards cannot run isolated"
-    try:
-        r = subprocess.run([exe, "--ro-bind", "/", "/", "--unshare-all", "--die-with-parent", "true"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError) as e:
-        return False, f"bwrap failed to start: {e}"
-    if r.returncode != 0:
-        return False, f"bwrap cannot unshare namespaces: {r.stderr.strip()[:200]}"
-    return True, f"bubblewrap isolation works ({exe})"
 
 
 def _check_port(host: str, port: int, what: str, flag: str) -> Check:

@@ -10,9 +10,8 @@ from node.cli import CliError, command, load_key
 from node.paths import default_key_path
 
 
-
 @command
-def _keygen(sub: argparse._SubParsersAction) -> None:
+def _keygen(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("keygen", help="create a node key (ed25519) and print its peer ID")
     p.add_argument("--key", help=f"key file to create (default: {default_key_path()})")
     p.set_defaults(handler=_run_keygen)
@@ -34,7 +33,7 @@ def _run_keygen(args: argparse.Namespace) -> int:
 
 
 @command
-def _id(sub: argparse._SubParsersAction) -> None:
+def _id(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("id", help="print the peer ID of a node key")
     p.add_argument("--key", help=f"key file (default: {default_key_path()})")
     p.set_defaults(handler=lambda a: print(load_key(a.key).peer_id) or 0)

@@ -26,7 +26,7 @@ ROLES: dict[str, Callable[[argparse.Namespace], int]] = {"relay": _join_relay, "
 
 
 @command
-def _join(sub: argparse._SubParsersAction) -> None:
+def _join(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("join", help="run a node of a run in one role (worker: generate rollouts; relay: mirror and serve checkpoints)")
     p.add_argument("--role", required=True, choices=sorted(ROLES), help="what this node does")
     p.add_argument("--run", required=True, help="the signed run spec (TOML)")

@@ -5,9 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from node.cli import CliError, command, load_key, load_spec
 from node.paths import default_data_dir
+
+if TYPE_CHECKING:
+    from node.shardcast.download import DownloadConfig
+    from protocol.runspec import SignedRunSpec
 
 
 def _step_arg(text: str) -> int | None:
@@ -26,7 +31,7 @@ def _meta_arg(text: str) -> tuple[str, str]:
 
 
 @command
-def _publish(sub: argparse._SubParsersAction) -> None:
+def _publish(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("publish", help="cut a checkpoint into pieces and sign its manifest into a Shardcast store")
     p.add_argument("path", help="a safetensors file, or a directory whose top-level files form the checkpoint")
     p.add_argument("--step", type=int, required=True, help="policy step of the checkpoint")
@@ -71,7 +76,7 @@ def _run_publish(args: argparse.Namespace) -> int:
 
 
 @command
-def _fetch(sub: argparse._SubParsersAction) -> None:
+def _fetch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("fetch", help="download a checkpoint from Shardcast sources, verifying every piece")
     p.add_argument("--run", required=True, help="the signed run spec (TOML)")
     p.add_argument("--step", type=_step_arg, default=None, metavar="N|latest", help="policy step (default: latest)")
@@ -125,7 +130,7 @@ def _print_faulty(faulty_sources: dict[str, str]) -> None:
         print(f"faulty source: {url} ({reason})", file=sys.stderr)
 
 
-def _fetch_held(args: argparse.Namespace, signed, sources: list[str], cfg) -> int:  # noqa: ANN001
+def _fetch_held(args: argparse.Namespace, signed: SignedRunSpec, sources: list[str], cfg: DownloadConfig) -> int:
     """``fetch --held DIR``: deltas from the held step when possible, else the full checkpoint."""
     import asyncio
 

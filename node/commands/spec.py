@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from node.cli import CliError, command, load_key, load_spec
 
 
-
 @command
-def _spec(sub: argparse._SubParsersAction) -> None:
+def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("spec", help="create or inspect a signed run spec")
     ssub = p.add_subparsers(dest="spec_cmd", required=True, metavar="{init,show}")
     init = ssub.add_parser("init", help="write a run spec signed by the coordinator key")
@@ -68,7 +68,7 @@ def _run_spec_init(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not args.force:
         raise CliError(f"{out} exists; pass --force to overwrite it")
-    def given(**kw: object) -> dict[str, object]:
+    def given(**kw: Any) -> dict[str, Any]:  # flag values (argparse: Any); the spec's pydantic models check them
         return {k: v for k, v in kw.items() if v is not None}
 
     rl = given(async_level=args.async_level, group_size=args.group_size, learning_rate=args.learning_rate,

@@ -18,7 +18,7 @@ MIN_HEARTBEATS = 2.5
 
 
 @command
-def _status(sub: argparse._SubParsersAction) -> None:
+def _status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("status", help="join the run's gossip as an observer and print its live peers and latest step")
     p.add_argument("--run", required=True, help="the signed run spec (TOML)")
     p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help="bootstrap peer, added to the spec's (repeatable)")

@@ -11,7 +11,7 @@ from node.paths import default_data_dir
 
 
 @command
-def _validate(sub: argparse._SubParsersAction) -> None:
+def _validate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("validate", help="re-check submissions (TOPLOC, sampling, termination, tasks, rewards) and sign verdicts")
     p.add_argument("--run", required=True, help="the signed run spec (TOML)")
     p.add_argument("--key", required=True, help="the validator key (its peer ID must be in the run spec)")
