@@ -45,6 +45,7 @@ from libp2p.utils.address_validation import expand_wildcard_address
 
 from node.errors import GossipError
 from node.p2p.config import GossipConfig
+from node.p2p.transport import muxer_options, secure_transports
 from protocol.identity import NodeKey
 
 logger = logging.getLogger(__name__)
@@ -143,9 +144,12 @@ class P2PHost:
             max_connections=config.max_peers,
             dial_timeout=config.dial_timeout_s,
         )
+        # noise only (py-libp2p also offers /plaintext/2.0.0, which lets a peer claim any peer ID)
+        # and only the configured muxer, a yamux that enforces its windows: node/p2p/transport.py
+        key_pair = libp2p_key_pair(key)
         self.host: IHost = new_host(
-            key_pair=libp2p_key_pair(key), connection_config=connections, disable_identify_address_discovery=True,
-            muxer_preference="MPLEX" if config.muxer == "mplex" else "YAMUX",
+            key_pair=key_pair, connection_config=connections, disable_identify_address_discovery=True,
+            sec_opt=secure_transports(key_pair), muxer_opt=muxer_options(config.muxer),
         )
         if self.host.get_id().to_base58() != key.peer_id:
             raise GossipError(f"libp2p derived peer ID {self.host.get_id()} from key {key.peer_id}")

@@ -1,0 +1,127 @@
+"""What a libp2p connection of a node may speak: noise only, and a yamux that enforces its windows.
+
+py-libp2p 0.8's ``new_host`` offers four security protocols by default: noise, TLS, secio and
+``/plaintext/2.0.0``. Plaintext proves nothing: a peer sends any public key it likes and is
+taken to *be* that peer ID (measured: a relay accepted a plaintext connection claiming an honest
+worker's ID next to the worker's own noise connection). Whatever the node then does to that ID
+(penalties, bans, "is the coordinator connected") it does to the impersonated peer. A node
+offers noise alone (:func:`secure_transports`), which proves possession of the ed25519 key
+(libp2p noise spec, "Handshake payload"), and only the muxer it is configured for
+(:func:`muxer_options`; py-libp2p offered mplex as a fallback to yamux).
+
+py-libp2p's yamux does not enforce its receive window: DATA past a stream's window is logged and
+buffered anyway. A stream nobody reads (the gossipsub stream a node opens to a peer is only ever
+written) then grows without bound: 64 MiB sent in 0.7 s sat in a relay's memory. go-yamux closes
+the session on that (``ErrRecvWindowExceeded``); :class:`BoundedYamux` does the same. See
+``docs/gossip.md``, "Transport rules". py-libp2p builds every yamux connection as
+``muxer_multistream.Yamux(...)`` whatever class the muxer options name, so importing this module
+points that name at :class:`BoundedYamux` for the whole process (libp2p is pinned at 0.8.1; the
+import fails if that name is gone, rather than run without the window rule).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
+from libp2p.custom_types import TMuxerOptions, TProtocol, TSecurityOptions
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer import muxer_multistream
+from libp2p.stream_muxer.mplex.mplex import MPLEX_PROTOCOL_ID, Mplex
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BoundedYamux", "muxer_options", "secure_transports"]
+
+
+def secure_transports(key_pair: KeyPair) -> TSecurityOptions:
+    """Noise XX with the node's ed25519 key and a fresh x25519 static key; nothing else.
+
+    Args:
+        key_pair: the node's libp2p key pair (its peer ID), see ``node.p2p.host.libp2p_key_pair``.
+    """
+    noise = NoiseTransport(key_pair, noise_privkey=create_new_x25519_key_pair().private_key)
+    return {TProtocol(NOISE_PROTOCOL_ID): noise}
+
+
+def muxer_options(muxer: str) -> TMuxerOptions:
+    """The one stream muxer a node speaks: ``"yamux"`` (:class:`BoundedYamux`) or ``"mplex"``
+    (py-libp2p's, whose per-stream buffer is one message and resets a stream nobody reads)."""
+    if muxer == "mplex":
+        return {TProtocol(MPLEX_PROTOCOL_ID): Mplex}
+    return {TProtocol(YAMUX_PROTOCOL_ID): BoundedYamux}
+
+
+class _WindowedStream(YamuxStream):
+    """A py-libp2p yamux stream that notices its peer sending past the receive window.
+
+    py-libp2p appends a DATA frame's bytes to the stream's buffer, then lowers ``recv_window`` (the
+    credit the peer still holds, bytes) by their length; a negative result means the peer sent
+    more than it was granted. The excess is dropped from the buffer at once (so unread bytes never
+    exceed granted credit) and the connection is marked for closing.
+    """
+
+    @property
+    def recv_window(self) -> int:
+        return int(self.__dict__["recv_window"])
+
+    @recv_window.setter
+    def recv_window(self, value: int) -> None:
+        if value < 0:
+            buf = self.conn.stream_buffers.get(self.stream_id)
+            if buf is not None:
+                del buf[max(0, len(buf) + value) :]
+            conn = self.conn
+            if isinstance(conn, BoundedYamux) and conn.window_exceeded is None:
+                conn.window_exceeded = (self.stream_id, -value)
+            value = 0
+        self.__dict__["recv_window"] = value
+
+
+class _StreamTable(dict[int, YamuxStream]):
+    """``Yamux.streams``: every stream py-libp2p registers becomes a :class:`_WindowedStream`
+    (py-libp2p builds its streams inside its frame loop, with no factory to override)."""
+
+    def __setitem__(self, stream_id: int, stream: YamuxStream) -> None:
+        if type(stream) is YamuxStream:
+            stream.__class__ = _WindowedStream
+        super().__setitem__(stream_id, stream)
+
+
+class BoundedYamux(Yamux):
+    """py-libp2p's :class:`Yamux` that closes a connection whose peer exceeds a stream's receive
+    window (go-yamux ``ErrRecvWindowExceeded``; yamux spec, "Flow Control").
+
+    The offending frame's excess is dropped when it arrives; the connection is closed when the
+    next DATA frame header is read (py-libp2p's teardown path for a DATA frame it cannot take,
+    which logs its own "timed out reading DATA frame body" line after ours).
+
+    Attributes:
+        window_exceeded: ``(stream ID, bytes past the window)`` of the first violation, else None.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.streams = _StreamTable()
+        self.window_exceeded: tuple[int, int] | None = None
+
+    async def _read_data_body(self, length: int) -> bytes:
+        if self.window_exceeded is not None:
+            stream_id, excess = self.window_exceeded
+            logger.warning(
+                "peer %s sent %d bytes past the yamux receive window of stream %d; closing the connection",
+                self.peer_id, excess, stream_id, extra={"peer_id": str(self.peer_id)},
+            )
+            raise trio.TooSlowError
+        return await super()._read_data_body(length)
+
+
+if getattr(muxer_multistream, "Yamux", None) not in (Yamux, BoundedYamux):
+    raise ImportError("libp2p.stream_muxer.muxer_multistream.Yamux is gone: re-check BoundedYamux against this py-libp2p")
+setattr(muxer_multistream, "Yamux", BoundedYamux)  # noqa: B010 - the name py-libp2p instantiates

@@ -1,0 +1,189 @@
+"""Hostile libp2p peers against a hub (relay): a plaintext handshake that claims another peer's ID,
+DATA sent past yamux's receive window, and a peer in the hub's full mesh that stops reading
+(``node/p2p/transport.py``, ``docs/gossip.md`` "Transport rules" and "Mesh of a star")."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import struct
+from pathlib import Path
+from typing import Any
+
+import multiaddr
+import pytest
+import trio
+from libp2p import new_host
+from libp2p.crypto.keys import KeyPair
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
+from p2p_helpers import NodeProcess, Run, config, eventually, shared_bridge, swarm
+
+from node.p2p.host import P2PHost, libp2p_key_pair, parse_peer_addr
+from node.p2p.transport import BoundedYamux, secure_transports
+from protocol.envelope import seal
+from protocol.identity import NodeKey
+from protocol.messages import NodeRecord, Verdict
+
+pytestmark = pytest.mark.integration
+
+YAMUX_DATA_HEADER = "!BBHII"  # version, type (0 = DATA), flags, stream ID, length (yamux spec)
+
+
+def _connections(host: P2PHost, peer_id: str) -> list[Any]:
+    return list(host.host.get_network().get_connections(ID.from_base58(peer_id)))
+
+
+async def _dial_as(relay_addr: str, key_pair: KeyPair, sec_opt: Any) -> str:
+    """A bare py-libp2p host with the given security transports dials the relay; ``"connected"``
+    or the failure's type name."""
+    host = new_host(key_pair=libp2p_key_pair(NodeKey.generate()), sec_opt=sec_opt)
+    async with host.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        try:
+            with trio.fail_after(10):
+                await host.connect(parse_peer_addr(relay_addr))
+            return "connected"
+        except Exception as e:  # noqa: BLE001 - the refusal is what is tested
+            return type(e).__name__
+        finally:
+            await host.close()
+
+
+async def test_a_plaintext_handshake_claiming_another_peer_id_is_refused() -> None:
+    """``/plaintext/2.0.0`` takes a peer's word for its public key: py-libp2p's default host let an
+    attacker connect to a relay as an honest worker (next to the worker's own connection), so what
+    the relay does to that peer ID (penalties, bans) it would do to the worker. Nodes speak noise
+    only; the same dialer offering noise with its own key is the control."""
+    run = Run()
+    async with shared_bridge() as bridge, swarm(run, [("relay", None), ("worker", None)], bridge=bridge) as (relay, victim):
+        await eventually(lambda: victim.peer_id in relay.peers, 10.0)
+        assert relay._host is not None
+        attacker = libp2p_key_pair(NodeKey.generate())
+        victim_pub = libp2p_key_pair(victim.key).public_key
+
+        class Impersonating(type(attacker.private_key)):  # type: ignore[misc]
+            def get_public_key(self) -> Any:  # what the plaintext handshake sends as "my key"
+                return victim_pub
+
+        fake = Impersonating.__new__(Impersonating)
+        fake.__dict__.update(attacker.private_key.__dict__)
+        spoof = KeyPair(fake, victim_pub)
+        plaintext = {TProtocol(PLAINTEXT_PROTOCOL_ID): InsecureTransport(spoof)}
+        assert await bridge.run(_dial_as, relay.addrs[0], spoof, plaintext, timeout_s=30) != "connected"
+        kinds = await bridge.run_sync(lambda: [type(c.muxed_conn.secured_conn).__name__ for c in _connections(relay._host, victim.peer_id)], timeout_s=5)
+        assert kinds and "InsecureSession" not in kinds, kinds  # only the worker's own (noise) connection
+        # control: the same bare host offering noise (with its own key) gets in
+        assert await bridge.run(_dial_as, relay.addrs[0], attacker, secure_transports(attacker), timeout_s=30) == "connected"
+
+
+async def test_a_peer_sending_past_the_yamux_window_is_cut_off_and_its_bytes_are_not_kept() -> None:
+    """The gossipsub stream a relay opens to a peer is only ever written, so py-libp2p's yamux
+    (which buffered DATA past the window and logged a warning) kept everything the peer sent on it:
+    64 MiB in 0.7 s. The relay now keeps no more than the credit it granted and closes the connection."""
+    run = Run()
+    async with shared_bridge() as bridge, swarm(run, [("relay", None)], bridge=bridge) as (relay,):
+        assert relay._host is not None
+        mallory_key = NodeKey.generate()
+        mallory = P2PHost(mallory_key, config())
+        handle = await bridge.start_task(mallory.serve, timeout_s=10)
+        try:
+            await bridge.run(mallory.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
+            await eventually(lambda: relay.topics["nodes"] in mallory.pubsub.peer_topics, 10.0)
+            delivered: list[bytes] = []
+            relay.on_record(lambda env: delivered.append(env.raw))
+            valid = seal(mallory_key, run.spec.run_id, NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=1, version="m"))  # control: the link works
+            await bridge.run(mallory.publish, relay.topics["workers"], valid, timeout_s=5)
+            await eventually(lambda: valid in delivered, 10.0)
+
+            relay_conn = (await bridge.run_sync(lambda: _connections(relay._host, mallory_key.peer_id), timeout_s=5))[0].muxed_conn
+            credit = await bridge.run_sync(lambda: {sid: s.recv_window + len(relay_conn.stream_buffers[sid]) for sid, s in relay_conn.streams.items()}, timeout_s=5)
+
+            async def flood() -> tuple[int, int, list[int]]:
+                """Raw DATA frames on every stream the relay opened, until 32 MiB or the relay hangs up;
+                returns (bytes sent per stream, most bytes the relay held unread past its granted
+                credit, the streams)."""
+                m = _connections(mallory, relay.peer_id)[0].muxed_conn
+                targets = [sid for sid, s in m.streams.items() if not s.is_initiator]
+                chunk, sent, worst = b"\0" * 60_000, 0, 0
+                for _ in range(32 * 2**20 // len(chunk)):
+                    if relay_conn.event_closed.is_set():
+                        break
+                    try:
+                        for sid in targets:
+                            await m._write_frame(struct.pack(YAMUX_DATA_HEADER, 0, 0, 0, sid, len(chunk)) + chunk)
+                            sent += len(chunk)
+                    except Exception:  # noqa: BLE001 - the relay hung up
+                        break
+                    await trio.lowlevel.checkpoint()  # let the relay's side read
+                    over = [len(relay_conn.stream_buffers.get(sid, b"")) - credit.get(sid, 0) for sid in list(relay_conn.stream_buffers)]
+                    worst = max([worst, *over])
+                with trio.move_on_after(10):
+                    await relay_conn.event_closed.wait()
+                return sent // max(1, len(targets)), worst, targets
+
+            sent, worst, targets = await bridge.run(flood, timeout_s=60)
+            assert targets and sent > min(credit[sid] for sid in targets)  # the peer did send past a window
+            assert worst <= 0, f"the relay held {worst} bytes past the credit it granted"
+            assert relay_conn.event_closed.is_set(), "the relay kept the connection open"
+            assert isinstance(relay_conn, BoundedYamux) and relay_conn.window_exceeded is not None
+            for _ in range(200):  # the swarm drops the closed connection (10 s at most)
+                if not await bridge.run_sync(_connections, relay._host, mallory_key.peer_id, timeout_s=5):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the relay still lists its connection to the peer")
+        finally:
+            await handle.cancel()
+
+
+async def test_a_mesh_peer_that_stops_reading_does_not_delay_delivery_to_the_others(tmp_path: Path) -> None:
+    """A hub keeps every grafting peer in its mesh (up to 64). One of them stops reading (SIGSTOP:
+    its TCP and yamux windows fill): the relay's sends to it back up in its own queue while every
+    verdict still reaches an honest worker through the same relay."""
+    run = Run()
+    spec_path = run.write(tmp_path / "run.toml")
+    slow_key = NodeKey.generate()
+    key_path = tmp_path / "slow.key"
+    slow_key.save(key_path)
+    async with shared_bridge() as bridge, swarm(run, [("relay", None), ("validator", run.validator), ("worker", None)], bridge=bridge) as (relay, validator, worker):
+        assert relay._host is not None
+        topic = relay.topics["verdicts"]
+        slow = NodeProcess(spec_path, key_path, role="worker", bootstrap=[relay.addrs[0]])
+        try:
+            await slow.ready()
+            peer = ID.from_base58(slow_key.peer_id)
+
+            def in_mesh() -> bool:
+                return peer in relay._host.router.mesh.get(topic, set()) and ID.from_base58(worker.peer_id) in relay._host.router.mesh.get(topic, set())
+
+            for _ in range(400):  # both workers grafted the relay (20 s at most)
+                if await bridge.run_sync(in_mesh, timeout_s=5):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the workers never joined the relay's verdicts mesh")
+            got: list[bytes] = []
+            worker.on_verdict(lambda env: got.append(env.raw))
+            os.kill(slow.proc.pid, signal.SIGSTOP)
+            # 40 verdicts of ~25 KB: ~1 MB, four times a yamux stream's first window
+            evidence = {f"k{i:03d}" + "x" * 120: "v" * 256 for i in range(64)}
+            sent = [
+                validator.seal(Verdict(submission_id=bytes([i]) * 32, worker=worker.peer_id, policy_step=1, counter=i, accepted=False, reason="bad", evidence=evidence))
+                for i in range(40)
+            ]
+            for env in sent:
+                await validator.publish_verdict(env)
+            await eventually(lambda: set(sent) <= set(got), 30.0)  # delivered while the slow peer is stopped
+
+            def backed_up() -> bool:  # the relay could not hand the stopped peer everything
+                pubsub = relay._host.pubsub
+                return peer not in pubsub.peers or len(pubsub.peer_queues[peer]) > 0
+
+            assert await bridge.run_sync(backed_up, timeout_s=5), "the stopped peer was never behind: the test proves nothing"
+            assert slow.proc.poll() is None  # still stopped, not dead
+            assert "connected" in await relay.stats()  # the relay still answers
+        finally:
+            os.kill(slow.proc.pid, signal.SIGCONT)
+            slow.kill()
