@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Self
 
 import aiohttp
 
@@ -118,7 +118,7 @@ class StoreFileReader:
             self._fh.close()
             self._fh = None
 
-    def __enter__(self) -> StoreFileReader:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -166,7 +166,7 @@ def publish_delta(store: ShardcastStore, target_raw: bytes, *, base_step: int, k
         with open(tmp, "w+b") as f:
             stats = encode_delta(base_env.body, target, store_opener(store, base_env.body), store_opener(store, target), f, level=level)
             f.seek(0)
-            cut = build_manifest(target.step, [(DELTA_FILE_NAME, f)], piece_size_bytes=target.piece_size_bytes, sink=sink)  # type: ignore[list-item]
+            cut = build_manifest(target.step, [(DELTA_FILE_NAME, f)], piece_size_bytes=target.piece_size_bytes, sink=sink)
     except (OSError, ValueError, ProtocolError) as e:
         raise ShardcastError(f"cannot publish the delta {base_step} → {target.step}: {e}") from e
     finally:
@@ -319,7 +319,8 @@ def apply_into_dir(delta_path: Path, dm: DeltaManifest, base: Envelope[Manifest]
         try:
             with open(delta_path, "rb") as comp:
                 stats = apply_delta(comp, delta=dm, base=base.body, target=target.body,
-                                    open_base=lambda name: open(base_dir / name, "rb"), open_out=open_out)
+                                    open_base=lambda name: open(base_dir / name, "rb"),  # noqa: SIM115 - apply_delta closes it (with)
+                                    open_out=open_out)
             for fh in handles:
                 fh.flush()
                 os.fsync(fh.fileno())
@@ -504,8 +505,8 @@ async def fetch_step(
         return StepFetchResult(full.step, full.manifest, out_dir, full.files, "full", [], downloaded + full.bytes_downloaded, resumed,
                                time.monotonic() - t0, {**faulty, **full.faulty_sources}, reason)
     finally:
-        for d in made:
-            shutil.rmtree(d, ignore_errors=True)
+        for chain_dir in made:
+            shutil.rmtree(chain_dir, ignore_errors=True)
         if session is None:
             await sess.close()
 
@@ -546,7 +547,7 @@ async def mirror_delta(session: aiohttp.ClientSession, pool: SourcePool, store: 
 class _StorePieceOut:
     """A target file written as pieces into the store: each piece is verified by its ID before it is stored."""
 
-    def __init__(self, store: ShardcastStore, f: ManifestFile, piece_size_bytes: int, on_piece: Callable[[bytes], None]) -> None:
+    def __init__(self, store: ShardcastStore, f: ManifestFile, piece_size_bytes: int, on_piece: Callable[[bytes], object]) -> None:
         self._store, self._f, self._p, self._on_piece = store, f, piece_size_bytes, on_piece
         self._idx = 0
         self._in = 0
@@ -582,7 +583,7 @@ class _StorePieceOut:
 
 
 def _rebuild_blocking(store: ShardcastStore, d: DeltaManifest, base: Envelope[Manifest], target: Envelope[Manifest],
-                      on_piece: Callable[[bytes], None]) -> DeltaStats:
+                      on_piece: Callable[[bytes], object]) -> DeltaStats:
     outs: list[_StorePieceOut] = []
 
     def open_out(f: ManifestFile) -> Any:
@@ -592,8 +593,9 @@ def _rebuild_blocking(store: ShardcastStore, d: DeltaManifest, base: Envelope[Ma
 
     try:
         with StoreFileReader(store, d_manifest_file(d), d_manifest_file(d).files[0]) as comp:
-            return apply_delta(comp, delta=d, base=base.body, target=target.body, open_base=store_opener(store, base.body),
-                               open_out=open_out)
+            # apply_delta only read()s the delta stream; StoreFileReader is no full BinaryIO (as in store_opener)
+            return apply_delta(comp, delta=d, base=base.body, target=target.body,  # type: ignore[arg-type]
+                               open_base=store_opener(store, base.body), open_out=open_out)
     finally:
         for o in outs:
             o.abort()

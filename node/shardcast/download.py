@@ -15,6 +15,7 @@ the total), so a tarpit holding its connections cannot delay a request to anothe
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -594,10 +595,10 @@ class PieceDownloader:
             req = _Request(piece, src, now, relay_slot)
             src.in_flight += 1
             req.task = asyncio.ensure_future(self._try(req, open_writer, missing_until))
-            req.task.add_done_callback(lambda _t, r=req: self._finished(r))  # also runs if cancelled before it started
+            req.task.add_done_callback(functools.partial(self._finished, req))  # also runs if cancelled before it started
             running[req.task] = req
 
-    def _finished(self, req: _Request) -> None:
+    def _finished(self, req: _Request, _task: asyncio.Task[bool]) -> None:
         req.src.in_flight -= 1
         self._changed.set()
 

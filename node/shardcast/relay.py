@@ -207,9 +207,9 @@ class Relay:
         poll interval; return ``(offers: step → URLs, steps reported by origins)`` of those done."""
         assert self._session is not None
         cfg = self.config.download
-        for src in self.pool.usable():
-            if src.url not in self._held_tasks:
-                self._held_tasks[src.url] = asyncio.ensure_future(get_held(self._session, src.url, timeout_s=cfg.held_timeout_s, cfg=cfg))
+        for up in self.pool.usable():
+            if up.url not in self._held_tasks:
+                self._held_tasks[up.url] = asyncio.ensure_future(get_held(self._session, up.url, timeout_s=cfg.held_timeout_s, cfg=cfg))
         if self._held_tasks:
             await asyncio.wait(list(self._held_tasks.values()), timeout=max(self.config.poll_interval_s, 0.05))
         offers: dict[int, list[str]] = {}

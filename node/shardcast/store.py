@@ -593,7 +593,7 @@ class ShardcastStore:
             for env_d in dropped_deltas:
                 self._delta_piece_sets.pop(env_d.body.step, None)
                 self._delta_path(env_d.body.step).unlink(missing_ok=True)
-            still_used = {p.piece_id for env in self._manifests.values() for p in iter_pieces(env.body)}
+            still_used: set[bytes] = {p.piece_id for env in self._manifests.values() for p in iter_pieces(env.body)}
             still_used |= {pid for ids in self._delta_piece_sets.values() for pid in ids}
         for step, env in dropped.items():
             for p in iter_pieces(env.body):
