@@ -17,7 +17,15 @@ Modes:
   WINDOW_UPDATE per read) side by side. ``--layout all --p2pd PATH`` adds
   the same workload (single topic) on go-libp2p daemons (``p2pd`` from the ``hivemind`` wheel:
   ``pip download hivemind==1.1.12 --no-deps`` and unzip ``hivemind/hivemind_cli/p2pd`` and
-  ``hivemind/proto/p2pd_pb2.py``; protobuf ≥ 5.27 imports it).
+  ``hivemind/proto/p2pd_pb2.py``; protobuf ≥ 5.27 imports it). ``--layout jscompare`` runs ``split``
+  and ``js`` side by side: ``js`` is the same split workload (2 relays as hubs, workers connected
+  only to hubs, worker records on ``workers``, the coordinator in this process) on js-libp2p
+  2.9 nodes (``@chainsafe/libp2p-gossipsub`` 14.1, TCP, noise, yamux; ``benchmarks/js``), each a
+  Node.js process whose identity is the node's ed25519 seed and whose gossipsub topic validator
+  waits for the node's real ``EnvelopeValidator.check`` in a Python process
+  (``benchmarks/js_gossip.py``, which also seals and publishes the node's records); a node's CPU
+  and RSS are both processes together (``*_py_part``: the Python one). Install once:
+  ``npm ci --prefix benchmarks/js`` (Node.js ≥ 20).
 * ``bridge``: asyncio → trio → asyncio round trips through each bridge kind, and how long libp2p's
   side (a 10 ms trio ticker) stalls while the asyncio thread blocks for 200 ms.
 
@@ -43,6 +51,8 @@ REPO = Path(__file__).resolve().parents[1]
 OLD_MESH = ("flat", "split-old-mesh")
 """Layouts run as before issue 18's mesh fixes: hubs' meshes bounded at 12, a yamux WINDOW_UPDATE per read."""
 RUNNER = REPO / "tests" / "node" / "gossip_runner.py"
+JS_RUNNER = REPO / "benchmarks" / "js_gossip.py"
+"""Child node of the ``js`` layout: js-libp2p in a Node.js process, the envelope validator in this Python one."""
 
 
 def pct(values: list[float], q: float) -> float:
@@ -52,7 +62,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def propagation_once(args: argparse.Namespace, layout: str) -> dict[str, object]:
-    """One network of ``args.nodes`` child nodes in ``layout`` (``split`` or ``flat``); returns its numbers."""
+    """One network of ``args.nodes`` child nodes in ``layout`` (``split``, ``flat``, ``split-old-mesh``, or
+    ``js``: the split workload on js-libp2p nodes with the Python envelope validator); returns its numbers."""
     import psutil
 
     from node.p2p import GossipConfig, GossipNode
@@ -80,8 +91,12 @@ async def propagation_once(args: argparse.Namespace, layout: str) -> dict[str, o
         key.save(tmp / f"k{i}")
         role = "relay" if i < args.relays else "worker"
         drop = role == "worker" and i >= args.nodes - args.lossy
-        cmd = [sys.executable, str(RUNNER), "--run", str(tmp / "run.toml"), "--key", str(tmp / f"k{i}"), "--role", role,
-               "--bridge", args.bridge, "--log-announcements"]
+        if layout == "js":
+            cmd = [sys.executable, str(JS_RUNNER), "--run", str(tmp / "run.toml"), "--key", str(tmp / f"k{i}"), "--role", role,
+                   "--log-announcements"]
+        else:
+            cmd = [sys.executable, str(RUNNER), "--run", str(tmp / "run.toml"), "--key", str(tmp / f"k{i}"), "--role", role,
+                   "--bridge", args.bridge, "--log-announcements"]
         cmd += ["--flat"] if layout == "flat" else []
         cmd += ["--old-mesh"] if layout in OLD_MESH else []
         cmd += ["--drop-announcements"] if drop else []
@@ -119,8 +134,13 @@ async def propagation_once(args: argparse.Namespace, layout: str) -> dict[str, o
             await asyncio.sleep(0.05)
         for i in range(1, args.nodes):
             start(i, [seed])
-        config = GossipConfig(bootstrap=[seed], split_records=layout != "flat", hub_full_mesh=layout not in OLD_MESH)
-        node = await GossipNode.create(spec, coord, config, role="coordinator")
+        if layout == "js":
+            from js_gossip import JsGossipNode  # benchmarks/ is this script's directory
+
+            node = await JsGossipNode.create(spec, coord, role="coordinator", bootstrap=[seed])
+        else:
+            config = GossipConfig(bootstrap=[seed], split_records=layout != "flat", hub_full_mesh=layout not in OLD_MESH)
+            node = await GossipNode.create(spec, coord, config, role="coordinator")
         while len(node.peers) < args.nodes:
             if time.monotonic() - t0 > args.join_timeout_s:
                 out["joined"] = f"{len(node.peers)}/{args.nodes} in {args.join_timeout_s:.0f} s"
@@ -165,21 +185,31 @@ async def propagation_once(args: argparse.Namespace, layout: str) -> dict[str, o
             ok = sum(1 for i in lossy if learned.get(i) == args.announcements)
             out["lossy_learned_last"] = f"{ok}/{len(lossy)}"
             out["lossy_learn_p99_ms"] = round(pct(learn_lat, 0.99) * 1e3) if learn_lat else None
-        # idle: heartbeats only
+        # idle: heartbeats only. A node is its process and its children (js: the Node.js process; the
+        # Python parent is its envelope validator and record publisher), CPU and RSS summed
         ps = [psutil.Process(p.pid) for p in procs]
-        for p in ps:
-            p.cpu_percent(None)
+        kids = [q.children(recursive=True) for q in ps]
+        for q in [*ps, *(k for ks in kids for k in ks)]:
+            q.cpu_percent(None)
         stats0 = await node.stats()
         await asyncio.sleep(args.idle_s)
-        cpu = [p.cpu_percent(None) for p in ps]
-        rss = [p.memory_info().rss / 2**20 for p in ps]
+        cpu_py = [q.cpu_percent(None) for q in ps]
+        cpu_kids = [sum(k.cpu_percent(None) for k in ks) for ks in kids]
+        cpu = [a + b for a, b in zip(cpu_py, cpu_kids)]
+        rss_py = [q.memory_info().rss / 2**20 for q in ps]
+        rss_kids = [sum(k.memory_info().rss for k in ks) / 2**20 for ks in kids]
+        rss = [a + b for a, b in zip(rss_py, rss_kids)]
         stats1 = await node.stats()
         for role in ("worker", "relay"):
             c = [x for x, r in zip(cpu, roles) if r == role]
             if c:
                 out[f"idle_cpu_{role}_mean"] = round(statistics.mean(c), 1)
                 out[f"idle_cpu_{role}_max"] = round(max(c), 1)
+            if layout == "js" and c:  # of which the Python validator process
+                out[f"idle_cpu_{role}_py_part"] = round(statistics.mean(x for x, r in zip(cpu_py, roles) if r == role), 1)
         out["rss_mean_mib"] = round(statistics.mean(rss))
+        if layout == "js":
+            out["rss_py_part_mib"] = round(statistics.mean(rss_py))
         got = {k: stats1["delivered"].get(k, 0) - stats0["delivered"].get(k, 0) for k in ("nodes", "workers")}
         out["coordinator_records_per_s"] = round(sum(got.values()) / args.idle_s, 1)
         out["load_end"] = round(os.getloadavg()[0], 1)
@@ -348,9 +378,12 @@ async def propagation_p2pd(args: argparse.Namespace) -> dict[str, object]:
 
 async def propagation(args: argparse.Namespace) -> None:
     """Run each layout in turn in this one invocation and print them side by side."""
-    layouts = {"both": ["flat", "split"], "all": ["flat", "split", "p2pd"], "mesh": ["split-old-mesh", "split"]}.get(args.layout, [args.layout])
+    layouts = {"both": ["flat", "split"], "all": ["flat", "split", "p2pd"], "mesh": ["split-old-mesh", "split"],
+               "jscompare": ["split", "js"]}.get(args.layout, [args.layout])
     if "p2pd" in layouts and not args.p2pd:
         raise SystemExit("--p2pd PATH (the p2pd binary of the hivemind wheel) is needed for the p2pd layout")
+    if "js" in layouts and not (REPO / "benchmarks" / "js" / "node_modules" / "libp2p").is_dir():
+        raise SystemExit("the js layout needs Node.js ≥ 20 and its packages: npm ci --prefix benchmarks/js")
     results = []
     for layout in layouts:
         r = await (propagation_p2pd(args) if layout == "p2pd" else propagation_once(args, layout))
@@ -416,11 +449,12 @@ def main() -> None:
     p.add_argument("--idle-s", type=float, default=10.0, help="idle measurement window, seconds (default 10)")
     p.add_argument("--join-timeout-s", type=float, default=120.0, help="seconds for all nodes to start and be seen")
     p.add_argument("--bridge", default="thread", choices=["thread", "guest"], help="bridge used by the child nodes")
-    p.add_argument("--layout", default="both", choices=["both", "all", "mesh", "split", "split-old-mesh", "flat", "p2pd"],
+    p.add_argument("--layout", default="both", choices=["both", "all", "mesh", "jscompare", "split", "split-old-mesh", "flat", "p2pd", "js"],
                    help="split: worker records on their own topic (default layout); flat: every record to every node (before issue 18); "
                         "split-old-mesh: split, but hubs' meshes bounded at 12 and a yamux WINDOW_UPDATE per read (before the mesh fixes); "
                         "mesh: split-old-mesh then split; "
-                        "p2pd: the flat workload on go-libp2p daemons; both: flat then split; all: flat, split, p2pd — in one run")
+                        "p2pd: the flat workload on go-libp2p daemons; js: the split workload on js-libp2p nodes (validator in Python); "
+                        "both: flat then split; all: flat, split, p2pd; jscompare: split then js — in one run")
     p.add_argument("--p2pd", default="", help="p2pd binary (hivemind wheel: hivemind/hivemind_cli/p2pd, p2pd_pb2.py in ../proto)")
     p.add_argument("--relays", type=int, default=2, help="child nodes that are relays (the seed is one); the rest are workers (default 2)")
     p.add_argument("--lossy", type=int, default=2, help="workers that drop every announcement and must learn steps from the coordinator's record (default 2)")
