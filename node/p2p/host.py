@@ -168,6 +168,11 @@ class P2PHost:
             max_messages_per_topic_per_second=config.max_messages_per_topic_per_second,
             eclipse_protection_enabled=False,
             pending_messages_ttl=PENDING_MESSAGES_TTL_S,
+            # Peer exchange off: py-libp2p dials up to px_peers_count peers named in any PRUNE
+            # (signed by keys the sender makes up, at addresses it chooses, accepted from every
+            # peer), so one peer could make a hub dial anywhere and fill its connection slots.
+            # Peers come from verified node records and bootstrap only (docs/gossip.md).
+            px_peers_count=0,
         )
         # py-libp2p 0.8's "GRAFT flood" check (not in the gossipsub v1.1 spec) records when a peer
         # PRUNEd *us* and then refuses that peer's GRAFT for 10 s: a node that pruned an

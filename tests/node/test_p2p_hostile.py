@@ -17,7 +17,10 @@ import trio
 from libp2p import new_host
 from libp2p.crypto.keys import KeyPair
 from libp2p.custom_types import TProtocol
+from libp2p.peer.envelope import seal_record
 from libp2p.peer.id import ID
+from libp2p.peer.peer_record import PeerRecord
+from libp2p.pubsub.pb import rpc_pb2
 from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
 from p2p_helpers import NodeProcess, Run, config, eventually, shared_bridge, swarm
 
@@ -187,3 +190,50 @@ async def test_a_mesh_peer_that_stops_reading_does_not_delay_delivery_to_the_oth
         finally:
             os.kill(slow.proc.pid, signal.SIGCONT)
             slow.kill()
+
+
+async def test_peer_exchange_in_a_prune_is_not_dialed() -> None:
+    """py-libp2p accepted gossipsub peer exchange from any peer: a PRUNE naming 16 made-up peers
+    (records signed by fresh keys) at an address of the sender's choosing made a relay dial it 16
+    times per PRUNE. Control messages of one peer are handled in order, so once the relay has
+    delivered a record the peer sent after its PRUNE, any dial the PRUNE caused has been made."""
+    hits: list[int] = []
+
+    async def on_connect(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hits.append(1)
+        writer.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    run = Run()
+    try:
+        async with shared_bridge() as bridge, swarm(run, [("relay", None)], bridge=bridge) as (relay,):
+            assert relay._host is not None
+            mallory_key = NodeKey.generate()
+            mallory = P2PHost(mallory_key, config())
+            handle = await bridge.start_task(mallory.serve, timeout_s=10)
+            try:
+                await bridge.run(mallory.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
+                await eventually(lambda: relay.topics["nodes"] in mallory.pubsub.peer_topics, 10.0)
+                infos = []
+                for _ in range(4):
+                    kp = libp2p_key_pair(NodeKey.generate())
+                    pid = ID.from_pubkey(kp.public_key)
+                    record = seal_record(PeerRecord(pid, [multiaddr.Multiaddr(f"/ip4/127.0.0.1/tcp/{port}")]), kp.private_key)
+                    infos.append(rpc_pb2.PeerInfo(peerID=pid.to_bytes(), signedPeerRecord=record.marshal_envelope()))
+                topic = relay.topics["nodes"]
+                prune = rpc_pb2.ControlMessage(prune=[rpc_pb2.ControlPrune(topicID=topic, peers=infos)])
+                await bridge.run(mallory.router.emit_control_message, prune, ID.from_base58(relay.peer_id), timeout_s=10)
+                delivered: list[bytes] = []
+                relay.on_record(lambda env: delivered.append(env.raw))
+                after = seal(mallory_key, run.spec.run_id, NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=1, version="m"))
+                await bridge.run(mallory.publish, relay.topics["workers"], after, timeout_s=5)
+                await eventually(lambda: after in delivered, 30.0)
+                pruned = await bridge.run_sync(lambda: ID.from_base58(mallory_key.peer_id) in relay._host.router.back_off.get(topic, {}), timeout_s=5)
+                assert pruned, "the relay never handled the PRUNE: the test proves nothing"
+                assert hits == [], f"the relay dialed the PRUNE's peer exchange {len(hits)} times"
+            finally:
+                await handle.cancel()
+    finally:
+        server.close()
+        await server.wait_closed()
