@@ -34,6 +34,10 @@ load; printed side by side.
 deleted, as ``SubmissionStore.mark_consumed`` leaves them; 1,000 worker IDs, 100 addresses):
 what a run has behind it after N submissions, since index rows are kept for the whole run.
 
+``--status-hz H``: one more client GETs the ingest's ``/status`` H times a second while the load
+runs (a dashboard, or any client: the route is public); with ``--history`` it shows what the
+status's whole-history queries cost the submissions.
+
 ``--fsync-delay-ms X``: every ``fsync``/``fdatasync`` of the server child (its own and SQLite's)
 first sleeps X ms, through a small ``LD_PRELOAD`` shim compiled with the system C compiler: a
 reproducible stand-in for the slow disk of a loaded machine (0.4–38 ms per fsync measured on this
@@ -243,8 +247,10 @@ def build_submissions(n: int, workers: int, per_worker: int, prompt_tokens: int,
     return out
 
 
-async def load(port: int, subs: list[bytes], concurrency: int, max_s: float) -> dict[str, object]:
-    """POST ``subs`` with ``concurrency`` requests in flight; latency per request, status counts."""
+async def load(port: int, subs: list[bytes], concurrency: int, max_s: float, status_hz: float = 0.0) -> dict[str, object]:
+    """POST ``subs`` with ``concurrency`` requests in flight; latency per request, status counts. With
+    ``status_hz`` > 0 one more client GETs ``/status`` that often meanwhile (an operator's dashboard,
+    or anyone: the route is public); its answers are counted by HTTP status."""
     import aiohttp
 
     lat: list[float] = []
@@ -265,12 +271,32 @@ async def load(port: int, subs: list[bytes], concurrency: int, max_s: float) -> 
                     codes[r.status] = codes.get(r.status, 0) + 1
                 lat.append(time.perf_counter() - t)
 
+        status_codes: dict[int, int] = {}
+        done = asyncio.Event()
+
+        async def poller() -> None:
+            for _ in range(int(max_s * status_hz) + 1):
+                if done.is_set():
+                    return
+                async with http.get(f"http://127.0.0.1:{port}/status") as r:
+                    await r.read()
+                    status_codes[r.status] = status_codes.get(r.status, 0) + 1
+                await asyncio.sleep(1.0 / status_hz)
+
         t0 = time.perf_counter()
+        polling = asyncio.create_task(poller()) if status_hz > 0 else None
         await asyncio.gather(*(client() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
+        done.set()
+        if polling is not None:
+            await polling
     ok = codes.get(200, 0)
-    return {"requests": len(lat), "accepted": ok, "status": codes, "wall_s": round(wall, 2), "accepted_per_s": round(ok / wall, 1),
-            "p50_ms": round(pct(lat, 0.5) * 1e3, 1), "p99_ms": round(pct(lat, 0.99) * 1e3, 1), "max_ms": round(max(lat) * 1e3, 1)}
+    out: dict[str, object] = {"requests": len(lat), "accepted": ok, "status": codes, "wall_s": round(wall, 2),
+                              "accepted_per_s": round(ok / wall, 1), "p50_ms": round(pct(lat, 0.5) * 1e3, 1),
+                              "p99_ms": round(pct(lat, 0.99) * 1e3, 1), "max_ms": round(max(lat) * 1e3, 1)}
+    if status_hz > 0:
+        out["status_gets"] = status_codes
+    return out
 
 
 
@@ -343,7 +369,7 @@ def fsync_probe(directory: Path, size: int, n: int = 20) -> float:
 
 
 async def run_level(subs: list[bytes], concurrency: int, max_s: float, code: Path = REPO, shim: Path | None = None,
-                    fsync_delay_ms: float = 0.0, history: int = 0) -> dict[str, object]:
+                    fsync_delay_ms: float = 0.0, history: int = 0, status_hz: float = 0.0) -> dict[str, object]:
     """One level: a fresh ingest (the code under ``code``) in a child process, ``subs`` posted at ``concurrency``."""
     import psutil
 
@@ -363,7 +389,7 @@ async def run_level(subs: list[bytes], concurrency: int, max_s: float, code: Pat
             load0 = os.getloadavg()[0]
             cpu0 = sum(server.cpu_times()[:2])
             probe = await asyncio.to_thread(fsync_probe, Path(tmp), len(subs[0]))
-            out = await load(int(line.split()[1]), subs, concurrency, max_s)
+            out = await load(int(line.split()[1]), subs, concurrency, max_s, status_hz)
             out["durable_write_ms_p50"] = round(probe * 1e3, 1)  # measured just before, same disk: the store's serialized step
             cpu = sum(server.cpu_times()[:2]) - cpu0
             out["ingest_cpu_ms_per_accepted"] = round(cpu * 1e3 / max(1, int(out["accepted"])), 2)  # type: ignore[call-overload]
@@ -402,7 +428,7 @@ async def main_async(args: argparse.Namespace) -> None:
         results = []
         for c in levels:
             for name, code in codes:
-                r = await run_level(subs, c, args.max_s, code, shim, args.fsync_delay_ms, args.history)
+                r = await run_level(subs, c, args.max_s, code, shim, args.fsync_delay_ms, args.history, args.status_hz)
                 r = {"code": name, **r}
                 print(json.dumps(r), flush=True)
                 results.append(r)
@@ -428,6 +454,7 @@ def main() -> None:
     p.add_argument("--group", type=int, default=8, help="rollouts per task (default 8, the run spec's)")
     p.add_argument("--baseline", metavar="REV[,REV]", help="also measure the ingest code of these git revisions, alternating, side by side")
     p.add_argument("--history", type=int, default=0, help="index rows of earlier, trained-on submissions in the store first (a long run)")
+    p.add_argument("--status-hz", type=float, default=0.0, help="also GET /status this many times a second during the load (default 0: no)")
     p.add_argument("--fsync-delay-ms", type=float, default=0.0, help="delay every fsync of the ingest by this much (a slow disk), ms")
     args = p.parse_args()
     if args.code:  # server child: import the ingest from this tree (a --baseline revision or this checkout)

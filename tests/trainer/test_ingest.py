@@ -241,3 +241,40 @@ def test_rate_limiter():
     assert rl.retry_after_s("a") > 0
     assert rl.allow("b", now_s=0.0)
     assert rl.allow("a", now_s=1.0)
+
+
+def test_status_history_is_rebuilt_at_most_a_twentieth_of_the_time(tmp_path, monkeypatch):
+    """``/status`` is public and its per-worker counts scan the whole run: a rebuild that took s
+    seconds is served again for 19 s more; a cheap one (a small store) is never kept."""
+    import trainer.ingest.service as service_mod
+
+    coord = Coordinator(tmp_path)
+    try:
+        now = [1000.0]
+        monkeypatch.setattr(service_mod.time, "monotonic", lambda: now[0])  # no event loop runs in this test
+        scans = []
+        real_stats = coord.store.worker_stats
+        cost = [1.0]
+
+        def costly_stats():
+            scans.append(now[0])
+            now[0] += cost[0]  # the scan took `cost` seconds
+            return real_stats()
+
+        monkeypatch.setattr(coord.store, "worker_stats", costly_stats)
+        w = NodeKey.generate()
+        assert coord.store.add(open_envelope(submission(w), run_id=RUN))
+        assert coord.service.status()["workers"] == {w.peer_id: {"pending": 1}} and len(scans) == 1
+        assert coord.store.add(open_envelope(submission(w, counter=1), run_id=RUN))
+        now[0] += 18.9
+        assert coord.service.status()["workers"] == {w.peer_id: {"pending": 1}} and len(scans) == 1  # kept: 19 × 1 s
+        now[0] += 0.2
+        assert coord.service.status()["workers"] == {w.peer_id: {"pending": 2}} and len(scans) == 2  # due again
+        cost[0] = 0.0  # a cheap scan is not kept: every call is exact
+        now[0] += 100
+        coord.service.status()
+        coord.service.status()
+        assert len(scans) == 4
+    finally:
+        coord.service.close()
+        coord.store.close()

@@ -70,3 +70,36 @@ def test_worker_stats_tell_stale_retirements_apart_from_other_rejections(tmp_pat
         assert stats == {"rejected": 2, "stale": 1, "pending": 1}
     finally:
         store.close()
+
+
+def test_history_statistics_never_wait_for_the_store_lock(tmp_path):
+    """The whole-history scans behind ``/status`` and the run page (≈ 2 s at 10^6 submissions) read
+    their own committed snapshot: they answer while another thread holds the store's lock (an
+    admission, a verdict, a commit waiting for fsync), and they never hold that lock themselves."""
+    import threading
+
+    store = SubmissionStore(tmp_path, RUN)
+    try:
+        w = NodeKey.generate()
+        env = open_envelope(submission(w), run_id=RUN)
+        assert store.add(env)
+        assert store.record_verdict("v1", env.id.hex(), "validator", True, "ok")
+        out: dict[str, object] = {}
+
+        def read_all() -> None:
+            out["counts"] = store.counts()
+            out["workers"] = store.worker_stats()
+            out["trained"] = store.rollouts_trained()
+            out["verdicts"] = store.verdict_reasons()
+
+        with store._lock:  # e.g. the group commit mid-fsync
+            reader = threading.Thread(target=read_all)
+            reader.start()
+            reader.join(60)
+            finished = not reader.is_alive()
+        reader.join()
+        assert finished, "a statistics query waited for the store's lock"
+        assert out["counts"]["accepted"] == 1 and out["workers"] == {w.peer_id: {"accepted": 1}}
+        assert out["verdicts"] == {"ok": 1} and out["trained"] == {}
+    finally:
+        store.close()

@@ -62,6 +62,11 @@ logger = logging.getLogger(__name__)
 
 RETIRE_EVERY_S = 5.0
 """How often the ingest drops pending or accepted work that fell out of the async window, seconds."""
+STATUS_DUTY_FACTOR = 20
+"""``/status``'s whole-history counts are rebuilt at most 1/20 of the time: ``/status`` is public
+(workers reach the ingest) and each rebuild scans every submission of the run."""
+STATUS_CACHE_MIN_S = 0.005
+"""A rebuild faster than this (seconds) is not cached: small stores answer exactly."""
 
 Recheck = Callable[[bytes], "RecheckResult"]
 """Re-runs every check of a submission envelope independently of the validator that judged it."""
@@ -195,6 +200,9 @@ class IngestService:
         self._admit = asyncio.Lock()  # quota and counter checks and the store's add are one step
         self._lease_seen: OrderedDict[bytes, float] = OrderedDict()  # lease-request ID → forget after (epoch s)
         self._retired_s = 0.0
+        self._history_lock = threading.Lock()
+        self._history: dict[str, Any] | None = None
+        self._history_due = 0.0
         # worker → submission ID, oldest first: IDs, not bytes (64 queued 32 MiB submissions would hold
         # 2 GiB; read when re-checked), and one per worker, so one cheater cannot fill it for others
         self._recheck_wait: OrderedDict[str, str] = OrderedDict()
@@ -557,21 +565,40 @@ class IngestService:
     async def get_bans(self, request: web.Request) -> web.Response:
         return web.Response(body=self.bans.envelope, content_type="application/msgpack")
 
+    def history_stats(self) -> dict[str, Any]:
+        """``submissions`` (counts by state), ``verdicts_by_reason`` and ``workers`` (per-worker
+        counts): whole-history store scans (≈ 2 s at 10^6 submissions), so rebuilt at most
+        1/:data:`STATUS_DUTY_FACTOR` of the time; a scan under :data:`STATUS_CACHE_MIN_S` is not
+        kept (a small store answers exactly). Concurrent callers share one rebuild. Thread-safe."""
+        with self._history_lock:
+            if self._history is not None and time.monotonic() < self._history_due:
+                return self._history
+            t0 = time.monotonic()
+            doc = {"submissions": self.store.counts(), "verdicts_by_reason": self.store.verdict_reasons(),
+                   "workers": self.store.worker_stats()}
+            t1 = time.monotonic()
+            if t1 - t0 >= STATUS_CACHE_MIN_S:
+                self._history, self._history_due = doc, t1 + (STATUS_DUTY_FACTOR - 1) * (t1 - t0)
+            else:
+                self._history = None
+            return doc
+
     def status(self) -> dict[str, Any]:
-        """What ``/status`` shows."""
-        counts = self.store.counts()
-        self.m_pending.set(counts["pending"])
+        """What ``/status`` shows (blocking: store reads; :meth:`history_stats` may be up to 19× its
+        last scan time old)."""
+        history = self.history_stats()
+        self.m_pending.set(history["submissions"]["pending"])
         out: dict[str, Any] = {
             "run_id": self.run_id.hex(),
             "trainer_step": self.trainer_step(),
             "latest_policy_step": self.latest_policy_step(),
             "async_level": self.spec.rl.async_level,
-            "submissions": counts,
-            "verdicts_by_reason": self.store.verdict_reasons(),
+            "submissions": history["submissions"],
+            "verdicts_by_reason": history["verdicts_by_reason"],
             "banned": [{"peer_id": e.peer_id, "reason": e.reason, "evidence": [f"{x.reason} by {x.by}" for x in e.evidence]}
                        for e in self.bans.entries()],
             "rechecks": dict(self.rechecks),
-            "workers": self.store.worker_stats(),
+            "workers": history["workers"],
             "uptime_s": round(time.time() - self.started_s, 1),
         }
         if self.status_extra:
@@ -582,7 +609,8 @@ class IngestService:
         return web.json_response(await asyncio.to_thread(self.status), dumps=lambda o: json.dumps(o, default=str))
 
     async def get_metrics(self, request: web.Request) -> web.Response:
-        self.m_pending.set(self.store.counts()["pending"])
+        history = await asyncio.to_thread(self.history_stats)
+        self.m_pending.set(history["submissions"]["pending"])
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
