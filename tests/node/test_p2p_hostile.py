@@ -25,7 +25,7 @@ from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTr
 from p2p_helpers import NodeProcess, Run, config, eventually, shared_bridge, swarm
 
 from node.p2p.host import P2PHost, libp2p_key_pair, parse_peer_addr
-from node.p2p.transport import BoundedYamux, secure_transports
+from node.p2p.transport import MAX_INBOUND_STREAMS, BoundedYamux, secure_transports
 from protocol.envelope import seal
 from protocol.identity import NodeKey
 from protocol.messages import NodeRecord, Verdict
@@ -237,3 +237,43 @@ async def test_peer_exchange_in_a_prune_is_not_dialed() -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_peer_opening_thousands_of_streams_holds_at_most_the_cap() -> None:
+    """One peer opened 20,000 yamux streams (SYN frames) on one connection and held ~8,000 of them
+    open on the relay, each in a protocol negotiation of up to 30 s. The relay now resets those past
+    MAX_INBOUND_STREAMS; the connection keeps working (a record sent after the flood arrives)."""
+    run = Run()
+    async with shared_bridge() as bridge, swarm(run, [("relay", None)], bridge=bridge) as (relay,):
+        assert relay._host is not None
+        mallory_key = NodeKey.generate()
+        mallory = P2PHost(mallory_key, config())
+        handle = await bridge.start_task(mallory.serve, timeout_s=10)
+        try:
+            await bridge.run(mallory.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
+            await eventually(lambda: relay.topics["nodes"] in mallory.pubsub.peer_topics, 10.0)
+            relay_conn = (await bridge.run_sync(lambda: _connections(relay._host, mallory_key.peer_id), timeout_s=5))[0].muxed_conn
+            n_streams = 2000
+
+            async def flood() -> int:
+                """SYNs for ``n_streams`` new streams; returns the most the relay held open at once."""
+                m = _connections(mallory, relay.peer_id)[0].muxed_conn
+                peak = 0
+                for i in range(n_streams):
+                    await m._write_frame(struct.pack(YAMUX_DATA_HEADER, 0, 1, 1, 1001 + 2 * i, 0))  # WINDOW_UPDATE + SYN
+                    if i % 20 == 0:
+                        await trio.lowlevel.checkpoint()
+                    peak = max(peak, sum(1 for s in relay_conn.streams.values() if not s.is_initiator and not s.closed))
+                return peak
+
+            peak = await bridge.run(flood, timeout_s=120)
+            delivered: list[bytes] = []
+            relay.on_record(lambda env: delivered.append(env.raw))
+            after = seal(mallory_key, run.spec.run_id, NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=1, version="m"))
+            await bridge.run(mallory.publish, relay.topics["workers"], after, timeout_s=30)
+            await eventually(lambda: after in delivered, 60.0)
+            # the cap, plus the streams py-libp2p queues for acceptance (10) and the one being accepted
+            assert peak <= MAX_INBOUND_STREAMS + 12, peak
+            assert isinstance(relay_conn, BoundedYamux) and relay_conn.streams_refused > 0
+        finally:
+            await handle.cancel()
