@@ -278,3 +278,31 @@ def test_status_history_is_rebuilt_at_most_a_twentieth_of_the_time(tmp_path, mon
     finally:
         coord.service.close()
         coord.store.close()
+
+
+async def test_a_burst_of_status_requests_does_not_queue_submissions(ingest):
+    """``/status`` runs in at most one executor thread: twelve concurrent requests stuck behind a
+    slow whole-history scan (seconds at 10^6 submissions) leave the default executor, which
+    submissions are decoded in, free."""
+    import threading
+
+    coord, http = ingest
+    release = threading.Event()
+    real_stats = coord.service.history_stats
+
+    def slow_stats():
+        release.wait(120)  # a scan that lasts until the test ends it
+        return real_stats()
+
+    coord.service.history_stats = slow_stats
+    try:
+        statuses = [asyncio.create_task(http.get("/status")) for _ in range(12)]
+        await asyncio.sleep(0)  # the requests are on their way (the assertion below waits for the POST, not for time)
+        status, body = await asyncio.wait_for(post(http, SUBMISSIONS_ROUTE, submission(NodeKey.generate())), 60)
+        assert status == 200 and body["stored"] is True
+    finally:
+        release.set()
+    for t in statuses:
+        r = await t
+        assert r.status == 200
+        r.release()

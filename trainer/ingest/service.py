@@ -203,6 +203,7 @@ class IngestService:
         self._history_lock = threading.Lock()
         self._history: dict[str, Any] | None = None
         self._history_due = 0.0
+        self._status_slot = asyncio.Semaphore(1)  # /status and /metrics: one executor thread at most
         # worker → submission ID, oldest first: IDs, not bytes (64 queued 32 MiB submissions would hold
         # 2 GiB; read when re-checked), and one per worker, so one cheater cannot fill it for others
         self._recheck_wait: OrderedDict[str, str] = OrderedDict()
@@ -606,10 +607,15 @@ class IngestService:
         return out
 
     async def get_status(self, request: web.Request) -> web.Response:
-        return web.json_response(await asyncio.to_thread(self.status), dumps=lambda o: json.dumps(o, default=str))
+        # One thread at a time: concurrent requests wait here, not in the default executor, which
+        # the submission path decodes in (a burst of /status must not queue submissions).
+        async with self._status_slot:
+            doc = await asyncio.to_thread(self.status)
+        return web.json_response(doc, dumps=lambda o: json.dumps(o, default=str))
 
     async def get_metrics(self, request: web.Request) -> web.Response:
-        history = await asyncio.to_thread(self.history_stats)
+        async with self._status_slot:
+            history = await asyncio.to_thread(self.history_stats)
         self.m_pending.set(history["submissions"]["pending"])
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
