@@ -308,6 +308,19 @@ def load_state_dict(model: Any, state: dict[str, torch.Tensor], *, strict: bool 
                 setattr(parent, child_name, type(child)(child.config))
 
 
+def config_int(model: Any, name: str) -> int:
+    """An integer field of a transformers model's config, e.g. ``vocab_size`` (token IDs the
+    embedding has rows for) or ``hidden_size`` (H): the one place the roles read model sizes from.
+
+    Raises:
+        ModelLoadError: ``model`` has no ``config`` with an integer ``name`` (not a transformers model).
+    """
+    value = getattr(getattr(model, "config", None), name, None)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ModelLoadError(f"the model's config has no integer {name!r} (got {type(value).__name__})")
+    return value
+
+
 def read_config(model_dir: Path) -> dict[str, Any]:
     """``config.json`` of ``model_dir`` as a dict."""
     try:
@@ -434,7 +447,7 @@ def inspect_model_dir(model_dir: Path) -> ModelInfo:
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():
+                for name in st.keys():  # noqa: SIM118 - safe_open is no dict: it has keys(), no __iter__
                     sl = st.get_slice(name)
                     dtypes.add(_SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
                     n = 1

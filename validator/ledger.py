@@ -6,7 +6,6 @@ import sqlite3
 import threading
 from pathlib import Path
 
-
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS judged (
     worker TEXT NOT NULL,

@@ -28,6 +28,7 @@ from protocol import sampling, toploc
 from protocol.envelope import Envelope
 from protocol.inference import completion_rows, head_logits, logits_buffer
 from protocol.messages import Submission
+from protocol.models import config_int
 from protocol.rewards import RewardError, RewardLimits, compute_reward
 from protocol.rollout import completion_text, plan_submission, unpack_f32, unpack_u32
 from protocol.runspec import RunSpec
@@ -62,7 +63,7 @@ class CheckResult:
 class Rejection(Exception):
     """Raised inside the pipeline to stop at the first failing check."""
 
-    def __init__(self, reason: str, **evidence: bool | int | float | str) -> None:
+    def __init__(self, reason: str, **evidence: bool | float | str) -> None:
         super().__init__(reason)
         self.reason = reason
         self.evidence = evidence
@@ -179,7 +180,7 @@ class SubmissionChecker:
         model = self.model_for_step(sub.policy_step)
         if model is None:
             raise Rejection("unknown_checkpoint", policy_step=sub.policy_step)
-        model_vocab = int(model.config.vocab_size)
+        model_vocab = config_int(model, "vocab_size")
         for j, (_, completion, _) in enumerate(seqs):
             if max(completion) >= model_vocab:
                 raise Rejection("bounds", rollout=j, token=max(completion), vocab_size=model_vocab)

@@ -23,7 +23,6 @@ from protocol.rollout import completion_text, encode_prompt
 from protocol.runspec import RunSpec
 from protocol.tasks import Task
 
-
 BOOTSTRAP_RESAMPLES = 2000
 """Bootstrap resamples of the held-out problems per interval (≈ 1 ms for 20 problems)."""
 CONFIDENCE = 0.95

@@ -87,7 +87,7 @@ def probe_learning_signal(
     if n == 0:
         return SignalProbe(0, 0, 0.0, 0.0, 0.0, None)
     picked = [tasks[i * len(tasks) // n] for i in range(n)]
-    targets = list(spec.sampling.target_lengths) or [None]
+    targets: list[int | None] = [*spec.sampling.target_lengths] or [None]
     prompts, seeds, owners = [], [], []
     for gi, t in enumerate(picked):
         target = targets[gi % len(targets)]

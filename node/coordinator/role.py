@@ -42,7 +42,7 @@ from protocol.envelope import Envelope
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
 from protocol.messages import Verdict
-from protocol.models import load_model, load_tokenizer
+from protocol.models import config_int, load_model, load_tokenizer
 from protocol.runspec import SignedRunSpec
 from trainer.batch import Batch
 from trainer.buffer import RolloutBuffer
@@ -150,7 +150,8 @@ class Coordinator:
         trainer, base, self.tokenizer, pos = await asyncio.to_thread(build_trainer, self.signed, self.tasks, self.data_dir, self.ctx,
                                                                      resume=self.options.resume)
         self.trainer, self.base_dir, model = trainer, base, trainer.model
-        self.buffer.vocab_size = int(model.get_input_embeddings().num_embeddings)  # out-of-range token IDs are never trained
+        # out-of-range token IDs are never trained; the bound validators and workers use (the config's vocab_size)
+        self.buffer.vocab_size = config_int(model, "vocab_size")
         if pos is not None:
             n = self.buffer.restore(pos, trainer.step)
             logger.info("resumed at step %d; %d submissions from later steps trainable again", trainer.step, n)
@@ -394,7 +395,7 @@ class Coordinator:
                 await self.gossip.publish_verdict(raw)
             else:
                 await self.gossip.publish_ban_list(raw)
-        except Exception as e:  # gossip is best effort: HTTP remains the source of truth
+        except Exception as e:  # noqa: BLE001 - gossip is best effort: HTTP remains the source of truth
             logger.debug("gossip publish of %s failed: %s", kind, e)
 
     def _apply_gossip_verdict(self, env: Envelope[Verdict]) -> None:

@@ -13,7 +13,7 @@ from node.engine.base import Engine, Generation, SamplingParams
 from node.engine.static_decode import StaticDecoder, supports
 from protocol import sampling
 from protocol.inference import forward, pad_left
-from protocol.models import load_model, load_state_dict, load_tokenizer
+from protocol.models import config_int, load_model, load_state_dict, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class TransformersEngine(Engine):
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.config.vocab_size)
+        return config_int(self.model, "vocab_size")
 
     def load_weights(self, model_dir: Path) -> None:
         """Swap in the weights of ``model_dir`` in place (same architecture), safetensors only.
@@ -100,7 +100,7 @@ class TransformersEngine(Engine):
         b, n_max = len(prompts), params.max_tokens
         ids, mask, pos = (t.to(self.device) for t in pad_left(prompts, self.pad_id))
         seed_t = _seeds_tensor(seeds, self.device)  # [B] int64
-        hidden_size = int(self.model.config.hidden_size)
+        hidden_size = config_int(self.model, "hidden_size")
         tokens = torch.full((b, n_max), self.pad_id, dtype=torch.long, device=self.device)  # [B, N]
         logps = torch.zeros((b, n_max), dtype=torch.float32, device=self.device)  # [B, N]
         rows = torch.zeros((b, n_max, hidden_size), dtype=torch.bfloat16, device=self.device)  # [B, N, H]

@@ -111,3 +111,14 @@ def test_a_policy_written_against_a_base_carries_its_files(tmp_path):
     assert cfg.pop("dtype") == "bfloat16"
     base_cfg.pop("dtype", None)
     assert cfg == base_cfg
+
+
+def test_config_int_reads_model_sizes_and_refuses_what_is_no_transformers_model() -> None:
+    from protocol.models import ModelLoadError, build_model, config_int, embedded_config
+
+    model = build_model(embedded_config(99, hidden_size=128))
+    assert (config_int(model, "vocab_size"), config_int(model, "hidden_size")) == (99, 128)
+    assert model.get_input_embeddings().num_embeddings == 99  # the bound the coordinator's buffer used before
+    for bad, name in ((torch.nn.Linear(2, 2), "vocab_size"), (model, "tie_word_embeddings"), (model, "no_such_field")):
+        with pytest.raises(ModelLoadError, match=name):
+            config_int(bad, name)
