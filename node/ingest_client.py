@@ -92,7 +92,8 @@ async def _read_bounded(r: aiohttp.ClientResponse, limit: int) -> bytes:
     """The whole answer body, refusing more than ``limit`` bytes (``ValueError``)."""
     if r.content_length is not None and r.content_length > limit:
         raise ValueError(f"answer of {r.content_length} bytes exceeds {limit}")
-    chunks, got = [], 0
+    chunks: list[bytes] = []
+    got = 0
     while True:
         data = await r.content.read(min(1 << 20, limit + 1 - got))
         if not data:

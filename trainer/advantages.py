@@ -55,7 +55,8 @@ def group_advantages(rewards: np.ndarray, eps: float) -> np.ndarray:
     centered = r - r.mean()  # [G]
     if not np.any(centered):
         return np.zeros(r.shape, dtype=np.float32)
-    return (centered / (r.std() + eps)).astype(np.float32)  # [G]
+    advantages: np.ndarray = (centered / (r.std() + eps)).astype(np.float32)  # [G]
+    return advantages
 
 
 def group_indices(keys: Sequence[Hashable]) -> dict[Hashable, list[int]]:

@@ -215,7 +215,7 @@ class Trainer:
         self.step = step
         self.optimizer_steps = 0
         model.config.use_cache = False
-        model.to(self.ctx.device)
+        model.to(self.ctx.device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides the bound self from mypy
         model.train()
         self._ref_model: torch.nn.Module | None = None
         if config.loss.kl_beta > 0 and config.kl_reference == "base":
@@ -289,10 +289,12 @@ class Trainer:
         # statistics then come from the first forward of each row (detached), the same weights
         need_recompute = cfg.old_logprobs == "recompute" or (cfg.loss.kl_beta > 0 and self._ref_model is None)
         recomputed = [self._logprobs(self.model, rows) for rows in slices] if need_recompute else None  # [K][rows] of [1, T]
-        old = recomputed if cfg.old_logprobs == "recompute" else [[mb.behavior_logprobs for mb in rows] for rows in slices]
-        ref = recomputed
-        if cfg.loss.kl_beta > 0 and self._ref_model is not None:
-            ref = [self._logprobs(self._ref_model, rows) for rows in slices]
+        # "recompute" implies need_recompute: `recomputed` is there whenever it is the old policy
+        old = recomputed if cfg.old_logprobs == "recompute" and recomputed is not None else [
+            [mb.behavior_logprobs for mb in rows] for rows in slices]
+        ref: list[list[torch.Tensor]] | None = None  # the KL reference, [K][rows] of [1, T]; only with kl_beta > 0
+        if cfg.loss.kl_beta > 0:  # with no reference model need_recompute holds: the current weights are the reference
+            ref = [self._logprobs(self._ref_model, rows) for rows in slices] if self._ref_model is not None else recomputed
         world = float(self.ctx.world_size)
         sums: dict[str, float] = defaultdict(float)
         ratio_lo, ratio_hi = float("inf"), float("-inf")
@@ -312,7 +314,7 @@ class Trainer:
                     old_logprobs=old[k][j][0][mask],  # [N]
                     advantages=mb.advantages[0][mask],  # [N]
                     entropy=entropy if cfg.loss.entropy_coef > 0 or entropy is None else entropy.detach(),
-                    ref_logprobs=ref[k][j][0][mask] if cfg.loss.kl_beta > 0 else None,
+                    ref_logprobs=ref[k][j][0][mask] if ref is not None else None,  # grpo_loss refuses kl_beta > 0 without it
                 )
                 out = grpo_loss(inputs, cfg.loss)
                 (out.loss * world).backward()

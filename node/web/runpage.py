@@ -311,7 +311,7 @@ class RunPage:
             return self._board
         workers = self.store.worker_stats()
         trained = self.store.rollouts_trained()
-        board = []
+        board: list[dict[str, Any]] = []
         for peer, c in workers.items():
             acc, rej = c.get("accepted", 0), c.get("rejected", 0)
             ban = banned.get(peer)

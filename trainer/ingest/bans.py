@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from protocol.durable import atomic_write
-from protocol.envelope import open_envelope, seal
+from protocol.envelope import Authorities, open_envelope, seal
 from protocol.errors import ProtocolError, SchemaError
 from protocol.identity import NodeKey
 from protocol.messages import BanEntry, BanEvidence, BanList
@@ -107,7 +107,5 @@ MAX_ENTRIES = 1 << 14
 """Most entries of a signed ban list (``protocol.messages.BanList``)."""
 
 
-def _self_auth(key: NodeKey):  # noqa: ANN202
-    from protocol.envelope import Authorities
-
+def _self_auth(key: NodeKey) -> Authorities:
     return Authorities(coordinator=key.public_key, validators=frozenset())
