@@ -100,7 +100,7 @@ class PolicyFollower:
         try:
             env = await resolve_manifest(self._session, pool, None, run_id=self.spec.run_id, authorities=self.spec.authorities,
                                          cfg=self._cfg, cache=self._manifests)
-        except (NodeError, ProtocolError, OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, NodeError, ProtocolError, OSError) as e:
             logger.debug("latest manifest poll failed: %s", e)
             return self.latest_step
         self.note_step(env.body.step)

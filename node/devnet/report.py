@@ -90,13 +90,13 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
         f"- model: {model}",
         f"- held-out pass rate: start {_f(h['start'])}{_ci(h['start_ci'])} → end {_f(h['end'])}{_ci(h['end_ci'])}",
         f"- held-out gain: {gain}",
-        f"- off-policy: mean mismatch KL(behavior ‖ trainer) {_f(_mean([s.get('mismatch_kl') for s in steps]), 5)} nats per token, "
+        (f"- off-policy: mean mismatch KL(behavior ‖ trainer) {_f(_mean([s.get('mismatch_kl') for s in steps]), 5)} nats per token, "
         f"importance ratio π_trainer/π_behavior in [{_f(min((s.get('is_ratio_min', 1.0) for s in steps), default=None))}, "
-        f"{_f(max((s.get('is_ratio_max', 1.0) for s in steps), default=None))}], mean clipped fraction {_f(_mean([s.get('clipped_frac') for s in steps]))}",
+        f"{_f(max((s.get('is_ratio_max', 1.0) for s in steps), default=None))}], mean clipped fraction {_f(_mean([s.get('clipped_frac') for s in steps]))}"),
         f"- trainer utilization (busy / wall): {_f(steps[-1].get('utilization') if steps else None)}",
         f"- mean publish time per step (save + cut + sign): {_f(_mean([s.get('broadcast_s') for s in steps]))} s",
-        f"- run page (live while the run ran): [{dn.coord_url}/]({dn.coord_url}/), JSON at `{dn.coord_url}/api/run`; "
-        "it draws the same curves as [report.png](report.png) (reward, pass rate, held-out, verdicts, publish time)",
+        (f"- run page (live while the run ran): [{dn.coord_url}/]({dn.coord_url}/), JSON at `{dn.coord_url}/api/run`; "
+        "it draws the same curves as [report.png](report.png) (reward, pass rate, held-out, verdicts, publish time)"),
         "",
         "## Verdicts by reason",
         "",
@@ -105,8 +105,8 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
     ]
     for reason, n in sorted((st.get("verdicts_by_reason") or {}).items()):
         lines.append(f"| {reason} | {n} |")
-    lines += ["", "## Workers", "", "Rejected counts include submissions retired as `stale_policy` (they left the async window before a "
-              "verdict: no fault of the worker's); they are shown in brackets.", "",
+    lines += ["", "## Workers", "", ("Rejected counts include submissions retired as `stale_policy` (they left the async window before a "
+              "verdict: no fault of the worker's); they are shown in brackets."), "",
               "| node | peer ID | accepted | rejected (stale) | pending | trained on | banned |", "|---|---|---|---|---|---|---|"]
     banned = {b["peer_id"]: b["reason"] for b in st.get("banned") or []}
     for peer, counts in sorted((st.get("workers") or {}).items(), key=lambda kv: names.get(kv[0], kv[0])):
@@ -115,20 +115,20 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
     if dn.o.adversary:
         adv = dn.peer_ids.get("adversary", "")
         trained = (st.get("workers") or {}).get(adv, {}).get("trained", 0)
-        lines += ["", f"Adversary `{dn.o.adversary}`: banned = **{'yes (' + banned[adv] + ')' if adv in banned else 'NO'}**, "
-                      f"rollouts trained on = **{trained}**."]
+        lines += ["", (f"Adversary `{dn.o.adversary}`: banned = **{'yes (' + banned[adv] + ')' if adv in banned else 'NO'}**, "
+                      f"rollouts trained on = **{trained}**.")]
     lines += ["", "## Held-out evaluations", "",
-              f"Every {run.get('eval_every') or '-'} steps, {evals[0].get('samples_per_problem', '?') if evals else '?'} samples per "
+              (f"Every {run.get('eval_every') or '-'} steps, {evals[0].get('samples_per_problem', '?') if evals else '?'} samples per "
               "held-out problem; 95 % interval: percentile bootstrap over problems (a problem's samples are correlated, "
-              "so a binomial interval over samples would be too narrow).", "",
+              "so a binomial interval over samples would be too narrow)."), "",
               "| policy step | pass rate | 95 % interval | samples |", "|---|---|---|---|"]
     for e in evals:
         lines.append(f"| {e['step']} | {_f(e.get('heldout_pass_rate'))} | {_f(e.get('heldout_ci_low'))}–{_f(e.get('heldout_ci_high'))} | "
                      f"{e.get('samples', '-')} |")
     lines += ["", "## Steps", "",
-              "mismatch KL: k3 estimate of KL(behavior ‖ trainer) over the trained tokens; ratio: π_trainer/π_behavior per token "
+              ("mismatch KL: k3 estimate of KL(behavior ‖ trainer) over the trained tokens; ratio: π_trainer/π_behavior per token "
               "(min–max); clipped: fraction of loss tokens whose clipped branch was active; staleness: trainer step − policy step "
-              "→ rollouts.", "",
+              "→ rollouts."), "",
               "| step | reward | pass rate | loss | grad norm | mismatch KL | ratio | clipped | staleness | tokens/s | publish s |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in steps:

@@ -15,19 +15,19 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from node.errors import FetchError
-from node.p2p import GossipConfig, GossipNode
-from node.roles import require_sandbox_for, sleep_unless, start_status_server
-from node.policy import PolicyFollower, gossip_sources, relays_lagging
 from node.ingest_client import IngestClient, IngestUnavailable
+from node.p2p import GossipConfig, GossipNode
+from node.policy import PolicyFollower, gossip_sources, relays_lagging
 from node.retry import Backoff, FailureLog
+from node.roles import require_sandbox_for, sleep_unless, start_status_server
 from node.status_http import StatusServer
+from protocol.dataset import resolve_tasks
 from protocol.envelope import open_envelope, seal
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
 from protocol.messages import BanList, LeaseRequest, Submission, Verdict
 from protocol.models import load_model, load_tokenizer
 from protocol.runspec import SignedRunSpec
-from protocol.dataset import resolve_tasks
 from validator.ledger import Ledger
 from validator.pipeline import CheckResult, SubmissionChecker
 
@@ -244,7 +244,7 @@ class ValidatorNode:
         if self.gossip is not None:
             try:
                 await self.gossip.publish_verdict(verdict)
-            except Exception as e:  # gossip is best effort; the ingest got the verdict over HTTP
+            except Exception as e:  # noqa: BLE001 - gossip is best effort; the ingest got the verdict over HTTP
                 logger.debug("verdict gossip failed: %s", e)
 
     def _sampled(self, sid: str) -> bool:

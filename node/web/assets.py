@@ -112,7 +112,7 @@ class RecentErrors(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             msg = record.getMessage()
-        except Exception:  # a bad format string must not break logging
+        except Exception:  # noqa: BLE001 - a bad format string (any error) must not break logging
             msg = str(record.msg)
         with self._lock_:
             self._records.append({"ts_ms": int(record.created * 1000), "level": record.levelname, "logger": record.name,

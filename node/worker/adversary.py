@@ -130,7 +130,7 @@ def build_dishonest_submission(
 def _fake_eos(spec: RunSpec, engine: Engine, tokenizer: Any, plan: Sequence[PlannedTask], r: Any) -> Any:
     """Cut the completion with EOS where P(EOS) is lowest, with honest proofs and log-probs."""
     if not isinstance(engine, TransformersEngine):
-        raise ValueError("fake-eos needs the transformers engine")
+        raise ValueError("fake-eos needs the transformers engine")  # noqa: TRY004 - documented: ValueError for an engine a cheat cannot wrap
     eos = int(tokenizer.eos_token_id)
     p = plan[r.task]
     sampled = [int.from_bytes(r.completion_ids[i : i + 4], "little") for i in range(0, len(r.completion_ids), 4)]
