@@ -17,6 +17,7 @@ here opens a path. Memory is flat in checkpoint size: files are processed in win
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import struct
 from collections.abc import Callable, Iterator
@@ -178,7 +179,7 @@ def _sections(bounds: list[int], size: int) -> list[int]:
     """Section lengths in words tiling a file of ``size`` bytes (``size`` even), cut at even bounds."""
     cuts = sorted({b // 2 for b in bounds if b % 2 == 0 and 0 < b < size} | {0, size // 2})
     out: list[int] = []
-    for a, b in zip(cuts, cuts[1:], strict=False):
+    for a, b in itertools.pairwise(cuts):
         while b - a > MAX_SECTION_WORDS:
             out.append(MAX_SECTION_WORDS)
             a += MAX_SECTION_WORDS

@@ -21,10 +21,9 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
-
-import msgpack
 from typing import Any, Generic, TypeVar
 
+import msgpack
 from pydantic import ValidationError
 
 from protocol import encoding
@@ -309,7 +308,7 @@ def _read_outer(data: bytes) -> _Outer:
         raise DecodeError("trailing bytes after the message")
     missing = [k for k in _OUTER_ORDER if k not in fields and k != "body"] + (["body"] if body_span is None else [])
     if missing:
-        raise SchemaError("missing", sorted(missing)[0])
+        raise SchemaError("missing", min(missing))
     assert body_span is not None and sig_span is not None
     signed = bytes([0x80 | (len(_OUTER_ORDER) - 1)]) + data[1:sig_span[0]] + data[sig_span[1]:]
     return _Outer(fields=fields, body_bytes=data[body_span[0]:body_span[1]], signed_bytes=signed)

@@ -24,6 +24,7 @@ worker drop the submissions in its spool.
 from __future__ import annotations
 
 import ipaddress
+import math
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -118,7 +119,7 @@ def retry_after_seconds(header: str | None) -> float | None:
         s = float(header.strip()[:16])
     except ValueError:
         return None
-    if s != s or s < 0:  # NaN or negative
+    if math.isnan(s) or s < 0:
         return None
     return min(s, MAX_RETRY_AFTER_S)
 

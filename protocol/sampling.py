@@ -675,7 +675,7 @@ def _icdf_replay(
                 ex = excl.gather(-1, ids)
                 out = (ex < nucleus_limit) | (ex <= 0.0)
             if eos_idx is not None:
-                p_eos = e[:, eos_idx].sum(dim=-1) / total
+                p_eos = e[:, eos_idx].sum(dim=-1) / total  # noqa: B023 - kept() runs only within this iteration
                 out = out & ~(torch.isin(ids, eos_idx) & (p_eos < floor)[:, None])
             return out
 

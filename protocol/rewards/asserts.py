@@ -316,7 +316,7 @@ def decode_value(x: Any, depth: int = 0) -> Any:
         if tag == "C":
             return complex(float(items[0]), float(items[1]))
         if not isinstance(items, list):
-            raise ValueError("malformed container")
+            raise ValueError("malformed container")  # noqa: TRY004 - documented: every malformed value is a ValueError
         if tag == "L":
             return [decode_value(i, d) for i in items]
         if tag == "T":

@@ -11,7 +11,6 @@ from collections.abc import Iterable
 
 from protocol.tasks.schema import Task, TaskError
 
-
 TASK_DERIVATION_DOMAIN = b"intellect-node/task-derivation/v1\x00"
 """Domain-separation prefix of :func:`derive_task_indices`'s hash input."""
 

@@ -12,7 +12,6 @@ import ast
 import gzip
 import json
 import logging
-import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any

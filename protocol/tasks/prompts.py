@@ -8,7 +8,6 @@ from typing import Literal
 
 from protocol.tasks.schema import Task, TaskError
 
-
 LENGTH_CONTROL_TEMPLATE = "Think for {n} tokens before giving a response."
 """INTELLECT-2's length-control instruction (paper §3.3; prime-rl ``length_prompt_location``)."""
 

@@ -11,7 +11,6 @@ from typing import Any, Literal, cast
 
 from protocol.errors import ProtocolError
 
-
 TaskType = Literal["verifiable_math", "prime_rl_code"]
 TASK_TYPES: tuple[str, ...] = ("verifiable_math", "prime_rl_code")
 
