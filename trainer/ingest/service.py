@@ -29,7 +29,7 @@ import sqlite3
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -537,7 +537,7 @@ class IngestService:
                     continue
                 try:
                     result = self.recheck(raw)
-                except Exception as e:  # the re-check's own failure is no evidence against the worker
+                except Exception as e:  # noqa: BLE001 - the re-check's own failure is no evidence against the worker
                     logger.warning("re-check of %s failed: %s", sid[:12], e)
                     result = RecheckResult(True, "recheck_failed", str(e)[:200], "")
                 if not result.accepted and is_cheat(result.reason):
@@ -634,7 +634,8 @@ def _error(code: str, detail: str, retry_after: float | None = None) -> Rejected
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+async def error_middleware(request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     """Turn :class:`Rejected` into ``{"error", "detail"}`` JSON responses (add to the app's middlewares)."""
     try:
         return await handler(request)
