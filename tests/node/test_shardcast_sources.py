@@ -49,7 +49,7 @@ def test_probation_reserved_origin_slots_and_miss_backoff() -> None:
 def test_failure_and_miss_cool_downs_double_to_their_caps(monkeypatch) -> None:
     """Transport failures: 0.25 s doubling to 30 s; "not held" misses: 0.5 s doubling to 10 s; a
     cool-down never shortens one already running (clock frozen, so the delays are exact)."""
-    import node.shardcast.sources as sources
+    from node.shardcast import sources
 
     monkeypatch.setattr(sources.time, "monotonic", lambda: 1000.0)
     pool = SourcePool(["http://r", "http://m"])
@@ -75,7 +75,7 @@ def test_long_failure_and_miss_streaks_stay_at_their_caps(monkeypatch) -> None:
     """An upstream down for hours (a relay polling it every cool-down) builds a streak of thousands of
     failures; the back-off stays at its cap instead of overflowing (``0.25 · 2**1024`` raised
     ``OverflowError`` out of ``record_failure``, stopping the caller's poll loop)."""
-    import node.shardcast.sources as sources
+    from node.shardcast import sources
 
     monkeypatch.setattr(sources.time, "monotonic", lambda: 1000.0)
     pool = SourcePool(["http://r", "http://m"])
