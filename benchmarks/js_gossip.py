@@ -147,7 +147,8 @@ class JsGossipNode:
             "bootstrap": self.bootstrap,
             "target_peers": self.config.target_peers,
             "max_peers": self.config.max_peers,
-            "validate_timeout_ms": 5000,
+            # an answer later than the freshness window is moot (the envelope would be stale): ignore it then
+            "validate_timeout_ms": round(self._validator.max_age_s * 1000),
         }
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
