@@ -153,8 +153,8 @@ class JsGossipNode:
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
         self.proc = await asyncio.create_subprocess_exec(
-            "node", str(JS_NODE), json.dumps(cfg), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=None, limit=MAX_FRAME)
+            "node", str(JS_NODE), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=None, limit=MAX_FRAME,
+            env={**os.environ, "INTELLECT_JS_GOSSIP": json.dumps(cfg)})  # the seed: not on the command line (ps shows it)
         self._tasks.append(asyncio.create_task(self._read_frames()))
         try:
             ready = await asyncio.wait_for(self._ready, START_TIMEOUT_S)

@@ -2,7 +2,8 @@
 // (benchmarks/js_gossip.py, used by `benchmarks/gossip_bench.py --layout js`). Benchmark only:
 // the node itself runs py-libp2p (node/p2p/).
 //
-// Usage: node gossip_node.mjs '<config JSON>'   (install first: npm ci --prefix benchmarks/js)
+// Usage: INTELLECT_JS_GOSSIP='<config JSON>' node gossip_node.mjs   (install first: npm ci --prefix benchmarks/js)
+//   (in the environment, not argv: argv is readable by every user, the environment only by the owner)
 //   config: {seed: 64 hex chars (the node's ed25519 seed), port, topics: [5 topic names, by kind
 //   index], subscribe: [kind indices], hub: bool, bootstrap: [multiaddrs], target_peers,
 //   max_peers, validate_timeout_ms}
@@ -36,7 +37,8 @@ Promise.withResolvers ??= function () {
   return { promise, resolve, reject }
 }
 
-const cfg = JSON.parse(process.argv[2])
+const cfg = JSON.parse(process.env.INTELLECT_JS_GOSSIP)
+delete process.env.INTELLECT_JS_GOSSIP
 const RESULTS = [TopicValidatorResult.Accept, TopicValidatorResult.Reject, TopicValidatorResult.Ignore]
 
 function frame (op, ...parts) {
