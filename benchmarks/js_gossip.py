@@ -24,7 +24,9 @@ topics' handlers, the HTTP status routes. Imports only pure parts of ``node.p2p`
 Install: ``npm ci --prefix benchmarks/js``. Run as a child node:
 ``python benchmarks/js_gossip.py --run RUN.toml --key KEY --role worker --bootstrap MULTIADDR``
 (prints ``READY <multiaddr>`` and, with ``--log-announcements``, JSON lines as
-``tests/node/gossip_runner.py``).
+``tests/node/gossip_runner.py``). ``python benchmarks/js_gossip.py --self-check`` starts three nodes
+and checks the identity and that a forged message is rejected before it is forwarded
+(:func:`self_check`; a few seconds).
 """
 
 from __future__ import annotations
@@ -92,14 +94,16 @@ class JsGossipNode:
         bootstrap: multiaddrs with ``/p2p/<peer ID>``, dialed forever.
         drop_announcements: ignore every checkpoint announcement (a node that loses them all,
             to measure learning the step from the coordinator's record).
+        target_peers: dial peers learned from records while below this many connections
+            (default ``GossipConfig.target_peers``, 3).
 
     Raises (from :meth:`start`):
         RuntimeError: the Node process did not start, or its peer ID is not ``key.peer_id``.
     """
 
     def __init__(self, spec: RunSpec, key: NodeKey, *, role: Role, bootstrap: list[str] | None = None,
-                 drop_announcements: bool = False) -> None:
-        self.config = GossipConfig()
+                 drop_announcements: bool = False, target_peers: int | None = None) -> None:
+        self.config = GossipConfig() if target_peers is None else GossipConfig(target_peers=target_peers)
         self.spec, self.key, self.role = spec, key, role
         self.peer_id = key.peer_id
         self.run_id = spec.run_id
@@ -308,6 +312,59 @@ class JsGossipNode:
                 h(step)
 
 
+async def self_check() -> None:
+    """Three js-libp2p nodes in a line, worker — relay — coordinator (each dials only its
+    bootstrap peer). Checks that each Node process's peer ID is its node key's (``start`` refuses
+    otherwise), that a forged announcement (sealed by a key that is not the coordinator's, handed
+    to gossipsub without the publisher's own check) is rejected by the relay's Python validator and
+    never reaches the worker, and that the valid announcement published after it does.
+
+    Raises:
+        SystemExit: a check failed (one line saying which), or an event did not come within 60 s.
+    """
+    from protocol.runspec import NetworkSpec, RunInfo
+
+    coord = NodeKey.generate()
+    spec = RunSpec(run=RunInfo(coordinator=coord.peer_id), network=NetworkSpec(heartbeat_interval_s=1.0))
+    relay = await JsGossipNode.create(spec, NodeKey.generate(), role="relay")
+    nodes = [relay]
+    try:
+        worker = await JsGossipNode.create(spec, NodeKey.generate(), role="worker", bootstrap=relay.addrs[:1], target_peers=1)
+        nodes.append(worker)
+        c = await JsGossipNode.create(spec, coord, role="coordinator", bootstrap=relay.addrs[:1], target_peers=1)
+        nodes.append(c)
+        got: list[int] = []
+        arrived = asyncio.Event()
+        worker.on_announcement(lambda env: (got.append(env.body.step), arrived.set()))
+        deadline = time.monotonic() + 60
+        while not ((await worker.stats())["mesh"].get(str(TOPIC_KINDS.index("checkpoints")), 0) >= 1
+                   and (await c.stats())["mesh"].get(str(TOPIC_KINDS.index("checkpoints")), 0) >= 1):
+            if time.monotonic() > deadline:
+                raise SystemExit("self-check: no checkpoints mesh within 60 s")
+            await asyncio.sleep(0.2)
+        ann = CheckpointAnnouncement(step=1, manifest_id=b"\1" * 32, checkpoint_hash=b"\0" * 32)
+        forged = seal(NodeKey.generate(), spec.run_id, ann)  # any key but the coordinator's
+        assert c.proc is not None and c.proc.stdin is not None
+        c.proc.stdin.write(_frame(b"P", bytes([TOPIC_KINDS.index("checkpoints")]), forged))  # past publish()'s own check
+        await c.publish_announcement(c.seal(CheckpointAnnouncement(step=2, manifest_id=b"\2" * 32, checkpoint_hash=b"\0" * 32)))
+        try:
+            await asyncio.wait_for(arrived.wait(), 60)
+        except TimeoutError:
+            raise SystemExit("self-check: the valid announcement did not reach the worker within 60 s") from None
+        ids = [n.peer_id for n in nodes]
+        if got != [2]:
+            raise SystemExit(f"self-check: the worker delivered steps {got}, expected only [2]")
+        if relay.rejected.get("SignatureError", 0) < 1:
+            raise SystemExit(f"self-check: the relay's validator did not reject the forged announcement ({dict(relay.rejected)})")
+        if worker.rejected:
+            raise SystemExit(f"self-check: the forged announcement was forwarded to the worker ({dict(worker.rejected)})")
+        print(f"self-check passed: peer IDs {', '.join(i[-8:] for i in ids)} are the node keys'; the relay rejected the forged "
+              f"announcement ({dict(relay.rejected)}) and did not forward it; the worker delivered only the valid one")
+    finally:
+        for n in reversed(nodes):
+            await n.stop()
+
+
 async def _main(args: argparse.Namespace) -> None:
     from protocol.runspec import load_run_spec
 
@@ -331,13 +388,20 @@ async def _main(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", required=True)
-    p.add_argument("--key", required=True)
+    p.add_argument("--self-check", action="store_true", help="run three nodes and check identity and validation before forwarding, then exit")
+    p.add_argument("--run")
+    p.add_argument("--key")
     p.add_argument("--role", default="relay")
     p.add_argument("--bootstrap", action="append", default=[])
     p.add_argument("--log-announcements", action="store_true")
     p.add_argument("--drop-announcements", action="store_true", help="ignore every checkpoint announcement (learn steps from records)")
-    asyncio.run(_main(p.parse_args()))
+    args = p.parse_args()
+    if args.self_check:
+        asyncio.run(self_check())
+    elif not (args.run and args.key):
+        p.error("--run and --key are needed (or --self-check)")
+    else:
+        asyncio.run(_main(args))
 
 
 if __name__ == "__main__":
