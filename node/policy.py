@@ -166,7 +166,7 @@ class PolicyFollower:
             step, deltas off, or the delta path refused — the reason is logged).
         """
         held = [s for s in self._held_steps() if s < step]
-        if step == 0 or not held or self.spec.shardcast.max_delta_chain == 0:
+        if step == 0 or not held or not self.spec.publishes_deltas:
             return False
         from node.shardcast.delta import fetch_step
 

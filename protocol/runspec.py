@@ -244,6 +244,12 @@ class RunSpec(_Section):
     def is_validator(self, peer_id: str) -> bool:
         return peer_id in self.run.validators
 
+    @property
+    def publishes_deltas(self) -> bool:
+        """Whether policies also go out as step deltas: bf16 policies with ``shardcast.max_delta_chain``
+        > 0 (``docs/shardcast.md`` §9; fp32 words change too often between steps to pay)."""
+        return self.model.dtype == "bfloat16" and self.shardcast.max_delta_chain > 0
+
 
 class SignedRunSpec(BaseModel):
     """A run spec with the coordinator's signature over its run ID."""

@@ -75,7 +75,7 @@ class PolicyPublisher:
         env = self.origin.manifest(step)
         if env is None:
             # bf16 policies also go out as a delta from the previous published step (docs/shardcast.md §9)
-            deltas = self.spec.model.dtype == "bfloat16" and self.spec.shardcast.max_delta_chain > 0 and self.published_step >= 0
+            deltas = self.spec.publishes_deltas and self.published_step >= 0
             env = publish_checkpoint(self.origin, files, step=step, key=self.key, piece_size_bytes=self.spec.shardcast.piece_size_bytes,
                                      delta_from=self.published_step if deltas else None)
             self._prune(step)

@@ -494,8 +494,10 @@ async def fetch_step(
                                        time.monotonic() - t0, pool.faulty())
             except (DeltaUnavailable, FetchError, ProtocolError, StoreError, OSError) as e:  # OSError: e.g. the held base vanished
                 reason = str(e)
-                logger.warning("delta path to step %d refused (%s); fetching the full checkpoint", target.body.step, reason,
-                               extra={"step": target.body.step})
+                # no delta published (yet) is normal; a source that failed or lied is worth a warning
+                logger.log(logging.INFO if isinstance(e, DeltaUnavailable) else logging.WARNING,
+                           "delta path to step %d refused (%s); fetching the full checkpoint", target.body.step, reason,
+                           extra={"step": target.body.step})
         if not full_fallback:
             raise DeltaUnavailable(reason)
         faulty = pool.faulty()

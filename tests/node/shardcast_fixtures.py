@@ -20,7 +20,7 @@ from node.shardcast.publish import publish_checkpoint
 from node.shardcast.server import ShardcastServer
 from node.shardcast.store import ShardcastStore
 from protocol.identity import NodeKey
-from protocol.runspec import RLSpec, RunInfo, RunSpec, ShardcastSpec, SignedRunSpec, sign_run_spec
+from protocol.runspec import ModelSpec, RLSpec, RunInfo, RunSpec, ShardcastSpec, SignedRunSpec, sign_run_spec
 
 PIECE = 64 * 1024
 
@@ -39,10 +39,11 @@ class Run:
         return self.signed.spec.authorities
 
 
-def make_run(*, keep_steps: int = 3, piece_size: int = PIECE, name: str = "devnet") -> Run:
+def make_run(*, keep_steps: int = 3, piece_size: int = PIECE, name: str = "devnet", model_dtype: str = "float32") -> Run:
     key = NodeKey.generate()
     spec = RunSpec(
         run=RunInfo(name=name, coordinator=key.peer_id),
+        model=ModelSpec(dtype=model_dtype),
         rl=RLSpec(async_level=keep_steps - 1),
         shardcast=ShardcastSpec(piece_size_bytes=piece_size, keep_steps=keep_steps),
     )

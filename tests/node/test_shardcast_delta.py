@@ -75,7 +75,7 @@ async def _step(run, sources, out, held, step, **kw):
 
 @pytest.fixture
 def origin(tmp_path, policies):
-    run = make_run(keep_steps=4)
+    run = make_run(keep_steps=4, model_dtype="bfloat16")  # deltas go out for bf16 policies only
     store = make_store(run, tmp_path / "origin")
     _publish_all(run, store, policies)
     return run, store
