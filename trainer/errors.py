@@ -45,7 +45,7 @@ class NotEnoughRolloutsError(BatchError):
     ) -> None:
         super().__init__(
             f"step {step}: {usable_groups}/{needed_groups} usable groups "
-            f"({stale_groups} stale, {zero_advantage_groups} all-zero advantage, {incomplete_groups} incomplete); "
+            f"(not counted: {stale_groups} stale, {zero_advantage_groups} all-zero advantage, {incomplete_groups} incomplete); "
             "wait for more accepted submissions"
         )
         self.step = step

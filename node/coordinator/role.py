@@ -302,9 +302,8 @@ class Coordinator:
             highlight=False,
         )
         if self.options.eval_every and self.trainer.step % self.options.eval_every == 0 and self.options.eval_samples:
-            state, self.state = self.state, f"evaluating policy step {self.trainer.step} on held-out tasks"
+            self.state = f"evaluating policy step {self.trainer.step} on held-out tasks"
             self._evaluate_and_log()
-            self.state = state
 
     def next_batch(self) -> Batch | None:
         """Block until the buffer fills the next step's batch; ``None`` on stop or batch timeout."""
@@ -315,6 +314,7 @@ class Coordinator:
         while not self._stop.is_set():
             try:
                 batch = self.buffer.next_batch(step)
+                self.state = f"training step {step + 1}"  # not the last wait's reason, which would stay up all run
                 self.wait_reason = None
                 self._wait_log.recovered(f"batch for step {step} filled")
                 return batch
