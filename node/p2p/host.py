@@ -36,7 +36,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
-from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
+from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub, get_content_addressed_msg_id
 from libp2p.pubsub.subscription import TrioSubscriptionAPI
@@ -45,6 +45,7 @@ from libp2p.utils.address_validation import expand_wildcard_address
 
 from node.errors import GossipError
 from node.p2p.config import GossipConfig
+from node.p2p.router import BoundedGossipSub
 from node.p2p.transport import muxer_options, secure_transports
 from protocol.identity import NodeKey
 
@@ -153,7 +154,8 @@ class P2PHost:
         )
         if self.host.get_id().to_base58() != key.peer_id:
             raise GossipError(f"libp2p derived peer ID {self.host.get_id()} from key {key.peer_id}")
-        self.router = GossipSub(
+        # IWANT answers bounded (each message once per IWANT, 3 times per peer): node/p2p/router.py
+        self.router = BoundedGossipSub(
             protocols=list(GOSSIPSUB_PROTOCOLS),
             degree=MESH_DEGREE,
             degree_low=MESH_DEGREE_LOW,
