@@ -26,7 +26,8 @@ Install: ``npm ci --prefix benchmarks/js``. Run as a child node:
 (prints ``READY <multiaddr>`` and, with ``--log-announcements``, JSON lines as
 ``tests/node/gossip_runner.py``). ``python benchmarks/js_gossip.py --self-check`` starts three nodes
 and checks the identity and that a forged message is rejected before it is forwarded
-(:func:`self_check`; a few seconds).
+(:func:`self_check`; a few seconds). ``JS_GOSSIP_NODE_ARGS`` adds options to every ``node``
+command line, e.g. ``--cpu-prof --cpu-prof-dir=DIR`` to profile the nodes of a benchmark run.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shlex
 import signal
 import struct
 import sys
@@ -157,7 +159,7 @@ class JsGossipNode:
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
         self.proc = await asyncio.create_subprocess_exec(
-            "node", str(JS_NODE), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=None, limit=MAX_FRAME,
+            "node", *shlex.split(os.environ.get("JS_GOSSIP_NODE_ARGS", "")), str(JS_NODE), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=None, limit=MAX_FRAME,
             env={**os.environ, "INTELLECT_JS_GOSSIP": json.dumps(cfg)})  # the seed: not on the command line (ps shows it)
         self._tasks.append(asyncio.create_task(self._read_frames()))
         try:
