@@ -48,7 +48,7 @@ from node.p2p.gossip import (
 from node.p2p.host import P2PHost
 from node.p2p.peers import PeerTable
 from protocol.envelope import Envelope, seal
-from protocol.errors import ProtocolError
+from protocol.errors import DecodeError, ProtocolError
 from protocol.identity import NodeKey
 from protocol.messages import CheckpointAnnouncement, Hardware, Message, NodeRecord, Role
 from protocol.runspec import RunSpec
@@ -457,6 +457,8 @@ class GossipNode:
     def _make_validator(self, kind: TopicKind, host: P2PHost) -> Callable[[ID, rpc_pb2.Message], bool]:
         def validate(forwarder: ID, msg: rpc_pb2.Message) -> bool:
             try:
+                if len(msg.topicIDs) != 1:  # ours go on one topic; py-libp2p's router walks every listed one
+                    raise DecodeError(f"message lists {len(msg.topicIDs)} topics, not 1")
                 env = self._validator.check(kind, msg.data)
             except ProtocolError as e:
                 reason, points = penalty_for(e)

@@ -336,3 +336,43 @@ async def test_iwant_answers_hold_each_message_once_and_at_most_three_times_per_
             assert answers <= 3, answers
         finally:
             await handle.cancel()
+
+
+async def test_a_message_listing_extra_topics_is_rejected_before_routing() -> None:
+    """A gossipsub message may list many topic IDs; py-libp2p's router walks each of them for every
+    peer (20,000 junk topics next to a valid record: 0.22 s of the relay's trio loop per message,
+    and a 1 MiB message holds ~70,000). Our messages go on exactly one topic: more is malformed."""
+    run = Run()
+    async with shared_bridge() as bridge, swarm(run, [("relay", None)], bridge=bridge) as (relay,):
+        assert relay._host is not None
+        mallory_key = NodeKey.generate()
+        mallory = P2PHost(mallory_key, config())
+        handle = await bridge.start_task(mallory.serve, timeout_s=10)
+        try:
+            await bridge.run(mallory.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
+            topic = relay.topics["workers"]
+            await eventually(lambda: topic in mallory.pubsub.peer_topics, 10.0)
+            delivered: list[bytes] = []
+            relay.on_record(lambda env: delivered.append(env.raw))
+            routed: list[int] = []
+            real_publish = relay._host.router.publish
+
+            async def counting_publish(forwarder: Any, msg: Any) -> None:  # the relay's router, after validation
+                routed.append(len(msg.topicIDs))
+                await real_publish(forwarder, msg)
+
+            relay._host.router.publish = counting_publish  # type: ignore[method-assign]
+
+            def record(seq: int) -> bytes:
+                return seal(mallory_key, run.spec.run_id, NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=seq, version="m"))
+
+            many = record(1)
+            await bridge.run(mallory.pubsub.publish, [topic] + [f"/junk/{i}" for i in range(2000)], many, timeout_s=60)
+            one = record(2)  # control, after it on the same stream
+            await bridge.run(mallory.publish, topic, one, timeout_s=10)
+            await eventually(lambda: one in delivered, 30.0)
+            await eventually(lambda: (relay._rejected.get("malformed", 0)) >= 1, 30.0)  # judged, not lost in transit
+            assert many not in delivered
+            assert max(routed) == 1, routed
+        finally:
+            await handle.cancel()
