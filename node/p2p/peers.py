@@ -153,11 +153,11 @@ class PeerTable:
     def _make_room(self, now: float) -> bool:
         """Drop the least recently heard peer if it is dead, else the newest arrival whose role was
         not key-checked (:data:`MAX_PEERS`); ``False`` if only key-checked peers are alive."""
-        victim = next(iter(self._peers.values()))
-        if self._alive(victim, now):
-            victim = next((self._peers[pid] for pid in reversed(self._arrivals) if self._peers[pid].role not in KEY_CHECKED_ROLES), None)
-            if victim is None:
-                return False
+        oldest = next(iter(self._peers.values()))
+        victim = oldest if not self._alive(oldest, now) else next(
+            (self._peers[pid] for pid in reversed(self._arrivals) if self._peers[pid].role not in KEY_CHECKED_ROLES), None)
+        if victim is None:
+            return False
         self._forget(victim.peer_id)
         self.evicted += 1
         return True
@@ -181,7 +181,7 @@ class PeerTable:
     def prune(self) -> list[str]:
         """Drop peers dead for ``FORGET_AFTER_DEAD_FACTOR`` expiry windows; returns their IDs."""
         cutoff = self._clock() - FORGET_AFTER_DEAD_FACTOR * self.expiry_s
-        gone = [p.peer_id for p in self._peers.values() if p.last_seen < cutoff]
+        gone: list[str] = [p.peer_id for p in self._peers.values() if p.last_seen < cutoff]
         for peer_id in gone:
             self._forget(peer_id)
         return gone
