@@ -275,13 +275,14 @@ async def load(port: int, subs: list[bytes], concurrency: int, max_s: float, sta
         done = asyncio.Event()
 
         async def poller() -> None:
-            for _ in range(int(max_s * status_hz) + 1):
-                if done.is_set():
-                    return
-                async with http.get(f"http://127.0.0.1:{port}/status") as r:
-                    await r.read()
-                    status_codes[r.status] = status_codes.get(r.status, 0) + 1
-                await asyncio.sleep(1.0 / status_hz)
+            async with aiohttp.ClientSession() as own:  # its own connection: the load's connector is always full
+                for _ in range(int(max_s * status_hz) + 1):
+                    if done.is_set():
+                        return
+                    async with own.get(f"http://127.0.0.1:{port}/status") as r:
+                        await r.read()
+                        status_codes[r.status] = status_codes.get(r.status, 0) + 1
+                    await asyncio.sleep(1.0 / status_hz)
 
         t0 = time.perf_counter()
         polling = asyncio.create_task(poller()) if status_hz > 0 else None
