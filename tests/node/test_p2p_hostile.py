@@ -5,10 +5,12 @@ DATA sent past yamux's receive window, and a peer in the hub's full mesh that st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import struct
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
 from p2p_helpers import NodeProcess, Run, config, eventually, shared_bridge, swarm
 
+from node.p2p.bridge import TrioBridge
 from node.p2p.host import P2PHost, libp2p_key_pair, parse_peer_addr
 from node.p2p.transport import MAX_INBOUND_STREAMS, BoundedYamux, secure_transports
 from protocol.envelope import seal
@@ -34,6 +37,18 @@ from protocol.messages import NodeRecord, Verdict
 pytestmark = pytest.mark.integration
 
 YAMUX_DATA_HEADER = "!BBHII"  # version, type (0 = DATA), flags, stream ID, length (yamux spec)
+
+
+@contextlib.asynccontextmanager
+async def attacker(bridge: TrioBridge) -> AsyncIterator[tuple[NodeKey, P2PHost]]:
+    """A bare libp2p host with its own key (the hostile peer) served on ``bridge``; stopped on exit."""
+    key = NodeKey.generate()
+    host = P2PHost(key, config())
+    handle = await bridge.start_task(host.serve, timeout_s=10)
+    try:
+        yield key, host
+    finally:
+        await handle.cancel()
 
 
 def _connections(host: P2PHost, peer_id: str) -> list[Any]:
@@ -89,10 +104,7 @@ async def test_a_peer_sending_past_the_yamux_window_is_cut_off_and_its_bytes_are
     run = Run()
     async with shared_bridge() as bridge, swarm(run, [("relay", None)], bridge=bridge) as (relay,):
         assert relay._host is not None
-        mallory_key = NodeKey.generate()
-        mallory = P2PHost(mallory_key, config())
-        handle = await bridge.start_task(mallory.serve, timeout_s=10)
-        try:
+        async with attacker(bridge) as (mallory_key, mallory):
             await bridge.run(mallory.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
             await eventually(lambda: relay.topics["nodes"] in mallory.pubsub.peer_topics, 10.0)
             delivered: list[bytes] = []
@@ -138,8 +150,6 @@ async def test_a_peer_sending_past_the_yamux_window_is_cut_off_and_its_bytes_are
                 await asyncio.sleep(0.05)
             else:
                 raise AssertionError("the relay still lists its connection to the peer")
-        finally:
-            await handle.cancel()
 
 
 async def test_a_mesh_peer_that_stops_reading_does_not_delay_delivery_to_the_others(tmp_path: Path) -> None:
@@ -210,10 +220,7 @@ async def test_peer_exchange_in_a_prune_is_not_dialed() -> None:
     try:
         async with shared_bridge() as bridge, swarm(run, [("relay", None)], bridge=bridge) as (relay,):
             assert relay._host is not None
-            mallory_key = NodeKey.generate()
-            mallory = P2PHost(mallory_key, config())
-            handle = await bridge.start_task(mallory.serve, timeout_s=10)
-            try:
+            async with attacker(bridge) as (mallory_key, mallory):
                 await bridge.run(mallory.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
                 await eventually(lambda: relay.topics["nodes"] in mallory.pubsub.peer_topics, 10.0)
                 infos = []
@@ -233,8 +240,6 @@ async def test_peer_exchange_in_a_prune_is_not_dialed() -> None:
                 pruned = await bridge.run_sync(lambda: ID.from_base58(mallory_key.peer_id) in relay._host.router.back_off.get(topic, {}), timeout_s=5)
                 assert pruned, "the relay never handled the PRUNE: the test proves nothing"
                 assert hits == [], f"the relay dialed the PRUNE's peer exchange {len(hits)} times"
-            finally:
-                await handle.cancel()
     finally:
         server.close()
         await server.wait_closed()
@@ -247,10 +252,7 @@ async def test_a_peer_opening_thousands_of_streams_holds_at_most_the_cap() -> No
     run = Run()
     async with shared_bridge() as bridge, swarm(run, [("relay", None)], bridge=bridge) as (relay,):
         assert relay._host is not None
-        mallory_key = NodeKey.generate()
-        mallory = P2PHost(mallory_key, config())
-        handle = await bridge.start_task(mallory.serve, timeout_s=10)
-        try:
+        async with attacker(bridge) as (mallory_key, mallory):
             await bridge.run(mallory.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
             await eventually(lambda: relay.topics["nodes"] in mallory.pubsub.peer_topics, 10.0)
             relay_conn = (await bridge.run_sync(lambda: _connections(relay._host, mallory_key.peer_id), timeout_s=5))[0].muxed_conn
@@ -276,8 +278,6 @@ async def test_a_peer_opening_thousands_of_streams_holds_at_most_the_cap() -> No
             # the cap, plus the streams py-libp2p queues for acceptance (10) and the one being accepted
             assert peak <= MAX_INBOUND_STREAMS + 12, peak
             assert isinstance(relay_conn, BoundedYamux) and relay_conn.streams_refused > 0
-        finally:
-            await handle.cancel()
 
 
 async def test_iwant_answers_hold_each_message_once_and_at_most_three_times_per_peer() -> None:
@@ -288,18 +288,15 @@ async def test_iwant_answers_hold_each_message_once_and_at_most_three_times_per_
     async with shared_bridge() as bridge, swarm(run, [("relay", None), ("validator", run.validator)], bridge=bridge) as (relay, validator):
         assert relay._host is not None
         await eventually(lambda: validator.peer_id in relay.peers, 10.0)
-        mallory_key = NodeKey.generate()
-        mallory = P2PHost(mallory_key, config())
-        handle = await bridge.start_task(mallory.serve, timeout_s=10)
-        copies: Counter[bytes] = Counter()
-        real_push = mallory.pubsub.push_msg
+        async with attacker(bridge) as (mallory_key, mallory):
+            copies: Counter[bytes] = Counter()
+            real_push = mallory.pubsub.push_msg
 
-        async def counting_push(peer: Any, msg: Any) -> None:  # every copy that arrives, before dedup
-            copies[msg.data] += 1
-            await real_push(peer, msg)
+            async def counting_push(peer: Any, msg: Any) -> None:  # every copy that arrives, before dedup
+                copies[msg.data] += 1
+                await real_push(peer, msg)
 
-        mallory.pubsub.push_msg = counting_push  # type: ignore[method-assign]
-        try:
+            mallory.pubsub.push_msg = counting_push  # type: ignore[method-assign]
             await bridge.run(mallory.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
             topic = relay.topics["verdicts"]
             await bridge.run(mallory.subscribe, topic, lambda *_: True, timeout_s=10)
@@ -334,8 +331,6 @@ async def test_iwant_answers_hold_each_message_once_and_at_most_three_times_per_
             answers = copies[big] - unasked
             assert answers >= 1, "the IWANTs were never answered: the test proves nothing"
             assert answers <= 3, answers
-        finally:
-            await handle.cancel()
 
 
 async def test_a_message_listing_extra_topics_is_rejected_before_routing() -> None:
@@ -345,10 +340,7 @@ async def test_a_message_listing_extra_topics_is_rejected_before_routing() -> No
     run = Run()
     async with shared_bridge() as bridge, swarm(run, [("relay", None)], bridge=bridge) as (relay,):
         assert relay._host is not None
-        mallory_key = NodeKey.generate()
-        mallory = P2PHost(mallory_key, config())
-        handle = await bridge.start_task(mallory.serve, timeout_s=10)
-        try:
+        async with attacker(bridge) as (mallory_key, mallory):
             await bridge.run(mallory.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
             topic = relay.topics["workers"]
             await eventually(lambda: topic in mallory.pubsub.peer_topics, 10.0)
@@ -374,5 +366,3 @@ async def test_a_message_listing_extra_topics_is_rejected_before_routing() -> No
             await eventually(lambda: (relay._rejected.get("malformed", 0)) >= 1, 30.0)  # judged, not lost in transit
             assert many not in delivered
             assert max(routed) == 1, routed
-        finally:
-            await handle.cancel()
