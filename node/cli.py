@@ -74,7 +74,8 @@ def load_key(path: str | None, data_dir: str | None = None, *, create: bool = Fa
 
 
 def add_gossip_arguments(p: argparse._ActionsContainer, *, off_help: str) -> None:
-    """Add ``--p2p-port``, ``--listen-host``, ``--bootstrap`` and ``--no-gossip`` (read back by :func:`gossip_config`).
+    """Add ``--p2p-port``, ``--listen-host``, ``--bootstrap``, ``--max-peers-per-ip`` and ``--no-gossip`` (read back by
+    :func:`gossip_config`).
 
     Args:
         p: the parser or argument group of a command that joins gossip.
@@ -84,10 +85,14 @@ def add_gossip_arguments(p: argparse._ActionsContainer, *, off_help: str) -> Non
     p.add_argument("--listen-host", default="127.0.0.1", help="interface for libp2p (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
                    help="bootstrap peer /ip4/…/tcp/…/p2p/12D3KooW… (repeatable; added to the run spec's)")
+    p.add_argument("--max-peers-per-ip", type=int, default=8, metavar="N",
+                   help="libp2p connections accepted from one remote IP (default 8; loopback is not counted; 0: no limit). "
+                        "Raise it on relays and validators that serve many workers behind one NAT address")
     p.add_argument("--no-gossip", action="store_true", help=off_help)
 
 
-_GOSSIP_FLAGS = {"listen_host": "--listen-host", "p2p_port": "--p2p-port", "bootstrap": "--bootstrap"}
+_GOSSIP_FLAGS = {"listen_host": "--listen-host", "p2p_port": "--p2p-port", "bootstrap": "--bootstrap",
+                 "max_peers_per_ip": "--max-peers-per-ip"}
 
 
 def gossip_config(args: argparse.Namespace) -> GossipConfig | None:
@@ -105,7 +110,8 @@ def gossip_config(args: argparse.Namespace) -> GossipConfig | None:
     from node.p2p import GossipConfig
 
     try:
-        config = GossipConfig(listen_host=args.listen_host, p2p_port=args.p2p_port, bootstrap=args.bootstrap)
+        config = GossipConfig(listen_host=args.listen_host, p2p_port=args.p2p_port, bootstrap=args.bootstrap,
+                              max_peers_per_ip=args.max_peers_per_ip)
     except ValidationError as e:
         err = e.errors()[0]
         flag = _GOSSIP_FLAGS.get(str(err["loc"][0]) if err["loc"] else "", "gossip option")

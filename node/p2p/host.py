@@ -46,7 +46,7 @@ from libp2p.utils.address_validation import expand_wildcard_address
 from node.errors import GossipError
 from node.p2p.config import GossipConfig
 from node.p2p.router import BoundedGossipSub
-from node.p2p.transport import muxer_options, secure_transports
+from node.p2p.transport import PerAddressCap, muxer_options, secure_transports
 from protocol.identity import NodeKey
 
 logger = logging.getLogger(__name__)
@@ -154,6 +154,11 @@ class P2PHost:
         )
         if self.host.get_id().to_base58() != key.peer_id:
             raise GossipError(f"libp2p derived peer ID {self.host.get_id()} from key {key.peer_id}")
+        try:
+            self.address_cap = PerAddressCap(config.max_peers_per_ip, config.ip_limit_exempt)
+        except ValueError as e:
+            raise GossipError(f"ip_limit_exempt: {e}") from None
+        self.host.get_network().register_notifee(self.address_cap)
         # IWANT answers bounded (each message once per IWANT, 3 times per peer): node/p2p/router.py
         self.router = BoundedGossipSub(
             protocols=list(GOSSIPSUB_PROTOCOLS),
@@ -417,6 +422,7 @@ class P2PHost:
             "connected": len(self.host.get_connected_peers()),
             "mesh": self.mesh_sizes(),
             "banned": sorted(p for p in self._banned_until if self.is_banned(p)),
+            "refused_per_ip": self.address_cap.refused,
         }
 
 

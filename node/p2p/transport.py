@@ -21,10 +21,13 @@ import fails if that name is gone, rather than run without the window rule).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+from collections.abc import Iterable
 from typing import Any, cast
 
 import trio
+from libp2p.abc import INetConn, INetStream, INetwork, INotifee
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
 from libp2p.custom_types import TMuxerOptions, TProtocol, TSecurityOptions
@@ -37,7 +40,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_INBOUND_STREAMS", "BoundedYamux", "muxer_options", "secure_transports"]
+__all__ = ["MAX_INBOUND_STREAMS", "BoundedYamux", "PerAddressCap", "muxer_options", "remote_ip", "secure_transports"]
 
 MAX_INBOUND_STREAMS = 64
 """Streams a peer may hold open on one connection (a node's peers need about four: gossipsub,
@@ -147,6 +150,74 @@ class BoundedYamux(Yamux):
             )
             raise trio.TooSlowError
         return await super()._read_data_body(length)
+
+
+def remote_ip(conn: INetConn) -> str | None:
+    """The remote IP address of a libp2p connection (TCP), or None when the transport cannot say."""
+    try:
+        addr = conn.muxed_conn.secured_conn.get_remote_address()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - a transport without addresses, or one torn down already
+        return None
+    return str(addr[0]) if addr else None
+
+
+class PerAddressCap(INotifee):
+    """Closes a new connection when its remote IP then holds more than ``limit`` connections.
+
+    The node's ``max_peers`` (64) is one pool for everyone: measured, 64 noise connections from one
+    address (one machine, any number of made-up peer IDs) left no slot for a single honest worker
+    on a relay. With this cap one address holds at most ``limit``; filling a hub now takes
+    ``max_peers / limit`` addresses. Networks in ``exempt`` (loopback by default: the operator's
+    own machine, and every test and devnet) are not counted. Checked once the connection is
+    established (after the noise handshake); a closed one is logged at DEBUG.
+
+    Args:
+        limit: connections per remote IP; 0 turns the cap off.
+        exempt: CIDR networks (``"127.0.0.0/8"``) whose addresses are never capped.
+
+    Raises:
+        ValueError: an entry of ``exempt`` is not a CIDR network.
+    """
+
+    def __init__(self, limit: int, exempt: Iterable[str]) -> None:
+        self.limit = limit
+        self.exempt = [ipaddress.ip_network(n, strict=False) for n in exempt]
+        self.refused = 0
+        """Connections closed by the cap (for status and tests)."""
+
+    def _counted(self, ip: str | None) -> bool:
+        if ip is None or self.limit <= 0:
+            return False
+        try:
+            a = ipaddress.ip_address(ip)
+        except ValueError:
+            return False
+        return not any(a in n for n in self.exempt if n.version == a.version)
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        ip = remote_ip(conn)
+        if not self._counted(ip):
+            return
+        same = sum(1 for c in network.get_connections() if remote_ip(c) == ip)
+        if same > self.limit:
+            self.refused += 1
+            logger.debug("closing a connection from %s: %d connections from that address (limit %d)", ip, same, self.limit)
+            await conn.close()
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        return None
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        return None
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        return None
+
+    async def listen(self, network: INetwork, multiaddr: Any) -> None:
+        return None
+
+    async def listen_close(self, network: INetwork, multiaddr: Any) -> None:
+        return None
 
 
 if getattr(muxer_multistream, "Yamux", None) not in (Yamux, BoundedYamux):

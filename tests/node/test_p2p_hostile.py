@@ -366,3 +366,34 @@ async def test_a_message_listing_extra_topics_is_rejected_before_routing() -> No
             await eventually(lambda: (relay._rejected.get("malformed", 0)) >= 1, 30.0)  # judged, not lost in transit
             assert many not in delivered
             assert max(routed) == 1, routed
+
+
+@pytest.mark.parametrize("loopback_exempt", [False, True], ids=["capped", "loopback_exempt"])
+async def test_one_address_holds_at_most_max_peers_per_ip_connections(loopback_exempt: bool) -> None:
+    """64 noise connections from one address, each with a made-up peer ID, took every slot of a
+    relay: no honest worker could connect. One address now holds at most ``max_peers_per_ip``
+    (here 2, counting loopback as a remote address); the default exempts loopback, so a
+    machine's own nodes (tests, the devnet) are not capped — the control."""
+    run = Run()
+    cfg: dict[str, Any] = {"max_peers_per_ip": 2}
+    if not loopback_exempt:
+        cfg["ip_limit_exempt"] = []
+    async with shared_bridge() as bridge, swarm(run, [("relay", None)], bridge=bridge, **cfg) as (relay,):
+        assert relay._host is not None
+        async with attacker(bridge) as (_, m1), attacker(bridge) as (_, m2), attacker(bridge) as (_, m3):
+            for m in (m1, m2, m3):  # one after another: the third arrives when two are established
+                await bridge.run(m.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
+            if loopback_exempt:
+                for _ in range(400):  # all three registered on the relay's side (20 s at most)
+                    stats = await relay.stats()
+                    if stats["connected"] == 3:
+                        break
+                    await asyncio.sleep(0.05)
+                assert stats["connected"] == 3 and stats["refused_per_ip"] == 0, stats
+            else:
+                for _ in range(400):  # the cap closes the third (20 s at most)
+                    stats = await relay.stats()
+                    if stats["refused_per_ip"] >= 1 and stats["connected"] <= 2:
+                        break
+                    await asyncio.sleep(0.05)
+                assert stats["refused_per_ip"] >= 1 and stats["connected"] <= 2, stats

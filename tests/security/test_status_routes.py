@@ -118,3 +118,18 @@ def test_hostile_bootstrap_flag_is_a_one_line_error(addr):
     assert "\n" not in str(e.value) and len(str(e.value)) <= 450
     ok = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
     assert gossip_config(p.parse_args(["--bootstrap", ok])).bootstrap == [ok]
+
+
+def test_max_peers_per_ip_flag():
+    """``--max-peers-per-ip`` reaches the gossip settings (default 8; 0 turns the cap off) and a
+    negative value is a one-line error naming the flag."""
+    import argparse
+
+    from node.cli import CliError, add_gossip_arguments, gossip_config
+
+    p = argparse.ArgumentParser()
+    add_gossip_arguments(p, off_help="off")
+    assert gossip_config(p.parse_args([])).max_peers_per_ip == 8
+    assert gossip_config(p.parse_args(["--max-peers-per-ip", "32"])).max_peers_per_ip == 32
+    with pytest.raises(CliError, match=r"^invalid --max-peers-per-ip: "):
+        gossip_config(p.parse_args(["--max-peers-per-ip", "-1"]))
