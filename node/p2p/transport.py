@@ -153,12 +153,17 @@ class BoundedYamux(Yamux):
 
 
 def remote_ip(conn: INetConn) -> str | None:
-    """The remote IP address of a libp2p connection (TCP), or None when the transport cannot say."""
+    """The remote IP address of a libp2p connection (TCP), or None when the transport cannot say.
+    An IPv4 address reaching a dual-stack listener (``::ffff:1.2.3.4``) is given as IPv4, so it is
+    counted with the same address's other connections."""
     try:
         addr = conn.muxed_conn.secured_conn.get_remote_address()  # type: ignore[attr-defined]
+        ip = ipaddress.ip_address(str(addr[0]).split("%", 1)[0]) if addr else None
     except Exception:  # noqa: BLE001 - a transport without addresses, or one torn down already
         return None
-    return str(addr[0]) if addr else None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip) if ip is not None else None
 
 
 class PerAddressCap(INotifee):
