@@ -6,13 +6,16 @@ Importable from every test directory (pytest puts ``tests/``, the directory of t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -62,3 +65,31 @@ def wait_for(cond: Callable[[], T], timeout_s: float, what: str, proc: subproces
             raise AssertionError(f"the process exited ({proc.returncode}) while waiting for {what}")
         time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+@contextlib.contextmanager
+def serve_bodies(bodies: dict[str, bytes]) -> Iterator[str]:
+    """An HTTP server on 127.0.0.1 (any port) answering ``GET path`` with ``bodies[path]`` as JSON
+    (404 and an empty body for other paths); yields its base URL, stops on exit."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # http.server's method name
+            body = bodies.get(self.path, b"")
+            self.send_response(200 if self.path in bodies else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

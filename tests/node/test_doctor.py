@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from localnet import free_port
+from localnet import free_port, serve_bodies
 
 from node.cli import main
 from node.commands.doctor import estimate_model_bytes, run_checks
@@ -24,29 +22,9 @@ from protocol.runspec import dump_run_spec, sign_run_spec
 @pytest.fixture
 def other_run_server() -> Iterator[str]:
     """An HTTP server on 127.0.0.1 answering /status and /shardcast/1/held for a different run."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            doc = {"run_id": "ab" * 32, "peer_id": "x", "held_steps": [0]} if self.path in ("/status", "/shardcast/1/held") else None
-            body = json.dumps(doc).encode() if doc else b"{}"
-            self.send_response(200 if doc else 404)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+    doc = json.dumps({"run_id": "ab" * 32, "peer_id": "x", "held_steps": [0]}).encode()
+    with serve_bodies({"/status": doc, "/shardcast/1/held": doc}) as url:
+        yield url
 
 
 def _write_spec(tmp_path: Path, *, http_url: str, bootstrap: str) -> Path:
