@@ -46,7 +46,7 @@ from libp2p.utils.address_validation import expand_wildcard_address
 from node.errors import GossipError
 from node.p2p.config import GossipConfig
 from node.p2p.router import BoundedGossipSub
-from node.p2p.transport import PerAddressCap, muxer_options, secure_transports
+from node.p2p.transport import PerAddressCap, install_inbound_rules, muxer_options, secure_transports
 from protocol.identity import NodeKey
 
 logger = logging.getLogger(__name__)
@@ -159,6 +159,8 @@ class P2PHost:
         except ValueError as e:
             raise GossipError(f"ip_limit_exempt: {e}") from None
         self.host.get_network().register_notifee(self.address_cap)
+        # inbound handlers end with their connection, and the cap applies before the handshake too
+        install_inbound_rules(self.host.get_network(), self.address_cap)
         # IWANT answers bounded (each message once per IWANT, 3 times per peer): node/p2p/router.py
         self.router = BoundedGossipSub(
             protocols=list(GOSSIPSUB_PROTOCOLS),

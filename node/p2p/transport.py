@@ -21,8 +21,11 @@ import fails if that name is gone, rather than run without the window rule).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ipaddress
 import logging
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -31,6 +34,7 @@ from libp2p.abc import INetConn, INetStream, INetwork, INotifee
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
 from libp2p.custom_types import TMuxerOptions, TProtocol, TSecurityOptions
+from libp2p.network.swarm import Swarm
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer import muxer_multistream
@@ -40,7 +44,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_INBOUND_STREAMS", "BoundedYamux", "PerAddressCap", "muxer_options", "remote_ip", "secure_transports"]
+__all__ = ["MAX_INBOUND_STREAMS", "BoundedYamux", "InboundSwarm", "PerAddressCap", "muxer_options", "remote_ip", "secure_transports"]
 
 MAX_INBOUND_STREAMS = 64
 """Streams a peer may hold open on one connection (a node's peers need about four: gossipsub,
@@ -152,18 +156,27 @@ class BoundedYamux(Yamux):
         return await super()._read_data_body(length)
 
 
+def _stream_ip(stream: Any) -> str | None:
+    """The remote IP of a raw inbound stream (``::ffff:a.b.c.d`` as IPv4), or None."""
+    try:
+        addr = stream.get_remote_address()
+        ip = ipaddress.ip_address(str(addr[0]).split("%", 1)[0]) if addr else None
+    except Exception:  # noqa: BLE001 - a transport without addresses
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip) if ip is not None else None
+
+
 def remote_ip(conn: INetConn) -> str | None:
     """The remote IP address of a libp2p connection (TCP), or None when the transport cannot say.
     An IPv4 address reaching a dual-stack listener (``::ffff:1.2.3.4``) is given as IPv4, so it is
     counted with the same address's other connections."""
     try:
-        addr = conn.muxed_conn.secured_conn.get_remote_address()  # type: ignore[attr-defined]
-        ip = ipaddress.ip_address(str(addr[0]).split("%", 1)[0]) if addr else None
+        secured = conn.muxed_conn.secured_conn  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001 - a transport without addresses, or one torn down already
         return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return str(ip) if ip is not None else None
+    return _stream_ip(secured)
 
 
 class PerAddressCap(INotifee):
@@ -188,7 +201,31 @@ class PerAddressCap(INotifee):
         self.limit = limit
         self.exempt = [ipaddress.ip_network(n, strict=False) for n in exempt]
         self.refused = 0
-        """Connections closed by the cap (for status and tests)."""
+        """Connections closed by the cap, before or after the handshake (for status and tests)."""
+        self.inbound: Counter[str] = Counter()
+        """Inbound connections per remote IP, from accept to close, handshake or not (:class:`InboundSwarm`)."""
+
+    def admit_inbound(self, ip: str | None) -> bool:
+        """Count an accepted inbound TCP connection, before any handshake; False (not counted)
+        when its address already holds ``limit`` inbound connections. Each True needs one
+        :meth:`release_inbound`."""
+        if not self._counted(ip):
+            return True
+        assert ip is not None
+        if self.inbound[ip] >= self.limit:
+            self.refused += 1
+            logger.debug("refusing a connection from %s before its handshake: %d inbound from that address (limit %d)", ip, self.inbound[ip], self.limit)
+            return False
+        self.inbound[ip] += 1
+        return True
+
+    def release_inbound(self, ip: str | None) -> None:
+        """The inbound connection :meth:`admit_inbound` counted has ended."""
+        if self._counted(ip):
+            assert ip is not None
+            self.inbound[ip] -= 1
+            if self.inbound[ip] <= 0:
+                del self.inbound[ip]
 
     def _counted(self, ip: str | None) -> bool:
         if ip is None or self.limit <= 0:
@@ -223,6 +260,74 @@ class PerAddressCap(INotifee):
 
     async def listen_close(self, network: INetwork, multiaddr: Any) -> None:
         return None
+
+
+_FROM_LISTENER: contextvars.ContextVar[bool] = contextvars.ContextVar("_FROM_LISTENER", default=False)
+"""Set in the task py-libp2p's TCP listener runs for one inbound connection, and cleared once read:
+only that path's upgrade waits for the connection's end (relay and hole-punching callers do not)."""
+
+
+class _InboundEnded(Exception):
+    """An inbound connection closed; ends py-libp2p's handler for it (logged at DEBUG there)."""
+
+
+class InboundSwarm(Swarm):
+    """py-libp2p's :class:`Swarm` whose handler of an inbound connection ends when the connection does.
+
+    py-libp2p runs each inbound TCP connection in a handler task that holds one of the swarm's
+    ``max_connections - min_connections`` inbound slots (``_inbound_limiter``) and, once the
+    connection is upgraded, waits for the *swarm* to stop: a closed connection kept its task, its
+    objects and its slot for the node's lifetime. Measured: after ``max_peers`` inbound connections
+    in total (one peer connecting and leaving 64 times) a relay refused every inbound connection,
+    with none open. Here the handler waits for the connection's muxer to shut down instead.
+
+    Before any handshake it also applies :class:`PerAddressCap` to inbound connections: one
+    address holds at most ``limit`` of them, accepted but not yet upgraded included (py-libp2p
+    lets an upgrade take 10 s; TCP connections that never speak otherwise took every inbound slot).
+
+    Installed on a host's swarm by :func:`install_inbound_rules`.
+
+    Attributes:
+        address_cap: the per-address cap counted before the handshake, or None (no cap).
+    """
+
+    address_cap: PerAddressCap | None = None
+
+    async def _do_handle_inbound_connection(self, read_write_closer: Any, maddr: Any, failure_event: Any) -> None:
+        ip = _stream_ip(read_write_closer)
+        cap = self.address_cap
+        if cap is not None and not cap.admit_inbound(ip):
+            with contextlib.suppress(Exception):  # already gone
+                await read_write_closer.close()
+            return
+        _FROM_LISTENER.set(True)  # this task is this connection's handler alone
+        try:
+            await super()._do_handle_inbound_connection(read_write_closer, maddr, failure_event)
+        finally:
+            if cap is not None:
+                cap.release_inbound(ip)
+
+    async def upgrade_inbound_raw_conn(self, raw_conn: Any, maddr: Any) -> Any:
+        from_listener = _FROM_LISTENER.get()
+        _FROM_LISTENER.set(False)  # tasks started during the upgrade do not inherit it
+        muxed = await super().upgrade_inbound_raw_conn(raw_conn, maddr)
+        if not from_listener:
+            return muxed
+        await muxed.event_shutting_down.wait()  # type: ignore[attr-defined] # yamux and mplex both set it on every way down
+        raise _InboundEnded("inbound connection closed")
+
+
+def install_inbound_rules(network: INetwork, cap: PerAddressCap) -> None:
+    """Make ``network`` (a py-libp2p :class:`Swarm`, before it runs) an :class:`InboundSwarm`
+    counting inbound connections against ``cap``.
+
+    Raises:
+        TypeError: ``network`` is not exactly py-libp2p's :class:`Swarm`.
+    """
+    if type(network) is not Swarm:
+        raise TypeError(f"expected py-libp2p's Swarm, got {type(network).__name__}")
+    network.__class__ = InboundSwarm
+    cast(InboundSwarm, network).address_cap = cap
 
 
 if getattr(muxer_multistream, "Yamux", None) not in (Yamux, BoundedYamux):
