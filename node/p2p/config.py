@@ -29,7 +29,7 @@ class GossipConfig(BaseModel):
     hub_full_mesh: Annotated[bool, Field(description="an infrastructure node (coordinator, relay, validator) keeps every peer that grafts it in its gossipsub mesh, up to max_peers (docs/gossip.md, mesh of a star); False: gossipsub's usual bound of 12, kept only so the benchmark can compare")] = True
     target_peers: Annotated[int, Field(ge=1, le=256, description="dial peers learned from records until this many connections")] = 3
     max_peers: Annotated[int, Field(ge=1, le=4096, description="most connections (inbound + outbound) accepted")] = 64
-    max_peers_per_ip: Annotated[int, Field(ge=0, le=4096, description="most connections from one remote IP address (0: no limit); addresses in ip_limit_exempt are not counted")] = 8
+    max_peers_per_ip: Annotated[int, Field(ge=0, le=4096, description="most connections from one remote IP address, IPv6 counted per /56 (0: no limit); addresses in ip_limit_exempt are not counted")] = 8
     ip_limit_exempt: Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=64)] = Field(
         default_factory=lambda: ["127.0.0.0/8", "::1/128"], description="CIDR networks max_peers_per_ip does not apply to (loopback: this machine)"
     )

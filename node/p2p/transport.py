@@ -179,8 +179,12 @@ def remote_ip(conn: INetConn) -> str | None:
     return _stream_ip(secured)
 
 
+IPV6_PREFIX = 56
+"""IPv6 addresses are counted per network of this prefix length (go-libp2p ``defaultIP6Limits``)."""
+
+
 class PerAddressCap(INotifee):
-    """Closes a new connection when its remote IP then holds more than ``limit`` connections.
+    """Closes a new connection when its remote IP (IPv6: its /56) then holds more than ``limit`` connections.
 
     The node's ``max_peers`` (64) is one pool for everyone: measured, 64 noise connections from one
     address (one machine, any number of made-up peer IDs) left no slot for a single honest worker
@@ -203,47 +207,54 @@ class PerAddressCap(INotifee):
         self.refused = 0
         """Connections closed by the cap, before or after the handshake (for status and tests)."""
         self.inbound: Counter[str] = Counter()
-        """Inbound connections per remote IP, from accept to close, handshake or not (:class:`InboundSwarm`)."""
+        """Inbound connections per :meth:`key`, from accept to close, handshake or not (:class:`InboundSwarm`)."""
 
     def admit_inbound(self, ip: str | None) -> bool:
         """Count an accepted inbound TCP connection, before any handshake; False (not counted)
-        when its address already holds ``limit`` inbound connections. Each True needs one
-        :meth:`release_inbound`."""
-        if not self._counted(ip):
+        when its address (IPv6: its /56) already holds ``limit`` inbound connections. Each True
+        needs one :meth:`release_inbound` with the same ``ip``."""
+        key = self.key(ip)
+        if key is None:
             return True
-        assert ip is not None
-        if self.inbound[ip] >= self.limit:
+        if self.inbound[key] >= self.limit:
             self.refused += 1
-            logger.debug("refusing a connection from %s before its handshake: %d inbound from that address (limit %d)", ip, self.inbound[ip], self.limit)
+            logger.debug("refusing a connection from %s before its handshake: %d inbound from %s (limit %d)", ip, self.inbound[key], key, self.limit)
             return False
-        self.inbound[ip] += 1
+        self.inbound[key] += 1
         return True
 
     def release_inbound(self, ip: str | None) -> None:
         """The inbound connection :meth:`admit_inbound` counted has ended."""
-        if self._counted(ip):
-            assert ip is not None
-            self.inbound[ip] -= 1
-            if self.inbound[ip] <= 0:
-                del self.inbound[ip]
+        key = self.key(ip)
+        if key is not None:
+            self.inbound[key] -= 1
+            if self.inbound[key] <= 0:
+                del self.inbound[key]
 
-    def _counted(self, ip: str | None) -> bool:
+    def key(self, ip: str | None) -> str | None:
+        """What the cap counts ``ip`` under: the IPv4 address itself, an IPv6 address's /56
+        network (one host or site is given at least a /64, often a /56: go-libp2p's resource
+        manager counts IPv6 per /56 too), or None: not counted (no address, an exempt network,
+        or the cap off)."""
         if ip is None or self.limit <= 0:
-            return False
+            return None
         try:
             a = ipaddress.ip_address(ip)
         except ValueError:
-            return False
-        return not any(a in n for n in self.exempt if n.version == a.version)
+            return None
+        if any(a in n for n in self.exempt if n.version == a.version):
+            return None
+        return str(ipaddress.ip_network(f"{a}/{IPV6_PREFIX}", strict=False)) if a.version == 6 else str(a)
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
         ip = remote_ip(conn)
-        if not self._counted(ip):
+        key = self.key(ip)
+        if key is None:
             return
-        same = sum(1 for c in network.get_connections() if remote_ip(c) == ip)
+        same = sum(1 for c in network.get_connections() if self.key(remote_ip(c)) == key)
         if same > self.limit:
             self.refused += 1
-            logger.debug("closing a connection from %s: %d connections from that address (limit %d)", ip, same, self.limit)
+            logger.debug("closing a connection from %s: %d connections from %s (limit %d)", ip, same, key, self.limit)
             await conn.close()
 
     async def opened_stream(self, network: INetwork, stream: INetStream) -> None:

@@ -29,7 +29,7 @@ from p2p_helpers import NodeProcess, Run, config, eventually, shared_bridge, swa
 
 from node.p2p.bridge import TrioBridge
 from node.p2p.host import P2PHost, libp2p_key_pair, parse_peer_addr
-from node.p2p.transport import MAX_INBOUND_STREAMS, BoundedYamux, secure_transports
+from node.p2p.transport import MAX_INBOUND_STREAMS, BoundedYamux, PerAddressCap, secure_transports
 from protocol.envelope import seal
 from protocol.identity import NodeKey
 from protocol.messages import NodeRecord, Verdict
@@ -384,7 +384,7 @@ async def test_one_address_holds_at_most_max_peers_per_ip_connections(loopback_e
             for m in (m1, m2, m3):  # one after another: the third arrives when two are established
                 try:
                     await bridge.run(m.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
-                except Exception:  # noqa: BLE001 - capped: the third is refused before its handshake
+                except Exception:  # capped: the third is refused before its handshake
                     if loopback_exempt or m is not m3:
                         raise
             if loopback_exempt:
@@ -462,3 +462,17 @@ async def test_handshakes_from_one_address_hold_at_most_max_peers_per_ip_inbound
         finally:
             for _, writer in silent:
                 writer.close()
+
+
+def test_ipv6_addresses_of_one_slash56_share_one_per_ip_budget() -> None:
+    """An IPv6 host is given a /64 or more (2^64 addresses), so counting exact addresses let one
+    host take every slot. IPv6 addresses are counted by their /56 (go-libp2p's per-subnet limit);
+    another /56, and IPv4, keep their own budgets."""
+    cap = PerAddressCap(2, [])
+    assert cap.admit_inbound("2001:db8:0:1::1") and cap.admit_inbound("2001:db8:0:2::7")  # one /56
+    assert not cap.admit_inbound("2001:db8:0:ff:1:2:3:4"), "a third address of the same /56 got in"
+    assert cap.admit_inbound("2001:db8:0:100::1")  # the next /56
+    assert cap.admit_inbound("192.0.2.1") and cap.admit_inbound("192.0.2.2")  # IPv4: per address
+    cap.release_inbound("2001:db8:0:2::7")
+    assert cap.admit_inbound("2001:db8:0:3::9")  # released: room again
+    assert cap.refused == 1
