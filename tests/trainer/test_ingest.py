@@ -14,7 +14,7 @@ from protocol.ingest_api import BANS_ROUTE, LEASE_ROUTE, SUBMISSIONS_ROUTE, VERD
 from protocol.messages import BanList, LeaseRequest, Rollout, Submission, SubmissionTask, Verdict
 from protocol.runspec import RunInfo, RunSpec
 from trainer.ingest import BanBook, SubmissionStore
-from trainer.ingest.service import IngestLimits, IngestService, RecheckResult, error_middleware
+from trainer.ingest.service import IngestService, RecheckResult, error_middleware
 
 COORD = NodeKey.from_seed(b"c" * 32)
 VALIDATOR = NodeKey.from_seed(b"v" * 32)
@@ -175,7 +175,7 @@ async def test_a_verdict_is_verified_once_and_gossiped_only_if_it_came_over_http
     s1, s2 = submission(w, counter=1), submission(w, counter=2)
     for s in (s1, s2):
         assert (await post(http, SUBMISSIONS_ROUTE, s))[0] == 200
-    import trainer.ingest.service as service
+    from trainer.ingest import service
 
     opened = []
     real_open = service.open_envelope
