@@ -27,6 +27,7 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
 from p2p_helpers import NodeProcess, Run, config, eventually, shared_bridge, swarm
 
+from node.p2p import GossipNode
 from node.p2p.bridge import TrioBridge
 from node.p2p.host import P2PHost, libp2p_key_pair, parse_peer_addr
 from node.p2p.transport import MAX_INBOUND_STREAMS, BoundedYamux, PerAddressCap, secure_transports
@@ -40,12 +41,16 @@ YAMUX_DATA_HEADER = "!BBHII"  # version, type (0 = DATA), flags, stream ID, leng
 
 
 @contextlib.asynccontextmanager
-async def attacker(bridge: TrioBridge) -> AsyncIterator[tuple[NodeKey, P2PHost]]:
-    """A bare libp2p host with its own key (the hostile peer) served on ``bridge``; stopped on exit."""
+async def attacker(bridge: TrioBridge, relay: GossipNode | None = None) -> AsyncIterator[tuple[NodeKey, P2PHost]]:
+    """A bare libp2p host with its own key (the hostile peer) served on ``bridge``; with ``relay``,
+    connected to it and past the topic subscriptions (it has seen the relay's ``nodes``); stopped on exit."""
     key = NodeKey.generate()
     host = P2PHost(key, config())
     handle = await bridge.start_task(host.serve, timeout_s=10)
     try:
+        if relay is not None:
+            await bridge.run(host.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
+            await eventually(lambda: relay.topics["nodes"] in host.pubsub.peer_topics, 10.0)
         yield key, host
     finally:
         await handle.cancel()
@@ -104,9 +109,7 @@ async def test_a_peer_sending_past_the_yamux_window_is_cut_off_and_its_bytes_are
     run = Run()
     async with shared_bridge() as bridge, swarm(run, [("relay", None)], bridge=bridge) as (relay,):
         assert relay._host is not None
-        async with attacker(bridge) as (mallory_key, mallory):
-            await bridge.run(mallory.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
-            await eventually(lambda: relay.topics["nodes"] in mallory.pubsub.peer_topics, 10.0)
+        async with attacker(bridge, relay) as (mallory_key, mallory):
             delivered: list[bytes] = []
             relay.on_record(lambda env: delivered.append(env.raw))
             valid = seal(mallory_key, run.spec.run_id, NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=1, version="m"))  # control: the link works
@@ -220,9 +223,7 @@ async def test_peer_exchange_in_a_prune_is_not_dialed() -> None:
     try:
         async with shared_bridge() as bridge, swarm(run, [("relay", None)], bridge=bridge) as (relay,):
             assert relay._host is not None
-            async with attacker(bridge) as (mallory_key, mallory):
-                await bridge.run(mallory.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
-                await eventually(lambda: relay.topics["nodes"] in mallory.pubsub.peer_topics, 10.0)
+            async with attacker(bridge, relay) as (mallory_key, mallory):
                 infos = []
                 for _ in range(4):
                     kp = libp2p_key_pair(NodeKey.generate())
@@ -252,9 +253,7 @@ async def test_a_peer_opening_thousands_of_streams_holds_at_most_the_cap() -> No
     run = Run()
     async with shared_bridge() as bridge, swarm(run, [("relay", None)], bridge=bridge) as (relay,):
         assert relay._host is not None
-        async with attacker(bridge) as (mallory_key, mallory):
-            await bridge.run(mallory.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
-            await eventually(lambda: relay.topics["nodes"] in mallory.pubsub.peer_topics, 10.0)
+        async with attacker(bridge, relay) as (mallory_key, mallory):
             relay_conn = (await bridge.run_sync(lambda: _connections(relay._host, mallory_key.peer_id), timeout_s=5))[0].muxed_conn
             n_streams = 2000
 
