@@ -38,7 +38,6 @@ import hashlib
 import json
 import os
 import shlex
-import signal
 import struct
 import sys
 import time
@@ -373,19 +372,13 @@ async def _main(args: argparse.Namespace) -> None:
     spec = load_run_spec(Path(args.run)).spec
     node = await JsGossipNode.create(spec, NodeKey.load(Path(args.key)), role=args.role, bootstrap=args.bootstrap,
                                      drop_announcements=args.drop_announcements)
-    if args.log_announcements:  # the same lines as tests/node/gossip_runner.py
-        node.on_announcement(lambda env: print(json.dumps({"step": env.body.step, "recv_ns": time.time_ns()}), flush=True))
-        node.on_latest_step(lambda step: print(json.dumps({"latest": step, "recv_ns": time.time_ns()}), flush=True))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    print(f"READY {node.addrs[0]}", flush=True)
-    try:
-        await stop.wait()
-    finally:
+    sys.path.insert(0, str(REPO / "tests" / "node"))
+    from gossip_runner import serve_until_signalled  # the same READY/announcement lines as the py-libp2p nodes
+
+    def report() -> None:
         print(f"{node.peer_id} {node.role}: delivered {dict(node.delivered)}, rejected {dict(node.rejected)}", file=sys.stderr, flush=True)
-        await node.stop()
+
+    await serve_until_signalled(node, log_announcements=args.log_announcements, on_stop=report)
 
 
 def main() -> None:

@@ -12,7 +12,9 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -40,9 +42,18 @@ async def _main(args: argparse.Namespace) -> None:
             return real_check(kind, data, remember=remember)  # type: ignore[arg-type]
 
         node._validator.check = drop  # type: ignore[method-assign]
-    if args.log_announcements:
-        # one JSON line per announcement: {"step", "recv_ns"} (wall clock, for the benchmark), and one
-        # per rise of the latest signed step: {"latest", "recv_ns"}
+    await serve_until_signalled(node, log_announcements=args.log_announcements)
+
+
+async def serve_until_signalled(node: Any, *, log_announcements: bool, on_stop: Callable[[], None] | None = None) -> None:
+    """Print ``READY <multiaddr>``, run until SIGTERM/SIGINT, then ``on_stop()`` and ``node.stop()``.
+
+    With ``log_announcements`` one JSON line per announcement, ``{"step", "recv_ns"}`` (wall clock,
+    for the benchmark), and one per rise of the latest signed step, ``{"latest", "recv_ns"}``.
+    ``node`` is a :class:`~node.p2p.GossipNode` or anything with its ``addrs``, ``on_announcement``,
+    ``on_latest_step`` and ``stop`` (the js-libp2p benchmark node).
+    """
+    if log_announcements:
         node.on_announcement(lambda env: print(json.dumps({"step": env.body.step, "recv_ns": time.time_ns()}), flush=True))
         node.on_latest_step(lambda step: print(json.dumps({"latest": step, "recv_ns": time.time_ns()}), flush=True))
     stop = asyncio.Event()
@@ -53,6 +64,8 @@ async def _main(args: argparse.Namespace) -> None:
     try:
         await stop.wait()
     finally:
+        if on_stop is not None:
+            on_stop()
         await node.stop()
 
 
