@@ -30,7 +30,12 @@ What a server started here gets (``docs/operators.md`` "HTTP limits"):
   ``sendfile``) stay non-zero and unchanged for ``write_stall_s``, the connection is shut down
   and reset (a pending ``sendfile`` fails with it, so its handler ends). A
   slow reader moves them and keeps its connection;
-* small header limits (line and field 8 KiB, 64 headers).
+* small header limits (line and field 8 KiB, 64 headers);
+* **peer noise stays out of the error log** — aiohttp logs every request it cannot parse (an
+  HTTP/2 preface, a chunk size past 2^64, an over-long line) as an ERROR with a traceback, so any
+  client could write ~1 KiB of log per 40-byte request and push the operator's real errors off
+  the node page (:class:`PeerHttpNoiseFilter` demotes those to DEBUG; a handler's own failure
+  stays an ERROR).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web, web_server
+from aiohttp.http_exceptions import HttpProcessingError
 
 from protocol.ingest_api import address_key
 
@@ -75,6 +81,22 @@ class ServerLimits:
     max_line_size: int = 8190
     max_headers: int = 64
     write_stall_s: float = 60.0
+
+
+class PeerHttpNoiseFilter(logging.Filter):
+    """Demotes aiohttp's records of requests it could not parse (``HttpProcessingError``: bad
+    request line, header, chunk or length, line too long) to DEBUG: what a peer sends wrong is no
+    error of this node, and a flood of them must not fill its log or its page's last errors."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if record.levelno >= logging.WARNING and isinstance(exc, HttpProcessingError):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+logging.getLogger("aiohttp.server").addFilter(PeerHttpNoiseFilter())
 
 
 @web.middleware
