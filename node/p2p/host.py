@@ -158,8 +158,7 @@ class P2PHost:
             self.address_cap = PerAddressCap(config.max_peers_per_ip, config.ip_limit_exempt)
         except ValueError as e:
             raise GossipError(f"ip_limit_exempt: {e}") from None
-        self.host.get_network().register_notifee(self.address_cap)
-        # inbound handlers end with their connection, and the cap applies before the handshake too
+        # inbound handlers end with their connection; the per-address cap applies from accept, before the handshake
         install_inbound_rules(self.host.get_network(), self.address_cap)
         # IWANT answers bounded (each message once per IWANT, 3 times per peer): node/p2p/router.py
         self.router = BoundedGossipSub(

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from typing import Any, cast
 
 import trio
-from libp2p.abc import INetConn, INetStream, INetwork, INotifee
+from libp2p.abc import INetwork
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
 from libp2p.custom_types import TMuxerOptions, TProtocol, TSecurityOptions
@@ -44,7 +44,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_INBOUND_STREAMS", "BoundedYamux", "InboundSwarm", "PerAddressCap", "muxer_options", "remote_ip", "secure_transports"]
+__all__ = ["MAX_INBOUND_STREAMS", "BoundedYamux", "InboundSwarm", "PerAddressCap", "muxer_options", "secure_transports"]
 
 MAX_INBOUND_STREAMS = 64
 """Streams a peer may hold open on one connection (a node's peers need about four: gossipsub,
@@ -168,30 +168,20 @@ def _stream_ip(stream: Any) -> str | None:
     return str(ip) if ip is not None else None
 
 
-def remote_ip(conn: INetConn) -> str | None:
-    """The remote IP address of a libp2p connection (TCP), or None when the transport cannot say.
-    An IPv4 address reaching a dual-stack listener (``::ffff:1.2.3.4``) is given as IPv4, so it is
-    counted with the same address's other connections."""
-    try:
-        secured = conn.muxed_conn.secured_conn  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - a transport without addresses, or one torn down already
-        return None
-    return _stream_ip(secured)
-
-
 IPV6_PREFIX = 56
 """IPv6 addresses are counted per network of this prefix length (go-libp2p ``defaultIP6Limits``)."""
 
 
-class PerAddressCap(INotifee):
-    """Closes a new connection when its remote IP (IPv6: its /56) then holds more than ``limit`` connections.
+class PerAddressCap:
+    """Inbound connections per remote IP (IPv6: per /56), at most ``limit`` of them at once.
 
     The node's ``max_peers`` (64) is one pool for everyone: measured, 64 noise connections from one
     address (one machine, any number of made-up peer IDs) left no slot for a single honest worker
     on a relay. With this cap one address holds at most ``limit``; filling a hub now takes
     ``max_peers / limit`` addresses. Networks in ``exempt`` (loopback by default: the operator's
-    own machine, and every test and devnet) are not counted. Checked once the connection is
-    established (after the noise handshake); a closed one is logged at DEBUG.
+    own machine, and every test and devnet) are not counted. :class:`InboundSwarm` counts a
+    connection from its accept to its close and closes one over the limit before any handshake
+    (logged at DEBUG). Connections this node dials are not counted: the attack is inbound.
 
     Args:
         limit: connections per remote IP; 0 turns the cap off.
@@ -205,7 +195,7 @@ class PerAddressCap(INotifee):
         self.limit = limit
         self.exempt = [ipaddress.ip_network(n, strict=False) for n in exempt]
         self.refused = 0
-        """Connections closed by the cap, before or after the handshake (for status and tests)."""
+        """Inbound connections refused by the cap (for status and tests)."""
         self.inbound: Counter[str] = Counter()
         """Inbound connections per :meth:`key`, from accept to close, handshake or not (:class:`InboundSwarm`)."""
 
@@ -245,32 +235,6 @@ class PerAddressCap(INotifee):
         if any(a in n for n in self.exempt if n.version == a.version):
             return None
         return str(ipaddress.ip_network(f"{a}/{IPV6_PREFIX}", strict=False)) if a.version == 6 else str(a)
-
-    async def connected(self, network: INetwork, conn: INetConn) -> None:
-        ip = remote_ip(conn)
-        key = self.key(ip)
-        if key is None:
-            return
-        same = sum(1 for c in network.get_connections() if self.key(remote_ip(c)) == key)
-        if same > self.limit:
-            self.refused += 1
-            logger.debug("closing a connection from %s: %d connections from %s (limit %d)", ip, same, key, self.limit)
-            await conn.close()
-
-    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
-        return None
-
-    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
-        return None
-
-    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
-        return None
-
-    async def listen(self, network: INetwork, multiaddr: Any) -> None:
-        return None
-
-    async def listen_close(self, network: INetwork, multiaddr: Any) -> None:
-        return None
 
 
 _FROM_LISTENER: contextvars.ContextVar[bool] = contextvars.ContextVar("_FROM_LISTENER", default=False)
