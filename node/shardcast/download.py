@@ -308,8 +308,11 @@ async def get_manifest(
     known = cache.etag(source, step) if cache is not None else None
     if known is not None:
         headers["If-None-Match"] = f'"{hex_id(known)}"'
-    try:
-        async with session.get(manifest_url(source, step), headers=headers, timeout=request_timeout(cfg, timeout_s)) as resp:
+    body_s = cfg.max_manifest_bytes / cfg.min_rate_bps + timeout_s
+    try:  # a whole-request deadline too: aiohttp re-arms sock_read on each byte of a dribbled head
+        async with asyncio.timeout(cfg.connect_timeout_s + timeout_s + body_s) as deadline, session.get(
+            manifest_url(source, step), headers=headers, timeout=request_timeout(cfg, timeout_s)
+        ) as resp:
             if resp.status == 404:
                 return None
             if resp.status == 304 and cache is not None and known is not None and (env := cache.lookup(known)) is not None:
@@ -321,12 +324,14 @@ async def get_manifest(
                 cache.add(source, step, env)
                 return env  # already verified: the body is not read (a wrong ETag only hides a manifest we have)
             try:
-                raw = await _read_bounded(resp, source, cfg.max_manifest_bytes, cfg.max_manifest_bytes / cfg.min_rate_bps + timeout_s)
+                raw = await _read_bounded(resp, source, cfg.max_manifest_bytes, body_s)
             except SourceError as e:
                 if e.evidence and cache is not None:
                     cache.mark_faulty(source, step, e.reason)
                 raise
     except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        if deadline.expired():
+            raise SourceError(source, "slow", f"manifest request not answered within {cfg.connect_timeout_s + timeout_s + body_s:.0f} s") from None
         raise SourceError(source, "unreachable", f"manifest request failed: {type(e).__name__}: {e}") from e
     try:
         env = await asyncio.to_thread(open_manifest, raw, run_id=run_id, authorities=authorities, max_bytes=cfg.max_manifest_bytes)
@@ -355,12 +360,16 @@ async def get_held(
         SourceError: transport failure, bad status or malformed JSON.
     """
     cfg = cfg or DownloadConfig()
-    try:
-        async with session.get(held_url(source), timeout=request_timeout(cfg, timeout_s)) as resp:
+    try:  # a whole-request deadline too (see get_manifest)
+        async with asyncio.timeout(cfg.connect_timeout_s + 3 * timeout_s) as deadline, session.get(
+            held_url(source), timeout=request_timeout(cfg, timeout_s)
+        ) as resp:
             if resp.status != 200:
                 raise SourceError(source, f"http_{resp.status}", f"/held answered HTTP {resp.status}")
             raw = await _read_bounded(resp, source, MAX_HELD_BYTES, 2 * timeout_s)
     except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        if deadline.expired():
+            raise SourceError(source, "slow", f"/held request not answered within {cfg.connect_timeout_s + 3 * timeout_s:.0f} s") from None
         raise SourceError(source, "unreachable", f"/held request failed: {type(e).__name__}: {e}") from e
     try:
         doc: Any = json.loads(raw)
