@@ -185,11 +185,12 @@ def unpack_lease_answer(data: bytes, limit: int) -> LeaseAnswer:
     return LeaseAnswer(list(subs), step)
 
 
-def address_key(host: str) -> str:
+def address_key(host: str, v6_prefix: int = 64) -> str:
     """The client address that per-address limits count (the ingest's quotas, every HTTP
-    server's connection cap): an IPv4 address, or an IPv6 address's /64 (one host or site
-    usually holds a whole /64, so counting single IPv6 addresses would bound nothing); an
-    IPv4-mapped IPv6 address counts as its IPv4 address. Anything else is returned unchanged."""
+    server's connection cap; the gossip host's per-address cap with ``v6_prefix`` 56): an IPv4
+    address, or an IPv6 address's ``/v6_prefix`` network (one host or site usually holds a whole
+    /64, so counting single IPv6 addresses would bound nothing); an IPv4-mapped IPv6 address
+    counts as its IPv4 address; a zone ID is dropped. Anything else is returned unchanged."""
     try:
         addr = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
@@ -197,5 +198,5 @@ def address_key(host: str) -> str:
     if isinstance(addr, ipaddress.IPv6Address):
         if addr.ipv4_mapped is not None:
             return str(addr.ipv4_mapped)
-        return str(ipaddress.IPv6Network((addr, 64), strict=False))
+        return str(ipaddress.IPv6Network((addr, v6_prefix), strict=False))
     return str(addr)

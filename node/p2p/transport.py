@@ -42,6 +42,8 @@ from libp2p.stream_muxer.mplex.mplex import MPLEX_PROTOCOL_ID, Mplex
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 
+from protocol.ingest_api import address_key
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_INBOUND_STREAMS", "BoundedYamux", "InboundSwarm", "PerAddressCap", "muxer_options", "secure_transports"]
@@ -157,15 +159,12 @@ class BoundedYamux(Yamux):
 
 
 def _stream_ip(stream: Any) -> str | None:
-    """The remote IP of a raw inbound stream (``::ffff:a.b.c.d`` as IPv4), or None."""
+    """The remote host of a raw inbound stream as the transport gives it, or None."""
     try:
         addr = stream.get_remote_address()
-        ip = ipaddress.ip_address(str(addr[0]).split("%", 1)[0]) if addr else None
     except Exception:  # noqa: BLE001 - a transport without addresses
         return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return str(ip) if ip is not None else None
+    return str(addr[0]) if addr else None
 
 
 IPV6_PREFIX = 56
@@ -228,13 +227,15 @@ class PerAddressCap:
         or the cap off)."""
         if ip is None or self.limit <= 0:
             return None
+        # the HTTP servers' rule (IPv4-mapped as IPv4, zone IDs dropped): the address alone for the
+        # exemption, its /56 for the count
         try:
-            a = ipaddress.ip_address(ip)
+            single = ipaddress.ip_network(address_key(ip, v6_prefix=128))
         except ValueError:
             return None
-        if any(a in n for n in self.exempt if n.version == a.version):
+        if any(single.subnet_of(n) for n in self.exempt if n.version == single.version):  # type: ignore[arg-type]
             return None
-        return str(ipaddress.ip_network(f"{a}/{IPV6_PREFIX}", strict=False)) if a.version == 6 else str(a)
+        return address_key(ip, v6_prefix=IPV6_PREFIX)
 
 
 _FROM_LISTENER: contextvars.ContextVar[bool] = contextvars.ContextVar("_FROM_LISTENER", default=False)
