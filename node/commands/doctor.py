@@ -3,18 +3,26 @@
 Cheap on purpose: no torch import; network checks are single HTTP GETs or TCP connects with a short
 timeout, plus (unless ``--gossip-wait 0``) a few seconds on the run's gossip as a silent observer
 to hear a signed record of this run. Exit status 1 when any check FAILs.
+
+Answers are read as a hostile peer may write them (relays come from the coordinator's run page,
+which any self-signed gossip record joins): every request has a whole-request deadline (connect,
+head and body; a per-read timeout would let a server dribbling one byte every 2 s hold it forever),
+bodies are cut at :data:`MAX_BODY_BYTES` and JSON refused deeper than :data:`MAX_JSON_DEPTH`
+before it is decoded; a server that breaks a bound is a FAIL line. Checks of one kind run side by
+side and all network checks share one budget, so doctor finishes within :func:`budget_s` seconds
+(30 with the default ``--gossip-wait``) whatever the servers do.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import shutil
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from email.utils import parsedate_to_datetime
 from pathlib import Path
@@ -27,12 +35,18 @@ if TYPE_CHECKING:
     from protocol.runspec import RunSpec
 
 Status = Literal["PASS", "WARN", "FAIL"]
-ROLES = ("worker", "relay", "validate")
+ROLES = ("worker", "relay", "validate", "coordinator")
 DEFAULT_TIMEOUT_S = 3.0
 DEFAULT_GOSSIP_WAIT_S = 5.0
 """Longest wait on gossip for the coordinator's signed heartbeat, seconds (it beats every ``heartbeat_interval_s``)."""
 MAX_BODY_BYTES = 1 << 20
 """Largest HTTP answer a check reads, bytes."""
+MAX_JSON_DEPTH = 16
+"""Deepest JSON nesting a check decodes (the answers doctor reads are 4 levels deep)."""
+NETWORK_BUDGET_S = 25.0
+"""Seconds all network checks together may take, besides ``--gossip-wait`` beyond its default."""
+LOCAL_RESERVE_S = 3.0
+"""Seconds kept back from the network budget for the checks of this machine (disk, memory, ports)."""
 MAX_RELAYS = 16
 """Relays probed at most (those the coordinator lists first)."""
 CLOCK_PASS_S = 2.0
@@ -41,6 +55,8 @@ CLOCK_FAIL_S = 30.0
 """Offsets beyond this fail: validator leases are refused when signed more than 60 s off."""
 MEMORY_FACTOR = 4
 """Memory a worker or validator needs, in multiples of the weights' bytes (engine copy, load buffer, activations)."""
+TRAINER_MEMORY_FACTOR = 6
+"""...and the coordinator, which trains: weights, gradients, two AdamW moments, plus activations and a publish copy."""
 MATH_TASK_SETS = {"embedded", "gsm8k", "gsm8k_train", "math500", "math_train"}
 """Task sets without code tasks: the code-reward sandbox is not needed for them."""
 
@@ -68,8 +84,31 @@ def _doctor(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--gossip-wait", type=float, default=DEFAULT_GOSSIP_WAIT_S, metavar="S",
                    help=f"join the run's gossip as a silent observer for up to S seconds to hear the coordinator's signed heartbeat "
                         f"(0: skip; default {DEFAULT_GOSSIP_WAIT_S:g})")
+    p.add_argument("--data-root", default=None, help="coordinator: where the public task sets are (checked against data.tasks_hash)")
+    p.add_argument("--key", default=None, help="coordinator: its key file (checked against run.coordinator of the spec)")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     p.set_defaults(handler=_run_doctor)
+
+
+def budget_s(gossip_wait_s: float) -> float:
+    """Longest time :func:`run_checks` takes, seconds: :data:`NETWORK_BUDGET_S` plus the gossip
+    wait (30 s with the default 5 s wait), plus a few seconds of local checks."""
+    return NETWORK_BUDGET_S + gossip_wait_s
+
+
+class Budget:
+    """The time left to doctor's network checks: each request's deadline is its own timeout or what
+    is left, whichever is shorter (a check that starts with nothing left is skipped)."""
+
+    def __init__(self, total_s: float) -> None:
+        self.end = time.monotonic() + total_s
+
+    def left(self) -> float:
+        return max(0.0, self.end - time.monotonic())
+
+    def cap(self, timeout_s: float) -> float:
+        """``timeout_s``, or less when the budget ends sooner."""
+        return min(timeout_s, self.left())
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
@@ -81,8 +120,13 @@ def _run_doctor(args: argparse.Namespace) -> int:
         if not 0 <= getattr(args, name) <= 65535:
             raise CliError(f"--{name.replace('_', '-')} must be 0…65535")
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
-    checks = run_checks(Path(args.run), role=args.role, data_dir=data_dir, host=args.host, http_port=args.http_port,
-                        p2p_port=args.p2p_port, timeout_s=args.timeout, gossip_wait_s=args.gossip_wait)
+    if args.role == "coordinator":
+        checks = coordinator_checks(Path(args.run), data_dir=data_dir, data_root=Path(args.data_root) if args.data_root else None,
+                                    key=Path(args.key) if args.key else None, host=args.host, http_port=args.http_port,
+                                    p2p_port=args.p2p_port)
+    else:
+        checks = run_checks(Path(args.run), role=args.role, data_dir=data_dir, host=args.host, http_port=args.http_port,
+                            p2p_port=args.p2p_port, timeout_s=args.timeout, gossip_wait_s=args.gossip_wait)
     if args.json:
         print(json.dumps([asdict(c) for c in checks], indent=2))
     else:
@@ -95,14 +139,14 @@ def _run_doctor(args: argparse.Namespace) -> int:
 
 def run_checks(run: Path, *, role: str = "worker", data_dir: Path, host: str = "127.0.0.1", http_port: int = 0, p2p_port: int = 0,
                timeout_s: float = DEFAULT_TIMEOUT_S, gossip_wait_s: float = 0.0) -> list[Check]:
-    """All checks for ``role`` against the run spec at ``run``, in report order.
+    """All checks for ``role`` against the run spec at ``run``, in report order, within :func:`budget_s` seconds.
 
     Args:
         run: the signed run spec file.
         role: ``worker``, ``relay`` or ``validate``.
         data_dir: where checkpoints will be kept (its file system's free space is checked).
         host, http_port, p2p_port: what the node will bind (0: any free port).
-        timeout_s: per network check, seconds.
+        timeout_s: per network request (whole request: connect, head and body), seconds.
         gossip_wait_s: longest wait on gossip for the coordinator's signed heartbeat, seconds (0: no gossip check).
 
     Returns:
@@ -117,13 +161,14 @@ def run_checks(run: Path, *, role: str = "worker", data_dir: Path, host: str = "
         return [Check("run spec signature", "FAIL", str(e)[:300], "get the run spec again from the coordinator: it is unsigned, altered or not a run spec")]
     spec = signed.spec
     run_id = signed.run_id.hex()
+    budget = Budget(budget_s(gossip_wait_s) - LOCAL_RESERVE_S)
     checks = [Check("run spec signature", "PASS", f"run {spec.run.name} ({run_id[:16]}…) signed by coordinator {spec.run.coordinator}")]
-    coord_status, clock = _check_ingest(spec, run_id, checks, timeout_s)
-    checks += _check_bootstrap(spec, run_id, coord_status, timeout_s)
+    coord_status, clock = _check_ingest(spec, run_id, checks, timeout_s, budget)
+    checks += _check_bootstrap(spec, run_id, coord_status, timeout_s, budget)
     if gossip_wait_s > 0:
-        checks.append(_check_gossip(spec, gossip_wait_s, host))
-    checks += _check_origins(spec, run_id, timeout_s)
-    checks.append(_check_relays(spec, run_id, timeout_s))
+        checks.append(_check_gossip(spec, gossip_wait_s, host, budget))
+    checks += _check_origins(spec, run_id, timeout_s, budget)
+    checks.append(_check_relays(spec, run_id, timeout_s, budget))
     checks.append(_check_clock(clock))
     model_bytes = estimate_model_bytes(spec)
     checks.append(_check_disk(data_dir, model_bytes, spec.shardcast.keep_steps))
@@ -136,25 +181,175 @@ def run_checks(run: Path, *, role: str = "worker", data_dir: Path, host: str = "
     return checks
 
 
+def coordinator_checks(run: Path, *, data_dir: Path, data_root: Path | None = None, key: Path | None = None, host: str = "127.0.0.1",
+                       http_port: int = 0, p2p_port: int = 0) -> list[Check]:
+    """The checks before starting ``intellect-train``: the spec, the coordinator's key, the validator
+    keys in the spec, the task files (against ``data.tasks_hash``) and whether they are a training
+    split, the base model (against ``model.base_hash``), disk, memory, sandbox and the two ports.
+
+    Args:
+        run: the signed run spec file.
+        data_dir: the coordinator's ``--data-dir`` (free disk).
+        data_root: ``--data-root`` of ``intellect-train`` (the public task sets).
+        key: the coordinator's key file (``None``: not checked).
+        host: the interface the coordinator will bind.
+        http_port, p2p_port: its ports; 0 reads them from the spec (the first ingest URL, the
+            coordinator's bootstrap address).
+
+    Returns:
+        The checks; a spec that does not verify ends the list after its FAIL.
+    """
+    from protocol.errors import RunSpecError
+    from protocol.runspec import load_run_spec
+
+    try:
+        signed = load_run_spec(run)
+    except RunSpecError as e:
+        return [Check("run spec signature", "FAIL", str(e)[:300], "write the spec again with intellect-node spec init")]
+    spec = signed.spec
+    checks = [Check("run spec signature", "PASS", f"run {spec.run.name} ({signed.run_id.hex()[:16]}…) signed by coordinator {spec.run.coordinator}")]
+    checks.append(_check_coordinator_key(key, spec.run.coordinator))
+    checks.append(_check_validator_keys(spec))
+    checks += _check_task_files(spec, data_root)
+    checks.append(_check_base(spec))
+    model_bytes = estimate_model_bytes(spec)
+    checks.append(_check_disk(data_dir, model_bytes, spec.shardcast.keep_steps))
+    checks.append(_check_memory(model_bytes, "coordinator"))
+    checks.append(_check_gpu(model_bytes, "coordinator"))
+    checks.append(_check_sandbox(spec.data.tasks, "coordinator"))
+    if not http_port:
+        http_port = next((p for p in (_url_port(u) for u in spec.network.ingest_urls[:1]) if p), 0)
+    if not p2p_port:
+        own = [m for m in (_parse_multiaddr(a) for a in spec.network.bootstrap) if m is not None and m[2] == spec.run.coordinator]
+        p2p_port = own[0][1] if own else 0
+    checks.append(_check_port(host, http_port, "HTTP port (ingest, origin)", "--http-port"))
+    checks.append(_check_port(host, p2p_port, "libp2p port", "--p2p-port"))
+    return checks
+
+
+def _url_port(url: str) -> int:
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        return parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return 0
+
+
+def _check_coordinator_key(key: Path | None, coordinator: str) -> Check:
+    if key is None:
+        return Check("coordinator key", "WARN", "not checked (no --key)", "pass --key coord.key to check it is the key the spec names")
+    from protocol.errors import KeyFileError
+    from protocol.identity import NodeKey
+
+    try:
+        peer = NodeKey.load(key).peer_id
+    except KeyFileError as e:
+        return Check("coordinator key", "FAIL", str(e)[:300], "use the key spec init was given (--coordinator-key), mode 0600")
+    if peer != coordinator:
+        return Check("coordinator key", "FAIL", f"{key} is peer {peer}; the spec's coordinator is {coordinator}",
+                     "start intellect-train with the key the spec was signed with, or write a new spec with this key")
+    return Check("coordinator key", "PASS", f"{key} is the spec's coordinator {peer}")
+
+
+def _check_validator_keys(spec: RunSpec) -> Check:
+    vals = spec.run.validators
+    if not vals:
+        return Check("validator keys", "FAIL", "the spec names no validator: no verdict counts, so no rollout is ever trained on",
+                     "spec init --validator PEER_ID (the peer ID intellect-node keygen printed on the validator's machine); "
+                     "a new spec is a new run")
+    return Check("validator keys", "PASS", f"{len(vals)} in the spec: {', '.join(vals[:4])}{' …' if len(vals) > 4 else ''}; "
+                                           "each validator must start with the key of one of them")
+
+
+def _check_task_files(spec: RunSpec, data_root: Path | None) -> list[Check]:
+    from protocol.dataset import resolve_tasks
+    from protocol.tasks import CONVERTER_NAMES, TaskError, training_split_warning
+
+    tasks = spec.data.tasks
+    out = []
+    if tasks in CONVERTER_NAMES and data_root is None:
+        out.append(Check("task files", "FAIL", f"data.tasks {tasks!r} is a public set, and no --data-root was given",
+                         "pass --data-root DIR (holding math/ and code/), the same as intellect-train's"))
+    else:
+        try:
+            got = resolve_tasks(tasks, data_root, spec.data.tasks_hash)
+        except TaskError as e:
+            out.append(Check("task files", "FAIL", str(e)[:300], "copy the exact task files the spec was made from (rsync), "
+                                                                "or write a new spec with --data-root (a new run)"))
+        else:
+            pinned = (f"tasks_hash {got.hash[:16]}… matches the spec" if spec.data.tasks_hash else
+                      "the spec pins no tasks_hash, so nodes cannot check they hold the same files (spec init --data-root pins it)")
+            out.append(Check("task files", "PASS" if spec.data.tasks_hash or tasks == "embedded" else "WARN",
+                             f"{tasks}: {len(got.train)} training tasks, {len(got.heldout)} held out; {pinned}",
+                             "spec init --tasks … --data-root DIR (a new spec and run)"))
+    warning = training_split_warning(tasks)
+    if warning:
+        out.append(Check("training split", "WARN", warning, "spec init --tasks with a training set (a new spec and run)"))
+    return out
+
+
+def _check_base(spec: RunSpec) -> Check:
+    if spec.model.base == "embedded":
+        return Check("base model", "PASS", "the embedded model (built and cached here at start)")
+    base = Path(spec.model.base)
+    if not base.is_dir():
+        return Check("base model", "FAIL", f"model.base {base} is not a directory on this machine",
+                     "copy the exact model directory to that path (every torchrun rank needs it)")
+    from protocol.models import ModelLoadError, base_hash  # imports torch: only for this role
+
+    try:
+        digest = base_hash(base)
+    except (ModelLoadError, OSError) as e:
+        return Check("base model", "FAIL", str(e)[:300], "copy the exact model directory the spec was made from")
+    if spec.model.base_hash and digest != spec.model.base_hash:
+        return Check("base model", "FAIL", f"{base} hashes to {digest[:16]}…, the spec pins {spec.model.base_hash[:16]}…",
+                     "copy the exact files (rsync); do not re-download or re-save them")
+    return Check("base model", "PASS", f"{base}: base_hash {digest[:16]}… matches the spec")
+
+
 # --- network -----------------------------------------------------------------------------------
 
 
-def _get(url: str, timeout_s: float) -> tuple[dict[str, Any], float | None]:
-    """GET ``url`` as JSON; returns it and the server clock minus ours from the ``Date`` header, seconds.
+class AnswerError(ValueError):
+    """An HTTP answer that broke a bound or is not what a check reads (the message says which)."""
 
-    Raises:
-        OSError, ValueError: unreachable, an HTTP error, or not JSON.
-    """
+
+async def _get_one(session: Any, url: str, deadline_s: float) -> tuple[dict[str, Any], float | None]:
+    import aiohttp
+
+    from node.jsonlimits import loads_bounded
+
+    if deadline_s <= 0:
+        raise TimeoutError("not asked: doctor's time budget was spent on the checks above")
     t0 = time.time()
-    with urllib.request.urlopen(url, timeout=timeout_s) as r:  # URLs from the signed run spec / the coordinator
-        body = r.read(MAX_BODY_BYTES + 1)
-        date = r.headers.get("Date")
+    try:
+        async with asyncio.timeout(deadline_s):  # the whole request: connect, head, body
+            async with session.get(url, allow_redirects=False) as r:
+                if r.status != 200:
+                    raise AnswerError(f"HTTP {r.status}")
+                if r.content_length is not None and r.content_length > MAX_BODY_BYTES:
+                    raise AnswerError(f"answer of {r.content_length} bytes declared, more than {MAX_BODY_BYTES}")
+                body = await r.content.read(MAX_BODY_BYTES + 1)
+                while len(body) <= MAX_BODY_BYTES and (more := await r.content.read(MAX_BODY_BYTES + 1 - len(body))):
+                    body += more
+                date = r.headers.get("Date")
+    except TimeoutError:
+        raise TimeoutError(f"no complete answer within {deadline_s:.1f} s") from None
+    except aiohttp.ClientResponseError as e:  # a head aiohttp refuses: too long, malformed
+        raise AnswerError(f"malformed HTTP answer: {e.message[:120]}") from None
+    except aiohttp.ClientError as e:
+        raise OSError(str(e)[:200] or type(e).__name__) from None
     t1 = time.time()
     if len(body) > MAX_BODY_BYTES:
-        raise ValueError(f"answer larger than {MAX_BODY_BYTES} bytes")
-    doc = json.loads(body)
+        raise AnswerError(f"answer larger than {MAX_BODY_BYTES} bytes")
+    try:
+        doc = loads_bounded(body, max_bytes=MAX_BODY_BYTES, max_depth=MAX_JSON_DEPTH)
+    except ValueError as e:
+        raise AnswerError(f"not usable JSON: {e}") from None
     if not isinstance(doc, dict):
-        raise ValueError("answer is not a JSON object")  # noqa: TRY004 - callers treat every bad answer as ValueError
+        raise AnswerError("answer is not a JSON object")
     offset = None
     if date:
         try:
@@ -164,36 +359,75 @@ def _get(url: str, timeout_s: float) -> tuple[dict[str, Any], float | None]:
     return doc, offset
 
 
+def _get_many(urls: list[str], timeout_s: float, budget: Budget) -> list[tuple[dict[str, Any], float | None] | BaseException]:
+    """GET every URL as a JSON object at once, each within ``min(timeout_s, budget left)`` seconds.
+
+    Returns:
+        Per URL, ``(document, server clock − ours in seconds or None)`` or the exception that ended
+        it: ``OSError`` (unreachable), ``TimeoutError`` (no complete answer in time) or
+        :class:`AnswerError` (a bound broken, an HTTP error, not a JSON object).
+    """
+    import aiohttp
+
+    async def go() -> list[Any]:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as session:
+            deadline = budget.cap(timeout_s)
+            return await asyncio.gather(*(_get_one(session, u, deadline) for u in urls), return_exceptions=True)
+
+    if not urls:
+        return []
+    return asyncio.run(go())
+
+
+def _get(url: str, timeout_s: float, budget: Budget | None = None) -> tuple[dict[str, Any], float | None]:
+    """GET ``url`` as a JSON object (see :func:`_get_many`).
+
+    Raises:
+        OSError, ValueError: unreachable, too slow, an HTTP error, or not a bounded JSON object.
+    """
+    (got,) = _get_many([url], timeout_s, budget or Budget(timeout_s))
+    if isinstance(got, BaseException):
+        raise got
+    return got
+
+
 def _why(e: BaseException) -> str:
-    if isinstance(e, urllib.error.HTTPError):
-        return f"HTTP {e.code}"
-    if isinstance(e, urllib.error.URLError):
-        return str(e.reason)
-    return str(e) or type(e).__name__
+    return str(e)[:200] or type(e).__name__
 
 
-def _check_ingest(spec: RunSpec, run_id: str, checks: list[Check], timeout_s: float) -> tuple[dict[str, Any] | None, float | None]:
+def _check_ingest(spec: RunSpec, run_id: str, checks: list[Check], timeout_s: float,
+                  budget: Budget) -> tuple[dict[str, Any] | None, float | None]:
     """Ingest URLs answer ``/status`` for this run; returns the coordinator's status and clock offset."""
     coord: dict[str, Any] | None = None
     clock: float | None = None
     if not spec.network.ingest_urls:
         checks.append(Check("ingest", "FAIL", "the run spec lists no ingest URL", "ask the coordinator for a spec with network.ingest_urls"))
-    for url in spec.network.ingest_urls[:4]:
-        try:
-            doc, offset = _get(f"{url.rstrip('/')}/status", timeout_s)
-        except (OSError, ValueError) as e:
-            checks.append(Check(f"ingest {url}", "FAIL", f"unreachable: {_why(e)}",
+    urls = spec.network.ingest_urls[:4]
+    for url, got in zip(urls, _get_many([f"{u.rstrip('/')}/status" for u in urls], timeout_s, budget)):
+        if isinstance(got, BaseException):
+            checks.append(Check(f"ingest {url}", "FAIL", f"{_failure(got)}: {_why(got)}",
                                 "check that the coordinator is up and this address is reachable from here (firewall, NAT)"))
             continue
+        doc, offset = got
         if doc.get("run_id") != run_id:
             checks.append(Check(f"ingest {url}", "FAIL", f"serves run {str(doc.get('run_id'))[:16]}…, not this run {run_id[:16]}…",
                                 "the spec's ingest URL points at another run: get the current run spec from the coordinator"))
             continue
         coord = coord or doc
         clock = offset if clock is None else clock
-        checks.append(Check(f"ingest {url}", "PASS", f"this run; trainer step {doc.get('trainer_step')}, "
-                                                     f"latest policy {doc.get('latest_policy_step')}"))
+        checks.append(Check(f"ingest {url}", "PASS", f"this run; trainer step {str(doc.get('trainer_step'))[:20]}, "
+                                                     f"latest policy {str(doc.get('latest_policy_step'))[:20]}"))
     return coord, clock
+
+
+def _failure(e: BaseException) -> str:
+    """How a request failed, as a check's detail starts: ``unreachable``, ``too slow`` or ``bad answer``."""
+    if isinstance(e, TimeoutError):
+        return "too slow"
+    if isinstance(e, AnswerError):
+        return "bad answer"
+    return "unreachable"
 
 
 def _parse_multiaddr(addr: str) -> tuple[str, int, str] | None:
@@ -211,17 +445,19 @@ MULTISTREAM = b"/multistream/1.0.0\n"
 
 
 def _speaks_libp2p(host: str, port: int, timeout_s: float) -> bool:
-    """Connect and do the first multistream-select exchange (the opening of every libp2p TCP connection).
+    """Connect and do the first multistream-select exchange (the opening of every libp2p TCP connection),
+    all within ``timeout_s`` seconds (a peer dribbling its answer byte by byte cannot stretch it).
 
     Raises:
         OSError: not reachable.
     """
+    end = time.monotonic() + timeout_s
     with socket.create_connection((host, port), timeout=timeout_s) as s:
-        s.settimeout(timeout_s)
         s.sendall(bytes([len(MULTISTREAM)]) + MULTISTREAM)
         got = b""
         try:
-            while len(got) < 1 + len(MULTISTREAM):
+            while len(got) < 1 + len(MULTISTREAM) and (left := end - time.monotonic()) > 0:
+                s.settimeout(left)
                 chunk = s.recv(64)
                 if not chunk:
                     break
@@ -231,44 +467,44 @@ def _speaks_libp2p(host: str, port: int, timeout_s: float) -> bool:
         return got[1:1 + len(MULTISTREAM)] == MULTISTREAM
 
 
-def _check_bootstrap(spec: RunSpec, run_id: str, coord: dict[str, Any] | None, timeout_s: float) -> list[Check]:
-    out = []
+def _check_bootstrap(spec: RunSpec, run_id: str, coord: dict[str, Any] | None, timeout_s: float, budget: Budget) -> list[Check]:
     if not spec.network.bootstrap:
         return [Check("bootstrap", "WARN", "the run spec lists no bootstrap peer", "pass --bootstrap MULTIADDR to join (ask the coordinator for one)")]
-    for addr in spec.network.bootstrap[:8]:
+    addrs = spec.network.bootstrap[:8]
+    deadline = budget.cap(timeout_s)
+
+    def probe(addr: str) -> Check:
         parsed = _parse_multiaddr(addr)
         name = f"bootstrap {addr if len(addr) <= 120 else addr[:119] + '…'}"
         if parsed is None:
-            out.append(Check(name, "FAIL", "not a /ip4|dns/HOST/tcp/PORT/p2p/PEER multiaddr", "ask the coordinator for a spec with a valid bootstrap address"))
-            continue
+            return Check(name, "FAIL", "not a /ip4|dns/HOST/tcp/PORT/p2p/PEER multiaddr", "ask the coordinator for a spec with a valid bootstrap address")
         host, port, peer = parsed
+        if deadline <= 0:
+            return Check(name, "WARN", "not checked: doctor's time budget was spent on the checks above", "fix the slow checks above first")
         try:
-            libp2p = _speaks_libp2p(host, port, timeout_s)
+            libp2p = _speaks_libp2p(host, port, deadline)
         except OSError as e:
-            out.append(Check(name, "FAIL", f"unreachable: {_why(e)}",
-                             "the peer is down or blocked: pass --bootstrap with a live peer, or check the firewall"))
-            continue
+            return Check(name, "FAIL", f"unreachable: {_why(e)}", "the peer is down or blocked: pass --bootstrap with a live peer, or check the firewall")
         if not libp2p:
-            out.append(Check(name, "FAIL", f"{host}:{port} accepts connections but does not speak libp2p",
-                             "the address points at another service: ask the coordinator for the current bootstrap address"))
-        elif peer == spec.run.coordinator and coord is not None and coord.get("peer_id") not in (None, peer):
-            out.append(Check(name, "FAIL", f"the coordinator's HTTP says peer {coord.get('peer_id')}, the address says {peer}",
-                             "get the current run spec from the coordinator"))
-        elif peer == spec.run.coordinator and coord is not None:
-            out.append(Check(name, "PASS", f"libp2p; the run's coordinator (run {run_id[:16]}… confirmed by its ingest)"))
-        else:
-            out.append(Check(name, "PASS", "libp2p answers; its run is verified by signatures when gossip joins"))
-    return out
+            return Check(name, "FAIL", f"{host}:{port} accepts connections but does not speak libp2p",
+                         "the address points at another service: ask the coordinator for the current bootstrap address")
+        if peer == spec.run.coordinator and coord is not None and coord.get("peer_id") not in (None, peer):
+            return Check(name, "FAIL", f"the coordinator's HTTP says peer {str(coord.get('peer_id'))[:64]}, the address says {peer}",
+                         "get the current run spec from the coordinator")
+        if peer == spec.run.coordinator and coord is not None:
+            return Check(name, "PASS", f"libp2p; the run's coordinator (run {run_id[:16]}… confirmed by its ingest)")
+        return Check(name, "PASS", "libp2p answers; its run is verified by signatures when gossip joins")
+
+    with ThreadPoolExecutor(max_workers=len(addrs)) as pool:
+        return list(pool.map(probe, addrs))
 
 
-def _check_gossip(spec: RunSpec, wait_s: float, listen_host: str) -> Check:
+def _check_gossip(spec: RunSpec, wait_s: float, listen_host: str, budget: Budget) -> Check:
     """Join the run's topics as a silent observer through the bootstrap peers and wait for the coordinator's heartbeat.
 
     A record is delivered only after its signature and run ID verify, so hearing the coordinator
     proves that the bootstrap peers relay *this* run's gossip.
     """
-    import asyncio
-
     try:
         from node.p2p import GossipConfig, GossipNode
         from protocol.identity import NodeKey
@@ -287,8 +523,11 @@ def _check_gossip(spec: RunSpec, wait_s: float, listen_host: str) -> Check:
         finally:
             await node.stop()
 
+    if budget.left() <= 1.0:
+        return Check("gossip", "WARN", "not checked: doctor's time budget was spent on the checks above", "fix the slow checks above first")
+    wait_s = min(wait_s, budget.left() - 1.0)
     try:
-        peers, coordinator, took = asyncio.run(asyncio.wait_for(listen(), wait_s + 30.0))
+        peers, coordinator, took = asyncio.run(asyncio.wait_for(listen(), max(1.0, budget.left())))
     except Exception as e:  # noqa: BLE001 - any failure to join is the finding
         return Check("gossip", "FAIL", f"could not join the run's gossip: {str(e)[:200] or type(e).__name__}",
                      "check that the bootstrap peers are reachable on TCP and that --listen-host is a local address")
@@ -302,55 +541,63 @@ def _check_gossip(spec: RunSpec, wait_s: float, listen_host: str) -> Check:
                  "get the current spec or other bootstrap peers")
 
 
-def _check_origins(spec: RunSpec, run_id: str, timeout_s: float) -> list[Check]:
-    out = []
-    for url in spec.network.origin_urls[:4]:
-        out.append(_check_shardcast(f"origin {url}", url, run_id, timeout_s))
-    if not spec.network.origin_urls:
+def _check_origins(spec: RunSpec, run_id: str, timeout_s: float, budget: Budget) -> list[Check]:
+    urls = spec.network.origin_urls[:4]
+    out = [_shardcast_check(f"origin {u}", got, run_id) for u, got in zip(urls, _get_many([_held_url(u) for u in urls], timeout_s, budget))]
+    if not urls:
         out.append(Check("origin", "WARN", "the run spec lists no origin URL", "checkpoints will come only from relays heard on gossip"))
     return out
 
 
-def _check_shardcast(name: str, url: str, run_id: str, timeout_s: float) -> Check:
-    try:
-        doc, _ = _get(f"{url.rstrip('/')}/shardcast/1/held", timeout_s)
-    except (OSError, ValueError) as e:
-        return Check(name, "FAIL", f"unreachable: {_why(e)}", "check the address and that the server is up (firewall, NAT)")
+def _held_url(url: str) -> str:
+    return f"{url.rstrip('/')}/shardcast/1/held"
+
+
+def _shardcast_check(name: str, got: tuple[dict[str, Any], float | None] | BaseException, run_id: str) -> Check:
+    """The check of one Shardcast server's ``/held`` answer (or of the failure that ended the request)."""
+    if isinstance(got, BaseException):
+        return Check(name, "FAIL", f"{_failure(got)}: {_why(got)}", "check the address and that the server is up (firewall, NAT)")
+    doc = got[0]
     if doc.get("run_id") != run_id:
         return Check(name, "FAIL", f"serves run {str(doc.get('run_id'))[:16]}…, not this run {run_id[:16]}…",
                      "this server belongs to another run: get the current run spec")
-    return Check(name, "PASS", f"this run; holds steps {doc.get('held_steps', [])[-4:]}")
+    held = doc.get("held_steps")
+    return Check(name, "PASS", f"this run; holds steps {held[-4:] if isinstance(held, list) else []}")
 
 
-def _check_relays(spec: RunSpec, run_id: str, timeout_s: float) -> Check:
-    """Relays the coordinator's run page lists (from gossip heartbeats) serve this run."""
+def _check_relays(spec: RunSpec, run_id: str, timeout_s: float, budget: Budget) -> Check:
+    """Relays the coordinator's run page lists (from gossip heartbeats, which anyone can sign) serve this
+    run; all are asked at once, each answer bounded (a hostile relay is one FAIL among them)."""
     nodes: list[dict[str, Any]] = []
     answered = False
     for url in spec.network.ingest_urls[:4]:
         try:
-            doc, _ = _get(f"{url.rstrip('/')}/api/run", timeout_s)
+            doc, _ = _get(f"{url.rstrip('/')}/api/run", timeout_s, budget)
         except (OSError, ValueError):
             continue
         answered = True
-        nodes = [n for n in doc.get("nodes", []) if isinstance(n, dict)]
+        listed = doc.get("nodes")
+        nodes = [n for n in listed if isinstance(n, dict)] if isinstance(listed, list) else []
         break
     if not answered:
         return Check("relays", "WARN", "the coordinator's run page did not answer, so its relay list is unknown",
                      "see the ingest check above; checkpoints come from the origin until relays appear on gossip")
-    relays = [n for n in nodes if n.get("role") == "relay" and n.get("state") == "alive" and n.get("http_url")][:MAX_RELAYS]
+    relays = [str(n["http_url"])[:200] for n in nodes
+              if n.get("role") == "relay" and n.get("state") == "alive" and isinstance(n.get("http_url"), str) and n["http_url"]][:MAX_RELAYS]
     if not relays:
         return Check("relays", "WARN", "the coordinator lists no live relay yet", "checkpoints come from the origin until relays appear on gossip")
     bad = []
-    for r in relays:
-        c = _check_shardcast("relay", str(r["http_url"]), run_id, timeout_s)
+    for url, got in zip(relays, _get_many([_held_url(u) for u in relays], timeout_s, budget)):
+        c = _shardcast_check("relay", got, run_id)
         if c.status != "PASS":
-            bad.append(f"{r['http_url']} ({c.detail})")
+            bad.append(f"{url} ({c.detail})")
     if len(bad) == len(relays):
-        return Check("relays", "FAIL", f"none of {len(relays)} relays reachable: {'; '.join(bad)[:300]}",
-                     "relays advertise addresses this machine cannot reach: check the network path, or fetch from the origin")
+        return Check("relays", "FAIL", f"none of {len(relays)} relays usable: {'; '.join(bad)[:600]}",
+                     "relays advertise addresses this machine cannot reach, or answer too slowly or wrongly: check the network "
+                     "path, or fetch from the origin (the node itself scores and skips such relays)")
     if bad:
-        return Check("relays", "WARN", f"{len(relays) - len(bad)} of {len(relays)} reachable; not: {'; '.join(bad)[:300]}",
-                     "unreachable relays are skipped; nothing to do unless all fail")
+        return Check("relays", "WARN", f"{len(relays) - len(bad)} of {len(relays)} usable; not: {'; '.join(bad)[:600]}",
+                     "unusable relays are skipped; nothing to do unless all fail")
     return Check("relays", "PASS", f"{len(relays)} reachable, serving this run")
 
 
@@ -414,8 +661,9 @@ def _check_memory(model_bytes: int | None, role: str) -> Check:
         return Check("memory", "PASS", f"{_mib(avail)} available; relays stream pieces and hold no model")
     if model_bytes is None:
         return Check("memory", "WARN", f"{_mib(avail)} available; model size unknown", "check the model's size against available memory")
-    need = MEMORY_FACTOR * model_bytes
-    detail = f"{_mib(avail)} available; the model needs about {_mib(need)} ({MEMORY_FACTOR}× {_mib(model_bytes)} of weights)"
+    factor = TRAINER_MEMORY_FACTOR if role == "coordinator" else MEMORY_FACTOR
+    need = factor * model_bytes
+    detail = f"{_mib(avail)} available; the model needs about {_mib(need)} ({factor}× {_mib(model_bytes)} of weights)"
     if avail < need:
         return Check("memory", "FAIL", detail, "free memory, or run on a machine with more")
     return Check("memory", "PASS", detail)
@@ -429,7 +677,7 @@ def _check_gpu(model_bytes: int | None, role: str) -> Check:
         return Check("GPU memory", "PASS", "no CUDA GPU found (nvidia-smi absent): the CPU engine will be used")
     try:
         out = subprocess.run([smi, "--query-gpu=name,memory.free,memory.total", "--format=csv,noheader,nounits"], capture_output=True,
-                             text=True, timeout=10, check=True).stdout.strip().splitlines()
+                             text=True, timeout=LOCAL_RESERVE_S, check=True).stdout.strip().splitlines()
     except (OSError, subprocess.SubprocessError) as e:
         return Check("GPU memory", "WARN", f"nvidia-smi failed: {e}", "check the NVIDIA driver (nvidia-smi should list the GPU)")
     if not out:

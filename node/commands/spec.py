@@ -108,6 +108,10 @@ def _run_spec_init(args: argparse.Namespace) -> int:
         err = e.errors()[0]
         where = ".".join(map(str, err["loc"]))
         raise CliError(f"invalid option{' for ' + where if where else ''}: {err['msg']}") from None
+    from protocol.tasks import training_split_warning
+
+    if (warning := training_split_warning(spec.data.tasks)) is not None:
+        print(f"warning: {warning}")
     signed = rs.sign_run_spec(spec, key)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, rs.dump_run_spec(signed).encode())

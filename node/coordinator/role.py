@@ -44,6 +44,7 @@ from protocol.identity import NodeKey
 from protocol.messages import Verdict
 from protocol.models import config_int, load_model, load_tokenizer
 from protocol.runspec import SignedRunSpec
+from protocol.tasks import training_split_warning
 from trainer.batch import Batch
 from trainer.buffer import RolloutBuffer
 from trainer.distributed import DistContext
@@ -218,6 +219,8 @@ class Coordinator:
                                "vocab_size": getattr(cfg, "vocab_size", None), "parameters": sum(p.numel() for p in model.parameters()),
                                "chat_template": bool(getattr(self.tokenizer, "chat_template", None)),
                                "eval_every": self.options.eval_every, "eval_samples": self.options.eval_samples})
+        if (split_warning := training_split_warning(self.spec.data.tasks)) is not None:
+            logger.warning(split_warning)
         if self.options.probe_tasks and trainer.step == 0:
             self.state = "probing the base model for a learning signal"
             self.signal_probe = await asyncio.to_thread(self._probe)

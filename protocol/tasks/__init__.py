@@ -45,10 +45,12 @@ from protocol.tasks.files import (
     CONVERTER_FILES,
     CONVERTER_NAMES,
     CONVERTER_SPLITS,
+    EVALUATION_ONLY,
     MATH_INSTRUCTION,
     convert,
     load_tasks,
     task_set_help,
+    training_split_warning,
 )
 from protocol.tasks.prompts import LENGTH_CONTROL_TEMPLATE, build_messages, build_prompt_text
 from protocol.tasks.schema import TASK_TYPES, CodeTests, Task, TaskError, TaskType, code_task, math_task
@@ -58,6 +60,7 @@ __all__ = [
     "CONVERTER_FILES",
     "CONVERTER_NAMES",
     "CONVERTER_SPLITS",
+    "EVALUATION_ONLY",
     "LENGTH_CONTROL_TEMPLATE",
     "MATH_INSTRUCTION",
     "MAX_PEER_ID_BYTES",
@@ -77,4 +80,5 @@ __all__ = [
     "load_tasks",
     "math_task",
     "task_set_help",
+    "training_split_warning",
 ]

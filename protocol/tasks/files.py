@@ -127,6 +127,24 @@ CONVERTER_SPLITS: dict[str, str] = {
     "mbpp": "MBPP, all 974 problems",
 }
 """What each public set name means: which split, how many problems."""
+EVALUATION_ONLY: dict[str, str] = {
+    "gsm8k": "gsm8k_train",
+    "math500": "math_train",
+    "humaneval": "mbpp",
+}
+"""Public sets published as test or evaluation splits, each with the training set to use instead.
+A run may train on them (the devnet does, to run every stage on real tasks), but its held-out
+scores then measure nothing a benchmark reports: :func:`training_split_warning` says so."""
+
+
+def training_split_warning(tasks: str) -> str | None:
+    """One line when ``tasks`` (a run spec's ``data.tasks``) is a test/evaluation split; ``None`` otherwise."""
+    instead = EVALUATION_ONLY.get(tasks)
+    if instead is None:
+        return None
+    return (f"data.tasks {tasks!r} is the {CONVERTER_SPLITS[tasks]}, published for evaluation, not training: a run that trains on it "
+            f"learns the test answers, and its scores on that benchmark mean nothing. Train on {instead!r} "
+            f"({CONVERTER_SPLITS[instead]}) unless this is a smoke test")
 
 
 def task_set_help() -> str:

@@ -106,3 +106,51 @@ def test_gpu_memory_from_nvidia_smi(tmp_path, monkeypatch):
     assert ok.status == "PASS" and "NVIDIA H200" in ok.detail and "136.7 GiB" in ok.detail, ok
     short = _check_gpu(40 << 30, "worker")  # 4 × 40 GiB does not fit in 136.7 GiB free
     assert short.status == "WARN" and "--device cpu" in short.fix, short
+
+
+def test_coordinator_role(tmp_path, shared, capsys):
+    """doctor --role coordinator: the key the spec names, validator keys in the spec, task files against
+    tasks_hash (and a warning for a test split), ports read from the spec."""
+    from node.commands.doctor import coordinator_checks
+
+    key = NodeKey.generate()
+    key.save(tmp_path / "coord.key")
+    other = NodeKey.generate()
+    other.save(tmp_path / "other.key")
+    http, p2p = free_port(), free_port()
+
+    def spec(tmp: str, validators: list[str], tasks: str) -> Path:
+        path = tmp_path / tmp
+        assert main(["spec", "init", "--coordinator-key", str(tmp_path / "coord.key"), "--out", str(path), "--tasks", tasks,
+                     "--data-root", str(shared / "data"), *[a for v in validators for a in ("--validator", v)],
+                     "--ingest-url", f"http://127.0.0.1:{http}", "--bootstrap", f"/ip4/127.0.0.1/tcp/{p2p}/p2p/{key.peer_id}"]) == 0
+        return path
+
+    good = spec("good.toml", [NodeKey.generate().peer_id], "gsm8k_train")
+    capsys.readouterr()
+    by = _by_name(coordinator_checks(good, data_dir=tmp_path, data_root=shared / "data", key=tmp_path / "coord.key"))
+    assert all(c.status == "PASS" for c in by.values()), [c for c in by.values() if c.status != "PASS"]
+    assert "held out" in by["task"].detail and "matches the spec" in by["task"].detail
+    assert str(http) in by["HTTP"].detail and str(p2p) in by["libp2p"].detail  # the spec's own ports
+    # the wrong key, no task files, no validator in the spec, a test split: each one line with its fix
+    bad = spec("bad.toml", [], "gsm8k")
+    out = capsys.readouterr().out
+    assert "warning: data.tasks 'gsm8k' is the GSM8K test split" in out and "gsm8k_train" in out  # spec init says so too
+    by = _by_name(coordinator_checks(bad, data_dir=tmp_path, data_root=None, key=tmp_path / "other.key"))
+    assert by["coordinator"].status == "FAIL" and key.peer_id in by["coordinator"].detail
+    assert by["validator"].status == "FAIL" and "--validator" in by["validator"].fix and "new spec" in by["validator"].fix
+    assert by["task"].status == "FAIL" and "--data-root" in by["task"].fix
+    assert by["training"].status == "WARN" and "gsm8k_train" in by["training"].detail
+    # task files that are not the ones the spec was made from
+    alt = tmp_path / "data" / "math"
+    alt.mkdir(parents=True)
+    (alt / "gsm8k_train.jsonl").write_text("".join((shared / "data" / "math" / "gsm8k_train.jsonl").read_text().splitlines(True)[:-1]))
+    by = _by_name(coordinator_checks(good, data_dir=tmp_path, data_root=tmp_path / "data"))
+    assert by["task"].status == "FAIL" and "pins" in by["task"].detail
+    assert by["coordinator"].status == "WARN"  # no --key given
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", http))
+        s.listen()
+        rc = main(["doctor", "--run", str(good), "--role", "coordinator", "--data-root", str(shared / "data"), "--data-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 1 and "FAIL  HTTP port" in out and "doctor (coordinator)" in out
