@@ -1,4 +1,16 @@
-"""The run's base model: step 0 of the policy."""
+"""The run's base model: step 0 of the policy.
+
+Three kinds of base, by the run spec's ``model.base`` and ``data.tasks``:
+
+* **the shipped embedded base** (``model.base = "embedded"`` on the embedded addition tasks at
+  hidden size 128, the devnet's default): a complete model directory inside this package
+  (:data:`EMBEDDED_BASE_DIR`), the output of ``scripts/build_embedded_base.py``, the same bytes on
+  every machine and checked against :data:`EMBEDDED_BASE_HASH` before use. No warm start runs.
+* **a warm-started embedded model** (any other task set or hidden size): built and warm-started
+  here once per machine and cached (:func:`base_cache_root`). The warm start runs on one CPU
+  thread so its arithmetic does not depend on the machine's core count.
+* **a local model directory** (anything else), pinned by ``model.base_hash``.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +18,22 @@ import hashlib
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from protocol.dataset import RunTasks
-from protocol.models import build_model, check_base_hash, embedded_config, embedded_tokenizer, save_model
+from protocol.models import (
+    ModelLoadError,
+    base_hash,
+    build_model,
+    check_base_hash,
+    copy_model,
+    embedded_config,
+    embedded_tokenizer,
+    save_model,
+)
 from protocol.runspec import RunSpec
 from trainer.warmstart import WarmStartConfig, answer_examples, warm_start
 
@@ -22,14 +46,22 @@ so completion lengths — and with the length penalty, rewards — vary within g
 REAL_TASKS_PROMPT_TAIL_CHARS = 96
 
 EMBEDDED_WARM_START = WarmStartConfig(steps=600, batch_size=64, learning_rate=3e-3, seed=0)
-"""Supervised steps on the training problems' answers (never the held-out ones) after which the
-embedded model answers 58 % of the held-out additions right when decoding greedily and about a
-quarter of its samples at the devnet's temperature: it has part of the skill, not reliably, so
-GRPO groups are mixed and RL has room to raise the held-out pass rate (``docs/devnet.md``)."""
+"""Supervised steps on the training problems' answers (never the held-out ones) that made the
+shipped embedded base (``scripts/build_embedded_base.py``): it has part of the addition skill, not
+reliably, so GRPO groups are mixed and RL has room to raise the held-out pass rate (``docs/devnet.md``)."""
 EMBEDDED_INIT_SEED = 0
-"""Weight-initialisation seed of the embedded base: fixed (not the run seed), so every devnet on a
-machine shares one cached warm start and seeds vary only the RL run."""
-BASE_CACHE_VERSION = "2"
+"""Weight-initialisation seed of every embedded base: fixed (not the run seed), so every devnet
+starts from the same base and seeds vary only the RL run."""
+EMBEDDED_HIDDEN_SIZE = 128
+"""Hidden size of the shipped embedded base (TOPLOC's top-k)."""
+EMBEDDED_BASE_DIR = Path(__file__).with_name("embedded_base")
+"""The shipped embedded base: ``config.json``, ``model.safetensors`` (float32) and tokenizer files."""
+EMBEDDED_BASE_HASH = "05100028dcd53dfad566f6190bf2082798a3101ed7e2f22c6ac9370703cf2733"
+""":func:`protocol.models.base_hash` of :data:`EMBEDDED_BASE_DIR`, printed by ``scripts/build_embedded_base.py``."""
+WARM_START_THREADS = 1
+"""CPU threads of a warm start: a fixed count so the reduction order, and so the base, does not
+depend on how many cores the machine has."""
+BASE_CACHE_VERSION = "3"
 """Part of the machine-wide cache key: bump when the embedded model, tokenizer or warm start changes."""
 
 
@@ -40,49 +72,101 @@ def base_cache_root() -> Path:
     return Path(root) / "bases"
 
 
-def prepare_base(spec: RunSpec, tasks: RunTasks, cache_dir: Path) -> Path:
-    """Directory of the base policy (config, safetensors, tokenizer), created once and cached.
+def uses_shipped_base(spec: RunSpec) -> bool:
+    """Whether the run's base is the shipped embedded base (embedded model and tasks, hidden 128)."""
+    return spec.model.base == "embedded" and spec.data.tasks == "embedded" and spec.model.hidden_size == EMBEDDED_HIDDEN_SIZE
 
-    ``model.base = "embedded"``: a tiny Qwen2 with the character tokenizer, warm-started on the
-    training tasks' ground truths (:data:`EMBEDDED_WARM_START`, real task sets:
-    :data:`REAL_TASKS_WARM_START`), built once per machine in :func:`base_cache_root` (keyed by
-    the task hash, hidden size, warm start and :data:`BASE_CACHE_VERSION`) and copied to
-    ``cache_dir``. Otherwise ``model.base`` is a local model directory.
+
+def prepare_base(spec: RunSpec, tasks: RunTasks, cache_dir: Path) -> Path:
+    """Directory of the base policy (config, safetensors, tokenizer).
+
+    ``model.base = "embedded"``: the shipped base (:func:`uses_shipped_base`, checked against
+    :data:`EMBEDDED_BASE_HASH` and copied to ``cache_dir``), or else a tiny Qwen2 with the character
+    tokenizer warm-started on the training tasks' ground truths (:data:`REAL_TASKS_WARM_START`, or
+    :data:`EMBEDDED_WARM_START` at another hidden size), built once per machine in
+    :func:`base_cache_root` (keyed by the task hash, hidden size, warm start and
+    :data:`BASE_CACHE_VERSION`) and copied to ``cache_dir``. Otherwise ``model.base`` is a local
+    model directory.
 
     Raises:
-        FileNotFoundError: a non-embedded base directory that does not exist.
-        protocol.models.ModelLoadError: its files do not match the spec's ``model.base_hash``.
+        FileNotFoundError: a non-embedded base directory that does not exist, or has no config.json.
+        protocol.models.ModelLoadError: its files do not match the spec's ``model.base_hash``, or
+            the shipped base's files do not match :data:`EMBEDDED_BASE_HASH`.
     """
     if spec.model.base != "embedded":
         path = Path(spec.model.base)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model.base {path} does not exist (a local Qwen2 directory is required; no hub access)")
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model.base {path} has no config.json (a local Qwen2 directory is required; no hub access)")
         check_base_hash(path, spec.model.base_hash)
         return path
+    if uses_shipped_base(spec):
+        return _cached_copy(Path(cache_dir) / f"embedded-h{EMBEDDED_HIDDEN_SIZE}-{EMBEDDED_BASE_HASH[:16]}", _check_shipped_base)
     embedded = spec.data.tasks == "embedded"
     config = EMBEDDED_WARM_START if embedded else REAL_TASKS_WARM_START
     key = hashlib.sha256(f"{BASE_CACHE_VERSION}|{spec.model.hidden_size}|{EMBEDDED_INIT_SEED}|{config}|{tasks.hash}".encode()).hexdigest()[:16]
     name = f"embedded-h{spec.model.hidden_size}-{key}"
-    out = Path(cache_dir) / name
+    shared = base_cache_root() / name
+
+    def machine_base() -> Path:
+        if not (shared / "model.safetensors").exists():
+            _publish_dir(shared, lambda tmp: warm_start_base(tasks, tmp, spec.model.hidden_size, embedded, config))
+        return shared
+
+    return _cached_copy(Path(cache_dir) / name, machine_base)
+
+
+def _check_shipped_base() -> Path:
+    """:data:`EMBEDDED_BASE_DIR` after its hash check (raises ModelLoadError naming the fix)."""
+    got = base_hash(EMBEDDED_BASE_DIR)
+    if got != EMBEDDED_BASE_HASH:
+        raise ModelLoadError(
+            f"the shipped embedded base {EMBEDDED_BASE_DIR} hashes to {got[:16]}…, expected {EMBEDDED_BASE_HASH[:16]}…: "
+            "its files were changed; reinstall the package or rebuild it with scripts/build_embedded_base.py"
+        )
+    return EMBEDDED_BASE_DIR
+
+
+def _cached_copy(out: Path, source: Callable[[], Path]) -> Path:
+    """``out``, made once as a byte-identical copy of the directory ``source()`` returns."""
     if (out / "model.safetensors").exists():
         return out
-    shared = base_cache_root() / name
-    if not (shared / "model.safetensors").exists():
-        _warm_start_base(spec, tasks, shared, embedded, config)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(shared, tmp)
-    try:
-        tmp.replace(out)
-    except OSError:  # another process of this node made it first
-        shutil.rmtree(tmp, ignore_errors=True)
+    src = source()
+    _publish_dir(out, lambda tmp: copy_model(src, tmp))
     return out
 
 
-def _warm_start_base(spec: RunSpec, tasks: RunTasks, out: Path, embedded: bool, config: WarmStartConfig) -> None:
-    """Build and warm-start the embedded base into ``out`` (written under a temporary name, then renamed)."""
+def _publish_dir(out: Path, fill: Callable[[Path], object]) -> None:
+    """Fill a temporary sibling of ``out`` with ``fill`` and rename it to ``out``; when another
+    process of this machine made ``out`` first, keep theirs."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    fill(tmp)
+    try:
+        tmp.replace(out)
+    except OSError:  # another process finished the same directory first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def warm_start_base(tasks: RunTasks, out: Path, hidden_size: int, embedded: bool, config: WarmStartConfig) -> list[float]:
+    """Build the embedded Qwen2 (seed :data:`EMBEDDED_INIT_SEED`), warm-start it on ``tasks.train``'s
+    ground truths on :data:`WARM_START_THREADS` CPU threads, and write it to ``out`` (float32).
+
+    Args:
+        tasks: the run's tasks; only the training tasks are used (never the held-out ones).
+        out: the model directory to write (created).
+        hidden_size: the model's hidden size (≥ 128, TOPLOC's top-k).
+        embedded: the embedded addition tasks (whole prompts) rather than a public set (prompt
+            tails of at most :data:`REAL_TASKS_PROMPT_TAIL_CHARS` characters of its math tasks).
+        config: steps, batch size, learning rate and seed of the warm start.
+
+    Returns:
+        The loss of each warm-start step (nats per answer token).
+    """
     tok = embedded_tokenizer()
-    model = build_model(embedded_config(len(tok), hidden_size=spec.model.hidden_size), seed=EMBEDDED_INIT_SEED)
+    model = build_model(embedded_config(len(tok), hidden_size=hidden_size), seed=EMBEDDED_INIT_SEED)
     if embedded:
         examples = answer_examples(tok, [t.prompt for t in tasks.train], [t.ground_truth for t in tasks.train])
     else:
@@ -90,13 +174,12 @@ def _warm_start_base(spec: RunSpec, tasks: RunTasks, out: Path, embedded: bool, 
         prompts = [t.prompt[-REAL_TASKS_PROMPT_TAIL_CHARS:] for t in math] or ["def f():"]
         answers = [t.ground_truth for t in math] or ["```python\npass\n```"]
         examples = answer_examples(tok, prompts, answers)
-    losses = warm_start(model, examples, config)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, tok, tmp)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(WARM_START_THREADS)
     try:
-        tmp.replace(out)
-    except OSError:  # another process finished the same base first: keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
+        losses = warm_start(model, examples, config)
+    finally:
+        torch.set_num_threads(threads)
+    save_model(model, tok, out)
     logger.info("embedded base model warm-started (%d steps, loss %.3f → %.3f) in %s", len(losses), losses[0], losses[-1], out)
+    return losses

@@ -4,11 +4,12 @@ Every dishonest submission comes from a real worker variant (``node.worker.adver
 the honest worker code run with a different model; the malformed ones are honest submissions
 edited field by field and re-signed with the worker's key, so the envelope itself is valid and
 only the validator's checks can refuse them. The policy is the embedded base model (a tiny
-Qwen2 warm-started on the task answers), cached across runs in pytest's cache directory.
+Qwen2 warm-started on the task answers, shipped in the package: the same bytes on every machine).
 """
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,6 +46,10 @@ SPEC = RunSpec(
     rl=RLSpec(group_size=4, async_level=2),
 )
 RUN = SPEC.run_id
+SHORT_SPEC = SPEC.model_copy(update={"sampling": SPEC.sampling.model_copy(update={"max_tokens": 2})})
+"""``SPEC`` capped at 2 tokens: most embedded answers take 3 tokens (two digits and EOS), so most
+completions end by length (246 of 256 with the shipped base); under ``SPEC`` 254 of 256 end by EOS.
+The honest-work test checks both, so each ending is covered by construction, not by a rare draw."""
 ROLLOUTS = SPEC.data.tasks_per_submission * SPEC.rl.group_size  # 16 per submission
 
 
@@ -60,13 +65,14 @@ class World:
     def checker(
         self,
         *,
+        spec: RunSpec = SPEC,
         trainer_step: int = 0,
         steps: tuple[int, ...] = (0,),
         counter_seen: Callable[[str, int, str], bool] | None = None,
     ) -> SubmissionChecker:
         """A checker whose validator holds the policy for ``steps`` (the same weights) and no other."""
         return SubmissionChecker(
-            SPEC, self.tasks, self.tokenizer, lambda s: self.model if s in steps else None,
+            spec, self.tasks, self.tokenizer, lambda s: self.model if s in steps else None,
             trainer_step=lambda: trainer_step, counter_seen=counter_seen or (lambda w, c, sid: False),
         )
 
@@ -76,7 +82,7 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     cache = getattr(request.config, "cache", None)
     cache_dir = Path(cache.mkdir("intellect-embedded-base")) if cache is not None else tmp_path_factory.mktemp("base")
     tasks = resolve_tasks("embedded")
-    base = prepare_base(SPEC, tasks, cache_dir)  # warm start on first use, then a cache hit
+    base = prepare_base(SPEC, tasks, cache_dir)  # the shipped embedded base
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     tok = load_tokenizer(base)
@@ -85,12 +91,14 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     torch.set_num_threads(threads)
 
 
-def opened(blob: bytes) -> Envelope[Submission]:
-    return open_envelope(blob, run_id=RUN, expect=Submission)
+def opened(blob: bytes, run_id: str = RUN) -> Envelope[Submission]:
+    return open_envelope(blob, run_id=run_id, expect=Submission)
 
 
-def honest(world: World, counter: int, step: int = 0, engine: TransformersEngine | None = None) -> Envelope[Submission]:
-    return opened(build_submission(SPEC, RUN, WORKER, engine or world.engine, world.tokenizer, world.tasks, step, counter))
+def honest(world: World, counter: int, step: int = 0, engine: TransformersEngine | None = None,
+           spec: RunSpec = SPEC) -> Envelope[Submission]:
+    return opened(build_submission(spec, spec.run_id, WORKER, engine or world.engine, world.tokenizer, world.tasks, step, counter),
+                  spec.run_id)
 
 
 def assert_rejected(result: CheckResult, reasons: set[str]) -> None:
@@ -106,31 +114,33 @@ def assert_rejected(result: CheckResult, reasons: set[str]) -> None:
 
 
 def test_honest_workers_accepted_across_batch_sizes_and_threads(world: World) -> None:
-    """0 false rejections over 256 rollouts from engines batching 1, 8 or 64 sequences on 1 or 2 threads.
+    """0 false rejections over 320 rollouts from engines batching 1, 8 or 64 sequences on 1 or 2 threads.
 
     Batch size changes padding and matmul shapes, thread count changes reduction order: the
     worker's logits and rows differ from the validator's batched prefill in the last bits, which
     the TOPLOC thresholds, the replay's near-tie margin and the log-prob tolerance must absorb.
+    Each engine setting makes four submissions under ``SPEC`` (nearly all end by EOS) and one under
+    ``SHORT_SPEC`` (nearly all end by length), so both endings are checked whatever the machine.
     """
-    checker = world.checker()
+    checkers = {SPEC.run_id: world.checker(), SHORT_SPEC.run_id: world.checker(spec=SHORT_SPEC)}
     threads = torch.get_num_threads()
-    rollouts, longest, finishes = 0, 0, set()
+    longest, finishes = 0, collections.Counter()
     try:
         for i, (max_batch, n_threads) in enumerate([(1, 1), (8, 2), (64, 1), (64, 2)]):
             engine = TransformersEngine(world.model, world.tokenizer, max_batch=max_batch)
-            for counter in range(4 * i, 4 * i + 4):
+            for counter, spec in [(c, SPEC) for c in range(4 * i, 4 * i + 4)] + [(100 + i, SHORT_SPEC)]:
                 torch.set_num_threads(n_threads)
-                env = honest(world, counter, engine=engine)
+                env = honest(world, counter, engine=engine, spec=spec)
                 torch.set_num_threads(2)  # the validator's own setting
-                result = checker.check(env)
+                result = checkers[spec.run_id].check(env)
                 assert result.accepted, f"batch {max_batch}, {n_threads} threads, counter {counter}: {result.reason} {result.evidence}"
-                rollouts += len(env.body.rollouts)
                 longest = max([longest] + [len(r.completion_ids) // 4 for r in env.body.rollouts])
-                finishes |= {r.finish for r in env.body.rollouts}
+                finishes.update(r.finish for r in env.body.rollouts)
     finally:
         torch.set_num_threads(threads)
-    assert rollouts >= 200
-    assert longest > 3 and finishes == {"eos", "length"}  # the checks saw long completions and both endings
+    assert finishes.total() == 20 * ROLLOUTS
+    # the checks saw long completions and both endings, each many times over (not one lucky draw)
+    assert longest > 3 and finishes["eos"] >= 32 and finishes["length"] >= 32, (longest, finishes)
 
 
 # --- cheats: real worker variants --------------------------------------------------------------
