@@ -26,7 +26,7 @@ own fsync, several at once).
 
 ``--baseline REV[,REV…]``: the same levels also against the ingest of git revision ``REV`` (a copy of
 this checkout's ``protocol/``, ``trainer/`` and ``node/`` in a temporary directory with
-``trainer/ingest/`` taken from ``REV`` by ``git archive``, imported by the server child instead of
+``trainer/ingest/`` and ``trainer/ledger/`` taken from ``REV`` by ``git archive``, imported by the server child instead of
 this checkout), alternating baseline and current at each level, so both see the same machine
 load; printed side by side.
 
@@ -117,8 +117,12 @@ async def serve(root: Path, history: int = 0) -> None:
 
     from node.http_server import start_site
     from protocol.identity import NodeKey
-    from trainer.ingest import BanBook, SubmissionStore
     from trainer.ingest.service import IngestService, error_middleware
+
+    try:
+        from trainer.ledger import BanBook, SubmissionStore
+    except ImportError:  # a --baseline revision from before trainer/ledger/
+        from trainer.ingest import BanBook, SubmissionStore  # type: ignore[attr-defined,no-redef]
 
     spec = bench_spec()
     if history:
@@ -337,13 +341,16 @@ def build_fsync_shim(directory: Path) -> Path:
 
 def extract_baseline(rev: str, directory: Path) -> Path:
     """This checkout's ``protocol/``, ``trainer/`` and ``node/`` under ``directory``, with ``trainer/ingest/``
-    replaced by git revision ``rev``'s (``--baseline``): only the ingest differs from the current code."""
+    and ``trainer/ledger/`` replaced by git revision ``rev``'s (``--baseline``): only the ingest differs."""
     import shutil
 
     for pkg in ("protocol", "trainer", "node"):
         shutil.copytree(REPO / pkg, directory / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.rmtree(directory / "trainer" / "ingest")
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "trainer/ingest"], check=True, capture_output=True).stdout
+    for pkg in ("ingest", "ledger"):
+        shutil.rmtree(directory / "trainer" / pkg, ignore_errors=True)
+    listed = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", rev, "trainer/"], check=True, capture_output=True, text=True).stdout
+    paths = [p for p in ("trainer/ingest", "trainer/ledger") if p in listed.split()]
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, *paths], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(directory)], input=archive, check=True)
     return directory
 

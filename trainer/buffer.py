@@ -33,7 +33,7 @@ from protocol.runspec import RLSpec
 from protocol.window import oldest_fresh_step
 from trainer.batch import Batch, GroupKey, RolloutRecord, assemble_batch, records_from_submission
 from trainer.errors import BatchError, TrainerError
-from trainer.ingest.store import SubmissionStore
+from trainer.ledger.store import SubmissionStore
 
 logger = logging.getLogger(__name__)
 

@@ -49,8 +49,8 @@ from trainer.batch import Batch
 from trainer.buffer import RolloutBuffer
 from trainer.distributed import DistContext
 from trainer.errors import NotEnoughRolloutsError, TrainerError
-from trainer.ingest import BanBook, SubmissionStore
 from trainer.ingest.service import IngestService, error_middleware
+from trainer.ledger import BanBook, SubmissionStore
 from trainer.loop import LoopPaths, run_training, torch_dtype
 from trainer.train import StepMetrics, Trainer, TrainerConfig
 

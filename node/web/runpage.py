@@ -40,8 +40,8 @@ from protocol.envelope import Envelope, open_envelope
 from protocol.errors import ProtocolError
 from protocol.messages import NodeRecord, Submission, Verdict
 from protocol.runspec import SignedRunSpec
-from trainer.ingest.bans import BanBook
-from trainer.ingest.store import SubmissionStore
+from trainer.ledger.bans import BanBook
+from trainer.ledger.store import SubmissionStore
 
 logger = logging.getLogger(__name__)
 

@@ -48,8 +48,8 @@ async def coordinator(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
     from node.http_server import start_site
     from node.p2p import GossipConfig, GossipNode
-    from trainer.ingest import BanBook, SubmissionStore
     from trainer.ingest.service import IngestLimits, IngestService, error_middleware
+    from trainer.ledger import BanBook, SubmissionStore
 
     key, spec = run_spec()
     store = SubmissionStore(Path(args.dir) / "ingest", spec.run_id)

@@ -107,7 +107,7 @@ def test_train_kill_resume(tmp_path):
     rows = [json.loads(line) for line in (data_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if r.get("event") == "step"]
     assert steps == sorted(set(steps)) and steps[-1] == 3  # resumed from the saved step: no step trained twice
-    from trainer.ingest import SubmissionStore
+    from trainer.ledger import SubmissionStore
 
     store = SubmissionStore(data_dir / "ingest", spec.run_id)
     counts = store.counts()

@@ -122,7 +122,7 @@ class Proc:
 
 @pytest.mark.skipif(bool(_can_make_namespaces()), reason=_can_make_namespaces() or "ok")
 async def test_partition_heals_without_losing_acknowledged_submissions(tmp_path: Path) -> None:
-    from trainer.ingest import SubmissionStore
+    from trainer.ledger import SubmissionStore
 
     sys.path.insert(0, str(NODE.parent))
     from netns_node import run_spec

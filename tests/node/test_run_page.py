@@ -250,7 +250,7 @@ async def test_api_is_bounded_and_rate_limited(tmp_path):
     from node.web.runpage import CAPS, RunPage
     from protocol.identity import NodeKey
     from protocol.runspec import sign_run_spec
-    from trainer.ingest import BanBook, SubmissionStore
+    from trainer.ledger import BanBook, SubmissionStore
 
     key = NodeKey.generate()
     signed = sign_run_spec(devnet_spec(key, [], tasks="embedded", http_url="http://127.0.0.1:1", bootstrap="", seed=3), key)

@@ -42,8 +42,8 @@ from protocol.runspec import (
     dump_run_spec,
     sign_run_spec,
 )
-from trainer.ingest import BanBook, SubmissionStore
 from trainer.ingest.service import IngestService, error_middleware
+from trainer.ledger import BanBook, SubmissionStore
 
 COORD = NodeKey.from_seed(b"C" * 32)
 VALIDATOR = NodeKey.from_seed(b"V" * 32)

@@ -24,8 +24,8 @@ from protocol.envelope import DOMAIN, open_envelope, seal
 from protocol.identity import NodeKey
 from protocol.messages import Rollout, Submission, SubmissionTask, Verdict
 from protocol.runspec import RunInfo, RunSpec
-from trainer.ingest import BanBook, SubmissionStore
 from trainer.ingest.service import IngestLimits, IngestService, Recheck, error_middleware
+from trainer.ledger import BanBook, SubmissionStore
 
 COORD = NodeKey.from_seed(b"c" * 32)
 VALIDATOR = NodeKey.from_seed(b"v" * 32)

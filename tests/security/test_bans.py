@@ -156,7 +156,7 @@ def test_a_long_ban_list_still_fits_its_signed_size(tmp_path: Path) -> None:
     import time
 
     from protocol.messages import BanEntry, BanEvidence
-    from trainer.ingest import BanBook
+    from trainer.ledger import BanBook
 
     book = BanBook(tmp_path / "bans.msgpack", COORD, RUN)
     detail = "x" * 200

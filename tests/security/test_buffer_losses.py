@@ -20,7 +20,7 @@ from protocol.messages import Rollout, Submission, SubmissionTask
 from protocol.rollout import pack_f32, pack_u32
 from protocol.runspec import RLSpec, RunInfo, RunSpec
 from trainer.buffer import RolloutBuffer
-from trainer.ingest import SubmissionStore
+from trainer.ledger import SubmissionStore
 
 COORD = NodeKey.from_seed(b"c" * 32)
 WORKER = NodeKey.from_seed(b"w" * 32)

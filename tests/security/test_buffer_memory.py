@@ -21,8 +21,8 @@ from protocol.identity import NodeKey
 from protocol.messages import Rollout, Submission, SubmissionTask
 from protocol.rollout import submission_decode_limits
 from trainer.buffer import RolloutBuffer
-from trainer.ingest import BanBook, SubmissionStore
 from trainer.ingest.service import IngestService, error_middleware
+from trainer.ledger import BanBook, SubmissionStore
 
 HELD_BOUND = 1 << 20
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from node.web.runpage import BOARD_DUTY_FACTOR, RunPage
 from protocol.identity import NodeKey
 from protocol.runspec import RunInfo, RunSpec, sign_run_spec
-from trainer.ingest import BanBook, SubmissionStore
+from trainer.ledger import BanBook, SubmissionStore
 
 COORD = NodeKey.from_seed(b"c" * 32)
 SIGNED = sign_run_spec(RunSpec(run=RunInfo(coordinator=COORD.peer_id, seed=1)), COORD)

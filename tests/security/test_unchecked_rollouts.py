@@ -24,7 +24,7 @@ from protocol.models import build_model
 from protocol.rollout import pack_f32, pack_u32
 from protocol.runspec import RLSpec, RunInfo, RunSpec
 from trainer.buffer import RolloutBuffer
-from trainer.ingest import SubmissionStore
+from trainer.ledger import SubmissionStore
 from trainer.loss import LossConfig
 from trainer.model import tiny_qwen2_config
 from trainer.train import Trainer, TrainerConfig

@@ -15,8 +15,8 @@ from aiohttp import web
 from node.http_server import start_site
 from protocol.identity import NodeKey
 from protocol.runspec import RunInfo, RunSpec
-from trainer.ingest import BanBook, SubmissionStore
 from trainer.ingest.service import IngestLimits, IngestService, error_middleware
+from trainer.ledger import BanBook, SubmissionStore
 
 COORD = NodeKey.from_seed(b"c" * 32)
 VALIDATOR = NodeKey.from_seed(b"v" * 32)

@@ -13,8 +13,8 @@ from protocol.identity import NodeKey
 from protocol.ingest_api import BANS_ROUTE, LEASE_ROUTE, SUBMISSIONS_ROUTE, VERDICTS_ROUTE
 from protocol.messages import BanList, LeaseRequest, Rollout, Submission, SubmissionTask, Verdict
 from protocol.runspec import RunInfo, RunSpec
-from trainer.ingest import BanBook, SubmissionStore
 from trainer.ingest.service import IngestService, RecheckResult, error_middleware
+from trainer.ledger import BanBook, SubmissionStore
 
 COORD = NodeKey.from_seed(b"c" * 32)
 VALIDATOR = NodeKey.from_seed(b"v" * 32)

@@ -1,5 +1,5 @@
 """Ingest under concurrency: group commit, exact quotas and replay protection, and no acknowledged
-submission lost when the process is killed (``trainer/ingest/store.py``, ``docs/capacity.md`` §1)."""
+submission lost when the process is killed (``trainer/ledger/store.py``, ``docs/capacity.md`` §1)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import aiohttp
 import pytest
 from test_ingest import RUN, Coordinator, post, serve, submission
 
-import trainer.ingest.store as store_mod
+import trainer.ledger.store as store_mod
 from protocol.envelope import open_envelope
 from protocol.identity import NodeKey
 from protocol.ingest_api import SUBMISSIONS_ROUTE
-from trainer.ingest import SubmissionStore
 from trainer.ingest.service import IngestLimits
+from trainer.ledger import SubmissionStore
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 30.0  # bound on every wait for an event below

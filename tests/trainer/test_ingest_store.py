@@ -1,5 +1,5 @@
 """The submission store's index as a run grows: an older index is upgraded in place, and the
-queries run for every submission or commit never scan the run's history (``trainer/ingest/store.py``)."""
+queries run for every submission or commit never scan the run's history (``trainer/ledger/store.py``)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import sqlite3
 
 from test_ingest import RUN, submission
 
-import trainer.ingest.store as store_mod
+import trainer.ledger.store as store_mod
 from protocol.envelope import open_envelope
 from protocol.identity import NodeKey
-from trainer.ingest import SubmissionStore
+from trainer.ledger import SubmissionStore
 
 OLD_SCHEMA = """
 CREATE TABLE submissions (id TEXT PRIMARY KEY, worker TEXT NOT NULL, policy_step INTEGER NOT NULL, counter INTEGER NOT NULL,

@@ -54,9 +54,9 @@ from protocol.rollout import submission_decode_limits
 from protocol.runspec import RunSpec
 from protocol.verdicts import is_cheat
 from protocol.window import in_window, oldest_fresh_step
-from trainer.ingest.bans import BanBook
 from trainer.ingest.limits import RateLimiter
-from trainer.ingest.store import DecidingVerdict, SubmissionStore
+from trainer.ledger.bans import BanBook
+from trainer.ledger.store import DecidingVerdict, SubmissionStore
 
 logger = logging.getLogger(__name__)
 
@@ -331,7 +331,7 @@ class IngestService:
         # Admission is one step of the event loop (no await inside): the checks see every earlier
         # admitted submission, durable or still being written (the store counts staged ones), and
         # this one is counted before the next request is checked. The durable write happens after,
-        # group-committed with whatever else is being stored (trainer/ingest/store.py).
+        # group-committed with whatever else is being stored (trainer/ledger/store.py).
         async with self._admit:
             # staged first, then the index: a submission goes staged → (both, while committing) → index
             if not self.store.storing(sid):  # the same bytes being stored now: a duplicate, answered when they are durable
