@@ -3,8 +3,8 @@
 A reason is a CHEAT reason when an honest worker on the agreed software cannot produce it. It is
 BENIGN when the rejection may come from either side's circumstances rather than the worker's
 honesty: the validator's own failure (its reward error, its resources, a checkpoint it could
-not fetch), a wall/CPU/memory limit hit by either side (code rewards depend on the clock), or a
-stale policy. Benign rejections only lower a worker's reputation, and count as non-cheats there.
+not fetch), a wall/CPU/memory limit hit by either side (code rewards depend on the clock), a
+program whose result does not reproduce when the validator re-runs it, or a stale policy. Benign rejections only lower a worker's reputation, and count as non-cheats there.
 
 Even a cheat reason does not ban on its own: the coordinator bans only when a second,
 independent check of the same submission reproduces a cheat reason (another validator's
@@ -38,6 +38,7 @@ BENIGN_REASONS: Final[frozenset[str]] = frozenset(
         "timeout",  # validation did not finish in time
         "reward_error",  # the validator could not compute the reward (its sandbox, its task data)
         "limit_hit",  # a wall/CPU/memory limit of the reward was hit on either side
+        "nondeterministic",  # the reward disagreed but re-runs did not reproduce it (validator/rewards.py)
         "resources",  # the validator ran out of memory, disk or descriptors while checking
     }
 )

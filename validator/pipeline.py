@@ -6,7 +6,8 @@ log-probs → termination (P(EOS)) → rewards. The first failing check decides 
 reason code (``protocol.verdicts``) and evidence (which rollout, which chunk, the numbers) go
 into the signed verdict. Failures that may be the validator's own or a resource limit of either
 side get benign reasons (``reward_error``, ``limit_hit``, ``unknown_checkpoint``:
-``protocol.verdicts.BENIGN_REASONS``), never a cheat reason.
+``protocol.verdicts.BENIGN_REASONS``), never a cheat reason; so does a reward disagreement
+that does not reproduce (``nondeterministic``, :mod:`validator.rewards`).
 
 The model work (prefill) uses :func:`protocol.inference.completion_rows` and
 :func:`protocol.inference.head_logits` (the two halves of ``prefill_completions``), the very code
@@ -15,6 +16,7 @@ whose rows the worker's engine commits, and the reward work :func:`protocol.rewa
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -35,6 +37,7 @@ from protocol.runspec import RunSpec
 from protocol.tasks import Task
 from protocol.verdicts import OK
 from protocol.window import in_window
+from validator.rewards import judge_reward
 
 logger = logging.getLogger(__name__)
 
@@ -211,17 +214,19 @@ class SubmissionChecker:
         timings["prefill"] += head_s  # the LM head is prefill work, done rollout by rollout
         timings["sampling"] = time.perf_counter() - t - head_s
         t = time.perf_counter()
+        limits = self.reward_limits or RewardLimits()
         for j, (ro, (_, completion, _)) in enumerate(zip(sub.rollouts, seqs)):
             p = plan[j // g]
-            try:
-                r = compute_reward(p.task, completion_text(self.tokenizer, completion, self.eos_id), len(completion), p.target_length,
-                                   spec.sampling.length_penalty, self.reward_limits)
+            text = completion_text(self.tokenizer, completion, self.eos_id)
+            try:  # a disagreement counts as a cheat only when it reproduces (validator/rewards.py)
+                score = functools.partial(compute_reward, p.task, text, len(completion), p.target_length, spec.sampling.length_penalty, limits)
+                judged = judge_reward(score, ro.task_reward, ro.reward, reward_tol=self.tol.reward_tol, budget_s=limits.sandbox.total_wall_time_s)
             except RewardError as e:  # our failure to score, not evidence about the worker
                 raise Rejection("reward_error", rollout=j, detail=str(e)[:200]) from None
-            if r.task_reward != ro.task_reward or abs(r.reward - ro.reward) > self.tol.reward_tol:
-                raise Rejection(_reward_mismatch_reason(ro.task_reward, r.task_reward, r.limit_hit), rollout=j,
-                                reported=ro.reward, recomputed=r.reward, reported_task=ro.task_reward, recomputed_task=r.task_reward,
-                                detail=r.detail[:200])
+            if judged.reason != OK:
+                r = judged.result
+                raise Rejection(judged.reason, rollout=j, reported=ro.reward, recomputed=r.reward, reported_task=ro.task_reward,
+                                recomputed_task=r.task_reward, runs=judged.runs, detail=(judged.detail or r.detail)[:200])
         timings["reward"] = time.perf_counter() - t
 
     def _bounds(self, j: int, ro: Any, prompt: list[int]) -> tuple[list[int], list[int], list[float]]:
@@ -268,21 +273,6 @@ class SubmissionChecker:
         if not lp.ok:
             raise Rejection("logprobs", rollout=j, position=lp.position, max_abs_diff=_finite(lp.max_abs_err),
                             mean_abs_diff=_finite(lp.mean_abs_err), detail=lp.reason[:200])
-
-
-def _reward_mismatch_reason(reported_task: float, recomputed_task: float, limit_hit: str | None) -> str:
-    """The verdict reason of a reported reward that differs from the recomputed one.
-
-    ``limit_hit`` (benign) when a resource limit may explain the difference rather than the
-    worker: the validator's own scoring hit one (``RewardResult.limit_hit``: wall, CPU, memory or
-    output; wall and CPU depend on this machine's load), or the worker reported less than the
-    recomputed task reward (a limit hit on the worker's side looks exactly so, and an
-    under-report gains a worker nothing). Otherwise ``reward`` (a cheat). The submission is
-    rejected either way; only a cheat reason can lead to a ban.
-    """
-    if limit_hit is not None or reported_task < recomputed_task:
-        return "limit_hit"
-    return "reward"
 
 
 def _finite(x: float) -> float:

@@ -111,12 +111,18 @@ class RewardResult:
             limit (one of :data:`LIMIT_KINDS`) that stopped scoring before a test failed, so the
             0 reward may be this machine's (load, memory) rather than the completion's. A
             completion can hit a limit on purpose (an endless loop), so a limit is never a pass.
+        outcome: for code rewards, a SHA-256 (hex) of what the program observably did (each
+            run's exit status, its stdout or its test records, up to the first failing test);
+            ``None`` for math. Two scorings of one completion with different outcomes show a
+            program whose result is not a function of its input (``validator.rewards``). Local
+            to the scoring node: never sent, never compared between nodes.
     """
 
     task_reward: float
     reward: float
     detail: str
     limit_hit: str | None = None
+    outcome: str | None = None
 
     def raise_if_limited(self) -> None:
         """Raise :class:`RewardLimitExceeded` when scoring hit a limit.

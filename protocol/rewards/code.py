@@ -23,10 +23,13 @@ that callers can tell "the program failed" from "this machine's limit was hit".
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import re
 import time
+from typing import Any
 
 from protocol.rewards.asserts import judge_assert_records, judge_call_records, plan_asserts
 from protocol.rewards.base import SandboxLimits
@@ -77,7 +80,17 @@ def stdout_matches(actual: str, expected: str) -> bool:
     return all(math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-8) for x, y in pairs)
 
 
-def code_reward(completion: str, tests: CodeTests, limits: SandboxLimits) -> tuple[float, str, str | None]:
+def _digest(h: hashlib._Hash, exit_code: int | None, data: bytes) -> None:
+    """Add one run's exit status and output to an outcome hash (length-prefixed: unambiguous)."""
+    h.update(f"{exit_code}:{len(data)}:".encode())
+    h.update(data)
+
+
+def _records_bytes(records: list[dict[str, Any]]) -> bytes:
+    return json.dumps(records, sort_keys=True, separators=(",", ":"), allow_nan=True).encode("utf-8", "surrogatepass")
+
+
+def code_reward(completion: str, tests: CodeTests, limits: SandboxLimits) -> tuple[float, str, str | None, str | None]:
     """Score a code completion by running its program against all tests.
 
     The sandbox only runs the program and reports raw outputs; expected outputs stay here and
@@ -89,9 +102,11 @@ def code_reward(completion: str, tests: CodeTests, limits: SandboxLimits) -> tup
         limits: sandbox limits (per process and in total, in seconds and bytes).
 
     Returns:
-        ``(1.0 or 0.0, detail, limit_hit)``: ``limit_hit`` names the resource limit (``"wall"``,
-        ``"cpu"``, ``"memory"``, ``"output"``) that stopped the run before any test failed, else
-        ``None``.
+        ``(1.0 or 0.0, detail, limit_hit, outcome)``: ``limit_hit`` names the resource limit
+        (``"wall"``, ``"cpu"``, ``"memory"``, ``"output"``) that stopped the run before any test
+        failed, else ``None``; ``outcome`` is the SHA-256 (hex) of every run's exit status and
+        stdout (stdin/stdout tests, up to the first failing case) or test records (call and
+        assert tests), ``None`` when no program ran (see :attr:`RewardResult.outcome`).
 
     Raises:
         RewardError: if the sandbox is unavailable (the message says what to install) or the
@@ -99,7 +114,7 @@ def code_reward(completion: str, tests: CodeTests, limits: SandboxLimits) -> tup
     """
     code = extract_code(completion)
     if code is None:
-        return 0.0, "no complete ```python code block", None
+        return 0.0, "no complete ```python code block", None, None
     require_sandbox()
     if tests.kind == "stdio":
         return _run_stdio(code, tests, limits)
@@ -111,30 +126,35 @@ def code_reward(completion: str, tests: CodeTests, limits: SandboxLimits) -> tup
         payload = {"prelude": plan.prelude, "setup_code": plan.setup_code, "snippets": list(plan.snippets)}
         run = run_python("assert", code, payload, limits)
         verdict, detail = judge_assert_records(plan, run.records)
+    h = hashlib.sha256()
+    _digest(h, run.exit_code, _records_bytes(run.records))
+    outcome = h.hexdigest()
     if verdict == "fail":  # a check failed before any limit: the program's own failure
-        return 0.0, detail, None
+        return 0.0, detail, None, outcome
     if run.records_truncated:
-        return 0.0, f"more than {RECORDS_MAX_BYTES} bytes of test records", "output"
+        return 0.0, f"more than {RECORDS_MAX_BYTES} bytes of test records", "output", outcome
     if run.limit_hit == "wall":
-        return 0.0, f"wall limit of {limits.wall_time_s} s reached ({detail})", "wall"
+        return 0.0, f"wall limit of {limits.wall_time_s} s reached ({detail})", "wall", outcome
     if run.limit_hit is not None:
-        return 0.0, f"{run.limit_hit} limit reached ({detail})", run.limit_hit
+        return 0.0, f"{run.limit_hit} limit reached ({detail})", run.limit_hit, outcome
     if verdict == "pass" and run.exit_code == 0:
-        return 1.0, detail, None
-    return 0.0, f"{detail}; exit status {run.exit_code}: {run.stderr[-200:]}", None
+        return 1.0, detail, None, outcome
+    return 0.0, f"{detail}; exit status {run.exit_code}: {run.stderr[-200:]}", None, outcome
 
 
-def _run_stdio(code: str, tests: CodeTests, limits: SandboxLimits) -> tuple[float, str, str | None]:
+def _run_stdio(code: str, tests: CodeTests, limits: SandboxLimits) -> tuple[float, str, str | None, str | None]:
     deadline = time.monotonic() + limits.total_wall_time_s
+    h = hashlib.sha256()
     for i, (stdin_text, expected) in enumerate(zip(tests.inputs, tests.outputs)):
         left = deadline - time.monotonic()
         if left <= 0:
-            return 0.0, f"total wall limit of {limits.total_wall_time_s} s reached at case {i}", "wall"
+            return 0.0, f"total wall limit of {limits.total_wall_time_s} s reached at case {i}", "wall", h.hexdigest()
         run = run_python("stdio", code, {}, limits, stdin_text=stdin_text, wall_time_s=left)
+        _digest(h, run.exit_code, run.stdout.encode("utf-8", "surrogatepass"))
         if run.limit_hit is not None:
-            return 0.0, f"case {i}: {run.limit_hit} limit reached", run.limit_hit
+            return 0.0, f"case {i}: {run.limit_hit} limit reached", run.limit_hit, h.hexdigest()
         if run.exit_code != 0:
-            return 0.0, f"case {i}: exit status {run.exit_code}: {run.stderr[-300:]}", None
+            return 0.0, f"case {i}: exit status {run.exit_code}: {run.stderr[-300:]}", None, h.hexdigest()
         if not stdout_matches(run.stdout, expected):
-            return 0.0, f"case {i}: wrong output", None
-    return 1.0, f"all {tests.n_cases} tests passed", None
+            return 0.0, f"case {i}: wrong output", None, h.hexdigest()
+    return 1.0, f"all {tests.n_cases} tests passed", None, h.hexdigest()

@@ -40,7 +40,7 @@ def compute_reward(
         limits: resource bounds; defaults when ``None``.
 
     Returns:
-        ``RewardResult(task_reward, reward, detail)``.
+        ``RewardResult(task_reward, reward, detail, limit_hit, outcome)``.
 
     Raises:
         RewardError: on a malformed task, bad lengths or λ, a code task where the sandbox is
@@ -49,14 +49,15 @@ def compute_reward(
     """
     limits = limits or RewardLimits()
     try:
+        outcome: str | None = None
         if task.task_type == "verifiable_math":
             task_reward, detail, limit_hit = math_reward(completion_text, task.ground_truth, limits)
         elif task.task_type == "prime_rl_code":
-            task_reward, detail, limit_hit = code_reward(completion_text, task.test_cases, limits.sandbox)
+            task_reward, detail, limit_hit, outcome = code_reward(completion_text, task.test_cases, limits.sandbox)
         else:
             raise RewardError(f"task {task.problem_id}: unknown task_type {task.task_type!r}")
     except TaskError as e:
         raise RewardError(f"task {task.problem_id} cannot be scored: {e}") from e
     reward = length_penalty(task_reward, completion_len_tokens, target_length, lam)
     logger.debug("reward %s: r_task=%.1f r=%.4f (%s)", task.problem_id, task_reward, reward, detail)
-    return RewardResult(task_reward=task_reward, reward=reward, detail=detail, limit_hit=limit_hit)
+    return RewardResult(task_reward=task_reward, reward=reward, detail=detail, limit_hit=limit_hit, outcome=outcome)

@@ -27,7 +27,7 @@ from protocol.ingest_api import SUBMISSIONS_ROUTE, VERDICTS_ROUTE
 from protocol.messages import BanList
 from protocol.verdicts import BENIGN_REASONS, CHEAT_REASONS, is_cheat
 from trainer.ingest.service import IngestLimits, RecheckResult
-from validator.pipeline import _reward_mismatch_reason
+from validator.rewards import mismatch_reason
 
 
 class Recheck:
@@ -148,7 +148,7 @@ def test_reason_families_are_disjoint() -> None:
     ],
 )
 def test_reward_mismatch_reasons(reported: float, recomputed: float, limit_hit: str | None, reason: str) -> None:
-    assert _reward_mismatch_reason(reported, recomputed, limit_hit) == reason
+    assert mismatch_reason(reported, recomputed, limit_hit) == reason
 
 
 def test_a_long_ban_list_still_fits_its_signed_size(tmp_path: Path) -> None:

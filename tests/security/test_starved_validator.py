@@ -29,7 +29,7 @@ from protocol.identity import NodeKey
 from protocol.rewards import RewardLimits, SandboxLimits, compute_reward
 from protocol.rewards.sandbox import sandbox_status
 from protocol.tasks import Task, convert
-from validator.pipeline import _reward_mismatch_reason
+from validator.rewards import mismatch_reason
 
 pytestmark = [
     pytest.mark.slow,
@@ -95,8 +95,8 @@ class StarvedValidator:
             for j, (task, text, reported) in enumerate(rollouts):
                 r = compute_reward(task, text, 10, None, 0.0, STARVED)
                 if r.task_reward != reported:
-                    return False, _reward_mismatch_reason(reported, r.task_reward, r.limit_hit), {"rollout": j, "reported": reported,
-                                                                                                 "recomputed": r.task_reward}
+                    return False, mismatch_reason(reported, r.task_reward, r.limit_hit), {"rollout": j, "reported": reported,
+                                                                                          "recomputed": r.task_reward}
             return True, "ok", {}
 
         return self.pool.submit(run).result(timeout=120)

@@ -1,0 +1,124 @@
+"""Judging a reported reward: recompute it, and re-run a disagreement until it reproduces or not.
+
+A worker's reported reward is compared with the validator's own scoring
+(:func:`protocol.rewards.compute_reward`). A code program whose result is not a function of its
+input (unseeded ``random``, a set of objects ordered by ``id()``, the clock, thread timing) can
+pass on the worker and fail here with both sides honest, so one disagreement is no evidence.
+The rule (``docs/validator.md`` "Rewards that do not reproduce"):
+
+1. The first scoring agrees with the report → ``ok``.
+2. It disagrees and a resource limit may explain it (this scoring hit one, or the worker
+   reported less than recomputed) → ``limit_hit`` (benign).
+3. Otherwise the completion is scored again, up to :data:`REWARD_RERUNS` more times (each a
+   fresh sandbox). A re-run that agrees with the report, or whose outcome differs from the
+   first scoring's (``RewardResult.outcome``: the program's exit statuses and outputs), shows a
+   program that does not reproduce → ``nondeterministic`` (benign; the rollout is rejected, so
+   it is not trained on). A re-run that hits a limit, or re-runs that outlast
+   ``budget_s``, leave too little evidence → ``limit_hit`` (benign).
+4. Only when every one of the ``1 + REWARD_RERUNS`` scorings gives the very same outcome, and it
+   disagrees with the report, is the disagreement deterministic → ``reward`` (a cheat reason).
+
+The coordinator's re-check runs the same pipeline and so the same rule: a ban needs two
+independent deterministic disagreements. For an honest worker whose program passes with
+probability ``p`` and otherwise prints one and the same failing output, the chance that a
+reported pass ends in a ban is ``(1 − p)^(2·(1 + REWARD_RERUNS))`` (the table in
+``docs/validator.md``); a program with several failing outputs shows itself sooner.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from protocol.rewards import RewardResult
+from protocol.verdicts import OK
+
+logger = logging.getLogger(__name__)
+
+REWARD_RERUNS = 9
+"""Extra scorings of a completion whose first recomputed reward disagrees with the report (k):
+``1 + k`` identical outcomes make a disagreement deterministic (a ``reward`` cheat)."""
+
+
+@dataclass(frozen=True)
+class RewardJudgement:
+    """The verdict on one rollout's reported reward.
+
+    Attributes:
+        reason: ``"ok"``, ``"limit_hit"``, ``"nondeterministic"`` (benign) or ``"reward"`` (cheat).
+        result: the first recomputed reward.
+        runs: scorings done (1 when the first agreed).
+        detail: what decided it, one line.
+    """
+
+    reason: str
+    result: RewardResult
+    runs: int
+    detail: str
+
+
+def agrees(result: RewardResult, reported_task: float, reported_reward: float, reward_tol: float) -> bool:
+    """Whether a recomputed reward equals the reported one (task reward exactly, reward within ``reward_tol``)."""
+    return result.task_reward == reported_task and abs(result.reward - reported_reward) <= reward_tol
+
+
+def mismatch_reason(reported_task: float, recomputed_task: float, limit_hit: str | None) -> str:
+    """The reason of a first disagreement before any re-run: ``limit_hit`` or ``reward``.
+
+    ``limit_hit`` (benign) when a resource limit may explain the difference rather than the
+    worker: this scoring hit one (``RewardResult.limit_hit``: wall, CPU, memory or output; wall
+    and CPU depend on this machine's load), or the worker reported less than the recomputed task
+    reward (a limit hit on the worker's side looks exactly so, and an under-report gains a
+    worker nothing). Otherwise ``reward``, which :func:`judge_reward` then re-runs.
+    """
+    if limit_hit is not None or reported_task < recomputed_task:
+        return "limit_hit"
+    return "reward"
+
+
+def judge_reward(
+    score: Callable[[], RewardResult],
+    reported_task: float,
+    reported_reward: float,
+    *,
+    reward_tol: float,
+    budget_s: float,
+    reruns: int = REWARD_RERUNS,
+) -> RewardJudgement:
+    """Judge a reported reward by the rule of this module.
+
+    Args:
+        score: computes the reward of the completion once (a fresh sandbox per call).
+        reported_task: the worker's task reward; reported_reward: its reward after the length penalty.
+        reward_tol: tolerance on the reward, absolute.
+        budget_s: wall seconds the re-runs may take together; once spent with no decision, the
+            verdict is ``limit_hit`` (a slow program is rejected, never banned on a short count).
+        reruns: extra scorings before a disagreement counts as deterministic (k).
+
+    Returns:
+        The judgement.
+
+    Raises:
+        protocol.rewards.RewardError: from ``score`` (the caller's own failure to score).
+    """
+    first = score()
+    if agrees(first, reported_task, reported_reward, reward_tol):
+        return RewardJudgement(OK, first, 1, "")
+    why = mismatch_reason(reported_task, first.task_reward, first.limit_hit)
+    if why != "reward":
+        return RewardJudgement(why, first, 1, first.detail)
+    end = time.monotonic() + budget_s
+    for i in range(reruns):
+        if time.monotonic() > end:
+            return RewardJudgement("limit_hit", first, 1 + i, f"re-runs outlasted {budget_s:.0f} s after {i} of {reruns}")
+        again = score()
+        if agrees(again, reported_task, reported_reward, reward_tol):
+            return RewardJudgement("nondeterministic", first, 2 + i, f"run {2 + i} reproduced the reported reward")
+        if again.limit_hit is not None:
+            return RewardJudgement("limit_hit", first, 2 + i, f"run {2 + i} hit the {again.limit_hit} limit")
+        if (again.task_reward, again.reward, again.outcome) != (first.task_reward, first.reward, first.outcome):
+            return RewardJudgement("nondeterministic", first, 2 + i, f"run {2 + i} behaved differently from run 1")
+    logger.debug("reward disagreement reproduced %d times: %s", 1 + reruns, first.detail)
+    return RewardJudgement("reward", first, 1 + reruns, first.detail)
