@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from protocol.durable import atomic_write, fsync_dir
 from protocol.errors import ProtocolError
@@ -255,6 +255,10 @@ def load_tokenizer(model_dir: Path) -> Any:
 def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
     """Load a Qwen2 model from ``model_dir`` (``config.json`` + ``*.safetensors``), safetensors only.
 
+    Tensors are read and cast to ``dtype`` one at a time (:func:`iter_weights`), so loading a bf16
+    checkpoint as float32 holds the float32 model plus one tensor, not the whole bf16 file as well
+    (at the 0.5B profile: 2.0 GB instead of 3.0 GB).
+
     Raises:
         ModelLoadError: missing config or weights, a non-qwen2 architecture, or tensors that do
             not match the config.
@@ -267,20 +271,70 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     if config.model_type != "qwen2":
         raise ModelLoadError(f"{model_dir} is a {config.model_type!r} model; only qwen2 is supported")
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{model_dir} has no .safetensors weights")
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config)
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            state.update(load_file(str(f), device=device))
-        except Exception as e:  # safetensors raises SafetensorError / OSError on corrupt files
-            raise ModelLoadError(f"cannot read weights {f}: {e}") from e
-    load_state_dict(model, state, strict=True)
+    load_state_dict(model, dict(iter_weights(model_dir, dtype=dtype, device=device)), strict=True)
     loaded: Any = model
     return loaded.to(device=device, dtype=dtype).eval()
+
+
+def iter_weights(model_dir: Path, *, dtype: torch.dtype | None = None, device: str = "cpu") -> Any:
+    """Yield ``(name, tensor)`` for every tensor of a model directory's ``*.safetensors`` files,
+    read one at a time (safetensors only) and cast to ``dtype`` (``None``: as stored).
+
+    Raises:
+        ModelLoadError: no ``.safetensors`` file, an unreadable one, or a tensor name in two files.
+    """
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir} has no .safetensors weights")
+    seen: set[str] = set()
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device=device) as st:
+                names = list(st.keys())
+                for name in names:
+                    if name in seen:
+                        raise ModelLoadError(f"tensor {name!r} appears in more than one file of {model_dir}")
+                    seen.add(name)
+                    t = st.get_tensor(name)
+                    yield name, (t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+        except ModelLoadError:
+            raise
+        except Exception as e:  # safetensors raises SafetensorError / OSError on corrupt files
+            raise ModelLoadError(f"cannot read weights {f}: {e}") from e
+
+
+def copy_weights(model: Any, model_dir: Path) -> None:
+    """Copy the weights of ``model_dir`` into ``model``'s parameters in place, one tensor at a time,
+    each cast to the parameter's dtype: a weight swap that holds the model plus one tensor
+    (a worker's engine taking the next policy step).
+
+    Raises:
+        ModelLoadError: a tensor the model lacks, a shape that differs, or a model tensor the
+            directory lacks (a tied ``lm_head.weight`` follows the embedding).
+    """
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    targets = dict(model.state_dict(keep_vars=True))
+    if tied:
+        targets.pop(TIED_HEAD, None)
+    done: set[str] = set()
+    with torch.no_grad():
+        for name, t in iter_weights(model_dir):
+            if tied and name == TIED_HEAD:
+                continue
+            dst = targets.get(name)
+            if dst is None:
+                raise ModelLoadError(f"weights do not match the model: unexpected {name!r}")
+            if tuple(dst.shape) != tuple(t.shape):
+                raise ModelLoadError(f"weights do not match the model: {name} is {tuple(t.shape)}, the model has {tuple(dst.shape)}")
+            dst.copy_(t)
+            done.add(name)
+    missing = sorted(set(targets) - done)
+    if missing:
+        raise ModelLoadError(f"weights do not match the model: missing {missing[:3]}")
 
 
 def load_state_dict(model: Any, state: dict[str, torch.Tensor], *, strict: bool = True) -> None:

@@ -7,13 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from node.engine.base import Engine, Generation, SamplingParams
 from node.engine.static_decode import StaticDecoder, supports
 from protocol import sampling
 from protocol.inference import forward, pad_left
-from protocol.models import config_int, load_model, load_state_dict, load_tokenizer
+from protocol.models import config_int, copy_weights, load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -66,16 +65,12 @@ class TransformersEngine(Engine):
         """Swap in the weights of ``model_dir`` in place (same architecture), safetensors only.
 
         The engine keeps computing in its own dtype: a bfloat16 checkpoint is cast up to the
-        model's float32 (``load_state_dict`` assigns tensors as they are), exactly as
-        :func:`protocol.models.load_model` loads it for validators.
+        model's float32 tensor by tensor (:func:`protocol.models.copy_weights`), exactly as
+        :func:`protocol.models.load_model` loads it for validators, holding the model plus one
+        tensor (a whole second state would double a 0.5B worker's memory at every step).
         """
-        dtype = next(self.model.parameters()).dtype
-        state: dict[str, torch.Tensor] = {}
-        for f in sorted(Path(model_dir).glob("*.safetensors")):
-            state.update({k: v.to(dtype) for k, v in load_file(str(f), device=self.device).items()})
-        with torch.no_grad():
-            load_state_dict(self.model, state, strict=True)
-        self.model.to(self.device).eval()
+        copy_weights(self.model, Path(model_dir))
+        self.model.eval()
 
     def generate(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams) -> list[Generation]:
         """Sample one completion per prompt.

@@ -11,8 +11,10 @@ from transformers import Qwen2Config
 
 from protocol.models import (
     base_hash,
+    ModelLoadError,
     build_model,
     copy_model,
+    copy_weights,
     embedded_config,
     embedded_tokenizer,
     load_model,
@@ -73,6 +75,33 @@ def test_a_written_model_loads_back_equal_to_its_source(tmp_path, dtype, tied):
     loaded = load_model(tmp_path / "m")
     want = {k: v.to(dtype).to(torch.float32) for k, v in _tensors(model).items()}
     assert _equal(_tensors(loaded), want)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_copy_weights_swaps_a_checkpoint_in_place_tensor_by_tensor(tmp_path, tied):
+    """A worker's weight swap: the same parameter tensors (no second model in memory), now holding
+    the bf16 checkpoint's values cast to float32; a tied head still follows the embedding."""
+    tok = embedded_tokenizer()
+    config = embedded_config(len(tok), hidden_size=32) if tied else _untied_config()
+    engine_model = build_model(config, seed=0)
+    save_model(build_model(config, seed=1), tok, tmp_path / "next", dtype=torch.bfloat16)
+    before = {k: v.data_ptr() for k, v in engine_model.state_dict().items()}
+    copy_weights(engine_model, tmp_path / "next")
+    assert {k: v.data_ptr() for k, v in engine_model.state_dict().items()} == before  # in place
+    assert _equal(_tensors(engine_model), _tensors(load_model(tmp_path / "next")))
+    assert {p.dtype for p in engine_model.parameters()} == {torch.float32}
+    if tied:
+        assert engine_model.lm_head.weight.data_ptr() == engine_model.model.embed_tokens.weight.data_ptr()
+
+
+def test_copy_weights_refuses_a_checkpoint_of_another_shape(tmp_path):
+    tok = embedded_tokenizer()
+    save_model(build_model(embedded_config(len(tok), hidden_size=32), seed=1), tok, tmp_path / "small", dtype=torch.bfloat16)
+    with pytest.raises(ModelLoadError, match="is \\("):
+        copy_weights(build_model(embedded_config(len(tok), hidden_size=64), seed=0), tmp_path / "small")
+    save_model(build_model(_untied_config(), seed=1), tok, tmp_path / "untied")
+    with pytest.raises(ModelLoadError, match="unexpected|is \\("):
+        copy_weights(build_model(embedded_config(len(tok), hidden_size=32), seed=0), tmp_path / "untied")
 
 
 def test_without_dtype_the_config_is_written_as_transformers_writes_it(tmp_path):
