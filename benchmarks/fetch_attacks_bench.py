@@ -7,12 +7,15 @@ with the origin as origin and, as relay candidates:
 * ``honest``: 2 honest relays (servers over a mirror of the store);
 * ``tarpits``: 20 relay URLs that accept TCP and never answer;
 * ``no_pieces``: 1 relay that serves the manifest and answers 404 for every piece;
-* ``honest+no_pieces``: the 2 honest relays and the lying one.
+* ``honest+no_pieces``: the 2 honest relays and the lying one;
+* ``trickle×N`` (issue #23 item 1), N = 1, 8, 20: relays that serve the manifest, answer a piece
+  request at once with the right headers, then send its true bytes one every 2 s.
 
 Each case is fetched ``--repeat`` times (fresh output directory each time, same process, fresh
-session) and the median wall time is printed with its ratio to the ``origin`` baseline. All in
-one process on one machine, so the numbers are for comparison, not absolute throughput.
-Run: ``python benchmarks/fetch_attacks_bench.py [--size-mib 64] [--piece-mib 1] [--repeat 3]``.
+session) and the median wall time is printed with its ratio to the ``origin`` baseline; the
+trickle cases also with issue #23's goal, ``2 × origin + 5 s``. All in one process on one
+machine, so the numbers are for comparison, not absolute throughput.
+Run: ``python benchmarks/fetch_attacks_bench.py [--size-mib 64] [--piece-mib 16] [--repeat 3]``.
 """
 
 from __future__ import annotations
@@ -63,8 +66,9 @@ async def tarpits(n: int) -> AsyncIterator[list[str]]:
 
 
 @contextlib.asynccontextmanager
-async def no_pieces_relay(store: ShardcastStore) -> AsyncIterator[str]:
-    """A relay serving ``store``'s manifests and 404 for every piece."""
+async def no_pieces_relay(store: ShardcastStore, trickle_s: float | None = None) -> AsyncIterator[str]:
+    """A relay serving ``store``'s manifests and 404 for every piece; with ``trickle_s``, each piece
+    answered at once with its headers, then its bytes one every ``trickle_s`` seconds."""
 
     async def manifest(request: web.Request) -> web.Response:
         name = request.match_info["step"]
@@ -73,13 +77,23 @@ async def no_pieces_relay(store: ShardcastStore) -> AsyncIterator[str]:
             raise web.HTTPNotFound()
         return web.Response(body=env.raw)
 
-    async def piece(request: web.Request) -> web.Response:
-        raise web.HTTPNotFound()
+    async def piece(request: web.Request) -> web.StreamResponse:
+        path = store.piece_path(bytes.fromhex(request.match_info["pid"]))
+        if trickle_s is None or not path.is_file():
+            raise web.HTTPNotFound()
+        resp = web.StreamResponse()
+        resp.content_length = path.stat().st_size
+        await resp.prepare(request)
+        with path.open("rb") as f, contextlib.suppress(ConnectionError):
+            while b := f.read(1):
+                await resp.write(b)
+                await asyncio.sleep(trickle_s)
+        return resp
 
     app = web.Application()
     app.router.add_get(f"{ROUTE_PREFIX}/manifests/{{step}}", manifest)
     app.router.add_get(f"{ROUTE_PREFIX}/pieces/{{pid}}", piece)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -112,13 +126,17 @@ async def main(args: argparse.Namespace) -> None:
         origin, honest = servers[0].url, [servers[1].url, servers[2].url]
         cfg = DownloadConfig()
         results: dict[str, float] = {}
-        async with tarpits(20) as pits, no_pieces_relay(stores[0]) as liar:
+        async with tarpits(20) as pits, no_pieces_relay(stores[0]) as liar, contextlib.AsyncExitStack() as stack:
+            tricklers = [await stack.enter_async_context(no_pieces_relay(stores[0], trickle_s=2.0)) for _ in range(20)]
             cases = {
                 "origin": [],
                 "honest": honest,
                 "tarpits": pits,
                 "no_pieces": [liar],
                 "honest+no_pieces": [*honest, liar],
+                "trickle×1": tricklers[:1],
+                "trickle×8": tricklers[:8],
+                "trickle×20": tricklers,
             }
             for name, relays in cases.items():
                 times = []
@@ -134,9 +152,10 @@ async def main(args: argparse.Namespace) -> None:
             await s.stop()
         base = results["origin"]
         print(f"checkpoint {args.size_mib} MiB, pieces {args.piece_mib} MiB, median of {args.repeat}")
-        print(f"{'case':<18} {'seconds':>8} {'× origin-only':>14}")
+        print(f"{'case':<18} {'seconds':>8} {'× origin-only':>14} {'goal (2 × origin + 5 s)':>24}")
         for name, t in results.items():
-            print(f"{name:<18} {t:>8.2f} {t / base:>14.2f}")
+            goal = f"{'met' if t <= 2 * base + 5 else 'MISSED'} (≤ {2 * base + 5:.2f} s)" if name.startswith("trickle") else ""
+            print(f"{name:<18} {t:>8.2f} {t / base:>14.2f} {goal:>24}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -144,6 +163,6 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size-mib", type=int, default=64)
-    p.add_argument("--piece-mib", type=int, default=1)
+    p.add_argument("--piece-mib", type=int, default=16)
     p.add_argument("--repeat", type=int, default=3)
     asyncio.run(main(p.parse_args()))

@@ -15,13 +15,14 @@ the total), so a tarpit holding its connections cannot delay a request to anothe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import json
 import logging
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -60,7 +61,14 @@ class DownloadConfig:
         connect_timeout_s: TCP connect timeout, seconds (never includes waiting for the pool).
         read_timeout_s: longest silence while waiting for or reading a response, seconds.
         min_rate_bps: slowest accepted transfer, bytes/second; a piece's body must arrive within
-            ``size / min_rate_bps + 5`` seconds of its response headers.
+            ``size / min_rate_bps + 5`` seconds of its response headers (from a relay, also within
+            half the stall timeout).
+        rate_window_s: a piece request is measured over windows of this many seconds from its
+            response headers on; a relay's request that delivers less than the rate floor in a
+            window is cut off (cooled down, its piece moved to a proven source), seconds.
+        rate_floor_bps: the absolute rate floor, bytes/second.
+        slow_fraction: the relative rate floor, as a fraction of the best rate measured in this
+            download (the floor is the larger of the two).
         manifest_timeout_s: longest silence on a manifest request, seconds.
         held_timeout_s: longest silence on a ``/held`` request, seconds (a tiny JSON answer).
         max_manifest_bytes: largest manifest read, bytes (bounded read; a larger one is evidence).
@@ -70,7 +78,8 @@ class DownloadConfig:
             with headers for this long is moved to a free proven source, seconds.
         exploration: probability of choosing a source uniformly (see :class:`SourcePool`).
         missing_retry_s: after a source answers 404 for a piece, ask it again after this many seconds.
-        stall_timeout_s: give up when no piece arrived for this many seconds.
+        stall_timeout_s: give up when for this many seconds no piece arrived and no request
+            delivered at the rate floor.
         deadline_s: give up after this many seconds in total.
     """
 
@@ -80,6 +89,9 @@ class DownloadConfig:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 15.0
     min_rate_bps: float = 256 * 1024
+    rate_window_s: float = 2.0
+    rate_floor_bps: float = 64 * 1024
+    slow_fraction: float = 1 / 8
     manifest_timeout_s: float = 15.0
     held_timeout_s: float = 3.0
     max_manifest_bytes: int = DEFAULT_MAX_MANIFEST_BYTES
@@ -388,6 +400,31 @@ def _write_all(writer: PieceWriter, chunks: list[bytes]) -> None:
         writer.write(c)
 
 
+async def _settled(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a thread, finished even when the caller is cancelled meanwhile.
+
+    A cancelled ``asyncio.to_thread`` leaves its thread running: a hedged or cut-off request
+    would then go on writing (or aborting) its piece while the piece's next request writes the
+    same bytes. So a cancellation waits for the thread before it propagates.
+    """
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        while not fut.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({fut})
+        raise
+
+
+def body_deadline_s(piece: PieceRef, cfg: DownloadConfig, *, origin: bool) -> float:
+    """Seconds a piece's body may take after its response headers: ``size / min_rate_bps + 5``;
+    from a relay also at most half of ``stall_timeout_s`` (so a relay's request always ends, and
+    its piece moves on, before the download could stall)."""
+    s = piece.size_bytes / cfg.min_rate_bps + 5.0
+    return s if origin else min(s, cfg.stall_timeout_s / 2)
+
+
 async def download_piece(
     session: aiohttp.ClientSession,
     source: str,
@@ -396,20 +433,28 @@ async def download_piece(
     cfg: DownloadConfig,
     on_bytes: Callable[[int], None] | None = None,
     on_headers: Callable[[], None] | None = None,
+    *,
+    deadline_s: float | None = None,
 ) -> None:
     """GET one piece from ``source``, streaming it through ``writer``, and verify it.
 
     The writer is committed only if the bytes hash to the piece ID; otherwise it is aborted.
     Nothing is written before ``on_headers`` is called (so cancelling the request before that
-    point can never leave a write behind).
+    point can never leave a write behind); a cancellation after it waits for the writer's
+    thread, so no write of this request lands after it ended.
+
+    Args:
+        deadline_s: seconds the body may take after the headers (default
+            :func:`body_deadline_s` for a relay).
 
     Raises:
         SourceError: ``reason="missing"`` on 404; a transport failure, bad status, a body slower
-            than ``min_rate_bps`` or truncated (an honest source can do that).
+            than its deadline allows or truncated (an honest source can do that).
         BadPieceError: evidence: a declared or actual length other than the piece's, or bytes
             that do not hash to the piece ID.
     """
     ok = False
+    limit_s = body_deadline_s(piece, cfg, origin=False) if deadline_s is None else deadline_s
     try:
         async with session.get(piece_url(source, piece.piece_id), timeout=request_timeout(cfg, cfg.read_timeout_s)) as resp:
             if on_headers is not None:
@@ -420,7 +465,7 @@ async def download_piece(
                 raise SourceError(source, f"http_{resp.status}", f"piece request answered HTTP {resp.status}")
             if resp.content_length is not None and resp.content_length != piece.size_bytes:
                 raise BadPieceError(source, piece.piece_id, f"declared {resp.content_length} bytes, the piece has {piece.size_bytes}", reason="bad_length")
-            end = time.monotonic() + piece.size_bytes / cfg.min_rate_bps + 5.0
+            end = time.monotonic() + limit_s
             got = 0
             batch: list[bytes] = []
             batch_bytes = 0
@@ -434,25 +479,25 @@ async def download_piece(
                 batch.append(chunk)
                 batch_bytes += len(chunk)
                 if batch_bytes >= WRITE_BATCH_BYTES:
-                    await asyncio.to_thread(_write_all, writer, batch)
+                    await _settled(_write_all, writer, batch)
                     batch, batch_bytes = [], 0
                 if on_bytes is not None:
                     on_bytes(len(chunk))
                 if time.monotonic() > end:
-                    raise SourceError(source, "slow", f"piece {hex_id(piece.piece_id)[:16]}… slower than {cfg.min_rate_bps:.0f} bytes/s")
+                    raise SourceError(source, "slow", f"piece {hex_id(piece.piece_id)[:16]}… not delivered within {limit_s:.0f} s")
             if batch:
-                await asyncio.to_thread(_write_all, writer, batch)
+                await _settled(_write_all, writer, batch)
             if got < piece.size_bytes:
                 raise SourceError(source, "truncated", f"piece {hex_id(piece.piece_id)[:16]}… ended after {got} of {piece.size_bytes} bytes")
-        if not await asyncio.to_thread(writer.digest_matches):
+        if not await _settled(writer.digest_matches):
             raise BadPieceError(source, piece.piece_id, "content does not hash to the piece ID", reason="bad_hash")
-        await asyncio.to_thread(writer.commit)
+        await _settled(writer.commit)
         ok = True
     except (TimeoutError, aiohttp.ClientError, OSError) as e:
         raise SourceError(source, "unreachable", f"piece transfer failed: {type(e).__name__}: {e}") from e
     finally:
         if not ok:
-            await asyncio.to_thread(writer.abort)
+            await _settled(writer.abort)
 
 
 @dataclass
@@ -462,14 +507,16 @@ class DownloadStats:
     Attributes:
         pieces: pieces fetched and verified.
         bytes: verified piece bytes received, in bytes.
-        wasted_bytes: bytes received in failed or rejected transfers, in bytes.
+        wasted_bytes: bytes received in failed, cut-off or rejected transfers, in bytes.
         hedged: requests to a silent relay moved to another source.
+        slow: requests to a relay cut off for delivering below the rate floor.
     """
 
     pieces: int = 0
     bytes: int = 0
     wasted_bytes: int = 0
     hedged: int = 0
+    slow: int = 0
 
 
 @dataclass
@@ -482,7 +529,10 @@ class _Request:
     relay_slot: bool
     task: asyncio.Task[bool] | None = None
     answered: bool = False  # response headers arrived (from then on it is never cancelled early)
-    hedged: bool = False
+    hedged: bool = False  # cancelled by the downloader (silent or too slow)
+    received: int = 0  # body bytes so far
+    window_start: float = 0.0  # monotonic start of the current rate window (set at the headers)
+    window_bytes: int = 0  # ``received`` at the start of the window
 
 
 class PieceDownloader:
@@ -494,9 +544,20 @@ class PieceDownloader:
     most their own slots while the origin keeps serving. A piece that fails verification is
     discarded, the source gets evidence against it (the pool bans it) and the piece is retried
     elsewhere; a source without the piece (404) is cooled down (back-off) and not asked for that
-    piece for ``missing_retry_s``; transport failures cool the source down. When every piece is
-    assigned, a request to a relay that sent no response headers for ``hedge_after_s`` while a
-    proven source is free is cancelled (no byte of it was written) and the piece moves on.
+    piece for ``missing_retry_s``; transport failures cool the source down.
+
+    Rates are watched as bytes arrive (``docs/shardcast.md`` §6.2): every ``rate_window_s``
+    after its headers a request's bytes in that window give its rate, and the **rate floor** is
+    ``max(rate_floor_bps, slow_fraction × best)``, ``best`` being the highest rate measured in
+    this download (windows and completed pieces of the last ``10 × rate_window_s``) or by the
+    pool. A relay's request below the floor is cut off like a silent one: its writes finished,
+    its source's rate set to what it delivered and cooled down, its piece moved to proven
+    sources only. Origin requests are never cut off for rate (their reserved path always makes
+    progress); their windows feed ``best``. When every piece is assigned, a request to a relay
+    that sent no response headers for ``hedge_after_s`` while a proven source is free is
+    cancelled (no byte of it was written) and the piece moves on. The download stalls (and
+    fails) only when for ``stall_timeout_s`` no piece verified and no request delivered at the
+    floor; a relay's request never outlives half of that (:func:`body_deadline_s`).
 
     Args:
         session: HTTP session (see :func:`make_session`).
@@ -527,13 +588,14 @@ class PieceDownloader:
         self._changed = asyncio.Event()
         self.stats = DownloadStats()
         self._last_progress = time.monotonic()
-        self._proven_only: set[bytes] = set()  # pieces taken from a silent relay: only proven sources get them again
+        self._proven_only: set[bytes] = set()  # pieces taken from a silent or slow relay: only proven sources get them again
+        self._rates: deque[tuple[float, float]] = deque(maxlen=256)  # (when, bytes/s) of recent windows and pieces
 
     async def run(self, pieces: Sequence[PieceRef], open_writer: Callable[[PieceRef], Awaitable[PieceWriter]]) -> DownloadStats:
         """Fetch every piece in ``pieces`` (each piece ID once) through writers from ``open_writer``.
 
         Raises:
-            FetchError: every source is banned, no piece arrived for ``stall_timeout_s``, or
+            FetchError: every source is banned, no progress for ``stall_timeout_s``, or
                 ``deadline_s`` passed; ``faulty_sources`` names the sources with evidence.
         """
         queue = list({p.piece_id: p for p in pieces}.values())
@@ -547,6 +609,7 @@ class PieceDownloader:
             while queue or running:
                 self._check_limits(deadline)
                 await self._dispatch(queue, running, missing_until, open_writer)
+                self._police(running)
                 if not queue:
                     self._hedge(running)
                 done = [t for t in running if t.done()]
@@ -611,6 +674,39 @@ class PieceDownloader:
         req.src.in_flight -= 1
         self._changed.set()
 
+    def rate_floor_bps(self, now: float | None = None) -> float:
+        """The rate floor now: ``max(rate_floor_bps, slow_fraction × best)``, bytes/s."""
+        now = time.monotonic() if now is None else now
+        horizon = now - 10 * self._cfg.rate_window_s
+        best = max((r for t, r in self._rates if t >= horizon), default=0.0)
+        return max(self._cfg.rate_floor_bps, self._cfg.slow_fraction * max(best, self._pool.best_rate_bps() or 0.0))
+
+    def _police(self, running: dict[asyncio.Task[bool], _Request]) -> None:
+        """Close the rate windows that are due; cut off relay requests below the floor."""
+        now = time.monotonic()
+        window = self._cfg.rate_window_s
+        closed: list[tuple[_Request, float]] = []
+        for req in running.values():
+            if req.answered and not req.hedged and req.task is not None and not req.task.done() and now - req.window_start >= window:
+                rate = (req.received - req.window_bytes) / (now - req.window_start)
+                req.window_start, req.window_bytes = now, req.received
+                self._rates.append((now, rate))
+                closed.append((req, rate))
+        if not closed:
+            return
+        floor = self.rate_floor_bps(now)
+        for req, rate in closed:
+            if rate >= floor:
+                self._last_progress = now  # bytes are flowing at the floor: not a stall
+            elif not req.src.origin:
+                assert req.task is not None
+                req.hedged = True
+                self._proven_only.add(req.piece.piece_id)
+                self.stats.slow += 1
+                req.task.cancel()  # its writes finish first (_settled); the piece is queued again once it ended
+                self._pool.record_slow(req.src, rate)
+                logger.debug("source %s delivered %.0f bytes/s (floor %.0f): piece moved on", req.src.url, rate, floor)
+
     def _hedge(self, running: dict[asyncio.Task[bool], _Request]) -> None:
         """Cancel requests to relays silent for ``hedge_after_s`` while a proven source is free."""
         now = time.monotonic()
@@ -635,6 +731,9 @@ class PieceDownloader:
             waits.append(ready + 0.01)
         if not queue and any(not r.answered and not r.src.origin for r in running.values()):
             waits.append(self._cfg.hedge_after_s / 2)
+        windows = [r.window_start + self._cfg.rate_window_s - now for r in running.values() if r.answered and not r.hedged]
+        if windows:
+            waits.append(min(windows) + 0.01)
         return max(0.01, min(waits))
 
     async def _wait_for_change(self, seconds: float) -> None:
@@ -652,7 +751,8 @@ class PieceDownloader:
             raise FetchError(f"deadline of {self._cfg.deadline_s:.0f} s passed", self._pool.faulty())
         if now - self._last_progress > self._cfg.stall_timeout_s:
             raise FetchError(
-                f"no source delivered a piece for {self._cfg.stall_timeout_s:.0f} s (sources: {', '.join(self._pool.urls) or 'none'})",
+                f"no source delivered a piece, nor bytes at {self.rate_floor_bps(now):.0f} bytes/s, for {self._cfg.stall_timeout_s:.0f} s "
+                f"(sources: {', '.join(self._pool.urls) or 'none'})",
                 self._pool.faulty(),
             )
 
@@ -663,36 +763,44 @@ class PieceDownloader:
         missing_until: dict[tuple[bytes, str], float],
     ) -> bool:
         src, piece = req.src, req.piece
-        received = 0
 
         def count(n: int) -> None:
-            nonlocal received
-            received += n
+            req.received += n
             if self._on_bytes is not None:
                 self._on_bytes(n)
 
         def answered() -> None:
             req.answered = True
+            req.window_start = time.monotonic()
+            self._changed.set()  # the first rate window is now due at a known time
 
         t0 = time.monotonic()
         try:
             writer = await open_writer(piece)
-            await download_piece(self._session, src.url, piece, writer, self._cfg, count, answered)
+            await download_piece(self._session, src.url, piece, writer, self._cfg, count, answered,
+                                 deadline_s=body_deadline_s(piece, self._cfg, origin=src.origin))
         except BadPieceError as e:
             self._pool.record_evidence(src, f"{e.reason}: piece {hex_id(piece.piece_id)[:16]}…")
-            self.stats.wasted_bytes += received
+            self.stats.wasted_bytes += req.received
             return False
         except SourceError as e:
-            self.stats.wasted_bytes += received
+            self.stats.wasted_bytes += req.received
             if e.evidence:
                 self._pool.record_evidence(src, e.reason)
             elif e.reason == "missing":
                 missing_until[(piece.piece_id, src.url)] = time.monotonic() + self._cfg.missing_retry_s
                 self._pool.record_missing(src)
+            elif e.reason == "slow":  # over its body deadline: what it delivered is its rate
+                self._pool.record_slow(src, req.received / max(time.monotonic() - t0, 1e-6))
             else:
                 self._pool.record_failure(src, e.reason)
             return False
-        self._pool.record_success(src, piece.size_bytes, time.monotonic() - t0)
+        except asyncio.CancelledError:
+            self.stats.wasted_bytes += req.received
+            raise
+        seconds = time.monotonic() - t0
+        self._pool.record_success(src, piece.size_bytes, seconds)
+        self._rates.append((time.monotonic(), piece.size_bytes / max(seconds, 1e-6)))
         self.stats.pieces += 1
         self.stats.bytes += piece.size_bytes
         self._last_progress = time.monotonic()
@@ -708,6 +816,7 @@ __all__ = [
     "ManifestCache",
     "PieceDownloader",
     "PieceId",
+    "body_deadline_s",
     "download_piece",
     "get_held",
     "get_manifest",

@@ -1,15 +1,15 @@
-"""Which source to ask for the next piece: throughput-weighted choice with exploration.
+"""Which source to ask for the next piece: choice weighted by delivered bytes/s, with exploration.
 
-Each source (origin or relay base URL) has a measured throughput (exponentially weighted mean of
-per-piece bytes/second), a count of requests in flight, a cool-down after transport failures
-(exponential back-off, an honest relay can restart) and a ban after *evidence* (bytes that
-contradict the signed manifest). The choice is random with weights ``throughput / (1 + in
-flight)``, so fast sources take most of the load without starving the others; with probability
-``exploration`` it is uniform, so a source that was slow once is measured again. A source never
-measured is weighted as the best one measured (optimistic start).
+Each source (origin or relay base URL) has a measured rate (``throughput_bps``: an exponentially
+weighted mean of the bytes/second its piece requests delivered, completed or not), a count of
+requests in flight, a cool-down after transport failures (exponential back-off, an honest relay
+can restart) and a ban after *evidence* (bytes that contradict the signed manifest). The choice
+is random with weights ``rate / (1 + in flight)``, so fast sources take most of the load without
+starving the others; with probability ``exploration`` it is uniform, so a source that was slow
+once is measured again.
 
 Hostile sources (issue #12: Sybil relay records, tarpits, relays that advertise what they cannot
-serve) are contained by four rules:
+serve; issue #23: relays that answer at once and then trickle bytes) are contained by these rules:
 
 * **Origins are reserved.** Sources named as origins (the run spec's / coordinator's URLs) are
   always in the pool and have their own request slots (``max_in_flight_per_source`` each) that
@@ -17,9 +17,14 @@ serve) are contained by four rules:
 * **Bounded candidates.** At most ``max_candidates`` relay URLs (default 8) are kept, chosen at
   random from what was offered (sticky: a kept candidate stays while it is offered and not banned).
 * **Probation.** A relay that has not yet delivered a verified piece gets one request at a time.
-* **Cool-down.** Transport failures (refused, timeout, no answer) and answers of "not held" (404)
-  for a piece it was asked for cool the source down with exponential back-off (bounded), so a
-  tarpit or a relay advertising a step it cannot serve is asked less and less, not once per piece.
+* **Weight is earned by delivering.** A relay never measured weighs ``untried_weight`` (1/8) of
+  the best measured source (an unmeasured origin weighs as the best), and a request cut off as
+  too slow sets its source's rate to what it delivered (:meth:`SourcePool.record_slow`), so a
+  trickling relay weighs next to nothing however fast it once was.
+* **Cool-down.** Transport failures (refused, timeout, no answer, too slow) and answers of "not
+  held" (404) for a piece it was asked for cool the source down with exponential back-off
+  (bounded), so a tarpit, a trickler or a relay advertising a step it cannot serve is asked less
+  and less, not once per piece.
 """
 
 from __future__ import annotations
@@ -41,6 +46,12 @@ _BASE_MISS_COOLDOWN_S = 0.5
 DEFAULT_MAX_CANDIDATES = 8
 """Relay candidates kept per pool (origins come on top)."""
 
+UNTRIED_WEIGHT = 1 / 8
+"""A relay never measured weighs this fraction of the best measured source's rate."""
+
+_MIN_WEIGHT_BPS = 1.0
+"""Floor of a choice weight, bytes/s (a source measured at 0 can still be drawn by exploration)."""
+
 
 @dataclass
 class SourceState:
@@ -48,7 +59,8 @@ class SourceState:
 
     Attributes:
         url: base URL (``http://host:port``), no trailing slash.
-        throughput_bps: measured throughput in bytes per second (``None``: not measured yet).
+        throughput_bps: measured rate in bytes per second: EWMA of what its piece requests
+            delivered, a slow one's rate taken as is (``None``: not measured yet).
         in_flight: requests now running against it.
         consecutive_failures: transport failures since its last success.
         cooldown_until: monotonic time (seconds) before which it is not asked.
@@ -113,6 +125,7 @@ class SourcePool:
         max_in_flight_per_source: most requests at once to one proven source.
         ban_s: how long evidence bans a source, in seconds (``None``: for the pool's lifetime).
         max_candidates: most relay candidates kept (a random subset of ``urls`` beyond that).
+        untried_weight: weight of a never-measured relay, as a fraction of the best measured rate.
         rng: random generator (tests pass a seeded one).
     """
 
@@ -125,9 +138,11 @@ class SourcePool:
         max_in_flight_per_source: int = 4,
         ban_s: float | None = None,
         max_candidates: int = DEFAULT_MAX_CANDIDATES,
+        untried_weight: float = UNTRIED_WEIGHT,
         rng: random.Random | None = None,
     ) -> None:
         self.exploration = exploration
+        self.untried_weight = untried_weight
         self.max_in_flight_per_source = max_in_flight_per_source
         self.ban_s = ban_s
         self.max_candidates = max_candidates
@@ -170,7 +185,7 @@ class SourcePool:
         """A pool over some of these sources, in the order given, sharing their state (statistics,
         cool-downs, bans, evidence): what is learnt through the view counts here too."""
         v = SourcePool((), exploration=self.exploration, max_in_flight_per_source=self.max_in_flight_per_source,
-                       ban_s=self.ban_s, max_candidates=self.max_candidates, rng=self._rng)
+                       ban_s=self.ban_s, max_candidates=self.max_candidates, untried_weight=self.untried_weight, rng=self._rng)
         v._sources = {u: self._sources[u] for u in dict.fromkeys(normalise_url(x) for x in urls) if u in self._sources}
         return v
 
@@ -237,10 +252,23 @@ class SourcePool:
             return None
         if len(cands) == 1 or self._rng.random() < self.exploration:
             return self._rng.choice(cands)
-        measured = [s.throughput_bps for s in cands if s.throughput_bps]
-        prior = max(measured) if measured else 1.0
-        weights = [(s.throughput_bps or prior) / (1 + s.in_flight) for s in cands]
+        measured = [s.throughput_bps for s in self._sources.values() if s.throughput_bps is not None]
+        best = max(measured, default=1.0)
+        weights = [max(self._rate_weight(s, best), _MIN_WEIGHT_BPS) / (1 + s.in_flight) for s in cands]
         return self._rng.choices(cands, weights=weights, k=1)[0]
+
+    def _rate_weight(self, src: SourceState, best: float) -> float:
+        """A source's choice weight before load: its measured rate; unmeasured, the best measured
+        (origin) or ``untried_weight`` of it (relay: weight is earned by delivering)."""
+        if src.throughput_bps is not None:
+            return src.throughput_bps
+        return best if src.origin else best * self.untried_weight
+
+    def best_rate_bps(self) -> float | None:
+        """The highest measured rate among sources not banned, bytes/s (``None``: none measured)."""
+        now = time.monotonic()
+        rates = [s.throughput_bps for s in self._sources.values() if s.throughput_bps is not None and s.banned_until <= now]
+        return max(rates, default=None)
 
     def record_success(self, src: SourceState, nbytes: int, seconds: float) -> None:
         """A verified piece of ``nbytes`` bytes arrived from ``src`` in ``seconds``."""
@@ -250,6 +278,12 @@ class SourcePool:
         src.consecutive_misses = 0
         src.bytes_received += nbytes
         src.pieces_ok += 1
+
+    def record_slow(self, src: SourceState, rate_bps: float, reason: str = "slow") -> None:
+        """A request to ``src`` delivered only ``rate_bps`` bytes/s, below the rate floor, and was cut
+        off: its rate becomes that (its weight collapses) and it is cooled down like a failure."""
+        src.throughput_bps = rate_bps if src.throughput_bps is None else min(src.throughput_bps, rate_bps)
+        self.record_failure(src, reason)
 
     def record_failure(self, src: SourceState, reason: str) -> None:
         """A transport failure (refused, reset, timeout, 5xx, truncated): cool the source down."""

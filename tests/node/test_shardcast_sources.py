@@ -86,3 +86,25 @@ def test_long_failure_and_miss_streaks_stay_at_their_caps(monkeypatch) -> None:
         pool.record_missing(m)
     assert (r.consecutive_failures, r.cooldown_until - 1000.0, r.last_failure) == (3000, 30.0, "refused 2999")
     assert (m.consecutive_misses, m.cooldown_until - 1000.0, m.cooldowns) == (3000, 10.0, 3000)
+
+
+def test_weight_is_earned_by_delivered_bytes() -> None:
+    """Issue 23: an untried relay weighs 1/8 of the best measured source (it was weighed as the best);
+    a request cut off as too slow sets its source's rate to what it delivered, however fast it once was."""
+    pool = SourcePool(["http://r"], origins=["http://o"], exploration=0.0, rng=random.Random(3))
+    r, o = pool.get("http://r"), pool.get("http://o")
+    assert r is not None and o is not None
+    pool.record_success(o, 16 << 20, 0.1)  # 168 MB/s
+
+    def share_of_relay() -> float:
+        picks = [pool.choose() for _ in range(4000)]
+        return sum(p is r for p in picks) / len(picks)
+
+    assert 0.07 < share_of_relay() < 0.16, "untried: 1/8 of the origin's weight, ≈ 1/9 of the picks"
+    pool.record_success(r, 16 << 20, 0.1)
+    assert 0.4 < share_of_relay() < 0.6, "delivering as fast as the origin earns the same weight"
+    pool.record_slow(r, 0.5)  # then one byte every 2 s
+    assert r.throughput_bps == 0.5 and r.cooldowns == 1 and pool.cooled() == {"http://r": "slow"}
+    r.cooldown_until = 0.0  # cooled down over: the relay is usable again, but weighs next to nothing
+    assert share_of_relay() < 0.01
+    assert pool.best_rate_bps() == o.throughput_bps

@@ -34,6 +34,7 @@ from node.policy import GossipSources, PolicyFollower  # noqa: E402
 from node.shardcast.client import fetch_checkpoint  # noqa: E402
 from node.shardcast.download import DownloadConfig, ManifestCache, get_manifest  # noqa: E402
 from node.shardcast.relay import Relay, RelayConfig  # noqa: E402
+from node.shardcast.server import ShardcastServer  # noqa: E402
 from protocol.envelope import open_envelope, seal  # noqa: E402
 from protocol.identity import NodeKey  # noqa: E402
 from protocol.messages import NodeRecord  # noqa: E402
@@ -100,20 +101,26 @@ class LyingRelay:
 
     Modes: ``no_pieces`` (manifest served, every piece 404), ``huge_manifest`` (an endless chunked
     "manifest" of zero bytes, ``manifest_bytes`` long), ``huge_steps`` (``/held`` offers
-    ``fake_steps``; their manifests 404; the store's real steps are offered and served too).
+    ``fake_steps``; their manifests 404; the store's real steps are offered and served too),
+    ``trickle`` (manifests served; a piece answered at once with the right headers, then its
+    true bytes one every ``trickle_s`` seconds).
 
     Attributes:
         hits: requests per kind (``held``, ``manifest``, ``piece``).
         manifest_bytes_sent: body bytes of manifest responses the server managed to write.
+        trickled_bytes: piece bytes written in ``trickle`` mode.
     """
 
-    def __init__(self, store, mode: str, *, manifest_bytes: int = 8 << 20, fake_steps: list[int] | None = None) -> None:  # noqa: ANN001
+    def __init__(self, store, mode: str, *, manifest_bytes: int = 8 << 20, fake_steps: list[int] | None = None,  # noqa: ANN001
+                 trickle_s: float = 2.0) -> None:
         self.store = store
         self.mode = mode
         self.manifest_bytes = manifest_bytes
         self.fake_steps = fake_steps or []
+        self.trickle_s = trickle_s
         self.hits: Counter[str] = Counter()
         self.manifest_bytes_sent = 0
+        self.trickled_bytes = 0
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -166,6 +173,16 @@ class LyingRelay:
         path = self.store.piece_path(bytes.fromhex(request.match_info["pid"]))
         if not path.is_file():
             raise web.HTTPNotFound()
+        if self.mode == "trickle":
+            resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            resp.content_length = path.stat().st_size
+            await resp.prepare(request)  # headers at once
+            with path.open("rb") as f, contextlib.suppress(ConnectionError):
+                while b := f.read(1):  # then the true bytes, one every trickle_s
+                    await resp.write(b)
+                    self.trickled_bytes += 1
+                    await asyncio.sleep(self.trickle_s)
+            return resp
         return web.FileResponse(path)
 
 
@@ -397,3 +414,81 @@ async def test_steps_in_paths_are_ascii_digits_only(origin):
                 assert r.status == 404
         async with http.get(f"{server.url}/shardcast/1/manifests/1") as r:
             assert r.status == 200
+
+
+@contextlib.asynccontextmanager
+async def lying_relays(store, mode: str, n: int) -> AsyncIterator[list[LyingRelay]]:  # noqa: ANN001
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(lying_relay(store, mode)) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def big_origin(tmp_path_factory):
+    """64 MiB in 16 MiB pieces (issue 23's shape: the run spec's default piece size)."""
+    tmp = tmp_path_factory.mktemp("big")
+    run = make_run(piece_size=16 << 20)
+    store = make_store(run, tmp / "origin")
+    ckpt = write_checkpoint(tmp / "model.safetensors", 64.0)
+    publish(run, store, ckpt, 1)
+    return run, store, ckpt
+
+
+@pytest.mark.parametrize("n", [1, 8, 20])
+async def test_trickling_relays_cannot_stall_a_policy_fetch(big_origin, tmp_path, n):
+    """Issue 23 item 1: relay records pointing at relays that answer at once and then send one
+    byte every 2 s. The worker's and validator's fetch (PolicyFollower, its own limits: 30 s stall
+    timeout) completes from the origin, cutting each trickler off within a rate window and cooling
+    it down; the origin's /status answers within 2 s meanwhile. Before: ``no source delivered a
+    piece for 30 s`` (a 16 MiB piece's body deadline was 69 s)."""
+    run, store, ckpt = big_origin
+    o = ShardcastServer(store, host="127.0.0.1", port=0)
+    o.status = lambda: {"role": "origin"}
+    await o.start()
+    async with contextlib.AsyncExitStack() as stack, lying_relays(store, "trickle", n) as tricklers:
+        stack.push_async_callback(o.stop)
+        table = gossip_view(run, o.url, [t.url for t in tricklers], 1)
+        follower = PolicyFollower(run.signed.spec, tmp_path / "ckpts", GossipSources(SimpleNamespace(peers=table), run.signed.spec))
+        try:
+            fetch = asyncio.ensure_future(follower.fetch(1))
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
+                while not fetch.done():  # the origin keeps answering while it serves past the tricklers
+                    async with http.get(f"{o.url}/status") as r:
+                        assert r.status == 200
+                    await asyncio.wait({fetch}, timeout=0.5)
+            async with asyncio.timeout(CFG.stall_timeout_s):
+                out = await fetch
+        finally:
+            await follower.close()
+    assert (out / "model.safetensors").read_bytes() == ckpt.read_bytes()
+    given = [t for t in tricklers if t.hits["piece"]]
+    assert all(t.trickled_bytes < 64 for t in given), "each trickler was cut off after a few bytes"
+    assert sum(t.trickled_bytes for t in tricklers) < 64 * n
+
+
+async def test_trickling_upstreams_cannot_hold_a_relay_back(big_origin, tmp_path):
+    """Issue 23 item 1, relay side: 20 trickling upstreams beside the origin (the relay's own limits:
+    120 s stall timeout). The relay fills the step within 30 s (before: a trickler held a 16 MiB
+    piece for its 69 s body deadline, then the next one did), its pieces verified into its store
+    through writers a cut-off request never touches again; its /status answers within 2 s meanwhile."""
+    run, store, ckpt = big_origin
+    async with serving(store) as o, lying_relays(store, "trickle", 20) as tricklers:
+        r = Relay(make_store(run, tmp_path / "relay"), RelayConfig(origins=(o.url,), poll_interval_s=0.05))
+        r.server.status = lambda: {"held": r.held_steps()}
+        await r.start()
+        try:
+            r.set_upstreams([*(t.url for t in tricklers), o.url])
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 30.0
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
+                while r.held_steps() != [1]:
+                    assert loop.time() < end, "the relay did not fill the step within 30 s"
+                    async with http.get(f"{r.url}/status") as resp:
+                        assert resp.status == 200
+                    await asyncio.sleep(0.2)
+            assert await asyncio.to_thread(r.store.check_complete, 1)
+            cooled = r.pool.cooled()
+        finally:
+            await r.stop()
+    given = {t.url for t in tricklers if t.hits["piece"]}
+    assert given and all(cooled.get(u) == "slow" for u in given), "every trickler given a piece was cut off as slow and cooled down"
+    assert all(t.trickled_bytes < 64 for t in tricklers)
