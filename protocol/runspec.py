@@ -151,6 +151,13 @@ class RLSpec(_Section):
         Field(pattern=r"^(recompute|behavior)$",
               description="ratio denominator: 'recompute' (INTELLECT-2: trainer log-probs at step start) or 'behavior' (validated worker log-probs; corrects staleness)"),
     ] = "recompute"
+    is_correction: Annotated[
+        str,
+        Field(pattern=r"^(none|truncate|mask)$",
+              description="bound on the behavior importance weight π_old/π_behavior (needs old_logprobs 'recompute'): 'none' (INTELLECT-2), "
+                          "'truncate' (min(w, is_cap): truncated importance sampling) or 'mask' (tokens with w outside [1/is_cap, is_cap] dropped)"),
+    ] = "none"
+    is_cap: Annotated[float, Field(gt=1.0, le=1e3, description="C of is_correction: the truncation level or the kept band [1/C, C]")] = 2.0
     entropy_coef: Annotated[float, Field(ge=0.0, le=10.0, description="weight of the entropy bonus; 0 disables it")] = 0.0
     loss_norm_tokens: Annotated[
         int,
@@ -167,6 +174,12 @@ class RLSpec(_Section):
     ] = 2048
     publish_every: Annotated[int, Field(ge=1, le=1 << 20, description="trainer steps between published checkpoints")] = 1
     adv_eps: Annotated[float, Field(gt=0.0, le=1.0, description="ε in A = (r − mean) / (std + ε)")] = 1e-4
+
+    @model_validator(mode="after")
+    def _correction_needs_recompute(self) -> RLSpec:
+        if self.is_correction != "none" and self.old_logprobs != "recompute":
+            raise ValueError(f"is_correction {self.is_correction!r} needs old_logprobs 'recompute' (with 'behavior' the ratio itself is the correction)")
+        return self
 
     @model_validator(mode="after")
     def _steps_fit_batch(self) -> RLSpec:

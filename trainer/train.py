@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from protocol.runspec import RunSpec
 from trainer.batch import Batch, MicroBatch, TrainSequence, pack_sequences, shard_sequences
 from trainer.checkpoint import load_training_state, save_policy, save_training_state
 from trainer.distributed import DistContext, all_reduce_max, all_reduce_sum
-from trainer.loss import LossConfig, LossInputs, grpo_loss, summarize_metrics
+from trainer.loss import LossConfig, LossInputs, grpo_loss, merge_metrics, summarize_metrics
 from trainer.model import shard_model, token_logprobs
 
 logger = logging.getLogger(__name__)
@@ -56,9 +55,6 @@ class TrainerConfig:
         max_grad_norm: global L2 gradient-norm clip.
         loss: the GRPO loss constants (``norm_tokens`` resolved).
         kl_reference: ``"old"`` or ``"base"``.
-        old_logprobs: ``"recompute"`` (INTELLECT-2: the trainer's own log-probs at the start of the
-            step) or ``"behavior"`` (the workers' validated sampling log-probs, so the ratio also
-            corrects for the batch's staleness).
         micro_batch_tokens: packed row capacity, tokens.
         optimizer_steps_per_batch: optimizer steps per trainer step.
         temperature: sampling temperature the workers used (logits are divided by it).
@@ -74,7 +70,6 @@ class TrainerConfig:
     max_grad_norm: float = 0.1
     loss: LossConfig = field(default_factory=LossConfig)
     kl_reference: str = "old"
-    old_logprobs: str = "recompute"
     micro_batch_tokens: int = 2048
     optimizer_steps_per_batch: int = 1
     temperature: float = 1.0
@@ -98,10 +93,10 @@ class TrainerConfig:
             warmup_steps=rl.warmup_steps,
             max_grad_norm=rl.max_grad_norm,
             loss=LossConfig(
-                clip_eps=rl.clip_eps, clip_delta=rl.clip_delta, kl_beta=rl.kl_beta, entropy_coef=rl.entropy_coef, norm_tokens=float(norm)
+                clip_eps=rl.clip_eps, clip_delta=rl.clip_delta, kl_beta=rl.kl_beta, entropy_coef=rl.entropy_coef, norm_tokens=float(norm),
+                old_logprobs=rl.old_logprobs, is_correction=rl.is_correction, is_cap=rl.is_cap,
             ),
             kl_reference=rl.kl_reference,
-            old_logprobs=rl.old_logprobs,
             micro_batch_tokens=rl.micro_batch_tokens,
             optimizer_steps_per_batch=rl.optimizer_steps_per_batch,
             temperature=spec.sampling.temperature,
@@ -142,7 +137,10 @@ class StepMetrics:
             the workers' sampling log-probs (staleness plus any engine mismatch; prime-rl logs the
             same as ``mismatch_kl``). 0 when the batch has no loss tokens.
         is_ratio_mean, is_ratio_min, is_ratio_max: the per-token importance ratio
-            ``π_trainer / π_behavior`` over loss tokens (mean, min, max).
+            ``π_trainer / π_behavior`` over loss tokens (mean, min, max), before any bound.
+        is_weight_mean, is_weight_max: the behavior importance weight the loss applied per token
+            (``rl.is_correction``: truncated at ``rl.is_cap``, masked, or 1), mean and max.
+        is_bounded_frac: fraction of loss tokens whose weight the correction truncated or masked.
     """
 
     step: int
@@ -171,6 +169,9 @@ class StepMetrics:
     is_ratio_mean: float = 1.0
     is_ratio_min: float = 1.0
     is_ratio_max: float = 1.0
+    is_weight_mean: float = 1.0
+    is_weight_max: float = 1.0
+    is_bounded_frac: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict (staleness keys become strings)."""
@@ -285,19 +286,15 @@ class Trainer:
         cfg = self.config
         slices = [self._micro_batches(s) for s in batch.slices(cfg.optimizer_steps_per_batch)]
         self.model.train()
-        # behavior log-probs with no KL term need no separate no-grad forward: the off-policy
-        # statistics then come from the first forward of each row (detached), the same weights
-        need_recompute = cfg.old_logprobs == "recompute" or (cfg.loss.kl_beta > 0 and self._ref_model is None)
+        # behavior log-probs with no KL term need no separate no-grad forward: the loss then takes the
+        # trainer's side of the off-policy statistics from the first forward of each row (detached, the same weights)
+        need_recompute = cfg.loss.needs_recompute or (cfg.loss.kl_beta > 0 and self._ref_model is None)
         recomputed = [self._logprobs(self.model, rows) for rows in slices] if need_recompute else None  # [K][rows] of [1, T]
-        # "recompute" implies need_recompute: `recomputed` is there whenever it is the old policy
-        old = recomputed if cfg.old_logprobs == "recompute" and recomputed is not None else [
-            [mb.behavior_logprobs for mb in rows] for rows in slices]
         ref: list[list[torch.Tensor]] | None = None  # the KL reference, [K][rows] of [1, T]; only with kl_beta > 0
         if cfg.loss.kl_beta > 0:  # with no reference model need_recompute holds: the current weights are the reference
             ref = [self._logprobs(self._ref_model, rows) for rows in slices] if self._ref_model is not None else recomputed
         world = float(self.ctx.world_size)
-        sums: dict[str, float] = defaultdict(float)
-        ratio_lo, ratio_hi = float("inf"), float("-inf")
+        sums: dict[str, float] = {}
         grad_norms: list[float] = []
         lr = self.lr_at(self.optimizer_steps)
         for k, rows in enumerate(slices):
@@ -311,33 +308,21 @@ class Trainer:
                 entropy = ent[0][mask] if ent is not None else None  # [N]
                 inputs = LossInputs(
                     logprobs=logp[0][mask],  # [N]
-                    old_logprobs=old[k][j][0][mask],  # [N]
+                    old_logprobs=recomputed[k][j][0][mask] if recomputed is not None else None,  # [N]
                     advantages=mb.advantages[0][mask],  # [N]
+                    behavior_logprobs=mb.behavior_logprobs[0][mask],  # [N]
                     entropy=entropy if cfg.loss.entropy_coef > 0 or entropy is None else entropy.detach(),
                     ref_logprobs=ref[k][j][0][mask] if ref is not None else None,  # grpo_loss refuses kl_beta > 0 without it
                 )
                 out = grpo_loss(inputs, cfg.loss)
                 (out.loss * world).backward()
-                with torch.no_grad():  # off-policy statistics: trainer (before this step's update) vs behavior
-                    trainer_lp = recomputed[k][j][0][mask] if recomputed is not None else logp.detach()[0][mask]  # [N]
-                    d = (trainer_lp - mb.behavior_logprobs[0][mask]).double()  # [N] log importance ratio
-                    if d.numel():
-                        r = d.exp()
-                        sums["mismatch_kl_sum"] += float((r - d - 1.0).sum())
-                        sums["is_ratio_sum"] += float(r.sum())
-                        sums["is_tokens"] += float(d.numel())
-                        ratio_lo, ratio_hi = min(ratio_lo, float(r.min())), max(ratio_hi, float(r.max()))
-                sums["loss"] += float(out.loss.detach())
-                for name, v in out.metrics.items():
-                    sums[name] += float(v)
-                if int(mb.sequence_index[0, 0]) >= 0:
-                    sums["tokens_fwd"] += mb.num_tokens
+                merge_metrics(sums, {"loss": float(out.loss.detach()), **{name: float(v) for name, v in out.metrics.items()}})
+                # every rank reports the same keys (a padding row forwards no data tokens)
+                merge_metrics(sums, {"tokens_fwd": float(mb.num_tokens) if int(mb.sequence_index[0, 0]) >= 0 else 0.0})
             grad_norms.append(self._clip_and_step())
         self.step += 1
-        totals = all_reduce_sum(dict(sums), self.ctx)
+        totals = _all_reduce_metrics(sums, self.ctx)
         means = summarize_metrics(totals)
-        ratio_lo, ratio_hi = _all_reduce_min_max(ratio_lo, ratio_hi, self.ctx)
-        is_tokens = totals.get("is_tokens", 0.0)
         elapsed = time.perf_counter() - t0
         metrics = StepMetrics(
             step=self.step,
@@ -362,10 +347,13 @@ class Trainer:
             zero_advantage_groups=len(batch.zero_advantage_groups),
             stale_groups=len(batch.stale_groups),
             staleness=batch.staleness_histogram(),
-            mismatch_kl=totals.get("mismatch_kl_sum", 0.0) / is_tokens if is_tokens else 0.0,
-            is_ratio_mean=totals.get("is_ratio_sum", 0.0) / is_tokens if is_tokens else 1.0,
-            is_ratio_min=ratio_lo if is_tokens else 1.0,
-            is_ratio_max=ratio_hi if is_tokens else 1.0,
+            mismatch_kl=means["mismatch_kl"],
+            is_ratio_mean=means["is_ratio_mean"],
+            is_ratio_min=means["is_ratio_min"],
+            is_ratio_max=means["is_ratio_max"],
+            is_weight_mean=means["is_weight_mean"],
+            is_weight_max=means["is_weight_max"],
+            is_bounded_frac=means["is_bounded_frac"],
         )
         logger.info(
             "step %d: loss %.5f grad_norm %.4f reward %.3f pass %.3f clipped %.3f entropy %.3f %.0f tok/s",
@@ -434,12 +422,22 @@ class Trainer:
         return dict(info["data_position"])
 
 
-def _all_reduce_min_max(lo: float, hi: float, ctx: DistContext) -> tuple[float, float]:
-    """``(min lo, max hi)`` over ranks (identity in a single process). Collective."""
+def _all_reduce_metrics(values: dict[str, float], ctx: DistContext) -> dict[str, float]:
+    """Metrics merged over ranks as :func:`~trainer.loss.merge_metrics` merges micro-batches: ``*_min``
+    keys by minimum, ``*_max`` keys by maximum, the rest summed (identity in a single process).
+    Collective: every rank passes the same keys (a rank with no off-policy tokens passes the
+    neutral ±inf for the extremes)."""
     if not ctx.distributed:
-        return lo, hi
+        return dict(values)
     import torch.distributed as dist
 
-    t = torch.tensor([-lo, hi], dtype=torch.float64, device=ctx.device)
+    names = {"is_ratio_min", "is_ratio_max", "is_weight_max"}  # every rank must reduce the same keys
+    vals = dict(values)
+    for k in names:
+        vals.setdefault(k, float("inf") if k.endswith("_min") else float("-inf"))
+    extremes = sorted(names)
+    sums = all_reduce_sum({k: v for k, v in vals.items() if k not in names}, ctx)
+    t = torch.tensor([-vals[k] if k.endswith("_min") else vals[k] for k in extremes], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(-t[0]), float(t[1])
+    out = {**sums, **{k: (-x if k.endswith("_min") else x) for k, x in zip(extremes, t.cpu().tolist())}}
+    return {k: v for k, v in out.items() if abs(v) != float("inf")}

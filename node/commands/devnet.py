@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from node.cli import CliError, command
 from node.worker import ADVERSARIES
@@ -42,8 +43,45 @@ def _devnet(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--model", default=None, metavar="DIR",
                    help="train your own model: a local Hugging Face Qwen2 directory (config.json, *.safetensors, tokenizer.json; "
                         "float32 or bfloat16; a chat template is used when the tokenizer has one); default: the embedded model")
+    p.add_argument("--rl", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field of the run spec's [rl] section, e.g. --rl is_correction=truncate --rl old_logprobs=recompute "
+                        "(repeatable; checked like a spec file's)")
     p.add_argument("--no-dashboard", action="store_true", help="plain progress lines instead of the live view")
     p.set_defaults(handler=_run_devnet)
+
+
+def _rl_overrides(items: list[str], *, embedded: bool, async_level: int | None) -> dict[str, Any]:
+    """``--rl KEY=VALUE`` flags as ``[rl]`` fields (values as TOML reads them; a bare word is a
+    string), checked on the devnet's own ``[rl]`` section (``node.devnet.config.devnet_rl``).
+
+    Raises:
+        CliError: a flag without ``=``, an unknown field, or a value the field refuses (the
+            message names the field and why).
+    """
+    import tomllib
+
+    from pydantic import ValidationError
+
+    from node.devnet.config import devnet_rl
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise CliError(f"--rl {item!r}: expected KEY=VALUE, e.g. --rl is_correction=truncate")
+        try:
+            value = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw.strip()  # a bare word: a string
+        out[key] = value
+    try:
+        devnet_rl(embedded=embedded, async_level=async_level, rl_overrides=out)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ()))
+        raise CliError(f"--rl{' ' + where if where else ''}: {err.get('msg')}") from None
+    return out
 
 
 def _run_devnet(args: argparse.Namespace) -> int:
@@ -61,13 +99,15 @@ def _run_devnet(args: argparse.Namespace) -> int:
     data_root = Path(args.data_root) if args.data_root else _default_data_root()
     if args.tasks != "embedded" and not Path(args.tasks).exists() and data_root is None:
         raise CliError(f"--tasks {args.tasks} needs the public task sets: pass --data-root DIR (holding math/ and code/)")
+    rl = _rl_overrides(args.rl, embedded=args.tasks == "embedded" and model is None, async_level=args.async_level)
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise CliError(f"{out} is not empty; choose another --out or remove it")
     options = DevnetOptions(out=out, workers=args.workers, relays=args.relays, validators=args.validators, steps=args.steps,
                             tasks=args.tasks, data_root=data_root, adversary=args.adversary, kill_worker_at=args.kill_worker_at,
                             dashboard=not args.no_dashboard and sys.stdout.isatty(), timeout_s=args.timeout, seed=args.seed,
-                            async_level=args.async_level, eval_every=args.eval_every, eval_samples=args.eval_samples, model=model)
+                            async_level=args.async_level, eval_every=args.eval_every, eval_samples=args.eval_samples, model=model,
+                            rl=rl)
     live = None
     last_print = [0.0]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from protocol.identity import NodeKey
 from protocol.runspec import DataSpec, ModelSpec, NetworkSpec, RLSpec, RunInfo, RunSpec, SamplingSpec, ShardcastSpec
@@ -27,6 +28,20 @@ REAL_TASKS_RL = RLSpec(async_level=2, group_size=4, batch_groups=4, learning_rat
 drawn target length) is what varies within groups and keeps every stage busy."""
 
 
+def devnet_rl(*, embedded: bool, async_level: int | None = None, rl_overrides: dict[str, Any] | None = None) -> RLSpec:
+    """The ``[rl]`` section of a devnet: :data:`EMBEDDED_RL` or :data:`REAL_TASKS_RL`, with the
+    async level and the ``rl_overrides`` fields replaced and the result checked by ``RLSpec``.
+
+    Raises:
+        pydantic.ValidationError: an override names no ``[rl]`` field, or the section is invalid.
+    """
+    rl = EMBEDDED_RL if embedded else REAL_TASKS_RL
+    update = dict(rl_overrides or {})
+    if async_level is not None:
+        update["async_level"] = async_level
+    return RLSpec.model_validate({**rl.model_dump(), **update}) if update else rl
+
+
 def devnet_spec(
     coordinator: NodeKey,
     validators: list[str],
@@ -38,6 +53,7 @@ def devnet_spec(
     heartbeat_interval_s: float = 1.0,
     async_level: int | None = None,
     model: Path | None = None,
+    rl_overrides: dict[str, Any] | None = None,
 ) -> RunSpec:
     """The unsigned run spec of a devnet whose coordinator serves at ``http_url``.
 
@@ -46,13 +62,15 @@ def devnet_spec(
     ``spec init --model-base`` does, and samples with the length-penalty recipe of real task sets
     (an arbitrary model may solve none of the tasks; the length penalty still varies within groups).
 
+    ``rl_overrides`` replaces fields of the ``[rl]`` section (``--rl KEY=VALUE``), checked by
+    :class:`~protocol.runspec.RLSpec` like a spec file's.
+
     Raises:
         protocol.models.ModelLoadError: ``model`` is not a usable Qwen2 directory (one line naming why).
+        pydantic.ValidationError: an override names no ``[rl]`` field or a value out of its bounds.
     """
     embedded = tasks == "embedded" and model is None
-    rl = EMBEDDED_RL if embedded else REAL_TASKS_RL
-    if async_level is not None:
-        rl = rl.model_copy(update={"async_level": async_level})
+    rl = devnet_rl(embedded=embedded, async_level=async_level, rl_overrides=rl_overrides)
     return RunSpec(
         run=RunInfo(name="devnet", seed=seed, coordinator=coordinator.peer_id, validators=validators),
         model=_model_spec(model),

@@ -56,6 +56,8 @@ class DevnetOptions:
             so the held-out curve has at least 6 points besides the start).
         eval_samples: samples per held-out problem in each evaluation.
         model: a local Hugging Face Qwen2 directory to train instead of the embedded model (``None``: embedded).
+        rl: overrides of the run spec's ``[rl]`` fields (``--rl KEY=VALUE``; e.g. the off-policy
+            correction ``is_correction``), checked like a spec file's.
     """
 
     out: Path
@@ -74,6 +76,7 @@ class DevnetOptions:
     eval_every: int | None = None
     eval_samples: int = 16
     model: Path | None = None
+    rl: dict[str, Any] = field(default_factory=dict)
 
     def eval_interval(self) -> int:
         """Trainer steps between held-out evaluations: ``eval_every``, else ``ceil(steps / 6)``."""
@@ -164,7 +167,7 @@ class Devnet:
         bootstrap = f"/ip4/127.0.0.1/tcp/{self.p2p_port}/p2p/{coord.peer_id}"
         spec = devnet_spec(coord, validators, tasks=self.o.tasks, http_url=self.coord_url, bootstrap=bootstrap,
                            seed=self.o.seed if self.o.seed is not None else secrets.randbits(62), async_level=self.o.async_level,
-                           model=self.o.model)
+                           model=self.o.model, rl_overrides=self.o.rl)
         path = self.out / "run.toml"
         path.write_text(dump_run_spec(sign_run_spec(spec, coord)))
         return path

@@ -82,8 +82,8 @@ def test_one_unchecked_submission_does_not_wreck_a_training_step(tmp_path: Path,
         in_batch = {s.record.submission_id for s in batch.sequences}
         assert honest in in_batch and (hostile in in_batch) is not retired
         assert (_consumed_step(store, hostile) == -2) is retired
-        trainer = Trainer(model, TrainerConfig(learning_rate=1e-3, warmup_steps=1, max_grad_norm=0.1, loss=LossConfig(norm_tokens=64.0),
-                                               micro_batch_tokens=24, optimizer_steps_per_batch=1, old_logprobs="behavior"))
+        trainer = Trainer(model, TrainerConfig(learning_rate=1e-3, warmup_steps=1, max_grad_norm=0.1, loss=LossConfig(norm_tokens=64.0, old_logprobs="behavior"),
+                                               micro_batch_tokens=24, optimizer_steps_per_batch=1))
         m = trainer.train_step(batch)
         assert math.isfinite(m.loss)
         assert all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())

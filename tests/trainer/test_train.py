@@ -10,6 +10,7 @@ import torch
 import trainer_toy as toy
 
 from protocol.runspec import RLSpec, RunInfo, RunSpec, SamplingSpec
+from trainer.loss import LossConfig
 from trainer.train import Trainer, TrainerConfig
 
 PEER = "12D3KooW" + "A" * 44
@@ -51,8 +52,6 @@ def test_warmup_and_metrics() -> None:
 @pytest.mark.parametrize("reference", ["old", "base"])
 def test_kl_reference(reference: str) -> None:
     torch.set_num_threads(1)
-    from trainer.loss import LossConfig
-
     cfg = toy.toy_trainer_config(loss=LossConfig(norm_tokens=64.0, kl_beta=0.1), kl_reference=reference, optimizer_steps_per_batch=1)
     t = Trainer(toy.toy_model(seed=0), cfg)
     m1 = t.train_step(toy.toy_batch(seed=0, step=0))
@@ -83,7 +82,7 @@ def test_off_policy_statistics(old: str) -> None:
     model = toy.toy_model(seed=0)
     records = toy.toy_records(seed=0, step=0)
     exact = [dataclasses.replace(r, logprobs=_true_logprobs(model, r.prompt_ids, r.completion_ids)) for r in records]
-    cfg = toy.toy_trainer_config(old_logprobs=old, optimizer_steps_per_batch=1)
+    cfg = toy.toy_trainer_config(loss=LossConfig(norm_tokens=64.0, old_logprobs=old), optimizer_steps_per_batch=1)
     t = Trainer(toy.toy_model(seed=0), cfg)
     m = t.train_step(assemble_batch(exact, step=0, async_level=1, group_size=toy.GROUP, num_groups=4, adv_eps=1e-4))
     assert m.mismatch_kl == pytest.approx(0.0, abs=1e-5)
