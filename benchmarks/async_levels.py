@@ -26,8 +26,8 @@ correction computes the same update: level 0 runs once per seed and stands for a
 
 Runs go one after another, seeds outer and levels inner, so a change of machine load touches
 every level alike; ``--jobs N`` runs N at once (only for gains: wall times then share the CPU).
-Results go to ``--keep DIR/results.json`` as they come (``--resume`` skips runs already there),
-the figure of held-out curves per level to ``--plot``.
+Results go to ``--keep DIR/results.json`` as they come (``--resume`` skips runs already there,
+``--no-run`` only summarizes them), the figure of held-out curves per level to ``--plot``.
 
     python benchmarks/async_levels.py                                  # levels 0 1 2 4, 3 seeds, 60 steps
     python benchmarks/async_levels.py --levels 2,4 --corrections clip,truncate,mask --keep /tmp/al
@@ -230,6 +230,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="devnets at once (default 1; more shares the CPU: gains only)")
     ap.add_argument("--keep", default=None, help="keep every run and results.json under this directory (default: a temporary one)")
     ap.add_argument("--resume", action="store_true", help="skip runs already in --keep DIR/results.json")
+    ap.add_argument("--no-run", action="store_true", help="run nothing: summarize what --keep DIR/results.json holds")
     ap.add_argument("--plot", default=None, help="write the held-out curves per level to this PNG")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
@@ -242,12 +243,12 @@ def main() -> None:
     root = Path(args.keep or tmp.name)  # type: ignore[union-attr]
     root.mkdir(parents=True, exist_ok=True)
     store = root / "results.json"
-    results: list[dict[str, Any]] = json.loads(store.read_text()) if args.resume and store.exists() else []
+    results: list[dict[str, Any]] = json.loads(store.read_text()) if (args.resume or args.no_run) and store.exists() else []
     done = {(r["level"], r["correction"], r["seed"]) for r in results if r["ok"]}
     results = [r for r in results if r["ok"]]
     plan = [(lv, c if lv else corrections[0], seed) for seed in range(args.first_seed, args.first_seed + args.seeds)
             for lv in levels for c in (corrections if lv else corrections[:1])]
-    plan = [p for p in plan if p not in done]
+    plan = [] if args.no_run else [p for p in plan if p not in done]
     print(f"{datetime.datetime.now():%Y-%m-%d %H:%M}; {len(plan)} devnets of {args.steps} steps ({args.workers} workers, "
           f"{args.relays} relays) on {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}", flush=True)
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
@@ -268,6 +269,8 @@ def main() -> None:
     for c in corrections:
         for lv in levels:
             t = tables[(lv, c)] = level_table(_runs(results, lv, c))
+            if not t["seeds"] and not t["failed"]:
+                continue  # not run (--no-run over part of a comparison)
             print(f"{lv:>5} {c:<10} {t['seeds']:>5} {_f(t['gain'], '+.3f'):>7} ({_f(t['gain_min'], '+.3f')}–{_f(t['gain_max'], '+.3f')}) "
                   f"{_f(t['start'], '.2f'):>5}→{_f(t['end'], '.2f'):<5} {_f(t['s_per_step'], '.2f'):>7} {_f(t['utilization'], '.2f'):>5} "
                   f"{_f(t['staleness_mean'], '.2f'):>5} {_f(t['mismatch_kl'], '.4f'):>9} "
