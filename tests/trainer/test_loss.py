@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainer.loss import LossConfig, LossInputs, grpo_loss, summarize_metrics
+from trainer.loss import LossConfig, LossInputs, grpo_loss, merge_metrics, summarize_metrics
 
 CFG = LossConfig(clip_eps=0.2, clip_delta=4.0, norm_tokens=1.0)
 
@@ -105,3 +105,113 @@ def test_empty_micro_batch_is_zero_and_differentiable() -> None:
     out = grpo_loss(LossInputs(logp, torch.zeros(0), torch.zeros(0)), CFG)
     assert out.loss.item() == 0.0
     out.loss.backward()
+
+
+# --- the off-policy correction: behavior log-probs that differ from the trainer's ---------------------
+
+def _off_policy(adv: list[float], w: list[float], cfg: LossConfig, *, ratio: list[float] | None = None) -> tuple[LossInputs, object]:
+    """Tokens whose trainer log-probs (recomputed, = current unless ``ratio``) are log 0.5 and whose
+    behavior log-probs make π_trainer / π_behavior = ``w``."""
+    n = len(adv)
+    old = torch.full((n,), math.log(0.5))
+    logp = (old + torch.tensor([math.log(r) for r in (ratio or [1.0] * n)])).requires_grad_(True)
+    behavior = old - torch.tensor([math.log(x) for x in w])
+    inp = LossInputs(logprobs=logp, old_logprobs=old, advantages=torch.tensor(adv), behavior_logprobs=behavior)
+    return inp, grpo_loss(inp, cfg)
+
+
+W = [0.01, 0.4, 0.6, 1.0, 1.9, 3.0, 90.0]
+"""Behavior weights π_trainer / π_behavior: far below, below, inside, at, just under, above and far
+above the band [1/2, 2] (90 as seen on a devnet step at async level 2)."""
+
+
+@pytest.mark.parametrize("correction,expected", [
+    ("none", [1.0] * len(W)),
+    ("truncate", [0.01, 0.4, 0.6, 1.0, 1.9, 2.0, 2.0]),  # min(w, C)
+    ("mask", [0.0, 0.0, 0.6, 1.0, 1.9, 0.0, 0.0]),  # w inside [1/C, C], else dropped
+])
+def test_behavior_weight_is_bounded_as_documented(correction: str, expected: list[float]) -> None:
+    """One optimizer step per batch (r = 1): each token's loss and gradient is −v·A, v the bounded weight."""
+    cfg = LossConfig(norm_tokens=1.0, old_logprobs="recompute", is_correction=correction, is_cap=2.0)
+    for a in (1.0, -1.0):
+        inp, out = _off_policy([a] * len(W), W, cfg)
+        per_token = torch.autograd.grad(out.loss, inp.logprobs)[0]  # d loss / d logp_t = −v_t·A (r = 1, no clip)
+        assert per_token.tolist() == pytest.approx([-v * a for v in expected], rel=1e-5, abs=1e-7)
+        assert out.loss.item() == pytest.approx(-a * sum(expected), rel=1e-5)
+    m = summarize_metrics({k: float(v) for k, v in out.metrics.items()})
+    assert m["is_ratio_max"] == pytest.approx(90.0, rel=1e-4) and m["is_ratio_min"] == pytest.approx(0.01, rel=1e-4)
+    assert m["is_ratio_mean"] == pytest.approx(sum(W) / len(W), rel=1e-4)
+    assert m["is_weight_max"] == pytest.approx(max(expected), rel=1e-5) and m["is_weight_max"] <= 2.0
+    assert m["is_weight_mean"] == pytest.approx(sum(expected) / len(W), rel=1e-5)
+    bounded = {"none": 0, "truncate": 2, "mask": 4}[correction]
+    assert m["is_bounded_frac"] == pytest.approx(bounded / len(W))
+    assert m["mismatch_kl"] == pytest.approx(sum(x - math.log(x) - 1 for x in W) / len(W), rel=1e-4)
+
+
+def test_weight_multiplies_the_clipped_surrogate() -> None:
+    """With r ≠ 1 (a later optimizer step of the batch) the PPO clip acts around the recomputed
+    policy and the behavior weight scales what is left: r = 1.5, A = +1 → clipped (no gradient);
+    r = 0.5, A = +1 → unclipped, d/dlogp = −v·r."""
+    cfg = LossConfig(norm_tokens=1.0, is_correction="truncate", is_cap=2.0)
+    inp, out = _off_policy([1.0, 1.0], [90.0, 90.0], cfg, ratio=[1.5, 0.5])
+    g = torch.autograd.grad(out.loss, inp.logprobs)[0]
+    assert g.tolist() == pytest.approx([0.0, -2.0 * 0.5], rel=1e-5)
+    assert out.loss.item() == pytest.approx(-2.0 * 1.2 - 2.0 * 0.5, rel=1e-5)
+    assert out.metrics["clipped_tokens"].item() == 1.0
+
+
+def test_behavior_denominator_needs_no_weight() -> None:
+    """``old_logprobs = "behavior"``: the ratio is π_θ / π_behavior itself (two-sided clip with δ
+    around the behavior policy); the statistics come from this forward."""
+    cfg = LossConfig(norm_tokens=1.0, old_logprobs="behavior")
+    logp = torch.full((2,), math.log(0.5), requires_grad=True)
+    behavior = logp.detach() - torch.tensor([math.log(90.0), 0.0])
+    out = grpo_loss(LossInputs(logprobs=logp, old_logprobs=None, advantages=torch.tensor([-1.0, -1.0]), behavior_logprobs=behavior), cfg)
+    g = torch.autograd.grad(out.loss, logp)[0]
+    assert g.tolist() == pytest.approx([0.0, 1.0], rel=1e-5)  # r = 90 > δ: capped at δ·|A| = 4, no gradient
+    assert out.loss.item() == pytest.approx(4.0 + 1.0, rel=1e-5)
+    assert out.metrics["is_ratio_max"].item() == pytest.approx(90.0, rel=1e-4)
+    assert out.metrics["is_weight_max"].item() == 1.0 and out.metrics["capped_tokens"].item() == 1.0
+
+
+@pytest.mark.parametrize("correction", ["none", "truncate", "mask"])
+def test_zero_advantage_and_absurd_behavior_logprobs_stay_finite(correction: str) -> None:
+    """A token of advantage 0 contributes nothing even when its behavior log-prob is −1e30 (w would
+    be inf: the log ratio is clamped before exp, so 0·v stays 0, never NaN); the others are unchanged."""
+    cfg = LossConfig(norm_tokens=1.0, is_correction=correction)
+    old = torch.full((3,), math.log(0.5))
+    logp = old.clone().requires_grad_(True)
+    behavior = torch.tensor([-1e30, math.log(0.5), -float("inf")])
+    out = grpo_loss(LossInputs(logprobs=logp, old_logprobs=old, advantages=torch.tensor([0.0, 1.0, 0.0]), behavior_logprobs=behavior), cfg)
+    g = torch.autograd.grad(out.loss, logp)[0]
+    assert torch.isfinite(out.loss) and torch.isfinite(g).all()
+    assert g.tolist() == pytest.approx([0.0, -1.0, 0.0])
+    assert all(math.isfinite(float(v)) for v in out.metrics.values())
+    assert out.metrics["is_weight_max"].item() <= (2.0 if correction != "none" else 1.0)
+
+
+def test_off_policy_metrics_merge_over_micro_batches() -> None:
+    """Sums add, extremes take min/max: two halves merged equal the whole batch."""
+    cfg = LossConfig(norm_tokens=1.0, is_correction="truncate")
+    adv = [1.0, -1.0, 0.5, 2.0, -0.3, 1.0, 0.2]
+    whole = {k: float(v) for k, v in _off_policy(adv, W, cfg)[1].metrics.items()}
+    merged: dict[str, float] = {}
+    merge_metrics(merged, {k: float(v) for k, v in _off_policy(adv[:3], W[:3], cfg)[1].metrics.items()})
+    merge_metrics(merged, {k: float(v) for k, v in _off_policy(adv[3:], W[3:], cfg)[1].metrics.items()})
+    assert merged.keys() == whole.keys()
+    for k in whole:
+        assert merged[k] == pytest.approx(whole[k], rel=1e-5), k
+    assert summarize_metrics({})["is_ratio_max"] == 1.0 and summarize_metrics({})["mismatch_kl"] == 0.0
+
+
+def test_correction_config_errors() -> None:
+    with pytest.raises(ValueError, match="needs old_logprobs 'recompute'"):
+        LossConfig(old_logprobs="behavior", is_correction="truncate")
+    with pytest.raises(ValueError, match="is_correction"):
+        LossConfig(is_correction="clip")
+    with pytest.raises(ValueError, match="is_cap"):
+        LossConfig(is_correction="truncate", is_cap=1.0)
+    with pytest.raises(ValueError, match="needs behavior_logprobs"):
+        grpo_loss(_inputs([1.0], [1.0]), LossConfig(is_correction="mask"))
+    with pytest.raises(ValueError, match="recomputed old_logprobs"):
+        grpo_loss(LossInputs(torch.zeros(1), None, torch.zeros(1), behavior_logprobs=torch.zeros(1)), LossConfig())

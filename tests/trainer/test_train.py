@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -97,3 +98,43 @@ def test_off_policy_statistics(old: str) -> None:
     assert m.is_ratio_max == pytest.approx(float(np.exp(d).max()), rel=1e-3)
     assert m.is_ratio_mean == pytest.approx(float(np.exp(d).mean()), rel=1e-3)
     assert set(m.as_dict()) >= {"mismatch_kl", "is_ratio_mean", "is_ratio_min", "is_ratio_max", "clipped_frac", "staleness"}
+
+
+def test_off_policy_correction_on_stale_and_zero_advantage_groups() -> None:
+    """A step-2 batch at async level 1 from hand-built groups: a fresh one (behavior log-probs = the
+    trainer's), a 1-step-stale one whose behavior log-probs are log 90 below the trainer's (ratio 90
+    on every token), an all-equal-reward one with absurd log-probs (−1e30) and a 2-step-stale one.
+    The last two are dropped (counted), the loss stays finite, and truncation bounds the stale
+    group's weight at C = 2: its tokens count exactly twice (one optimizer step: r = 1)."""
+    torch.set_num_threads(1)
+    from trainer.batch import assemble_batch
+
+    model = toy.toy_model(seed=0)
+    recs = toy.toy_records(seed=0, step=2)
+    exact = {id(r): _true_logprobs(model, r.prompt_ids, r.completion_ids) for r in recs}
+    fresh = [dataclasses.replace(r, logprobs=exact[id(r)]) for r in recs if r.task_key == "task0"]
+    stale1 = [dataclasses.replace(r, policy_step=1, logprobs=exact[id(r)] - np.float32(np.log(90.0))) for r in recs if r.task_key == "task2"]
+    flat = [dataclasses.replace(r, reward=1.0, task_reward=1.0, logprobs=np.full(r.completion_ids.size, -1e30, np.float32))
+            for r in recs if r.task_key == "task1"]
+    stale2 = [dataclasses.replace(r, policy_step=0, logprobs=exact[id(r)]) for r in recs if r.task_key == "task3"]
+
+    def step(records: list, correction: str, groups: int):
+        cfg = toy.toy_trainer_config(loss=LossConfig(norm_tokens=64.0, is_correction=correction, is_cap=2.0), optimizer_steps_per_batch=1)
+        batch = assemble_batch(records, step=2, async_level=1, group_size=toy.GROUP, num_groups=groups, adv_eps=1e-4)
+        return Trainer(toy.toy_model(seed=0), cfg, step=2).train_step(batch)
+
+    m = step(flat + stale2 + fresh + stale1, "truncate", 2)
+    assert (m.num_groups, m.zero_advantage_groups, m.stale_groups) == (2, 1, 1)
+    assert m.staleness == {0: toy.GROUP, 1: toy.GROUP}
+    assert math.isfinite(m.loss) and math.isfinite(m.mismatch_kl)
+    assert m.is_ratio_max == pytest.approx(90.0, rel=1e-3) and m.is_ratio_min == pytest.approx(1.0, abs=1e-3)
+    assert m.is_weight_max == pytest.approx(2.0)  # bounded at C, not 90
+    stale_tokens = sum(r.completion_ids.size for r in stale1)
+    assert m.is_bounded_frac == pytest.approx(stale_tokens / m.loss_tokens)
+    # the stale group's tokens weigh C = 2: its loss counts twice
+    plain = step(fresh + stale1, "none", 2).loss
+    stale_only = step(stale1, "none", 1).loss
+    assert m.loss == pytest.approx(plain + stale_only, rel=1e-4, abs=1e-7)
+    # masking drops the stale group: only the fresh group's loss is left
+    fresh_only = step(fresh, "none", 1).loss
+    assert step(fresh + stale1, "mask", 2).loss == pytest.approx(fresh_only, rel=1e-4, abs=1e-7)
