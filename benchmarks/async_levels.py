@@ -5,9 +5,10 @@ Every run is ``intellect-node devnet`` with the same base, tasks, steps and proc
 async level (and correction) it prints over the seeds:
 
 * the median held-out gain (last minus first held-out evaluation) with its spread (min–max);
-* wall time per trainer step and trainer utilization (train-step time / wall), both over the steady
-  state: from the end of step 1 to the end of the last step, with the held-out evaluations the
-  benchmark asks for (they stall the trainer's thread) taken out of the wall time;
+* wall time per trainer step, trainer utilization (train-step time / wall) and the fraction of the
+  wall the trainer waited for a batch of accepted rollouts (``wait``; the rest is publishing and
+  saving state), over the steady state: from the end of step 1 to the end of the last step, with
+  the held-out evaluations the benchmark asks for (they stall the trainer's thread) taken out;
 * mean staleness (trainer step − policy step, per trained rollout), mean mismatch KL(behavior ‖
   trainer), the importance ratio π_trainer / π_behavior (mean, min, max over every trained token)
   and what the correction applied (largest weight, fraction of tokens truncated or masked, clipped
@@ -51,7 +52,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from node.devnet.report import heldout_summary, read_metrics  # noqa: E402
+from node.devnet.report import heldout_summary, read_metrics
 
 CORRECTIONS: dict[str, list[str]] = {
     "default": [],
@@ -85,7 +86,7 @@ def run_summary(out: Path) -> dict[str, Any]:
     steps = [r for r in rows if r.get("event") == "step"]
     evals = [r for r in rows if r.get("event") == "eval"]
     s: dict[str, Any] = {"steps": len(steps), **heldout_summary(evals), "curve": [[e["step"], e["heldout_pass_rate"]] for e in evals]}
-    s["s_per_step"] = s["utilization"] = s["eval_s"] = None
+    s["s_per_step"] = s["utilization"] = s["eval_s"] = s["wait_frac"] = None
     if len(steps) >= 2:
         # an evaluation after step n starts when step n's row is written and ends when its row is
         t_step = {r["step"]: float(r["ts"]) for r in steps}
@@ -96,6 +97,8 @@ def run_summary(out: Path) -> dict[str, Any]:
         s["eval_s"] = eval_s
         s["s_per_step"] = span / (len(steps) - 1)
         s["utilization"] = sum(float(r["step_time_s"]) for r in steps[1:]) / span if span > 0 else None
+        waits = [r.get("wait_s") for r in steps[1:]]
+        s["wait_frac"] = sum(float(w) for w in waits) / span if span > 0 and all(isinstance(w, (int, float)) for w in waits) else None
     s["coordinator_utilization"] = steps[-1].get("utilization") if steps else None
     trained = [(int(k), int(v)) for r in steps for k, v in (r.get("staleness") or {}).items()]
     n = sum(v for _, v in trained)
@@ -121,7 +124,7 @@ def run_devnet(level: int, correction: str, seed: int, args: argparse.Namespace,
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout + 120,
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout + 120, check=False,
                            env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=Path(__file__).resolve().parents[1])
         ok, tail = r.returncode == 0, "" if r.returncode == 0 else (r.stdout[-1500:] + r.stderr[-1500:])
     except subprocess.TimeoutExpired:
@@ -143,7 +146,7 @@ def level_table(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "seeds": len(ok), "failed": len(runs) - len(ok), "gain": statistics.median(gains) if gains else None,
         "gain_min": min(gains, default=None), "gain_max": max(gains, default=None),
-        "start": med("start"), "end": med("end"), "s_per_step": med("s_per_step"), "utilization": med("utilization"),
+        "start": med("start"), "end": med("end"), "s_per_step": med("s_per_step"), "utilization": med("utilization"), "wait_frac": med("wait_frac"),
         "coordinator_utilization": med("coordinator_utilization"), "staleness_mean": med("staleness_mean"),
         "mismatch_kl": med("mismatch_kl"), "is_ratio_mean": med("is_ratio_mean"),
         "is_ratio_min": min((r["is_ratio_min"] for r in ok if r.get("is_ratio_min") is not None), default=None),
@@ -262,7 +265,7 @@ def main() -> None:
                   f"ratio max {_f(r['is_ratio_max'], '.2f')}, {r['wall_s']:.0f} s, load {r['load'][0]:.1f}→{r['load'][1]:.1f}", flush=True)
             if not r["ok"]:
                 print(r["tail"], file=sys.stderr)
-    head = (f"{'level':>5} {'correction':<10} {'seeds':>5} {'gain (min–max)':>22} {'held-out':>13} {'s/step':>7} {'util':>5} "
+    head = (f"{'level':>5} {'correction':<10} {'seeds':>5} {'gain (min–max)':>22} {'held-out':>13} {'s/step':>7} {'util':>5} {'wait':>5} "
             f"{'stale':>5} {'mism. KL':>9} {'ratio mean [min, max]':>26} {'w max':>6} {'bounded':>7} {'clipped':>7}")
     print("\n" + head)
     tables: dict[tuple[int, str], dict[str, Any]] = {}
@@ -272,7 +275,7 @@ def main() -> None:
             if not t["seeds"] and not t["failed"]:
                 continue  # not run (--no-run over part of a comparison)
             print(f"{lv:>5} {c:<10} {t['seeds']:>5} {_f(t['gain'], '+.3f'):>7} ({_f(t['gain_min'], '+.3f')}–{_f(t['gain_max'], '+.3f')}) "
-                  f"{_f(t['start'], '.2f'):>5}→{_f(t['end'], '.2f'):<5} {_f(t['s_per_step'], '.2f'):>7} {_f(t['utilization'], '.2f'):>5} "
+                  f"{_f(t['start'], '.2f'):>5}→{_f(t['end'], '.2f'):<5} {_f(t['s_per_step'], '.2f'):>7} {_f(t['utilization'], '.2f'):>5} {_f(t['wait_frac'], '.2f'):>5} "
                   f"{_f(t['staleness_mean'], '.2f'):>5} {_f(t['mismatch_kl'], '.4f'):>9} "
                   f"{_f(t['is_ratio_mean'], '.2f'):>9} [{_f(t['is_ratio_min'], '.3f')}, {_f(t['is_ratio_max'], '.1f')}] "
                   f"{_f(t['is_weight_max'], '.2f'):>6} {_f(t['is_bounded_frac'], '.3f'):>7} {_f(t['clipped_frac'], '.3f'):>7}"

@@ -126,6 +126,7 @@ class Coordinator:
         self.eval_latest: dict[str, Any] | None = None  # the last eval row: step, pass rate, interval
         self._last_eval: EvalResult | None = None
         self.busy_s = 0.0
+        self.wait_s = 0.0  # seconds the last batch took to fill (the trainer idle, waiting for accepted rollouts)
         self.started_s = time.monotonic()
         self.buffer = RolloutBuffer(self.store, signed.run_id, self.spec.rl)
         self._stop = threading.Event()
@@ -286,7 +287,7 @@ class Coordinator:
         self.busy_s += m.step_time_s
         self.buffer.retire(self.buffer.consume(batch), self.trainer.step)
         row = {"event": "step", **m.as_dict(), "utilization": self.utilization(), "broadcast_s": self.publisher.publish_s.get(self.trainer.step) if self.publisher else None,
-               "wall_s": round(time.monotonic() - self.started_s, 3), "verdicts": self.store.verdict_reasons(),
+               "wait_s": round(self.wait_s, 3), "wall_s": round(time.monotonic() - self.started_s, 3), "verdicts": self.store.verdict_reasons(),
                "banned": len(self.bans.entries())}
         self._log_metrics(row)
         self.last_step = {k: row[k] for k in ("step", "reward_mean", "pass_rate", "loss", "staleness", "tokens_per_s", "mismatch_kl",
@@ -317,6 +318,7 @@ class Coordinator:
         while not self._stop.is_set():
             try:
                 batch = self.buffer.next_batch(step)
+                self.wait_s = time.monotonic() - t0
                 self.state = f"training step {step + 1}"  # not the last wait's reason, which would stay up all run
                 self.wait_reason = None
                 self._wait_log.recovered(f"batch for step {step} filled")

@@ -92,7 +92,9 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
         f"- held-out gain: {gain}",
         (f"- off-policy: mean mismatch KL(behavior ‖ trainer) {_f(_mean([s.get('mismatch_kl') for s in steps]), 5)} nats per token, "
         f"importance ratio π_trainer/π_behavior in [{_f(min((s.get('is_ratio_min', 1.0) for s in steps), default=None))}, "
-        f"{_f(max((s.get('is_ratio_max', 1.0) for s in steps), default=None))}], mean clipped fraction {_f(_mean([s.get('clipped_frac') for s in steps]))}"),
+        f"{_f(max((s.get('is_ratio_max', 1.0) for s in steps), default=None))}], applied weight at most "
+        f"{_f(max((s.get('is_weight_max', 1.0) for s in steps), default=None))} (`rl.is_correction`; mean fraction of tokens truncated "
+        f"or masked {_f(_mean([s.get('is_bounded_frac') for s in steps]))}), mean clipped fraction {_f(_mean([s.get('clipped_frac') for s in steps]))}"),
         f"- trainer utilization (busy / wall): {_f(steps[-1].get('utilization') if steps else None)}",
         f"- mean publish time per step (save + cut + sign): {_f(_mean([s.get('broadcast_s') for s in steps]))} s",
         (f"- run page (live while the run ran): [{dn.coord_url}/]({dn.coord_url}/), JSON at `{dn.coord_url}/api/run`; "

@@ -199,8 +199,8 @@ def test_off_policy_metrics_merge_over_micro_batches() -> None:
     merge_metrics(merged, {k: float(v) for k, v in _off_policy(adv[:3], W[:3], cfg)[1].metrics.items()})
     merge_metrics(merged, {k: float(v) for k, v in _off_policy(adv[3:], W[3:], cfg)[1].metrics.items()})
     assert merged.keys() == whole.keys()
-    for k in whole:
-        assert merged[k] == pytest.approx(whole[k], rel=1e-5), k
+    for k, v in whole.items():
+        assert merged[k] == pytest.approx(v, rel=1e-5), k
     assert summarize_metrics({})["is_ratio_max"] == 1.0 and summarize_metrics({})["mismatch_kl"] == 0.0
 
 
