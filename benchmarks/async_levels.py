@@ -134,9 +134,16 @@ def run_devnet(level: int, correction: str, seed: int, args: argparse.Namespace,
             "load": [load_before, os.getloadavg()[0]], **run_summary(out)}
 
 
-def level_table(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians and spreads over the seeds of one (level, correction)."""
-    ok = [r for r in runs if r["ok"] and r.get("gain") is not None]
+def usable(r: dict[str, Any], steps: int) -> bool:
+    """A run that trained all ``steps`` and evaluated its last policy: the devnet exited cleanly, or
+    its ``--timeout`` ended it after that (its numbers are complete; on a loaded machine the last
+    evaluation and the report can outlast the timeout)."""
+    return r.get("gain") is not None and (r["ok"] or (r.get("steps") == steps and bool(r.get("curve")) and r["curve"][-1][0] == steps))
+
+
+def level_table(runs: list[dict[str, Any]], steps: int) -> dict[str, Any]:
+    """Medians and spreads over the seeds of one (level, correction): the :func:`usable` runs."""
+    ok = [r for r in runs if usable(r, steps)]
     gains = [r["gain"] for r in ok]
 
     def med(key: str) -> float | None:
@@ -157,7 +164,7 @@ def level_table(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def plot(results: list[dict[str, Any]], levels: list[int], corrections: list[str], path: Path) -> None:
+def plot(results: list[dict[str, Any]], levels: list[int], corrections: list[str], steps: int, path: Path) -> None:
     """Held-out curves per async level: one panel per level, each seed thin, the median bold, level 0's
     median dashed for reference (first correction); with several corrections a second row overlays
     their median curves per level."""
@@ -170,21 +177,21 @@ def plot(results: list[dict[str, Any]], levels: list[int], corrections: list[str
     fig, ax = plt.subplots(rows, len(levels), figsize=(4.2 * len(levels), 3.6 * rows), squeeze=False, sharey=True)
 
     def median_curve(level: int, correction: str) -> tuple[list[int], list[float]]:
-        curves = [r["curve"] for r in _runs(results, level, correction) if r["ok"] and r["curve"]]
-        steps = sorted({s for c in curves for s, _ in c if all(any(t == s for t, _ in c2) for c2 in curves)})
-        return steps, [statistics.median(p for c in curves for t, p in c if t == s) for s in steps]
+        curves = [r["curve"] for r in _runs(results, level, correction) if usable(r, steps)]
+        xs = sorted({s for c in curves for s, _ in c if all(any(t == s for t, _ in c2) for c2 in curves)})
+        return xs, [statistics.median(p for c in curves for t, p in c if t == s) for s in xs]
 
     ref = median_curve(0, corrections[0]) if 0 in levels else ([], [])
     for i, level in enumerate(levels):
         a = ax[0, i]
         for r in _runs(results, level, corrections[0]):
-            if r["ok"] and r["curve"]:
+            if usable(r, steps):
                 a.plot([s for s, _ in r["curve"]], [p for _, p in r["curve"]], "-", color="tab:blue", alpha=0.35, lw=1)
         x, y = median_curve(level, corrections[0])
         a.plot(x, y, "o-", color="tab:blue", lw=2, label=f"median ({corrections[0]})")
         if level != 0 and ref[0]:
             a.plot(*ref, "--", color="black", lw=1, label="level 0 median")
-        t = level_table(_runs(results, level, corrections[0]))
+        t = level_table(_runs(results, level, corrections[0]), steps)
         a.set_title(f"async level {level}: gain {_f(t['gain'], '+.3f')} (median of {t['seeds']})")
         a.set_xlabel("policy step")
         a.set_ylim(0, 1)
@@ -229,7 +236,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="workers per devnet (default 2, the devnet's)")
     ap.add_argument("--relays", type=int, default=2, help="relays per devnet (default 2, the devnet's)")
     ap.add_argument("--eval-samples", type=int, default=16, help="samples per held-out problem per evaluation (default 16)")
-    ap.add_argument("--timeout", type=float, default=900.0, help="per-run devnet timeout, seconds (default 900)")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="per-run devnet timeout, seconds (default 1800: a loaded 2-core machine took 35 s a step at level 0)")
     ap.add_argument("--jobs", type=int, default=1, help="devnets at once (default 1; more shares the CPU: gains only)")
     ap.add_argument("--keep", default=None, help="keep every run and results.json under this directory (default: a temporary one)")
     ap.add_argument("--resume", action="store_true", help="skip runs already in --keep DIR/results.json")
@@ -247,8 +254,8 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     store = root / "results.json"
     results: list[dict[str, Any]] = json.loads(store.read_text()) if (args.resume or args.no_run) and store.exists() else []
-    done = {(r["level"], r["correction"], r["seed"]) for r in results if r["ok"]}
-    results = [r for r in results if r["ok"]]
+    done = {(r["level"], r["correction"], r["seed"]) for r in results if usable(r, args.steps)}
+    results = [r for r in results if usable(r, args.steps)]
     plan = [(lv, c if lv else corrections[0], seed) for seed in range(args.first_seed, args.first_seed + args.seeds)
             for lv in levels for c in (corrections if lv else corrections[:1])]
     plan = [] if args.no_run else [p for p in plan if p not in done]
@@ -260,10 +267,11 @@ def main() -> None:
             r = fut.result()
             results.append(r)
             store.write_text(json.dumps(results, indent=1))
-            print(f"  level {r['level']} {r['correction']:<8} seed {r['seed']}: {'ok' if r['ok'] else 'FAILED'}, gain {_f(r.get('gain'), '+.3f')}, "
+            state = "ok" if r["ok"] else "timed out after its last step (complete)" if usable(r, args.steps) else "FAILED"
+            print(f"  level {r['level']} {r['correction']:<8} seed {r['seed']}: {state}, gain {_f(r.get('gain'), '+.3f')}, "
                   f"{_f(r['s_per_step'], '.2f')} s/step, utilization {_f(r['utilization'], '.2f')}, staleness {_f(r['staleness_mean'], '.2f')}, "
                   f"ratio max {_f(r['is_ratio_max'], '.2f')}, {r['wall_s']:.0f} s, load {r['load'][0]:.1f}→{r['load'][1]:.1f}", flush=True)
-            if not r["ok"]:
+            if not usable(r, args.steps):
                 print(r["tail"], file=sys.stderr)
     head = (f"{'level':>5} {'correction':<10} {'seeds':>5} {'gain (min–max)':>22} {'held-out':>13} {'s/step':>7} {'util':>5} {'wait':>5} "
             f"{'stale':>5} {'mism. KL':>9} {'ratio mean [min, max]':>26} {'w max':>6} {'bounded':>7} {'clipped':>7}")
@@ -271,7 +279,7 @@ def main() -> None:
     tables: dict[tuple[int, str], dict[str, Any]] = {}
     for c in corrections:
         for lv in levels:
-            t = tables[(lv, c)] = level_table(_runs(results, lv, c))
+            t = tables[(lv, c)] = level_table(_runs(results, lv, c), args.steps)
             if not t["seeds"] and not t["failed"]:
                 continue  # not run (--no-run over part of a comparison)
             print(f"{lv:>5} {c:<10} {t['seeds']:>5} {_f(t['gain'], '+.3f'):>7} ({_f(t['gain_min'], '+.3f')}–{_f(t['gain_max'], '+.3f')}) "
@@ -298,10 +306,11 @@ def main() -> None:
               f"{'met' if t2['utilization'] >= UTILIZATION_GOAL else 'missed'}")
     print(f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {datetime.datetime.now():%Y-%m-%d %H:%M}")
     if args.plot:
-        plot(results, levels, corrections, Path(args.plot))
+        plot(results, levels, corrections, args.steps, Path(args.plot))
         print(f"figure: {args.plot}")
+    seeds = min((tables[(lv, c0)]["seeds"] for lv in levels), default=0)
     print("async levels: " + ", ".join(f"{lv} → {_f(tables[(lv, c0)]['gain'], '+.3f')}" for lv in levels)
-          + f" (median held-out gain over {args.seeds} seeds)")
+          + f" (median held-out gain over {seeds if seeds == args.seeds else f'{seeds}–{args.seeds}'} seeds)")
     if tmp is not None:
         tmp.cleanup()
 
