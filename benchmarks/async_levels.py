@@ -308,9 +308,10 @@ def main() -> None:
     if args.plot:
         plot(results, levels, corrections, args.steps, Path(args.plot))
         print(f"figure: {args.plot}")
-    seeds = min((tables[(lv, c0)]["seeds"] for lv in levels), default=0)
+    counts = sorted({tables[(lv, c0)]["seeds"] for lv in levels})  # seeds whose run was usable, per level
+    seeds = str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
     print("async levels: " + ", ".join(f"{lv} → {_f(tables[(lv, c0)]['gain'], '+.3f')}" for lv in levels)
-          + f" (median held-out gain over {seeds if seeds == args.seeds else f'{seeds}–{args.seeds}'} seeds)")
+          + f" (median held-out gain over {seeds} seeds)")
     if tmp is not None:
         tmp.cleanup()
 
