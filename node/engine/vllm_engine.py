@@ -211,17 +211,15 @@ def _rpc_load_weights(self: Any, model_dir: str) -> int:
     which re-runs the post-load processing (repacked CPU/GPU kernel formats) that a plain
     ``model.load_weights`` after start-up would miss. Returns the number of tensors read.
     """
-    from safetensors import safe_open
+    from protocol.models import iter_weights
 
     count = 0
 
     def tensors() -> Any:
         nonlocal count
-        for f in sorted(Path(model_dir).glob("*.safetensors")):
-            with safe_open(str(f), framework="pt", device="cpu") as st:
-                for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    count += 1
-                    yield name, st.get_tensor(name)
+        for name, tensor in iter_weights(Path(model_dir)):  # the one safetensors reader, streamed (flat memory)
+            count += 1
+            yield name, tensor
 
     with torch.no_grad():
         self.model_runner.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)

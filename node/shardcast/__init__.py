@@ -10,7 +10,9 @@ What lives where (format rules are pure, in :mod:`protocol.shardcast`):
 * :mod:`.download`, :mod:`.sources` — the HTTP fetch engine and source choice both use.
 * :mod:`.delta`    — step deltas: :func:`~.delta.publish_delta` (origin), :func:`~.delta.fetch_step`
   (apply a delta chain, else fetch in full), relay mirroring and rebuilding from deltas.
-* :mod:`.weights`  — :func:`load_safetensors_dir`, load fetched weights (safetensors only).
+
+Fetched weights are read by :func:`protocol.models.iter_weights` (safetensors only); a worker's or
+validator's held steps are owned by :class:`node.policy.PolicyFollower`.
 """
 
 from node.shardcast.client import FetchResult, fetch_checkpoint

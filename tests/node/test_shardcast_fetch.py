@@ -14,9 +14,9 @@ from shardcast_fixtures import PIECE, make_run, make_store, proxy, publish, serv
 from node.errors import FetchError
 from node.shardcast.client import MANIFEST_FILE_NAME, fetch_checkpoint
 from node.shardcast.download import DownloadConfig
-from node.shardcast.weights import load_safetensors_dir
 from protocol.envelope import seal
 from protocol.errors import SignatureError
+from protocol.models import iter_weights
 from protocol.identity import NodeKey
 from protocol.runspec import dump_run_spec
 
@@ -45,7 +45,7 @@ async def test_fetch_from_two_sources_and_load(origin, tmp_path):
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == ckpt.read_bytes()
     assert (tmp_path / "out" / MANIFEST_FILE_NAME).read_bytes() == env.raw
     assert res.bytes_downloaded == ckpt.stat().st_size and res.source_bytes[a.url] == res.bytes_downloaded
-    assert set(load_safetensors_dir(tmp_path / "out")) == {"a.weight", "b.weight"}
+    assert {name for name, _ in iter_weights(tmp_path / "out")} == {"a.weight", "b.weight"}
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
     # fetching again into the same directory is a no-op; into a foreign non-empty one is refused
     async with serving(store) as a:

@@ -7,16 +7,18 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import Qwen2Config
 
 from protocol.models import (
-    base_hash,
     ModelLoadError,
+    base_hash,
     build_model,
     copy_model,
     copy_weights,
     embedded_config,
     embedded_tokenizer,
+    iter_weights,
     load_model,
     model_files,
     save_model,
@@ -151,3 +153,19 @@ def test_config_int_reads_model_sizes_and_refuses_what_is_no_transformers_model(
     for bad, name in ((torch.nn.Linear(2, 2), "vocab_size"), (model, "tie_word_embeddings"), (model, "no_such_field")):
         with pytest.raises(ModelLoadError, match=name):
             config_int(bad, name)
+
+
+def test_the_one_weights_reader_merges_files_and_refuses_bad_ones(tmp_path):
+    save_file({"b": torch.ones(2)}, str(tmp_path / "2.safetensors"))
+    save_file({"a": torch.zeros(3, dtype=torch.bfloat16)}, str(tmp_path / "1.safetensors"))
+    (tmp_path / "model.bin").write_bytes(b"never unpickled")
+    state = dict(iter_weights(tmp_path))
+    assert list(state) == ["a", "b"] and state["a"].dtype == torch.bfloat16 and torch.equal(state["b"], torch.ones(2))
+    save_file({"a": torch.ones(1)}, str(tmp_path / "3.safetensors"))
+    with pytest.raises(ModelLoadError, match="more than one"):
+        dict(iter_weights(tmp_path))
+    (tmp_path / "3.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(ModelLoadError, match="cannot read"):
+        dict(iter_weights(tmp_path))
+    with pytest.raises(ModelLoadError, match="no .safetensors"):
+        dict(iter_weights(tmp_path / "empty"))
