@@ -21,6 +21,7 @@ from protocol import encoding
 from protocol.envelope import Authorities
 from protocol.errors import ProtocolError, RunSpecError, SignatureError
 from protocol.identity import NodeKey, public_key_from_peer_id, verify_signature
+from protocol.window import fresh_steps
 
 RUN_ID_DOMAIN = b"intellect-node/run-spec/1\x00"
 SIGNATURE_DOMAIN = b"intellect-node/run-spec-signature/1\x00"
@@ -195,7 +196,11 @@ class ShardcastSpec(_Section):
     """Checkpoint distribution."""
 
     piece_size_bytes: Annotated[int, Field(ge=64 * 1024, le=1 << 30)] = 16 * MiB
-    keep_steps: Annotated[int, Field(ge=1, le=1024, description="steps a relay keeps; ≥ async_level + 1")] = 3
+    keep_steps: Annotated[
+        int,
+        Field(ge=1, le=1024, description="newest policy steps every node holds (relays' pieces, fetched checkpoints, a validator's "
+              "models); ≥ rl.async_level + 1, which it defaults to (protocol.window.fresh_steps)"),
+    ] = 3  # the default for the default async level; a spec that does not state it gets fresh_steps(rl.async_level)
     max_delta_chain: Annotated[
         int,
         Field(ge=0, le=64, description="most step deltas a node applies in a row before it fetches the full checkpoint; "
@@ -225,6 +230,29 @@ class RunSpec(_Section):
     shardcast: ShardcastSpec = ShardcastSpec()
     network: NetworkSpec = NetworkSpec()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_keep_steps(cls, data: Any) -> Any:
+        """A spec that does not state ``shardcast.keep_steps`` keeps :func:`~protocol.window.fresh_steps`
+        of its async level (the retention rule, ``protocol.window``); the value is then part of the
+        signed content like any stated one."""
+        if not isinstance(data, dict):
+            return data
+        shard, rl = data.get("shardcast"), data.get("rl")
+        if isinstance(shard, ShardcastSpec):
+            if "keep_steps" in shard.model_fields_set:
+                return data
+            shard = shard.model_dump()
+        elif shard is None:
+            shard = {}
+        elif not isinstance(shard, dict) or "keep_steps" in shard:
+            return data
+        k = rl.async_level if isinstance(rl, RLSpec) else rl.get("async_level", RLSpec().async_level) if isinstance(rl, dict) else \
+            RLSpec().async_level if rl is None else None
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            return data  # an invalid async level: its own error names it
+        return {**data, "shardcast": {**shard, "keep_steps": fresh_steps(k)}}
+
     @model_validator(mode="after")
     def _consistent(self) -> RunSpec:
         if self.model.hidden_size * self.toploc.chunk_size < self.toploc.topk:
@@ -233,8 +261,9 @@ class RunSpec(_Section):
             raise ValueError(f"model.hidden_size {self.model.hidden_size} < toploc.topk {self.toploc.topk}: a last chunk of one token could not be proven")
         if self.toploc.max_mismatches > self.toploc.topk:
             raise ValueError("toploc.max_mismatches exceeds toploc.topk")
-        if self.shardcast.keep_steps < self.rl.async_level + 1:
-            raise ValueError(f"shardcast.keep_steps must be ≥ rl.async_level + 1 = {self.rl.async_level + 1}")
+        least = fresh_steps(self.rl.async_level)
+        if self.shardcast.keep_steps < least:
+            raise ValueError(f"shardcast.keep_steps must be ≥ rl.async_level + 1 = {least}")
         return self
 
     def canonical_bytes(self) -> bytes:
@@ -262,6 +291,12 @@ class RunSpec(_Section):
         """Whether policies also go out as step deltas: bf16 policies with ``shardcast.max_delta_chain``
         > 0 (``docs/shardcast.md`` §9; fp32 words change too often between steps to pay)."""
         return self.model.dtype == "bfloat16" and self.shardcast.max_delta_chain > 0
+
+    @property
+    def delta_chain_limit(self) -> int:
+        """Most deltas a node applies in a row to reach a step: ``shardcast.max_delta_chain`` when
+        the run publishes deltas (:attr:`publishes_deltas`), else 0 (every step fetched in full)."""
+        return self.shardcast.max_delta_chain if self.publishes_deltas else 0
 
 
 class SignedRunSpec(BaseModel):

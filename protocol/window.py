@@ -19,11 +19,20 @@ step, a lower bound of ``n`` that it uses in its place.
 With ``k = rl.async_level``, a rollout of policy step ``p`` is fresh for trainer step ``n`` when
 ``n − k ≤ p ≤ newest``, where ``newest`` is ``n`` for training and the newest *published* step
 for the ingest (nothing newer exists to sample from).
+
+**Retention** follows from the window: at most ``k + 1`` policy steps (``n − k … n``) are fresh
+at once, so a node that holds checkpoints to generate or judge rollouts needs no more than the
+newest ``k + 1`` (:func:`fresh_steps`); the run spec's ``shardcast.keep_steps`` is that value
+unless the spec states a larger one, and never less. Every holder — the relay's store, a
+worker's or validator's fetched checkpoints, a validator's loaded models — keeps what
+:func:`retained_steps` says.
 """
 
 from __future__ import annotations
 
-__all__ = ["in_window", "oldest_fresh_step"]
+from collections.abc import Iterable
+
+__all__ = ["fresh_steps", "in_window", "oldest_fresh_step", "retained_steps"]
 
 
 def oldest_fresh_step(trainer_step: int, async_level: int) -> int:
@@ -42,3 +51,36 @@ def in_window(policy_step: int, *, trainer_step: int, async_level: int, newest_s
     """
     newest = trainer_step if newest_step is None else newest_step
     return oldest_fresh_step(trainer_step, async_level) <= policy_step <= newest
+
+
+def fresh_steps(async_level: int) -> int:
+    """How many consecutive policy steps are fresh at once: ``k + 1`` (``n − k … n``).
+
+    The floor and default of the run spec's ``shardcast.keep_steps``. ``k + 1`` and not more: a
+    step older than the newest ``k + 1`` published ones is stale for every trainer step that has
+    published them (every published step is ≤ ``n``), so the ingest has retired its rollouts and a
+    validator rejects them whatever it holds. Not fewer: a validator must be able to judge
+    rollouts of each of the ``k + 1`` steps while they are still in the window.
+    """
+    return async_level + 1
+
+
+def retained_steps(held: Iterable[int], keep_steps: int, *, in_use: int | None = None) -> set[int]:
+    """The retention rule: which of the held policy steps a node keeps.
+
+    Args:
+        held: policy steps the node holds (checkpoints on disk, models in memory, complete steps
+            in a relay's store).
+        keep_steps: how many to keep: the run spec's ``shardcast.keep_steps``
+            (≥ :func:`fresh_steps` of its ``rl.async_level``).
+        in_use: a step a caller is using right now (e.g. just fetched to judge an older
+            submission); it is kept even when it is not among the newest.
+
+    Returns:
+        The newest ``keep_steps`` of ``held``, plus ``in_use`` when it is held.
+    """
+    steps = sorted(set(held))
+    kept = set(steps[-keep_steps:]) if keep_steps > 0 else set()
+    if in_use is not None and in_use in steps:
+        kept.add(in_use)
+    return kept

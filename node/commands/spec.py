@@ -84,8 +84,7 @@ def _run_spec_init(args: argparse.Namespace) -> int:
     sampling = given(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, length_penalty=args.length_penalty,
                      target_lengths=args.target_length or None, rule=args.sampling_rule)
     toploc = given(logprob_max_abs=args.logprob_max_abs, logprob_mean_abs=args.logprob_mean_abs)
-    async_level = rl.get("async_level", rs.RLSpec().async_level)
-    shard = {"keep_steps": args.keep_steps if args.keep_steps is not None else async_level + 1}
+    shard = given(keep_steps=args.keep_steps)  # not given: the spec keeps rl.async_level + 1 (protocol.window.fresh_steps)
     if args.piece_size is not None:
         shard["piece_size_bytes"] = args.piece_size
     try:

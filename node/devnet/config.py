@@ -77,7 +77,7 @@ def devnet_spec(
         data=DataSpec(tasks=tasks, tasks_per_submission=4 if tasks == "embedded" else 2),
         sampling=EMBEDDED_SAMPLING if embedded else REAL_TASKS_SAMPLING,
         rl=rl,
-        shardcast=ShardcastSpec(piece_size_bytes=256 * 1024, keep_steps=rl.async_level + 2),
+        shardcast=ShardcastSpec(piece_size_bytes=256 * 1024),  # keep_steps: async_level + 1 (protocol.window.fresh_steps)
         network=NetworkSpec(bootstrap=[bootstrap], ingest_urls=[http_url], origin_urls=[http_url], heartbeat_interval_s=heartbeat_interval_s),
     )
 

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from node.errors import FetchError
 from node.ingest_client import IngestClient, IngestUnavailable
 from node.p2p import GossipConfig, GossipNode
-from node.policy import PolicyFollower, gossip_sources, relays_lagging
+from node.policy import GossipSources, PolicyFollower
 from node.retry import Backoff, FailureLog
 from node.roles import require_sandbox_for, sleep_unless, start_status_server
 from node.status_http import StatusServer
@@ -28,6 +28,7 @@ from protocol.identity import NodeKey
 from protocol.messages import BanList, LeaseRequest, Submission, Verdict
 from protocol.models import load_model, load_tokenizer
 from protocol.runspec import SignedRunSpec
+from protocol.window import retained_steps
 from validator.ledger import Ledger
 from validator.pipeline import CheckResult, SubmissionChecker
 
@@ -94,10 +95,10 @@ class ValidatorNode:
         self.ingest_urls = [u.rstrip("/") for u in (options.ingest_urls or self.spec.network.ingest_urls)]
         self.tasks = resolve_tasks(self.spec.data.tasks, options.data_root, self.spec.data.tasks_hash).train
         self.ledger = Ledger(self.data_dir / "validator.sqlite")
-        self.follower = PolicyFollower(self.spec, self.data_dir / "checkpoints", lambda step: [], keep=self.spec.rl.async_level + 2)
+        self.follower = PolicyFollower(self.spec, self.data_dir / "checkpoints", GossipSources(lambda: self.gossip, self.spec))
         self.gossip: GossipNode | None = None
         self.tokenizer: Any = None
-        self._models: OrderedDict[int, torch.nn.Module] = OrderedDict()
+        self._models: dict[int, torch.nn.Module] = {}  # loaded checkpoints, kept by protocol.window.retained_steps
         self.banned: set[str] = set()
         self._stop = asyncio.Event()
         self.ingest = IngestClient(self.ingest_urls, timeout_s=60.0)
@@ -125,8 +126,6 @@ class ValidatorNode:
             self.gossip = await GossipNode.create(self.spec, self.key, self.options.gossip, role="validator")
             self.gossip.on_announcement(lambda env: self.follower.note_step(env.body.step))
             self.gossip.on_ban_list(self._on_ban_list)
-        self.follower.sources = gossip_sources(self.gossip, self.spec)
-        self.follower.relays_waiting = relays_lagging(self.gossip)
         self.status_server = await start_status_server(self.status, self.registry, self.options.http_port)
 
     def request_stop(self) -> None:
@@ -281,7 +280,6 @@ class ValidatorNode:
     async def _prepare(self, step: int) -> None:
         """Load the checkpoint of ``step`` (fetching it through Shardcast) unless cached."""
         if step in self._models:
-            self._models.move_to_end(step)
             return
         if step > self.follower.latest_step:
             await self.follower.poll_latest()
@@ -294,8 +292,9 @@ class ValidatorNode:
         if self.tokenizer is None:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, path)
         self._models[step] = model
-        while len(self._models) > self.spec.rl.async_level + 2:
-            self._models.popitem(last=False)
+        kept = retained_steps(self._models, self.spec.shardcast.keep_steps, in_use=step)  # the held checkpoints' rule
+        for s in [s for s in self._models if s not in kept]:
+            del self._models[s]
 
     async def _post_verdict(self, verdict: bytes) -> None:
         """Post a verdict to the ingest: up to 5 tries while it answers *retry* or not at all (backing

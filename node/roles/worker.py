@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from node.engine import Engine, create_engine
 from node.errors import FetchError
 from node.p2p import GossipConfig, GossipNode
-from node.policy import POLL_INTERVAL_S, PolicyFollower, gossip_sources, relays_lagging
+from node.policy import POLL_INTERVAL_S, GossipSources, PolicyFollower
 from node.retry import Backoff, FailureLog
 from node.roles import require_sandbox_for, run_until_stopped, sleep_unless, start_status_server
 from node.status_http import StatusServer
@@ -82,7 +82,7 @@ class Worker:
         self.options = options
         self.data_dir = Path(options.data_dir)
         self.gossip: GossipNode | None = None
-        self.follower = PolicyFollower(self.spec, self.data_dir / "checkpoints", lambda step: [])
+        self.follower = PolicyFollower(self.spec, self.data_dir / "checkpoints", GossipSources(lambda: self.gossip, self.spec))
         self.spool = Spool(self.data_dir / "spool")
         self.submitter = Submitter(self.spool, options.ingest_urls or list(self.spec.network.ingest_urls), max_backoff_s=5.0)
         self.engine: Engine | None = None
@@ -117,8 +117,6 @@ class Worker:
             self.gossip.on_announcement(self._on_announcement)
             self.gossip.on_latest_step(self.follower.note_step)  # a missed announcement: the coordinator's next record
             self.gossip.on_verdict(self._on_verdict)
-        self.follower.sources = gossip_sources(self.gossip, self.spec)
-        self.follower.relays_waiting = relays_lagging(self.gossip)
         self.status_server = await start_status_server(self.status, self.registry, self.options.http_port)
         self._sender = asyncio.create_task(self._send_loop(), name="worker-submitter")
         if self.spool.pending():

@@ -11,7 +11,8 @@ rebuild from them (relays). Format and verification rule: :mod:`protocol.delta`,
   downloads each delta's pieces through the same multi-source, per-piece-verified path as a full
   fetch (a bad piece bans its source), applies it streaming into a staging directory, checks
   every reconstructed piece against the signed *full* manifest, fsyncs and renames the directory
-  into place. Any refusal (no delta, a chain too long, a result that does not match) falls back to
+  into place. Whether to try deltas at all is :func:`full_fetch_reason` (the one place a node
+  chooses); any refusal (no delta, a chain too long, a result that does not match) falls back to
   the full fetch; an interrupted delta download resumes from its verified pieces.
 * **Relay.** :func:`mirror_delta` stores an upstream's delta manifest next to the full one;
   :func:`rebuild_from_delta` fetches the delta pieces into the store (served at once, like any
@@ -35,7 +36,7 @@ from typing import Any, BinaryIO, Self
 import aiohttp
 
 from node.errors import FetchError, ShardcastError, SourceError, StoreError
-from node.shardcast.client import fetch_checkpoint, resolve_manifest
+from node.shardcast.client import MANIFEST_FILE_NAME, FetchResult, fetch_checkpoint, resolve_manifest
 from node.shardcast.download import DownloadConfig, InPlaceWriter, ManifestCache, PieceDownloader, make_session
 from node.shardcast.sources import SourcePool
 from node.shardcast.store import ShardcastStore
@@ -58,8 +59,6 @@ from protocol.shardcast import READ_CHUNK_BYTES, ROUTE_PREFIX, PieceRef, build_m
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_FILE_NAME = ".shardcast-manifest"
-"""The manifest envelope next to a fetched checkpoint's files (as :mod:`node.shardcast.client` writes it)."""
 DEFAULT_MAX_CHAIN = 4
 """Most deltas applied in a row before a full fetch is cheaper and simpler (run spec ``shardcast.max_delta_chain``)."""
 
@@ -359,13 +358,14 @@ class StepFetchResult:
         manifest: its verified full manifest.
         out_dir: the directory holding the files.
         files: paths of the checkpoint files, in manifest order.
-        via: ``"delta"`` (a chain of deltas applied), ``"full"`` (all pieces fetched) or ``"held"``.
+        via: ``"delta"`` (a chain of deltas applied) or ``"full"`` (all pieces fetched).
         deltas_applied: target steps of the applied deltas, in order.
         bytes_downloaded: verified bytes received (delta pieces, plus full pieces after a fallback), bytes.
         bytes_resumed: delta bytes found verified on disk from an interrupted call, bytes.
         elapsed_s: wall time, seconds.
         faulty_sources: sources caught serving bad data, with the reason.
         fallback_reason: why the delta path was not taken (empty when it was).
+        full: the full fetch's own result when ``via`` is ``"full"`` (sources used, bytes per source).
     """
 
     step: int
@@ -379,6 +379,7 @@ class StepFetchResult:
     elapsed_s: float = 0.0
     faulty_sources: dict[str, str] = field(default_factory=dict)
     fallback_reason: str = ""
+    full: FetchResult | None = None
 
 
 async def _resolve_chain(session: aiohttp.ClientSession, pool: SourcePool, held: Envelope[Manifest], target: Envelope[Manifest],
@@ -410,6 +411,31 @@ async def _resolve_chain(session: aiohttp.ClientSession, pool: SourcePool, held:
     return chain
 
 
+def full_fetch_reason(held: Envelope[Manifest] | None, target_step: int | None, out_dir: Path, max_chain: int) -> str:
+    """Why a step is fetched in full rather than through deltas: the one place a node chooses.
+
+    Args:
+        held: the verified manifest of the checkpoint the node holds as a base (``None``: none).
+        target_step: the wanted step (``None``: not known yet, the newest any source has).
+        out_dir: where the step goes.
+        max_chain: most deltas applied in a row; 0 when the run publishes none
+            (:attr:`protocol.runspec.RunSpec.delta_chain_limit`).
+
+    Returns:
+        The reason to fetch in full, or ``""``: try the delta chain (:func:`fetch_step` still falls
+        back to the full fetch when the chain is refused).
+    """
+    if max_chain <= 0:
+        return "the run publishes no deltas"
+    if held is None:
+        return "no held checkpoint"
+    if target_step is not None and held.body.step >= target_step:
+        return f"held step {held.body.step} is not before step {target_step}"
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        return f"{out_dir} is not empty"
+    return ""
+
+
 async def fetch_step(
     sources: Sequence[str],
     out_dir: Path,
@@ -421,11 +447,14 @@ async def fetch_step(
     max_chain: int = DEFAULT_MAX_CHAIN,
     config: DownloadConfig | None = None,
     session: aiohttp.ClientSession | None = None,
-    full_fallback: bool = True,
     origins: Sequence[str] = (),
     cache: ManifestCache | None = None,
 ) -> StepFetchResult:
     """Hold checkpoint ``step`` in ``out_dir``: through deltas from ``held_dir`` when possible, else in full.
+
+    The delta-or-full choice is :func:`full_fetch_reason`; a refused chain (no delta, a chain too
+    long, a source that failed or lied, a result that does not match) falls back to the full
+    fetch from the sources not caught lying.
 
     Args:
         sources: base URLs of origins/relays.
@@ -434,10 +463,10 @@ async def fetch_step(
         held_dir: a directory holding an earlier step, as a fetch leaves it (with ``.shardcast-manifest``);
             it is only read.
         step: the wanted step (``None``: the newest any source has).
-        max_chain: most deltas applied in a row (run spec ``shardcast.max_delta_chain``).
+        max_chain: most deltas applied in a row (:attr:`protocol.runspec.RunSpec.delta_chain_limit`;
+            0: always in full).
         config: limits and timeouts.
         session: an HTTP session to reuse.
-        full_fallback: fetch the full checkpoint when the delta path is refused (else raise).
         origins: origin URLs: always asked, on reserved slots (see :func:`fetch_checkpoint`).
         cache: verified manifests and sources known to serve bad ones, kept across calls.
 
@@ -446,7 +475,6 @@ async def fetch_step(
 
     Raises:
         FetchError: neither a delta chain nor the full checkpoint could be fetched.
-        DeltaUnavailable: the delta path was refused and ``full_fallback`` is off.
     """
     cfg = config or DownloadConfig()
     out_dir = Path(out_dir)
@@ -459,18 +487,15 @@ async def fetch_step(
     made: list[Path] = []
     downloaded = resumed = 0
     try:
-        target = await resolve_manifest(sess, pool, step, run_id=run_id, authorities=authorities, cfg=cfg, cache=cache)
-        files = [out_dir / f.name for f in target.body.files]
         held = await asyncio.to_thread(read_held, held_dir, run_id, authorities) if held_dir is not None else None
-        reason = ""
-        if held is None:
-            reason = "no held checkpoint"
-        elif held.body.step >= target.body.step:
-            reason = f"held step {held.body.step} is not before step {target.body.step}"
-        elif out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-            reason = f"{out_dir} is not empty"
-        else:
-            assert held is not None and held_dir is not None
+        reason = full_fetch_reason(held, step, out_dir, max_chain)
+        target: Envelope[Manifest] | None = None
+        if not reason:
+            target = await resolve_manifest(sess, pool, step, run_id=run_id, authorities=authorities, cfg=cfg, cache=cache)
+            reason = full_fetch_reason(held, target.body.step, out_dir, max_chain)
+        if not reason:
+            assert held is not None and held_dir is not None and target is not None
+            files = [out_dir / f.name for f in target.body.files]
             try:
                 chain = await _resolve_chain(sess, pool, held, target, max_chain, run_id, authorities, cfg)
                 cur_dir, cur = held_dir, held
@@ -498,14 +523,13 @@ async def fetch_step(
                 logger.log(logging.INFO if isinstance(e, DeltaUnavailable) else logging.WARNING,
                            "delta path to step %d refused (%s); fetching the full checkpoint", target.body.step, reason,
                            extra={"step": target.body.step})
-        if not full_fallback:
-            raise DeltaUnavailable(reason)
         faulty = pool.faulty()
         full_sources = [u for u in pool.urls if u not in faulty] or pool.urls
-        full = await fetch_checkpoint(full_sources, out_dir, run_id=run_id, authorities=authorities, step=target.body.step, config=cfg,
-                                      progress=False, session=sess, origins=origins, cache=cache)
+        full = await fetch_checkpoint(full_sources, out_dir, run_id=run_id, authorities=authorities,
+                                      step=target.body.step if target is not None else step, config=cfg, progress=False, session=sess,
+                                      origins=origins, cache=cache)
         return StepFetchResult(full.step, full.manifest, out_dir, full.files, "full", [], downloaded + full.bytes_downloaded, resumed,
-                               time.monotonic() - t0, {**faulty, **full.faulty_sources}, reason)
+                               time.monotonic() - t0, {**faulty, **full.faulty_sources}, reason, full)
     finally:
         for chain_dir in made:
             shutil.rmtree(chain_dir, ignore_errors=True)

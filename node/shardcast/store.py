@@ -18,7 +18,7 @@ marker file ``unsynced.<pid>.<n>`` (holding the pid and the boot ID) is written 
 sync removes it. A store that finds a marker from an earlier boot (the machine went down with
 pieces unflushed) re-hashes every piece file and deletes those that do not hash to their name,
 so the store never serves a piece whose bytes are not its ID. Manifests are flushed one by one. A step is *complete* (held) when
-every piece its manifest lists is present. Retention keeps the newest ``keep_steps`` complete
+every piece its manifest lists is present. Retention (:func:`protocol.window.retained_steps`) keeps the newest ``keep_steps`` complete
 steps plus any newer step still being filled, and deletes only pieces that no kept manifest
 lists, so a fetch of a kept step is never disturbed (a reader with an open file keeps its data
 on POSIX even if a file is unlinked).
@@ -46,6 +46,7 @@ from protocol.envelope import Authorities, Envelope
 from protocol.errors import SchemaError
 from protocol.messages import DeltaManifest, Manifest
 from protocol.shardcast import PieceId, PieceRef, iter_pieces, open_manifest
+from protocol.window import retained_steps
 
 logger = logging.getLogger(__name__)
 
@@ -564,7 +565,7 @@ class ShardcastStore:
     def steps_to_keep(self) -> set[int]:
         """The newest ``keep_steps`` complete steps and every incomplete step newer than the oldest of them."""
         with self._lock:
-            kept = set(sorted(self._complete)[-self.keep_steps:])
+            kept = retained_steps(self._complete, self.keep_steps)
             floor = min(kept) if len(kept) >= self.keep_steps else -1
             kept |= {s for s in self._manifests if s not in self._complete and s > floor}
         return kept

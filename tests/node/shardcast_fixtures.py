@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -37,6 +37,23 @@ class Run:
     @property
     def authorities(self):  # noqa: ANN201
         return self.signed.spec.authorities
+
+
+@dataclass
+class StaticSources:
+    """:class:`node.policy.PolicySources` over fixed URLs (no gossip): every URL for every step."""
+
+    urls: list[str]
+    origin_urls: list[str] = field(default_factory=list)
+
+    def __call__(self, step: int | None) -> list[str]:
+        return list(self.urls)
+
+    def origins(self) -> list[str]:
+        return list(self.origin_urls)
+
+    def relays_lagging(self, step: int) -> bool:
+        return False
 
 
 def make_run(*, keep_steps: int = 3, piece_size: int = PIECE, name: str = "devnet", model_dtype: str = "float32") -> Run:

@@ -130,7 +130,7 @@ def test_engine_hot_swap_of_a_bf16_checkpoint_computes_in_float32(base):
 
 async def test_worker_refuses_a_step_0_that_is_not_the_pinned_base(tmp_path):
     """Workers and validators check a fetched policy step 0 against ``model.base_hash``."""
-    from shardcast_fixtures import Run, make_store, serving, write_checkpoint
+    from shardcast_fixtures import Run, StaticSources, make_store, serving, write_checkpoint
 
     from node.errors import FetchError
     from node.policy import PolicyFollower
@@ -148,7 +148,7 @@ async def test_worker_refuses_a_step_0_that_is_not_the_pinned_base(tmp_path):
         origin = make_store(run, tmp_path / f"origin-{ok}")
         publish_checkpoint(origin, sorted(ckpt.iterdir()), step=0, key=key, piece_size_bytes=spec.shardcast.piece_size_bytes)
         async with serving(origin) as server:
-            follower = PolicyFollower(spec, tmp_path / f"fetched-{ok}", lambda step, url=server.url: [url])
+            follower = PolicyFollower(spec, tmp_path / f"fetched-{ok}", StaticSources([server.url]))
             try:
                 if ok:
                     assert base_hash(await follower.fetch(0)) == pinned

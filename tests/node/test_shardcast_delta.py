@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from shardcast_fixtures import EvilProxy, make_run, make_store, proxy, serving, wait_until
+from shardcast_fixtures import EvilProxy, StaticSources, make_run, make_store, proxy, serving, wait_until
 
 from node.shardcast.delta import MANIFEST_FILE_NAME, apply_into_dir, fetch_step, publish_delta, read_held
 from node.shardcast.download import DownloadConfig
@@ -327,7 +327,7 @@ async def test_policy_follower_takes_deltas(origin, policies, tmp_path, caplog):
     run, store = origin
     caplog.set_level("INFO", logger="node.policy")
     async with serving(store) as srv:
-        follower = PolicyFollower(run.signed.spec, tmp_path / "policy", lambda _step: [srv.url])
+        follower = PolicyFollower(run.signed.spec, tmp_path / "policy", StaticSources([srv.url]))
         try:
             await follower.fetch(0)
             path = await follower.fetch(2)

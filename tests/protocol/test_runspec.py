@@ -60,6 +60,15 @@ def test_schema_errors_name_the_field(tmp_path):
 def test_consistency_rules():
     with pytest.raises(ValueError, match="keep_steps"):
         spec(rl=RLSpec(async_level=4), shardcast=ShardcastSpec(keep_steps=2))
+
+
+def test_keep_steps_defaults_to_the_window():
+    """Unstated, a run keeps async_level + 1 steps (protocol.window.fresh_steps), signed like a stated value."""
+    assert [spec(rl=RLSpec(async_level=k)).shardcast.keep_steps for k in (0, 1, 2, 5)] == [1, 2, 3, 6]
+    assert spec(rl=RLSpec(async_level=1), shardcast=ShardcastSpec(piece_size_bytes=1 << 20)).shardcast.keep_steps == 2
+    assert spec(rl=RLSpec(async_level=1), shardcast=ShardcastSpec(keep_steps=4)).shardcast.keep_steps == 4
+    text = dump_run_spec(sign_run_spec(spec(rl=RLSpec(async_level=5)), COORD))
+    assert "keep_steps = 6" in text and parse_run_spec(text).spec.shardcast.keep_steps == 6
     with pytest.raises(ValueError, match="hidden_size"):
         spec(model=ModelSpec(hidden_size=64))
 

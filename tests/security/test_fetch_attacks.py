@@ -229,7 +229,7 @@ async def test_twenty_tarpit_relay_records_cannot_break_a_fetch(origin, tmp_path
     run, store, ckpt = origin
     async with serving(store) as o, tarpits(20) as pit:
         table = gossip_view(run, o.url, pit.urls, 1)
-        chooser = GossipSources(SimpleNamespace(peers=table), run.signed.spec)
+        chooser = GossipSources(lambda: SimpleNamespace(peers=table), run.signed.spec)
         sources = chooser(1)
         assert len(sources) == 21 and chooser.origins() == [o.url]
         res = await fetch_checkpoint(sources, tmp_path / "out", run_id=run.run_id, authorities=run.authorities, step=1,
@@ -355,7 +355,7 @@ async def test_policy_follower_polls_and_fetches_past_tarpit_relays(origin, tmp_
 
     async with serving(store) as o, tarpits(20) as pit:
         table = gossip_view(run, o.url, pit.urls, 1)
-        follower = PolicyFollower(run.signed.spec, tmp_path / "ckpts", GossipSources(SimpleNamespace(peers=table), run.signed.spec))
+        follower = PolicyFollower(run.signed.spec, tmp_path / "ckpts", GossipSources(lambda: SimpleNamespace(peers=table), run.signed.spec))
         follower._cfg = dataclasses.replace(CFG, stall_timeout_s=30.0)
         try:
             assert await follower.poll_latest() == 1, "the origin's answer is taken without waiting for the tarpits"
@@ -384,7 +384,7 @@ async def test_next_step_without_a_delta_is_fetched_in_full_without_asking_tarpi
     publish_step(1)
     async with serving(store) as o, tarpits(20) as pit:
         table = gossip_view(run, o.url, pit.urls, 1)
-        follower = PolicyFollower(run.signed.spec, tmp_path / "ckpts", GossipSources(SimpleNamespace(peers=table), run.signed.spec))
+        follower = PolicyFollower(run.signed.spec, tmp_path / "ckpts", GossipSources(lambda: SimpleNamespace(peers=table), run.signed.spec))
         follower._cfg = dataclasses.replace(CFG, stall_timeout_s=30.0)
         try:
             await follower.fetch(1)
