@@ -55,7 +55,7 @@ from typing import Any
 from aiohttp import web, web_server
 from aiohttp.http_exceptions import HttpProcessingError
 
-from protocol.ingest_api import address_key
+from protocol.addresses import address_key
 
 logger = logging.getLogger(__name__)
 

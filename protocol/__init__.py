@@ -17,6 +17,7 @@ Pure:
 * ``rollout``   — the rollout rule (derived tasks, targets, prompts, seeds) and the packed-array codec.
 * ``window``    — the async window (which policy steps are fresh for a trainer step).
 * ``ingest_api``— the ingest's routes, lease answer and error codes (what a client does with each).
+* ``addresses`` — client addresses as per-address limits count them (ingest, HTTP servers, gossip host).
 * ``verdicts``  — verdict reasons (cheat vs benign); ``embedded`` — the devnet's generated addition task set.
 
 Read files or start processes (named so):

@@ -23,7 +23,6 @@ worker drop the submissions in its spool.
 
 from __future__ import annotations
 
-import ipaddress
 import math
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -183,20 +182,3 @@ def unpack_lease_answer(data: bytes, limit: int) -> LeaseAnswer:
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or not -(2**62) < step < 2**62):
         raise DecodeError("lease answer's trainer_step is not an int")
     return LeaseAnswer(list(subs), step)
-
-
-def address_key(host: str, v6_prefix: int = 64) -> str:
-    """The client address that per-address limits count (the ingest's quotas, every HTTP
-    server's connection cap; the gossip host's per-address cap with ``v6_prefix`` 56): an IPv4
-    address, or an IPv6 address's ``/v6_prefix`` network (one host or site usually holds a whole
-    /64, so counting single IPv6 addresses would bound nothing); an IPv4-mapped IPv6 address
-    counts as its IPv4 address; a zone ID is dropped. Anything else is returned unchanged."""
-    try:
-        addr = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if isinstance(addr, ipaddress.IPv6Address):
-        if addr.ipv4_mapped is not None:
-            return str(addr.ipv4_mapped)
-        return str(ipaddress.IPv6Network((addr, v6_prefix), strict=False))
-    return str(addr)

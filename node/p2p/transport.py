@@ -42,7 +42,7 @@ from libp2p.stream_muxer.mplex.mplex import MPLEX_PROTOCOL_ID, Mplex
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 
-from protocol.ingest_api import address_key
+from protocol.addresses import address_key
 
 logger = logging.getLogger(__name__)
 

@@ -300,7 +300,7 @@ async def test_many_loopback_addresses_cannot_fill_the_global_connection_cap(tmp
 def test_ipv6_addresses_count_per_64() -> None:
     """A host holds a whole IPv6 /64: counting single addresses would cap nothing (connection
     caps and the ingest's per-address quotas count the same key)."""
-    from protocol.ingest_api import address_key as _address_key
+    from protocol.addresses import address_key as _address_key
 
     assert _address_key("2001:db8::1") == _address_key("2001:db8::ffff:2") == "2001:db8::/64"
     assert _address_key("2001:db8:0:1::1") != _address_key("2001:db8::1")

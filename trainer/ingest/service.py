@@ -37,6 +37,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from protocol.addresses import address_key
 from protocol.envelope import Envelope, open_envelope
 from protocol.errors import ProtocolError
 from protocol.ingest_api import (
@@ -46,7 +47,6 @@ from protocol.ingest_api import (
     LEASE_ROUTE,
     SUBMISSIONS_ROUTE,
     VERDICTS_ROUTE,
-    address_key,
     pack_lease_answer,
 )
 from protocol.messages import BanEvidence, LeaseRequest, Submission, Verdict
