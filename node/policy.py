@@ -13,7 +13,7 @@ in ``root/step-N`` (the files plus ``.shardcast-manifest``, the coordinator-sign
   ``shardcast.keep_steps`` (the step just fetched is kept even when it is older).
 
 Weights are read from a held directory by :func:`protocol.models.load_model` (validators) or an
-engine's ``load_weights`` (workers), both through :func:`protocol.models.load_weights`, the one
+engine's ``load_weights`` (workers), both through :func:`protocol.models.iter_weights`, the one
 safetensors loader. A relay holds steps as pieces in its :class:`~node.shardcast.ShardcastStore`
 (it serves pieces and loads no weights), under the same retention rule.
 
