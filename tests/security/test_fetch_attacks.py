@@ -447,7 +447,7 @@ async def test_trickling_relays_cannot_stall_a_policy_fetch(big_origin, tmp_path
     async with contextlib.AsyncExitStack() as stack, lying_relays(store, "trickle", n) as tricklers:
         stack.push_async_callback(o.stop)
         table = gossip_view(run, o.url, [t.url for t in tricklers], 1)
-        follower = PolicyFollower(run.signed.spec, tmp_path / "ckpts", GossipSources(SimpleNamespace(peers=table), run.signed.spec))
+        follower = PolicyFollower(run.signed.spec, tmp_path / "ckpts", GossipSources(lambda: SimpleNamespace(peers=table), run.signed.spec))
         try:
             fetch = asyncio.ensure_future(follower.fetch(1))
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
