@@ -50,13 +50,16 @@ class SandboxLimits:
             stdout tasks start one per test case); once spent, the remaining cases fail.
         memory_bytes: address-space limit per process (RLIMIT_AS), in bytes. Without cgroups the
             sandbox's total is at most ``processes × memory_bytes + tmpfs_bytes``.
-        output_bytes: largest file a sandboxed process may write, its stdout and stderr included
-            (RLIMIT_FSIZE), in bytes; a process that writes more is killed (SIGXFSZ).
+        output_bytes: most bytes the program may write to stdout, and to stderr (pipes this
+            process drains; past it the sandbox is killed, limit ``"output"``), and the largest
+            file it may write in its tmpfs (RLIMIT_FSIZE), in bytes.
         processes: processes and threads the sandbox's user may run at once (RLIMIT_NPROC,
             counted in the sandbox's own user namespace, so concurrent sandboxes do not share
             it); bwrap's init and the harness count, leaving ``processes − 2`` to the program.
         open_files: open file descriptors per process (RLIMIT_NOFILE).
-        tmpfs_bytes: size of the sandbox's private tmpfs working folder ``/tmp``, in bytes.
+        tmpfs_bytes: everything the sandbox can write, in bytes (tmpfs pages are memory): its
+            working folder ``/tmp`` gets 7/8, ``/dev/shm`` 1/8 (at least 1 MiB each); the root
+            and ``/dev`` are read-only.
         tmp_root: unused since the sandbox's folder is a tmpfs inside it; kept so existing
             configurations still load.
     """

@@ -7,14 +7,27 @@ The boundary is the kernel's, set up by bubblewrap (Debian ``bubblewrap``):
   nested user namespaces (``--disable-userns``);
 * a root file system holding only read-only binds of ``/usr`` (with ``/bin``, ``/lib``,
   ``/lib64`` as on the host), the interpreter's prefix (at its own path, because the
-  interpreter's ``RUNPATH`` names it), a fresh ``/dev`` and ``/proc``, a private size-limited
-  tmpfs ``/tmp`` as the working folder, and ``/job`` with the harness and its spec (copied in
-  from memfds). No key, data folder, project checkout or home folder is visible;
+  interpreter's ``RUNPATH`` names it), a fresh ``/dev`` and ``/proc``, a private tmpfs ``/tmp``
+  as the working folder, and ``/job`` with the harness and its spec (copied in from memfds). No
+  key, data folder, project checkout or home folder is visible;
+* **one budget for what it can write** (``SandboxLimits.tmpfs_bytes``): the root and ``/dev``
+  are remounted read-only once set up (bubblewrap's own tmpfs mounts have no size), and the
+  only writable mounts are ``/tmp`` (7/8 of the budget) and ``/dev/shm`` (1/8), each a tmpfs of
+  that size. tmpfs pages are memory, so the sandbox can hold at most
+  ``processes × memory_bytes + tmpfs_bytes`` bytes;
+* **no writable host file**: stdin is a sealed memfd opened read-only, stdout, stderr and the
+  harness's record stream are pipes that this process drains with caps (``output_bytes`` for
+  stdout and stderr, :data:`RECORDS_MAX_BYTES` for records; over a cap the sandbox is killed).
+  A host temporary file opened read-write let the candidate ``fallocate(FALLOC_FL_KEEP_SIZE)``
+  gigabytes of the host's disk past RLIMIT_FSIZE;
 * ``--die-with-parent --new-session``; the sandbox's pid 1 is bwrap's init; on a wall timeout
   that init is killed directly (a ptrace-ing candidate can clear its parent-death signal), which
   kills the whole pid namespace, daemons included, then bwrap (a process group of its own);
 * resource limits the harness sets before the candidate runs: RLIMIT_CPU, RLIMIT_AS,
-  RLIMIT_FSIZE, RLIMIT_NPROC (counted per user namespace), RLIMIT_NOFILE, no core dumps;
+  RLIMIT_FSIZE, RLIMIT_NPROC (counted per user namespace), RLIMIT_NOFILE, no core dumps. A run
+  killed by SIGKILL counts as the CPU limit only when the sandbox used at least ``cpu_time_s``
+  of CPU (the hard limit's kill), as memory when the kernel's OOM killer acted meanwhile;
+  otherwise (a program that kills itself) it is the program's own failure;
 * when the node runs as root, bwrap itself runs as uid 65534 (``setpriv``), so the sandbox's
   processes are uid 65534 on the host as well and RLIMIT_NPROC applies (root is exempt from it).
   An interpreter under a folder that uid cannot traverse (a pyenv under root's 0700 home) is
@@ -29,6 +42,7 @@ no weaker fallback. :func:`sandbox_status` is the cheap check for other code (``
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import logging
@@ -39,7 +53,6 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,13 +82,14 @@ class SandboxRun:
             was killed on wall timeout.
         timed_out: the wall limit expired.
         stdout: its stdout (at most ``output_bytes``), decoded as UTF-8 with replacement.
-        stderr: the tail of its stderr, for details.
+        stderr: the tail of its stderr (2,000 bytes), for details.
         records: the JSON records the harness (or the candidate) wrote, in order; lines that do
             not decode as JSON objects are skipped; at most :data:`RECORDS_MAX_BYTES` are read.
         records_truncated: more than :data:`RECORDS_MAX_BYTES` of records were written.
         limit_hit: ``"wall"``, ``"cpu"``, ``"memory"`` or ``"output"`` when the run stopped at a
             resource limit, else ``None``.
         wall_s: wall-clock seconds the run took.
+        cpu_s: CPU seconds the sandbox's processes used (user + system), sampled every 0.2 s.
     """
 
     exit_code: int | None
@@ -86,6 +100,7 @@ class SandboxRun:
     records_truncated: bool
     limit_hit: str | None
     wall_s: float
+    cpu_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +200,18 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
+def _read_only_memfd(name: str, data: bytes) -> int:
+    """A read-only descriptor of a sealed memfd holding ``data`` (the candidate's stdin): it can
+    neither write, grow nor ``fallocate`` it."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.write(fd, data)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(fd)
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -228,10 +255,7 @@ def _kill_sandbox(proc: subprocess.Popen[bytes]) -> None:
             os.close(fd)
 
 
-def _read_records(f: Any) -> tuple[list[dict[str, Any]], bool]:
-    f.seek(0)
-    raw = f.read(RECORDS_MAX_BYTES + 1)
-    truncated = len(raw) > RECORDS_MAX_BYTES
+def _parse_records(raw: bytes) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     for line in raw[:RECORDS_MAX_BYTES].split(b"\n"):
         if not line:
@@ -242,20 +266,130 @@ def _read_records(f: Any) -> tuple[list[dict[str, Any]], bool]:
             continue
         if isinstance(obj, dict):
             records.append(obj)
-    return records, truncated
+    return records
 
 
-def _limit_of(exit_code: int | None, timed_out: bool, records: list[dict[str, Any]]) -> str | None:
+def _oom_kills() -> int:
+    """The kernel's count of OOM kills (``/proc/vmstat`` ``oom_kill``; 0 where it cannot be read)."""
+    try:
+        with open("/proc/vmstat", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _limit_of(exit_code: int | None, timed_out: bool, records: list[dict[str, Any]], *, cpu_s: float, cpu_limit_s: int,
+              oom_killed: bool, over: str | None) -> str | None:
     if timed_out:
         return "wall"
-    if exit_code in (128 + signal.SIGXCPU, 128 + signal.SIGKILL):
-        return "cpu"  # SIGKILL without our wall kill: the CPU hard limit (soft + 1 s)
+    if over is not None:
+        return over
+    if exit_code == 128 + signal.SIGXCPU:
+        return "cpu"
+    if exit_code == 128 + signal.SIGKILL:
+        # RLIMIT_CPU's hard limit kills with SIGKILL only after cpu_time_s of CPU (soft + 1 s);
+        # the OOM killer with SIGKILL too. Any other SIGKILL is the program's own doing.
+        if oom_killed:
+            return "memory"
+        return "cpu" if cpu_s >= cpu_limit_s else None
     if exit_code == 128 + signal.SIGXFSZ:
         return "output"
     for kind in ("memory", "output"):
         if any(r.get("limit") == kind for r in records):
             return kind
     return None
+
+
+class _Drain:
+    """Bytes read from one pipe, with a cap: ``keep_tail`` keeps only the last bytes (stderr)."""
+
+    def __init__(self, limit: int, keep_tail: int | None = None) -> None:
+        self.limit = limit
+        self.keep_tail = keep_tail
+        self.total = 0
+        self.data = bytearray()
+
+    def add(self, chunk: bytes) -> bool:
+        """Take ``chunk``; ``False`` once more than ``limit`` bytes came."""
+        self.total += len(chunk)
+        room = self.limit + 1 - len(self.data)
+        self.data += chunk[: max(room, 0)] if self.keep_tail is None else chunk
+        if self.keep_tail is not None and len(self.data) > self.keep_tail:
+            del self.data[: len(self.data) - self.keep_tail]
+        return self.total <= self.limit
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+_CPU_SAMPLE_S = 0.2
+"""How often the sandbox's CPU time is sampled from ``/proc``, wall seconds."""
+
+
+def _tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system, own and of reaped children) of ``root`` and its descendants,
+    from ``/proc`` (kernel numbers the candidate cannot forge; processes gone meanwhile are skipped)."""
+    total, todo, seen = 0.0, [root], set[int]()
+    while todo and len(seen) < 4096:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            total += sum(int(x) for x in fields[11:15]) / _CLK_TCK  # utime stime cutime cstime
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children", "rb") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def _wait_and_drain(proc: subprocess.Popen[bytes], pipes: dict[int, tuple[str, _Drain]], wall_s: float) -> tuple[bool, str | None, float]:
+    """Read the pipes until each ends and wait for the sandbox, all within ``wall_s`` seconds.
+
+    The sandbox's CPU time is sampled every :data:`_CPU_SAMPLE_S` while it runs (bwrap does not
+    pass its namespace's CPU time on to ``wait4``), so the largest sample is within that much
+    CPU per process of what it used.
+
+    Returns:
+        ``(timed_out, over, cpu_s)``: ``over`` names the pipe that passed its cap (the caller
+        kills the sandbox), ``cpu_s`` the largest CPU time sampled, seconds.
+    """
+    deadline = time.monotonic() + wall_s
+    poller = select.poll()
+    for fd in pipes:
+        poller.register(fd, select.POLLIN)
+    pidfd = os.pidfd_open(proc.pid)
+    poller.register(pidfd, select.POLLIN)
+    open_fds = set(pipes)
+    cpu_s, next_sample = 0.0, 0.0
+    try:
+        while open_fds or proc.returncode is None:
+            now = time.monotonic()
+            if proc.returncode is None and now >= next_sample:
+                cpu_s = max(cpu_s, _tree_cpu_s(proc.pid))
+                next_sample = now + _CPU_SAMPLE_S
+            left = deadline - now
+            if left <= 0:
+                return True, None, cpu_s
+            for fd, _ in poller.poll(min(left, _CPU_SAMPLE_S) * 1000):
+                if fd == pidfd:
+                    poller.unregister(pidfd)
+                    proc.wait()  # exited: returns at once
+                    continue
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    poller.unregister(fd)
+                    open_fds.discard(fd)
+                elif not pipes[fd][1].add(chunk):
+                    return False, pipes[fd][0], cpu_s
+        return False, None, cpu_s
+    finally:
+        os.close(pidfd)
 
 
 def run_python(
@@ -304,87 +438,94 @@ def run_python(
         spec["call"] = {"inputs": tests["inputs"], "fn_name": tests["fn_name"]}
     elif mode == "assert":
         spec["assert"] = {k: tests[k] for k in ("prelude", "setup_code", "snippets")}
-    fds: list[int] = []
+    fds: list[int] = []  # ours, closed at the end
+    child_fds: list[int] = []  # the child's ends, closed once it started
     proc: subprocess.Popen[bytes] | None = None
     t0 = time.monotonic()
-    with (
-        tempfile.TemporaryFile() as fin,
-        tempfile.TemporaryFile() as fout,
-        tempfile.TemporaryFile() as ferr,
-        tempfile.TemporaryFile() as frec,
-    ):
+    try:
+        out_r, out_w = os.pipe()
+        fds.append(out_r)
+        child_fds.append(out_w)
+        err_r, err_w = os.pipe()
+        fds.append(err_r)
+        child_fds.append(err_w)
+        rec_r, rec_w = os.pipe()
+        fds.append(rec_r)
+        child_fds.append(rec_w)
+        spec["record_fd"] = rec_w
+        stdin_fd = _read_only_memfd("intellect-sandbox-stdin", stdin_text.encode("utf-8"))
+        child_fds.append(stdin_fd)
+        spec_fd = _memfd("intellect-sandbox-spec", json.dumps(spec).encode("utf-8"))
+        child_fds.append(spec_fd)
+        child_fd = _memfd("intellect-sandbox-harness", _CHILD_SOURCE_PATH.read_bytes())
+        child_fds.append(child_fd)
+        binds: list[str] = []
+        for src, dst in launch.binds:
+            binds += ["--ro-bind", src, dst]
+        shm_bytes = max(limits.tmpfs_bytes // 8, 1 << 20)
+        cmd = [
+            *launch.prefix_cmd,
+            launch.bwrap,
+            "--unshare-all",
+            "--unshare-user",
+            "--uid", str(NOBODY_UID),
+            "--gid", str(NOBODY_UID),
+            "--disable-userns",  # no nested user namespaces: less kernel surface
+            "--hostname", "sandbox",
+            "--die-with-parent",
+            "--new-session",
+            "--cap-drop", "ALL",
+            *_system_binds(),
+            *binds,
+            "--proc", "/proc",
+            "--dev", "/dev",
+            "--size", str(shm_bytes),
+            "--tmpfs", "/dev/shm",
+            "--remount-ro", "/dev",  # not recursive: /dev/shm stays writable, at its size
+            "--size", str(max(limits.tmpfs_bytes - shm_bytes, 1 << 20)),
+            "--tmpfs", "/tmp",
+            "--chdir", "/tmp",
+            "--ro-bind-data", str(spec_fd), "/job/spec.json",
+            "--ro-bind-data", str(child_fd), "/job/harness.py",
+            "--remount-ro", "/",  # bwrap's root tmpfs has no size: nothing may be written there
+            *_child_env(),
+            launch.python, "-s", "-P", "/job/harness.py",
+        ]  # fmt: skip
+        oom_before = _oom_kills()
         try:
-            spec["record_fd"] = frec.fileno()
-            spec_fd = _memfd("intellect-sandbox-spec", json.dumps(spec).encode("utf-8"))
-            fds.append(spec_fd)
-            child_fd = _memfd("intellect-sandbox-harness", _CHILD_SOURCE_PATH.read_bytes())
-            fds.append(child_fd)
-            fin.write(stdin_text.encode("utf-8"))
-            fin.seek(0)
-            binds: list[str] = []
-            for src, dst in launch.binds:
-                binds += ["--ro-bind", src, dst]
-            cmd = [
-                *launch.prefix_cmd,
-                launch.bwrap,
-                "--unshare-all",
-                "--unshare-user",
-                "--uid", str(NOBODY_UID),
-                "--gid", str(NOBODY_UID),
-                "--disable-userns",  # no nested user namespaces: less kernel surface
-                "--hostname", "sandbox",
-                "--die-with-parent",
-                "--new-session",
-                "--cap-drop", "ALL",
-                *_system_binds(),
-                *binds,
-                "--proc", "/proc",
-                "--dev", "/dev",
-                "--size", str(limits.tmpfs_bytes),
-                "--tmpfs", "/tmp",
-                "--chdir", "/tmp",
-                "--ro-bind-data", str(spec_fd), "/job/spec.json",
-                "--ro-bind-data", str(child_fd), "/job/harness.py",
-                *_child_env(),
-                launch.python, "-s", "-P", "/job/harness.py",
-            ]  # fmt: skip
-            try:
-                proc = subprocess.Popen(
-                    cmd,
-                    stdin=fin,
-                    stdout=fout,
-                    stderr=ferr,
-                    cwd="/",
-                    env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
-                    pass_fds=(spec_fd, child_fd, frec.fileno()),
-                    start_new_session=True,
-                    close_fds=True,
-                )
-            except OSError as e:
-                raise RewardError(f"cannot start the code sandbox: {e}") from e
-            for fd in fds:
-                os.close(fd)
-            fds.clear()
-            timed_out = False
-            try:
-                exit_code: int | None = proc.wait(timeout=wall)
-            except subprocess.TimeoutExpired:
-                timed_out, exit_code = True, None
-                _kill_sandbox(proc)
-            wall_s = time.monotonic() - t0
-            records, truncated = _read_records(frec)
-            fout.seek(0)
-            stdout = fout.read(limits.output_bytes).decode("utf-8", "replace")
-            ferr.seek(0, os.SEEK_END)
-            ferr.seek(max(0, ferr.tell() - 2000))
-            stderr = ferr.read().decode("utf-8", "replace")
-            limit = _limit_of(exit_code, timed_out, records)
-            return SandboxRun(exit_code, timed_out, stdout, stderr, records, truncated, limit, wall_s)
-        finally:
-            if proc is not None and proc.poll() is None:
-                _kill_sandbox(proc)
-            for fd in fds:
-                os.close(fd)
+            proc = subprocess.Popen(
+                cmd,
+                stdin=stdin_fd,
+                stdout=out_w,
+                stderr=err_w,
+                cwd="/",
+                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+                pass_fds=(spec_fd, child_fd, rec_w),
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as e:
+            raise RewardError(f"cannot start the code sandbox: {e}") from e
+        for fd in child_fds:
+            os.close(fd)
+        child_fds.clear()
+        stdout, stderr, records_raw = _Drain(limits.output_bytes), _Drain(limits.output_bytes, keep_tail=2000), _Drain(RECORDS_MAX_BYTES)
+        timed_out, over, cpu_s = _wait_and_drain(proc, {out_r: ("output", stdout), err_r: ("output", stderr), rec_r: ("records", records_raw)}, wall)
+        if proc.returncode is None:  # over the wall or a cap: kill it (a reaped one is gone with its namespace)
+            _kill_sandbox(proc)
+        wall_s = time.monotonic() - t0
+        truncated = over == "records"
+        records = _parse_records(bytes(records_raw.data))
+        exit_code = None if timed_out else proc.returncode
+        limit = _limit_of(exit_code, timed_out, records, cpu_s=cpu_s, cpu_limit_s=limits.cpu_time_s,
+                          oom_killed=_oom_kills() > oom_before, over=None if truncated else over)
+        return SandboxRun(exit_code, timed_out, bytes(stdout.data[: limits.output_bytes]).decode("utf-8", "replace"),
+                          bytes(stderr.data).decode("utf-8", "replace"), records, truncated, limit, wall_s, cpu_s)
+    finally:
+        if proc is not None and proc.returncode is None and proc.poll() is None:
+            _kill_sandbox(proc)
+        for fd in [*fds, *child_fds]:
+            os.close(fd)
 
 
 @functools.cache

@@ -451,3 +451,66 @@ def test_output_flood_is_an_output_limit():
     limits = RewardLimits(sandbox=SandboxLimits(cpu_time_s=5, wall_time_s=20.0, output_bytes=1024 * 1024))
     r = score("while True:\n    print('x' * 100000)", ["assert True"], limits)
     assert (r.task_reward, r.limit_hit) == (0.0, "output"), r.detail
+
+
+# ----------------------------------------------------------------------------- one budget for what it writes (issue 23 item 3)
+
+_FILL = (
+    "import errno, os\n"
+    "def fill(path, limit=64 * 1024**2):\n"
+    "    n = 0\n"
+    "    try:\n"
+    "        with open(path, 'wb') as fh:\n"
+    "            while n < limit:\n"
+    "                fh.write(b'x' * 1024**2)\n"
+    "                fh.flush()\n"
+    "                n += 1024**2\n"
+    "    except OSError as e:\n"
+    "        return (n, errno.errorcode.get(e.errno, str(e.errno)))\n"
+    "    return (n, 'ok')\n"
+)
+
+
+def test_every_writable_mount_is_sized_within_one_budget():
+    """bubblewrap's root and /dev tmpfs mounts had no size: 3 GiB went into /dev/shm and the
+    sandbox's root in 3.3 s (host shared memory +3,071 MiB). Now the root and /dev are read-only
+    and /tmp + /dev/shm together hold at most ``tmpfs_bytes``."""
+    budget = 8 * 1024**2
+    limits = RewardLimits(sandbox=SandboxLimits(cpu_time_s=5, wall_time_s=20.0, tmpfs_bytes=budget))
+    paths = ["/tmp/a", "/dev/shm/b", "/c", "/dev/d", "/job/e", "/proc/f", "/home"]
+    code = _FILL + f"def f(x):\n    return [fill(p) for p in {paths!r}]\n"
+    # the assert's operands go back to the parent: it compares them with the hidden literals
+    r = score(code, [f"assert [e for _, e in f(0)] == {['ENOSPC', 'ENOSPC', 'EROFS', 'EROFS', 'EROFS', 'ENOENT', 'EROFS']!r}",
+                     f"assert sum(n for n, _ in f(0)) <= {budget}"], limits)
+    assert r.task_reward == 1.0, r.detail
+
+
+def test_inherited_descriptors_cannot_grow_the_hosts_disk():
+    """stdin/stdout/stderr and the record stream were host temporary files opened read-write:
+    ``fallocate(FALLOC_FL_KEEP_SIZE)`` skipped RLIMIT_FSIZE and took gigabytes of the host's
+    /tmp. Now they are pipes and a sealed read-only memfd: every inherited descriptor refuses."""
+    code = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "def f(x):\n"
+        "    out = []\n"
+        "    for fd in sorted(int(n) for n in os.listdir('/proc/self/fd')):\n"
+        "        if libc.fallocate(fd, 1, ctypes.c_longlong(0), ctypes.c_longlong(1 << 30)) == 0:\n"
+        "            out.append(fd)\n"
+        "    return out\n"
+    )
+    before = os.statvfs("/tmp")
+    r = score(code, ["assert f(0) == []"])
+    after = os.statvfs("/tmp")
+    assert r.task_reward == 1.0, r.detail
+    assert (before.f_bavail - after.f_bavail) * before.f_frsize < 256 * 1024**2, "the host's /tmp did not lose a gigabyte"
+
+
+def test_a_program_that_kills_itself_failed_it_hit_no_limit():
+    """A self-SIGKILL was classed as the CPU limit (benign): now only a SIGKILL after
+    ``cpu_time_s`` of CPU is; a busy loop ignoring SIGXCPU still is."""
+    r = score("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", ["assert True"])
+    assert (r.task_reward, r.limit_hit) == (0.0, None), r.detail
+    r = score("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass", ["assert True"],
+              RewardLimits(sandbox=SandboxLimits(cpu_time_s=1, wall_time_s=20.0)))
+    assert (r.task_reward, r.limit_hit) == (0.0, "cpu"), r.detail
