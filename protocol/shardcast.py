@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from protocol.content import ContentId
 from protocol.envelope import Authorities, Envelope, open_envelope
-from protocol.errors import ProtocolError, SchemaError
+from protocol.errors import SchemaError
 from protocol.messages import Manifest, ManifestFile
 
 PieceId = NewType("PieceId", bytes)
@@ -45,20 +45,6 @@ MANIFEST_FETCH_LIMIT_BYTES = 4 << 20
 """Largest manifest envelope a fetcher reads by default, bytes (≈ 120 000 pieces: 1.9 TB at
 16 MiB pieces); a publisher refuses to sign a larger one (use larger pieces). Tighter than
 ``Manifest.MAX_BYTES`` because fetchers read manifests from anyone (issue #12)."""
-
-
-class PieceMismatchError(ProtocolError):
-    """Bytes offered for a piece do not match its manifest entry (length or content ID).
-
-    Attributes:
-        piece_id: the expected 32-byte ID.
-        reason: ``"size"`` or ``"hash"``.
-    """
-
-    def __init__(self, piece_id: bytes, reason: str, message: str) -> None:
-        super().__init__(f"piece {piece_id.hex()[:16]}…: {message}")
-        self.piece_id = piece_id
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -258,18 +244,6 @@ def _first_error(e: ValidationError) -> str:
     err = e.errors()[0]
     where = ".".join(str(p) for p in err["loc"])
     return f"{where}: {err['msg']}" if where else str(err["msg"])
-
-
-def verify_piece(piece: PieceRef, data: bytes | bytearray | memoryview) -> None:
-    """Check that ``data`` is exactly the bytes of ``piece``.
-
-    Raises:
-        PieceMismatchError: wrong length or content ID.
-    """
-    if len(data) != piece.size_bytes:
-        raise PieceMismatchError(piece.piece_id, "size", f"{len(data)} bytes, expected {piece.size_bytes}")
-    if hashlib.sha256(data).digest() != piece.piece_id:
-        raise PieceMismatchError(piece.piece_id, "hash", "content does not hash to the piece ID")
 
 
 def checkpoint_hash(streams: Sequence[BinaryIO]) -> ContentId:
