@@ -9,12 +9,10 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import subprocess
 import threading
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TypeVar
 
@@ -47,24 +45,6 @@ def post(url: str, data: bytes, timeout_s: float = 10.0) -> tuple[int, bytes]:
         return e.code, e.read()
     except OSError:  # the server finished and closed its port
         return 0, b""
-
-
-def wait_for(cond: Callable[[], T], timeout_s: float, what: str, proc: subprocess.Popen[Any] | None = None, poll_s: float = 0.3) -> T:
-    """Call ``cond`` every ``poll_s`` seconds until it returns something true, and return that.
-
-    Raises:
-        AssertionError: ``proc`` (the process the test waits on) exited first, or ``timeout_s``
-            seconds passed; the message names ``what``.
-    """
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        got = cond()
-        if got:
-            return got
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the process exited ({proc.returncode}) while waiting for {what}")
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 @contextlib.contextmanager

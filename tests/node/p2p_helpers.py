@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -80,16 +80,6 @@ async def swarm(
         yield nodes
     finally:
         await asyncio.gather(*(n.stop() for n in nodes), return_exceptions=True)
-
-
-async def eventually(check: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> float:
-    """Wait until ``check()``; returns the seconds it took. Raises AssertionError on timeout."""
-    start = time.monotonic()
-    while not check():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(interval_s)
-    return time.monotonic() - start
 
 
 def forge(key: NodeKey, run_id: bytes, type_tag: str, body: dict[str, Any], *, ts_ms: int | None = None, corrupt_sig: bool = False) -> bytes:

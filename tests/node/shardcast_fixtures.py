@@ -211,11 +211,3 @@ async def proxy(upstream: str, mode: str = "ok", delay_s: float = 0.0) -> AsyncI
         await p.stop()
 
 
-async def wait_until(cond, timeout_s: float = 20.0, interval_s: float = 0.05) -> None:  # noqa: ANN001
-    """Poll ``cond()`` until true; fail after ``timeout_s`` seconds."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(interval_s)

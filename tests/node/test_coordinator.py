@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from localnet import free_port, get_json, post, wait_for
+from localnet import free_port, get_json, post
+from waiting import wait_for
 
 from node.coordinator.base import prepare_base
 from node.engine.hf import TransformersEngine

@@ -21,7 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from p2p_helpers import REPO, eventually
+from p2p_helpers import REPO
+from waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -133,26 +134,26 @@ async def test_partition_heals_without_losing_acknowledged_submissions(tmp_path:
         try:
             coord = Proc(ns["c"], tmp_path / "coordinator.log", "--role", "coordinator", "--host", coord_ip, "--dir", str(tmp_path))
             procs.append(coord)
-            await eventually(lambda: bool(coord.find("READY ")), 180.0, 0.1)  # start-up: imports on a loaded machine
+            await wait_until(lambda: bool(coord.find("READY ")), 180.0, interval_s=0.1)  # start-up: imports on a loaded machine
             _, port, coord_addr = coord.find("READY ")[0].split()
             worker = Proc(ns["w"], tmp_path / "worker.log", "--role", "worker", "--host", worker_ip, "--coordinator", f"http://{coord_ip}:{port}",
                           "--bootstrap", coord_addr, "--count", str(COUNT), "--every-s", "0.5")
             procs.append(worker)
-            await eventually(lambda: bool(worker.find("READY ")), 180.0, 0.1)
+            await wait_until(lambda: bool(worker.find("READY ")), 180.0, interval_s=0.1)
             worker_id = worker.find("READY ")[0].split()[2].rsplit("/", 1)[1]
             coord_id = coord_addr.rsplit("/", 1)[1]
-            await eventually(lambda: worker_id in coord.peers() and coord_id in worker.peers(), 60.0, 0.1)
-            await eventually(lambda: len(worker.find("ACK ")) >= 3, 60.0, 0.1)
+            await wait_until(lambda: worker_id in coord.peers() and coord_id in worker.peers(), 60.0, interval_s=0.1)
+            await wait_until(lambda: len(worker.find("ACK ")) >= 3, 60.0, interval_s=0.1)
 
             _ip("-n", ns["bridge"], "link", "set", "pw", "down")  # the partition
             down_at = time.monotonic()
-            await eventually(lambda: worker_id not in coord.peers() and coord_id not in worker.peers(), 30.0, 0.1)
+            await wait_until(lambda: worker_id not in coord.peers() and coord_id not in worker.peers(), 30.0, interval_s=0.1)
             acked_before_heal = len(worker.find("ACK "))
             await asyncio.sleep(max(0.0, PARTITION_S - (time.monotonic() - down_at)))  # the link stays down ≥ 30 s
             _ip("-n", ns["bridge"], "link", "set", "pw", "up")
 
-            await eventually(lambda: worker_id in coord.peers() and coord_id in worker.peers(), 60.0, 0.1)
-            await eventually(lambda: bool(worker.find("DONE")), 120.0, 0.1)
+            await wait_until(lambda: worker_id in coord.peers() and coord_id in worker.peers(), 60.0, interval_s=0.1)
+            await wait_until(lambda: bool(worker.find("DONE")), 120.0, interval_s=0.1)
             acked = [line.split()[1] for line in worker.find("ACK ")]
             assert len(acked) == COUNT and len(set(acked)) == COUNT
             assert acked_before_heal < COUNT  # the partition did stop the worker for a while

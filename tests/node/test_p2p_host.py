@@ -7,7 +7,8 @@ import socket
 
 import pytest
 from localnet import free_port
-from p2p_helpers import Run, config, eventually
+from p2p_helpers import Run, config
+from waiting import wait_until
 
 from node.errors import GossipError
 from node.p2p import GossipNode
@@ -47,11 +48,11 @@ async def test_node_survives_a_dead_bootstrap_and_joins_when_it_appears(caplog: 
         def dial_failed() -> bool:
             return any("unreachable" in r.getMessage() and seed_key.peer_id in r.getMessage() for r in caplog.records)
 
-        await eventually(dial_failed, 10.0)
+        await wait_until(dial_failed, 10.0)
         assert joiner.running and len(joiner.peers) == 0
         seed = await GossipNode.create(run.spec, seed_key, config(p2p_port=port), role="relay")
         try:
-            await eventually(lambda: seed.peer_id in joiner.peers and joiner.peer_id in seed.peers, 10)
+            await wait_until(lambda: seed.peer_id in joiner.peers and joiner.peer_id in seed.peers, 10)
             assert joiner.peers.get(seed.peer_id).role == "relay"  # type: ignore[union-attr]
         finally:
             await seed.stop()

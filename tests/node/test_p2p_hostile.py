@@ -25,7 +25,8 @@ from libp2p.peer.id import ID
 from libp2p.peer.peer_record import PeerRecord
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
-from p2p_helpers import NodeProcess, Run, config, eventually, shared_bridge, swarm
+from p2p_helpers import NodeProcess, Run, config, shared_bridge, swarm
+from waiting import wait_until
 
 from node.p2p import GossipNode
 from node.p2p.bridge import TrioBridge
@@ -50,7 +51,7 @@ async def attacker(bridge: TrioBridge, relay: GossipNode | None = None) -> Async
     try:
         if relay is not None:
             await bridge.run(host.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
-            await eventually(lambda: relay.topics["nodes"] in host.pubsub.peer_topics, 10.0)
+            await wait_until(lambda: relay.topics["nodes"] in host.pubsub.peer_topics, 10.0)
         yield key, host
     finally:
         await handle.cancel()
@@ -82,7 +83,7 @@ async def test_a_plaintext_handshake_claiming_another_peer_id_is_refused() -> No
     only; the same dialer offering noise with its own key is the control."""
     run = Run()
     async with shared_bridge() as bridge, swarm(run, [("relay", None), ("worker", None)], bridge=bridge) as (relay, victim):
-        await eventually(lambda: victim.peer_id in relay.peers, 10.0)
+        await wait_until(lambda: victim.peer_id in relay.peers, 10.0)
         assert relay._host is not None
         attacker = libp2p_key_pair(NodeKey.generate())
         victim_pub = libp2p_key_pair(victim.key).public_key
@@ -114,7 +115,7 @@ async def test_a_peer_sending_past_the_yamux_window_is_cut_off_and_its_bytes_are
             relay.on_record(lambda env: delivered.append(env.raw))
             valid = seal(mallory_key, run.spec.run_id, NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=1, version="m"))  # control: the link works
             await bridge.run(mallory.publish, relay.topics["workers"], valid, timeout_s=5)
-            await eventually(lambda: valid in delivered, 10.0)
+            await wait_until(lambda: valid in delivered, 10.0)
 
             relay_conn = (await bridge.run_sync(lambda: _connections(relay._host, mallory_key.peer_id), timeout_s=5))[0].muxed_conn
             credit = await bridge.run_sync(lambda: {sid: s.recv_window + len(relay_conn.stream_buffers[sid]) for sid, s in relay_conn.streams.items()}, timeout_s=5)
@@ -192,7 +193,7 @@ async def test_a_mesh_peer_that_stops_reading_does_not_delay_delivery_to_the_oth
             ]
             for env in sent:
                 await validator.publish_verdict(env)
-            await eventually(lambda: set(sent) <= set(got), 30.0)  # delivered while the slow peer is stopped
+            await wait_until(lambda: set(sent) <= set(got), 30.0)  # delivered while the slow peer is stopped
 
             def backed_up() -> bool:  # the relay could not hand the stopped peer everything
                 pubsub = relay._host.pubsub
@@ -237,7 +238,7 @@ async def test_peer_exchange_in_a_prune_is_not_dialed() -> None:
                 relay.on_record(lambda env: delivered.append(env.raw))
                 after = seal(mallory_key, run.spec.run_id, NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=1, version="m"))
                 await bridge.run(mallory.publish, relay.topics["workers"], after, timeout_s=5)
-                await eventually(lambda: after in delivered, 30.0)
+                await wait_until(lambda: after in delivered, 30.0)
                 pruned = await bridge.run_sync(lambda: ID.from_base58(mallory_key.peer_id) in relay._host.router.back_off.get(topic, {}), timeout_s=5)
                 assert pruned, "the relay never handled the PRUNE: the test proves nothing"
                 assert hits == [], f"the relay dialed the PRUNE's peer exchange {len(hits)} times"
@@ -273,7 +274,7 @@ async def test_a_peer_opening_thousands_of_streams_holds_at_most_the_cap() -> No
             relay.on_record(lambda env: delivered.append(env.raw))
             after = seal(mallory_key, run.spec.run_id, NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=1, version="m"))
             await bridge.run(mallory.publish, relay.topics["workers"], after, timeout_s=30)
-            await eventually(lambda: after in delivered, 60.0)
+            await wait_until(lambda: after in delivered, 60.0)
             # the cap, plus the streams py-libp2p queues for acceptance (10) and the one being accepted
             assert peak <= MAX_INBOUND_STREAMS + 12, peak
             assert isinstance(relay_conn, BoundedYamux) and relay_conn.streams_refused > 0
@@ -286,7 +287,7 @@ async def test_iwant_answers_hold_each_message_once_and_at_most_three_times_per_
     run = Run()
     async with shared_bridge() as bridge, swarm(run, [("relay", None), ("validator", run.validator)], bridge=bridge) as (relay, validator):
         assert relay._host is not None
-        await eventually(lambda: validator.peer_id in relay.peers, 10.0)
+        await wait_until(lambda: validator.peer_id in relay.peers, 10.0)
         async with attacker(bridge) as (mallory_key, mallory):
             copies: Counter[bytes] = Counter()
             real_push = mallory.pubsub.push_msg
@@ -300,7 +301,7 @@ async def test_iwant_answers_hold_each_message_once_and_at_most_three_times_per_
             topic = relay.topics["verdicts"]
             await bridge.run(mallory.subscribe, topic, lambda *_: True, timeout_s=10)
             mallory_id = ID.from_base58(mallory_key.peer_id)
-            await eventually(lambda: mallory_id in relay._host.router.mesh.get(topic, set()), 10.0)
+            await wait_until(lambda: mallory_id in relay._host.router.mesh.get(topic, set()), 10.0)
             got: list[bytes] = []
             relay.on_verdict(lambda env: got.append(env.raw))
             evidence = {f"k{i:03d}" + "x" * 120: "v" * 256 for i in range(64)}
@@ -311,7 +312,7 @@ async def test_iwant_answers_hold_each_message_once_and_at_most_three_times_per_
             big, first = verdict(1), verdict(3)
             for env in (big, first):  # copies of `big` that reach the peer without IWANT arrive before `first`
                 await validator.publish_verdict(env)
-            await eventually(lambda: copies[first] >= 1, 30.0)
+            await wait_until(lambda: copies[first] >= 1, 30.0)
             unasked = copies[big]
             mid = await bridge.run_sync(lambda: next(m for m, msg in relay._host.router.mcache.msgs.items() if msg.data == big), timeout_s=5)
             iwant = rpc_pb2.ControlMessage(iwant=[rpc_pb2.ControlIWant(messageIDs=[mid] * 200)])
@@ -323,10 +324,10 @@ async def test_iwant_answers_hold_each_message_once_and_at_most_three_times_per_
             relay.on_record(lambda env: delivered.append(env.raw))
             after = seal(mallory_key, run.spec.run_id, NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=1, version="m"))
             await bridge.run(mallory.publish, relay.topics["workers"], after, timeout_s=5)
-            await eventually(lambda: after in delivered, 30.0)
+            await wait_until(lambda: after in delivered, 30.0)
             sentinel = verdict(2)
             await validator.publish_verdict(sentinel)
-            await eventually(lambda: copies[sentinel] >= 1, 30.0)
+            await wait_until(lambda: copies[sentinel] >= 1, 30.0)
             answers = copies[big] - unasked
             assert answers >= 1, "the IWANTs were never answered: the test proves nothing"
             assert answers <= 3, answers
@@ -342,7 +343,7 @@ async def test_a_message_listing_extra_topics_is_rejected_before_routing() -> No
         async with attacker(bridge) as (mallory_key, mallory):
             await bridge.run(mallory.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
             topic = relay.topics["workers"]
-            await eventually(lambda: topic in mallory.pubsub.peer_topics, 10.0)
+            await wait_until(lambda: topic in mallory.pubsub.peer_topics, 10.0)
             delivered: list[bytes] = []
             relay.on_record(lambda env: delivered.append(env.raw))
             routed: list[int] = []
@@ -361,8 +362,8 @@ async def test_a_message_listing_extra_topics_is_rejected_before_routing() -> No
             await bridge.run(mallory.pubsub.publish, [topic] + [f"/junk/{i}" for i in range(2000)], many, timeout_s=60)
             one = record(2)  # control, after it on the same stream
             await bridge.run(mallory.publish, topic, one, timeout_s=10)
-            await eventually(lambda: one in delivered, 30.0)
-            await eventually(lambda: (relay._rejected.get("malformed", 0)) >= 1, 30.0)  # judged, not lost in transit
+            await wait_until(lambda: one in delivered, 30.0)
+            await wait_until(lambda: (relay._rejected.get("malformed", 0)) >= 1, 30.0)  # judged, not lost in transit
             assert many not in delivered
             assert max(routed) == 1, routed
 

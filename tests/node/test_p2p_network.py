@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from p2p_helpers import HEARTBEAT_S, REPO, NodeProcess, Run, config, eventually, forge, shared_bridge, swarm
+from p2p_helpers import HEARTBEAT_S, REPO, NodeProcess, Run, config, forge, shared_bridge, swarm
+from waiting import wait_until
 
 from node.p2p import GossipNode
 from node.p2p.gossip import DuplicateEnvelope
@@ -49,7 +50,7 @@ async def test_eight_mixed_nodes_see_each_other_with_roles() -> None:
                 for n, (r, _) in zip(nodes, roles)
             )
 
-        await eventually(tables_complete, 10.0)  # fails past 10 s
+        await wait_until(tables_complete, 10.0)  # fails past 10 s
         worker = nodes[4]
         assert self_subscribed(worker) == {"nodes", "checkpoints", "verdicts", "bans"}  # never reads other workers' heartbeats
         assert self_subscribed(nodes[0]) == {"nodes", "workers", "checkpoints", "verdicts", "bans"}
@@ -68,9 +69,9 @@ async def test_eight_mixed_nodes_see_each_other_with_roles() -> None:
         verdict = Verdict(submission_id=b"\0" * 32, worker=worker.peer_id, policy_step=5, counter=0, accepted=True, reason="ok")
         await validator.publish_verdict(validator.seal(verdict))
         relay.set_record(held_steps=[5], http_url="http://127.0.0.1:1/")
-        await eventually(lambda: all(len(v) == 2 for k, v in got.items() if k not in (coord.peer_id, validator.peer_id)), 15.0)
-        await eventually(lambda: len(got[coord.peer_id]) == 1 and len(got[validator.peer_id]) == 1, 15.0)  # each hears the other's, not its own
-        await eventually(lambda: [p.peer_id for p in worker.peers.relays_holding(5)] == [relay.peer_id], 5.0)
+        await wait_until(lambda: all(len(v) == 2 for k, v in got.items() if k not in (coord.peer_id, validator.peer_id)), 15.0)
+        await wait_until(lambda: len(got[coord.peer_id]) == 1 and len(got[validator.peer_id]) == 1, 15.0)  # each hears the other's, not its own
+        await wait_until(lambda: [p.peer_id for p in worker.peers.relays_holding(5)] == [relay.peer_id], 5.0)
         assert worker.peers.latest_step() == 5
         # the worker dials up to target_peers (3) infrastructure nodes, one maintenance round at a time
         for _ in range(200):
@@ -86,7 +87,7 @@ async def test_a_node_that_misses_an_announcement_learns_the_step_from_the_coord
     roles: list[tuple[str, NodeKey | None]] = [("relay", None), ("coordinator", run.coordinator), ("worker", None)]
     async with shared_bridge() as bridge, swarm(run, roles, bridge=bridge) as nodes:
         relay, coord, worker = nodes
-        await eventually(lambda: worker.peers.coordinator() is not None and len(relay.peers) == 2, 10.0)
+        await wait_until(lambda: worker.peers.coordinator() is not None and len(relay.peers) == 2, 10.0)
         real_check = worker._validator.check
 
         def drop_announcements(kind: str, data: bytes, *, remember: bool = True) -> Any:  # this node loses every announcement
@@ -103,9 +104,9 @@ async def test_a_node_that_misses_an_announcement_learns_the_step_from_the_coord
         relay.on_announcement(lambda env: relay_heard.append(env.body.step))
         coord.set_record(policy_step=9)  # what the coordinator does when it announces (node/coordinator/role.py)
         await coord.publish_announcement(coord.seal(announcement(9)))
-        await eventually(lambda: relay_heard == [9], 10.0)  # the announcement did go out
-        await eventually(lambda: learned == [9], 3 * HEARTBEAT_S + 5.0)  # the worker learned it from the signed record
-        await eventually(lambda: worker._rejected.get("duplicate", 0) >= 1, 5.0)  # the announcement reached it and was dropped here
+        await wait_until(lambda: relay_heard == [9], 10.0)  # the announcement did go out
+        await wait_until(lambda: learned == [9], 3 * HEARTBEAT_S + 5.0)  # the worker learned it from the signed record
+        await wait_until(lambda: worker._rejected.get("duplicate", 0) >= 1, 5.0)  # the announcement reached it and was dropped here
         assert heard == [] and worker.peers.latest_step() == 9  # so no handler saw it: the step came from the record
 
 
@@ -122,13 +123,13 @@ async def test_killed_node_expires_and_restarted_node_returns(tmp_path: Path) ->
         proc = NodeProcess(spec_path, key_path, role="worker", bootstrap=[seed.addrs[0]], extra=extra)
         procs.append(proc)
         await proc.ready()
-        await eventually(lambda: worker_key.peer_id in seed.peers, 10.0)
+        await wait_until(lambda: worker_key.peer_id in seed.peers, 10.0)
         proc.kill()  # SIGKILL: no goodbye, the records just stop
-        await eventually(lambda: worker_key.peer_id not in seed.peers, 3 * HEARTBEAT_S + 3.0)  # expired within 3 heartbeats (+ slack)
+        await wait_until(lambda: worker_key.peer_id not in seed.peers, 3 * HEARTBEAT_S + 3.0)  # expired within 3 heartbeats (+ slack)
         again = NodeProcess(spec_path, key_path, role="worker", bootstrap=[seed.addrs[0]], extra=extra)
         procs.append(again)
         await again.ready()
-        await eventually(lambda: worker_key.peer_id in seed.peers, 10.0)
+        await wait_until(lambda: worker_key.peer_id in seed.peers, 10.0)
         assert seed.peers.get(worker_key.peer_id).role == "worker"  # type: ignore[union-attr]
         assert again.terminate() == 0  # SIGTERM: clean exit
     finally:
@@ -141,7 +142,7 @@ async def test_forged_messages_are_not_delivered_nor_forwarded_and_the_sender_is
     run = Run()
     async with shared_bridge() as bridge, swarm(run, [("relay", None), ("validator", run.validator)], bridge=bridge) as (a, c):
         # c is connected only to a; mallory is a raw libp2p host with no validators, connected only to a
-        await eventually(lambda: c.peer_id in a.peers and a.peer_id in c.peers, 10.0)
+        await wait_until(lambda: c.peer_id in a.peers and a.peer_id in c.peers, 10.0)
         mallory_key = NodeKey.generate()
         mallory = P2PHost(mallory_key, config())
         handle = await bridge.start_task(mallory.serve, timeout_s=10)
@@ -155,12 +156,12 @@ async def test_forged_messages_are_not_delivered_nor_forwarded_and_the_sender_is
             def mallory_sees_topics() -> bool:
                 return all(a.topics[k] in mallory.pubsub.peer_topics for k in ("nodes", "workers", "verdicts", "checkpoints"))
 
-            await eventually(mallory_sees_topics, 10.0)
+            await wait_until(mallory_sees_topics, 10.0)
             rid = run.spec.run_id
             # control: a valid record from mallory is delivered to a and forwarded to c
             valid = seal(mallory_key, rid, NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=1, version="m"))
             await bridge.run(mallory.publish, a.topics["workers"], valid, timeout_s=5)
-            await eventually(lambda: valid in delivered[a.peer_id] and valid in delivered[c.peer_id], 5.0)
+            await wait_until(lambda: valid in delivered[a.peer_id] and valid in delivered[c.peer_id], 5.0)
 
             rec = NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=2, version="m").model_dump()
             old_ms = int(time.time() * 1000) - 3_600_000
@@ -205,7 +206,7 @@ async def test_network_keeps_working_after_the_seed_dies() -> None:
     roles: list[tuple[str, NodeKey | None]] = [("relay", None), ("coordinator", run.coordinator), ("worker", None), ("worker", None)]
     async with shared_bridge() as bridge, swarm(run, roles, bridge=bridge) as nodes:
         seed, coord, w1, w2 = nodes
-        await eventually(lambda: len(seed.peers) == 3 and len(coord.peers) == 3 and len(w1.peers) == 2 and len(w2.peers) == 2, 10.0)
+        await wait_until(lambda: len(seed.peers) == 3 and len(coord.peers) == 3 and len(w1.peers) == 2 and len(w2.peers) == 2, 10.0)
 
         async def meshed() -> bool:
             counts = [(await n.stats())["connected"] for n in (coord, w1, w2)]
@@ -216,15 +217,15 @@ async def test_network_keeps_working_after_the_seed_dies() -> None:
             assert time.monotonic() < deadline, "peers did not dial each other from records"
             await asyncio.sleep(0.1)
         await seed.stop()
-        await eventually(lambda: seed.peer_id not in w1.peers, 3 * HEARTBEAT_S + 3.0)
+        await wait_until(lambda: seed.peer_id not in w1.peers, 3 * HEARTBEAT_S + 3.0)
         got: list[int] = []
         w2.on_announcement(lambda env: got.append(env.body.step))
         await coord.publish_announcement(coord.seal(announcement(7)))
-        await eventually(lambda: got == [7], 5.0)
+        await wait_until(lambda: got == [7], 5.0)
         seen_at = coord.peers.get(w2.peer_id).last_seen  # type: ignore[union-attr]  # workers' records still reach the coordinator
-        await eventually(lambda: coord.peers.get(w2.peer_id) is not None and coord.peers.get(w2.peer_id).last_seen > seen_at, 3.0)  # type: ignore[union-attr]
+        await wait_until(lambda: coord.peers.get(w2.peer_id) is not None and coord.peers.get(w2.peer_id).last_seen > seen_at, 3.0)  # type: ignore[union-attr]
         assert {p.peer_id for p in w1.peers} == {coord.peer_id}
-        await eventually(lambda: {p.peer_id for p in coord.peers} == {w1.peer_id, w2.peer_id}, 3 * HEARTBEAT_S + 3.0)
+        await wait_until(lambda: {p.peer_id for p in coord.peers} == {w1.peer_id, w2.peer_id}, 3 * HEARTBEAT_S + 3.0)
 
 
 async def test_status_command_lists_peers_as_json(tmp_path: Path) -> None:
@@ -264,7 +265,7 @@ async def test_a_hub_keeps_every_worker_that_grafts_it_in_its_mesh(full_mesh: bo
             return out
 
         router.mesh_heartbeat = counting_heartbeat  # type: ignore[method-assign]
-        await eventually(lambda: len(relay.peers) == n_workers, 30.0)
+        await wait_until(lambda: len(relay.peers) == n_workers, 30.0)
         sizes: list[int] = []
         for _ in range(600):  # ends at 3 router heartbeats after every worker grafted (or 30 s)
             sizes.append((await relay.stats())["mesh"].get(topic, 0))

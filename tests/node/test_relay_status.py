@@ -8,7 +8,8 @@ import time
 
 import aiohttp
 import pytest
-from shardcast_fixtures import make_run, make_store, publish, wait_until, write_checkpoint
+from shardcast_fixtures import make_run, make_store, publish, write_checkpoint
+from waiting import wait_until
 
 from node.commands.status import latest_step
 from node.roles.relay import relay_status

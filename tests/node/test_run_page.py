@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from localnet import get_json, wait_for
+from localnet import get_json
+from waiting import wait_for
 
 from protocol.messages import NodeRecord
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from shardcast_fixtures import EvilProxy, StaticSources, make_run, make_store, proxy, serving, wait_until
+from shardcast_fixtures import EvilProxy, StaticSources, make_run, make_store, proxy, serving
+from waiting import wait_until
 
 from node.shardcast.delta import MANIFEST_FILE_NAME, apply_into_dir, fetch_step, publish_delta, read_held
 from node.shardcast.download import DownloadConfig

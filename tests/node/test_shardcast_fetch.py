@@ -9,15 +9,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from shardcast_fixtures import PIECE, make_run, make_store, proxy, publish, serving, wait_until, write_checkpoint
+from shardcast_fixtures import PIECE, make_run, make_store, proxy, publish, serving, write_checkpoint
+from waiting import wait_until
 
 from node.errors import FetchError
 from node.shardcast.client import MANIFEST_FILE_NAME, fetch_checkpoint
 from node.shardcast.download import DownloadConfig
 from protocol.envelope import seal
 from protocol.errors import SignatureError
-from protocol.models import iter_weights
 from protocol.identity import NodeKey
+from protocol.models import iter_weights
 from protocol.runspec import dump_run_spec
 
 FAST = DownloadConfig(max_concurrency=6, stall_timeout_s=20.0, deadline_s=60.0, connect_timeout_s=2.0, read_timeout_s=5.0)

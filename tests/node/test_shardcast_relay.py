@@ -7,7 +7,8 @@ import contextlib
 import json
 
 import aiohttp
-from shardcast_fixtures import make_run, make_store, proxy, publish, serving, wait_until, write_checkpoint
+from shardcast_fixtures import make_run, make_store, proxy, publish, serving, write_checkpoint
+from waiting import wait_until
 
 from node.shardcast.client import fetch_checkpoint
 from node.shardcast.download import DownloadConfig

@@ -8,10 +8,9 @@ from 127.0.0.1, so per-IP limits tell them apart as they would on a real network
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,10 +122,3 @@ async def post(http: aiohttp.ClientSession, path: str, data: bytes, headers: dic
             return r.status, body
 
 
-async def wait_until(cond: Callable[[], object], timeout_s: float = 20.0, what: str = "condition") -> None:
-    """Poll ``cond`` every 20 ms until it is true; fail naming ``what`` after ``timeout_s`` seconds."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not cond():
-        assert loop.time() < end, f"{what} not reached within {timeout_s} s"
-        await asyncio.sleep(0.02)

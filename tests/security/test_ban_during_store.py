@@ -11,8 +11,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from ingest_attack_helpers import RUN, VALIDATOR2, honest_session, post, running_ingest, submission, verdict, wait_until
+from ingest_attack_helpers import RUN, VALIDATOR2, honest_session, post, running_ingest, submission, verdict
 from test_ingest_group_commit import FsyncFault
+from waiting import wait_until
 
 from protocol.envelope import open_envelope
 from protocol.identity import NodeKey

@@ -18,8 +18,8 @@ from ingest_attack_helpers import (
     running_ingest,
     submission,
     verdict,
-    wait_until,
 )
+from waiting import wait_until
 
 from protocol.envelope import open_envelope
 from protocol.identity import NodeKey

@@ -26,7 +26,8 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "node"))  # the Shardcast test fixtures live there
 
-from shardcast_fixtures import make_run, make_store, publish, serving, wait_until, write_checkpoint  # noqa: E402
+from shardcast_fixtures import make_run, make_store, publish, serving, write_checkpoint  # noqa: E402
+from waiting import wait_until
 
 from node.errors import SourceError  # noqa: E402
 from node.p2p.peers import PeerTable  # noqa: E402

@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from ingest_attack_helpers import COORD, RUN, VALIDATOR, honest_session, post, running_ingest, submission, verdict, wait_until
+from ingest_attack_helpers import COORD, RUN, VALIDATOR, honest_session, post, running_ingest, submission, verdict
+from waiting import wait_until
 
 from protocol.envelope import open_envelope
 from protocol.identity import NodeKey

@@ -18,8 +18,8 @@ import aiohttp
 import pytest
 from ingest_attack_helpers import (
     ATTACKER_IP,
-    VALIDATOR,
     RUN,
+    VALIDATOR,
     attacker_session,
     forge,
     honest_session,
@@ -27,8 +27,8 @@ from ingest_attack_helpers import (
     running_ingest,
     submission,
     verdict,
-    wait_until,
 )
+from waiting import wait_until
 
 from node.http_server import ServerLimits
 from protocol import encoding

@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from ingest_attack_helpers import honest_session, post, running_ingest, submission, wait_until
+from ingest_attack_helpers import honest_session, post, running_ingest, submission
+from waiting import wait_until
 
 from protocol.identity import NodeKey
 

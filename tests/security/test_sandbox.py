@@ -12,10 +12,10 @@ import secrets
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 from protocol.rewards import RewardError, RewardLimits, SandboxLimits, compute_reward
 from protocol.rewards.sandbox import run_python, sandbox_status
@@ -49,16 +49,6 @@ def marked_pids(marker: str) -> list[int]:
         if marker.encode() in cmd:
             found.append(int(d.name))
     return found
-
-
-def wait_until(pred, timeout_s: float = 10.0, step_s: float = 0.05) -> bool:
-    """Poll ``pred`` until true, at most ``timeout_s`` (a bounded wait for an event)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step_s)
-    return pred()
 
 
 # ----------------------------------------------------------------------------- identity and files
@@ -161,8 +151,7 @@ def test_children_do_not_outlive_the_wall_kill():
     limits = RewardLimits(sandbox=SandboxLimits(cpu_time_s=5, wall_time_s=3.0))
     r = score(code, ["assert f(0) == 1"], limits)
     assert (r.task_reward, r.limit_hit) == (0.0, "wall")
-    assert wait_until(lambda: not marked_pids(marker)), marked_pids(marker)
-
+    wait_for(lambda: not marked_pids(marker), 10.0, "the candidate's processes to be gone")
 
 
 # x86-64 ptrace injection: the candidate attaches to the sandbox's init (pid 1, its own uid) and
@@ -217,7 +206,7 @@ def test_no_process_survives_a_normal_exit():
         "    return 1\n"
     )
     assert score(code, ["assert f(0) == 1"]).task_reward == 1.0
-    assert wait_until(lambda: not marked_pids(marker)), marked_pids(marker)
+    wait_for(lambda: not marked_pids(marker), 10.0, "the candidate's processes to be gone")
 
 
 def test_signals_cannot_reach_the_host():
@@ -267,7 +256,7 @@ def test_fork_bomb_is_bounded_by_nproc():
     limits = RewardLimits(sandbox=SandboxLimits(cpu_time_s=5, wall_time_s=20.0, processes=8))
     r = score(code, ["assert 1 <= f(0) <= 8"], limits)
     assert r.task_reward == 1.0, r.detail
-    assert wait_until(lambda: not marked_pids(marker)), marked_pids(marker)
+    wait_for(lambda: not marked_pids(marker), 10.0, "the candidate's processes to be gone")
 
 
 # ----------------------------------------------------------------------------- forged results
@@ -334,7 +323,6 @@ def test_lying_objects_do_not_pass():
     assert score(liars[-1], [asserts[2]]).task_reward == 0.0
     honest = "def f(x):\n    return x * x"
     assert all(score(honest, [a]).task_reward == 1.0 for a in asserts)
-
 
 
 def test_shadowed_builtins_do_not_pass():

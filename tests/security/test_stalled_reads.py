@@ -10,18 +10,11 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 from http_helpers import file_app
+from waiting import wait_until
 
 from node.http_server import ServerLimits, start_site
 
 BIG = 16 * 1024 * 1024  # far more than the socket buffers on both sides hold
-
-
-async def _wait_until(cond, timeout_s: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not cond():
-        assert loop.time() < end, "condition not met in time"
-        await asyncio.sleep(0.05)
 
 
 def _app(piece: Path) -> web.Application:
@@ -80,7 +73,7 @@ async def test_a_client_that_stops_reading_is_cut_off_and_a_slow_reader_is_not(t
             assert got < BIG, "the slow reader finished before the stall was detected"
             await asyncio.sleep(0.1)
         assert running.stalls.aborted == 1
-        await _wait_until(lambda: len(running.stalls.counted) == 1)  # its slot is free again (only the slow reader holds one)
+        await wait_until(lambda: len(running.stalls.counted) == 1)  # its slot is free again (only the slow reader holds one)
         # the stalled socket sees the abort (after the bytes already in its buffer)
         stalled.settimeout(10)
         with pytest.raises((ConnectionResetError, AssertionError)):
@@ -89,7 +82,7 @@ async def test_a_client_that_stops_reading_is_cut_off_and_a_slow_reader_is_not(t
                 assert data, "closed"
         # the slow reader's connection is still served
         before = got
-        await _wait_until(lambda: (slow_read(), got > before + 65536)[1])
+        await wait_until(lambda: (slow_read(), got > before + 65536)[1])
         assert running.stalls.aborted == 1
     finally:
         stalled.close()
@@ -110,9 +103,9 @@ async def test_a_sendfile_cut_off_ends_its_handler_and_leaves_the_loop_serving(t
     stalled = _connect(running.port, "/file", rcvbuf=4096)
     writers: list[asyncio.StreamWriter] = []
     try:
-        await _wait_until(lambda: running.stalls.aborted == 1)
+        await wait_until(lambda: running.stalls.aborted == 1)
         await asyncio.wait_for(ended.wait(), 30)  # the sendfile failed and the handler ended
-        await _wait_until(lambda: len(running.stalls.counted) == 0)
+        await wait_until(lambda: len(running.stalls.counted) == 0)
         # several new connections, all open at once, so one of them (client or server side) gets the
         # freed descriptor number; every one is answered
         for _ in range(4):

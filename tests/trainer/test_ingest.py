@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 from aiohttp import ClientSession, web
+from waiting import wait_until
 
 from protocol import encoding
 from protocol.envelope import open_envelope, seal
@@ -39,14 +40,6 @@ def verdict(sub: bytes, accepted: bool, reason: str, key: NodeKey = VALIDATOR) -
 def reproduce(raw: bytes) -> RecheckResult:
     """A coordinator re-check that finds the same cheat (the pipeline itself is tested elsewhere)."""
     return RecheckResult(False, "toploc", "rollout=0, chunk=0", COORD.peer_id)
-
-
-async def wait_until(cond, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not cond():
-        assert loop.time() < end, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 class Coordinator:
