@@ -197,7 +197,7 @@ class Coordinator:
         app.middlewares.append(error_middleware)
         self.ingest.add_routes(app)
         self.run_page = RunPage(self.signed, self.store, self.bans, status=self.ingest.status, metrics_path=self.metrics_path,
-                                peer_id=self.key.peer_id)
+                                peer_id=self.key.peer_id, archive_dir=self.data_dir / "run-page")  # final state kept at stop
         self.run_page.add_routes(app)  # GET / (the run page) and GET /api/run
         running = await start_site(app, self.options.host, self.options.port)  # header timeout, per-IP cap, no compressed bodies
         self._runner, port = running.runner, running.port

@@ -14,6 +14,10 @@ What the page shows and where it comes from (all of it public; no keys, no submi
 * contributor leaderboard — the ingest store (accepted / rejected / pending, rollouts trained on)
   and the completion tokens of every stored submission (each decoded once, off the event loop).
 
+When the coordinator stops, the page's final state is written as a static copy (``archive_dir``,
+:func:`write_archive`: ``index.html`` opens in a browser without a server), so a run's report
+keeps it after the run ends.
+
 The snapshot is rebuilt at most once per :data:`REFRESH_S` in a background task, so a request
 never triggers work; every list is capped (:data:`CAPS`) and the answer is refused to grow past
 :data:`MAX_RESPONSE_BYTES`. Requests are rate-limited per IP (:class:`~node.web.assets.PageLimiter`).
@@ -35,7 +39,8 @@ from typing import Any
 from aiohttp import web
 
 from node import __version__
-from node.web.assets import SECURITY_HEADERS, PageLimiter, add_page_routes
+from node.web.assets import ASSETS, SECURITY_HEADERS, PageLimiter, add_page_routes, asset_bytes
+from protocol.durable import atomic_write
 from protocol.envelope import Envelope, open_envelope
 from protocol.errors import ProtocolError
 from protocol.messages import NodeRecord, Submission, Verdict
@@ -182,10 +187,12 @@ class RunPage:
         metrics_path: the coordinator's ``metrics.jsonl``.
         peer_id: the coordinator's peer ID; url: its public URL.
         clock: monotonic clock, seconds (paces the leaderboard, :data:`BOARD_DUTY_FACTOR`).
+        archive_dir: where :meth:`stop` writes the page's final state (:func:`write_archive`); ``None``: nowhere.
     """
 
     def __init__(self, signed: SignedRunSpec, store: SubmissionStore, bans: BanBook, *, status: Callable[[], dict[str, Any]],
-                 metrics_path: Path, peer_id: str, url: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+                 metrics_path: Path, peer_id: str, url: str = "", clock: Callable[[], float] = time.monotonic,
+                 archive_dir: Path | None = None) -> None:
         self.signed = signed
         self.spec = signed.spec
         self.store = store
@@ -209,6 +216,7 @@ class RunPage:
         self._board: list[dict[str, Any]] | None = None
         self._board_due = 0.0
         self._refreshing: asyncio.Lock | None = None  # one rebuild at a time (made on the loop)
+        self.archive_dir = Path(archive_dir) if archive_dir is not None else None
 
     # --- wiring --------------------------------------------------------------------------------
 
@@ -246,10 +254,19 @@ class RunPage:
         self._task = asyncio.create_task(self._loop(), name="run-page-refresh")
 
     async def stop(self) -> None:
+        """Stop refreshing; with ``archive_dir``, rebuild the snapshot once more and write the static copy."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if self.archive_dir is not None:
+            try:
+                await self._refresh()
+                if self._snapshot:
+                    await asyncio.to_thread(write_archive, self.archive_dir, self._snapshot)
+                logger.info("run page: final state written to %s", self.archive_dir / "index.html")
+            except Exception:  # a failed copy must not keep the coordinator from stopping
+                logger.exception("run page: could not write its final state to %s", self.archive_dir)
 
     # --- snapshot ------------------------------------------------------------------------------
 
@@ -398,6 +415,24 @@ class RunPage:
         if not self._snapshot:
             await self._refresh()
         return web.Response(body=self._snapshot, content_type="application/json", headers=SECURITY_HEADERS)
+
+
+def write_archive(directory: Path, snapshot: bytes) -> Path:
+    """Write the run page with ``snapshot`` (an ``/api/run`` document) as static files; returns ``index.html``.
+
+    ``index.html`` is the live page with relative asset paths plus ``snapshot.js``, which sets
+    ``window.RUN_SNAPSHOT``; ``run.js`` draws that once instead of polling. It opens from disk
+    (``file://``) in any browser; values from peers are still put in the page as text only.
+    """
+    directory = Path(directory)
+    (directory / "web").mkdir(parents=True, exist_ok=True)
+    for name in ASSETS:
+        atomic_write(directory / "web" / name, asset_bytes(name))
+    html = asset_bytes("run.html").decode().replace('"/web/', '"web/')
+    html = html.replace('<script src="web/run.js" defer></script>', '<script src="snapshot.js" defer></script>\n<script src="web/run.js" defer></script>')
+    atomic_write(directory / "snapshot.js", b"window.RUN_SNAPSHOT = " + snapshot + b";\n")
+    atomic_write(directory / "index.html", html.encode())
+    return directory / "index.html"
 
 
 def _thin(rows: list[dict[str, Any]], max_points: int) -> list[dict[str, Any]]:

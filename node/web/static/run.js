@@ -18,29 +18,34 @@ function renderSpec(run) {
 
 function renderCurves(curves) {
   const steps = curves.steps;
+  // batch reward equals the pass rate when a run has no length penalty: reward is drawn wide and pale
+  // underneath, pass rate thin and dashed on top, so both stay visible where they coincide
   lineChart(document.getElementById("chart-reward"), [
-    { name: "batch reward", color: PALETTE[0], points: steps.filter((s) => s.reward_mean !== null).map((s) => [s.step, s.reward_mean]) },
-    { name: "batch pass rate", color: PALETTE[1], points: steps.filter((s) => s.pass_rate !== null).map((s) => [s.step, s.pass_rate]) },
-    { name: "held-out pass rate", color: PALETTE[2], points: curves.heldout.map((e) => [e.step, e.pass_rate]) },
-    { name: "held-out 95 % interval", color: PALETTE[2], dash: "4 3",
+    { name: "batch reward", color: PALETTE[0], width: 4, opacity: 0.45, marker: "none",
+      points: steps.filter((s) => s.reward_mean !== null).map((s) => [s.step, s.reward_mean]) },
+    { name: "batch pass rate", color: PALETTE[1], width: 1.4, dash: "5 3",
+      points: steps.filter((s) => s.pass_rate !== null).map((s) => [s.step, s.pass_rate]) },
+    { name: "held-out pass rate", color: PALETTE[2], width: 2, marker: "square", points: curves.heldout.map((e) => [e.step, e.pass_rate]) },
+    { name: "held-out 95 % interval", color: PALETTE[2], dash: "2 3", width: 1,
       points: curves.heldout.filter((e) => e.ci_low !== null && e.ci_low !== undefined).map((e) => [e.step, e.ci_low]) },
-    { name: "", color: PALETTE[2], dash: "4 3",
+    { name: "", color: PALETTE[2], dash: "2 3", width: 1,
       points: curves.heldout.filter((e) => e.ci_high !== null && e.ci_high !== undefined).map((e) => [e.step, e.ci_high]) },
-  ], { empty: "no trainer step yet" });
+  ], { empty: "no trainer step yet", xTitle: "trainer step (held-out: policy step)", yTitle: "reward / pass rate" });
   const reasons = [...new Set(curves.verdicts.flatMap((v) => Object.keys(v.by_reason)))].sort();
   lineChart(document.getElementById("chart-verdicts"), reasons.map((r, i) => ({
-    name: r, color: r === "ok" ? PALETTE[1] : PALETTE[(i + 2) % PALETTE.length],
+    name: r, color: r === "ok" ? PALETTE[1] : PALETTE[(i + 2) % PALETTE.length], dash: r === "ok" ? undefined : ["5 3", "2 2", "8 3 2 3"][i % 3],
+    marker: r === "ok" ? "circle" : "square",
     points: curves.verdicts.map((v) => [v.step, v.by_reason[r] || 0]),
-  })), { y0: 0, empty: "no verdicts yet" });
+  })), { y0: 0, integer: true, empty: "no verdicts yet", xTitle: "trainer step", yTitle: "verdicts so far" });
 }
 
 function renderPropagation(prop) {
   const rows = prop.slice(-12).reverse();
   lineChart(document.getElementById("chart-propagation"), [
-    { name: "origin publish", color: PALETTE[3], points: prop.filter((p) => p.publish_s !== null).map((p) => [p.step, p.publish_s]) },
-    { name: "last relay", color: PALETTE[0], points: prop.filter((p) => p.relays_all_s !== null).map((p) => [p.step, p.relays_all_s]) },
-    { name: "last worker", color: PALETTE[1], points: prop.filter((p) => p.workers_all_s !== null).map((p) => [p.step, p.workers_all_s]) },
-  ], { y0: 0, empty: "no policy published yet" });
+    { name: "origin publish", color: PALETTE[3], marker: "square", points: prop.filter((p) => p.publish_s !== null).map((p) => [p.step, p.publish_s]) },
+    { name: "last relay", color: PALETTE[0], width: 3, opacity: 0.5, points: prop.filter((p) => p.relays_all_s !== null).map((p) => [p.step, p.relays_all_s]) },
+    { name: "last worker", color: PALETTE[1], dash: "5 3", points: prop.filter((p) => p.workers_all_s !== null).map((p) => [p.step, p.workers_all_s]) },
+  ], { y0: 0, empty: "no policy published yet", xTitle: "policy step", yTitle: "seconds" });
   fillTable(document.getElementById("propagation"),
     [["step", true], ["publish s", true], ["first relay", true], ["all relays", true], ["first worker", true], ["all workers", true], ["relays", true], ["workers", true]],
     rows.map((p) => [p.step, fmt(p.publish_s), fmt(p.relays_first_s), fmt(p.relays_all_s), fmt(p.workers_first_s), fmt(p.workers_all_s),
@@ -90,5 +95,13 @@ function render(d) {
 }
 
 document.addEventListener("DOMContentLoaded", () => {
+  // the copy the coordinator writes when it stops (run-page/index.html) carries its last snapshot
+  // in RUN_SNAPSHOT (snapshot.js) and draws it once instead of polling a server that is gone
+  if (window.RUN_SNAPSHOT) {
+    render(window.RUN_SNAPSHOT);
+    document.getElementById("updated").textContent =
+      "final state, saved " + new Date(window.RUN_SNAPSHOT.generated_ms).toISOString().slice(0, 19).replace("T", " ") + " UTC (the run has ended)";
+    return;
+  }
   poll("/api/run", 1000, render, (msg) => { document.getElementById("error").textContent = msg; });
 });
