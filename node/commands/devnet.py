@@ -6,10 +6,13 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from node.cli import CliError, command
 from node.worker import ADVERSARIES
+
+if TYPE_CHECKING:
+    from node.devnet.orchestrator import Devnet, DevnetResult
 
 
 def _default_data_root() -> Path | None:
@@ -33,7 +36,9 @@ def _devnet(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--data-root", default=None, help="where the public task sets are (default: $INTELLECT_DATA_ROOT or ../shared/data)")
     p.add_argument("--adversary", choices=ADVERSARIES, default=None, help="add one dishonest worker of this kind")
     p.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP", help="SIGKILL worker-0 at this trainer step, then restart it")
-    p.add_argument("--out", default="devnet-out", help="directory for logs, data and the report (default ./devnet-out; must be empty)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="folder for logs, data and the report: missing, empty, or a previous devnet's (replaced; devnet outputs "
+                        "inside it are kept). Default: a new folder devnet-out/<UTC time>, with devnet-out/latest pointing at it")
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
     p.add_argument("--seed", type=int, default=None, help="run seed (default random)")
     p.add_argument("--async-level", type=int, default=None, help="max policy staleness in steps (default 2)")
@@ -41,8 +46,9 @@ def _devnet(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="held-out evaluation every N trainer steps (default: steps/6 rounded up, so the curve has ≥ 6 points after the start)")
     p.add_argument("--eval-samples", type=int, default=16, help="samples per held-out problem in each evaluation (default 16)")
     p.add_argument("--model", default=None, metavar="DIR",
-                   help="train your own model: a local Hugging Face Qwen2 directory (config.json, *.safetensors, tokenizer.json; "
-                        "float32 or bfloat16; a chat template is used when the tokenizer has one); default: the embedded model")
+                   help="train your own model: a local Hugging Face directory of the Qwen2 family (model_type qwen2: Qwen2, Qwen2.5), "
+                        "as save_pretrained or a hub download writes it (config.json, *.safetensors in float32 or bfloat16, "
+                        "tokenizer.json; a chat template is used when the tokenizer has one); default: the embedded model")
     p.add_argument("--rl", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field of the run spec's [rl] section, e.g. --rl is_correction=truncate --rl old_logprobs=recompute "
                         "(repeatable; checked like a spec file's)")
@@ -86,7 +92,8 @@ def _rl_overrides(items: list[str], *, embedded: bool, async_level: int | None) 
 
 def _run_devnet(args: argparse.Namespace) -> int:
     from node.devnet.orchestrator import Devnet, DevnetOptions
-    from node.devnet.report import heldout_summary, read_metrics, write_report
+    from node.devnet.outdir import OutDirError, check_out, new_default_out
+    from node.devnet.report import write_report
     from protocol.models import ModelLoadError
 
     if args.workers < 1 or args.relays < 0 or args.validators < 1 or args.steps < 1:
@@ -94,15 +101,25 @@ def _run_devnet(args: argparse.Namespace) -> int:
     if (args.eval_every is not None and args.eval_every < 1) or args.eval_samples < 1:
         raise CliError("need --eval-every ≥ 1 and --eval-samples ≥ 1")
     model = Path(args.model).resolve() if args.model else None
+    if model is not None and not model.exists():
+        raise CliError(f"--model {args.model}: no such directory ({model}); pass the folder of a local Hugging Face Qwen2 model "
+                       "(docs/devnet.md § Your own model says how to get one)")
+    if model is not None and not model.is_dir():
+        raise CliError(f"--model {args.model} is a file; pass the folder holding config.json, *.safetensors and tokenizer.json")
     if model is not None and not (model / "config.json").is_file():
         raise CliError(f"--model {args.model} has no config.json (a local Hugging Face Qwen2 directory: config.json, *.safetensors, tokenizer)")
     data_root = Path(args.data_root) if args.data_root else _default_data_root()
     if args.tasks != "embedded" and not Path(args.tasks).exists() and data_root is None:
         raise CliError(f"--tasks {args.tasks} needs the public task sets: pass --data-root DIR (holding math/ and code/)")
     rl = _rl_overrides(args.rl, embedded=args.tasks == "embedded" and model is None, async_level=args.async_level)
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise CliError(f"{out} is not empty; choose another --out or remove it")
+    if args.out is None:
+        out = new_default_out()
+    else:
+        out = Path(args.out)
+        try:
+            check_out(out)
+        except OutDirError as e:
+            raise CliError(str(e)) from None
     options = DevnetOptions(out=out, workers=args.workers, relays=args.relays, validators=args.validators, steps=args.steps,
                             tasks=args.tasks, data_root=data_root, adversary=args.adversary, kill_worker_at=args.kill_worker_at,
                             dashboard=not args.no_dashboard and sys.stdout.isatty(), timeout_s=args.timeout, seed=args.seed,
@@ -143,15 +160,32 @@ def _run_devnet(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     md, png = write_report(dn, result)
+    for line in summary_lines(dn, result, md, png):
+        print(line)
+    return 0 if result.ok else 1
+
+
+def summary_lines(dn: Devnet, result: DevnetResult, md: Path, png: Path) -> list[str]:
+    """The end-of-run summary the devnet prints: outcome with run ID and seed, held-out gain, verdicts, chaos, files."""
+    from node.devnet.report import heldout_summary, read_metrics
+
     st = result.coordinator
-    h = heldout_summary([r for r in read_metrics(dn.out / "coordinator" / "metrics.jsonl") if r.get("event") == "eval"])
+    rows = read_metrics(dn.out / "coordinator" / "metrics.jsonl")
+    steps = sum(1 for r in rows if r.get("event") == "step")
+    h = heldout_summary([r for r in rows if r.get("event") == "eval"])
     start = f"{h['start']:.3f}" if h["start"] is not None else "-"
     end = f"{h['end']:.3f}" if h["end"] is not None else "-"
     gain = ""
     if h["gain"] is not None:
         gain = f", gain {h['gain']:+.3f}" + (f" (95% interval {h['gain_ci'][0]:+.3f} to {h['gain_ci'][1]:+.3f})" if h["gain_ci"] else "")
-    print(f"devnet {'completed' if result.ok else 'FAILED'}: {result.reason} ({result.wall_s:.0f} s)")
-    print(f"held-out pass rate: start {start} -> end {end}{gain} ({h['points']} evaluations)")
-    print(f"verdicts: {st.get('verdicts_by_reason')}; banned: {[b['peer_id'] for b in st.get('banned') or []]}")
-    print(f"report: {md} and {png}; logs in {dn.out / 'logs'}/")
-    return 0 if result.ok else 1
+    who = f"run {dn.run_id[:16]}, seed {dn.seed}"
+    if result.ok:
+        head = f"devnet completed {steps} of {dn.o.steps} steps in {result.wall_s:.0f} s ({who})"
+    else:
+        head = f"devnet FAILED after {result.wall_s:.0f} s at step {steps} of {dn.o.steps} ({who}): {result.reason}"
+    lines = [head, f"held-out pass rate: start {start} -> end {end}{gain} ({h['points']} evaluations)",
+             f"verdicts: {st.get('verdicts_by_reason')}; banned: {[b['peer_id'] for b in st.get('banned') or []]}"]
+    if (chaos := dn.chaos_summary()) is not None:
+        lines.append(f"chaos: {chaos}")
+    lines.append(f"report: {md} and {png}; logs in {dn.out / 'logs'}/; rerun with --seed {dn.seed}")
+    return lines

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from node.devnet.config import devnet_spec
+from node.devnet.outdir import claim_out, write_marker
 from node.devnet.procs import Proc, ProcessGroup
 from protocol.identity import NodeKey
 from protocol.runspec import dump_run_spec, sign_run_spec
@@ -127,7 +128,11 @@ class Devnet:
         self.events: list[str] = []
         self.started = time.monotonic()
         self.killed_at: int | None = None
+        self.restarted_at: int | None = None
         self.peer_ids: dict[str, str] = {}
+        self.seed: int | None = options.seed
+        self.run_id = ""
+        self.replaced: list[str] = []
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -139,9 +144,19 @@ class Devnet:
         return [sys.executable, "-c", f"import sys; from {'node.cli' if module == 'node' else module} import main; sys.exit(main())"]
 
     def setup(self) -> Path:
-        """Create keys and the signed run spec in ``out``; returns the spec path."""
-        if self.out.exists() and any(self.out.iterdir()):
-            raise FileExistsError(f"{self.out} is not empty; choose another --out or remove it")
+        """Create keys and the signed run spec in ``out``; returns the spec path.
+
+        ``out`` may hold a previous devnet's output, which is replaced (``node/devnet/outdir.py``).
+
+        Raises:
+            node.devnet.outdir.OutDirError: ``out`` holds something other than a devnet's output.
+        """
+        self.replaced = claim_out(self.out)
+        if self.replaced:
+            print(f"replacing the previous devnet run in {self.out}", flush=True)
+        if self.seed is None:
+            self.seed = secrets.randbits(62)
+        write_marker(self.out, {"seed": self.seed, "started": round(time.time(), 3)})
         (self.out / "keys").mkdir(parents=True, exist_ok=True)
         coord = NodeKey.generate()
         coord.save(self.out / "keys" / "coordinator.key")
@@ -166,10 +181,12 @@ class Devnet:
         self.coord_url = f"http://127.0.0.1:{self.http_port}"
         bootstrap = f"/ip4/127.0.0.1/tcp/{self.p2p_port}/p2p/{coord.peer_id}"
         spec = devnet_spec(coord, validators, tasks=self.o.tasks, http_url=self.coord_url, bootstrap=bootstrap,
-                           seed=self.o.seed if self.o.seed is not None else secrets.randbits(62), async_level=self.o.async_level,
-                           model=self.o.model, rl_overrides=self.o.rl)
+                           seed=self.seed, async_level=self.o.async_level, model=self.o.model, rl_overrides=self.o.rl)
+        signed = sign_run_spec(spec, coord)
+        self.run_id = signed.run_id.hex()
+        write_marker(self.out, {"seed": self.seed, "run_id": self.run_id, "started": round(time.time(), 3)})
         path = self.out / "run.toml"
-        path.write_text(dump_run_spec(sign_run_spec(spec, coord)))
+        path.write_text(dump_run_spec(signed))
         return path
 
     def _data_root(self) -> list[str]:
@@ -313,7 +330,26 @@ class Devnet:
         self.events.append(f"{time.monotonic() - self.started:.0f}s killed worker-0 at step {step} (SIGKILL)")
         time.sleep(1.0)
         self.group.restart(victim)
-        self.events.append(f"{time.monotonic() - self.started:.0f}s restarted worker-0; it re-sends its spool")
+        self._tick()
+        self.restarted_at = int(self.status.get("trainer_step", step) or step)
+        self.events.append(f"{time.monotonic() - self.started:.0f}s restarted worker-0 at step {self.restarted_at} (same key and data "
+                           "directory): it drops spooled work the async window left behind and re-sends the rest")
+
+    def chaos_summary(self) -> str | None:
+        """One sentence on the kill and restart of ``--kill-worker-at`` (``None`` without it)."""
+        if self.o.kill_worker_at is None:
+            return None
+        if self.killed_at is None:
+            return f"worker-0 was to be killed at step {self.o.kill_worker_at}, but the run ended before it got there"
+        spool = (self.node_status.get("worker-0") or {}).get("spool_restart")
+        if not isinstance(spool, dict):
+            after = "its status after the restart was never read (see logs/worker-0.log)"
+        elif spool.get("found", 0) == 0:
+            after = "its spool was empty"
+        else:
+            after = (f"of {spool.get('found')} spooled submissions it re-sent {spool.get('resent')} and dropped {spool.get('dropped_stale')} "
+                     f"already outside the async window (newest policy step {spool.get('latest_step')})")
+        return f"worker-0 killed (SIGKILL) at step {self.killed_at} and restarted at step {self.restarted_at}; {after}"
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:

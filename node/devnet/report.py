@@ -65,7 +65,8 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
     st = result.coordinator
     h = heldout_summary(evals)
     png = dn.out / "report.png"
-    _plot(steps, evals, st, png)
+    title = f"intellect-node devnet: run {dn.run_id[:16]}, seed {dn.seed}, {len(steps)} of {dn.o.steps} steps, {run.get('tasks', dn.o.tasks)}"
+    _plot(steps, evals, st, png, title)
     names = {v: k for k, v in dn.peer_ids.items()}
     gain = "-"
     if h["gain"] is not None:
@@ -80,10 +81,19 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
     model = (f"{run.get('model')} ({run.get('parameters', 0):,} parameters, {run.get('dtype')}, hidden {run.get('hidden_size')}, "
              f"{run.get('layers')} layers, vocabulary {run.get('vocab_size')}, chat template {'yes' if run.get('chat_template') else 'no'})"
              if run else (str(dn.o.model) if dn.o.model else "embedded"))
+    archive = dn.out / "coordinator" / "run-page" / "index.html"
+    page = (f"- run page: the live page was [{dn.coord_url}/]({dn.coord_url}/) while the run ran; its final state is kept in "
+            f"[coordinator/run-page/index.html](coordinator/run-page/index.html) (open it in a browser; it draws the same curves as "
+            "[report.png](report.png))" if archive.is_file() else
+            f"- run page (live while the run ran, gone now): {dn.coord_url}/; the coordinator wrote no final copy, see "
+            "[report.png](report.png) for the curves")
+    outcome = (f"**completed** {len(steps)} of {dn.o.steps} steps in {result.wall_s:.0f} s" if result.ok else
+               f"**FAILED** after {result.wall_s:.0f} s at step {len(steps)} of {dn.o.steps}: {result.reason}")
     lines = [
         "# intellect-node devnet report",
         "",
-        f"- result: **{'completed' if result.ok else 'FAILED'}** ({result.reason}) in {result.wall_s:.0f} s",
+        f"- run ID `{dn.run_id}`, seed **{dn.seed}** (the same seed again: `intellect-node devnet --seed {dn.seed}` with the same flags)",
+        f"- result: {outcome}",
         f"- processes: 1 coordinator, {_n(dn.o.relays, 'relay')}, {_n(dn.o.validators, 'validator')}, {_n(dn.o.workers, 'worker')}"
         + (f", 1 adversary ({dn.o.adversary})" if dn.o.adversary else ""),
         f"- task set: {task_set}; trainer steps: {len(steps)} of {dn.o.steps}",
@@ -97,8 +107,7 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
         f"or masked {_f(_mean([s.get('is_bounded_frac') for s in steps]))}), mean clipped fraction {_f(_mean([s.get('clipped_frac') for s in steps]))}"),
         f"- trainer utilization (busy / wall): {_f(steps[-1].get('utilization') if steps else None)}",
         f"- mean publish time per step (save + cut + sign): {_f(_mean([s.get('broadcast_s') for s in steps]))} s",
-        (f"- run page (live while the run ran): [{dn.coord_url}/]({dn.coord_url}/), JSON at `{dn.coord_url}/api/run`; "
-        "it draws the same curves as [report.png](report.png) (reward, pass rate, held-out, verdicts, publish time)"),
+        page,
         "",
         "## Verdicts by reason",
         "",
@@ -137,6 +146,8 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
         lines.append(f"| {s['step']} | {_f(s.get('reward_mean'))} | {_f(s.get('pass_rate'))} | {_f(s.get('loss'), 4)} | "
                      f"{_f(s.get('grad_norm'))} | {_f(s.get('mismatch_kl'), 5)} | {_f(s.get('is_ratio_min'), 2)}–{_f(s.get('is_ratio_max'), 2)} | "
                      f"{_f(s.get('clipped_frac'))} | {s.get('staleness')} | {s.get('tokens_per_s', 0):.0f} | {_f(s.get('broadcast_s'))} |")
+    if (chaos := dn.chaos_summary()) is not None:
+        lines += ["", "## Crash and restart", "", f"{chaos[0].upper()}{chaos[1:]}. See `logs/worker-0.log` (the line starting `restart:`)."]
     if dn.events:
         lines += ["", "## Events", ""] + [f"- {e}" for e in dn.events]
     lines += ["", "![report](report.png)", ""]
@@ -145,7 +156,7 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
     return md, png
 
 
-def _plot(steps: list[dict[str, Any]], evals: list[dict[str, Any]], st: dict[str, Any], path: Path) -> None:
+def _plot(steps: list[dict[str, Any]], evals: list[dict[str, Any]], st: dict[str, Any], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -153,10 +164,12 @@ def _plot(steps: list[dict[str, Any]], evals: list[dict[str, Any]], st: dict[str
 
     fig, ax = plt.subplots(3, 3, figsize=(15, 12))
     x = [s["step"] for s in steps]
-    ax[0, 0].plot(x, [s.get("reward_mean") for s in steps], label="reward")
-    ax[0, 0].plot(x, [s.get("pass_rate") for s in steps], label="pass rate")
+    # reward equals the pass rate without a length penalty: wide and pale underneath, dashed on top
+    ax[0, 0].plot(x, [s.get("reward_mean") for s in steps], label="reward", linewidth=4, alpha=0.45)
+    ax[0, 0].plot(x, [s.get("pass_rate") for s in steps], "--", label="pass rate", linewidth=1.4)
     ax[0, 0].set_title("batch reward and pass rate per step")
     ax[0, 0].set_xlabel("trainer step")
+    ax[0, 0].set_ylabel("mean over the batch")
     ax[0, 0].legend()
     ex = [e["step"] for e in evals]
     ax[0, 1].plot(ex, [e["heldout_pass_rate"] for e in evals], "o-", label="held-out pass rate")
@@ -166,34 +179,48 @@ def _plot(steps: list[dict[str, Any]], evals: list[dict[str, Any]], st: dict[str
     ax[0, 1].legend(loc="lower right", fontsize=8)
     ax[0, 1].set_title("held-out pass rate")
     ax[0, 1].set_xlabel("policy step")
+    ax[0, 1].set_ylabel("pass rate")
     ax[0, 1].set_ylim(0, 1)
     stale: Counter[int] = Counter()
     for s in steps:
         for k, v in (s.get("staleness") or {}).items():
             stale[int(k)] += int(v)
     ax[0, 2].bar([str(k) for k in sorted(stale)], [stale[k] for k in sorted(stale)])
-    ax[0, 2].set_title("staleness of trained rollouts (steps)")
+    ax[0, 2].set_title("staleness of trained rollouts")
+    ax[0, 2].set_xlabel("trainer step − policy step")
+    ax[0, 2].set_ylabel("rollouts trained on")
     verdicts = st.get("verdicts_by_reason") or {}
     ax[1, 0].bar(list(verdicts), list(verdicts.values()), color=["tab:green" if k == "ok" else "tab:red" for k in verdicts])
     ax[1, 0].set_title("verdicts by reason")
+    ax[1, 0].set_ylabel("verdicts")
+    ax[1, 0].yaxis.get_major_locator().set_params(integer=True)
     ax[1, 0].tick_params(axis="x", rotation=30)
     ax[1, 1].plot(x, [s.get("broadcast_s") or 0 for s in steps])
-    ax[1, 1].set_title("publish time per step (s)")
+    ax[1, 1].set_title("publish time per step")
+    ax[1, 1].set_xlabel("trainer step")
+    ax[1, 1].set_ylabel("seconds (save + cut + sign)")
     ax[1, 2].plot(x, [s.get("utilization") for s in steps])
-    ax[1, 2].set_title("trainer utilization (busy / wall)")
+    ax[1, 2].set_title("trainer utilization")
+    ax[1, 2].set_xlabel("trainer step")
+    ax[1, 2].set_ylabel("busy / wall")
     ax[1, 2].set_ylim(0, 1)
     ax[2, 0].plot(x, [s.get("mismatch_kl") for s in steps])
-    ax[2, 0].set_title("mismatch KL(behavior ‖ trainer), nats/token")
+    ax[2, 0].set_title("mismatch KL(behavior ‖ trainer)")
     ax[2, 0].set_xlabel("trainer step")
+    ax[2, 0].set_ylabel("nats per token")
     ax[2, 1].plot(x, [s.get("is_ratio_min") for s in steps], label="min")
     ax[2, 1].plot(x, [s.get("is_ratio_mean") for s in steps], label="mean")
     ax[2, 1].plot(x, [s.get("is_ratio_max") for s in steps], label="max")
     ax[2, 1].set_yscale("log")
     ax[2, 1].set_title("importance ratio π_trainer / π_behavior")
+    ax[2, 1].set_xlabel("trainer step")
+    ax[2, 1].set_ylabel("ratio per token (log scale)")
     ax[2, 1].legend(fontsize=8)
     ax[2, 2].plot(x, [s.get("clipped_frac") for s in steps])
     ax[2, 2].set_title("fraction of clipped tokens")
     ax[2, 2].set_xlabel("trainer step")
+    ax[2, 2].set_ylabel("fraction of loss tokens")
+    fig.suptitle(title, fontsize=14)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

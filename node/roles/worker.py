@@ -97,6 +97,7 @@ class Worker:
         self._stop = asyncio.Event()
         self._kick = asyncio.Event()
         self._last_poll = 0.0  # monotonic time of the last manifest poll
+        self.spool_restart: dict[str, Any] | None = None  # what a restart did with the spool it found
         self._late_backoff = Backoff(base_s=LATE_RETRY_S, max_s=LATE_RETRY_MAX_S)
         self._late_log = FailureLog(logger, interval_s=30.0)
         self._sender: asyncio.Task[None] | None = None
@@ -118,9 +119,10 @@ class Worker:
             self.gossip.on_latest_step(self.follower.note_step)  # a missed announcement: the coordinator's next record
             self.gossip.on_verdict(self._on_verdict)
         self.status_server = await start_status_server(self.status, self.registry, self.options.http_port)
+        if self.spool.pending():
+            await self._triage_spool()
         self._sender = asyncio.create_task(self._send_loop(), name="worker-submitter")
         if self.spool.pending():
-            logger.info("re-sending %d spooled submissions from an earlier run", len(self.spool.pending()))
             self._kick.set()
 
     async def stop(self) -> None:
@@ -181,6 +183,30 @@ class Worker:
             self._kick.set()
         if self.options.max_submissions is not None:
             await self.submitter.drain(deadline_s=30.0)
+
+    async def _triage_spool(self) -> None:
+        """After a restart: drop spooled submissions that left the async window while this worker was
+        down, re-send the rest; one log line says which (``docs/devnet.md`` § Chaos).
+
+        The newest announced policy step stands in for the trainer step (a lower bound of it,
+        ``protocol/window.py``), so what is dropped here the ingest would refuse as ``stale_policy``;
+        what is kept may still be refused if the trainer is further ahead than announced.
+        """
+        latest = await self.follower.poll_latest()
+        k = self.spec.rl.async_level
+        if latest < 0:
+            n = len(self.spool.pending())
+            self.spool_restart = {"found": n, "resent": n, "dropped_stale": 0, "latest_step": None}
+            logger.warning("restart: re-sending %d spooled submissions (the newest policy step is not known yet)", n)
+            return
+        kept, dropped = await asyncio.to_thread(self.spool.drop_stale, self.signed.run_id,
+                                                lambda p: in_window(p, trainer_step=latest, async_level=k))
+        self.spool_restart = {"found": len(kept) + len(dropped), "resent": len(kept), "dropped_stale": len(dropped), "latest_step": latest,
+                              "resent_steps": kept, "dropped_steps": dropped}
+        window = f"[{max(0, oldest_fresh_step(latest, k))}, {latest}]"
+        logger.warning("restart: found %d spooled submissions; re-sending %d (policy steps %s), dropping %d already stale "
+                       "(policy steps %s, outside the async window %s: the newest policy is step %d, async level %d)",
+                       len(kept) + len(dropped), len(kept), _steps(kept), len(dropped), _steps(dropped), window, latest, k)
 
     # --- policy --------------------------------------------------------------------------------
 
@@ -260,11 +286,17 @@ class Worker:
             "acked": self.submitter.acked,
             "refused": self.submitter.refused,
             "spooled": len(self.spool.pending()),
+            "spool_restart": self.spool_restart,
             "tokens": self.tokens,
             "tokens_per_s": round(self.tokens / self.generate_s, 1) if self.generate_s else 0.0,
             "verdicts": self.verdicts,
             "peers": len(self.gossip.peers) if self.gossip is not None else 0,
         }
+
+
+def _steps(steps: list[int]) -> str:
+    """``9, 10`` or ``none``; ``-1`` (an unreadable file) as ``unreadable``."""
+    return ", ".join("unreadable" if s < 0 else str(s) for s in steps) or "none"
 
 
 def run_worker_from_args(args: Any) -> int:

@@ -2,7 +2,8 @@
 
 Files are ``<counter:012d>-<id>.sub`` written atomically and durably
 (:func:`protocol.durable.atomic_write`). A file leaves the spool only when the ingest acknowledged
-it, or refused it for good (stale, malformed). After a crash the worker re-sends the spool in
+it, or refused it for good (stale, malformed). After a crash the worker drops what left the
+async window while it was down (:meth:`Spool.drop_stale`, one log line), re-sends the rest in
 counter order, and resumes its counter past the highest counter ever spooled (kept in ``counter``
 so a reused counter is never signed twice).
 """
@@ -10,10 +11,14 @@ so a reused counter is never signed twice).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from protocol.content import content_id
 from protocol.durable import atomic_write
+from protocol.envelope import open_envelope
+from protocol.errors import ProtocolError
+from protocol.messages import Submission
 
 logger = logging.getLogger(__name__)
 
@@ -56,3 +61,34 @@ class Spool:
     def remove(self, path: Path) -> None:
         path.unlink(missing_ok=True)
 
+
+    def policy_step(self, path: Path, run_id: bytes) -> int | None:
+        """The policy step of the spooled submission at ``path``; ``None`` when it cannot be read or opened."""
+        try:
+            env = open_envelope(path.read_bytes(), run_id=run_id, expect=Submission)
+        except (OSError, ProtocolError) as e:
+            logger.debug("spooled %s is unreadable: %s", path.name, e)
+            return None
+        return int(env.body.policy_step)
+
+    def drop_stale(self, run_id: bytes, fresh: Callable[[int], bool]) -> tuple[list[int], list[int]]:
+        """Remove spooled submissions whose policy step is not ``fresh`` (or that cannot be opened).
+
+        Args:
+            run_id: the run's ID (spooled envelopes are opened and checked against it).
+            fresh: whether a policy step is still inside the async window (``protocol.window.in_window``).
+
+        Returns:
+            ``(kept, dropped)``: the policy steps of the submissions kept and of those removed
+            (``-1`` for an unreadable file), in counter order.
+        """
+        kept: list[int] = []
+        dropped: list[int] = []
+        for path in self.pending():
+            step = self.policy_step(path, run_id)
+            if step is not None and fresh(step):
+                kept.append(step)
+            else:
+                dropped.append(-1 if step is None else step)
+                self.remove(path)
+        return kept, dropped

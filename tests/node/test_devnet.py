@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -68,6 +69,7 @@ def test_short_devnet_with_adversary(tmp_path):
     assert _nobody_listens(int(coord_url.rsplit(":", 1)[1]))
 
 
+@pytest.mark.timeout(600)
 def test_short_devnet_survives_a_killed_worker(tmp_path):
     """--kill-worker-at with the default task set: worker 0 is SIGKILLed at step 2 and restarted on
     its data directory; the run completes its steps and keeps evaluating held-out."""
@@ -80,8 +82,52 @@ def test_short_devnet_survives_a_killed_worker(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     report = (out / "report.md").read_text()
     assert "killed worker-0 at step" in report and "restarted worker-0" in report
+    # the summary names the kill and the restart, and what the restarted worker did with its spool,
+    # as its one "restart:" log line says (or that the spool was empty)
+    chaos = next(line for line in r.stdout.splitlines() if line.startswith("chaos: "))
+    assert re.search(r"worker-0 killed \(SIGKILL\) at step \d+ and restarted at step \d+; ", chaos), chaos
+    log = (out / "logs" / "worker-0.log").read_text(errors="replace")
+    restart = re.findall(r"restart: found (\d+) spooled submissions; re-sending (\d+) .*dropping (\d+) already stale", log)
+    if restart:
+        found, resent, dropped = restart[-1]
+        assert f"of {found} spooled submissions it re-sent {resent} and dropped {dropped}" in chaos, (chaos, restart)
+    else:
+        assert "its spool was empty" in chaos, chaos
+    assert "## Crash and restart" in report
     rows = [json.loads(line) for line in (out / "coordinator" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if row.get("event") == "step"] == [1, 2, 3, 4]
     assert [row["step"] for row in rows if row.get("event") == "eval"] == [0, 2, 4]
     worker_line = next(line for line in report.splitlines() if line.startswith("| worker-0 |"))
     assert int(worker_line.split("|")[6]) > 0
+
+
+@pytest.mark.timeout(900)
+def test_main_command_runs_twice_in_one_folder(tmp_path):
+    """The README's main command (no --out) twice in one folder, shortened by flags: each run gets its
+    own folder under devnet-out/ (latest points at the newest), a chaos example's folder there is
+    kept, and the summary line names the run ID and the seed (also in report.md)."""
+    from node.devnet.outdir import write_marker
+
+    crash = tmp_path / "devnet-out" / "crash"
+    crash.mkdir(parents=True)
+    write_marker(crash, {"seed": 1})
+    (crash / "report.md").write_text("an earlier --kill-worker-at run")
+    cmd = [sys.executable, "-m", "node", "devnet", "--steps", "1", "--workers", "1", "--relays", "0", "--eval-samples", "1",
+           "--no-dashboard", "--timeout", "300"]
+    seen = []
+    for extra in (["--seed", "7"], []):
+        r = subprocess.run(cmd + extra, cwd=tmp_path, capture_output=True, text=True, timeout=360, check=False)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        m = re.search(r"^devnet completed 1 of 1 steps in \d+ s \(run ([0-9a-f]{16}), seed (\d+)\)$", r.stdout, re.MULTILINE)
+        assert m, r.stdout[-2000:]
+        report = re.search(r"^report: (\S+/report\.md) and", r.stdout, re.MULTILINE).group(1)
+        seen.append((m.group(1), m.group(2), report))
+    (run1, seed1, report1), (run2, _, report2) = seen
+    assert seed1 == "7" and run1 != run2 and report1 != report2
+    for run_id, seed, report in seen:
+        text = Path(report).read_text()
+        assert f"run ID `{run_id}" in text and f"seed **{seed}**" in text
+        assert re.search(rf"^seed = {seed}$", (Path(report).parent / "run.toml").read_text(), re.MULTILINE)
+    latest = tmp_path / "devnet-out" / "latest"
+    assert (latest / "report.md").resolve() == Path(report2).resolve()
+    assert (crash / "report.md").read_text() == "an earlier --kill-worker-at run"

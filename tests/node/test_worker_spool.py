@@ -253,3 +253,48 @@ async def test_second_ingest_url_is_used_when_the_first_is_down(tmp_path: Path) 
             await sub.close()
     assert ingest.received == bodies
 
+
+
+# --- after a restart: stale spooled work is dropped with one line, fresh work re-sent ------------
+
+
+def _signed_submission(key, signed, step: int, counter: int) -> bytes:
+    from protocol.envelope import seal
+    from protocol.messages import Rollout, Submission, SubmissionTask
+
+    r = Rollout(task=0, sample=0, seed=1, prompt_ids=b"\x01\x00\x00\x00", completion_ids=b"\x02\x00\x00\x00", logprobs=b"\x00" * 4,
+                finish="length", task_reward=0.0, reward=0.0, proofs=[b"\x00" * 258])
+    body = Submission(worker=key.peer_id, policy_step=step, counter=counter,
+                      tasks=[SubmissionTask(task_index=0, problem_id="p0", target_length=0)], rollouts=[r])
+    return seal(key, signed.run_id, body)
+
+
+async def test_restart_drops_stale_spooled_work_with_one_line(tmp_path: Path, caplog) -> None:
+    import logging
+
+    from node.devnet.config import devnet_spec
+    from node.roles.worker import Worker, WorkerOptions
+    from protocol.identity import NodeKey
+    from protocol.runspec import sign_run_spec
+
+    coord, key = NodeKey.generate(), NodeKey.generate()
+    signed = sign_run_spec(devnet_spec(coord, [], tasks="embedded", http_url="http://127.0.0.1:1", bootstrap="", seed=1), coord)
+    worker = Worker(signed, key, WorkerOptions(data_dir=tmp_path, gossip=None, http_port=None))
+    for counter, step in enumerate([8, 9, 10, 12]):  # spooled before a crash; async level 2
+        worker.spool.put(counter, _signed_submission(key, signed, step, counter))
+    worker.spool.put(4, b"not an envelope")  # damaged on disk
+
+    async def latest() -> int:
+        return 12  # the newest policy announced while the worker was down: the window is [10, 12]
+
+    worker.follower.poll_latest = latest  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="node.roles.worker"):
+        await worker._triage_spool()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("restart:")]
+    assert len(lines) == 1, lines
+    assert "re-sending 2 (policy steps 10, 12)" in lines[0] and "dropping 3 already stale (policy steps 8, 9, unreadable" in lines[0]
+    assert "window [10, 12]" in lines[0]
+    assert [worker.spool.policy_step(p, signed.run_id) for p in worker.spool.pending()] == [10, 12]
+    assert worker.status()["spool_restart"] == {"found": 5, "resent": 2, "dropped_stale": 3, "latest_step": 12,
+                                                "resent_steps": [10, 12], "dropped_steps": [8, 9, -1]}
+    await worker.follower.close()
