@@ -8,12 +8,20 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 python -m pip install -q --disable-pip-version-check torch==2.13.0
 python -m pip install -q --disable-pip-version-check -e '.[test]'
-# headless Chromium + its WebDriver for the run page's browser tests (they skip without them)
-{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver; } \
-    || echo "chromium not installed: the run page's browser tests will skip"
-# bubblewrap: the code-reward sandbox (nodes refuse code tasks without it)
-command -v bwrap >/dev/null || { apt-get update -qq && apt-get install -y -qq bubblewrap; } \
-    || echo "bubblewrap not installed: code-reward tests will fail"
+# System packages some tests need, installed with apt when missing (root only; README § Set up):
+#   chromium, chromium-driver: headless Chromium + WebDriver for the run page's browser tests;
+#   bubblewrap: the sandbox code rewards run in (nodes refuse code tasks without it).
+# Without them those tests skip, each naming what to install.
+NEED=()
+{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || NEED+=(chromium chromium-driver)
+command -v bwrap >/dev/null || NEED+=(bubblewrap)
+if [ "${#NEED[@]}" -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        { apt-get update -qq && apt-get install -y -qq "${NEED[@]}"; } || echo "apt-get could not install ${NEED[*]}: the tests that need them will skip"
+    else
+        echo "not installing ${NEED[*]} (needs root and apt): run 'sudo apt-get install ${NEED[*]}' first; until then the run page's browser tests and the code-sandbox tests skip, naming it"
+    fi
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Two pytest workers (pytest-xdist), each test module on one worker (its module fixtures built once):
 # most of the slow tests wait on child processes, so two run side by side even on 2 cores

@@ -24,6 +24,17 @@ def shared() -> Path:
     return d
 
 
+@pytest.fixture
+def code_sandbox() -> None:
+    """Skip, naming what to install, where code rewards cannot run (no bubblewrap, or no user
+    namespaces); ``scripts/test.sh`` installs bubblewrap when it runs as root."""
+    from protocol.rewards.sandbox import sandbox_status
+
+    ok, why = sandbox_status()
+    if not ok:
+        pytest.skip(f"no code sandbox here: {why}")
+
+
 @pytest.fixture(autouse=True)
 def _reap_children():
     """Fail loudly rather than leak: kill any child process a test left running."""

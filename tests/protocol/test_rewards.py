@@ -220,18 +220,21 @@ def test_extract_code():
     assert extract_code("```python\nunterminated") is None
 
 
+@pytest.mark.usefixtures("code_sandbox")
 def test_humaneval_canonical_sample_passes(humaneval):
     for task, raw in random.Random(1).sample(humaneval, N_SAMPLE):
         r = compute_reward(task, fenced(he_solution(raw)), 10, None, 0.0)
         assert r.task_reward == 1.0, (task.problem_id, r.detail)
 
 
+@pytest.mark.usefixtures("code_sandbox")
 def test_mbpp_canonical_sample_passes(mbpp):
     for task, raw in random.Random(2).sample(mbpp, N_SAMPLE):
         r = compute_reward(task, fenced(mbpp_solution(raw)), 10, None, 0.0)
         assert r.task_reward == 1.0, (task.problem_id, r.detail)
 
 
+@pytest.mark.usefixtures("code_sandbox")
 def test_broken_solutions_fail(humaneval, mbpp):
     task, raw = humaneval[0]
     broken = he_solution(raw).replace("distance < threshold", "distance > threshold")
@@ -246,6 +249,7 @@ def test_broken_solutions_fail(humaneval, mbpp):
     assert reward(task, fenced("import os\nos._exit(0)")) == 0.0
 
 
+@pytest.mark.usefixtures("code_sandbox")
 @pytest.mark.slow
 def test_all_canonical_solutions_pass(humaneval, mbpp):
     # every sandbox run is its own processes: two at a time use both cores
@@ -264,6 +268,7 @@ def test_all_canonical_solutions_pass(humaneval, mbpp):
 # ----------------------------------------------------------------------------- code: INTELLECT-2 encodings
 
 
+@pytest.mark.usefixtures("code_sandbox")
 def test_stdio_tests():
     task = code_task("s", "sum", {"inputs": ["1 2\n", "10 -3\n"], "outputs": ["3\n", "7"]})
     assert reward(task, fenced("a, b = map(int, input().split())\nprint(a + b)")) == 1.0
@@ -274,6 +279,7 @@ def test_stdio_tests():
     assert not stdout_matches("1 2", "1 3")
 
 
+@pytest.mark.usefixtures("code_sandbox")
 def test_stdio_set_printing_is_deterministic():
     # PYTHONHASHSEED is pinned in the child, so set order is the same everywhere
     code = "print(list({'apple', 'pear', 'fig', 'kiwi', 'plum'}))"
@@ -283,6 +289,7 @@ def test_stdio_set_printing_is_deterministic():
     assert len(outs) == 1
 
 
+@pytest.mark.usefixtures("code_sandbox")
 def test_call_based_tests():
     tc = {"inputs": [[[1, 2, 3]], [[5]]], "outputs": [[3, 2, 1], [5]], "fn_name": "rev"}
     task = code_task("c", "reverse", tc)
@@ -295,6 +302,7 @@ def test_call_based_tests():
     assert reward(task, fenced("def other(xs):\n    return xs")) == 0.0
 
 
+@pytest.mark.usefixtures("code_sandbox")
 def test_rewards_are_deterministic(humaneval):
     task, raw = humaneval[3]
     text = fenced(he_solution(raw))
@@ -311,6 +319,7 @@ def limited(task: Task, text: str, limits: RewardLimits = FAST) -> tuple[float, 
     return r.task_reward, r.limit_hit
 
 
+@pytest.mark.usefixtures("code_sandbox")
 def test_infinite_loop_is_stopped(humaneval):
     # stopped by its limits (the kill is the evidence; no wall-clock assert)
     task, _ = humaneval[0]
@@ -320,6 +329,7 @@ def test_infinite_loop_is_stopped(humaneval):
     assert limited(task, fenced("import time\ntime.sleep(60)"), sleepy) == (0.0, "wall")
 
 
+@pytest.mark.usefixtures("code_sandbox")
 def test_huge_allocation_is_stopped(humaneval):
     task, raw = humaneval[0]
     code = "_hog = bytearray(10 * 1024**3)\n" + he_solution(raw)
@@ -329,6 +339,7 @@ def test_huge_allocation_is_stopped(humaneval):
     assert score == 0.0 and limit in ("memory", "wall")  # which comes first depends on the machine's load
 
 
+@pytest.mark.usefixtures("code_sandbox")
 def test_socket_is_refused(humaneval):
     task, raw = humaneval[0]
     server = socket.socket()
@@ -349,6 +360,7 @@ def test_socket_is_refused(humaneval):
         server.close()
 
 
+@pytest.mark.usefixtures("code_sandbox")
 def test_writes_stay_inside_the_sandbox(humaneval, tmp_path):
     # the sandbox's own tmpfs folder is writable (and private); the host is not touched
     task, raw = humaneval[0]
@@ -360,12 +372,14 @@ def test_writes_stay_inside_the_sandbox(humaneval, tmp_path):
     assert not target.exists()
 
 
+@pytest.mark.usefixtures("code_sandbox")
 def test_output_flood_is_bounded(humaneval):
     task, _ = humaneval[0]
     limits = RewardLimits(sandbox=SandboxLimits(cpu_time_s=5, wall_time_s=5.0, output_bytes=1024 * 1024))
     assert limited(task, fenced("while True:\n    print('x' * 100000)"), limits) == (0.0, "output")
 
 
+@pytest.mark.usefixtures("code_sandbox")
 def test_assert_forms_are_judged_in_the_parent():
     # each (program, asserts, expected reward): the sandbox prints operands, this process compares
     cases = [
