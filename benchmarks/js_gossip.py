@@ -38,6 +38,7 @@ import hashlib
 import json
 import os
 import shlex
+import shutil
 import struct
 import sys
 import time
@@ -391,6 +392,8 @@ def main() -> None:
     p.add_argument("--log-announcements", action="store_true")
     p.add_argument("--drop-announcements", action="store_true", help="ignore every checkpoint announcement (learn steps from records)")
     args = p.parse_args()
+    if shutil.which("node") is None or not (JS_NODE.parent / "node_modules" / "libp2p").is_dir():
+        raise SystemExit("js_gossip needs Node.js ≥ 20 and its packages: npm ci --prefix benchmarks/js")
     if args.self_check:
         asyncio.run(self_check())
     elif not (args.run and args.key):

@@ -13,12 +13,20 @@ by all processes). So the time covers publish → relays → clients with no pro
 * **reference** ``shardcast==0.3.2`` (a separate virtualenv, ``--ref-python``), same topology,
   same shard size, relay check interval 1 s; its client needs ``wget`` and a ``data1.bin`` probe
   file in every served directory (created here); the origin broadcasts from a running process.
+  Every shardcast downloader (relays and clients) first fetches ``data1.bin`` from each upstream
+  into the fixed path ``/tmp/dummy.bin``: two starting at once race on it and one dies ("Failed to
+  download dummy file"), so the relays are started one after the other, each once the previous
+  serves (clients retry on their own).
 * **limit**: one single-stream HTTP GET of the checkpoint from an aiohttp server to a file.
 * **client peak RSS** (``VmHWM`` of a client process) for a 64 MiB and a full-size checkpoint.
 
 Each measurement is repeated ``--repeat`` times (fresh checkpoint content each time) and the
 median is reported, since the machine may be shared.
-Run: ``python benchmarks/shardcast_bench.py [--size-mib 256] [--repeat 3] [--ref-python /work/refenv-shardcast/bin/python]``.
+Needs, for the reference leg: ``python3 -m venv /tmp/ref && /tmp/ref/bin/pip install shardcast==0.3.2``,
+``wget`` on PATH, and a writable ``/tmp/dummy.bin``; without them it stops at once saying which
+(or pass ``--skip-reference``).
+
+Run: ``python benchmarks/shardcast_bench.py [--size-mib 256] [--repeat 3] [--ref-python /tmp/ref/bin/python]``.
 """
 
 from __future__ import annotations
@@ -266,6 +274,25 @@ sys.exit(1)
 """
 
 
+def check_reference(py: str) -> None:
+    """Stop at once, in one line, unless the reference leg can run: ``py`` has shardcast 0.3.2, wget
+    is installed, ``/tmp/dummy.bin`` (shardcast's fixed probe path) is writable."""
+    need = "python3 -m venv /tmp/ref && /tmp/ref/bin/pip install shardcast==0.3.2, then --ref-python /tmp/ref/bin/python"
+    try:
+        r = subprocess.run([py, "-c", "import importlib.metadata as m, shardcast; print(m.version('shardcast'))"],
+                           capture_output=True, text=True, timeout=120, check=False)
+    except OSError as e:
+        raise SystemExit(f"reference: cannot run --ref-python {py} ({e.strerror}); {need} (or --skip-reference)") from None
+    if r.returncode != 0 or r.stdout.strip() != "0.3.2":
+        got = r.stdout.strip() or (r.stderr.strip().splitlines() or ["?"])[-1]
+        raise SystemExit(f"reference: {py} has no shardcast 0.3.2 ({got[:120]}); {need} (or --skip-reference)")
+    if shutil.which("wget") is None:
+        raise SystemExit("reference: shardcast's client shells out to wget: apt-get install wget (or --skip-reference)")
+    dummy = Path("/tmp/dummy.bin")
+    if dummy.exists() and not os.access(dummy, os.W_OK):
+        raise SystemExit(f"reference: shardcast writes its probe to {dummy}, which another user owns: remove it (or --skip-reference)")
+
+
 def run_reference(work: Path, args: argparse.Namespace, procs: Procs) -> dict[str, list[float]]:
     py = args.ref_python
     env = {**os.environ, "SHARDCAST_LOG_LEVEL": "WARNING", "SHARDCAST_SHARD_SIZE": str(args.piece_size)}
@@ -278,18 +305,21 @@ def run_reference(work: Path, args: argparse.Namespace, procs: Procs) -> dict[st
     assert origin.stdout is not None and origin.stdin is not None
     if origin.stdout.readline().strip() != b"READY":
         raise SystemExit("reference origin did not start")
-    for port in (pa, pb):
-        procs.start([py, "-m", "shardcast.middle_node", "--upstream", f"http://127.0.0.1:{p0}", "--data-dir", str(dirs[port]),
-                     "--port", str(port), "--check-interval", "1", "--log-level", "WARNING"], env=env)
+    def up(u: str, proc: subprocess.Popen | None = None) -> bool:
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"reference relay at {u} exited ({proc.returncode}); see {work / 'processes.log'}")
+        try:
+            with urllib.request.urlopen(f"{u}/data1.bin", timeout=2):
+                return True
+        except OSError:
+            return False
+
+    wait_for(lambda: up(f"http://127.0.0.1:{p0}"), 60, f"reference origin http://127.0.0.1:{p0}")
     relays = [f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"]
-    for url in [f"http://127.0.0.1:{p0}", *relays]:
-        def up(u: str = url) -> bool:
-            try:
-                with urllib.request.urlopen(f"{u}/data1.bin", timeout=2):
-                    return True
-            except OSError:
-                return False
-        wait_for(up, 60, f"reference {url}")
+    for port, url in zip((pa, pb), relays):  # one after the other: both would race on /tmp/dummy.bin (module docstring)
+        relay = procs.start([py, "-m", "shardcast.middle_node", "--upstream", f"http://127.0.0.1:{p0}", "--data-dir", str(dirs[port]),
+                             "--port", str(port), "--check-interval", "1", "--log-level", "WARNING"], env=env)
+        wait_for(lambda u=url, r=relay: up(u, r), 60, f"reference relay {url}")
 
     out: dict[str, list[float]] = {"publish_s": [], "total_s": [], "rss": []}
     for r in range(args.ref_repeat):
@@ -367,7 +397,9 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3, help="runs of ours and of the limit; medians are reported (default 3)")
     ap.add_argument("--ref-repeat", type=int, default=None, help="runs of the reference (default: --repeat)")
-    ap.add_argument("--ref-python", default="/work/refenv-shardcast/bin/python", help="python of a virtualenv with shardcast==0.3.2")
+    ap.add_argument("--ref-python", default="/tmp/ref/bin/python",
+                    help="python of a virtualenv with shardcast==0.3.2 (default /tmp/ref/bin/python: python3 -m venv /tmp/ref && "
+                         "/tmp/ref/bin/pip install shardcast==0.3.2)")
     ap.add_argument("--skip-reference", action="store_true")
     ap.add_argument("--workdir", default=None, help="where to put the files (default: a temporary directory)")
     ap.add_argument("--_our-client", nargs="+", help=argparse.SUPPRESS)
@@ -377,6 +409,8 @@ def main() -> int:
         return our_client(spec, step, out, sources)
     if args.ref_repeat is None:
         args.ref_repeat = args.repeat
+    if not args.skip_reference:
+        check_reference(args.ref_python)  # before anything is measured: a missing reference stops at once, in one line
     work = Path(tempfile.mkdtemp(prefix="shardcast-bench-", dir=args.workdir))
     procs = Procs(work / "processes.log")
     med = statistics.median

@@ -139,6 +139,12 @@ def main() -> None:
     server = None
     ref_hex: dict[str, list[str]] = {}
     if args.reference_python:
+        check = subprocess.run([args.reference_python, "-c", "import importlib.metadata as m, toploc; print(m.version('toploc'))"],
+                               capture_output=True, text=True, check=False)
+        if check.returncode != 0 or check.stdout.strip() != "0.1.6":
+            got = check.stdout.strip() or (check.stderr.strip().splitlines() or ["?"])[-1]
+            raise SystemExit(f"--reference-python {args.reference_python} has no toploc 0.1.6 ({got[:120]}): in a venv with torch==2.13.0, "
+                             "pip install --no-deps --no-build-isolation --no-binary toploc toploc==0.1.6 (≈ 5 min build)")
         cfg = {"shapes": shapes, "threads": args.threads}
         server = subprocess.Popen(
             [args.reference_python, "-c", _REFERENCE_SERVER, json.dumps(cfg)],
