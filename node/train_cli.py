@@ -84,6 +84,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not ctx.is_main:
         from protocol.errors import ProtocolError
 
+        # SIGTERM (torchrun forwards it to every rank) and Ctrl-C's SIGINT stop rank 0, whose loop then
+        # tells every rank to stop after the step in progress (trainer.loop); a rank > 0 that died at once
+        # would leave rank 0 waiting in a collective. torchrun SIGKILLs ranks still alive 30 s later.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+
         try:
             follow_rank(signed, data_dir, ctx, resume=args.resume, data_root=Path(args.data_root) if args.data_root else None)
         except ProtocolError as e:

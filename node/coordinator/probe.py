@@ -53,20 +53,48 @@ class SignalProbe:
         return asdict(self)
 
 
+LONG_ANSWER_TOKENS = 1024
+"""A completion limit this long already fits a reasoned answer: when every completion still hits it,
+the model does not end its answers, and raising the limit will not help."""
+EASIER = {"math_train": "gsm8k_train", "math500": "gsm8k_train", "humaneval": "mbpp"}
+"""A public set that is easier than another (grade-school math over competition math, basic Python over HumanEval)."""
+HARDER = {"embedded": "gsm8k_train", "gsm8k_train": "math_train", "gsm8k": "math_train", "mbpp": "humaneval"}
+"""...and one that is harder."""
+NEW_RUN = "each is a change of the signed spec: write a new one with intellect-node spec init (a new run ID) and start a new run"
+
+
 def no_signal_advice(spec: RunSpec, pass_rate: float, capped_fraction: float) -> str:
-    """What to change in the run spec when groups have no reward spread (one line)."""
+    """What to change in the run spec when groups have no reward spread (one line).
+
+    Never names what the run already uses as a remedy (its task set, its limit); says that every
+    remedy is a new spec and a new run (the spec is signed; its hash is the run ID).
+    """
     hints = []
+    tasks, max_tokens = spec.data.tasks, spec.sampling.max_tokens
+    capped = capped_fraction >= 0.99
+    if capped and max_tokens < LONG_ANSWER_TOKENS:
+        hints.append(f"every completion hit max_tokens {max_tokens}: allow longer answers (spec init --max-tokens {min(4 * max_tokens, LONG_ANSWER_TOKENS)}) "
+                     "if the model's answers are longer, but a model that never samples EOS needs what the next hint says")
+    if capped:
+        hints.append(f"the model does not end its answers (no EOS within {max_tokens} tokens), so every completion has the same length and "
+                     "the same reward, and a length penalty cannot tell them apart: use an instruction-tuned model that ends its answers "
+                     "(e.g. a Qwen2.5 Instruct), or warm-start (fine-tune) this base on answers that end with EOS")
     if pass_rate == 0.0:
-        hints.append(f"the base solves none of these tasks: use easier tasks (data.tasks = {spec.data.tasks!r}) or a stronger base")
+        easier = EASIER.get(tasks)
+        hints.append(f"the base solves none of these tasks: a stronger base, or easier tasks than {tasks!r} "
+                     + (f"(data.tasks = {easier!r})" if easier else "(your own task file, docs/tasks.md)"))
     elif pass_rate == 1.0:
-        hints.append(f"the base solves every task: use harder tasks than {spec.data.tasks!r}")
-    if spec.sampling.length_penalty == 0.0:
-        hints.append("or add a length reward (spec init --length-penalty 0.0003 --target-length N, INTELLECT-2) so completions differ")
-    elif not spec.sampling.target_lengths:
+        harder = HARDER.get(tasks)
+        hints.append(f"the base solves every task: harder tasks than {tasks!r} " + (f"(data.tasks = {harder!r})" if harder else
+                                                                                    "(your own task file, docs/tasks.md)"))
+    if spec.sampling.length_penalty == 0.0 and not capped:
+        hints.append("or add a length reward (spec init --length-penalty 0.0003 --target-length N, INTELLECT-2) so completions of "
+                     "different lengths score differently")
+    elif spec.sampling.length_penalty != 0.0 and not spec.sampling.target_lengths:
         hints.append("the length penalty needs targets: spec init --target-length N")
-    if capped_fraction >= 0.99:
-        hints.append(f"every completion hit max_tokens {spec.sampling.max_tokens}: raise --max-tokens")
-    return "; ".join(hints) or "sample more diverse completions (a higher --temperature)"
+    if not hints:
+        hints.append("sample more diverse completions (spec init --temperature, higher)")
+    return "; ".join(hints) + f"; {NEW_RUN}"
 
 
 def probe_learning_signal(
@@ -114,6 +142,6 @@ def probe_learning_signal(
     if spread == 0:
         warning = (f"no learning signal: in {n} probe groups of {spec.rl.group_size} on the base model every group's rewards "
                    f"were equal (pass rate {pass_rate:.2f}, {capped_fraction:.0%} of completions at max_tokens, length penalty "
-                   f"{spec.sampling.length_penalty:g}), so GRPO gets no gradient and no batch will fill; "
+                   f"{spec.sampling.length_penalty:g}), so GRPO gets no gradient from such groups and batches fill slowly or never; "
                    f"{no_signal_advice(spec, pass_rate, capped_fraction)}")
     return SignalProbe(n, spread, round(pass_rate, 4), round(capped_fraction, 4), round(tokens / len(gens), 2), warning)

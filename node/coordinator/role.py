@@ -58,7 +58,8 @@ logger = logging.getLogger(__name__)
 
 WAIT_POLL_S = 0.2
 WAIT_LOG_INTERVAL_S = 30.0
-"""While no batch fills, why is logged at most once per this many seconds."""
+"""A wait for a batch is logged (at WARNING, the default level) once it has lasted this many seconds,
+then every this many seconds with its reason; shorter waits, the normal pause between steps, are not."""
 
 
 @dataclass
@@ -138,7 +139,7 @@ class Coordinator:
         self.last_step: dict[str, Any] = {}
         self.signal_probe: SignalProbe | None = None
         self.wait_reason: str | None = None
-        self._wait_log = FailureLog(logger, interval_s=WAIT_LOG_INTERVAL_S, level=logging.INFO)
+        self._wait_log = FailureLog(logger, interval_s=WAIT_LOG_INTERVAL_S)
         self.m_train: dict[str, Any] = {}  # Prometheus gauges, made with the ingest's registry in start()
         from rich.console import Console
 
@@ -238,7 +239,11 @@ class Coordinator:
     async def run(self) -> None:
         """Train until ``max_steps`` or a stop request; raises :class:`TrainerError` on a batch timeout."""
         await asyncio.to_thread(self._train_loop)
-        if self.options.eval_samples and self.trainer is not None:
+        if self._stop.is_set() and self.options.eval_samples:
+            # stopped by SIGTERM/Ctrl-C: stop now (a CPU evaluation can take long); --resume continues the run
+            logger.warning("stop requested: no final held-out evaluation (the latest is of step %s); state saved at step %d",
+                           self.eval_latest["step"] if self.eval_latest else "-", self.trainer.step if self.trainer else 0)
+        elif self.options.eval_samples and self.trainer is not None:
             self.state = "evaluating the final policy on held-out tasks"
             if self.eval_latest is not None and self.eval_latest["step"] == self.published_step and self._last_eval is not None:
                 self.eval_end = self._last_eval  # the periodic evaluation already covered the last step
@@ -331,7 +336,8 @@ class Coordinator:
                                     f"{no_signal_advice(self.spec, probe.pass_rate if probe else 0.0, probe.capped_fraction if probe else 0.0)}")
                 self.state = f"waiting for a batch: {last_reason}"
                 self.wait_reason = last_reason
-                self._wait_log.failed(f"waiting for a batch: {last_reason}")
+                if time.monotonic() - t0 >= WAIT_LOG_INTERVAL_S:
+                    self._wait_log.failed(f"waiting {time.monotonic() - t0:.0f} s for a batch for step {step + 1}: {last_reason}")
             waited = time.monotonic() - t0
             if waited > self.options.batch_timeout_s:
                 self.error = f"no batch for step {step} after {waited:.0f} s: {last_reason}"
@@ -438,7 +444,8 @@ class Coordinator:
             "last_step": self.last_step,
             "wait_reason": self.wait_reason,
             "signal_probe": self.signal_probe.as_dict() if self.signal_probe else None,
-            "warnings": [w for w in (self.signal_probe.warning if self.signal_probe else None,) if w],
+            # the probe's prediction stands until a step trains: then the run has shown it learns
+            "warnings": [w for w in (self.signal_probe.warning if self.signal_probe and not self.last_step else None,) if w],
         }
 
     def _log_metrics(self, row: dict[str, Any]) -> None:

@@ -97,6 +97,7 @@ class ValidatorNode:
         self.ledger = Ledger(self.data_dir / "validator.sqlite")
         self.follower = PolicyFollower(self.spec, self.data_dir / "checkpoints", GossipSources(lambda: self.gossip, self.spec))
         self.gossip: GossipNode | None = None
+        self.judged_step = -1  # the newest policy step of a submission this validator judged
         self.tokenizer: Any = None
         self._models: dict[int, torch.nn.Module] = {}  # loaded checkpoints, kept by protocol.window.retained_steps
         self.banned: set[str] = set()
@@ -240,6 +241,9 @@ class ValidatorNode:
         log("verdict %s on %s from %s: %s %s", "accept" if result.accepted else "reject", sid[:12], sub.worker, result.reason,
             result.evidence or "", extra={"peer_id": sub.worker, "step": sub.policy_step})
         await self._post_verdict(verdict)
+        if self.gossip is not None and sub.policy_step > self.judged_step:
+            self.judged_step = sub.policy_step
+            self.gossip.set_record(policy_step=sub.policy_step)  # its record shows the newest step it judged (status, run page)
         if self.gossip is not None:
             try:
                 await self.gossip.publish_verdict(verdict)

@@ -115,3 +115,39 @@ def test_train_kill_resume(tmp_path):
     store.close()
     assert sum(counts[k] for k in ("pending", "accepted", "rejected")) >= sum(stored_before[k] for k in ("pending", "accepted", "rejected"))
     assert (Path(data_dir) / "policies" / "step-3" / "model.safetensors").exists()
+
+
+@pytest.mark.timeout(600)
+def test_waiting_is_logged_at_the_default_level_and_sigterm_stops_without_a_final_evaluation(tmp_path):
+    """docs/operators.md §2 and §6: a wait for a batch longer than 30 s is logged with its reason at the
+    default level; SIGTERM stops the coordinator at once (no final held-out evaluation, which on a CPU
+    can take long), exit 0, the run page's final state written to the data directory."""
+    coord, val = NodeKey.generate(), NodeKey.generate()
+    coord.save(tmp_path / "coord.key")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    base = prepare_base(RunSpec(run=RunInfo(coordinator=coord.peer_id)), resolve_tasks("embedded"), tmp_path / "base-cache")
+    spec = RunSpec(run=RunInfo(coordinator=coord.peer_id, validators=[val.peer_id], seed=3), model=ModelSpec(base=str(base)),
+                   sampling=SamplingSpec(max_tokens=4), network=NetworkSpec(ingest_urls=[url], origin_urls=[url]))
+    run = tmp_path / "run.toml"
+    run.write_text(dump_run_spec(sign_run_spec(spec, coord)))
+    data_dir = tmp_path / "coordinator"
+    log_path = tmp_path / "coord.log"
+    with open(log_path, "ab") as log:  # no -v: the default log level
+        proc = subprocess.Popen([sys.executable, "-m", "node.train_cli", "--run", str(run), "--key", str(tmp_path / "coord.key"),
+                                 "--data-dir", str(data_dir), "--http-port", str(port), "--no-gossip", "--eval-samples", "1",
+                                 "--probe-tasks", "0"], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                                start_new_session=True)
+    try:
+        wait_for(lambda: "for a batch for step 1" in log_path.read_text(errors="replace"), 300, "the batch-wait line", proc)
+        line = next(x for x in log_path.read_text(errors="replace").splitlines() if "for a batch for step 1" in x)
+        assert "WARNING" in line and "usable groups" in line, line
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log_path.read_text(errors="replace")[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "stop requested: no final held-out evaluation" in log_path.read_text(errors="replace")
+    rows = [json.loads(x) for x in (data_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("event") == "eval"] == [0]  # the start evaluation only
+    assert (data_dir / "run-page" / "index.html").is_file() and (data_dir / "run-page" / "snapshot.js").stat().st_size > 100

@@ -38,8 +38,25 @@ def test_no_spread_without_length_penalty_warns_with_the_fix():
     probe = probe_learning_signal(s, FixedLengthEngine([8]), embedded_tokenizer(), embedded_tasks()[:40], n_tasks=3)
     assert (probe.groups, probe.groups_with_spread, probe.pass_rate, probe.capped_fraction) == (3, 0, 0.0, 1.0)
     assert probe.warning is not None and "\n" not in probe.warning
-    for hint in ("no learning signal", "--length-penalty", "easier tasks", "raise --max-tokens"):
+    for hint in ("no learning signal", "easier tasks", "spec init --max-tokens 32", "does not end its answers", "instruction-tuned",
+                 "new run"):
         assert hint in probe.warning, hint
+    assert "--length-penalty" not in probe.warning  # completions of one length: a length reward cannot tell them apart
+
+
+def test_advice_never_names_what_the_run_already_uses():
+    """The issue's run: gsm8k_train, a length penalty, max_tokens 1024 (the guide's), every completion at
+    the cap. The advice named gsm8k_train as the easier set and said to raise --max-tokens again."""
+    from node.coordinator.probe import no_signal_advice
+
+    s = RunSpec(run=RunInfo(coordinator=NodeKey.generate().peer_id), data={"tasks": "gsm8k_train"},
+                sampling=SamplingSpec(max_tokens=1024, length_penalty=0.0003, target_lengths=[512, 1024]))
+    advice = no_signal_advice(s, pass_rate=0.0, capped_fraction=1.0)
+    assert "'gsm8k_train')" not in advice and "max-tokens" not in advice, advice
+    assert "does not end its answers" in advice and "instruction-tuned" in advice and "docs/tasks.md" in advice
+    assert "spec init" in advice and "new run" in advice
+    harder = no_signal_advice(s.model_copy(update={"data": s.data.model_copy(update={"tasks": "math_train"})}), 0.0, 0.5)
+    assert "data.tasks = 'gsm8k_train'" in harder and "max_tokens" not in harder, harder  # an easier public set than math_train
 
 
 def test_length_penalty_with_varied_lengths_gives_signal():
@@ -72,4 +89,4 @@ def test_coordinator_warns_at_start_when_the_run_cannot_learn(tmp_path, shared):
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 1, r.stderr[-2000:]  # gave up waiting for a batch, as asked
     warning = next(line for line in r.stdout.splitlines() + r.stderr.splitlines() if "no learning signal" in line)
-    assert "--length-penalty" in warning and "easier tasks" in warning
+    assert "easier tasks" in warning and "new run" in warning

@@ -57,7 +57,7 @@ function renderNodes(nodes) {
   const sorted = [...nodes].sort((a, b) => (order[a.role] - order[b.role]) || a.peer_id.localeCompare(b.peer_id));
   fillTable(document.getElementById("nodes"),
     [["role", false], ["peer ID", false], ["state", false], ["policy step", true], ["held steps", false], ["last heartbeat", false], ["HTTP", false], ["version", false]],
-    sorted.map((n) => [n.role, pid(n.peer_id), el("span", { class: n.state === "alive" ? "ok" : "warn" }, n.state), n.policy_step >= 0 ? fmt(n.policy_step) : "—",  // −1: the role follows no policy (relays, validators)
+    sorted.map((n) => [n.role, pid(n.peer_id), el("span", { class: n.state === "alive" ? "ok" : "warn" }, n.state), n.policy_step >= 0 ? fmt(n.policy_step) : "—",  // −1: none (relays; a validator before its first verdict)
                        (n.held_steps || []).join(" "), ago(n.last_seen_s), n.http_url || "", n.version || ""]));
 }
 
