@@ -18,7 +18,7 @@ from node.devnet.config import devnet_spec
 from node.web.runpage import RunPage, write_archive
 from protocol.identity import NodeKey
 from protocol.runspec import sign_run_spec
-from trainer.ingest import BanBook, SubmissionStore
+from trainer.ledger import BanBook, SubmissionStore
 
 pytestmark = pytest.mark.integration
 
