@@ -40,7 +40,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "trainer"))
 
 MiB = 1 << 20
 
@@ -131,10 +130,10 @@ class Link:
 
 def train_policies(args: argparse.Namespace, lr: float, root: Path) -> list[Path]:
     import torch
-    from trainer_toy import toy_batch
 
     from protocol.models import build_model
     from trainer.model import tiny_qwen2_config
+    from trainer.synthetic import synthetic_batch
     from trainer.train import Trainer, TrainerConfig
 
     cfg = tiny_qwen2_config(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
@@ -146,7 +145,7 @@ def train_policies(args: argparse.Namespace, lr: float, root: Path) -> list[Path
     for step in range(args.steps + 1):
         if step:
             t0 = time.monotonic()
-            trainer.train_step(toy_batch(step, step - 1))
+            trainer.train_step(synthetic_batch(step, step - 1))
             print(f"  lr {lr:g}: trainer step {step} in {time.monotonic() - t0:.1f} s ({n / 1e6:.1f} M parameters)", flush=True)
         d = root / f"lr{lr:g}" / f"step-{step}"
         trainer.save_checkpoint(d, dtype=torch.bfloat16)

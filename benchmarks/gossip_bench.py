@@ -50,7 +50,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 OLD_MESH = ("flat", "split-old-mesh")
 """Layouts run as before issue 18's mesh fixes: hubs' meshes bounded at 12, a yamux WINDOW_UPDATE per read."""
-RUNNER = REPO / "tests" / "node" / "gossip_runner.py"
 JS_RUNNER = REPO / "benchmarks" / "js_gossip.py"
 """Child node of the ``js`` layout: js-libp2p in a Node.js process, the envelope validator in this Python one."""
 
@@ -95,7 +94,7 @@ async def propagation_once(args: argparse.Namespace, layout: str) -> dict[str, o
             cmd = [sys.executable, str(JS_RUNNER), "--run", str(tmp / "run.toml"), "--key", str(tmp / f"k{i}"), "--role", role,
                    "--log-announcements"]
         else:
-            cmd = [sys.executable, str(RUNNER), "--run", str(tmp / "run.toml"), "--key", str(tmp / f"k{i}"), "--role", role,
+            cmd = [sys.executable, "-m", "node.p2p.standalone", "--run", str(tmp / "run.toml"), "--key", str(tmp / f"k{i}"), "--role", role,
                    "--bridge", args.bridge, "--log-announcements"]
         cmd += ["--flat"] if layout == "flat" else []
         cmd += ["--old-mesh"] if layout in OLD_MESH else []

@@ -24,7 +24,7 @@ topics' handlers, the HTTP status routes. Imports only pure parts of ``node.p2p`
 Install: ``npm ci --prefix benchmarks/js``. Run as a child node:
 ``python benchmarks/js_gossip.py --run RUN.toml --key KEY --role worker --bootstrap MULTIADDR``
 (prints ``READY <multiaddr>`` and, with ``--log-announcements``, JSON lines as
-``tests/node/gossip_runner.py``). ``python benchmarks/js_gossip.py --self-check`` starts three nodes
+``node/p2p/standalone.py``). ``python benchmarks/js_gossip.py --self-check`` starts three nodes
 and checks the identity and that a forged message is rejected before it is forwarded
 (:func:`self_check`; a few seconds). ``JS_GOSSIP_NODE_ARGS`` adds options to every ``node``
 command line, e.g. ``--cpu-prof --cpu-prof-dir=DIR`` to profile the nodes of a benchmark run.
@@ -373,8 +373,7 @@ async def _main(args: argparse.Namespace) -> None:
     spec = load_run_spec(Path(args.run)).spec
     node = await JsGossipNode.create(spec, NodeKey.load(Path(args.key)), role=args.role, bootstrap=args.bootstrap,
                                      drop_announcements=args.drop_announcements)
-    sys.path.insert(0, str(REPO / "tests" / "node"))
-    from gossip_runner import serve_until_signalled  # the same READY/announcement lines as the py-libp2p nodes
+    from node.p2p.standalone import serve_until_signalled  # the same READY/announcement lines as the py-libp2p nodes
 
     def report() -> None:
         print(f"{node.peer_id} {node.role}: delivered {dict(node.delivered)}, rejected {dict(node.rejected)}", file=sys.stderr, flush=True)

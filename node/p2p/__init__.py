@@ -7,6 +7,7 @@
 * ``follow``   — :func:`follow_relay`: a relay's held steps and upstreams kept in step with gossip.
 * ``host``     — the libp2p host on trio (gossipsub, bootstrap with backoff, dialing, bans).
 * ``bridge``   — :class:`TrioBridge`: the one asyncio↔trio crossing (``docs/gossip.md``).
+* ``standalone`` — one gossip node as its own process (``python -m node.p2p.standalone``; tests, benchmarks).
 
 Names are loaded lazily: ``from node.p2p import PeerTable`` does not import libp2p or trio.
 """

@@ -22,7 +22,6 @@ from protocol.runspec import NetworkSpec, RunInfo, RunSpec, dump_run_spec, sign_
 
 HEARTBEAT_S = 1.0
 REPO = Path(__file__).resolve().parents[2]
-RUNNER = Path(__file__).resolve().parent / "gossip_runner.py"
 
 
 class Run:
@@ -100,10 +99,10 @@ def forge(key: NodeKey, run_id: bytes, type_tag: str, body: dict[str, Any], *, t
 
 
 class NodeProcess:
-    """A gossip node in a child process (``tests/node/gossip_runner.py``)."""
+    """A gossip node in a child process (``python -m node.p2p.standalone``)."""
 
     def __init__(self, spec_path: Path, key_path: Path, *, role: str = "relay", bootstrap: list[str] = (), extra: list[str] = ()) -> None:  # type: ignore[assignment]
-        args = [sys.executable, str(RUNNER), "--run", str(spec_path), "--key", str(key_path), "--role", role, *extra]
+        args = [sys.executable, "-m", "node.p2p.standalone", "--run", str(spec_path), "--key", str(key_path), "--role", role, *extra]
         for b in bootstrap:
             args += ["--bootstrap", b]
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,14 +21,11 @@ from protocol.delta import DeltaMismatchError, encode_delta
 from protocol.envelope import seal
 from protocol.identity import NodeKey
 from protocol.messages import DeltaManifest
+from protocol.models import build_model
 from protocol.shardcast import build_manifest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
-from trainer_toy import toy_batch  # noqa: E402
-
-from protocol.models import build_model  # noqa: E402
-from trainer.model import tiny_qwen2_config  # noqa: E402
-from trainer.train import Trainer, TrainerConfig  # noqa: E402
+from trainer.model import tiny_qwen2_config
+from trainer.synthetic import synthetic_batch
+from trainer.train import Trainer, TrainerConfig
 
 FAST = DownloadConfig(max_concurrency=4, stall_timeout_s=20.0, deadline_s=60.0, connect_timeout_s=2.0, read_timeout_s=5.0)
 STEPS = 4
@@ -45,7 +41,7 @@ def policies(tmp_path_factory) -> list[Path]:
     out = []
     for step in range(STEPS):
         if step:
-            trainer.train_step(toy_batch(step, step - 1))
+            trainer.train_step(synthetic_batch(step, step - 1))
         d = root / f"step-{step}"
         trainer.save_checkpoint(d, dtype=torch.bfloat16)
         out.append(d)

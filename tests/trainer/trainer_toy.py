@@ -23,10 +23,10 @@ from protocol.models import build_model
 from trainer.batch import Batch, RolloutRecord, assemble_batch
 from trainer.loss import LossConfig
 from trainer.model import tiny_qwen2_config
+from trainer.synthetic import GROUP, VOCAB
+from trainer.synthetic import synthetic_batch as toy_batch
+from trainer.synthetic import synthetic_records as toy_records  # noqa: F401 - the trainer tests use toy.toy_records
 from trainer.train import Trainer, TrainerConfig
-
-VOCAB = 32
-GROUP = 4
 
 
 def toy_config(tied: bool = True):
@@ -35,36 +35,6 @@ def toy_config(tied: bool = True):
 
 def toy_model(seed: int = 0, tied: bool = True):
     return build_model(toy_config(tied), seed=seed)
-
-
-def toy_records(seed: int, step: int, n_groups: int = 4, group: int = GROUP) -> list[RolloutRecord]:
-    """Random rollouts of ``n_groups`` groups, interleaved, with varied lengths and 0/1 rewards."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(group):
-        for g in range(n_groups):
-            p, c = int(rng.integers(2, 7)), int(rng.integers(1, 9))
-            reward = float(i % 2) if g % 2 == 0 else float(rng.random())
-            out.append(
-                RolloutRecord(
-                    submission_id=f"sub{seed}-{g}",
-                    worker="w",
-                    policy_step=step,
-                    task_key=f"task{g}",
-                    group_seed=seed * 1000 + g,
-                    sample=i,
-                    prompt_ids=rng.integers(3, VOCAB, p),
-                    completion_ids=rng.integers(3, VOCAB, c),
-                    logprobs=np.zeros(c, np.float32),
-                    reward=reward,
-                    task_reward=reward,
-                )
-            )
-    return out
-
-
-def toy_batch(seed: int, step: int) -> Batch:
-    return assemble_batch(toy_records(seed, step), step=step, async_level=1, group_size=GROUP, num_groups=4, adv_eps=1e-4)
 
 
 def toy_uneven_batch(step: int) -> Batch:

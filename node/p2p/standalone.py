@@ -1,7 +1,10 @@
-"""Test-only gossip node process: ``python tests/node/gossip_runner.py --run R --key K [...]``.
+"""One gossip node as its own process, for tests and benchmarks that need real processes (a real
+kill, one interpreter per node): ``python -m node.p2p.standalone --run R --key K [--role relay] [...]``.
 
 Prints one line ``READY <multiaddr>`` on stdout once listening, then runs until SIGTERM/SIGINT.
-Used by the p2p tests and the gossip benchmark to run nodes in separate processes (a real kill).
+Used by the p2p tests (``tests/node/p2p_helpers.py``), ``benchmarks/gossip_bench.py`` and, for
+:func:`serve_until_signalled`, the js-libp2p benchmark node (``benchmarks/js_gossip.py``). Not an
+operator command: a node joins a run with ``intellect-node join``.
 """
 
 from __future__ import annotations
