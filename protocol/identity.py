@@ -21,6 +21,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from protocol.errors import KeyFileError, SchemaError, SignatureError
 
 PeerId = NewType("PeerId", str)
+"""A libp2p peer ID (``12D3KooW…``, base58btc of the identity multihash of an ed25519 key): what
+:attr:`NodeKey.peer_id`, verified envelopes and message fields (``protocol.messages.PeerIdStr``,
+checked by pattern) hold. A plain ``str`` becomes one by :func:`public_key_from_peer_id` or a schema."""
 
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
@@ -50,6 +53,8 @@ def peer_id_from_public_key(public_key: bytes) -> PeerId:
 
 def public_key_from_peer_id(peer_id: str) -> bytes:
     """Recover the raw ed25519 public key embedded in a peer ID.
+
+    Takes any string (not :data:`PeerId`): this is the check that makes an untrusted string one.
 
     Raises:
         SchemaError: not a base58btc identity-multihash ed25519 peer ID.

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 
 from protocol.content import CONTENT_ID_BYTES
 from protocol.encoding import DecodeLimits
+from protocol.identity import PeerId
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -41,7 +42,7 @@ U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
 Step = Annotated[int, Field(ge=0, le=2**40)]
 Count = Annotated[int, Field(ge=0, le=2**40)]
 ContentIdBytes = Annotated[bytes, Field(min_length=CONTENT_ID_BYTES, max_length=CONTENT_ID_BYTES)]
-PeerIdStr = Annotated[str, StringConstraints(min_length=46, max_length=60, pattern=r"^12D3KooW[1-9A-HJ-NP-Za-km-z]+$")]
+PeerIdStr = Annotated[PeerId, StringConstraints(min_length=46, max_length=60, pattern=r"^12D3KooW[1-9A-HJ-NP-Za-km-z]+$")]
 ShortStr = Annotated[str, StringConstraints(max_length=256)]
 Name = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]

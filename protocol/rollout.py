@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 from protocol import sampling
 from protocol.encoding import DecodeLimits
+from protocol.identity import PeerId
 from protocol.messages import BODY_LIMITS, Submission
 from protocol.runspec import RunSpec
 from protocol.tasks import Task, build_messages, build_prompt_text, derive_task_indices
@@ -49,7 +50,7 @@ class PlannedTask:
     seeds: tuple[int, ...]
 
 
-def target_length_for(spec: RunSpec, peer_id: str, policy_step: int, counter: int, position: int) -> int | None:
+def target_length_for(spec: RunSpec, peer_id: PeerId, policy_step: int, counter: int, position: int) -> int | None:
     """The length-control target of task ``position``: uniform over ``spec.sampling.target_lengths``.
 
     SHA-256 of ``TARGET_LENGTH_DOMAIN || u64be(run seed) || peer_id UTF-8 || 00 || u64be(step)
@@ -73,13 +74,13 @@ def encode_prompt(tokenizer: Any, task: Task, target_length: int | None) -> list
     return [int(t) for t in tokenizer(build_prompt_text(task, target_length), add_special_tokens=False)["input_ids"]]
 
 
-def sample_seed(spec: RunSpec, peer_id: str, policy_step: int, counter: int, task_index: int, sample: int) -> int:
+def sample_seed(spec: RunSpec, peer_id: PeerId, policy_step: int, counter: int, task_index: int, sample: int) -> int:
     """Sequence seed of one sample: bound to run, step, worker, counter, task and sample index."""
     return sampling.derive_sequence_seed(spec.run.seed, policy_step, peer_id, f"{counter}:{task_index}", sample)
 
 
 def plan_submission(
-    spec: RunSpec, tasks: Sequence[Task], tokenizer: Any, peer_id: str, policy_step: int, counter: int
+    spec: RunSpec, tasks: Sequence[Task], tokenizer: Any, peer_id: PeerId, policy_step: int, counter: int
 ) -> list[PlannedTask]:
     """Everything fixed for submission ``counter`` of ``peer_id`` at ``policy_step``.
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from protocol import encoding
 from protocol.envelope import Authorities
 from protocol.errors import ProtocolError, RunSpecError, SignatureError
-from protocol.identity import NodeKey, public_key_from_peer_id, verify_signature
+from protocol.identity import NodeKey, PeerId, public_key_from_peer_id, verify_signature
 from protocol.window import fresh_steps
 
 RUN_ID_DOMAIN = b"intellect-node/run-spec/1\x00"
@@ -31,7 +31,7 @@ LOGPROB_TOL_LIMIT = 5.0
 """Upper bound on ``toploc.logprob_*`` tolerances, nats: beyond a factor of e⁵ ≈ 150 in probability
 a reported log-prob no longer says anything about the policy."""
 
-PeerIdField = Annotated[str, Field(pattern=r"^12D3KooW[1-9A-HJ-NP-Za-km-z]{44}$")]
+PeerIdField = Annotated[PeerId, Field(pattern=r"^12D3KooW[1-9A-HJ-NP-Za-km-z]{44}$")]
 
 
 class _Section(BaseModel):
@@ -283,7 +283,7 @@ class RunSpec(_Section):
             validators=frozenset(public_key_from_peer_id(v) for v in self.run.validators),
         )
 
-    def is_validator(self, peer_id: str) -> bool:
+    def is_validator(self, peer_id: PeerId) -> bool:
         return peer_id in self.run.validators
 
     @property

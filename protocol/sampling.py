@@ -64,6 +64,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from protocol.identity import PeerId
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -128,7 +130,7 @@ _PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 # --------------------------------------------------------------------------------------------
 
 
-def derive_sequence_seed(run_seed: int, step: int, peer_id: str, task_id: str, sample_index: int) -> int:
+def derive_sequence_seed(run_seed: int, step: int, peer_id: PeerId, task_id: str, sample_index: int) -> int:
     """The sequence seed of one completion; the worker cannot choose it.
 
     Byte layout hashed with SHA-256 (all integers big-endian)::

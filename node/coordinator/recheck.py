@@ -22,6 +22,7 @@ from typing import Any
 
 from protocol.envelope import open_envelope
 from protocol.errors import ProtocolError
+from protocol.identity import PeerId
 from protocol.messages import Submission
 from protocol.models import ModelLoadError, load_model
 from protocol.rewards import RewardLimits
@@ -58,7 +59,7 @@ class CoordinatorRecheck:
         tokenizer: Callable[[], Any],
         policy_dir: Callable[[int], Path | None],
         *,
-        by: str,
+        by: PeerId,
         reward_limits: RewardLimits | None = None,
         device: str = "cpu",
     ) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from protocol.identity import NodeKey
+from protocol.identity import NodeKey, PeerId
 from protocol.runspec import DataSpec, ModelSpec, NetworkSpec, RLSpec, RunInfo, RunSpec, SamplingSpec, ShardcastSpec
 
 EMBEDDED_SAMPLING = SamplingSpec(max_tokens=4, temperature=1.5, top_p=1.0)
@@ -44,7 +44,7 @@ def devnet_rl(*, embedded: bool, async_level: int | None = None, rl_overrides: d
 
 def devnet_spec(
     coordinator: NodeKey,
-    validators: list[str],
+    validators: list[PeerId],
     *,
     tasks: str,
     http_url: str,

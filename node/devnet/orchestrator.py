@@ -25,7 +25,7 @@ from typing import Any
 from node.devnet.config import devnet_spec
 from node.devnet.outdir import claim_out, write_marker
 from node.devnet.procs import Proc, ProcessGroup
-from protocol.identity import NodeKey
+from protocol.identity import NodeKey, PeerId
 from protocol.runspec import dump_run_spec, sign_run_spec
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class Devnet:
         coord = NodeKey.generate()
         coord.save(self.out / "keys" / "coordinator.key")
         self.peer_ids["coordinator"] = coord.peer_id
-        validators: list[str] = []  # peer IDs as the run spec lists them
+        validators: list[PeerId] = []  # as the run spec lists them
         for i in range(self.o.validators):
             k = NodeKey.generate()
             k.save(self.out / "keys" / f"validator-{i}.key")

@@ -43,6 +43,7 @@ from typing import Literal
 
 from protocol.envelope import Authorities, Envelope, open_envelope
 from protocol.errors import DecodeError, ProtocolError, SchemaError, SignatureError, WrongRunError
+from protocol.identity import PeerId
 from protocol.messages import BanList, CheckpointAnnouncement, KiB, Message, MiB, NodeRecord, Verdict
 
 TopicKind = Literal["nodes", "workers", "checkpoints", "verdicts", "bans"]
@@ -242,22 +243,22 @@ class PeerScores:
         self.limit = limit
         self.half_life_s = half_life_s
         self._clock = clock
-        self._points: dict[str, tuple[float, float]] = {}  # peer → (points, at)
+        self._points: dict[PeerId, tuple[float, float]] = {}  # peer → (points, at)
 
-    def points(self, peer_id: str) -> float:
+    def points(self, peer_id: PeerId) -> float:
         """Current points of ``peer_id`` (0 for an unknown peer)."""
         points, at = self._points.get(peer_id, (0.0, 0.0))
         if points == 0.0:
             return 0.0
         return points * math.pow(0.5, (self._clock() - at) / self.half_life_s)
 
-    def penalize(self, peer_id: str, points: float) -> bool:
+    def penalize(self, peer_id: PeerId, points: float) -> bool:
         """Add ``points`` to ``peer_id``; returns whether it is now at or over the limit."""
         total = self.points(peer_id) + points
         self._points[peer_id] = (total, self._clock())
         return total >= self.limit
 
-    def forget(self, peer_id: str) -> None:
+    def forget(self, peer_id: PeerId) -> None:
         """Drop a peer's points (after it was disconnected and banned)."""
         self._points.pop(peer_id, None)
 

@@ -47,7 +47,7 @@ from node.errors import GossipError
 from node.p2p.config import GossipConfig
 from node.p2p.router import BoundedGossipSub
 from node.p2p.transport import PerAddressCap, install_inbound_rules, muxer_options, secure_transports
-from protocol.identity import NodeKey
+from protocol.identity import NodeKey, PeerId
 
 logger = logging.getLogger(__name__)
 
@@ -195,9 +195,9 @@ class P2PHost:
             strict_signing=True,
             msg_id_constructor=get_content_addressed_msg_id,
         )
-        self._banned_until: dict[str, float] = {}
-        self._dialing: set[str] = set()
-        self._known: dict[str, tuple[list[str], float]] = {}  # peer → (addrs, trio time heard)
+        self._banned_until: dict[PeerId, float] = {}
+        self._dialing: set[PeerId] = set()
+        self._known: dict[PeerId, tuple[list[str], float]] = {}  # peer → (addrs, trio time heard)
         self._nursery: trio.Nursery | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -246,7 +246,7 @@ class P2PHost:
 
     # --- peers -------------------------------------------------------------------------------
 
-    def is_connected(self, peer_id: str) -> bool:
+    def is_connected(self, peer_id: PeerId) -> bool:
         """Whether a connection to ``peer_id`` is open."""
         return bool(self.host.get_network().get_connections(ID.from_base58(peer_id)))
 
@@ -255,7 +255,7 @@ class P2PHost:
 
         Never raises for an unreachable or misbehaving peer (logged at DEBUG).
         """
-        pid = info.peer_id.to_base58()
+        pid = PeerId(info.peer_id.to_base58())
         if pid == self.peer_id or self.is_banned(pid) or pid in self._dialing:
             return False
         self._dialing.add(pid)
@@ -274,7 +274,7 @@ class P2PHost:
         finally:
             self._dialing.discard(pid)
 
-    def note_peer(self, peer_id: str, addrs: Iterable[str]) -> None:
+    def note_peer(self, peer_id: PeerId, addrs: Iterable[str]) -> None:
         """Remember where a peer (from a verified record) listens, and dial it if we want more connections."""
         if peer_id == self.peer_id:
             return
@@ -297,7 +297,7 @@ class P2PHost:
                     break
                 self.dial_soon(peer_id, self._known[peer_id][0])
 
-    def dial_soon(self, peer_id: str, addrs: Iterable[str]) -> None:
+    def dial_soon(self, peer_id: PeerId, addrs: Iterable[str]) -> None:
         """Dial a peer in the background if we have fewer than ``target_peers`` connections.
 
         Only TCP multiaddrs that name ``peer_id`` (or no peer) are used; anything else is ignored.
@@ -326,7 +326,7 @@ class P2PHost:
             self._nursery.start_soon(self._dial_learned, PeerInfo(ID.from_base58(peer_id), maddrs))
 
     async def _dial_learned(self, info: PeerInfo) -> None:
-        self._dialing.discard(info.peer_id.to_base58())
+        self._dialing.discard(PeerId(info.peer_id.to_base58()))
         await self.dial(info)
 
     async def keep_connected(self, addrs: list[str]) -> None:
@@ -345,7 +345,7 @@ class P2PHost:
                     nursery.start_soon(self._keep_one, info, addr)
 
     async def _keep_one(self, info: PeerInfo, addr: str) -> None:
-        pid = info.peer_id.to_base58()
+        pid = PeerId(info.peer_id.to_base58())
         delay_s = self.config.bootstrap_backoff_s
         failures = 0
         while True:
@@ -366,12 +366,12 @@ class P2PHost:
 
     # --- bans --------------------------------------------------------------------------------
 
-    def is_banned(self, peer_id: str) -> bool:
+    def is_banned(self, peer_id: PeerId) -> bool:
         """Whether ``peer_id`` is blacklisted now."""
         until = self._banned_until.get(peer_id)
         return until is not None and until > trio.current_time()
 
-    def ban(self, peer_id: str) -> None:
+    def ban(self, peer_id: PeerId) -> None:
         """Blacklist ``peer_id`` for ``ban_s`` seconds and close its connections."""
         if self.is_banned(peer_id) or peer_id == self.peer_id:
             return

@@ -96,7 +96,7 @@ class PeerTable:
         heartbeat_interval_s: float,
         *,
         missed_heartbeats: int = 3,
-        coordinator: str | None = None,
+        coordinator: PeerId | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_peers: int = MAX_PEERS,
     ) -> None:
@@ -104,8 +104,8 @@ class PeerTable:
         self.expiry_s = missed_heartbeats * heartbeat_interval_s
         self.coordinator_id = coordinator
         self._clock = clock
-        self._peers: dict[str, PeerInfo] = {}  # insertion order = order of the latest record (moved to the end on update)
-        self._arrivals: dict[str, None] = {}  # insertion order = first seen (alive since), newest last
+        self._peers: dict[PeerId, PeerInfo] = {}  # insertion order = order of the latest record (moved to the end on update)
+        self._arrivals: dict[PeerId, None] = {}  # insertion order = first seen (alive since), newest last
         self.max_peers = max_peers
         self.evicted = 0
         """Peers pushed out by newer ones because the table was full."""
@@ -162,7 +162,7 @@ class PeerTable:
         self.evicted += 1
         return True
 
-    def _forget(self, peer_id: str) -> None:
+    def _forget(self, peer_id: PeerId) -> None:
         self._peers.pop(peer_id, None)
         self._arrivals.pop(peer_id, None)
 
@@ -174,14 +174,14 @@ class PeerTable:
             return True
         return False
 
-    def remove(self, peer_id: str) -> None:
+    def remove(self, peer_id: PeerId) -> None:
         """Forget a peer now (e.g. banned)."""
         self._forget(peer_id)
 
-    def prune(self) -> list[str]:
+    def prune(self) -> list[PeerId]:
         """Drop peers dead for ``FORGET_AFTER_DEAD_FACTOR`` expiry windows; returns their IDs."""
         cutoff = self._clock() - FORGET_AFTER_DEAD_FACTOR * self.expiry_s
-        gone: list[str] = [p.peer_id for p in self._peers.values() if p.last_seen < cutoff]
+        gone: list[PeerId] = [p.peer_id for p in self._peers.values() if p.last_seen < cutoff]
         for peer_id in gone:
             self._forget(peer_id)
         return gone
@@ -193,7 +193,7 @@ class PeerTable:
         now = self._clock()
         return sorted((p for p in self._peers.values() if self._alive(p, now)), key=lambda p: (p.role, p.peer_id))
 
-    def get(self, peer_id: str) -> PeerInfo | None:
+    def get(self, peer_id: PeerId) -> PeerInfo | None:
         """The live peer ``peer_id``, or ``None`` if unknown or dead."""
         p = self._peers.get(peer_id)
         return p if p is not None and self._alive(p, self._clock()) else None
@@ -237,7 +237,7 @@ class PeerTable:
         return len(self.alive())
 
     def __contains__(self, peer_id: object) -> bool:
-        return isinstance(peer_id, str) and self.get(peer_id) is not None
+        return isinstance(peer_id, str) and self.get(PeerId(peer_id)) is not None
 
     def __iter__(self) -> Iterator[PeerInfo]:
         return iter(self.alive())
@@ -266,7 +266,7 @@ def origin_urls_of(peers: PeerTable, origin_urls: list[str] | tuple[str, ...] = 
 def pick_upstreams(
     peers: PeerTable,
     *,
-    own_peer_id: str,
+    own_peer_id: PeerId,
     own_url: str = "",
     origin_urls: list[str] | tuple[str, ...] = (),
     fanout: int = 3,

@@ -49,7 +49,7 @@ from node.p2p.host import P2PHost
 from node.p2p.peers import PeerTable
 from protocol.envelope import Envelope, seal
 from protocol.errors import DecodeError, ProtocolError
-from protocol.identity import NodeKey
+from protocol.identity import NodeKey, PeerId
 from protocol.messages import CheckpointAnnouncement, Hardware, Message, NodeRecord, Role
 from protocol.runspec import RunSpec
 
@@ -108,7 +108,7 @@ class GossipNode:
     spec: RunSpec
     key: NodeKey
     config: GossipConfig
-    peer_id: str
+    peer_id: PeerId
     topics: dict[TopicKind, str]
     peers: PeerTable
     heartbeat_interval_s: float
@@ -463,7 +463,7 @@ class GossipNode:
             except ProtocolError as e:
                 reason, points = penalty_for(e)
                 self._rejected[reason] += 1
-                sender = forwarder.to_base58()
+                sender = PeerId(forwarder.to_base58())
                 logger.debug("rejected %s message from %s: %s", kind, sender, e, extra={"peer_id": sender})
                 if points and sender != self.peer_id and self._scores.penalize(sender, points):
                     self._scores.forget(sender)

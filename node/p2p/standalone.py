@@ -44,7 +44,7 @@ async def _main(args: argparse.Namespace) -> None:
                 raise DuplicateEnvelope("dropped on purpose")
             return real_check(kind, data, remember=remember)  # type: ignore[arg-type]
 
-        node._validator.check = drop  # type: ignore[method-assign]
+        node._validator.check = drop  # type: ignore[method-assign,assignment]
     await serve_until_signalled(node, log_announcements=args.log_announcements)
 
 

@@ -20,7 +20,7 @@ from node.p2p.follow import follow_relay
 from node.paths import default_data_dir
 from node.shardcast.relay import Relay, RelayConfig
 from node.shardcast.store import ShardcastStore
-from protocol.identity import NodeKey
+from protocol.identity import NodeKey, PeerId
 from protocol.runspec import SignedRunSpec
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ async def run_relay(
         await relay.stop()
 
 
-def relay_status(relay: Relay, peer_id: str, url: str, started_s: float) -> dict[str, Any]:
+def relay_status(relay: Relay, peer_id: PeerId, url: str, started_s: float) -> dict[str, Any]:
     """The relay's ``GET /status`` JSON: role, peer ID, URL, held steps (ascending), latest held
     step (``None``: none yet), upstreams, piece responses served, uptime in seconds."""
     held = relay.held_steps()

@@ -39,6 +39,7 @@ from node.shardcast.server import ShardcastServer
 from node.shardcast.sources import SourcePool, normalise_url
 from node.shardcast.store import PieceWriter, ShardcastStore
 from protocol.errors import ProtocolError
+from protocol.identity import PeerId
 from protocol.shardcast import PieceRef
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class RelayConfig:
     poll_interval_s: float = 0.2
     upstream_ban_s: float = 600.0
     download: DownloadConfig = field(default_factory=lambda: DownloadConfig(stall_timeout_s=120.0))
-    peer_id: str = ""
+    peer_id: PeerId | None = None
 
 
 def _origins_among(urls: Iterable[str], origins: Iterable[str]) -> list[str]:

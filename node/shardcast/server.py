@@ -29,6 +29,7 @@ from aiohttp import web
 
 from node.shardcast.store import ShardcastStore
 from protocol.content import hex_id
+from protocol.identity import PeerId
 from protocol.shardcast import ROUTE_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class ShardcastServer:
         store: what to serve.
         host: interface to bind (``127.0.0.1`` by default; ``0.0.0.0`` to serve others).
         port: TCP port; 0 picks a free one (read :attr:`port` after :meth:`start`).
-        peer_id: the serving node's peer ID, reported in ``/held`` (informational).
+        peer_id: the serving node's peer ID, reported in ``/held`` (informational; ``None``: reported as ``""``).
 
     Attributes:
         pieces_served: piece responses with status 200 or 206 started so far.
@@ -62,7 +63,7 @@ class ShardcastServer:
     """
 
     def __init__(
-        self, store: ShardcastStore, *, host: str = "127.0.0.1", port: int = 0, peer_id: str = "", piece_wait_s: float = PIECE_WAIT_S
+        self, store: ShardcastStore, *, host: str = "127.0.0.1", port: int = 0, peer_id: PeerId | None = None, piece_wait_s: float = PIECE_WAIT_S
     ) -> None:
         self.store = store
         self.host = host
@@ -141,7 +142,7 @@ class ShardcastServer:
         steps = self.store.steps()
         doc = {
             "run_id": self.store.run_id.hex(),
-            "peer_id": self.peer_id,
+            "peer_id": self.peer_id or "",
             "held_steps": self.store.held_steps()[-512:],
             "steps": steps[-512:],
             "latest": steps[-1] if steps else None,

@@ -32,7 +32,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from node.web.assets import ASSETS, SECURITY_HEADERS, PageLimiter, add_page_rout
 from protocol.durable import atomic_write
 from protocol.envelope import Envelope, open_envelope
 from protocol.errors import ProtocolError
+from protocol.identity import PeerId
 from protocol.messages import NodeRecord, Submission, Verdict
 from protocol.runspec import SignedRunSpec
 from trainer.ledger.bans import BanBook
@@ -191,7 +192,7 @@ class RunPage:
     """
 
     def __init__(self, signed: SignedRunSpec, store: SubmissionStore, bans: BanBook, *, status: Callable[[], dict[str, Any]],
-                 metrics_path: Path, peer_id: str, url: str = "", clock: Callable[[], float] = time.monotonic,
+                 metrics_path: Path, peer_id: PeerId, url: str = "", clock: Callable[[], float] = time.monotonic,
                  archive_dir: Path | None = None) -> None:
         self.signed = signed
         self.spec = signed.spec
@@ -320,7 +321,7 @@ class RunPage:
             n = sum(len(r.completion_ids) // 4 for r in env.body.rollouts)  # packed uint32 token IDs
             self._tokens[worker] = self._tokens.get(worker, 0) + n
 
-    def _leaderboard(self, banned: dict[str, Any]) -> list[dict[str, Any]]:
+    def _leaderboard(self, banned: Mapping[PeerId, Any]) -> list[dict[str, Any]]:
         """The top :data:`CAPS` ``leaderboard`` workers; the last one built until it is due again
         (:data:`BOARD_DUTY_FACTOR`)."""
         t0 = self._clock()
@@ -331,7 +332,7 @@ class RunPage:
         board: list[dict[str, Any]] = []
         for peer, c in workers.items():
             acc, rej = c.get("accepted", 0), c.get("rejected", 0)
-            ban = banned.get(peer)
+            ban = banned.get(PeerId(peer))
             board.append({"peer_id": peer, "accepted": acc, "rejected": rej, "pending": c.get("pending", 0),
                           "submissions_trained": c.get("trained", 0), "rollouts_trained": trained.get(peer, 0),
                           "tokens": self._tokens.get(peer, 0), "reputation": 0.0 if ban else round((acc + 1) / (acc + rej + 2), 4),

@@ -9,6 +9,7 @@ import hashlib
 import json
 from collections.abc import Iterable
 
+from protocol.identity import PeerId
 from protocol.tasks.schema import Task, TaskError
 
 TASK_DERIVATION_DOMAIN = b"intellect-node/task-derivation/v1\x00"
@@ -52,7 +53,7 @@ def _u64(value: int, name: str) -> bytes:
 
 def derive_task_indices(
     run_seed: int,
-    peer_id: str,
+    peer_id: PeerId,
     policy_step: int,
     counter: int,
     n_tasks_in_dataset: int,

@@ -40,6 +40,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from protocol.addresses import address_key
 from protocol.envelope import Envelope, open_envelope
 from protocol.errors import ProtocolError
+from protocol.identity import PeerId
 from protocol.ingest_api import (
     BANS_ROUTE,
     ERROR_CODES,
@@ -80,13 +81,13 @@ class RecheckResult:
         accepted: whether every check passed.
         reason: ``"ok"`` or the first failing check's reason code (``protocol.verdicts``).
         detail: a short summary of the evidence (which rollout, the numbers), ≤ 200 characters.
-        by: peer ID of whoever re-checked (the coordinator).
+        by: peer ID of whoever re-checked (the coordinator; empty when the re-check itself failed).
     """
 
     accepted: bool
     reason: str
     detail: str
-    by: str
+    by: PeerId
 
 
 @dataclass
@@ -539,7 +540,7 @@ class IngestService:
                     result = self.recheck(raw)
                 except Exception as e:  # noqa: BLE001 - the re-check's own failure is no evidence against the worker
                     logger.warning("re-check of %s failed: %s", sid[:12], e)
-                    result = RecheckResult(True, "recheck_failed", str(e)[:200], "")
+                    result = RecheckResult(True, "recheck_failed", str(e)[:200], PeerId(""))  # by nobody: benign, never evidence
                 if not result.accepted and is_cheat(result.reason):
                     self.rechecks["reproduced"] += 1
                     self.m_rechecks.labels("reproduced").inc()

@@ -10,7 +10,7 @@ from pathlib import Path
 from protocol.durable import atomic_write
 from protocol.envelope import Authorities, open_envelope, seal
 from protocol.errors import ProtocolError, SchemaError
-from protocol.identity import NodeKey
+from protocol.identity import NodeKey, PeerId
 from protocol.messages import BanEntry, BanEvidence, BanList
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class BanBook:
         with self._lock:
             if peer_id in self._entries:
                 return False
-            self._entries[peer_id] = BanEntry(peer_id=peer_id, reason=reason[:64], since_ms=int(time.time() * 1000), verdict_id=verdict_id,
+            self._entries[peer_id] = BanEntry(peer_id=PeerId(peer_id), reason=reason[:64], since_ms=int(time.time() * 1000), verdict_id=verdict_id,
                                               submission_id=submission_id, evidence=list(evidence or [])[:2])
             self._publish()
         logger.warning("banned %s (%s)", peer_id, reason, extra={"peer_id": peer_id})

@@ -48,6 +48,7 @@ from typing import Any
 from protocol.durable import atomic_write, fsync_dir, tmp_path_for
 from protocol.envelope import Envelope, open_envelope
 from protocol.errors import ProtocolError
+from protocol.identity import PeerId
 from protocol.messages import Submission
 
 logger = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class DecidingVerdict:
     """The verdict that decided a submission: its envelope's content ID (hex), signer, outcome, evidence summary."""
 
     verdict_id: str
-    validator: str
+    validator: PeerId
     accepted: bool
     reason: str
     evidence: str
