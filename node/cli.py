@@ -153,6 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from node.logs import setup_logging
 
     setup_logging(args.verbose, json_lines=args.log_json)
+    from node.fds import raise_open_files_limit
+
+    raise_open_files_limit()  # connection caps come from it (node/fds.py)
     try:
         return int(args.handler(args) or 0)
     except CliError as e:

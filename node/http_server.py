@@ -24,12 +24,22 @@ What a server started here gets (``docs/operators.md`` "HTTP limits"):
   address's oldest connection (reset, :func:`reset`), so addresses cannot together lock others out;
 * **no compressed bodies** — ``auto_decompress`` is off and :data:`identity_only` answers 415 to
   any request body with a ``Content-Encoding`` other than ``identity``: nothing inflates;
-* **stalled writes** — a client that asks for a response and then stops reading it (its receive
-  window stays shut) would hold a connection and a handler forever; once the bytes waiting to go
-  to it (the transport's buffer plus the socket's unsent queue, ``TIOCOUTQ``, which also covers
-  ``sendfile``) stay non-zero and unchanged for ``write_stall_s``, the connection is shut down
-  and reset (a pending ``sendfile`` fails with it, so its handler ends). A
-  slow reader moves them and keeps its connection;
+* **stalled writes, judged in bytes/s** — a client that asks for a response and then stops
+  reading it (its receive window stays shut) would hold a connection and a handler forever; and
+  one that opens its window once a minute kept an "unchanged for 60 s" watch quiet forever
+  (issue #23). Now, while bytes wait to go to a client (the transport's buffer plus the socket's
+  unsent queue, ``TIOCOUTQ``, which also covers ``sendfile``), the bytes it acknowledges
+  (``TCP_INFO`` ``tcpi_bytes_acked``) are counted over windows of ``write_stall_s``; a window
+  in which it took less than ``write_min_bps`` on average ends the connection: shut down and
+  reset (a pending ``sendfile`` fails with it, so its handler ends). A window starts again
+  whenever nothing waits. Where ``TCP_INFO`` cannot be read, unsent bytes unchanged for the
+  window count as a stall;
+* **accept failures logged once per interval** — when descriptors run out, asyncio logs an
+  ERROR per failed ``accept()`` (up to 512 per loop tick; 169,417 records in 45 s under
+  ``ulimit -n 1024``); :class:`AcceptErrorLog` turns them into one WARNING per
+  :data:`ACCEPT_ERROR_LOG_INTERVAL_S` with a count. The connection cap itself comes from the
+  process's descriptor budget (:mod:`node.fds`), so the servers' own connections leave room for
+  the node's files;
 * small header limits (line and field 8 KiB, 64 headers);
 * **peer noise stays out of the error log** — aiohttp logs every request it cannot parse (an
   HTTP/2 preface, a chunk size past 2^64, an over-long line) as an ERROR with a traceback, so any
@@ -42,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import socket
@@ -55,6 +66,7 @@ from typing import Any
 from aiohttp import web, web_server
 from aiohttp.http_exceptions import HttpProcessingError
 
+from node.fds import ACCEPT_BACKLOG, CONNECTION_BUDGET
 from protocol.addresses import address_key
 
 logger = logging.getLogger(__name__)
@@ -71,8 +83,10 @@ class ServerLimits:
         max_connections: open connections in all; more are aborted.
         max_line_size: longest request line or header line, bytes.
         max_headers: most header fields in one request.
-        write_stall_s: a connection whose unsent response bytes stay non-zero and unchanged this
-            long is aborted, seconds (checked every quarter of it).
+        write_stall_s: length of the windows over which a connection with response bytes
+            waiting is judged, seconds (checked every quarter of it).
+        write_min_bps: a connection that, while bytes wait for it, takes less than this many
+            bytes/second over a window is aborted (bytes/s).
     """
 
     header_timeout_s: float = 10.0
@@ -81,6 +95,7 @@ class ServerLimits:
     max_line_size: int = 8190
     max_headers: int = 64
     write_stall_s: float = 60.0
+    write_min_bps: float = 4096.0
 
 
 class PeerHttpNoiseFilter(logging.Filter):
@@ -152,18 +167,41 @@ def _abort_if_open(transport: asyncio.Transport) -> None:
         transport.abort()
 
 
+LISTEN_QUEUE = 4096
+"""Length of the kernel's queue of connections waiting to be accepted (capped by ``somaxconn``)."""
+
+_TCPI_BYTES_ACKED = 120
+"""Offset of ``tcpi_bytes_acked`` (u64) in Linux's ``struct tcp_info`` (since Linux 4.1)."""
+
+
+def _bytes_acked(transport: asyncio.Transport) -> int | None:
+    """Bytes the peer has acknowledged on this TCP connection, or ``None`` where it cannot be read."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCPI_BYTES_ACKED + 8)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if len(info) < _TCPI_BYTES_ACKED + 8:
+        return None
+    return int(struct.unpack_from("<Q", info, _TCPI_BYTES_ACKED)[0])
+
+
 class StallWatch:
-    """Aborts connections whose unsent bytes stay non-zero and unchanged for ``stall_s``.
+    """Aborts connections that, while response bytes wait for them, take less than ``min_bps``
+    over a window of ``stall_s`` seconds.
 
     Attributes:
         aborted: connections aborted for a stalled write so far.
     """
 
-    def __init__(self, counted: dict[Any, tuple[str, asyncio.Transport]], stall_s: float) -> None:
+    def __init__(self, counted: dict[Any, tuple[str, asyncio.Transport]], stall_s: float, min_bps: float = 0.0) -> None:
         self.counted = counted
         self.stall_s = stall_s
+        self.min_bps = min_bps
         self.aborted = 0
-        self._seen: dict[Any, tuple[int, float]] = {}  # handler → (unsent bytes, since when unchanged)
+        self._seen: dict[Any, tuple[float, int | None, int]] = {}  # handler → (window start, bytes acked then, unsent then)
         self._cut: set[Any] = set()  # handlers shut down at the previous pass, aborted at this one if still open
         self._task: asyncio.Task[None] | None = None
 
@@ -178,7 +216,7 @@ class StallWatch:
 
     def check(self, now: float) -> None:
         """One pass over the open connections."""
-        seen: dict[Any, tuple[int, float]] = {}
+        seen: dict[Any, tuple[float, int | None, int]] = {}
         cut, self._cut = self._cut, set()
         for handler, (ip, transport) in list(self.counted.items()):
             if transport.is_closing():
@@ -188,23 +226,96 @@ class StallWatch:
                 continue
             unsent = _unsent_bytes(transport)
             if unsent == 0:
+                continue  # nothing waits for it: no window runs
+            acked = _bytes_acked(transport)
+            window = self._seen.get(handler)
+            if window is None:
+                seen[handler] = (now, acked, unsent)
                 continue
-            before, since = self._seen.get(handler, (-1, now))
-            if unsent != before:
-                since = now
-            elif now - since >= self.stall_s:
-                logger.debug("aborting a connection from %s: %d response bytes unread for %.0f s", ip, unsent, now - since)
+            since, acked0, unsent0 = window
+            if now - since < self.stall_s:
+                seen[handler] = window
+                continue
+            if acked is not None and acked0 is not None:
+                rate = (acked - acked0) / (now - since)
+                stalled = rate < self.min_bps
+            else:  # no TCP_INFO: the old rule, unsent bytes unchanged for the window
+                rate, stalled = 0.0, unsent == unsent0
+            if stalled:
+                logger.debug("aborting a connection from %s: took %.0f bytes/s over %.0f s with %d bytes waiting", ip, rate, now - since, unsent)
                 self.aborted += 1
                 reset(transport)
                 self._cut.add(handler)
                 continue
-            seen[handler] = (unsent, since)
+            seen[handler] = (now, acked, unsent)  # next window
         self._seen = seen
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.stall_s / 4)
             self.check(time.monotonic())
+
+
+ACCEPT_ERROR_LOG_INTERVAL_S = 10.0
+"""At most one log record about failing ``accept()`` calls per this many seconds."""
+
+_ACCEPT_ERROR = "socket.accept() out of system resource"
+
+
+def _is_accept_retry(context: dict[str, Any]) -> bool:
+    """A failure of asyncio's retry of a failed ``accept()`` (it schedules one retry per failed
+    try; those left when the server closes fail on its closed socket)."""
+    handle = context.get("handle")
+    callback = getattr(handle, "_callback", None)
+    return getattr(callback, "__name__", "") == "_start_serving" and isinstance(context.get("exception"), (OSError, ValueError))
+
+
+class AcceptErrorLog:
+    """An event-loop exception handler that reports asyncio's ``accept()`` failures (EMFILE,
+    ENFILE, ENOBUFS, ENOMEM) as one WARNING per ``interval_s`` with their count, and passes every
+    other context to the handler it replaced (or the loop's default).
+
+    Attributes:
+        failures: accept failures seen so far.
+        logged: WARNING records written about them.
+    """
+
+    def __init__(self, previous: Callable[[asyncio.AbstractEventLoop, dict[str, Any]], object] | None,
+                 interval_s: float = ACCEPT_ERROR_LOG_INTERVAL_S) -> None:
+        self.previous = previous
+        self.interval_s = interval_s
+        self.failures = 0
+        self.logged = 0
+        self._unlogged = 0
+        self._last_log = -float("inf")
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") != _ACCEPT_ERROR and not _is_accept_retry(context):
+            if self.previous is not None:
+                self.previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        self.failures += 1
+        self._unlogged += 1
+        now = time.monotonic()
+        if now - self._last_log >= self.interval_s:
+            exc = context.get("exception")
+            logger.warning("accept() failed %d times since the last report (%s): connections are refused until descriptors free up; "
+                           "raise the open files limit (ulimit -n) or lower the connection cap", self._unlogged, exc)
+            self.logged += 1
+            self._unlogged = 0
+            self._last_log = now
+
+    @classmethod
+    def install(cls, loop: asyncio.AbstractEventLoop) -> AcceptErrorLog:
+        """Install on ``loop`` once (a second call returns the installed one)."""
+        current = loop.get_exception_handler()
+        if isinstance(current, cls):
+            return current
+        handler = cls(current)
+        loop.set_exception_handler(handler)
+        return handler
 
 
 def _cap_connections(server: web_server.Server, limits: ServerLimits) -> dict[Any, tuple[str, asyncio.Transport]]:
@@ -271,11 +382,15 @@ def http_url(host: str, port: int) -> str:
 
 @dataclass
 class RunningServer:
-    """A started server: its runner (``await cleanup()`` to stop), bound port and stalled-write watch."""
+    """A started server: its runner (``await cleanup()`` to stop), bound port, stalled-write
+    watch, the connection cap it got from the process's descriptor budget, and its loop's
+    accept-failure log."""
 
     runner: web.AppRunner
     port: int
     stalls: StallWatch
+    max_connections: int = 0
+    accept_errors: AcceptErrorLog | None = None
 
     async def stop(self) -> None:
         await self.runner.cleanup()
@@ -288,7 +403,8 @@ async def start_site(app: web.Application, host: str, port: int = 0, *, limits: 
     Args:
         app: the application (not yet frozen); :data:`identity_only` is added first.
         host: interface; port: TCP port (0: any free one).
-        limits: :class:`ServerLimits` (defaults suit every role).
+        limits: :class:`ServerLimits` (defaults suit every role); ``max_connections`` is
+            lowered to what the process's descriptor budget allows (:mod:`node.fds`).
         reuse_address: set ``SO_REUSEADDR`` (bind again right after a restart, as asyncio's
             ``create_server`` does by default on POSIX).
         shutdown_timeout_s: grace period for open requests on stop, seconds.
@@ -300,9 +416,17 @@ async def start_site(app: web.Application, host: str, port: int = 0, *, limits: 
         OSError: the address cannot be bound.
     """
     lim = limits or ServerLimits()
+    cap = CONNECTION_BUDGET.grant(lim.max_connections)  # room left for the node's own files (node/fds.py)
+    lim = dataclasses.replace(lim, max_connections=cap, max_connections_per_ip=min(lim.max_connections_per_ip, cap))
+    accept_errors = AcceptErrorLog.install(asyncio.get_running_loop())
     app.middlewares.insert(0, identity_only)
-    stalls = StallWatch({}, lim.write_stall_s)
+    stalls = StallWatch({}, lim.write_stall_s, lim.write_min_bps)
+
+    async def give_back(_app: web.Application) -> None:
+        CONNECTION_BUDGET.release(cap)
+
     app.on_cleanup.append(stalls.stop)  # runner.cleanup() stops the watch with the server
+    app.on_cleanup.append(give_back)
     runner = web.AppRunner(
         app, access_log=None, handle_signals=False, shutdown_timeout=shutdown_timeout_s,
         keepalive_timeout=lim.header_timeout_s, auto_decompress=False,
@@ -321,6 +445,10 @@ async def start_site(app: web.Application, host: str, port: int = 0, *, limits: 
         await runner.cleanup()
         raise
     bound = int(sock.getsockname()[1])
-    await web.SockSite(runner, sock, backlog=512).start()
+    await web.SockSite(runner, sock, backlog=ACCEPT_BACKLOG).start()
+    # asyncio accepts at most ACCEPT_BACKLOG connections per loop pass (the descriptor budget
+    # counts on it); the kernel's queue may be longer, so a flood of connects does not drop an
+    # honest client's SYN (a 1 s retransmit) while the loop works through the queue
+    sock.listen(LISTEN_QUEUE)
     stalls.start()
-    return RunningServer(runner, bound, stalls)
+    return RunningServer(runner, bound, stalls, cap, accept_errors)

@@ -59,9 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from node.cli import CliError, gossip_config, load_key, load_spec
+    from node.fds import raise_open_files_limit
     from node.logs import setup_logging
 
     setup_logging(args.verbose, json_lines=args.log_json)
+    raise_open_files_limit()  # connection caps come from it (node/fds.py)
     try:
         signed = load_spec(args.run)
         key = load_key(args.key)

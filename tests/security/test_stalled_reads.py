@@ -119,3 +119,47 @@ async def test_a_sendfile_cut_off_ends_its_handler_and_leaves_the_loop_serving(t
             w.close()
         stalled.close()
         await running.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_client_that_opens_its_window_once_per_watch_period_is_cut_off(tmp_path: Path) -> None:
+    """Issue 23: the watch fired only when the unsent bytes stayed unchanged for a whole
+    ``write_stall_s``, so a client reading 16 KiB just before each period ended held its
+    connection (and handler) forever at ~20 KiB/s. Now a period in which it takes
+    less than ``write_min_bps`` ends it; a reader above the floor keeps its connection."""
+    piece = tmp_path / "piece"
+    piece.write_bytes(b"\1" * BIG)
+    running = await start_site(_app(piece), "127.0.0.1", limits=ServerLimits(write_stall_s=1.0, write_min_bps=64 * 1024))
+    opener = _connect(running.port, "/body", rcvbuf=4096)
+    opener.setblocking(False)
+    reader = _connect(running.port, "/file")
+    reader.setblocking(False)
+    got = {opener: 0, reader: 0}
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 20
+    next_open = loop.time()
+
+    def take(s: socket.socket, n: int) -> None:
+        try:
+            while n > 0 and (chunk := s.recv(min(n, 1 << 16))):
+                got[s] += len(chunk)
+                n -= len(chunk)
+        except (BlockingIOError, ConnectionResetError):
+            pass
+
+    try:
+        while running.stalls.aborted == 0:
+            assert loop.time() < end, f"the window opener was never cut off (it took {got[opener]} bytes)"
+            if loop.time() >= next_open:  # 16 KiB (≈ 20 KiB/s), just often enough that the unsent bytes never sit unchanged for a period
+                take(opener, 16 << 10)
+                next_open = loop.time() + 0.8
+            take(reader, 1 << 16)  # ≈ 640 KiB/s: far above the floor
+            await asyncio.sleep(0.1)
+        before = got[reader]
+        await _wait_until(lambda: (take(reader, 1 << 16), got[reader] > before + (1 << 18))[1])
+        assert running.stalls.aborted == 1, "only the window opener was cut off"
+        assert got[reader] < BIG
+    finally:
+        opener.close()
+        reader.close()
+        await running.stop()
