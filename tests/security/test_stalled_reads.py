@@ -156,7 +156,7 @@ async def test_a_client_that_opens_its_window_once_per_watch_period_is_cut_off(t
             take(reader, 1 << 16)  # ≈ 640 KiB/s: far above the floor
             await asyncio.sleep(0.1)
         before = got[reader]
-        await _wait_until(lambda: (take(reader, 1 << 16), got[reader] > before + (1 << 18))[1])
+        await wait_until(lambda: (take(reader, 1 << 16), got[reader] > before + (1 << 18))[1])
         assert running.stalls.aborted == 1, "only the window opener was cut off"
         assert got[reader] < BIG
     finally:
