@@ -11,10 +11,8 @@ through transformers' own forward and growing cache, as before ``node/engine/sta
 the spread of the repeats, the engine/generate ratio (goal ≥ 1.5× at the default small shape,
 ≥ 1.0× at the 0.5B profile), the share of :func:`protocol.sampling.sample` in the engine's decode
 time (goal ≤ 5 %), the share of :func:`protocol.toploc.build_proofs` time in generation + proof
-time (goal ≤ 2 %), and a side-by-side table of the sampling rules on the model's own next-token
-logits: ``icdf-v1`` (the default), ``gumbel-v1`` (Philox noise for every vocabulary entry) and
-Gumbel-max with exact candidate pruning (noise only where ``z_v + g_max ≥`` a lower bound of the
-best score; same tokens as ``gumbel-v1``, checked), for a random and a ``peaked`` model.
+time (goal ≤ 2 %), and the sampler's cost per decode step on the model's own next-token logits,
+for a random and a ``peaked`` model side by side.
 
 Usage::
 
@@ -42,63 +40,22 @@ from node.engine.hf import TransformersEngine
 from protocol import sampling, toploc
 from protocol.models import build_model, embedded_config, embedded_tokenizer
 
-G_MAX = -math.log(-math.log((2**32 - 0.5) / 2**32))
-"""Largest ``gumbel-v1`` noise value: ``u`` is at most ``(2^32 − 0.5) / 2^32``."""
-
-
-def gumbel_pruned(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, probe: int = 64) -> tuple[torch.Tensor, float]:
-    """``gumbel-v1`` tokens (temperature 1, no top-p or EOS gate) with exact candidate pruning.
-
-    The noise of the ``probe`` largest logits gives a lower bound ``L`` of the best perturbed
-    score; every noise value is ``≤ G_MAX``, so a token with ``z_v + G_MAX < L`` cannot win and
-    only candidates ``z_v ≥ L − G_MAX`` need their Philox noise. Exact: the same argmax as the
-    full rule. Returns ``(tokens [B], mean candidates per row)``.
-    """
-    z = logits.to(torch.float64)
-    b = z.shape[0]
-    top = torch.topk(z, probe, dim=-1).indices  # [B, probe]
-
-    def noise(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        s, t = seeds[rows], positions[rows]
-        ctr = (ids, t & 0xFFFFFFFF, (t >> 32) & 0xFFFFFFFF, torch.full_like(ids, sampling.COUNTER_TAG))
-        r = sampling.philox4x32(ctr, (s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF))[0]
-        u = (r.to(torch.float64) + 0.5) / 2**32
-        return -torch.log(-torch.log(u))
-
-    rows = torch.arange(b)[:, None].expand(-1, probe)
-    bound = (z.gather(-1, top) + noise(rows.reshape(-1), top.reshape(-1)).reshape(b, probe)).amax(-1)  # [B]
-    cand = (z >= (bound - G_MAX)[:, None]).nonzero()  # [N, 2]
-    scores = torch.full_like(z, -math.inf)
-    scores[cand[:, 0], cand[:, 1]] = z[cand[:, 0], cand[:, 1]] + noise(cand[:, 0], cand[:, 1])
-    return scores.argmax(-1), cand.shape[0] / b
-
 
 def sampler_table(variants: dict[str, torch.Tensor], repeats: int) -> None:
-    """Per-step sampling cost of each rule on captured ``[B, V]`` logits, side by side (CPU ms)."""
+    """Per-step cost of the sampling rule on captured ``[B, V]`` logits, side by side (CPU ms)."""
     print(f"{'sampler on the model logits':34}" + "".join(f"{k + ' ms/step':>22}" for k in variants))
-    rows: dict[str, list[str]] = {"icdf-v1 (default)": [], "gumbel-v1": [], "gumbel-v1, exact pruning": [], "  pruning candidates/row": []}
+    cells = []
     for logits in variants.values():
         b = logits.shape[0]
         seeds, pos = torch.arange(1, b + 1, dtype=torch.int64), torch.full((b,), 7, dtype=torch.int64)
-
-        def best(fn: Callable[[], object]) -> float:
-            fn()
-            out = math.inf
-            for _ in range(repeats):
-                t0 = time.process_time()
-                fn()
-                out = min(out, time.process_time() - t0)
-            return out * 1e3
-
-        rows["icdf-v1 (default)"].append(f"{best(lambda: sampling.sample(logits, seeds, pos, rule=sampling.RULE_ICDF)):22.2f}")
-        rows["gumbel-v1"].append(f"{best(lambda: sampling.sample(logits, seeds, pos, rule=sampling.RULE_GUMBEL)):22.2f}")
-        rows["gumbel-v1, exact pruning"].append(f"{best(lambda: gumbel_pruned(logits, seeds, pos)):22.2f}")
-        ref, _ = sampling.sample(logits, seeds, pos, rule=sampling.RULE_GUMBEL)
-        pruned, n_cand = gumbel_pruned(logits, seeds, pos)
-        assert torch.equal(ref, pruned), "pruned Gumbel-max differs from the full rule"
-        rows["  pruning candidates/row"].append(f"{n_cand:22.0f}")
-    for k, v in rows.items():
-        print(f"{k:34}" + "".join(v))
+        sampling.sample(logits, seeds, pos)
+        out = math.inf
+        for _ in range(repeats):
+            t0 = time.process_time()
+            sampling.sample(logits, seeds, pos)
+            out = min(out, time.process_time() - t0)
+        cells.append(f"{out * 1e3:22.2f}")
+    print(f"{sampling.DEFAULT_RULE:34}" + "".join(cells))
 
 
 def _clock(device: str) -> Callable[[], float]:
@@ -126,7 +83,7 @@ def main() -> None:
     ap.add_argument("--profile", choices=PROFILES, default=None, help="realistic shape (benchmarks/profiles.py); --layers still applies")
     ap.add_argument("--peaked", type=float, default=0.0, help="scale the logits by this (0: random weights, flat logits)")
     ap.add_argument("--rule", choices=sampling.RULES, default=sampling.DEFAULT_RULE, help="the engine's sampling rule")
-    ap.add_argument("--sampler-repeats", type=int, default=5, help="samples per rule in the sampler table (minimum reported); 0: skip")
+    ap.add_argument("--sampler-repeats", type=int, default=5, help="samples per variant in the sampler table (minimum reported); 0: skip")
     args, _ = ap.parse_known_args()
     if args.profile:
         ap.set_defaults(layers=QWEN25_05B["layers"], vocab=QWEN25_05B["vocab"], hidden=QWEN25_05B["hidden"], new_tokens=256, batch=8)

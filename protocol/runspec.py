@@ -78,8 +78,8 @@ class SamplingSpec(_Section):
     )
     length_penalty: Annotated[float, Field(ge=0.0, le=1.0, description="λ in r − λ·|len − target|")] = 0.0
     rule: Annotated[
-        Literal["icdf-v1", "gumbel-v1"],
-        Field(description="sampling rule (protocol.sampling, docs/toploc.md §5): icdf-v1 (default) or the first rule, gumbel-v1"),
+        Literal["icdf-v1"],
+        Field(description="sampling rule (protocol.sampling, docs/toploc.md §5): icdf-v1"),
     ] = "icdf-v1"
 
 

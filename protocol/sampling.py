@@ -1,55 +1,51 @@
-"""Replayable sampling: two versioned counter-based rules, their replay checks, termination and log-prob rules.
+"""Replayable sampling: the versioned counter-based rule, its replay check, termination and log-prob rules.
 
 TOPLOC (arXiv 2501.16007) proves which hidden states produced a completion but not that its
 tokens were *sampled* from them: a worker could generate with a cheap model and then prefill the
 policy to make valid proofs. So sampling is made a deterministic function of the policy's logits
 and a seed the worker cannot choose, and the validator recomputes every token
-(``docs/toploc.md`` §5–§6). The run spec's ``sampling.rule`` names the rule of a run.
+(``docs/toploc.md`` §5–§6). The run spec's ``sampling.rule`` names the rule of a run; a rule whose
+tokens differ gets a new name.
 
-Shared by both rules (normative):
+Rule ``icdf-v1`` (:data:`RULE_ICDF`, the only rule; normative):
 
 * **Seed.** :func:`derive_sequence_seed` hashes (run seed, policy step, peer ID, task ID, sample
   index) into a 63-bit sequence seed.
-* **Temperature.** ``z = float64(logits) / temperature``, ``temperature > 0``.
-* **Top-p.** Sort ``softmax(z)`` descending (equal probabilities by lower token id) and keep the
+* **Temperature.** ``z = logits / temperature``, ``temperature > 0``.
+* **Weights.** ``w_v = exp(z_v − max z)`` over the unfiltered distribution, canonical order =
+  token id; ``P(v) = w_v / Σ w``.
+* **Top-p.** Sort by ``P`` descending (equal probabilities by lower token id) and keep the
   shortest prefix whose cumulative probability reaches ``top_p``: token ``v`` is kept iff the
   total probability of the tokens ranked before it is ``< top_p`` (the top token always is).
   ``top_p = 1.0`` keeps every token.
 * **EOS gate.** With EOS ids and a floor ``min_eos_prob`` (the run spec's
-  ``toploc.eos_min_prob``), EOS tokens are not kept where ``P(EOS) = Σ_e softmax(z)[e]``
-  (unfiltered) is below the floor; so an honest completion can only end where the policy gives
-  EOS at least that probability, which is what the termination check demands.
-* **Log-prob.** ``logprob = log_softmax(z)[token]`` of the *unfiltered* tempered distribution,
-  computed in float64 and returned as float32.
-
-Rule ``icdf-v1`` (:data:`RULE_ICDF`, the default): inverse-CDF draws from a few counter-based
-uniforms per position (``docs/toploc.md`` §5.1).
-
+  ``toploc.eos_min_prob``), EOS tokens are not kept where ``P(EOS) = Σ_e P(e)`` (unfiltered) is
+  below the floor; so an honest completion can only end where the policy gives EOS at least that
+  probability, which is what the termination check demands.
 * **Uniforms.** Philox block ``j`` of position ``t`` has counter ``(t mod 2^32, t >> 32, j,
   0x49434446)`` and key ``(seed mod 2^32, seed >> 32)``; uniform ``2j`` is made of its words 0
   and 1, uniform ``2j + 1`` of words 2 and 3, as ``(hi · 2^21 + (lo >> 11)) / 2^53 ∈ [0, 1)``.
   :data:`ICDF_DRAWS` = 16 draws and one fallback uniform: 9 blocks per position.
-* **Draws.** ``w_v = exp(z_v − max z)`` over the unfiltered distribution, canonical order =
-  token id; draw ``j`` is the smallest id ``k`` with ``Σ_{v ≤ k} w_v > u_j · Σ_v w_v``.
+* **Draws.** Draw ``j`` is the smallest id ``k`` with ``Σ_{v ≤ k} w_v > u_j · Σ_v w_v``.
 * **Choice.** The first draw whose token is kept (top-p, EOS gate): rejection sampling, so the
   token follows the renormalised kept distribution exactly, and the kept set never moves any
   token's interval.
 * **Fallback.** All 16 draws rejected: inverse CDF over the kept tokens with the last uniform;
-  nothing kept (the nucleus holds only gated EOS tokens): the most probable non-EOS token.
-* Weights may be computed in float32 (as here: relative error ~1e-7) and summed in any order in
-  float64; the replay tolerance (an absolute ε on ``u``) absorbs rounding and device
-  differences. Cost per position: one exp, one cumulative sum, 16 binary searches.
+  nothing kept (the nucleus holds only gated EOS tokens): the most probable non-EOS token (lowest
+  id on a tie).
+* **Log-prob.** ``logprob = log P(token)`` of the *unfiltered* tempered distribution, returned as
+  float32.
 
-Rule ``gumbel-v1`` (:data:`RULE_GUMBEL`, still accepted for runs whose spec names it): Gumbel-max
-with noise for every vocabulary entry.
-
-* **Noise.** For token id ``v`` at completion position ``t``,
-  ``r = Philox4x32-10(counter=(v, t mod 2^32, t >> 32, 0x47554D42), key=(seed mod 2^32, seed >> 32))``
-  word 0 (Salmon et al., SC'11, "Parallel random numbers: as easy as 1, 2, 3"),
-  ``u = (r + 0.5) / 2^32`` and ``g = −log(−log u)`` in float64. The integer stream is computed
-  with integer ops that never overflow (int64 tensors; on the CPU numpy uint64, whose
-  32×32-bit products are exact), so it is bit-identical on every device.
-* **Choice.** ``token = argmax over kept v of (z_v + g_v)`` (lowest id on an exact tie).
+The rule is exact arithmetic; implementations round. This one computes the weights in float32
+and keeps the cumulative sums as one float64 partial sum per :data:`CDF_CHUNK` tokens built from
+float32 chunk sums (:class:`_ChunkedCDF`, shared by :func:`sample` and :func:`replay_check`), so
+every CDF edge is within ``(CDF_CHUNK − 1) · 2^-24 ≈ 3.8e-6`` of its exact value relative to the
+total; the replay tolerance ε (1e-4 in probability units) absorbs that and the numeric noise
+between the worker's and the validator's forward passes (``docs/toploc.md`` §5.3). Cost per
+position: one max, one exp and one chunked sum over the vocabulary (float32, no ``[V]`` float64
+temporary), then one chunk of 64 weights per draw; with top-p < 1 the sampler sorts the row and
+the check builds a mass histogram of the weights and sorts only the tokens of the nucleus's
+boundary bins.
 """
 
 from __future__ import annotations
@@ -69,18 +65,18 @@ from protocol.identity import PeerId
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "CDF_CHUNK",
     "DEFAULT_RULE",
     "RULES",
-    "RULE_GUMBEL",
     "RULE_ICDF",
     "LogprobResult",
     "ReplayResult",
     "TerminationResult",
     "derive_sequence_seed",
-    "gumbel_noise",
     "logprob_check",
     "philox4x32",
     "replay_check",
+    "replay_checks",
     "sample",
     "termination_check",
     "uniforms",
@@ -89,23 +85,22 @@ __all__ = [
 SEED_DOMAIN = b"intellect-node/sequence-seed/v1\x00"
 """Domain-separation prefix of the sequence-seed hash input (32 bytes)."""
 RULE_ICDF = "icdf-v1"
-"""Inverse-CDF sampling from one counter-based uniform per position (the default rule)."""
-RULE_GUMBEL = "gumbel-v1"
-"""Gumbel-max with Philox noise for every vocabulary entry (the first rule)."""
-RULES = (RULE_ICDF, RULE_GUMBEL)
-"""Every rule a run spec may name."""
+"""Inverse-CDF sampling from a few counter-based uniforms per position."""
+RULES = (RULE_ICDF,)
+"""Every rule a run spec may name. (``gumbel-v1``, Gumbel-max with Philox noise for every
+vocabulary entry, was removed: 25× the cost at vocabulary 151,936 for no gain in detection,
+``docs/toploc.md`` §5.)"""
 DEFAULT_RULE = RULE_ICDF
-COUNTER_TAG = 0x47554D42
-"""Fourth Philox counter word of the ``gumbel-v1`` noise ("GUMB"), reserving other values for other streams."""
 ICDF_COUNTER_TAG = 0x49434446
 """Fourth Philox counter word of the ``icdf-v1`` uniforms ("ICDF")."""
 ICDF_DRAWS = 16
 """``icdf-v1`` draws per position before the fallback (inverse CDF over the kept set)."""
-DEFAULT_REPLAY_EPS = 0.1
-"""``gumbel-v1`` replay tolerance ε, in units of the perturbed score ``z + g`` (nats at temperature 1)."""
+CDF_CHUNK = 64
+"""Tokens per partial sum of the chunked CDF (:class:`_ChunkedCDF`): a float32 sum of 64 weights
+is within ``63 · 2^-24 ≈ 3.8e-6`` of its value relatively, whatever the summation order."""
 DEFAULT_ICDF_EPS = 1e-4
-"""``icdf-v1`` replay tolerance ε: the claimed token passes if ``u`` lies within this distance of
-its interval of the validator's cumulative distribution (probability units)."""
+"""Replay tolerance ε: the claimed token passes if ``u`` lies within this distance of its interval
+of the validator's cumulative distribution (probability units)."""
 DEFAULT_MAX_NEAR_TIE_FRACTION = 0.1
 """Near-tie mismatches tolerated per completion: at most ``ceil(fraction · T)`` of T tokens."""
 DEFAULT_NUCLEUS_SLACK = 1e-3
@@ -114,11 +109,13 @@ DEFAULT_MIN_EOS_PROB = 0.1
 """A completion may stop with EOS only where the recomputed P(EOS) is at least this."""
 DEFAULT_EOS_PROB_SLACK = 0.01
 """Numeric slack around the EOS floor: worker and validator may see P(EOS) differ by this much."""
-_ROW_BLOCK = 64  # rows of [T, V] scored at once in replay (bounds memory for large vocabularies)
-_ICDF_BLOCK_ELEMENTS = 1 << 20
-"""icdf-v1 on the CPU works on row blocks of at most this many float64 entries (8 MiB): larger
-temporaries come from fresh mmap'd pages, and their page faults cost more than the arithmetic
-(measured 2.1 vs 0.67 ms per row at vocabulary 151,936)."""
+_ICDF_BLOCK_ELEMENTS = 1 << 21
+"""The sampler on the CPU works on row blocks of at most this many float32 weights (8 MiB):
+larger temporaries come from fresh mmap'd pages, whose faults cost more than the arithmetic."""
+_REPLAY_BLOCK_ELEMENTS = 1 << 22
+"""The replay check works on row blocks of at most this many logits (16 MiB of float32: the
+block's passes stay in the last-level cache; fewer, larger tensor ops keep a loaded machine's
+thread barriers few)."""
 
 _M32 = 0xFFFFFFFF
 _PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
@@ -219,69 +216,6 @@ def philox4x32(
     return c0, c1, c2, c3
 
 
-def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Standard Gumbel noise for each (sequence, position) and every token id.
-
-    Args:
-        seeds: ``[B]`` int64 sequence seeds (all 64 bits are used, two's complement).
-        positions: ``[B]`` int64 completion positions, ``≥ 0`` (0 = first generated token).
-        vocab_size: V.
-
-    Returns:
-        ``[B, V]`` float64 ``−log(−log u)`` on the device of ``seeds``.
-    """
-    device = seeds.device
-    seeds = seeds.to(torch.int64).reshape(-1, 1)  # [B, 1]
-    positions = positions.to(device=device, dtype=torch.int64).reshape(-1, 1)  # [B, 1]
-    if device.type == "cpu":
-        r = _philox_word0_numpy(seeds, positions, vocab_size)  # [B, V] in [0, 2^32)
-    else:
-        vocab = torch.arange(vocab_size, dtype=torch.int64, device=device).reshape(1, -1)  # [1, V]
-        zero = torch.zeros_like(positions)
-        key = (seeds & _M32, (seeds >> 32) & _M32)
-        counter = (vocab, positions & _M32, (positions >> 32) & _M32, zero + COUNTER_TAG)
-        r = philox4x32(counter, key)[0]  # [B, V] in [0, 2^32)
-    u = (r.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)  # (0, 1), exact
-    return -torch.log(-torch.log(u))
-
-
-def _philox_word0_numpy(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Word 0 of the noise stream's Philox4x32-10 on the CPU, with numpy ``uint64`` words.
-
-    Same integers as :func:`philox4x32` on the counters of :func:`gumbel_noise`, about 3× faster:
-    a product of two 32-bit words is below 2^64, so one exact ``uint64`` multiply replaces the
-    16-bit split that int64 tensors need. The last round computes only word 0.
-
-    Args:
-        seeds: ``[B, 1]`` int64 sequence seeds (two's complement of the u64 seed).
-        positions: ``[B, 1]`` int64 completion positions, ``≥ 0``.
-        vocab_size: V.
-
-    Returns:
-        ``[B, V]`` int64 tensor with values in ``[0, 2^32)``.
-    """
-    m32, s32 = np.uint64(_M32), np.uint64(32)
-    mul0, mul1 = np.uint64(_PHILOX_M0), np.uint64(_PHILOX_M1)
-    s = seeds.numpy().astype(np.uint64)  # [B, 1], two's complement → u64 bits
-    p = positions.numpy().astype(np.uint64)  # [B, 1]
-    k0, k1 = s & m32, s >> s32  # [B, 1] each
-    c0 = np.arange(vocab_size, dtype=np.uint64).reshape(1, -1)  # [1, V]
-    c1, c2, c3 = p & m32, p >> s32, np.full_like(p, COUNTER_TAG)  # [B, 1] each; broadcasting keeps early rounds cheap
-    for r in range(10):
-        if r:
-            k0 = (k0 + np.uint64(_PHILOX_W0)) & m32
-            k1 = (k1 + np.uint64(_PHILOX_W1)) & m32
-        prod1 = c2 * mul1  # exact, < 2^64
-        if r == 9:
-            c0 = (prod1 >> s32) ^ c1 ^ k0
-            break
-        prod0 = c0 * mul0
-        c0, c1, c2, c3 = (prod1 >> s32) ^ c1 ^ k0, prod1 & m32, (prod0 >> s32) ^ c3 ^ k1, prod0 & m32
-    shape = (s.shape[0], vocab_size)
-    out = c0 if c0.shape == shape and c0.flags.writeable else np.broadcast_to(c0, shape).copy()
-    return torch.from_numpy(out.view(np.int64))
-
-
 def _philox_numpy(c: list[np.ndarray], k: list[np.ndarray]) -> list[np.ndarray]:
     """Philox4x32-10 on numpy ``uint64`` arrays holding 32-bit words (exact 32×32-bit products)."""
     m32, s32 = np.uint64(_M32), np.uint64(32)
@@ -360,92 +294,194 @@ def _check_params(temperature: float, top_p: float) -> None:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
-def _nucleus_exclusive_mass(z: torch.Tensor) -> torch.Tensor:
-    """``z [B, V]`` float64 → ``[B, V]`` probability mass of the tokens ranked before each token
-    (descending probability, equal probabilities by lower id)."""
-    return _exclusive_from_probs(torch.softmax(z, dim=-1))
-
-
-def _exclusive_from_probs(probs: torch.Tensor) -> torch.Tensor:
-    """``[B, V]`` float64 probabilities → the same as :func:`_nucleus_exclusive_mass` (one sort per row)."""
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    exclusive = torch.cumsum(sorted_p, dim=-1) - sorted_p
-    return torch.empty_like(exclusive).scatter_(-1, order, exclusive)
-
-
-def _scores(
-    logits: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-    temperature: float,
-    top_p: float,
-    eos_ids: Sequence[int] = (),
-    eos_floor: float | torch.Tensor = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tempered logits ``z``, unmasked perturbed scores ``z + g``, the same with −inf outside the
-    nucleus (and on EOS where P(EOS) < ``eos_floor``, a float or ``[B]`` tensor), and the
-    exclusive nucleus mass (zeros when ``top_p == 1``), all ``[B, V]`` float64."""
-    z = logits.to(torch.float64) / temperature  # [B, V]
-    raw = z + gumbel_noise(seeds, positions, z.shape[-1])  # [B, V]
-    if top_p < 1.0:
-        exclusive = _nucleus_exclusive_mass(z)
-        scores = raw.masked_fill(exclusive >= top_p, -math.inf)
-    else:
-        exclusive, scores = torch.zeros_like(z), raw
-    eos = [e for e in eos_ids if 0 <= e < z.shape[-1]]
-    if eos:
-        idx = _ids_on(tuple(eos), str(z.device))
-        p_eos = torch.softmax(z, dim=-1)[:, idx].sum(-1)  # [B]
-        gated = p_eos < (eos_floor.to(z.device) if isinstance(eos_floor, torch.Tensor) else float(eos_floor))  # [B]
-        scores = scores.clone() if scores is raw else scores
-        scores[:, idx] = torch.where(gated[:, None], -math.inf, scores[:, idx])  # no host sync
-    return z, raw, scores, exclusive
-
-
 def _check_rule(rule: str) -> None:
     if rule not in RULES:
         raise ValueError(f"unknown sampling rule {rule!r}; known: {', '.join(RULES)}")
 
 
-def _icdf_search(cum: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Smallest id ``k`` with ``cum[k] > u · cum[-1]`` for each uniform.
+class _ChunkedCDF:
+    """The cumulative weights of ``[b, V]`` rows, kept as a float64 prefix over chunks of
+    :data:`CDF_CHUNK` tokens: the one CDF that the sampler draws from and the check searches.
+
+    Building it reads the weights once (one float32 sum per chunk, then a float64 prefix over the
+    ``C = ceil(V / 64)`` chunk sums); a query (:meth:`search`, :meth:`interval`) reads the 64
+    weights of one chunk per queried position and sums them in float64 from the chunk's prefix.
+    The last token of a chunk ends exactly at the next chunk's prefix (it absorbs the rounding
+    difference between the chunk's float32 sum and the float64 running sum), so the intervals
+    partition ``[0, total)`` and :meth:`search` lands in the interval :meth:`interval` reports.
+
+    Error: each chunk sum is within ``(CDF_CHUNK − 1) · 2^-24`` of its exact value relatively, in
+    any summation order, so every edge is within ``3.8e-6 · total`` of the exact CDF of the
+    float32 weights (``docs/toploc.md`` §5.3).
 
     Args:
-        cum: ``[B, V]`` float64 cumulative weights (non-decreasing).
-        u: ``[B, K]`` float64 uniforms in ``[0, 1)``.
-
-    Returns:
-        ``[B, K]`` int64 token ids; a row whose weights are all 0 yields V − 1.
+        w: ``[b, V]`` float32 non-negative weights with contiguous rows; kept by reference.
     """
-    last = cum[:, -1:]  # [B, 1]
-    target = torch.minimum(u * last, torch.nextafter(last, torch.zeros_like(last)))  # < last: a weighted token exists
-    return torch.searchsorted(cum, target, right=True).clamp_max(cum.shape[-1] - 1)
+
+    def __init__(self, w: torch.Tensor) -> None:
+        vocab = w.shape[1]
+        full = vocab // CDF_CHUNK
+        parts = []
+        if full:
+            parts.append(w[:, : full * CDF_CHUNK].unflatten(-1, (full, CDF_CHUNK)).sum(-1))  # [b, full] float32
+        if vocab % CDF_CHUNK:
+            parts.append(w[:, full * CDF_CHUNK :].sum(-1, keepdim=True))  # [b, 1] the shorter last chunk
+        sums = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # [b, C] float32
+        self.w = w
+        self.vocab = vocab
+        self.prefix = torch.nn.functional.pad(torch.cumsum(sums, dim=-1, dtype=torch.float64), (1, 0))  # [b, C + 1]
+        self.total = self.prefix[:, -1]  # [b] float64
+        self._ends = self.prefix[:, 1:].contiguous()  # [b, C] cumulative weight at each chunk's end
+        self._lane = torch.arange(CDF_CHUNK, device=w.device)  # [L]
+
+    def _running(self, k: torch.Tensor) -> torch.Tensor:
+        """``[b, Q, L]`` float64 cumulative weight through each lane of chunks ``k`` (``[b, Q]``
+        int64), non-decreasing, the chunk's last token ending at the next chunk's prefix."""
+        ids = k[..., None] * CDF_CHUNK + self._lane  # [b, Q, L]
+        blk = self.w.gather(1, ids.clamp_max(self.vocab - 1).flatten(1)).view(ids.shape)  # [b, Q, L] float32
+        if self.vocab % CDF_CHUNK:
+            blk = blk.masked_fill(ids >= self.vocab, 0.0)
+        start = self.prefix.gather(1, k)  # [b, Q]
+        run = torch.cumsum(blk, dim=-1, dtype=torch.float64) + start[..., None]  # [b, Q, L]
+        last = (self.vocab - 1 - k * CDF_CHUNK).clamp_max(CDF_CHUNK - 1)  # [b, Q] lane of the chunk's last token
+        before = torch.where(last > 0, run.gather(-1, (last - 1).clamp_min(0)[..., None])[..., 0], start)
+        end = torch.maximum(self.prefix.gather(1, k + 1), before)  # [b, Q]
+        return torch.where(self._lane >= last[..., None], end[..., None], run)
+
+    def search(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The smallest id ``k`` whose cumulative weight exceeds ``t``.
+
+        Args:
+            t: ``[b, Q]`` float64 targets in ``[0, total)`` (:func:`_targets`).
+
+        Returns:
+            ``(ids [b, Q] int64, lo [b, Q], hi [b, Q])``: the ids and their intervals
+            ``[lo, hi)`` of cumulative weight (float64, unnormalised); ``lo ≤ t < hi``.
+        """
+        k = torch.searchsorted(self._ends, t, right=True).clamp_max(self._ends.shape[-1] - 1)  # [b, Q] chunk
+        run = self._running(k)  # [b, Q, L]
+        off = torch.searchsorted(run, t[..., None], right=True)[..., 0].clamp_max(CDF_CHUNK - 1)  # [b, Q] lane
+        return k * CDF_CHUNK + off, *self._edges(k, off, run)
+
+    def interval(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lo, hi)``, each ``[b, Q]`` float64: the cumulative-weight interval of token ids
+        ``[b, Q]`` (in ``[0, V)``), as :meth:`search` would land in it."""
+        k = torch.div(ids, CDF_CHUNK, rounding_mode="floor")
+        return self._edges(k, ids - k * CDF_CHUNK, self._running(k))
+
+    def _edges(self, k: torch.Tensor, off: torch.Tensor, run: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hi = run.gather(-1, off[..., None])[..., 0]
+        lo = torch.where(off > 0, run.gather(-1, (off - 1).clamp_min(0)[..., None])[..., 0], self.prefix.gather(1, k))
+        return lo, hi
+
+
+def _targets(u: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """``u · total`` as ``[b, Q]`` float64 search targets, held below ``total`` (so a weighted token
+    exists) for ``[b, Q]`` uniforms and ``[b]`` totals."""
+    last = total[:, None]
+    return torch.minimum(u * last, torch.nextafter(last, torch.zeros_like(last)))
 
 
 def _kept_mask(e: torch.Tensor, total: torch.Tensor, top_p: float, eos_idx: torch.Tensor | None, gated: torch.Tensor | None) -> torch.Tensor:
-    """``[B, V]`` bool kept set of the shared rules: nucleus (``exclusive mass < top_p``) minus gated EOS."""
-    keep = _exclusive_from_probs(e / total[:, None]) < top_p if top_p < 1.0 else torch.ones_like(e, dtype=torch.bool)
+    """``[B, V]`` bool kept set of the rule, as its text says: one stable sort of the weights per
+    row (descending, equal weights by lower id), kept where the mass ranked before is ``< top_p``;
+    minus gated EOS. The sampler's; the check uses :class:`_Nucleus` (same sets, tested)."""
+    if top_p < 1.0:
+        sorted_w, order = torch.sort(e, dim=-1, descending=True, stable=True)  # [B, V] float32
+        before = torch.cumsum(sorted_w, dim=-1, dtype=torch.float64) - sorted_w  # [B, V]
+        keep = torch.empty_like(e, dtype=torch.bool).scatter_(-1, order, (before < top_p * total[:, None]) | (before <= 0.0))
+    else:
+        keep = torch.ones_like(e, dtype=torch.bool)
     if eos_idx is not None and gated is not None:
         keep[:, eos_idx] &= ~gated[:, None]
     return keep
 
 
-def _icdf_fallback(z: torch.Tensor, e: torch.Tensor, keep: torch.Tensor, u: torch.Tensor, eos_idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fallback choice (inverse CDF over the kept set with uniform ``u [B]``; the most probable
-    non-EOS token if nothing is kept) and the kept set's cumulative weights ``[B, V]``."""
-    cum = torch.cumsum(e.masked_fill(~keep, 0.0), dim=-1, dtype=torch.float64)
-    tok = _icdf_search(cum, u[:, None])[:, 0]
-    if eos_idx is not None:
-        best = z.index_fill(-1, eos_idx, -math.inf).argmax(dim=-1)
-        tok = torch.where(cum[:, -1] > 0, tok, best)
-    return tok, cum
+class _Nucleus:
+    """Top-p kept sets at several masses at once, without sorting the vocabulary (the check's).
+
+    For each limit ``ℓ`` the kept set is ``{v : mass ranked before v < ℓ · total}`` (or the top
+    token), i.e. every token ranked at or before a boundary token ``(w*, id*)``: kept iff
+    ``w_v > w*`` or ``w_v = w*`` and ``v ≤ id*``. The boundary is found from a mass histogram of
+    the weights over their float32 bit patterns' top 15 bits (monotone in the weight, 2^-7 relative
+    bin width; one pass), then one sort of the few tokens of the bins that hold the boundaries.
+
+    Args:
+        e: ``[b, V]`` float32 weights in ``[0, 1]``.
+        total: ``[b]`` float64 their sums.
+        limits: masses ``ℓ`` (probability units; ``≥ 1`` keeps everything).
+    """
+
+    _SHIFT = 16
+    _BINS = (0x3F800000 >> 16) + 1  # bit pattern of 1.0f: weights are ≤ 1
+
+    def __init__(self, e: torch.Tensor, total: torch.Tensor, limits: Sequence[float]) -> None:
+        b, vocab = e.shape
+        self.e = e
+        dev = e.device
+        keys = (e.view(torch.int32) >> self._SHIFT).clamp_(0, self._BINS - 1)  # [b, V] int32, non-decreasing in the weight
+        offsets = torch.arange(b, dtype=torch.int32, device=dev)[:, None] * self._BINS
+        mass = torch.bincount((keys + offsets).flatten(), weights=e.flatten(), minlength=b * self._BINS).view(b, self._BINS)
+        above = torch.cumsum(mass.flip(-1), dim=-1, dtype=torch.float64)  # [b, B] mass of this bin and all heavier ones
+        targets = torch.tensor(list(limits), dtype=torch.float64, device=dev)[None, :] * total[:, None]  # [b, n]
+        pos = torch.searchsorted(above, targets)  # [b, n] first bin (heaviest first) whose running mass reaches ℓ
+        everything = pos >= self._BINS
+        pos = pos.clamp_max(self._BINS - 1)
+        bins = (self._BINS - 1 - pos).to(torch.int32)  # [b, n] the boundary's bin
+        heavier = torch.where(pos > 0, above.gather(1, (pos - 1).clamp_min(0)), 0.0)  # [b, n] mass of heavier bins
+        member = keys == bins[:, :1]
+        for i in range(1, bins.shape[1]):
+            member |= keys == bins[:, i : i + 1]
+        width = max(1, int(member.sum(-1).max()))
+        vals, ids = torch.where(member, e, -1.0).topk(width, dim=-1)  # [b, W] the boundary bins' tokens
+        ids, perm = ids.sort(dim=-1)
+        vals, perm = vals.gather(-1, perm).sort(dim=-1, descending=True, stable=True)  # weight desc, id asc
+        ids = ids.gather(-1, perm)
+        cand_keys = vals.view(torch.int32) >> self._SHIFT  # −1.0 (padding) has a negative key: no bin
+        self.bounds: list[tuple[torch.Tensor, torch.Tensor]] = []
+        rank = torch.arange(1, width + 1, device=dev)
+        for i in range(bins.shape[1]):
+            inside = cand_keys == bins[:, i : i + 1]  # [b, W]
+            w = torch.where(inside, vals, 0.0).to(torch.float64)
+            before = heavier[:, i : i + 1] + torch.cumsum(w, dim=-1) - w  # [b, W] mass ranked before each
+            kept = inside & ((before < targets[:, i : i + 1]) | (before <= 0.0))
+            at = ((kept * rank).amax(dim=-1) - 1).clamp_min(0)[:, None]  # [b, 1] the last kept candidate
+            val = torch.where(everything[:, i], -1.0, vals.gather(-1, at)[:, 0])
+            self.bounds.append((val, torch.where(everything[:, i], vocab, ids.gather(-1, at)[:, 0])))
+
+    def kept(self, ids: torch.Tensor, i: int) -> torch.Tensor:
+        """Whether token ids ``[b, Q]`` are kept at limit ``i``: ``[b, Q]`` bool."""
+        val, bid = self.bounds[i]
+        w = self.e.gather(1, ids)
+        return (w > val[:, None]) | ((w == val[:, None]) & (ids <= bid[:, None]))
+
+    def kept_all(self, i: int) -> torch.Tensor:
+        """``[b, V]`` bool kept set at limit ``i``."""
+        val, bid = self.bounds[i]
+        keep = self.e > val[:, None]
+        ties = self.e == val[:, None]
+        if bool(ties.any()):
+            keep |= ties & (torch.arange(self.e.shape[1], device=self.e.device) <= bid[:, None])
+        return keep
 
 
-def _icdf_weights(x: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _icdf_fallback(e: torch.Tensor, keep: torch.Tensor, u: torch.Tensor, eos_idx: torch.Tensor | None) -> tuple[torch.Tensor, _ChunkedCDF, torch.Tensor]:
+    """The fallback choice: inverse CDF over the kept set with uniform ``u [B]``, the most probable
+    non-EOS token (lowest id on a tie) if nothing is kept. Returns ``(tokens [B], the kept set's
+    CDF, the largest non-EOS weight [B])``."""
+    cdf = _ChunkedCDF(e.masked_fill(~keep, 0.0))
+    tok = cdf.search(_targets(u[:, None], cdf.total))[0][:, 0]
+    non_eos = e if eos_idx is None else e.index_fill(-1, eos_idx, -1.0)
+    best_w, best = non_eos.max(dim=-1)  # first maximum: the lowest id on a tie
+    return torch.where(cdf.total > 0, tok, best), cdf, best_w
+
+
+def _icdf_weights(x: torch.Tensor, temperature: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``icdf-v1`` weights ``w = exp((x − max x) / T)`` in float32 (relative error ~1e-7, far
-    inside the replay tolerance) and ``max x / T`` in float64, from ``[B, V]`` float32 logits."""
+    inside the replay tolerance) and ``max x / T`` in float64, from ``[B, V]`` float32 logits;
+    written into ``out`` (which may be ``x`` itself) when given."""
     mx = x.amax(dim=-1, keepdim=True)  # [B, 1]
-    e = torch.sub(x, mx)
+    e = torch.sub(x, mx) if out is None else torch.sub(x, mx, out=out)
     if temperature != 1.0:
         e.mul_(1.0 / temperature)
     return e.exp_(), mx.to(torch.float64) / temperature
@@ -476,11 +512,11 @@ def _icdf_sample_rows(
     x = logits.float()  # [B, V] (no copy for float32 logits)
     vocab = x.shape[-1]
     e, m = _icdf_weights(x, temperature)  # [B, V] float32, [B, 1] float64
-    cum = torch.cumsum(e, dim=-1, dtype=torch.float64)  # [B, V]
-    total = cum[:, -1]  # [B]
+    cdf = _ChunkedCDF(e)
+    total = cdf.total  # [B]
     if u is None:
         u = uniforms(seeds, positions)  # [B, K + 1]
-    draws = _icdf_search(cum, u[:, :ICDF_DRAWS])  # [B, K]
+    draws = cdf.search(_targets(u[:, :ICDF_DRAWS], total))[0]  # [B, K]
     eos = [v for v in eos_ids if 0 <= v < vocab]
     eos_idx = _ids_on(tuple(eos), str(x.device)) if eos else None
     gated = e[:, eos_idx].sum(dim=-1) / total < min_eos_prob if eos_idx is not None and min_eos_prob > 0.0 else None
@@ -501,7 +537,7 @@ def _icdf_sample_rows(
         if x.device.type != "cpu" or not bool(any_kept.all()):
             if keep is None:
                 keep = _kept_mask(e, total, top_p, eos_idx, gated)
-            fallback, _ = _icdf_fallback(x, e, keep, u[:, ICDF_DRAWS], eos_idx)
+            fallback = _icdf_fallback(e, keep, u[:, ICDF_DRAWS], eos_idx)[0]
             tokens = torch.where(any_kept, tokens, fallback)
     logprobs = x.gather(-1, tokens[:, None])[:, 0].to(torch.float64) / temperature - m[:, 0] - torch.log(total)
     return tokens, logprobs.to(torch.float32)
@@ -521,7 +557,7 @@ def sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row by the named rule (module docstring; ``docs/toploc.md`` §5).
 
-    Runs on the logits' device; neither rule synchronises with the host (CUDA decode loops stay
+    Runs on the logits' device and never synchronises with the host (CUDA decode loops stay
     asynchronous).
 
     Args:
@@ -532,10 +568,10 @@ def sample(
         top_p: in ``(0, 1]``; 1.0 disables the nucleus filter.
         eos_ids: token ids that end a completion (for the EOS gate).
         min_eos_prob: EOS may be drawn only where P(EOS) ≥ this (0 disables the gate).
-        rule: :data:`RULE_ICDF` (default) or :data:`RULE_GUMBEL`, the run spec's ``sampling.rule``.
-        u: ``icdf-v1`` only: ``[B, ICDF_DRAWS + 1]`` float64, the rows' :func:`uniforms` of
-            ``(seeds, positions)`` when the caller computed them ahead (a decode loop does every
-            position of a batch in one call); default: computed here. Other values are another rule.
+        rule: :data:`RULE_ICDF`, the run spec's ``sampling.rule``.
+        u: ``[B, ICDF_DRAWS + 1]`` float64, the rows' :func:`uniforms` of ``(seeds, positions)``
+            when the caller computed them ahead (a decode loop does every position of a batch in
+            one call); default: computed here. Other values are another rule.
 
     Returns:
         ``(tokens, logprobs)``: ``[B]`` int64 token ids and ``[B]`` float32
@@ -548,15 +584,10 @@ def sample(
     _check_rule(rule)
     if logits.dim() != 2 or seeds.shape != (logits.shape[0],) or positions.shape != (logits.shape[0],):
         raise ValueError("need logits [B, V], seeds [B] and positions [B]")
-    if u is not None and (rule != RULE_ICDF or u.shape != (logits.shape[0], ICDF_DRAWS + 1)):
-        raise ValueError(f"precomputed uniforms are for {RULE_ICDF} only, shape [B, {ICDF_DRAWS + 1}]")
+    if u is not None and u.shape != (logits.shape[0], ICDF_DRAWS + 1):
+        raise ValueError(f"precomputed uniforms must have shape [B, {ICDF_DRAWS + 1}]")
     seeds, positions = seeds.to(logits.device), positions.to(logits.device)
-    if rule == RULE_ICDF:
-        return _icdf_sample(logits, seeds, positions, temperature, top_p, eos_ids, min_eos_prob, u)
-    z, _, scores, _ = _scores(logits, seeds, positions, temperature, top_p, eos_ids, min_eos_prob)
-    tokens = torch.argmax(scores, dim=-1)  # [B]
-    logprobs = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, None])[:, 0]  # [B]
-    return tokens, logprobs.to(torch.float32)
+    return _icdf_sample(logits, seeds, positions, temperature, top_p, eos_ids, min_eos_prob, u)
 
 
 # --------------------------------------------------------------------------------------------
@@ -570,14 +601,12 @@ class ReplayResult:
 
     Attributes:
         tokens: ``[T]`` int64 tokens the validator's logits select.
-        margins: ``[T]`` float64 closeness to a tie of the validator's own choice: ``gumbel-v1``,
-            the gap between the top two perturbed scores (+inf if one candidate); ``icdf-v1``,
-            the distance of ``u`` to the nearer end of the chosen token's CDF interval.
-        gaps: ``[T]`` float64 distance of the claimed token from being chosen: ``gumbel-v1``,
-            ``score(recomputed) − score(claimed)``; ``icdf-v1``, the distance of ``u`` to the
-            claimed token's CDF interval (probability units). 0 where they agree, +inf where the
-            claimed token is not kept (outside the nucleus beyond the slack, gated EOS, outside
-            the vocabulary).
+        margins: ``[T]`` float64 closeness to a tie of the validator's own choice: the distance
+            of ``u`` to the nearer end of the chosen token's CDF interval (probability units).
+        gaps: ``[T]`` float64 distance of the claimed token from being chosen: the distance of
+            ``u`` to the claimed token's CDF interval (probability units). 0 where they agree,
+            +inf where the claimed token is not kept (outside the nucleus beyond the slack, gated
+            EOS, weight 0, outside the vocabulary).
         hard_mismatches: positions whose claimed token differs with a gap > ε.
         near_ties: positions whose claimed token differs with a gap ≤ ε.
         allowed_near_ties: ``ceil(max_near_tie_fraction · T)``.
@@ -598,24 +627,109 @@ class ReplayResult:
     logprobs: torch.Tensor | None = None
 
 
-def _gumbel_replay(
+def _icdf_replay(
     logits: torch.Tensor, safe: torch.Tensor, in_vocab: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-    temperature: float, top_p: float, nucleus_slack: float, eos_list: list[int], floor: torch.Tensor,
+    temperature: float, top_p: float, nucleus_slack: float, eos_list: list[int], floors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    eps: float, overwrite: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``gumbel-v1`` replay rows: (recomputed, margins, gaps vs the recomputed score, log-probs), each ``[T]``."""
+    """The replay's rows: (recomputed, margins, gaps, log-probs), each ``[T]``.
+
+    The validator's own choice uses the exact rule. The claimed token ``c`` is judged by draw:
+    draw ``j`` can explain it if ``c`` is possibly kept (nucleus within ``nucleus_slack``, EOS
+    gate at the loose floor) and every earlier draw ``i`` was possibly rejected by the worker
+    (its token not surely kept, or ``u_i`` within ε of its interval's ends *and* a possibly
+    unkept token within ε of ``u_i``, so noise could have picked it); the gap is the smallest
+    distance of such a ``u_j`` to ``c``'s interval of the full (unfiltered) CDF. The kept set
+    never shifts the intervals, so nucleus or gate noise only matters where the drawn token
+    itself sits on the nucleus boundary or is EOS. The fallback draw is judged on the exact kept
+    set, computed only in blocks that reach it.
+
+    Cost per row (:class:`_ChunkedCDF`): one max, one subtraction, one exp and one chunked sum
+    over the vocabulary, in place in ``logits`` when ``overwrite`` (else in one reused float32
+    block); then one 64-weight chunk per draw, one Philox block per two draws. With top-p < 1,
+    one mass histogram and a small sort (:class:`_Nucleus`) and one pass counting the tokens
+    that are not surely kept.
+
+    Args:
+        floors: ``[T]`` float64 EOS floors (exact, strict = floor + slack, loose = floor − slack);
+            0 where the claimed token is EOS (no gate).
+        eps: the near-tie tolerance (probability units).
+        overwrite: the check may use ``logits`` as its work buffer.
+    """
     n_tok, vocab = logits.shape
+    floor_exact, floor_strict, floor_loose = floors
+    dev = logits.device
+    eos_idx = torch.tensor(eos_list, dtype=torch.int64, device=dev) if eos_list else None
+    k = ICDF_DRAWS
+    rows = max(1, min(n_tok, _REPLAY_BLOCK_ELEMENTS // max(1, vocab)))
+    scratch = None if overwrite and logits.dtype == torch.float32 else torch.empty((rows, vocab), dtype=torch.float32, device=dev)
     rec, margins, gaps, lps = [], [], [], []
-    for lo in range(0, n_tok, _ROW_BLOCK):
-        hi = min(n_tok, lo + _ROW_BLOCK)
-        z, raw, scores, exclusive = _scores(logits[lo:hi], seeds[lo:hi], positions[lo:hi], temperature, top_p, eos_list, floor[lo:hi])
-        top2 = torch.topk(scores, k=min(2, vocab), dim=-1).values  # [b, 2]
-        best = top2[:, 0]
-        margins.append(top2[:, 0] - top2[:, 1] if vocab > 1 else torch.full_like(best, math.inf))
-        rec.append(torch.argmax(scores, dim=-1))
-        claimed_score = raw.gather(-1, safe[lo:hi, None])[:, 0]
-        inside = exclusive.gather(-1, safe[lo:hi, None])[:, 0] < top_p + nucleus_slack
-        gaps.append(torch.where(inside & in_vocab[lo:hi], best - claimed_score, torch.full_like(best, math.inf)))
-        lps.append(torch.log_softmax(z, dim=-1).gather(-1, safe[lo:hi, None])[:, 0])
+    for lo in range(0, n_tok, rows):
+        hi = min(n_tok, lo + rows)
+        b = hi - lo
+        x = logits[lo:hi].float()  # [b, V]
+        c = safe[lo:hi, None]  # [b, 1]
+        x_c = x.gather(-1, c)[:, 0].to(torch.float64)  # before the weights overwrite x
+        e, m = _icdf_weights(x, temperature, out=x if scratch is None else scratch[:b])  # [b, V] float32, [b, 1] float64
+        cdf = _ChunkedCDF(e)
+        total = cdf.total  # [b]
+        lps.append(x_c / temperature - m[:, 0] - torch.log(total))
+        u = uniforms(seeds[lo:hi], positions[lo:hi])  # [b, K + 1]
+        uk = u[:, :k]
+        draws, d_lo, d_hi = cdf.search(_targets(uk, total))  # [b, K]
+        d_margin = torch.minimum(uk - d_lo / total[:, None], d_hi / total[:, None] - uk)  # [b, K] distance to the interval's ends
+        c_lo, c_hi = (v[:, 0] / total for v in cdf.interval(c))  # [b] the claimed token's interval, probability units
+        dist = torch.clamp_min(torch.maximum(c_lo[:, None] - uk, uk - c_hi[:, None]), 0.0)  # [b, K]
+        dist = torch.where((c_hi > c_lo)[:, None], dist, math.inf)  # weight 0: never drawn
+        p_eos = e[:, eos_idx].sum(dim=-1) / total if eos_idx is not None else None  # [b]
+        # kept sets at three nucleus masses: surely kept (top_p − slack), exact, possibly kept (top_p + slack)
+        nucleus = _Nucleus(e, total, (top_p - nucleus_slack, top_p, top_p + nucleus_slack)) if top_p < 1.0 else None
+
+        def kept(ids: torch.Tensor, limit: int, floor: torch.Tensor, nucleus: _Nucleus | None = nucleus, p_eos: torch.Tensor | None = p_eos) -> torch.Tensor:
+            out = nucleus.kept(ids, limit) if nucleus is not None else torch.ones_like(ids, dtype=torch.bool)
+            if eos_idx is not None and p_eos is not None:
+                out = out & ~(torch.isin(ids, eos_idx) & (p_eos < floor)[:, None])
+            return out
+
+        fe, fs, fl = floor_exact[lo:hi], floor_strict[lo:hi], floor_loose[lo:hi]
+        kx = kept(draws, 1, fe)  # [b, K]
+        first = kx.to(torch.int8).argmax(dim=-1, keepdim=True)
+        r = draws.gather(-1, first)[:, 0]
+        margin = d_margin.gather(-1, first)[:, 0]
+        # a surely kept draw can only have been rejected by a noisy worker if a possibly unkept
+        # token lies within ε of its uniform (the worker's CDF put u there instead)
+        near_unkept = torch.zeros_like(kx)  # [b, K]
+        if nucleus is not None:
+            unsure = _ChunkedCDF((~nucleus.kept_all(0)).to(torch.float32))  # counts of tokens not surely kept
+            a = cdf.search(_targets((uk - eps).clamp(0.0, 1.0 - 2**-53), total))[0]
+            z = cdf.search(_targets((uk + eps).clamp(0.0, 1.0 - 2**-53), total))[0]
+            near_unkept = unsure.interval(z)[1] - unsure.interval(a)[0] > 0.5  # an unsure id in [a, z]
+        if eos_idx is not None and p_eos is not None:
+            e_lo, e_hi = (v / total[:, None] for v in cdf.interval(eos_idx.expand(b, -1)))  # [b, n_eos]
+            near_gated = (uk[..., None] >= e_lo[:, None, :] - eps) & (uk[..., None] <= e_hi[:, None, :] + eps)  # [b, K, n_eos]
+            near_unkept |= (near_gated & (p_eos < fs)[:, None, None]).any(dim=-1)
+        may_skip = ~kept(draws, 0, fs) | ((d_margin <= eps) & near_unkept)  # [b, K]
+        reach = torch.cumprod(torch.cat([torch.ones_like(may_skip[:, :1]), may_skip], dim=-1).to(torch.int8), dim=-1).bool()  # [b, K+1]
+        possible_c = kept(c, 2, fl)[:, 0]  # [b]
+        gap = torch.where(reach[:, :k] & possible_c[:, None], dist, math.inf).amin(dim=-1)
+        no_kept = ~kx.any(dim=-1)
+        if bool((reach[:, k] | no_kept).any()):  # the fallback: inverse CDF over the exact kept set with u_K
+            keep = nucleus.kept_all(1) if nucleus is not None else torch.ones_like(e, dtype=torch.bool)
+            if eos_idx is not None and p_eos is not None:
+                keep[:, eos_idx] &= ~(p_eos < fe)[:, None]
+            fb, fcdf, best_w = _icdf_fallback(e, keep, u[:, k], eos_idx)
+            r = torch.where(no_kept, fb, r)
+            ftot = fcdf.total
+            f_lo, f_hi = (v[:, 0] for v in fcdf.interval(c))
+            fgap = _interval_gap(u[:, k], f_lo, f_hi - f_lo, ftot)
+            fgap = torch.where(keep.gather(-1, c)[:, 0], fgap, math.inf)
+            # nothing kept: the most probable non-EOS token, any of them on a tie
+            is_eos = torch.isin(safe[lo:hi], eos_idx) if eos_idx is not None else torch.zeros_like(no_kept)
+            fgap = torch.where(ftot <= 0, torch.where(~is_eos & (e.gather(-1, c)[:, 0] == best_w), 0.0, math.inf), fgap)
+            gap = torch.where(reach[:, k], torch.minimum(gap, fgap), gap)
+        rec.append(r)
+        margins.append(margin)
+        gaps.append(torch.where(in_vocab[lo:hi], gap, math.inf))
     return torch.cat(rec), torch.cat(margins), torch.cat(gaps), torch.cat(lps)
 
 
@@ -625,106 +739,6 @@ def _interval_gap(u: torch.Tensor, lo: torch.Tensor, mass: torch.Tensor, total: 
     below, above = lo / total - u, u - (lo + mass) / total
     gap = torch.clamp_min(torch.maximum(below, above), 0.0)
     return torch.where(mass > 0, gap, torch.full_like(gap, math.inf))
-
-
-def _icdf_replay(
-    logits: torch.Tensor, safe: torch.Tensor, in_vocab: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-    temperature: float, top_p: float, nucleus_slack: float, eos_list: list[int], floors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``icdf-v1`` replay rows: (recomputed, margins, gaps, log-probs), each ``[T]``.
-
-    The validator's own choice uses the exact rule. The claimed token ``c`` is judged by draw:
-    draw ``j`` can explain it if ``c`` is possibly kept (nucleus within ``nucleus_slack``, EOS
-    gate at the loose floor) and every earlier draw ``i`` was possibly rejected by the worker
-    (its token not surely kept, or ``u_i`` within ε of its interval's ends, so noise could have
-    picked a neighbour); the gap is the smallest distance of such a ``u_j`` to ``c``'s interval
-    of the full (unfiltered) CDF. The kept set never shifts the intervals, so nucleus or gate
-    noise only matters where the drawn token itself sits on the nucleus boundary or is EOS.
-    Cost: one exp and one cumulative sum per row, K binary searches, one Philox block per two
-    draws; the kept-set CDF of the fallback only in blocks that reach it.
-
-    Args:
-        floors: ``[T]`` float64 EOS floors (exact, strict = floor + slack, loose = floor − slack);
-            0 where the claimed token is EOS (no gate).
-        eps: the near-tie tolerance (probability units).
-    """
-    n_tok, vocab = logits.shape
-    floor_exact, floor_strict, floor_loose = floors
-    eos_idx = torch.tensor(eos_list, dtype=torch.int64, device=logits.device) if eos_list else None
-    k = ICDF_DRAWS
-    rec, margins, gaps, lps = [], [], [], []
-    block = _icdf_rows_per_block(vocab)
-    for lo in range(0, n_tok, block):
-        hi = min(n_tok, lo + block)
-        c = safe[lo:hi, None]  # [b, 1]
-        z = logits[lo:hi].float()  # [b, V]
-        e, m = _icdf_weights(z, temperature)  # [b, V] float32, [b, 1] float64
-        cum = torch.cumsum(e, dim=-1, dtype=torch.float64)
-        total = cum[:, -1]  # [b]
-        lps.append(z.gather(-1, c)[:, 0].to(torch.float64) / temperature - m[:, 0] - torch.log(total))
-        u = uniforms(seeds[lo:hi], positions[lo:hi])  # [b, K + 1]
-        draws = _icdf_search(cum, u[:, :k])  # [b, K]
-        d_hi = cum.gather(-1, draws) / total[:, None]
-        d_lo = d_hi - e.gather(-1, draws) / total[:, None]
-        d_margin = torch.minimum(u[:, :k] - d_lo, d_hi - u[:, :k])  # [b, K] distance to the interval's ends
-        # kept sets: exact, surely kept (strict nucleus, gate at floor + slack), possibly kept (loose, floor − slack)
-        excl = _exclusive_from_probs(e / total[:, None]) if top_p < 1.0 else None
-
-        def kept(ids: torch.Tensor, nucleus_limit: float, floor: torch.Tensor, excl: torch.Tensor | None = excl) -> torch.Tensor:
-            out = torch.ones_like(ids, dtype=torch.bool)
-            if excl is not None:
-                ex = excl.gather(-1, ids)
-                out = (ex < nucleus_limit) | (ex <= 0.0)
-            if eos_idx is not None:
-                p_eos = e[:, eos_idx].sum(dim=-1) / total  # noqa: B023 - kept() runs only within this iteration
-                out = out & ~(torch.isin(ids, eos_idx) & (p_eos < floor)[:, None])
-            return out
-
-        fe, fs, fl = floor_exact[lo:hi], floor_strict[lo:hi], floor_loose[lo:hi]
-        kx = kept(draws, top_p, fe)  # [b, K]
-        first = kx.to(torch.int8).argmax(dim=-1, keepdim=True)
-        r = draws.gather(-1, first)[:, 0]
-        margin = d_margin.gather(-1, first)[:, 0]
-        # the claimed token, draw by draw
-        c_hi = cum.gather(-1, c)[:, 0] / total
-        c_lo = c_hi - e.gather(-1, c)[:, 0] / total
-        dist = torch.clamp_min(torch.maximum(c_lo[:, None] - u[:, :k], u[:, :k] - c_hi[:, None]), 0.0)  # [b, K]
-        # a surely kept draw can only have been rejected by a noisy worker if a possibly unkept
-        # token lies within ε of its uniform (the worker's CDF put u there instead)
-        near_unkept = torch.zeros_like(d_margin, dtype=torch.bool)  # [b, K]
-        if excl is not None:
-            unsure = ~kept(torch.arange(vocab, device=logits.device).expand(hi - lo, -1), top_p - nucleus_slack, fs)  # [b, V]
-            count = torch.cumsum(unsure.to(torch.int32), dim=-1)
-            a = _icdf_search(cum, (u[:, :k] - eps).clamp(0.0, 1.0 - 2**-53))
-            z_hi = _icdf_search(cum, (u[:, :k] + eps).clamp(0.0, 1.0 - 2**-53))
-            near_unkept = (count.gather(-1, z_hi) - count.gather(-1, a) + unsure.gather(-1, a).to(torch.int32)) > 0
-        elif eos_idx is not None:
-            gated_s = (e[:, eos_idx].sum(dim=-1) / total < fs)[:, None, None]  # [b, 1, 1]
-            e_hi = cum[:, eos_idx] / total[:, None]  # [b, n_eos]
-            e_lo = e_hi - e[:, eos_idx] / total[:, None]
-            uu = u[:, :k, None]  # [b, K, 1]
-            near_unkept = ((uu >= e_lo[:, None, :] - eps) & (uu <= e_hi[:, None, :] + eps) & gated_s).any(dim=-1)
-        may_skip = ~kept(draws, top_p - nucleus_slack, fs) | ((d_margin <= eps) & near_unkept)  # [b, K]
-        reach = torch.cumprod(torch.cat([torch.ones_like(may_skip[:, :1]), may_skip], dim=-1).to(torch.int8), dim=-1).bool()  # [b, K+1]
-        possible_c = kept(c, top_p + nucleus_slack, fl)[:, 0]  # [b]
-        gap = torch.where(reach[:, :k] & possible_c[:, None], dist, math.inf).amin(dim=-1)
-        no_kept = ~kx.any(dim=-1)
-        if bool((reach[:, k] | no_kept).any()):  # the fallback: inverse CDF over the exact kept set with u_K
-            keep = torch.ones_like(e, dtype=torch.bool) if excl is None else excl < top_p
-            if eos_idx is not None:
-                keep[:, eos_idx] &= ~(e[:, eos_idx].sum(dim=-1) / total < fe)[:, None]
-            fb, fcum = _icdf_fallback(z, e, keep, u[:, k], eos_idx)
-            r = torch.where(no_kept, fb, r)
-            ftot = fcum[:, -1]
-            w_c = torch.where(keep.gather(-1, c)[:, 0], e.gather(-1, c)[:, 0], 0.0)
-            fgap = _interval_gap(u[:, k], fcum.gather(-1, c)[:, 0] - w_c, w_c, ftot)
-            fgap = torch.where((ftot <= 0) & (safe[lo:hi] == fb), 0.0, fgap)
-            gap = torch.where(reach[:, k], torch.minimum(gap, fgap), gap)
-        rec.append(r)
-        margins.append(margin)
-        gaps.append(torch.where(in_vocab[lo:hi], gap, math.inf))
-    return torch.cat(rec), torch.cat(margins), torch.cat(gaps), torch.cat(lps)
 
 
 def replay_check(
@@ -741,6 +755,8 @@ def replay_check(
     min_eos_prob: float = 0.0,
     eos_prob_slack: float = DEFAULT_EOS_PROB_SLACK,
     rule: str = DEFAULT_RULE,
+    *,
+    overwrite: bool = False,
 ) -> ReplayResult:
     """Recompute every sampled token from the validator's logits (``docs/toploc.md`` §6).
 
@@ -748,8 +764,9 @@ def replay_check(
     from the recomputed one is a *near tie* if its gap (see :class:`ReplayResult`) is ``≤ eps``
     (numeric noise between the worker's and the validator's forward passes can flip such
     tokens) and a *hard mismatch* otherwise; so is a claimed token outside the validator's
-    nucleus by more than ``nucleus_slack`` of probability mass. Work is O(T · V) vectorised
-    tensor ops in row blocks; ``icdf-v1`` draws one Philox block per row, not one per token.
+    nucleus by more than ``nucleus_slack`` of probability mass. Work per position is linear in
+    the vocabulary with a small constant (a max, an exp and a chunked sum in float32, no sort
+    unless top-p < 1), in row blocks of tensor ops; one Philox block per two draws.
 
     Args:
         logits: ``[T, V]`` the validator's logits at the committed rows (row i produced token i).
@@ -758,18 +775,19 @@ def replay_check(
         start_position: completion position of ``tokens[0]``.
         temperature: > 0, from the run spec.
         top_p: in ``(0, 1]``, from the run spec.
-        eps: near-tie tolerance; ``None``: the rule's default (:data:`DEFAULT_ICDF_EPS`
-            probability units, :data:`DEFAULT_REPLAY_EPS` score units).
+        eps: near-tie tolerance, probability units; ``None``: :data:`DEFAULT_ICDF_EPS`.
         max_near_tie_fraction: tolerated share of near ties.
         nucleus_slack: probability slack for the nucleus boundary.
         eos_ids: token ids that end a completion.
         min_eos_prob: the sampler's EOS floor (0: no gate). Where the claimed token is not EOS,
             the replay gates EOS below ``min_eos_prob + eos_prob_slack`` (the worker may have seen
-            P(EOS) just under the floor; ``icdf-v1`` also tries the floor ``min_eos_prob −
-            eos_prob_slack``, since gating EOS shifts later tokens' intervals); where it is EOS,
-            the replay does not gate and :func:`termination_check` judges the stop.
+            P(EOS) just under the floor) and also tries the floor ``min_eos_prob −
+            eos_prob_slack``, since gating EOS shifts later draws; where it is EOS, the replay
+            does not gate and :func:`termination_check` judges the stop.
         eos_prob_slack: numeric slack on P(EOS) between worker and validator.
         rule: the run's sampling rule (:data:`RULES`).
+        overwrite: the check may use ``logits`` (float32) as its work buffer, leaving its values
+            changed; saves a copy when the caller reuses the buffer anyway.
 
     Returns:
         A :class:`ReplayResult`.
@@ -777,45 +795,98 @@ def replay_check(
     Raises:
         ValueError: bad parameters, unknown rule or shapes (the validator's own inputs).
     """
+    return replay_checks(logits, [tokens], [seed], [start_position], temperature, top_p, eps, max_near_tie_fraction, nucleus_slack,
+                         eos_ids, min_eos_prob, eos_prob_slack, rule, overwrite=overwrite)[0]
+
+
+def replay_checks(
+    logits: torch.Tensor,
+    completions: Sequence[torch.Tensor | Sequence[int]],
+    seeds: Sequence[int],
+    start_positions: Sequence[int] | None = None,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    eps: float | None = None,
+    max_near_tie_fraction: float = DEFAULT_MAX_NEAR_TIE_FRACTION,
+    nucleus_slack: float = DEFAULT_NUCLEUS_SLACK,
+    eos_ids: Sequence[int] = (),
+    min_eos_prob: float = 0.0,
+    eos_prob_slack: float = DEFAULT_EOS_PROB_SLACK,
+    rule: str = DEFAULT_RULE,
+    *,
+    overwrite: bool = False,
+) -> list[ReplayResult]:
+    """:func:`replay_check` of several completions whose logits are stacked, in one pass.
+
+    The same results as one :func:`replay_check` per completion, with one set of tensor ops for
+    all of them (short completions of a small model cost their per-call overhead once, not once
+    each).
+
+    Args:
+        logits: ``[R, V]``: the completions' logits one after another (completion ``i`` owns
+            ``len(completions[i])`` rows).
+        completions: the claimed tokens of each completion (untrusted), each non-empty.
+        seeds: each completion's sequence seed.
+        start_positions: each completion's first completion position (default 0).
+        overwrite: the check may use ``logits`` (float32) as its work buffer.
+        The others: as :func:`replay_check`, the same for every completion.
+
+    Returns:
+        One :class:`ReplayResult` per completion, in order.
+
+    Raises:
+        ValueError: bad parameters, unknown rule or shapes (the validator's own inputs).
+    """
     _check_params(temperature, top_p)
     _check_rule(rule)
     if eps is None:
-        eps = DEFAULT_ICDF_EPS if rule == RULE_ICDF else DEFAULT_REPLAY_EPS
-    claimed = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1).to(logits.device)
-    if logits.dim() != 2 or claimed.numel() != logits.shape[0] or logits.shape[0] == 0:
-        raise ValueError("need logits [T, V] with T >= 1 and one claimed token per row")
-    n_tok, vocab = logits.shape
+        eps = DEFAULT_ICDF_EPS
+    dev = logits.device
+    parts = [torch.as_tensor(t, dtype=torch.int64).reshape(-1) for t in completions]
+    lengths = [int(t.numel()) for t in parts]
+    starts = list(start_positions) if start_positions is not None else [0] * len(parts)
+    if (logits.dim() != 2 or not parts or min(lengths) == 0 or sum(lengths) != logits.shape[0]
+            or len(seeds) != len(parts) or len(starts) != len(parts)):
+        raise ValueError("need logits [T, V] with one row per claimed token, each completion non-empty, one seed and start per completion")
+    claimed = torch.cat(parts).to(dev)  # [R]
+    vocab = logits.shape[1]
     in_vocab = (claimed >= 0) & (claimed < vocab)
     safe = torch.where(in_vocab, claimed, torch.zeros_like(claimed))
-    seeds = torch.full((n_tok,), seed, dtype=torch.int64, device=logits.device)
-    positions = start_position + torch.arange(n_tok, dtype=torch.int64, device=logits.device)
+    counts = torch.tensor(lengths, device=dev)
+    row_seeds = torch.repeat_interleave(torch.tensor([int(x) for x in seeds], dtype=torch.int64, device=dev), counts)  # [R]
+    first_row = torch.cumsum(counts, 0) - counts  # [n] row of each completion's first token
+    positions = (torch.arange(claimed.numel(), device=dev) - torch.repeat_interleave(first_row, counts)
+                 + torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64, device=dev), counts))  # [R]
     eos_list = [int(e) for e in eos_ids if 0 <= int(e) < vocab]
-    claimed_eos = torch.isin(claimed, torch.tensor(eos_list, dtype=torch.int64, device=logits.device)) if eos_list else torch.zeros_like(claimed, dtype=torch.bool)
+    claimed_eos = torch.isin(claimed, torch.tensor(eos_list, dtype=torch.int64, device=dev)) if eos_list else torch.zeros_like(claimed, dtype=torch.bool)
     gate_on = min_eos_prob > 0
-    def floor_at(value: float) -> torch.Tensor:  # [T]; no gate where the claimed token is EOS
+
+    def floor_at(value: float) -> torch.Tensor:  # [R]; no gate where the claimed token is EOS
         return torch.where(claimed_eos, 0.0, value if gate_on else 0.0).to(torch.float64)
 
-    floor = floor_at(min_eos_prob + eos_prob_slack)
-    if rule == RULE_ICDF:
-        floors = (floor_at(min_eos_prob), floor, floor_at(min_eos_prob - eos_prob_slack))
-        recomputed, margin, gap, lps = _icdf_replay(logits, safe, in_vocab, seeds, positions, temperature, top_p, nucleus_slack, eos_list, floors, eps)
-    else:
-        recomputed, margin, gap, lps = _gumbel_replay(logits, safe, in_vocab, seeds, positions, temperature, top_p, nucleus_slack, eos_list, floor)
+    floors = (floor_at(min_eos_prob), floor_at(min_eos_prob + eos_prob_slack), floor_at(min_eos_prob - eos_prob_slack))
+    recomputed, margin, gap, lps = _icdf_replay(logits, safe, in_vocab, row_seeds, positions, temperature, top_p, nucleus_slack, eos_list,
+                                                floors, eps, overwrite)
     gap = torch.where(recomputed == claimed, torch.zeros_like(margin), gap.clamp_min(0.0))
     lps = torch.where(in_vocab, lps, torch.full_like(lps, math.nan))
     differs = recomputed != claimed
-    hard = int((differs & (gap > eps)).sum())
-    near = int((differs & (gap <= eps)).sum())
-    allowed = math.ceil(max_near_tie_fraction * n_tok)
-    problems = []
-    if hard:
-        first = int(torch.nonzero(differs & (gap > eps))[0, 0])
-        problems.append(
-            f"{hard} sampled tokens differ from the replay beyond eps={eps} (first at position {start_position + first})"
-        )
-    if near > allowed:
-        problems.append(f"{near} near-tie mismatches > {allowed} allowed")
-    return ReplayResult(recomputed, margin, gap, hard, near, allowed, ok=not problems, reason="; ".join(problems), logprobs=lps)
+    hard_rows, near_rows = differs & (gap > eps), differs & (gap <= eps)
+    results = []
+    lo = 0
+    for n, start in zip(lengths, starts, strict=True):
+        hi = lo + n
+        hard, near = int(hard_rows[lo:hi].sum()), int(near_rows[lo:hi].sum())
+        allowed = math.ceil(max_near_tie_fraction * n)
+        problems = []
+        if hard:
+            first = int(torch.nonzero(hard_rows[lo:hi])[0, 0])
+            problems.append(f"{hard} sampled tokens differ from the replay beyond eps={eps} (first at position {start + first})")
+        if near > allowed:
+            problems.append(f"{near} near-tie mismatches > {allowed} allowed")
+        results.append(ReplayResult(recomputed[lo:hi], margin[lo:hi], gap[lo:hi], hard, near, allowed, ok=not problems,
+                                    reason="; ".join(problems), logprobs=lps[lo:hi]))
+        lo = hi
+    return results
 
 
 @dataclasses.dataclass(frozen=True)

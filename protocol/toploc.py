@@ -54,6 +54,7 @@ __all__ = [
     "proof_size_bytes",
     "rows_for_completion",
     "verify_proofs",
+    "verify_proofs_many",
 ]
 
 FIELD_PRIME = 65497
@@ -664,43 +665,84 @@ def verify_proofs(
     Raises:
         ToplocError: only for the verifier's own inputs (``hidden`` dtype/shape, parameters).
     """
-    _check_hidden(hidden, chunk_size, topk)
-    n_chunks = math.ceil(hidden.shape[0] / chunk_size)
+    return verify_proofs_many([hidden], [proofs], chunk_size, topk, max_mismatches, max_mant_err_mean, max_mant_err_median)[0]
+
+
+def verify_proofs_many(
+    hiddens: Sequence[torch.Tensor],
+    proofs: Sequence[Sequence[bytes]],
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    topk: int = DEFAULT_TOPK,
+    max_mismatches: int = DEFAULT_MAX_MISMATCHES,
+    max_mant_err_mean: float = DEFAULT_MAX_MANT_ERR_MEAN,
+    max_mant_err_median: float = DEFAULT_MAX_MANT_ERR_MEDIAN,
+) -> list[list[ChunkResult]]:
+    """:func:`verify_proofs` of several completions at once: the same results, with the chunks of
+    every completion that have the same number of rows verified in one batch (one top-k, one
+    polynomial evaluation), so many short completions cost one call's overhead, not one each.
+
+    Args:
+        hiddens: per completion ``[T_i, H]`` bfloat16 rows (same ``H``).
+        proofs: per completion its proofs, untrusted.
+        The others: as :func:`verify_proofs`.
+
+    Returns:
+        Per completion its :class:`ChunkResult` list.
+
+    Raises:
+        ToplocError: only for the verifier's own inputs.
+    """
+    if len(hiddens) != len(proofs):
+        raise ToplocError("one proof list per completion")
 
     def rejected(i: int, reason: str) -> ChunkResult:
         return ChunkResult(index=i, mismatches=topk, mant_err_mean=math.inf, mant_err_median=math.inf, ok=False, reason=reason)
 
-    if isinstance(proofs, (bytes, bytearray, str)) or not isinstance(proofs, Sequence):
-        return [rejected(i, "proofs must be a list of byte strings") for i in range(n_chunks)]
-    if len(proofs) != n_chunks:
-        reason = f"expected exactly one proof per chunk ({n_chunks}), got {len(proofs)}"
-        return [rejected(i, reason) for i in range(n_chunks)]
-    parsed: list[Proof | str] = []
-    for raw in proofs:
-        try:
-            parsed.append(decode_proof(raw, topk))
-        except MalformedProofError as exc:
-            parsed.append(f"malformed proof: {exc.reason}")
-
-    results: list[ChunkResult] = []
-    chunk = 0
-    for group in _chunk_groups(hidden, chunk_size):
-        x, actual = _select_topk(group, topk)  # [C, k] each
-        rows = range(chunk, chunk + x.shape[0])
-        good = [r for r in rows if isinstance(parsed[r], Proof)]
+    out: list[list[ChunkResult | None]] = []
+    parsed: list[list[Proof | str]] = []
+    by_width: dict[int, list[tuple[int, int, torch.Tensor]]] = {}  # chunk width -> (completion, first chunk, [C, width] bits)
+    for i, (hidden, given) in enumerate(zip(hiddens, proofs, strict=True)):
+        _check_hidden(hidden, chunk_size, topk)
+        n_chunks = math.ceil(hidden.shape[0] / chunk_size)
+        if isinstance(given, (bytes, bytearray, str)) or not isinstance(given, Sequence):
+            out.append([rejected(r, "proofs must be a list of byte strings") for r in range(n_chunks)])
+            parsed.append([])
+            continue
+        if len(given) != n_chunks:
+            reason = f"expected exactly one proof per chunk ({n_chunks}), got {len(given)}"
+            out.append([rejected(r, reason) for r in range(n_chunks)])
+            parsed.append([])
+            continue
+        items: list[Proof | str] = []
+        for raw in given:
+            try:
+                items.append(decode_proof(raw, topk))
+            except MalformedProofError as exc:
+                items.append(f"malformed proof: {exc.reason}")
+        parsed.append(items)
+        out.append([None] * n_chunks)
+        chunk = 0
+        for group in _chunk_groups(hidden, chunk_size):
+            by_width.setdefault(group.shape[1], []).append((i, chunk, group))
+            chunk += group.shape[0]
+    for blocks in by_width.values():
+        bits = blocks[0][2] if len(blocks) == 1 else torch.cat([g for _, _, g in blocks])  # [C, width]
+        x, actual = _select_topk(bits, topk)  # [C, k] each
+        owners = [(i, first + j) for i, first, g in blocks for j in range(g.shape[0])]  # (completion, chunk) per row of x
+        good = [row for row, (i, r) in enumerate(owners) if isinstance(parsed[i][r], Proof)]
         decoded: dict[int, IntArray] = {}
         if good:
-            sel = np.array([r - chunk for r in good])
-            moduli = np.array([parsed[r].modulus for r in good], dtype=np.int64)  # type: ignore[union-attr]
-            coeffs = np.stack([parsed[r].coeffs for r in good])  # type: ignore[union-attr]
+            sel = np.array(good)
+            moduli = np.array([parsed[owners[row][0]][owners[row][1]].modulus for row in good], dtype=np.int64)  # type: ignore[union-attr]
+            coeffs = np.stack([parsed[owners[row][0]][owners[row][1]].coeffs for row in good])  # type: ignore[union-attr]
             values = _evaluate_batch(coeffs, x[sel] % moduli[:, None])  # [G, k]
-            decoded = {r: values[j] for j, r in enumerate(good)}
-        for r in rows:
-            item = parsed[r]
+            decoded = {row: values[j] for j, row in enumerate(good)}
+        for row, (i, r) in enumerate(owners):
+            item = parsed[i][r]
             if isinstance(item, str):
-                results.append(rejected(r, item))
+                out[i][r] = rejected(r, item)
                 continue
-            mism, mean, median = _compare(decoded[r], actual[r - chunk])
+            mism, mean, median = _compare(decoded[row], actual[row])
             problems = []
             if mism > max_mismatches:
                 problems.append(f"{mism} sign/exponent mismatches > {max_mismatches}")
@@ -708,8 +750,9 @@ def verify_proofs(
                 problems.append(f"mean mantissa error {mean:.3g} > {max_mant_err_mean}")
             if not median <= max_mant_err_median:
                 problems.append(f"median mantissa error {median:.3g} > {max_mant_err_median}")
-            results.append(ChunkResult(r, mism, mean, median, ok=not problems, reason="; ".join(problems)))
-        chunk += x.shape[0]
-    if not all(res.ok for res in results):
-        logger.debug("toploc: %d of %d chunks rejected", sum(not res.ok for res in results), len(results))
+            out[i][r] = ChunkResult(r, mism, mean, median, ok=not problems, reason="; ".join(problems))
+    results = [[res for res in per if res is not None] for per in out]
+    bad = sum(not res.ok for per in results for res in per)
+    if bad:
+        logger.debug("toploc: %d of %d chunks rejected", bad, sum(len(per) for per in results))
     return results

@@ -6,8 +6,8 @@
 # 1. Installs intellect-node with the `gpu` extra (vLLM, which brings its own CUDA torch) and the
 #    `test` extra into VENV_DIR — never into the CPU venv .venv.
 # 2. Sampling CPU vs GPU: tests/protocol/test_sampling.py, including the CUDA-only
-#    test_noise_bits_identical_on_gpu (Philox words, icdf-v1 uniforms and the tokens of both rules,
-#    icdf-v1 and gumbel-v1, equal on both devices at vocabulary 151,936) and
+#    test_rule_bits_identical_on_gpu (Philox words, uniforms, tokens, log-probs and the replay's
+#    verdicts equal on both devices at vocabulary 151,936) and
 #    test_sampler_never_syncs_with_the_host (torch.cuda.set_sync_debug_mode("error") around
 #    sampling.sample: no host synchronisation inside the rule, with and without top-p / EOS gate).
 # 3. The vLLM engine on CUDA: tests/node/test_vllm_engine.py (float32 model; every token must

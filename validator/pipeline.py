@@ -1,8 +1,10 @@
 """The verification pipeline of one submission, cheapest checks first (``docs/validator.md``).
 
 Order: banned → policy window → replay → task derivation (tasks, targets, prompts, seeds) →
-format and bounds → declared termination → TOPLOC by batched prefill → sampling replay and
-log-probs → termination (P(EOS)) → rewards. The first failing check decides the verdict; its
+format and bounds → declared termination → TOPLOC by batched prefill → termination (P(EOS)),
+sampling replay and log-probs (a few rollouts' logits at a time) → rewards. A light check
+(``check(full=False)``, spot checks: :mod:`validator.spot`) skips the model work, from TOPLOC to
+log-probs. The first failing check decides the verdict; its
 reason code (``protocol.verdicts``) and evidence (which rollout, which chunk, the numbers) go
 into the signed verdict. Failures that may be the validator's own or a resource limit of either
 side get benign reasons (``reward_error``, ``limit_hit``, ``unknown_checkpoint``:
@@ -80,17 +82,14 @@ class Tolerances:
     ``toploc.logprob_max_abs`` / ``logprob_mean_abs`` (:func:`protocol.sampling.logprob_check`).
 
     Attributes:
-        replay_eps: ``gumbel-v1`` runs: a recomputed token may differ only where the top two
-            Gumbel-perturbed scores are within this margin (near-ties from numeric noise).
-        icdf_eps: ``icdf-v1`` runs: a claimed token may differ from the recomputed one only where
-            the uniform lies within this distance (probability units) of its CDF interval.
+        icdf_eps: a claimed token may differ from the recomputed one only where the uniform lies
+            within this distance (probability units) of its CDF interval.
         max_tie_fraction: at most this fraction of a completion's tokens may be such near-tie
             differences.
         reward_tol: reported vs recomputed reward, absolute.
         eos_prob_slack: numeric slack on P(EOS) around the run's EOS floor.
     """
 
-    replay_eps: float = sampling.DEFAULT_REPLAY_EPS
     icdf_eps: float = sampling.DEFAULT_ICDF_EPS
     max_tie_fraction: float = sampling.DEFAULT_MAX_NEAR_TIE_FRACTION
     reward_tol: float = 1e-6
@@ -134,19 +133,27 @@ class SubmissionChecker:
         self.eos_id = int(tokenizer.eos_token_id)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id)
 
-    def check(self, env: Envelope[Submission]) -> CheckResult:
-        """Run every check on a verified envelope; never raises on bad submissions."""
+    def check(self, env: Envelope[Submission], *, full: bool = True) -> CheckResult:
+        """Run the checks on a verified envelope; never raises on bad submissions.
+
+        Args:
+            env: the submission.
+            full: every check (default); ``False``: a light check, everything that needs no
+                model — window, replay, task derivation, format and bounds, declared
+                termination, rewards — for the submissions a spot-checking validator does not
+                check in full (:mod:`validator.spot`).
+        """
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
         try:
-            self._check(env, timings)
+            self._check(env, timings, full)
         except Rejection as r:
             return CheckResult(False, r.reason, dict(list(r.evidence.items())[:32]), time.perf_counter() - t0, timings)
         return CheckResult(True, OK, {}, time.perf_counter() - t0, timings)
 
     # --- the stages --------------------------------------------------------------------------
 
-    def _check(self, env: Envelope[Submission], timings: dict[str, float]) -> None:
+    def _check(self, env: Envelope[Submission], timings: dict[str, float], full: bool = True) -> None:
         sub = env.body
         spec = self.spec
         # policy window
@@ -179,7 +186,14 @@ class SubmissionChecker:
                 raise Rejection("task_mismatch", rollout=j, detail="prompt tokens are not the derived prompt")
             seqs.append(self._bounds(j, ro, prompt))
         timings["derive"] = time.perf_counter() - t
-        # model work
+        if full:
+            self._model_checks(sub, seqs, timings)
+        self._rewards(sub, plan, seqs, timings)
+
+    def _model_checks(self, sub: Submission, seqs: list[tuple[list[int], list[int], list[float]]], timings: dict[str, float]) -> None:
+        """The checks that need the policy: TOPLOC on the batched prefill, termination by the policy,
+        sampling replay and log-probs."""
+        spec = self.spec
         model = self.model_for_step(sub.policy_step)
         if model is None:
             raise Rejection("unknown_checkpoint", policy_step=sub.policy_step)
@@ -191,28 +205,34 @@ class SubmissionChecker:
         rows = completion_rows(model, [s[0] for s in seqs], [s[1] for s in seqs], self.pad_id)  # [n, H] per rollout
         timings["prefill"] = time.perf_counter() - t
         t = time.perf_counter()
-        for j, (ro, row) in enumerate(zip(sub.rollouts, rows)):
-            results = toploc.verify_proofs(
-                row.to(torch.bfloat16), list(ro.proofs), chunk_size=spec.toploc.chunk_size, topk=spec.toploc.topk,
-                max_mismatches=spec.toploc.max_mismatches, max_mant_err_mean=spec.toploc.max_mant_err_mean,
-                max_mant_err_median=spec.toploc.max_mant_err_median,
-            )
+        verdicts = toploc.verify_proofs_many(  # every rollout's chunks at once
+            [row.to(torch.bfloat16) for row in rows], [list(ro.proofs) for ro in sub.rollouts], chunk_size=spec.toploc.chunk_size,
+            topk=spec.toploc.topk, max_mismatches=spec.toploc.max_mismatches, max_mant_err_mean=spec.toploc.max_mant_err_mean,
+            max_mant_err_median=spec.toploc.max_mant_err_median,
+        )
+        for j, results in enumerate(verdicts):
             bad = next((r for r in results if not r.ok), None)
             if bad is not None:
                 raise Rejection("toploc", rollout=j, chunk=bad.index, mismatches=bad.mismatches,
                                 mant_err_mean=_finite(bad.mant_err_mean), mant_err_median=_finite(bad.mant_err_median), detail=bad.reason[:200])
         timings["toploc"] = time.perf_counter() - t
         t = time.perf_counter()
-        # each rollout's logits (the prefill's LM head) go into one reused buffer and are checked at
-        # once: fresh [n, V] pages for every rollout cost ~10 % of the LM head at a 151,936 vocabulary
-        head_s, buf = 0.0, logits_buffer(model, max(len(s[1]) for s in seqs))
-        for j, (ro, row, (_, completion, logprobs)) in enumerate(zip(sub.rollouts, rows, seqs)):
+        # the logits (the prefill's LM head) of a few consecutive rollouts at a time go into one reused
+        # buffer and are checked at once, while hot in cache: fresh [n, V] pages for every rollout cost
+        # ~10 % of the LM head at a 151,936 vocabulary, and one check per short rollout its per-call overhead
+        groups = _logit_groups([len(s[1]) for s in seqs], model_vocab)
+        head_s, buf = 0.0, logits_buffer(model, max(sum(len(seqs[j][1]) for j in g) for g in groups))
+        for group in groups:
             t_head = time.perf_counter()
-            logits = head_logits(model, row, buf)  # [n, V] float32, a view of buf
+            logits = head_logits(model, torch.cat([rows[j] for j in group]) if len(group) > 1 else rows[group[0]], buf)  # [Σn, V] float32
             head_s += time.perf_counter() - t_head
-            self._sampling(j, ro.seed, logits, completion, logprobs, ro.finish)
-        timings["prefill"] += head_s  # the LM head is prefill work, done rollout by rollout
+            self._sampling(group, [sub.rollouts[j].seed for j in group], logits, [seqs[j][1] for j in group], [seqs[j][2] for j in group])
+        timings["prefill"] += head_s  # the LM head is prefill work, done group by group
         timings["sampling"] = time.perf_counter() - t - head_s
+
+    def _rewards(self, sub: Submission, plan: Any, seqs: list[tuple[list[int], list[int], list[float]]], timings: dict[str, float]) -> None:
+        spec = self.spec
+        g = spec.rl.group_size
         t = time.perf_counter()
         limits = self.reward_limits or RewardLimits()
         for j, (ro, (_, completion, _)) in enumerate(zip(sub.rollouts, seqs)):
@@ -254,25 +274,51 @@ class SubmissionChecker:
             raise Rejection("termination", rollout=j, length=n, detail="finish=length needs max_tokens tokens and no EOS")
         return prompt, completion, logprobs
 
-    def _sampling(self, j: int, seed: int, logits: torch.Tensor, completion: list[int], logprobs: list[float], finish: str) -> None:
+    def _sampling(self, group: list[int], seeds: list[int], logits: torch.Tensor, completions: list[list[int]], logprobs: list[list[float]]) -> None:
+        """Termination by the policy, sampling replay and log-probs of consecutive rollouts ``group``
+        whose logits are stacked in ``logits`` (``[Σn, V]``, this group's scratch: the replay works in it)."""
         s = self.spec.sampling
-        tokens = torch.tensor(completion, dtype=torch.long)
         eos_floor = self.spec.toploc.eos_min_prob
+        end = 0
         # termination first: a stop where the policy gives EOS little probability is the specific cheat
-        term = sampling.termination_check(logits[-1], tokens, [self.eos_id], s.max_tokens, s.temperature, eos_floor, self.tol.eos_prob_slack)
-        if not term.ok:
-            raise Rejection("termination", rollout=j, p_eos=_finite(term.p_eos), min_p_eos=eos_floor, detail=term.reason[:200])
-        eps = self.tol.icdf_eps if s.rule == sampling.RULE_ICDF else self.tol.replay_eps
-        replay = sampling.replay_check(logits, tokens, seed, 0, s.temperature, s.top_p, eps, self.tol.max_tie_fraction,
-                                       eos_ids=(self.eos_id,), min_eos_prob=eos_floor, eos_prob_slack=self.tol.eos_prob_slack, rule=s.rule)
-        if not replay.ok:
-            raise Rejection("sampling", rollout=j, hard_mismatches=replay.hard_mismatches, near_ties=replay.near_ties, detail=replay.reason[:200])
-        assert replay.logprobs is not None  # replay_check always fills them: [n] log_softmax(logits / T)[token]
+        for j, completion in zip(group, completions, strict=True):
+            end += len(completion)
+            term = sampling.termination_check(logits[end - 1], completion, [self.eos_id], s.max_tokens, s.temperature, eos_floor,
+                                              self.tol.eos_prob_slack)
+            if not term.ok:
+                raise Rejection("termination", rollout=j, p_eos=_finite(term.p_eos), min_p_eos=eos_floor, detail=term.reason[:200])
+        replays = sampling.replay_checks(logits, completions, seeds, None, s.temperature, s.top_p, self.tol.icdf_eps,
+                                         self.tol.max_tie_fraction, eos_ids=(self.eos_id,), min_eos_prob=eos_floor,
+                                         eos_prob_slack=self.tol.eos_prob_slack, rule=s.rule, overwrite=True)
         t = self.spec.toploc
-        lp = sampling.logprob_check(logprobs, replay.logprobs, max_abs=t.logprob_max_abs, mean_abs=t.logprob_mean_abs)
-        if not lp.ok:
-            raise Rejection("logprobs", rollout=j, position=lp.position, max_abs_diff=_finite(lp.max_abs_err),
-                            mean_abs_diff=_finite(lp.mean_abs_err), detail=lp.reason[:200])
+        for j, replay, reported in zip(group, replays, logprobs, strict=True):
+            if not replay.ok:
+                raise Rejection("sampling", rollout=j, hard_mismatches=replay.hard_mismatches, near_ties=replay.near_ties,
+                                detail=replay.reason[:200])
+            assert replay.logprobs is not None  # replay_checks always fills them: [n] log_softmax(logits / T)[token]
+            lp = sampling.logprob_check(reported, replay.logprobs, max_abs=t.logprob_max_abs, mean_abs=t.logprob_mean_abs)
+            if not lp.ok:
+                raise Rejection("logprobs", rollout=j, position=lp.position, max_abs_diff=_finite(lp.max_abs_err),
+                                mean_abs_diff=_finite(lp.mean_abs_err), detail=lp.reason[:200])
+
+
+_LOGIT_GROUP_ELEMENTS = 1 << 22
+"""Logits checked together at most (16 MiB of float32): consecutive rollouts are grouped up to this,
+a longer rollout goes alone."""
+
+
+def _logit_groups(lengths: list[int], vocab: int) -> list[list[int]]:
+    """Consecutive rollout indices whose stacked ``[Σn, V]`` logits stay within :data:`_LOGIT_GROUP_ELEMENTS`."""
+    groups: list[list[int]] = []
+    rows = 0
+    for j, n in enumerate(lengths):
+        if groups and (rows + n) * vocab <= _LOGIT_GROUP_ELEMENTS:
+            groups[-1].append(j)
+            rows += n
+        else:
+            groups.append([j])
+            rows = n
+    return groups
 
 
 def _finite(x: float) -> float:

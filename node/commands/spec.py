@@ -36,7 +36,7 @@ def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     init.add_argument("--max-tokens", type=int, default=None, help="completion length limit in tokens (default 32)")
     init.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
     init.add_argument("--top-p", type=float, default=None, help="nucleus mass (default 1.0)")
-    init.add_argument("--sampling-rule", choices=["icdf-v1", "gumbel-v1"], default=None,
+    init.add_argument("--sampling-rule", choices=["icdf-v1"], default=None,
                       help="sampling rule (docs/toploc.md §5; default icdf-v1)")
     init.add_argument("--target-length", type=int, action="append", default=[], metavar="TOKENS",
                       help="length-control target (repeatable; INTELLECT-2 style 'Think for N tokens')")

@@ -10,7 +10,7 @@ How each output of :class:`node.engine.base.Generation` is produced:
   argmax-invariant, so vLLM applies it before greedy sampling), calls
   :func:`protocol.sampling.sample` on the step's float32 logits ``[B, V]`` with each request's
   sequence seed and completion position (= tokens generated so far), temperature, top-p, EOS
-  gate and sampling rule (``icdf-v1`` or ``gumbel-v1``: device tensor ops, no host sync inside
+  gate and sampling rule (``icdf-v1``: device tensor ops, no host sync inside
   the rule), then masks every other token to −inf; the request runs with ``temperature=0`` so vLLM's
   greedy pick is exactly the token of the protocol's rule, computed in the protocol's code.
 * **Log-probs** — the ``logprobs`` that :func:`protocol.sampling.sample` returns in that call.

@@ -1,4 +1,4 @@
-"""Tests of protocol.sampling: Philox KATs, both sampling rules (icdf-v1, gumbel-v1), replay, termination, log-probs, seeds."""
+"""Tests of protocol.sampling: Philox KATs, the sampling rule (icdf-v1), its chunked CDF and nucleus, replay, termination, log-probs, seeds."""
 
 from __future__ import annotations
 
@@ -32,24 +32,6 @@ def _t(*values: int) -> tuple[torch.Tensor, ...]:
 def test_philox_known_answers(counter: tuple[int, ...], key: tuple[int, ...], expected: tuple[int, ...]) -> None:
     out = sampling.philox4x32(_t(*counter), _t(*key))  # type: ignore[arg-type]
     assert tuple(int(o) for o in out) == expected
-
-
-def test_gumbel_noise_is_keyed_by_seed_and_position_and_pinned() -> None:
-    seeds = torch.tensor([1, 1, 2, -1], dtype=torch.int64)
-    positions = torch.tensor([0, 1, 0, 0], dtype=torch.int64)
-    g = sampling.gumbel_noise(seeds, positions, 1000)
-    assert g.shape == (4, 1000) and g.dtype == torch.float64
-    assert not torch.equal(g[0], g[1]) and not torch.equal(g[0], g[2])
-    assert torch.equal(g, sampling.gumbel_noise(seeds, positions, 1000))
-    assert torch.equal(g[:, :10], sampling.gumbel_noise(seeds, positions, 10))  # prefix-stable in V
-    # Pinned value: a change to the stream is a protocol change.
-    ref = sampling.philox4x32(_t(7, 3, 0, sampling.COUNTER_TAG), _t(5, 0))[0]  # type: ignore[arg-type]
-    u = (int(ref) + 0.5) / 2**32
-    one = sampling.gumbel_noise(torch.tensor([5]), torch.tensor([3]), 8)[0, 7]
-    assert float(one) == -math.log(-math.log(u))
-
-
-RULES = pytest.mark.parametrize("rule", sampling.RULES)
 
 
 def test_icdf_uniforms_are_keyed_and_pinned() -> None:
@@ -115,8 +97,9 @@ def test_icdf_matches_reference(temperature: float, top_p: float, floor: float) 
 
 
 def test_icdf_fallback_and_empty_kept_set() -> None:
-    # EOS (id 0) holds almost all mass but is gated: 16 draws all land on it, the fallback picks among the rest
-    logits = torch.tensor([[20.0, 0.0, 1.0, 0.5]]).expand(256, -1)
+    # EOS (id 0) holds almost all mass (P = 1 − 3.3e-5, far from the floor 1 at float32 precision) but is
+    # gated: 16 draws almost always all land on it, and the fallback picks among the rest
+    logits = torch.tensor([[12.0, 0.0, 1.0, 0.5]]).expand(256, -1)
     seeds, pos = torch.arange(256), torch.zeros(256, dtype=torch.int64)
     toks, _ = sampling.sample(logits, seeds, pos, eos_ids=(0,), min_eos_prob=1.0, rule=sampling.RULE_ICDF)
     assert 0 not in toks.tolist() and set(toks.tolist()) == {1, 2, 3}
@@ -128,18 +111,11 @@ def test_icdf_fallback_and_empty_kept_set() -> None:
     assert sampling.replay_check(logits[:4], one[:1].expand(4), 0, top_p=0.5, eos_ids=(0,), min_eos_prob=1.0).ok
 
 
-def test_gumbel_noise_is_standard_gumbel() -> None:
-    g = sampling.gumbel_noise(torch.arange(64, dtype=torch.int64), torch.zeros(64, dtype=torch.int64), 4096).flatten()
-    assert abs(float(g.mean()) - 0.5772) < 0.01  # Euler–Mascheroni
-    assert abs(float(g.var()) - math.pi**2 / 6) < 0.03
-
-
-@RULES
-def test_sample_matches_softmax_distribution(rule: str) -> None:
+def test_sample_matches_softmax_distribution() -> None:
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]], dtype=torch.float32)
     n = 20000
     seeds = torch.arange(n, dtype=torch.int64)
-    toks, lps = sampling.sample(logits.expand(n, -1), seeds, torch.zeros(n, dtype=torch.int64), temperature=1.0, rule=rule)
+    toks, lps = sampling.sample(logits.expand(n, -1), seeds, torch.zeros(n, dtype=torch.int64), temperature=1.0)
     freq = torch.bincount(toks, minlength=4).double() / n
     expected = torch.softmax(logits[0].double(), -1)
     assert torch.allclose(freq, expected, atol=0.015)
@@ -147,24 +123,23 @@ def test_sample_matches_softmax_distribution(rule: str) -> None:
     assert lps.dtype == torch.float32 and toks.dtype == torch.int64
 
 
-@RULES
-def test_temperature_and_top_p_semantics(rule: str) -> None:
+def test_temperature_and_top_p_semantics() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -3.0]])
     n = 4000
     seeds, pos = torch.arange(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
     # top_p: keep v iff mass ranked before v < top_p
     probs = torch.softmax(logits[0].double() / 0.7, -1)
-    toks, lps = sampling.sample(logits.expand(n, -1), seeds, pos, temperature=0.7, top_p=0.8, rule=rule)
+    toks, lps = sampling.sample(logits.expand(n, -1), seeds, pos, temperature=0.7, top_p=0.8)
     before = torch.cumsum(probs, 0) - probs  # logits already sorted descending
     allowed = set(torch.nonzero(before < 0.8).flatten().tolist())
     assert set(toks.tolist()) <= allowed and len(allowed) < 5
     # logprob is of the unfiltered tempered distribution
     assert torch.allclose(lps.double(), torch.log(probs)[toks], atol=1e-6)
     # top-1 nucleus is greedy
-    greedy, _ = sampling.sample(logits.expand(8, -1), seeds[:8], pos[:8], temperature=1.0, top_p=1e-9, rule=rule)
+    greedy, _ = sampling.sample(logits.expand(8, -1), seeds[:8], pos[:8], temperature=1.0, top_p=1e-9)
     assert greedy.tolist() == [0] * 8
     # low temperature concentrates
-    cold, _ = sampling.sample(logits.expand(n, -1), seeds, pos, temperature=0.05, rule=rule)
+    cold, _ = sampling.sample(logits.expand(n, -1), seeds, pos, temperature=0.05)
     assert (cold == 0).float().mean() > 0.99
     with pytest.raises(ValueError):
         sampling.sample(logits, seeds[:1], pos[:1], temperature=0.0)
@@ -172,75 +147,49 @@ def test_temperature_and_top_p_semantics(rule: str) -> None:
         sampling.sample(logits, seeds[:1], pos[:1], top_p=1.5)
 
 
-@RULES
-def test_sample_is_batch_independent(rule: str) -> None:
+def test_sample_is_batch_independent() -> None:
     torch.manual_seed(0)
     logits = torch.randn(8, 300)
     seeds = torch.randint(0, 2**62, (8,))
     pos = torch.arange(8, dtype=torch.int64) * 3
-    toks, lps = sampling.sample(logits, seeds, pos, 0.9, 0.95, rule=rule)
+    toks, lps = sampling.sample(logits, seeds, pos, 0.9, 0.95)
     for i in range(8):
-        t1, l1 = sampling.sample(logits[i : i + 1], seeds[i : i + 1], pos[i : i + 1], 0.9, 0.95, rule=rule)
+        t1, l1 = sampling.sample(logits[i : i + 1], seeds[i : i + 1], pos[i : i + 1], 0.9, 0.95)
         assert int(t1) == int(toks[i]) and float(l1) == float(lps[i])
 
 
-def _generate(logits: torch.Tensor, seed: int, temperature: float = 1.0, top_p: float = 1.0, rule: str = sampling.DEFAULT_RULE) -> torch.Tensor:
+def _generate(logits: torch.Tensor, seed: int, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
     n = logits.shape[0]
     toks, _ = sampling.sample(
-        logits, torch.full((n,), seed, dtype=torch.int64), torch.arange(n, dtype=torch.int64), temperature, top_p, rule=rule
+        logits, torch.full((n,), seed, dtype=torch.int64), torch.arange(n, dtype=torch.int64), temperature, top_p
     )
     return toks
 
 
-@RULES
-def test_replay_accepts_honest_and_tolerates_noise(rule: str) -> None:
+def test_replay_accepts_honest_and_tolerates_noise() -> None:
     torch.manual_seed(1)
     logits = torch.randn(100, 500) * 2
-    toks = _generate(logits, 42, 0.8, 0.9, rule)
-    res = sampling.replay_check(logits, toks, 42, 0, 0.8, 0.9, rule=rule)
+    toks = _generate(logits, 42, 0.8, 0.9)
+    res = sampling.replay_check(logits, toks, 42, 0, 0.8, 0.9)
     assert res.ok and res.hard_mismatches == 0 and res.near_ties == 0 and torch.equal(res.tokens, toks)
     assert bool((res.gaps == 0).all()) and bool((res.margins > 0).all())
     noisy = logits + 1e-5 * torch.randn_like(logits)
-    assert sampling.replay_check(noisy, toks, 42, 0, 0.8, 0.9, rule=rule).ok
+    assert sampling.replay_check(noisy, toks, 42, 0, 0.8, 0.9).ok
     assert res.logprobs is not None
     torch.testing.assert_close(res.logprobs, torch.log_softmax(logits.double() / 0.8, -1).gather(-1, toks[:, None])[:, 0])
 
 
-@RULES
-def test_replay_rejects_other_seed_or_other_model(rule: str) -> None:
+def test_replay_rejects_other_seed_or_other_model() -> None:
     torch.manual_seed(2)
     logits = torch.randn(64, 500) * 2
-    toks = _generate(logits, 7, rule=rule)
-    wrong_seed = sampling.replay_check(logits, toks, 8, rule=rule)
+    toks = _generate(logits, 7)
+    wrong_seed = sampling.replay_check(logits, toks, 8)
     assert not wrong_seed.ok and wrong_seed.hard_mismatches > 30 and "differ" in wrong_seed.reason
-    cheap = _generate(logits + torch.randn_like(logits), 7, rule=rule)  # a different model, right seed
-    res = sampling.replay_check(logits, cheap, 7, rule=rule)
+    cheap = _generate(logits + torch.randn_like(logits), 7)  # a different model, right seed
+    res = sampling.replay_check(logits, cheap, 7)
     assert not res.ok and res.hard_mismatches > 0
-    other_rule = sampling.RULE_GUMBEL if rule == sampling.RULE_ICDF else sampling.RULE_ICDF
-    assert not sampling.replay_check(logits, toks, 7, rule=other_rule).ok  # the rule is part of the check
-    shifted = sampling.replay_check(logits, toks, 7, start_position=1, rule=rule)
+    shifted = sampling.replay_check(logits, toks, 7, start_position=1)
     assert not shifted.ok
-
-
-def test_gumbel_replay_near_ties_counted_and_bounded() -> None:
-    logits = torch.zeros(20, 50)
-    toks = _generate(logits, 3, rule=sampling.RULE_GUMBEL)
-    res = sampling.replay_check(logits, toks, 3, rule=sampling.RULE_GUMBEL)
-    assert res.ok
-    # Force near ties: make the claimed token the runner-up where the margin is tiny.
-    g = sampling.gumbel_noise(torch.full((20,), 3), torch.arange(20), 50)
-    top2 = torch.topk(g, 2, dim=-1)
-    fake = toks.clone()
-    logits2 = logits.clone()
-    for i in range(3):
-        gap = float(top2.values[i, 0] - top2.values[i, 1])
-        logits2[i, top2.indices[i, 1]] = gap - 0.01  # runner-up now 0.01 below the winner
-        fake[i] = top2.indices[i, 1]
-    g_rule = sampling.RULE_GUMBEL
-    res2 = sampling.replay_check(logits2, fake, 3, eps=0.1, max_near_tie_fraction=0.1, rule=g_rule)
-    assert res2.near_ties == 3 and res2.hard_mismatches == 0 and res2.allowed_near_ties == 2 and not res2.ok
-    assert sampling.replay_check(logits2, fake, 3, eps=0.1, max_near_tie_fraction=0.2, rule=g_rule).ok
-    assert not sampling.replay_check(logits2, fake, 3, eps=0.001, rule=g_rule).ok
 
 
 def test_icdf_replay_near_ties_counted_and_bounded() -> None:
@@ -309,15 +258,14 @@ def test_icdf_single_token_deviation_caught_at_the_stated_rate() -> None:
     assert measured["runner-up"][1] >= 0.99 * measured["runner-up"][0]
 
 
-@RULES
-def test_replay_handles_out_of_vocab_and_nucleus(rule: str) -> None:
+def test_replay_handles_out_of_vocab_and_nucleus() -> None:
     logits = torch.tensor([[5.0, 0.0, -5.0]] * 4)
-    res = sampling.replay_check(logits, [0, 0, 7, -1], 1, top_p=0.5, rule=rule)
+    res = sampling.replay_check(logits, [0, 0, 7, -1], 1, top_p=0.5)
     assert not res.ok and res.hard_mismatches == 2 and math.isinf(float(res.gaps[2]))
-    outside = sampling.replay_check(logits, [0, 2, 0, 0], 1, top_p=0.5, rule=rule)
+    outside = sampling.replay_check(logits, [0, 2, 0, 0], 1, top_p=0.5)
     assert not outside.ok and math.isinf(float(outside.gaps[1]))
     with pytest.raises(ValueError):
-        sampling.replay_check(logits, [0, 0], 1, rule=rule)
+        sampling.replay_check(logits, [0, 0], 1)
     with pytest.raises(ValueError, match="unknown sampling rule"):
         sampling.replay_check(logits, [0, 0, 0, 0], 1, rule="gumbel-v0")
     with pytest.raises(ValueError, match="unknown sampling rule"):
@@ -402,42 +350,43 @@ def test_derive_sequence_seed_is_injective_on_fields(run_seed: int, step: int, p
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_noise_bits_identical_on_gpu() -> None:
-    seeds = torch.randint(-(2**63), 2**63 - 1, (16,), dtype=torch.int64)
-    pos = torch.randint(0, 2**40, (16,), dtype=torch.int64)
+def test_rule_bits_identical_on_gpu() -> None:
+    """Philox words, uniforms, tokens, log-probs and the replay's verdicts are the same on CPU and GPU
+    at vocabulary 151,936 (with and without top-p and the EOS gate)."""
+    g = torch.Generator().manual_seed(12)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (16,), dtype=torch.int64, generator=g)
+    pos = torch.randint(0, 2**40, (16,), dtype=torch.int64, generator=g)
     key = (seeds[:, None] & 0xFFFFFFFF, (seeds[:, None] >> 32) & 0xFFFFFFFF)
-    vocab = torch.arange(151_936, dtype=torch.int64)[None, :]
-    ctr = (
-        vocab,
-        pos[:, None] & 0xFFFFFFFF,
-        (pos[:, None] >> 32) & 0xFFFFFFFF,
-        torch.zeros_like(pos[:, None]) + sampling.COUNTER_TAG,
-    )
-    cpu = sampling.philox4x32(ctr, key)
+    ctr = tuple(torch.randint(0, 2**32, (16, 1000), dtype=torch.int64, generator=g) for _ in range(4))
+    cpu = sampling.philox4x32(ctr, key)  # type: ignore[arg-type]
     gpu = sampling.philox4x32(tuple(c.cuda() for c in ctr), tuple(k.cuda() for k in key))  # type: ignore[arg-type]
     assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu))
-    logits = torch.randn(16, 151_936)
-    for rule in sampling.RULES:
-        t_cpu, _ = sampling.sample(logits, seeds, pos, 0.7, 0.95, rule=rule)
-        t_gpu, _ = sampling.sample(logits.cuda(), seeds.cuda(), pos.cuda(), 0.7, 0.95, rule=rule)
-        assert torch.equal(t_cpu, t_gpu.cpu()), rule
     assert torch.equal(sampling.uniforms(seeds, pos), sampling.uniforms(seeds.cuda(), pos.cuda()).cpu())
+    logits = torch.randn(16, 151_936, generator=g) * 3
+    for top_p, floor in ((1.0, 0.0), (0.95, 0.1)):
+        t_cpu, l_cpu = sampling.sample(logits, seeds, pos, 0.7, top_p, (1,), floor)
+        t_gpu, l_gpu = sampling.sample(logits.cuda(), seeds.cuda(), pos.cuda(), 0.7, top_p, (1,), floor)
+        assert torch.equal(t_cpu, t_gpu.cpu()) and torch.allclose(l_cpu, l_gpu.cpu(), atol=1e-5)
+        one = torch.full((16,), int(seeds[0]))
+        toks, _ = sampling.sample(logits, one, torch.arange(16), 0.7, top_p, (1,), floor)
+        rc = sampling.replay_check(logits, toks, int(seeds[0]), 0, 0.7, top_p, eos_ids=(1,), min_eos_prob=floor)
+        rg = sampling.replay_check(logits.cuda(), toks.cuda(), int(seeds[0]), 0, 0.7, top_p, eos_ids=(1,), min_eos_prob=floor)
+        assert rc.ok and rg.ok and torch.equal(rc.tokens, rg.tokens.cpu())
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("rule", sampling.RULES)
 @pytest.mark.parametrize(("top_p", "floor"), [(1.0, 0.0), (1.0, 0.1), (0.9, 0.1)])
-def test_sampler_never_syncs_with_the_host(rule: str, top_p: float, floor: float) -> None:
+def test_sampler_never_syncs_with_the_host(top_p: float, floor: float) -> None:
     """The decode loop's sampler stays asynchronous on CUDA: any host synchronisation raises."""
     logits = torch.randn(64, 151_936, device="cuda")
     seeds = torch.arange(64, device="cuda", dtype=torch.int64)
     pos = torch.full((64,), 5, device="cuda", dtype=torch.int64)
-    sampling.sample(logits, seeds, pos, 1.0, top_p, (1,), floor, rule=rule)  # warm-up (allocator, kernels)
+    sampling.sample(logits, seeds, pos, 1.0, top_p, (1,), floor)  # warm-up (allocator, kernels)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        toks, lps = sampling.sample(logits, seeds, pos, 1.0, top_p, (1,), floor, rule=rule)
+        toks, lps = sampling.sample(logits, seeds, pos, 1.0, top_p, (1,), floor)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert toks.shape == (64,) and bool(torch.isfinite(lps).all())
@@ -451,15 +400,20 @@ def test_icdf_row_blocks_do_not_change_results(monkeypatch: pytest.MonkeyPatch) 
     whole = sampling.sample(logits, seeds, pos, 0.9, 0.9, (1,), 0.1)
     rep = sampling.replay_check(logits, whole[0], 3, top_p=0.9, eos_ids=(1,), min_eos_prob=0.1)
     monkeypatch.setattr(sampling, "_ICDF_BLOCK_ELEMENTS", 600)  # 2 rows per block
+    monkeypatch.setattr(sampling, "_REPLAY_BLOCK_ELEMENTS", 600)
     blocked = sampling.sample(logits, seeds, pos, 0.9, 0.9, (1,), 0.1)
     assert torch.equal(whole[0], blocked[0]) and torch.equal(whole[1], blocked[1])
     rep2 = sampling.replay_check(logits, whole[0], 3, top_p=0.9, eos_ids=(1,), min_eos_prob=0.1)
     assert torch.equal(rep.gaps, rep2.gaps) and torch.equal(rep.tokens, rep2.tokens) and torch.equal(rep.logprobs, rep2.logprobs)
+    work = logits.clone()  # the check may use the caller's buffer: same results, the buffer's values are spent
+    rep3 = sampling.replay_check(work, whole[0], 3, top_p=0.9, eos_ids=(1,), min_eos_prob=0.1, overwrite=True)
+    assert torch.equal(rep.gaps, rep3.gaps) and torch.equal(rep.tokens, rep3.tokens) and torch.equal(rep.logprobs, rep3.logprobs)
+    assert not torch.equal(work, logits)
 
 
 def test_icdf_precomputed_uniforms_give_the_same_draws(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode loop may hand ``sample`` the rows' uniforms computed ahead (all positions at once):
-    the same tokens and log-probs, also across row blocks; other shapes or the gumbel rule are refused."""
+    the same tokens and log-probs, also across row blocks; other shapes are refused."""
     g = torch.Generator().manual_seed(9)
     logits = torch.randn(9, 300, generator=g)
     seeds, pos = torch.randint(0, 2**62, (9,), generator=g), torch.arange(9, dtype=torch.int64) * 5
@@ -475,4 +429,56 @@ def test_icdf_precomputed_uniforms_give_the_same_draws(monkeypatch: pytest.Monke
     with pytest.raises(ValueError):
         sampling.sample(logits, seeds, pos, u=ahead[:, 2, :5])
     with pytest.raises(ValueError):
-        sampling.sample(logits, seeds, pos, rule=sampling.RULE_GUMBEL, u=ahead[:, 2])
+        sampling.sample(logits, seeds, pos, rule="gumbel-v1", u=ahead[:, 2])
+
+
+def test_chunked_cdf_edges_within_the_stated_bound_and_search_lands_in_them() -> None:
+    """Every CDF edge of the chunked sums lies within (CDF_CHUNK − 1) · 2^-24 · total of the exact
+    (float64) cumulative sum of the same float32 weights; a search for any target lands in the
+    interval that ``interval`` reports for the found id, and that id is the exact rule's token
+    wherever the target is farther than the bound from an edge. Vocabularies with and without a
+    short last chunk, flat and peaked rows."""
+    g = torch.Generator().manual_seed(21)
+    bound = (sampling.CDF_CHUNK - 1) * 2.0**-24
+    for vocab, scale in ((50, 1.0), (4097, 3.0), (32_768, 1.0), (32_768, 12.0), (151_936, 2.0)):
+        w = torch.exp(torch.randn(8, vocab, generator=g) * scale)
+        w = w / w.amax(-1, keepdim=True)  # the sampler's weights lie in [0, 1]
+        exact = torch.cumsum(w.double(), -1)  # [8, V]
+        cdf = sampling._ChunkedCDF(w)
+        total = exact[:, -1]
+        assert bool(((cdf.total - total).abs() <= bound * total).all())
+        ids = torch.randint(0, vocab, (8, 64), generator=g)
+        lo, hi = cdf.interval(ids)
+        ex_hi = exact.gather(-1, ids)
+        assert bool(((hi - ex_hi).abs() <= bound * total[:, None]).all())
+        assert bool(((lo - (ex_hi - w.gather(-1, ids).double())).abs() <= bound * total[:, None]).all())
+        u = torch.rand(8, 256, generator=g, dtype=torch.float64)
+        t = sampling._targets(u, cdf.total)
+        found, f_lo, f_hi = cdf.search(t)
+        assert bool(((f_lo <= t) & (t < f_hi)).all())
+        assert torch.equal(cdf.interval(found)[0], f_lo) and torch.equal(cdf.interval(found)[1], f_hi)
+        rule = torch.searchsorted(exact, u * total[:, None], right=True).clamp_max(vocab - 1)  # smallest k with cum[k] > u·total
+        far = ((exact.gather(-1, rule) - u * total[:, None]).abs() > 2 * bound * total[:, None]) & (
+            (u * total[:, None] - (exact.gather(-1, rule) - w.gather(-1, rule).double())).abs() > 2 * bound * total[:, None])
+        assert torch.equal(found[far], rule[far]) and int(far.sum()) > 0.5 * far.numel()
+
+
+@pytest.mark.parametrize("scale", [0.3, 1.0, 6.0, 40.0])
+def test_nucleus_bounds_equal_the_sorted_rule(scale: float) -> None:
+    """The check's kept sets (mass histogram + a sort of the boundary bins, no vocabulary sort) are
+    the sampler's sorted-prefix sets, at several masses, with many tied weights and the top-token
+    exception (a mass below every token keeps just the top one)."""
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(16, 4096, generator=g) * scale
+    x[:4] = (x[:4] * 4).round() / 4  # rows with many exactly equal weights
+    e, _ = sampling._icdf_weights(x, 1.0)
+    total = sampling._ChunkedCDF(e).total
+    limits = (1e-9, 0.3, 0.9, 0.95, 0.999, 1.0005)
+    nucleus = sampling._Nucleus(e, total, limits)
+    for i, lim in enumerate(limits):
+        ref = sampling._kept_mask(e, total, lim, None, None) if lim < 1 else torch.ones_like(e, dtype=torch.bool)
+        got = nucleus.kept_all(i)
+        assert torch.equal(got, ref), (lim, int((got != ref).sum()))
+        ids = torch.randint(0, 4096, (16, 32), generator=g)
+        assert torch.equal(nucleus.kept(ids, i), ref.gather(-1, ids))
+    assert bool((nucleus.kept_all(0).sum(-1) >= 1).all())

@@ -315,3 +315,24 @@ def test_fuzz_malformed_and_mutated_proofs_never_crash() -> None:
             assert not res.ok and res.reason, res
             rejected += 1
     assert rejected == len(candidates)
+
+
+def test_verify_proofs_many_equals_one_call_per_completion() -> None:
+    """Batching completions (full chunks and short last chunks of several lengths together) gives
+    each completion the results its own call gives: honest, perturbed, malformed, a wrong count,
+    wrong types."""
+    g = torch.Generator().manual_seed(31)
+    hiddens = [torch.randn(n, 128, generator=g).to(torch.bfloat16) for n in (3, 32, 40, 3, 70, 1)]
+    proofs: list = [toploc.build_proofs(h) for h in hiddens]
+    checked = [h.clone() for h in hiddens]
+    checked[1] = (checked[1].float() * 1.5).to(torch.bfloat16)  # a different model: rejected
+    proofs[2] = [proofs[2][0], b"\x00" * 5]  # the second chunk malformed
+    proofs[3] = proofs[3] + proofs[3]  # one proof too many
+    proofs[5] = b"not a list"
+    many = toploc.verify_proofs_many(checked, proofs)
+    one = [toploc.verify_proofs(h, p) for h, p in zip(checked, proofs, strict=True)]
+    assert many == one
+    assert [all(r.ok for r in res) for res in many] == [True, False, False, False, True, False]
+    assert toploc.verify_proofs_many([], []) == []
+    with pytest.raises(toploc.ToplocError):
+        toploc.verify_proofs_many(hiddens[:2], proofs[:1])

@@ -338,37 +338,20 @@ def test_malformed_and_out_of_bounds_rejected(world: World, honest_env: Envelope
 
 
 def test_sampling_rule_named_by_the_run_spec(world: World) -> None:
-    """A run whose spec names the first rule (``gumbel-v1``) still works end to end; tokens drawn by
-    the other rule are a ``sampling`` rejection under either spec; an unknown rule is refused
-    when the spec is parsed, in one line naming the field."""
+    """The rule is part of the signed spec: the default ``icdf-v1`` works end to end, and a spec
+    naming another rule (the removed ``gumbel-v1`` too) is refused when it is parsed, in one line
+    naming the field."""
     from protocol.errors import RunSpecError
     from protocol.runspec import parse_run_spec
-    from protocol.sampling import RULE_GUMBEL, RULE_ICDF
+    from protocol.sampling import RULE_ICDF, RULES
 
-    assert SPEC.sampling.rule == RULE_ICDF
-    old = RunSpec(run=SPEC.run, data=SPEC.data, sampling=SPEC.sampling.model_copy(update={"rule": RULE_GUMBEL}), rl=SPEC.rl)
-    assert old.run_id != RUN  # the rule is part of the signed content
-
-    def checker(spec: RunSpec) -> SubmissionChecker:
-        return SubmissionChecker(spec, world.tasks, world.tokenizer, lambda s: world.model, trainer_step=lambda: 0,
-                                 counter_seen=lambda w, c, sid: False)
-
-    def submission(spec: RunSpec, worker_spec: RunSpec, counter: int) -> Envelope[Submission]:
-        """Generated with ``worker_spec``'s rule, submitted in ``spec``'s run."""
-        blob = build_submission(worker_spec, spec.run_id, WORKER, world.engine, world.tokenizer, world.tasks, 0, counter)
-        return open_envelope(blob, run_id=spec.run_id, expect=Submission)
-
-    assert checker(old).check(submission(old, old, 70)).accepted
-    mixed = RunSpec(run=old.run, data=old.data, sampling=SPEC.sampling, rl=old.rl)  # same tasks and seeds, icdf-v1 tokens
-    assert_rejected(checker(old).check(submission(old, mixed, 71)), {"sampling", "termination"})
-    assert_rejected(checker(SPEC).check(submission(SPEC, RunSpec(run=SPEC.run, data=SPEC.data, sampling=old.sampling, rl=SPEC.rl), 72)),
-                    {"sampling", "termination"})
-    text = (
-        f'[run]\ncoordinator = "{COORD.peer_id}"\n[sampling]\nrule = "gumbel-v0"\n'
-    )
-    with pytest.raises(RunSpecError, match=r"^run spec field sampling\.rule: .*'icdf-v1' or 'gumbel-v1'") as e:
-        parse_run_spec(text, require_signature=False)
-    assert "\n" not in str(e.value)
+    assert SPEC.sampling.rule == RULE_ICDF and RULES == (RULE_ICDF,)
+    assert world.checker().check(honest(world, 70)).accepted
+    for rule in ("gumbel-v1", "gumbel-v0"):
+        text = f'[run]\ncoordinator = "{COORD.peer_id}"\n[sampling]\nrule = "{rule}"\n'
+        with pytest.raises(RunSpecError, match=r"^run spec field sampling\.rule: .*'icdf-v1'") as e:
+            parse_run_spec(text, require_signature=False)
+        assert "\n" not in str(e.value)
 
 
 # --- the log-prob tolerances are the run spec's ------------------------------------------------
