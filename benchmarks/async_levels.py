@@ -198,9 +198,9 @@ def plot(results: list[dict[str, Any]], levels: list[int], corrections: list[str
         a.legend(loc="lower right", fontsize=8)
         if rows > 1:
             b = ax[1, i]
-            for c in corrections:
+            for c in corrections if level else corrections[:1]:
                 x, y = median_curve(level, c)
-                b.plot(x, y, "o-", ms=3, label=c)
+                b.plot(x, y, "o-", ms=3, label=c if level else "every correction (w = 1)")
             b.set_title(f"async level {level}: median held-out per correction")
             b.set_xlabel("policy step")
             b.legend(loc="lower right", fontsize=8)
