@@ -21,7 +21,8 @@ Corrections (``--corrections``, ``docs/trainer.md`` §2): ``clip`` (the workers'
 PPO ratio's denominator, INTELLECT-2's two-sided clip with δ around the behavior policy),
 ``none`` (recomputed denominator, no staleness correction: INTELLECT-2 as published),
 ``truncate`` (recomputed denominator × min(π_old/π_behavior, 2): truncated importance sampling),
-``mask`` (the same weight, tokens outside [1/2, 2] dropped); ``default`` is the devnet's own.
+``mask`` (the same weight, tokens outside [1/2, 2] dropped); ``default`` is the devnet's own
+(``clip``, chosen from this benchmark: ``docs/trainer.md`` §9).
 At level 0 every rollout comes from the trainer's current weights, so the weight is 1 and every
 correction computes the same update: level 0 runs once per seed and stands for all of them.
 

@@ -19,7 +19,8 @@ EMBEDDED_RL = RLSpec(
 )
 """Tuned for the 0.3 M-parameter embedded model on 2 CPU cores: 256 rollouts per step (cheap at
 ≤ 4 tokens each), a large learning rate, and behavior log-probs as the ratio denominator so the
-2-step-stale batches of an async run are importance-corrected."""
+stale batches of an async run are importance-corrected (uncorrected, level 4 unlearned; level 2
+and this correction are chosen from ``benchmarks/async_levels.py``, ``docs/trainer.md`` §9)."""
 
 REAL_TASKS_SAMPLING = SamplingSpec(max_tokens=32, temperature=1.0, target_lengths=[8, 16, 32], length_penalty=0.003)
 REAL_TASKS_RL = RLSpec(async_level=2, group_size=4, batch_groups=4, learning_rate=1e-4, warmup_steps=0, old_logprobs="behavior",
