@@ -10,9 +10,12 @@ Modes:
   told them the step instead. Reports delivery ratio, publish → delivered latency over all
   (announcement, node) pairs (p50/p99/max), the p99 time until *every* node had an announcement,
   then per-node CPU (workers and relays apart) and memory over ``--idle-s`` seconds of idle
-  heartbeats, and the records per second the coordinator receives. ``--layout both`` (default)
-  runs the old single-topic layout and the split one in one invocation and prints them side by
-  side, with the load average at the start and end of each. ``--layout mesh`` runs the split
+  heartbeats, and the records per second the coordinator receives. ``--layout presence`` is the
+  node's layout (workers' records only to their hubs, over presence streams; hubs' records on
+  gossip); ``split`` is issue 18's (worker records flooded on the ``workers`` topic), ``flat``
+  the one before it (every record to every node). ``--layout both`` (default) runs ``split`` and
+  ``presence`` in one invocation and prints them side by side, with the load average at the
+  start and end of each. ``--layout mesh`` runs the split
   layout before and after issue 18's mesh fixes (hubs' meshes bounded at 12, a yamux
   WINDOW_UPDATE per read) side by side. ``--layout all --p2pd PATH`` adds
   the same workload (single topic) on go-libp2p daemons (``p2pd`` from the ``hivemind`` wheel:
@@ -98,6 +101,7 @@ async def propagation_once(args: argparse.Namespace, layout: str) -> dict[str, o
                    "--bridge", args.bridge, "--log-announcements"]
         cmd += ["--flat"] if layout == "flat" else []
         cmd += ["--old-mesh"] if layout in OLD_MESH else []
+        cmd += ["--no-presence"] if layout == "split" else []
         cmd += ["--drop-announcements"] if drop else []
         for b in bootstrap:
             cmd += ["--bootstrap", b]
@@ -138,7 +142,8 @@ async def propagation_once(args: argparse.Namespace, layout: str) -> dict[str, o
 
             node = await JsGossipNode.create(spec, coord, role="coordinator", bootstrap=[seed])
         else:
-            config = GossipConfig(bootstrap=[seed], split_records=layout != "flat", hub_full_mesh=layout not in OLD_MESH)
+            config = GossipConfig(bootstrap=[seed], split_records=layout != "flat", hub_full_mesh=layout not in OLD_MESH,
+                                  presence=layout == "presence")
             node = await GossipNode.create(spec, coord, config, role="coordinator")
         while len(node.peers) < args.nodes:
             if time.monotonic() - t0 > args.join_timeout_s:
@@ -377,7 +382,7 @@ async def propagation_p2pd(args: argparse.Namespace) -> dict[str, object]:
 
 async def propagation(args: argparse.Namespace) -> None:
     """Run each layout in turn in this one invocation and print them side by side."""
-    layouts = {"both": ["flat", "split"], "all": ["flat", "split", "p2pd"], "mesh": ["split-old-mesh", "split"],
+    layouts = {"both": ["split", "presence"], "all": ["flat", "split", "presence", "p2pd"], "mesh": ["split-old-mesh", "split"],
                "jscompare": ["split", "js"]}.get(args.layout, [args.layout])
     if "p2pd" in layouts and not args.p2pd:
         raise SystemExit("--p2pd PATH (the p2pd binary of the hivemind wheel) is needed for the p2pd layout")
@@ -448,12 +453,13 @@ def main() -> None:
     p.add_argument("--idle-s", type=float, default=10.0, help="idle measurement window, seconds (default 10)")
     p.add_argument("--join-timeout-s", type=float, default=120.0, help="seconds for all nodes to start and be seen")
     p.add_argument("--bridge", default="thread", choices=["thread", "guest"], help="bridge used by the child nodes")
-    p.add_argument("--layout", default="both", choices=["both", "all", "mesh", "jscompare", "split", "split-old-mesh", "flat", "p2pd", "js"],
-                   help="split: worker records on their own topic (default layout); flat: every record to every node (before issue 18); "
+    p.add_argument("--layout", default="both", choices=["both", "all", "mesh", "jscompare", "presence", "split", "split-old-mesh", "flat", "p2pd", "js"],
+                   help="presence: workers' records go only to their hubs over presence streams, hubs publish roster digests (the node's layout); "
+                        "split: worker records flooded on their own gossip topic (issue 18); flat: every record to every node (before issue 18); "
                         "split-old-mesh: split, but hubs' meshes bounded at 12 and a yamux WINDOW_UPDATE per read (before the mesh fixes); "
                         "mesh: split-old-mesh then split; "
                         "p2pd: the flat workload on go-libp2p daemons; js: the split workload on js-libp2p nodes (validator in Python); "
-                        "both: flat then split; all: flat, split, p2pd; jscompare: split then js — in one run")
+                        "both: split then presence; all: flat, split, presence, p2pd; jscompare: split then js — in one run")
     p.add_argument("--p2pd", default="", help="p2pd binary (hivemind wheel: hivemind/hivemind_cli/p2pd, p2pd_pb2.py in ../proto)")
     p.add_argument("--relays", type=int, default=2, help="child nodes that are relays (the seed is one); the rest are workers (default 2)")
     p.add_argument("--lossy", type=int, default=2, help="workers that drop every announcement and must learn steps from the coordinator's record (default 2)")

@@ -29,7 +29,7 @@ import types
 import typing
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from protocol.content import CONTENT_ID_BYTES
 from protocol.encoding import DecodeLimits
@@ -73,10 +73,19 @@ class Hardware(Message):
 Role = Literal["coordinator", "worker", "relay", "validator", "observer"]
 
 
-class NodeRecord(Message):
-    """Signed heartbeat of a node, published every ``heartbeat_interval_s`` on the nodes topic.
+HUB_ROLES = ("coordinator", "relay", "validator")
+"""Roles that accept workers' presence streams and publish their records on gossip (``docs/gossip.md``)."""
 
-    ``seq`` increases with every heartbeat of a process; receivers keep the highest.
+
+class NodeRecord(Message):
+    """Signed self-description of a node (``docs/gossip.md``).
+
+    A hub (coordinator, relay, validator) publishes one every ``heartbeat_interval_s`` on the
+    ``nodes`` topic; it is also the hub's *roster digest*: ``workers`` is how many workers are
+    attached to it and ``roster`` the content ID of the list of their signed records
+    (``protocol.presence``), fetched on demand. A worker sends its record only to the hubs it is
+    attached to, over its presence stream. ``seq`` increases with every record of a process;
+    receivers keep the highest.
     """
 
     TYPE: ClassVar[str] = "node_record/1"
@@ -93,6 +102,18 @@ class NodeRecord(Message):
     policy_step: Annotated[int, Field(ge=-1, le=2**40)] = -1
     held_steps: Annotated[list[Step], Field(max_length=64, fail_fast=True)] = []
     hardware: Hardware | None = None
+    workers: Annotated[int, Field(ge=0, le=1 << 20)] = 0
+    roster: Annotated[bytes, Field(max_length=CONTENT_ID_BYTES)] = b""
+
+    @model_validator(mode="after")
+    def _roster_of_a_hub(self) -> NodeRecord:
+        if len(self.roster) not in (0, CONTENT_ID_BYTES):
+            raise ValueError(f"roster must be empty or a {CONTENT_ID_BYTES}-byte content ID")
+        if (self.workers or self.roster) and self.role not in HUB_ROLES:
+            raise ValueError(f"a {self.role} has no roster (workers and roster are for {', '.join(HUB_ROLES)})")
+        if bool(self.workers) != bool(self.roster):
+            raise ValueError("roster is set exactly when workers > 0")
+        return self
 
 
 class ManifestFile(Message):

@@ -26,6 +26,9 @@ class GossipConfig(BaseModel):
     max_future_s: Annotated[float, Field(ge=0.0, le=3600.0, description="accepted clock skew ahead of ours, seconds")] = 10.0
     publish_records: Annotated[bool, Field(description="publish signed node records (False: silent observer)")] = True
     split_records: Annotated[bool, Field(description="worker/observer records on their own topic that only infrastructure nodes read (docs/gossip.md, message budget); False: every record on one topic every node reads (the old layout, for comparison)")] = True
+    presence: Annotated[bool, Field(description="workers tell only the hubs they are connected to that they are alive, over a presence stream, and hubs publish one record per interval naming their roster (docs/gossip.md); False: worker records flooded on the workers topic (the issue-18 layout, kept so the benchmarks can compare)")] = True
+    fetch_rosters: Annotated[bool | None, Field(description="fetch hubs' rosters to list every live worker; None: the coordinator and silent observers do")] = None
+    max_records_per_interval: Annotated[int, Field(ge=1, le=1 << 20, description="node records one peer may forward to us on the nodes topic per heartbeat interval; the rest are dropped before their signature is checked and cost the forwarder penalty points")] = 256
     hub_full_mesh: Annotated[bool, Field(description="an infrastructure node (coordinator, relay, validator) keeps every peer that grafts it in its gossipsub mesh, up to max_peers (docs/gossip.md, mesh of a star); False: gossipsub's usual bound of 12, kept only so the benchmark can compare")] = True
     target_peers: Annotated[int, Field(ge=1, le=256, description="dial peers learned from records until this many connections")] = 3
     max_peers: Annotated[int, Field(ge=1, le=4096, description="most connections (inbound + outbound) accepted")] = 64

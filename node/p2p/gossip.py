@@ -15,12 +15,12 @@ bans         ``ban_list/1``                  coordinator         :data:`BAN_GOSS
 ============ =============================== =================== ============================
 
 Records are split by who needs them (:func:`record_kind`, :func:`subscribed_kinds`): records
-of the *infrastructure* roles (coordinator, relay, validator: few, and every node needs them)
-go on ``nodes``, which everyone subscribes to; records of workers and observers (many, needed
-only to track their liveness) go on ``workers``, which only infrastructure nodes and silent
-observers subscribe to — a worker publishes there through gossipsub's fanout and never receives
-another worker's heartbeat, so its message rate does not grow with the number of workers
-(``docs/gossip.md``, message budget). A record on the wrong topic for its role is rejected.
+of the *hubs* (coordinator, relay, validator: few) go on ``nodes``, read by hubs and silent
+observers; workers never put their records on gossip — they send them to the hubs they are
+connected to over a presence stream (``node.p2p.presence``), and each hub's record names its
+roster. ``workers`` carries worker and observer records only in the issue-18 layout kept for
+benchmark comparison (``GossipConfig.presence=False``). A record on the wrong topic for its role
+is rejected.
 
 A node record claiming role ``coordinator`` must be signed by the run's coordinator key, and one
 claiming ``validator`` by a validator key of the run. Messages are never larger than
@@ -44,11 +44,11 @@ from typing import Literal
 from protocol.envelope import Authorities, Envelope, open_envelope
 from protocol.errors import DecodeError, ProtocolError, SchemaError, SignatureError, WrongRunError
 from protocol.identity import PeerId
-from protocol.messages import BanList, CheckpointAnnouncement, KiB, Message, MiB, NodeRecord, Verdict
+from protocol.messages import HUB_ROLES, BanList, CheckpointAnnouncement, KiB, Message, MiB, NodeRecord, Verdict
 
 TopicKind = Literal["nodes", "workers", "checkpoints", "verdicts", "bans"]
 TOPIC_KINDS: tuple[TopicKind, ...] = ("nodes", "workers", "checkpoints", "verdicts", "bans")
-INFRA_ROLES = frozenset({"coordinator", "relay", "validator"})
+INFRA_ROLES = frozenset(HUB_ROLES)
 """Roles whose records go on the ``nodes`` topic (every node subscribes); the rest use ``workers``."""
 TOPIC_VERSION = 1
 GOSSIP_MAX_BYTES = 1 * MiB - 64 * KiB
@@ -96,14 +96,21 @@ def record_kind(role: str, *, split: bool = True) -> TopicKind:
     return "nodes" if role in INFRA_ROLES or not split else "workers"
 
 
-def subscribed_kinds(role: str, *, split: bool = True, publishes_records: bool = True) -> tuple[TopicKind, ...]:
+def subscribed_kinds(role: str, *, split: bool = True, publishes_records: bool = True, presence: bool = False) -> tuple[TopicKind, ...]:
     """Topics a node of ``role`` subscribes to.
 
-    Everyone: ``nodes`` (infrastructure records), ``checkpoints``, ``verdicts``, ``bans``.
-    ``workers`` only for infrastructure roles (the coordinator and validators track workers'
-    liveness; relays carry worker records to them) and for a silent observer (``node status``,
-    ``publishes_records=False``) that wants the whole table. ``split=False``: every topic.
+    With ``presence`` (the default layout, ``docs/gossip.md``): hubs (coordinator, relays,
+    validators) and silent observers read ``nodes`` (hubs' records), ``checkpoints``, ``verdicts``
+    and ``bans``; workers read ``checkpoints``, ``verdicts`` and ``bans`` only — they learn the
+    hubs from the views their hubs send, and nobody reads ``workers``.
+
+    Without it (the issue-18 layout, kept for benchmarks): everyone reads ``nodes``,
+    ``checkpoints``, ``verdicts``, ``bans``; ``workers`` only infrastructure roles and a silent
+    observer (``publishes_records=False``). ``split=False``: every topic.
     """
+    if presence:
+        shared: tuple[TopicKind, ...] = ("checkpoints", "verdicts", "bans")
+        return ("nodes", *shared) if role in INFRA_ROLES or not publishes_records else shared
     if not split or role in INFRA_ROLES or not publishes_records:
         return TOPIC_KINDS
     return tuple(k for k in TOPIC_KINDS if k != "workers")
@@ -111,6 +118,10 @@ def subscribed_kinds(role: str, *, split: bool = True, publishes_records: bool =
 
 class DuplicateEnvelope(ProtocolError):
     """An envelope already accepted once (a replay within the freshness window, or an echo)."""
+
+
+class OverRate(ProtocolError):
+    """A forwarder sent more node records than its budget per heartbeat interval (dropped unverified)."""
 
 
 class EnvelopeValidator:
@@ -208,6 +219,9 @@ Penalty = float
 
 PENALTY_INVALID: Penalty = 10.0
 """Points for a forged, malformed, wrong-run, wrong-type, oversized or wrongly signed message."""
+PENALTY_OVER_RATE: Penalty = 1.0
+"""Points for a node record past a forwarder's budget (:class:`OverRate`): 50 of them and the
+forwarder is disconnected, so minting records costs an attacker its connection."""
 PENALTY_STALE: Penalty = 0.5
 """Points for a message outside the freshness window: an honest peer's clock can be off, or an
 overloaded peer forward late, so it takes a hundred of them to reach the default limit."""
@@ -217,6 +231,8 @@ def penalty_for(error: ProtocolError) -> tuple[str, Penalty]:
     """The reason tag and penalty points for a rejected message (0 points: not misbehaviour)."""
     if isinstance(error, DuplicateEnvelope):
         return "duplicate", 0.0
+    if isinstance(error, OverRate):
+        return "over_rate", PENALTY_OVER_RATE
     if isinstance(error, SchemaError) and error.field == "ts_ms":
         return "stale", PENALTY_STALE
     if isinstance(error, WrongRunError):

@@ -38,14 +38,14 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11
 from libp2p.pubsub.pb import rpc_pb2
-from libp2p.pubsub.pubsub import Pubsub, get_content_addressed_msg_id
+from libp2p.pubsub.pubsub import get_content_addressed_msg_id
 from libp2p.pubsub.subscription import TrioSubscriptionAPI
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.address_validation import expand_wildcard_address
 
 from node.errors import GossipError
 from node.p2p.config import GossipConfig
-from node.p2p.router import BoundedGossipSub
+from node.p2p.router import BoundedGossipSub, CountingPubsub
 from node.p2p.transport import PerAddressCap, install_inbound_rules, muxer_options, secure_transports
 from protocol.identity import NodeKey, PeerId
 
@@ -68,6 +68,8 @@ MAINTAIN_INTERVAL_S = 1.0
 """How often the connection count is topped up from known peers, seconds."""
 KNOWN_PEER_TTL_S = 60.0
 """Addresses of a peer not heard from for this long are forgotten, seconds."""
+CLOSE_TIMEOUT_S = 1.0
+"""How long a stopping host spends closing its connections, seconds."""
 CONNECTED_CHECK_S = 2.0
 """How often a connected bootstrap peer is re-checked, seconds."""
 
@@ -130,9 +132,11 @@ class P2PHost:
         config: listen address, bootstrap and dialing settings.
         hub: an infrastructure node (coordinator, relay, validator) that workers connect to; its
             mesh keeps up to ``config.max_peers`` peers per topic instead of 12.
+        keepalive_s: TCP keepalive interval of its connections, seconds (the run's heartbeat
+            interval: a peer whose machine vanished is dropped within ≈ 4 of them); None: off.
     """
 
-    def __init__(self, key: NodeKey, config: GossipConfig, *, hub: bool = False) -> None:
+    def __init__(self, key: NodeKey, config: GossipConfig, *, hub: bool = False, keepalive_s: float | None = None) -> None:
         self.key = key
         self.config = config
         self.peer_id = key.peer_id
@@ -159,7 +163,7 @@ class P2PHost:
         except ValueError as e:
             raise GossipError(f"ip_limit_exempt: {e}") from None
         # inbound handlers end with their connection; the per-address cap applies from accept, before the handshake
-        install_inbound_rules(self.host.get_network(), self.address_cap)
+        install_inbound_rules(self.host.get_network(), self.address_cap, keepalive_s=keepalive_s)
         # IWANT answers bounded (each message once per IWANT, 3 times per peer): node/p2p/router.py
         self.router = BoundedGossipSub(
             protocols=list(GOSSIPSUB_PROTOCOLS),
@@ -188,7 +192,7 @@ class P2PHost:
         # peers ("GRAFT flood detected … applying penalty"), and meshes around a busy seed keep
         # churning. The spec's prune backoff (60 s, honoured by the pruned side) stays in force.
         self.router.graft_flood_threshold = 0.0
-        self.pubsub = Pubsub(
+        self.pubsub = CountingPubsub(
             self.host,
             self.router,
             seen_ttl=SEEN_TTL_S,
@@ -220,16 +224,33 @@ class P2PHost:
                     raise GossipError(f"cannot listen on {listen} (port in use or no such interface)")
                 with trio.fail_after(self.config.start_timeout_s):
                     await self.pubsub.wait_until_ready()
-                async with trio.open_nursery() as nursery:
-                    self._nursery = nursery
-                    nursery.start_soon(self._unban_loop)
-                    nursery.start_soon(self._maintain_loop)
-                    task_status.started(self.advertised_addrs())
-                    await trio.sleep_forever()
+                try:
+                    async with trio.open_nursery() as nursery:
+                        self._nursery = nursery
+                        nursery.start_soon(self._unban_loop)
+                        nursery.start_soon(self._maintain_loop)
+                        task_status.started(self.advertised_addrs())
+                        await trio.sleep_forever()
+                finally:
+                    # py-libp2p's cancelled services leave the connections open until the process
+                    # ends; closing them tells peers at once (a hub detaches a stopped worker).
+                    with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
+                        await self._close_connections()
         finally:
             self._nursery = None
             # py-libp2p never stops the sweeper thread of its seen-message cache; we do.
             self.pubsub.seen_messages.stop()
+
+    async def _close_connections(self) -> None:
+        """Close every connection's muxer (yamux GO_AWAY, then the socket). py-libp2p's own
+        ``Swarm.close`` left the sockets open here when its services were already cancelled."""
+        network = self.host.get_network()
+        for conns in list(getattr(network, "connections", {}).values()):
+            for conn in list(conns if isinstance(conns, list) else [conns]):
+                try:
+                    await conn.muxed_conn.close()
+                except Exception as e:  # noqa: BLE001 - best effort on the way down
+                    logger.debug("closing a connection: %r", e)
 
     def advertised_addrs(self) -> list[str]:
         """Multiaddrs others can dial, each ending in ``/p2p/<our peer ID>``."""
@@ -406,7 +427,9 @@ class P2PHost:
         return cast(TrioSubscriptionAPI, await self.pubsub.subscribe(topic))
 
     async def publish(self, topic: str, data: bytes) -> None:
-        """Publish ``data`` on ``topic`` (our own validator runs on it first)."""
+        """Publish ``data`` on ``topic`` (our own validator runs on it first), after waiting (a
+        bounded time) for room in mesh peers' send queues (``node/p2p/router.py``)."""
+        await self.router.wait_for_room(topic)
         await self.pubsub.publish(topic, data)
 
     def message_id(self, msg: rpc_pb2.Message) -> bytes:
@@ -424,6 +447,8 @@ class P2PHost:
             "mesh": self.mesh_sizes(),
             "banned": sorted(p for p in self._banned_until if self.is_banned(p)),
             "refused_per_ip": self.address_cap.refused,
+            "send_drops": dict(self.router.send_drops),
+            "delivery_drops": self.pubsub.delivery_drops,
         }
 
 

@@ -1,9 +1,11 @@
 """The live peer table: what each node's latest signed record says, and when it was last heard.
 
-Fed by the gossip layer with verified records and checkpoint announcements; read by the roles
-(which relays hold step N, who validates, what the latest step is). A peer is *alive* while its
-last record arrived less than ``missed_heartbeats × heartbeat_interval_s`` seconds ago; dead
-peers are hidden from every query and dropped from the table after ten times that.
+Fed by the gossip layer with verified records and checkpoint announcements, and by hubs' views and
+rosters (``docs/gossip.md``); read by the roles (which relays hold step N, who validates, what the
+latest step is). A peer is *alive* while it was last heard less than
+``missed_heartbeats × heartbeat_interval_s`` seconds ago: its own record, or a hub that vouches
+for it (:meth:`PeerTable.touch`: the hub's roster lists it, or its presence stream is open);
+dead peers are hidden from every query and dropped from the table after ten times that.
 
 Plain object, no I/O: use it from one thread (the asyncio loop).
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from protocol.identity import PeerId
@@ -166,6 +168,30 @@ class PeerTable:
         self._peers.pop(peer_id, None)
         self._arrivals.pop(peer_id, None)
 
+    def touch(self, peer_ids: Iterable[PeerId]) -> None:
+        """A hub vouches that these peers are still attached to it: count them as heard now.
+
+        Unknown peer IDs are ignored (a peer enters the table only with its own signed record).
+        """
+        now = self._clock()
+        for peer_id in peer_ids:
+            p = self._peers.pop(peer_id, None)
+            if p is None:
+                continue
+            if not self._alive(p, now):
+                self._arrivals.pop(peer_id, None)
+                self._arrivals[peer_id] = None
+                p.first_seen = now
+            p.last_seen = now
+            self._peers[peer_id] = p  # last: the dict stays ordered by last heard
+
+    def expire(self, peer_id: PeerId) -> None:
+        """No hub vouches for ``peer_id`` any more (it left, its stream closed): dead from now on,
+        kept in the table like any dead peer until :meth:`prune`."""
+        p = self._peers.get(peer_id)
+        if p is not None and self._alive(p, self._clock()):
+            p.last_seen = self._clock() - self.expiry_s - 1e-3
+
     def note_announcement(self, announcement: CheckpointAnnouncement) -> bool:
         """Record a verified checkpoint announcement; returns whether it raised the latest step."""
         if self._announced_step is None or announcement.step > self._announced_step:
@@ -302,3 +328,62 @@ def pick_upstreams(
 
     chosen = list(dict.fromkeys(p.http_url for p in sorted(holders, key=rank)))[:fanout]
     return chosen + origins
+
+
+class Vouchers:
+    """Which hubs vouch for which peers (plain bookkeeping for :class:`PeerTable`).
+
+    A peer stays alive while at least one hub vouches for it; when the last one stops, the caller
+    expires it (:meth:`PeerTable.expire`).
+    """
+
+    def __init__(self) -> None:
+        self._by_hub: dict[PeerId, set[PeerId]] = {}
+        self._count: dict[PeerId, int] = {}
+
+    def set(self, hub: PeerId, members: Iterable[PeerId]) -> list[PeerId]:
+        """Hub ``hub`` now vouches for exactly ``members``; returns peers no hub vouches for any more."""
+        new = set(members)
+        old = self._by_hub.pop(hub, set())
+        for p in new - old:
+            self._count[p] = self._count.get(p, 0) + 1
+        orphans = [p for p in old - new if self._drop(p)]
+        if new:
+            self._by_hub[hub] = new
+        return orphans
+
+    def add(self, hub: PeerId, peer_id: PeerId) -> None:
+        """Hub ``hub`` also vouches for ``peer_id``."""
+        members = self._by_hub.setdefault(hub, set())
+        if peer_id not in members:
+            members.add(peer_id)
+            self._count[peer_id] = self._count.get(peer_id, 0) + 1
+
+    def remove(self, hub: PeerId, peer_id: PeerId) -> bool:
+        """Hub ``hub`` no longer vouches for ``peer_id``; returns whether no hub does now."""
+        members = self._by_hub.get(hub)
+        if members is None or peer_id not in members:
+            return False
+        members.discard(peer_id)
+        if not members:
+            del self._by_hub[hub]
+        return self._drop(peer_id)
+
+    def _drop(self, peer_id: PeerId) -> bool:
+        self._count[peer_id] -= 1
+        if self._count[peer_id] <= 0:
+            del self._count[peer_id]
+            return True
+        return False
+
+    def members(self, hub: PeerId) -> frozenset[PeerId]:
+        """The peers ``hub`` vouches for."""
+        return frozenset(self._by_hub.get(hub, ()))
+
+    def vouched(self, peer_id: PeerId) -> bool:
+        """Whether any hub vouches for ``peer_id``."""
+        return peer_id in self._count
+
+    def hubs(self) -> list[PeerId]:
+        """Hubs vouching for at least one peer."""
+        return list(self._by_hub)

@@ -1,4 +1,5 @@
-"""py-libp2p's gossipsub router with IWANT answers bounded (trio side; used by ``node/p2p/host.py``).
+"""py-libp2p's gossipsub router with IWANT answers bounded and send-queue drops counted (trio side;
+used by ``node/p2p/host.py``).
 
 py-libp2p 0.8 answers an IWANT by copying every listed message it holds into one reply, once per
 listed ID, duplicates included, as often as asked (10 IWANTs per second per peer). One IWANT of
@@ -6,18 +7,76 @@ listed ID, duplicates included, as often as asked (10 IWANTs per second per peer
 64 KiB verdict ~20,000 times asks for 1.3 GB. go-libp2p-pubsub answers each ID once per IWANT and
 each message at most ``GossipRetransmission`` (3) times per peer (``handleIWant``);
 :class:`BoundedGossipSub` does the same. See ``docs/gossip.md``, "Transport rules".
+
+Queues (``docs/gossip.md``, "Send queues"): py-libp2p gives every peer an outbound queue of 32 RPCs
+(go-libp2p-pubsub's ``OutboundQueueSize``) and every subscription a delivery channel of 32
+messages, and drops past either silently (a burst of 300 verdicts from one validator: 260
+arrived). Here the outbound queue holds :data:`SEND_QUEUE_RPCS`, the delivery channel
+:data:`DELIVERY_QUEUE_MESSAGES`, every drop is counted (:attr:`BoundedGossipSub.send_drops`,
+:attr:`CountingPubsub.delivery_drops`; ``GossipNode.stats``), and our own publishes wait (up to
+:data:`PUBLISH_WAIT_S`) while a mesh peer's queue is past :data:`SEND_QUEUE_HIGH_WATER`, so a
+burst we publish is paced by the slowest reader instead of being cut. A peer that reads nothing
+for that long loses messages (counted), never the others.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
+import trio
 from libp2p.peer.id import ID
+from libp2p.pubsub import pubsub as _pubsub_module
 from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pb import rpc_pb2
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.pubsub.rpc_queue import RpcQueue
 from libp2p.pubsub.utils import safe_bytes_from_hex
 
-__all__ = ["GOSSIP_RETRANSMISSION", "BoundedGossipSub"]
+__all__ = ["GOSSIP_RETRANSMISSION", "SEND_QUEUE_RPCS", "BoundedGossipSub", "CountingPubsub"]
+
+SEND_QUEUE_RPCS = 512
+"""RPCs queued for one peer before new ones are dropped (py-libp2p: 32). Each queued RPC is one
+message of ≤ 1 MiB (ours: ≤ 64 KiB but the rare 128 KiB ban list), so a stalled peer holds at most
+≈ 512 × 64 KiB = 32 MiB of ours (and far less in practice: records and announcements are < 4 KiB)."""
+SEND_QUEUE_HIGH_WATER = SEND_QUEUE_RPCS // 2
+"""A mesh peer's queue length above which our own publishes wait (:meth:`BoundedGossipSub.wait_for_room`)."""
+PUBLISH_WAIT_S = 2.0
+"""Longest a publish waits for room in mesh peers' queues, seconds; then it goes out and a peer
+still full loses it (counted)."""
+DELIVERY_QUEUE_MESSAGES = 1024
+"""Verified messages waiting for the node's topic reader, per topic (py-libp2p: 32)."""
+
+
+class _BoundedRpcQueue(RpcQueue):
+    """py-libp2p's per-peer outbound queue with room for :data:`SEND_QUEUE_RPCS` RPCs."""
+
+    def __init__(self, max_size: int = SEND_QUEUE_RPCS, **kwargs: Any) -> None:
+        super().__init__(max_size=max_size, **kwargs)
+
+
+# py-libp2p builds each peer's queue as ``RpcQueue()`` and each subscription's channel with the
+# module's SUBSCRIPTION_CHANNEL_SIZE, both looked up by name at that moment (libp2p pinned at 0.8.1;
+# fail at import if the names are gone rather than run with the 32-entry queues).
+if getattr(_pubsub_module, "RpcQueue", None) not in (RpcQueue, _BoundedRpcQueue) or not hasattr(_pubsub_module, "SUBSCRIPTION_CHANNEL_SIZE"):
+    raise ImportError("libp2p.pubsub.pubsub.RpcQueue / SUBSCRIPTION_CHANNEL_SIZE are gone: re-check node/p2p/router.py")
+setattr(_pubsub_module, "RpcQueue", _BoundedRpcQueue)  # noqa: B010 - the name py-libp2p instantiates
+setattr(_pubsub_module, "SUBSCRIPTION_CHANNEL_SIZE", DELIVERY_QUEUE_MESSAGES)  # noqa: B010 - read at each subscribe
+
+
+class CountingPubsub(Pubsub):
+    """py-libp2p's :class:`Pubsub` that counts messages its subscription channels had no room for."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.delivery_drops = 0
+
+    def notify_subscriptions(self, publish_message: rpc_pb2.Message) -> None:
+        for topic in publish_message.topicIDs:
+            channel = self.subscribed_topics_send.get(topic)
+            if channel is not None and channel.statistics().current_buffer_used >= channel.statistics().max_buffer_size:
+                self.delivery_drops += 1
+        super().notify_subscriptions(publish_message)
 
 GOSSIP_RETRANSMISSION = 3
 """Most times one message is sent to one peer in answer to its IWANTs (go-libp2p-pubsub's default)."""
@@ -30,6 +89,28 @@ class BoundedGossipSub(GossipSub):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._iwant_served: dict[ID, Counter[bytes]] = {}
+        self.send_drops: Counter[str] = Counter()
+        """Outbound RPCs dropped, by reason (``queue_full``, ``oversized``); ``messages``: the
+        published messages they carried."""
+
+    def _handle_dropped_rpc(self, peer_id: ID, rpc: rpc_pb2.RPC, reason: str) -> None:
+        self.send_drops[reason] += 1
+        self.send_drops["messages"] += len(rpc.publish)
+        super()._handle_dropped_rpc(peer_id, rpc, reason)
+
+    async def wait_for_room(self, topic: str, timeout_s: float = PUBLISH_WAIT_S) -> bool:
+        """Wait until no mesh peer of ``topic`` has more than :data:`SEND_QUEUE_HIGH_WATER` RPCs
+        queued, at most ``timeout_s`` seconds; returns whether there is room now."""
+        if self.pubsub is None:
+            return True
+        with trio.move_on_after(timeout_s):
+            while True:
+                queues = self.pubsub.peer_queues
+                if all(len(queues[p]) <= SEND_QUEUE_HIGH_WATER for p in self.mesh.get(topic, ()) if p in queues):
+                    return True
+                await trio.sleep(0.01)
+        self.send_drops["publish_waits_expired"] += 1
+        return False
 
     async def handle_iwant(self, iwant_msg: rpc_pb2.ControlIWant, sender_peer_id: ID) -> None:
         served = self._iwant_served.setdefault(sender_peer_id, Counter())

@@ -1,11 +1,20 @@
 """``GossipNode``: the one object a role uses to be on the run's gossip network.
 
 It owns (or shares) a trio bridge, runs a :class:`~node.p2p.host.P2PHost` on it, subscribes the
-run's topics its role needs (:func:`~node.p2p.gossip.subscribed_kinds`: workers do not read other
-workers' records) with an :class:`~node.p2p.gossip.EnvelopeValidator` as the libp2p topic
-validator (so nothing invalid is delivered or forwarded), publishes a signed
-:class:`~protocol.messages.NodeRecord` every heartbeat on its role's record topic, keeps the
-:class:`~node.p2p.peers.PeerTable` up to date and calls the role's handlers on the asyncio loop.
+run's topics its role needs (:func:`~node.p2p.gossip.subscribed_kinds`) with an
+:class:`~node.p2p.gossip.EnvelopeValidator` as the libp2p topic validator (so nothing invalid is
+delivered or forwarded), keeps the :class:`~node.p2p.peers.PeerTable` up to date and calls the
+role's handlers on the asyncio loop. Its signed :class:`~protocol.messages.NodeRecord` goes out
+every heartbeat interval, by role (``docs/gossip.md``):
+
+* a *hub* (coordinator, relay, validator) publishes it on the ``nodes`` topic, with its roster
+  digest (workers attached, roster ID); it accepts workers' presence streams, holds their records
+  (its roster) and sends each worker a view of the live hubs when that changes;
+* a *worker* sends it only to the hubs it is connected to, over a presence stream
+  (:mod:`node.p2p.presence`), when it changes, and a beat every few intervals; it learns the
+  hubs from their views;
+* the coordinator and silent observers (``node status``) fetch hubs' rosters when their IDs
+  change, so their tables list every live worker.
 
 Typical use::
 
@@ -38,6 +47,7 @@ from node.p2p.config import GossipConfig
 from node.p2p.gossip import (
     TOPIC_KINDS,
     EnvelopeValidator,
+    OverRate,
     PeerScores,
     TopicKind,
     penalty_for,
@@ -46,11 +56,14 @@ from node.p2p.gossip import (
     topic_names,
 )
 from node.p2p.host import P2PHost
-from node.p2p.peers import PeerTable
-from protocol.envelope import Envelope, seal
-from protocol.errors import DecodeError, ProtocolError
+from node.p2p.peers import PeerTable, Vouchers
+from node.p2p.presence import PresenceClient, PresenceHub, RosterFetcher, TokenBucket, unpack_view
+from protocol.content import content_id
+from protocol.envelope import Envelope, open_envelope, seal
+from protocol.errors import DecodeError, ProtocolError, SchemaError
 from protocol.identity import NodeKey, PeerId
-from protocol.messages import CheckpointAnnouncement, Hardware, Message, NodeRecord, Role
+from protocol.messages import HUB_ROLES, CheckpointAnnouncement, Hardware, Message, NodeRecord, Role
+from protocol.presence import VIEW_MAX_ENTRIES, pack_envelopes
 from protocol.runspec import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -66,6 +79,19 @@ ACCEPTED_CACHE = 4096
 """Envelopes verified by the topic validator kept for delivery (entries), so each is decoded once."""
 MIN_BEAT_GAP_S = 0.05
 """Shortest gap between two records triggered by :meth:`GossipNode.set_record`, seconds."""
+VIEW_MIN_GAP_S = 0.5
+"""Shortest gap between two views a hub sends its workers, seconds: a new policy step changes the
+coordinator's record and then each relay's, and each change would otherwise cost one frame per
+attached worker."""
+VIEW_CACHE = 1024
+"""Hub records a worker remembers as verified (by envelope ID), so a view repeating them costs no check."""
+_NOT_IN_VIEW = frozenset({"seq", "hardware", "workers", "roster"})
+"""Record fields whose change alone does not make a hub send its workers a new view."""
+
+
+def _view_material(record: NodeRecord) -> tuple[Any, ...]:
+    """What of a hub's record its workers need (a change sends them a new view)."""
+    return (record.role, record.http_url, tuple(record.addrs), record.policy_step, tuple(record.held_steps), record.version)
 
 
 def _unwrap(error: BaseException) -> BaseException:
@@ -134,9 +160,11 @@ class GossipNode:
             self.heartbeat_interval_s, missed_heartbeats=self.config.missed_heartbeats, coordinator=spec.run.coordinator
         )
         max_age_s = self.config.missed_heartbeats * self.heartbeat_interval_s + self.config.freshness_slack_s
+        self.presence = self.config.presence
+        self.is_hub = role in HUB_ROLES
         self._validator = EnvelopeValidator(
             self.run_id, spec.authorities, max_age_s=max_age_s, max_future_s=self.config.max_future_s,
-            split_records=self.config.split_records,
+            split_records=self.config.split_records or self.presence,
         )
         self._scores = PeerScores(self.config.penalty_limit, self.config.penalty_half_life_s)
         self._record: dict[str, Any] = {
@@ -152,8 +180,24 @@ class GossipNode:
         self._latest_step: int | None = None
         # fixed at start: who needs whose records (node.p2p.gossip.subscribed_kinds)
         self.subscribed: tuple[TopicKind, ...] = subscribed_kinds(
-            role, split=self.config.split_records, publishes_records=self.config.publish_records
+            role, split=self.config.split_records, publishes_records=self.config.publish_records, presence=self.presence
         )
+        # presence (docs/gossip.md): who vouches for whom, hubs' views and rosters
+        fetch = self.config.fetch_rosters
+        self.fetch_rosters = self.presence and (fetch if fetch is not None else role == "coordinator" or not self.config.publish_records)
+        self._vouchers = Vouchers()
+        self._linked: set[PeerId] = set()  # worker: hubs whose presence stream is open (asyncio side)
+        self._hub_envs: dict[PeerId, Envelope[NodeRecord]] = {}  # hub: latest verified record of each hub (asyncio side)
+        self._view_key: tuple[Any, ...] | None = None
+        self._view_wanted = asyncio.Event()
+        self._view_task: asyncio.Task[None] | None = None
+        self._last_sealed = b""
+        self._last_material: tuple[Any, ...] | None = None
+        self._presence_hub: PresenceHub | None = None  # trio side
+        self._presence_client: PresenceClient | None = None  # trio side
+        self._fetcher: RosterFetcher | None = None  # trio side
+        self._view_cache: OrderedDict[bytes, Envelope[Message]] = OrderedDict()  # trio side
+        self._forward_budget: dict[str, TokenBucket] = {}  # trio side
         self._bridge = bridge
         self._owns_bridge = bridge is None
         self._host: P2PHost | None = None
@@ -216,6 +260,8 @@ class GossipNode:
         self._addrs = list(self._trio_task.value)
         self._running = True
         self._heartbeat = asyncio.create_task(self._heartbeat_loop(), name=f"gossip-heartbeat-{self.peer_id[-6:]}")
+        if self._presence_hub is not None:
+            self._view_task = asyncio.create_task(self._view_loop(), name=f"gossip-views-{self.peer_id[-6:]}")
         logger.info(
             "gossip node %s (%s) listening on %s", self.peer_id, self._record["role"], ", ".join(self._addrs),
             extra={"peer_id": self.peer_id},
@@ -227,7 +273,7 @@ class GossipNode:
         if not self._running:
             return
         self._running = False
-        tasks = [t for t in (self._heartbeat, *self._handler_tasks) if t is not None]
+        tasks = [t for t in (self._heartbeat, self._view_task, *self._handler_tasks) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.wait(tasks, timeout=self.config.stop_timeout_s) if tasks else None
@@ -285,8 +331,13 @@ class GossipNode:
             self._record["held_steps"] = sorted({int(s) for s in held_steps})[-64:]
         self._beat_now.set()
 
-    def make_record(self) -> NodeRecord:
-        """The node record the next heartbeat would publish (without advancing ``seq``)."""
+    def make_record(self, *, workers: int = 0, roster: bytes = b"") -> NodeRecord:
+        """The node record the next heartbeat would publish (without advancing ``seq``).
+
+        Args:
+            workers: a hub's attached workers (its roster digest, with ``roster``).
+            roster: the content ID of the hub's roster (``b""``: no workers).
+        """
         return NodeRecord(
             peer_id=self.peer_id,
             role=self._record["role"],
@@ -297,6 +348,8 @@ class GossipNode:
             policy_step=self._record["policy_step"],
             held_steps=self._record["held_steps"],
             hardware=self._record["hardware"],
+            workers=workers if self._record["role"] in HUB_ROLES else 0,
+            roster=roster if self._record["role"] in HUB_ROLES else b"",
         )
 
     async def publish(self, kind: TopicKind, envelope: bytes) -> None:
@@ -370,7 +423,14 @@ class GossipNode:
         host = self._host
 
         def snapshot() -> dict[str, Any]:
-            return {**host.stats(), "rejected": dict(self._rejected)}
+            out = {**host.stats(), "rejected": dict(self._rejected)}
+            if self._presence_hub is not None:
+                out["presence"] = self._presence_hub.stats()
+            if self._presence_client is not None:
+                out["presence"] = self._presence_client.stats()
+            if self._fetcher is not None:
+                out["rosters"] = self._fetcher.stats()
+            return out
 
         out = await self._bridge.run_sync(snapshot, timeout_s=CALL_TIMEOUT_S)
         out["delivered"] = dict(self._delivered)
@@ -386,6 +446,7 @@ class GossipNode:
             self._beat_now.clear()
             if self.config.publish_records:
                 await self._beat()
+            self._vouch()
             self.peers.prune()
             remaining = self.heartbeat_interval_s - (loop.time() - started)
             try:
@@ -396,10 +457,36 @@ class GossipNode:
 
     async def _beat(self) -> None:
         self._seq += 1
+        assert self._bridge is not None
         try:
-            await self.publish(record_kind(self._record["role"], split=self.config.split_records), self.seal(self.make_record()))
+            if self._presence_client is not None:  # a worker: its record goes to its hubs only
+                record = self.make_record()
+                material = tuple(v for k, v in record.model_dump().items() if k != "seq")
+                changed, self._last_material = material != self._last_material, material
+                await self._bridge.run_sync(self._presence_client.offer, self.seal(record), changed, timeout_s=CALL_TIMEOUT_S)
+                return
+            workers, roster = (0, b"")
+            if self._presence_hub is not None:
+                workers, roster = await self._bridge.run_sync(self._presence_hub.roster, timeout_s=CALL_TIMEOUT_S)
+            data = self.seal(self.make_record(workers=workers, roster=roster))
+            await self.publish(record_kind(self._record["role"], split=self.config.split_records or self.presence), data)
+            self._last_sealed = data
+            if self._presence_hub is not None:
+                self._view_wanted.set()
         except PublishError as e:
             logger.warning("heartbeat not published: %s", e)
+        except (TimeoutError, GossipError) as e:
+            logger.warning("heartbeat not sent: %s", e)
+
+    def _vouch(self) -> None:
+        """Peers vouched for by a hub count as heard now: a worker's attached hubs (their views),
+        a hub's attached workers, and (coordinator, observers) the rosters of live hubs."""
+        if not self.presence:
+            return
+        if self.is_hub:
+            self.peers.touch(self._vouchers.members(self.peer_id))
+        for hub in self._linked:
+            self.peers.touch(self._vouchers.members(hub))
 
     def _deliver(self, kind: TopicKind, env: Envelope[Any]) -> None:
         """Runs on the asyncio loop for each verified message of another node."""
@@ -409,8 +496,14 @@ class GossipNode:
         if isinstance(env.body, NodeRecord):
             if self.peers.update(env.body, env.ts_ms):
                 logger.debug("peer %s (%s) is alive", env.body.peer_id, env.body.role, extra={"peer_id": env.body.peer_id})
+            if self.presence and kind == "nodes":
+                self._note_hub(env)
         elif isinstance(env.body, CheckpointAnnouncement) and self.peers.note_announcement(env.body):
             logger.info("checkpoint step %d announced", env.body.step, extra={"step": env.body.step})
+        self._call_handlers(kind, env)
+        self._check_latest_step()
+
+    def _call_handlers(self, kind: TopicKind, env: Envelope[Any]) -> None:
         for handler in self._handlers[kind]:
             try:
                 result = handler(env)
@@ -421,7 +514,96 @@ class GossipNode:
                 task = asyncio.ensure_future(result)
                 self._handler_tasks.add(task)
                 task.add_done_callback(self._handler_done)
+
+    def _note_hub(self, env: Envelope[NodeRecord]) -> None:
+        """A hub's record from ``nodes``: its roster still vouches for its workers, and (a hub) the
+        view this node sends its own workers may have changed."""
+        record = env.body
+        if self.fetch_rosters:
+            self.peers.touch(self._vouchers.members(record.peer_id))
+        if self._presence_hub is not None:
+            self._hub_envs[record.peer_id] = env
+            self._view_wanted.set()
+
+    def _deliver_attached(self, env: Envelope[NodeRecord]) -> None:
+        """A hub: a worker's verified record arrived on its presence stream."""
+        if not self._running:
+            return
+        self._delivered["presence"] += 1
+        self.peers.update(env.body, env.ts_ms)
+        self._vouchers.add(self.peer_id, env.body.peer_id)
+        self.peers.touch([env.body.peer_id])
+        self._call_handlers("workers", env)
+
+    def _deliver_detached(self, peer_id: PeerId) -> None:
+        """A hub: a worker's presence stream ended."""
+        if self._running and self._vouchers.remove(self.peer_id, peer_id):
+            self.peers.expire(peer_id)
+
+    def _deliver_view(self, hub: PeerId, envs: list[Envelope[NodeRecord]]) -> None:
+        """A worker: hub ``hub`` sent the live hubs' verified records."""
+        if not self._running:
+            return
+        self._delivered["views"] += 1
+        self._linked.add(hub)
+        members: list[PeerId] = []
+        for env in envs:
+            if env.signer == self.key.public_key:
+                continue
+            members.append(env.body.peer_id)
+            self.peers.update(env.body, env.ts_ms)
+            self._call_handlers("nodes", env)
+        for gone in self._vouchers.set(hub, members):
+            self.peers.expire(gone)  # no hub lists it any more: it left
+        self.peers.touch(members)
         self._check_latest_step()
+
+    def _deliver_unlinked(self, hub: PeerId) -> None:
+        """A worker: the presence stream to ``hub`` ended (what it vouched for ages out normally)."""
+        self._linked.discard(hub)
+        self._vouchers.set(hub, [])
+
+    def _deliver_roster(self, hub: PeerId, roster_id: bytes, fresh: list[Envelope[NodeRecord]], members: list[PeerId]) -> None:
+        """Coordinator, observers: hub ``hub``'s roster ``roster_id`` was fetched and verified."""
+        if not self._running:
+            return
+        self._delivered["rosters"] += 1
+        for env in fresh:
+            if env.signer == self.key.public_key:
+                continue
+            self.peers.update(env.body, env.ts_ms)
+            self._call_handlers("workers", env)
+        for gone in self._vouchers.set(hub, members):
+            self.peers.expire(gone)  # the hub dropped it and no other hub lists it
+        self.peers.touch(members)
+
+    async def _view_loop(self) -> None:
+        """A hub: send attached workers a new view when what they need changed (at most every
+        :data:`VIEW_MIN_GAP_S`), and keep the view new streams get fresh."""
+        assert self._bridge is not None and self._presence_hub is not None
+        loop = asyncio.get_running_loop()
+        last = -VIEW_MIN_GAP_S
+        while True:
+            await self._view_wanted.wait()
+            await asyncio.sleep(max(0.0, last + VIEW_MIN_GAP_S - loop.time()))
+            self._view_wanted.clear()
+            if not self._last_sealed:
+                continue
+            own = open_envelope(self._last_sealed, run_id=self.run_id, expect=NodeRecord)
+            live = [own] + [self._hub_envs[p.peer_id] for p in self.peers.alive() if p.peer_id in self._hub_envs]
+            for pid in [p for p in self._hub_envs if p not in self.peers]:
+                del self._hub_envs[pid]
+            key = tuple(sorted((e.body.peer_id, _view_material(e.body)) for e in live))
+            data = pack_envelopes([e.raw for e in live][:VIEW_MAX_ENTRIES])
+            try:
+                if key != self._view_key:
+                    self._view_key = key
+                    last = loop.time()
+                    await self._bridge.run_sync(self._presence_hub.set_view, data, timeout_s=CALL_TIMEOUT_S)
+                else:  # unchanged: only streams opened from now on get these newer copies
+                    await self._bridge.run_sync(self._presence_hub.refresh_view, data, timeout_s=CALL_TIMEOUT_S)
+            except (TimeoutError, GossipError) as e:
+                logger.warning("view not sent: %s", e)
 
     def _check_latest_step(self) -> None:
         step = self.peers.latest_step()
@@ -442,28 +624,110 @@ class GossipNode:
     # --- trio side ---------------------------------------------------------------------------
 
     async def _trio_main(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-        host = P2PHost(self.key, self.config, hub=self._record["role"] in ("coordinator", "relay", "validator"))
+        assert self._bridge is not None
+        bridge = self._bridge
+        host = P2PHost(self.key, self.config, hub=self.is_hub, keepalive_s=self.heartbeat_interval_s)
         self._host = host
+        if self.presence and self.is_hub:
+            self._presence_hub = PresenceHub(
+                self.run_id, peer_id=self.peer_id, heartbeat_interval_s=self.heartbeat_interval_s,
+                check_record=lambda data: self._validator.check("workers", data),  # type: ignore[arg-type,return-value]
+                on_attach=lambda env: bridge.to_asyncio(self._deliver_attached, env),
+                on_detach=lambda peer: bridge.to_asyncio(self._deliver_detached, peer),
+                ban=host.ban, max_attached=self.config.max_peers,
+            )
+            self._presence_hub.install(host)
         async with trio.open_nursery() as nursery:
             addrs = await nursery.start(host.serve)
             for kind in self.subscribed:
                 sub = await host.subscribe(self.topics[kind], self._make_validator(kind, host))
                 nursery.start_soon(self._read_topic, kind, sub, host)
+            if self._presence_hub is not None:
+                nursery.start_soon(self._presence_hub.run)
+            elif self.presence and self.config.publish_records:
+                self._presence_client = PresenceClient(
+                    self.run_id, host, heartbeat_interval_s=self.heartbeat_interval_s,
+                    on_view=lambda hub, payload: self._on_view(hub, payload, host),
+                    on_detach=lambda hub: bridge.to_asyncio(self._deliver_unlinked, hub),
+                )
+                await nursery.start(self._presence_client.run)
+            if self.fetch_rosters:
+                self._fetcher = RosterFetcher(
+                    self.run_id, host, check_entry=self._check_roster_entry, heartbeat_interval_s=self.heartbeat_interval_s,
+                    deliver=lambda hub, rid, fresh, members: bridge.to_asyncio(self._deliver_roster, hub, rid, fresh, members),
+                )
+                await nursery.start(self._fetcher.run)
             bootstrap = list(dict.fromkeys([*self.config.bootstrap, *self.spec.network.bootstrap]))
             if bootstrap:
                 nursery.start_soon(host.keep_connected, bootstrap)
             task_status.started(addrs)
 
+    def _check_roster_entry(self, data: bytes) -> Envelope[NodeRecord]:
+        """A roster entry: a worker's record, signed by it. Entries keep the envelope of a worker's
+        last *change*, so no age limit (its hub vouches that it is attached now)."""
+        env: Envelope[NodeRecord] = open_envelope(
+            data, run_id=self.run_id, authorities=self.spec.authorities, expect=NodeRecord,
+            max_bytes=NodeRecord.MAX_BYTES, max_future_s=self.config.max_future_s,
+        )
+        if env.body.role not in ("worker", "observer"):
+            raise SchemaError(f"a {env.body.role} record in a roster", "body.role")
+        return env
+
+    def _on_view(self, hub: PeerId, payload: bytes, host: P2PHost) -> None:
+        """A worker (trio side): verify a hub's view; hand the valid records to the asyncio side."""
+        assert self._bridge is not None
+        try:
+            raws = unpack_view(payload)
+        except ProtocolError as e:
+            self._rejected["view_malformed"] += 1
+            logger.debug("malformed view from %s: %s", hub, e, extra={"peer_id": hub})
+            return
+        envs: list[Envelope[NodeRecord]] = []
+        for raw in raws:
+            eid = bytes(content_id(raw))
+            env = self._view_cache.get(eid)
+            if env is None:
+                try:
+                    env = self._validator.check("nodes", raw, remember=False)
+                except ProtocolError as e:
+                    reason, _ = penalty_for(e)
+                    self._rejected[f"view_{reason}"] += 1
+                    continue
+                self._view_cache[eid] = env
+                while len(self._view_cache) > VIEW_CACHE:
+                    self._view_cache.popitem(last=False)
+            assert isinstance(env.body, NodeRecord)
+            if env.signer != self.key.public_key:
+                host.note_peer(env.body.peer_id, env.body.addrs)
+            envs.append(env)  # type: ignore[arg-type]
+        self._bridge.to_asyncio(self._deliver_view, hub, envs)
+
     def _make_validator(self, kind: TopicKind, host: P2PHost) -> Callable[[ID, rpc_pb2.Message], bool]:
+        interval_s = self.heartbeat_interval_s
+        per_interval = float(self.config.max_records_per_interval)
+
+        def over_rate(sender: str) -> bool:
+            """Node records past the forwarder's budget are dropped before any check (minting costs
+            the sender its score, and us almost nothing)."""
+            now = trio.current_time()
+            budget = self._forward_budget.get(sender)
+            if budget is None:
+                if len(self._forward_budget) > 4 * self.config.max_peers:
+                    self._forward_budget.clear()
+                budget = self._forward_budget[sender] = TokenBucket(per_interval / interval_s, per_interval, now)
+            return not budget.take(now)
+
         def validate(forwarder: ID, msg: rpc_pb2.Message) -> bool:
+            sender = PeerId(forwarder.to_base58())
             try:
                 if len(msg.topicIDs) != 1:  # ours go on one topic; py-libp2p's router walks every listed one
                     raise DecodeError(f"message lists {len(msg.topicIDs)} topics, not 1")
+                if kind == "nodes" and sender != self.peer_id and over_rate(sender):
+                    raise OverRate(f"more than {per_interval:g} node records in one heartbeat interval")
                 env = self._validator.check(kind, msg.data)
             except ProtocolError as e:
                 reason, points = penalty_for(e)
                 self._rejected[reason] += 1
-                sender = PeerId(forwarder.to_base58())
                 logger.debug("rejected %s message from %s: %s", kind, sender, e, extra={"peer_id": sender})
                 if points and sender != self.peer_id and self._scores.penalize(sender, points):
                     self._scores.forget(sender)
@@ -486,6 +750,8 @@ class GossipNode:
                 continue
             if isinstance(env.body, NodeRecord):
                 host.note_peer(env.body.peer_id, env.body.addrs)
+                if self._fetcher is not None and kind == "nodes":
+                    self._fetcher.note_hub(env.body)
             self._bridge.to_asyncio(self._deliver, kind, env)
 
     async def _trio_publish(self, kind: TopicKind, data: bytes) -> None:
@@ -496,4 +762,3 @@ class GossipNode:
             reason, _ = penalty_for(e)
             raise PublishError(self.topics[kind], "oversized" if "limit" in str(e) else reason, str(e)) from None
         await self._host.publish(self.topics[kind], data)
-

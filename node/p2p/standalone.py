@@ -33,7 +33,9 @@ async def _main(args: argparse.Namespace) -> None:
         heartbeat_interval_s=args.heartbeat,
         bridge=args.bridge,
         split_records=not args.flat,
+        presence=not (args.flat or args.old_mesh or args.no_presence),
         hub_full_mesh=not args.old_mesh,
+        max_peers=args.max_peers,
     )
     node = await GossipNode.create(spec, NodeKey.load(Path(args.key)), config, role=args.role, http_url=args.http_url)
     if args.drop_announcements:  # a node that loses every announcement (benchmark of the record path)
@@ -84,6 +86,8 @@ def main() -> None:
     p.add_argument("--bridge", default="thread", choices=["thread", "guest"])
     p.add_argument("--log-announcements", action="store_true")
     p.add_argument("--flat", action="store_true", help="every record on one topic every node reads (the layout before issue 18)")
+    p.add_argument("--no-presence", action="store_true", help="worker records on the workers gossip topic (the layout of issue 18, before presence streams)")
+    p.add_argument("--max-peers", type=int, default=64, help="most connections (a hub carrying many workers needs more)")
     p.add_argument("--old-mesh", action="store_true", help="hubs bound their mesh at 12 peers (before issue 18's mesh fix); set PY_YAMUX_RELEASE_ON_READ=1 too for the old window updates")
     p.add_argument("--drop-announcements", action="store_true", help="reject every checkpoint announcement (learn steps from records)")
     asyncio.run(_main(p.parse_args()))

@@ -25,6 +25,7 @@ import contextlib
 import contextvars
 import ipaddress
 import logging
+import socket
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any, cast
@@ -243,6 +244,43 @@ _FROM_LISTENER: contextvars.ContextVar[bool] = contextvars.ContextVar("_FROM_LIS
 only that path's upgrade waits for the connection's end (relay and hole-punching callers do not)."""
 
 
+KEEPALIVE_PROBES = 3
+"""Unanswered TCP keepalive probes after which the kernel drops a connection."""
+
+
+def set_keepalive(conn: Any, interval_s: float) -> bool:
+    """Turn on TCP keepalive on the socket under a py-libp2p raw connection (walking ``.stream``):
+    idle and probe interval ``interval_s`` (≥ 1 s), :data:`KEEPALIVE_PROBES` probes, and a matching
+    ``TCP_USER_TIMEOUT`` for unacknowledged data. A peer whose machine or network vanished without
+    closing its connection is then dropped by the kernel within about
+    ``(1 + KEEPALIVE_PROBES) × interval_s``, at no cost to this process (``docs/gossip.md``, liveness).
+
+    Returns:
+        Whether a socket was found and set (False for a transport without one).
+    """
+    obj = conn
+    for _ in range(6):
+        sock = getattr(obj, "socket", None)
+        if sock is not None and hasattr(sock, "setsockopt"):
+            break
+        obj = getattr(obj, "stream", None)
+        if obj is None:
+            return False
+    else:
+        return False
+    seconds = max(1, round(interval_s))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", seconds), ("TCP_KEEPINTVL", seconds), ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+                            ("TCP_USER_TIMEOUT", 1000 * seconds * (1 + KEEPALIVE_PROBES))):
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except OSError as e:
+        logger.debug("TCP keepalive not set: %r", e)
+        return False
+    return True
+
+
 class _InboundEnded(Exception):
     """An inbound connection closed; ends py-libp2p's handler for it (logged at DEBUG there)."""
 
@@ -268,6 +306,8 @@ class InboundSwarm(Swarm):
     """
 
     address_cap: PerAddressCap | None = None
+    keepalive_s: float | None = None
+    """TCP keepalive interval of every connection, seconds (None: the OS default, off)."""
 
     async def _do_handle_inbound_connection(self, read_write_closer: Any, maddr: Any, failure_event: Any) -> None:
         ip = _stream_ip(read_write_closer)
@@ -276,12 +316,19 @@ class InboundSwarm(Swarm):
             with contextlib.suppress(Exception):  # already gone
                 await read_write_closer.close()
             return
+        if self.keepalive_s is not None:
+            set_keepalive(read_write_closer, self.keepalive_s)
         _FROM_LISTENER.set(True)  # this task is this connection's handler alone
         try:
             await super()._do_handle_inbound_connection(read_write_closer, maddr, failure_event)
         finally:
             if cap is not None:
                 cap.release_inbound(ip)
+
+    async def upgrade_outbound_raw_conn(self, raw_conn: Any, peer_id: Any, pre_scope: Any = None) -> Any:
+        if self.keepalive_s is not None:
+            set_keepalive(raw_conn, self.keepalive_s)
+        return await super().upgrade_outbound_raw_conn(raw_conn, peer_id, pre_scope)
 
     async def upgrade_inbound_raw_conn(self, raw_conn: Any, maddr: Any) -> Any:
         from_listener = _FROM_LISTENER.get()
@@ -293,9 +340,10 @@ class InboundSwarm(Swarm):
         raise _InboundEnded("inbound connection closed")
 
 
-def install_inbound_rules(network: INetwork, cap: PerAddressCap) -> None:
+def install_inbound_rules(network: INetwork, cap: PerAddressCap, *, keepalive_s: float | None = None) -> None:
     """Make ``network`` (a py-libp2p :class:`Swarm`, before it runs) an :class:`InboundSwarm`
-    counting inbound connections against ``cap``.
+    counting inbound connections against ``cap``, with TCP keepalive every ``keepalive_s`` seconds
+    on its connections (:func:`set_keepalive`; None: off).
 
     Raises:
         TypeError: ``network`` is not exactly py-libp2p's :class:`Swarm`.
@@ -304,6 +352,7 @@ def install_inbound_rules(network: INetwork, cap: PerAddressCap) -> None:
         raise TypeError(f"expected py-libp2p's Swarm, got {type(network).__name__}")
     network.__class__ = InboundSwarm
     cast(InboundSwarm, network).address_cap = cap
+    cast(InboundSwarm, network).keepalive_s = keepalive_s
 
 
 if getattr(muxer_multistream, "Yamux", None) not in (Yamux, BoundedYamux):

@@ -112,6 +112,10 @@ def test_records_go_where_they_are_needed() -> None:
     assert all("workers" in subscribed_kinds(r) for r in ("coordinator", "relay", "validator"))
     assert "workers" in subscribed_kinds("observer", publishes_records=False)  # node status: the whole table
     assert set(subscribed_kinds("worker", split=False)) == set(TOPIC_RULES)
+    # the node's layout: no worker record on gossip at all; workers read no records either
+    assert subscribed_kinds("worker", presence=True) == ("checkpoints", "verdicts", "bans")
+    assert all(subscribed_kinds(r, presence=True) == ("nodes", "checkpoints", "verdicts", "bans") for r in ("coordinator", "relay", "validator"))
+    assert "nodes" in subscribed_kinds("observer", publishes_records=False, presence=True)
 
 
 def test_single_topic_layout_accepts_worker_records_on_nodes(run: Run) -> None:

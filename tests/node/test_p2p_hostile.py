@@ -113,8 +113,8 @@ async def test_a_peer_sending_past_the_yamux_window_is_cut_off_and_its_bytes_are
         async with attacker(bridge, relay) as (mallory_key, mallory):
             delivered: list[bytes] = []
             relay.on_record(lambda env: delivered.append(env.raw))
-            valid = seal(mallory_key, run.spec.run_id, NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=1, version="m"))  # control: the link works
-            await bridge.run(mallory.publish, relay.topics["workers"], valid, timeout_s=5)
+            valid = seal(mallory_key, run.spec.run_id, NodeRecord(peer_id=mallory_key.peer_id, role="relay", seq=1, version="m"))  # control: the link works
+            await bridge.run(mallory.publish, relay.topics["nodes"], valid, timeout_s=5)
             await wait_until(lambda: valid in delivered, 10.0)
 
             relay_conn = (await bridge.run_sync(lambda: _connections(relay._host, mallory_key.peer_id), timeout_s=5))[0].muxed_conn
@@ -236,8 +236,8 @@ async def test_peer_exchange_in_a_prune_is_not_dialed() -> None:
                 await bridge.run(mallory.router.emit_control_message, prune, ID.from_base58(relay.peer_id), timeout_s=10)
                 delivered: list[bytes] = []
                 relay.on_record(lambda env: delivered.append(env.raw))
-                after = seal(mallory_key, run.spec.run_id, NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=1, version="m"))
-                await bridge.run(mallory.publish, relay.topics["workers"], after, timeout_s=5)
+                after = seal(mallory_key, run.spec.run_id, NodeRecord(peer_id=mallory_key.peer_id, role="relay", seq=1, version="m"))
+                await bridge.run(mallory.publish, relay.topics["nodes"], after, timeout_s=5)
                 await wait_until(lambda: after in delivered, 30.0)
                 pruned = await bridge.run_sync(lambda: ID.from_base58(mallory_key.peer_id) in relay._host.router.back_off.get(topic, {}), timeout_s=5)
                 assert pruned, "the relay never handled the PRUNE: the test proves nothing"
@@ -272,8 +272,8 @@ async def test_a_peer_opening_thousands_of_streams_holds_at_most_the_cap() -> No
             peak = await bridge.run(flood, timeout_s=120)
             delivered: list[bytes] = []
             relay.on_record(lambda env: delivered.append(env.raw))
-            after = seal(mallory_key, run.spec.run_id, NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=1, version="m"))
-            await bridge.run(mallory.publish, relay.topics["workers"], after, timeout_s=30)
+            after = seal(mallory_key, run.spec.run_id, NodeRecord(peer_id=mallory_key.peer_id, role="relay", seq=1, version="m"))
+            await bridge.run(mallory.publish, relay.topics["nodes"], after, timeout_s=30)
             await wait_until(lambda: after in delivered, 60.0)
             # the cap, plus the streams py-libp2p queues for acceptance (10) and the one being accepted
             assert peak <= MAX_INBOUND_STREAMS + 12, peak
@@ -322,8 +322,8 @@ async def test_iwant_answers_hold_each_message_once_and_at_most_three_times_per_
             # relay has queued every IWANT answer, ahead of anything it forwards to the peer after that
             delivered: list[bytes] = []
             relay.on_record(lambda env: delivered.append(env.raw))
-            after = seal(mallory_key, run.spec.run_id, NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=1, version="m"))
-            await bridge.run(mallory.publish, relay.topics["workers"], after, timeout_s=5)
+            after = seal(mallory_key, run.spec.run_id, NodeRecord(peer_id=mallory_key.peer_id, role="relay", seq=1, version="m"))
+            await bridge.run(mallory.publish, relay.topics["nodes"], after, timeout_s=5)
             await wait_until(lambda: after in delivered, 30.0)
             sentinel = verdict(2)
             await validator.publish_verdict(sentinel)
@@ -342,7 +342,7 @@ async def test_a_message_listing_extra_topics_is_rejected_before_routing() -> No
         assert relay._host is not None
         async with attacker(bridge) as (mallory_key, mallory):
             await bridge.run(mallory.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
-            topic = relay.topics["workers"]
+            topic = relay.topics["nodes"]
             await wait_until(lambda: topic in mallory.pubsub.peer_topics, 10.0)
             delivered: list[bytes] = []
             relay.on_record(lambda env: delivered.append(env.raw))
@@ -356,7 +356,7 @@ async def test_a_message_listing_extra_topics_is_rejected_before_routing() -> No
             relay._host.router.publish = counting_publish  # type: ignore[method-assign]
 
             def record(seq: int) -> bytes:
-                return seal(mallory_key, run.spec.run_id, NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=seq, version="m"))
+                return seal(mallory_key, run.spec.run_id, NodeRecord(peer_id=mallory_key.peer_id, role="relay", seq=seq, version="m"))
 
             many = record(1)
             await bridge.run(mallory.pubsub.publish, [topic] + [f"/junk/{i}" for i in range(2000)], many, timeout_s=60)

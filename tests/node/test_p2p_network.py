@@ -41,19 +41,27 @@ async def test_eight_mixed_nodes_see_each_other_with_roles() -> None:
     ]
     async with shared_bridge() as bridge, swarm(run, roles, bridge=bridge) as nodes:
         expected = {n.peer_id: role for n, (role, _) in zip(nodes, roles)}
-
         infra = {k: v for k, v in expected.items() if v != "worker"}
 
-        def tables_complete() -> bool:  # infrastructure nodes see everyone; workers see infrastructure only
-            return all(
-                {p.peer_id: p.role for p in n.peers} == {k: v for k, v in (infra if r == "worker" else expected).items() if k != n.peer_id}
-                for n, (r, _) in zip(nodes, roles)
-            )
+        def table(n: GossipNode) -> dict[str, str]:
+            return {p.peer_id: p.role for p in n.peers}
 
-        await wait_until(tables_complete, 10.0)  # fails past 10 s
+        def attached(n: GossipNode) -> set[str]:
+            return set(n._vouchers.members(n.peer_id))
+
+        def tables_complete() -> bool:
+            # the coordinator sees everyone (its own workers and the hubs' rosters); every hub sees
+            # the hubs and the workers attached to it; workers see the hubs (from their views)
+            coord_ok = table(nodes[1]) == {k: v for k, v in expected.items() if k != nodes[1].peer_id}
+            hubs_ok = all(table(n) == {**{k: v for k, v in infra.items() if k != n.peer_id}, **{w: "worker" for w in attached(n)}}
+                          for n, (r, _) in zip(nodes, roles) if r in ("relay", "validator"))
+            workers_ok = all(table(n) == infra for n, (r, _) in zip(nodes, roles) if r == "worker")
+            return coord_ok and hubs_ok and workers_ok and len(attached(nodes[0])) == 4  # every worker bootstrapped from the seed
+
+        await wait_until(tables_complete, 15.0, "every table complete")
         worker = nodes[4]
-        assert self_subscribed(worker) == {"nodes", "checkpoints", "verdicts", "bans"}  # never reads other workers' heartbeats
-        assert self_subscribed(nodes[0]) == {"nodes", "workers", "checkpoints", "verdicts", "bans"}
+        assert self_subscribed(worker) == {"checkpoints", "verdicts", "bans"}  # no records on gossip at all
+        assert self_subscribed(nodes[0]) == {"nodes", "checkpoints", "verdicts", "bans"}
         assert "workers" not in (await worker.stats())["delivered"]
         assert worker.peers.coordinator().peer_id == run.coordinator.peer_id  # type: ignore[union-attr]
         assert [p.peer_id for p in worker.peers.validators()] == [run.validator.peer_id]
@@ -154,16 +162,16 @@ async def test_forged_messages_are_not_delivered_nor_forwarded_and_the_sender_is
             await bridge.run(mallory.host.connect, parse_peer_addr(a.addrs[0]), timeout_s=10)
 
             def mallory_sees_topics() -> bool:
-                return all(a.topics[k] in mallory.pubsub.peer_topics for k in ("nodes", "workers", "verdicts", "checkpoints"))
+                return all(a.topics[k] in mallory.pubsub.peer_topics for k in ("nodes", "verdicts", "checkpoints"))
 
             await wait_until(mallory_sees_topics, 10.0)
             rid = run.spec.run_id
             # control: a valid record from mallory is delivered to a and forwarded to c
-            valid = seal(mallory_key, rid, NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=1, version="m"))
-            await bridge.run(mallory.publish, a.topics["workers"], valid, timeout_s=5)
+            valid = seal(mallory_key, rid, NodeRecord(peer_id=mallory_key.peer_id, role="relay", seq=1, version="m"))
+            await bridge.run(mallory.publish, a.topics["nodes"], valid, timeout_s=5)
             await wait_until(lambda: valid in delivered[a.peer_id] and valid in delivered[c.peer_id], 5.0)
 
-            rec = NodeRecord(peer_id=mallory_key.peer_id, role="worker", seq=2, version="m").model_dump()
+            rec = NodeRecord(peer_id=mallory_key.peer_id, role="relay", seq=2, version="m").model_dump()
             old_ms = int(time.time() * 1000) - 3_600_000
             verdict = Verdict(submission_id=b"\0" * 32, worker=c.peer_id, policy_step=1, counter=0, accepted=False, reason="bad")
             forged = {
@@ -196,7 +204,7 @@ async def test_forged_messages_are_not_delivered_nor_forwarded_and_the_sender_is
             while await bridge.run_sync(mallory.is_connected, a.peer_id, timeout_s=5):  # a hangs up on a banned peer
                 assert time.monotonic() < end, "a kept its connection to banned mallory"
                 await asyncio.sleep(0.05)
-            assert a.peers.get(mallory_key.peer_id).role == "worker"  # type: ignore[union-attr]  # the forged coordinator claim did not stick
+            assert a.peers.get(mallory_key.peer_id).role == "relay"  # type: ignore[union-attr]  # the forged coordinator claim did not stick
         finally:
             await handle.cancel()
 

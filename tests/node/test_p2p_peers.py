@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from node.p2p.peers import PeerTable, pick_upstreams
+from node.p2p.peers import PeerTable, Vouchers, pick_upstreams
 from protocol.identity import NodeKey
 from protocol.messages import CheckpointAnnouncement, NodeRecord
 
@@ -43,6 +43,31 @@ def test_dead_after_three_missed_heartbeats_and_back_after_restart() -> None:
     assert table.get(a.peer_id).http_url == ""  # type: ignore[union-attr]
     clock.t += 10 * 3 * HB + 1
     assert table.prune() == [a.peer_id]
+
+
+def test_a_peer_a_hub_vouches_for_stays_alive_and_dies_when_no_hub_does() -> None:
+    """Workers' records reach a hub once per change; the hub's roster (or open presence stream)
+    vouches for them in between (``docs/gossip.md``, presence)."""
+    clock = Clock()
+    table = PeerTable(HB, clock=clock)
+    vouchers = Vouchers()
+    w, x = NodeKey.generate(), NodeKey.generate()
+    table.update(rec(w, role="worker"), ts_ms=1_000)
+    table.update(rec(x, role="worker"), ts_ms=1_000)
+    assert vouchers.set("hubA", [w.peer_id, x.peer_id]) == [] and vouchers.set("hubB", [w.peer_id]) == []
+    for _ in range(10):  # each hub record re-vouches: alive long past three intervals of its own silence
+        clock.t += HB
+        table.touch(vouchers.members("hubA") | vouchers.members("hubB"))
+    assert w.peer_id in table and x.peer_id in table
+    table.touch(["12D3KooWunknown"])  # nobody enters the table on a hub's word alone
+    assert len(table) == 2
+    assert vouchers.set("hubA", [w.peer_id]) == [x.peer_id]  # x left hub A's roster and no hub lists it
+    table.expire(x.peer_id)
+    assert x.peer_id not in table and table.get(x.peer_id) is None
+    assert vouchers.set("hubA", []) == []  # w is still on hub B's roster
+    assert vouchers.remove("hubB", w.peer_id) and not vouchers.vouched(w.peer_id)
+    clock.t += 3 * HB + 0.01  # no vouching, no record: dead like any silent peer
+    assert w.peer_id not in table
 
 
 def test_queries() -> None:

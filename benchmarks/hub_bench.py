@@ -1,0 +1,449 @@
+"""Hub-scale benchmark: one real relay and the coordinator's gossip with many simulated workers.
+
+For each ``--workers`` level (default 30, 120, 500) and each ``--layouts`` entry (default
+``presence``, the node's design, then ``split``, issue 18's layout where every worker record is
+flooded on the ``workers`` topic), in one invocation:
+
+* a relay (the seed) and the coordinator run in their own processes, as the node runs them
+  (``GossipNode``, role ``relay`` / ``coordinator``, the run spec's heartbeat interval, 2 s by
+  default; ``max_peers`` raised to carry every worker);
+* the workers are real ``GossipNode`` instances of role ``worker``, ``--per-process`` of them
+  multiplexed in each of a few processes (one asyncio loop and one trio thread per process), each
+  with its own key, its own libp2p connections (to the relay, and to the coordinator once it
+  learns it), sealing and sending its real signed record at the spec's interval exactly as the
+  worker role does (``presence``: to its hubs, a record on change and a beat every few intervals;
+  ``split``: on gossip every interval);
+* once every worker is listed by the coordinator, the coordinator publishes ``--announcements``
+  checkpoint announcements (raising its record's policy step, as the coordinator role does) and
+  every worker sets its record's policy step when it hears one (as the worker role does after
+  fetching); reported: delivered, publish → delivered p50 / p99 / max over (announcement, worker)
+  pairs;
+* then ``--idle-s`` seconds of idle: CPU of each process as CPU-seconds per wall-second
+  (``psutil``; user + system, in % of one core) and RSS — relay, coordinator, and workers as the
+  sum of their processes divided by the number of workers;
+* ``--mint N`` (presence only, first level): what minting a worker identity costs. A separate
+  process makes N fresh identities one after another; each connects to the relay (noise
+  handshake), opens a presence stream, sends one signed record and leaves; then one identity
+  sends 200 records as fast as it can on one stream (dropped past its budget, unparsed, then
+  banned). Reported: the relay's extra CPU per identity / per frame against the minter's own.
+
+Machine: the relay's and coordinator's CPU figures are CPU-seconds per wall-second of their own
+process, so other load slows them but does not inflate them; latency figures do suffer from load.
+Every run prints the load average at the start and end of each level.
+
+Run: ``python benchmarks/hub_bench.py [--workers 30,120,500] [--layouts presence,split]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+LAYOUTS = ("presence", "split")
+
+
+def pct(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0…1) of ``values`` (nearest rank)."""
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def emit(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+# --- child processes ---------------------------------------------------------------------------
+
+
+def gossip_config(args: argparse.Namespace, **kw: Any) -> Any:
+    from node.p2p import GossipConfig
+
+    return GossipConfig(presence=args.layout == "presence", max_peers=args.max_peers, **kw)
+
+
+async def stdin_lines() -> asyncio.Queue[str]:
+    """Lines of this process's stdin, as an asyncio queue (the driver's commands)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[str] = asyncio.Queue()
+
+    def pump() -> None:
+        for line in sys.stdin:
+            loop.call_soon_threadsafe(queue.put_nowait, line.strip())
+        loop.call_soon_threadsafe(queue.put_nowait, "stop")
+
+    threading.Thread(target=pump, daemon=True).start()
+    return queue
+
+
+async def child_hub(args: argparse.Namespace) -> None:
+    """The relay (seed) or the coordinator, answering ``status`` / ``announce STEP`` / ``stop``."""
+    from node.p2p import GossipNode
+    from protocol.identity import NodeKey
+    from protocol.messages import CheckpointAnnouncement
+    from protocol.runspec import load_run_spec
+
+    spec = load_run_spec(Path(args.run)).spec
+    key = NodeKey.load(Path(args.key)) if args.key else NodeKey.generate()
+    config = gossip_config(args, bootstrap=[args.bootstrap] if args.bootstrap else [])
+    node = await GossipNode.create(spec, key, config, role=args.child)
+    emit({"ready": node.addrs[0]})
+    commands = await stdin_lines()
+    try:
+        while (cmd := await commands.get()) != "stop":
+            if cmd == "status":
+                stats = await node.stats()
+                by_role: dict[str, int] = {}
+                for p in node.peers:
+                    by_role[p.role] = by_role.get(p.role, 0) + 1
+                emit({"status": {"by_role": by_role, "connected": stats["connected"], "presence": stats.get("presence"),
+                                 "rosters": stats.get("rosters"), "rejected": stats["rejected"], "send_drops": stats["send_drops"]}})
+            elif cmd.startswith("announce "):
+                step = int(cmd.split()[1])
+                ann = CheckpointAnnouncement(step=step, manifest_id=step.to_bytes(32, "big"), checkpoint_hash=b"\0" * 32)
+                data = node.seal(ann)
+                sent_ns = time.time_ns()
+                node.set_record(policy_step=step)  # as the coordinator role does when it announces
+                await node.publish_announcement(data)
+                emit({"announced": step, "sent_ns": sent_ns})
+    finally:
+        await node.stop()
+
+
+async def child_workers(args: argparse.Namespace) -> None:
+    """``--count`` workers sharing one bridge; each logs the announcements it hears."""
+    from node.p2p import GossipNode
+    from node.p2p.bridge import make_bridge
+    from protocol.identity import NodeKey
+    from protocol.runspec import load_run_spec
+
+    spec = load_run_spec(Path(args.run)).spec
+    bridge = make_bridge("thread")
+    await bridge.start()
+    nodes: list[Any] = []
+    config = gossip_config(args, bootstrap=[args.bootstrap])
+    try:
+        def attach(node: Any, i: int) -> Any:
+            def heard(env: Any) -> None:
+                emit({"step": env.body.step, "recv_ns": time.time_ns(), "w": i})
+                node.set_record(policy_step=env.body.step)  # as a worker does once it holds the step
+
+            node.on_announcement(heard)
+            return node
+
+        for start in range(0, args.count, 16):  # batches, so the hubs take the handshakes a few at a time
+            batch = range(start, min(args.count, start + 16))
+            made = await asyncio.gather(*(GossipNode.create(spec, NodeKey.generate(), config, role="worker", bridge=bridge) for _ in batch))
+            nodes.extend(attach(n, i) for n, i in zip(made, batch))
+            emit({"progress": len(nodes)})
+        emit({"started": len(nodes)})
+        commands = await stdin_lines()
+        while (cmd := await commands.get()) != "stop":
+            if cmd == "status":
+                hubs = [len(n._linked) if n.presence else len(n.peers) for n in nodes]
+                emit({"status": {"workers": len(nodes), "min_hubs": min(hubs), "mean_hubs": round(statistics.mean(hubs), 2)}})
+    finally:
+        await asyncio.gather(*(n.stop() for n in nodes), return_exceptions=True)
+        await bridge.stop()
+
+
+async def child_mint(args: argparse.Namespace) -> None:
+    """Mint ``--count`` worker identities against the relay, one after another, then flood one stream."""
+    import trio
+    from libp2p.custom_types import TProtocol
+    from libp2p.peer.id import ID
+
+    from node.p2p.bridge import make_bridge
+    from node.p2p.config import GossipConfig
+    from node.p2p.host import P2PHost, parse_peer_addr
+    from protocol.envelope import seal
+    from protocol.identity import NodeKey
+    from protocol.messages import NodeRecord
+    from protocol.presence import RECORD, frame, presence_protocol
+    from protocol.runspec import load_run_spec
+
+    spec = load_run_spec(Path(args.run)).spec
+    relay = parse_peer_addr(args.bootstrap)
+    proto = TProtocol(presence_protocol(spec.run_id))
+    bridge = make_bridge("thread")
+    await bridge.start()
+
+    async def one(key: NodeKey, frames: int) -> None:
+        host = P2PHost(key, GossipConfig())
+        async with trio.open_nursery() as nursery:
+            await nursery.start(host.serve)
+            await host.host.connect(relay)
+            stream = await host.host.new_stream(ID.from_base58(relay.peer_id.to_base58()), [proto])
+            for seq in range(frames):
+                rec = NodeRecord(peer_id=key.peer_id, role="worker", seq=seq, version="mint")
+                try:
+                    await stream.write(frame(RECORD, seal(key, spec.run_id, rec)))
+                except Exception:  # noqa: BLE001 - banned: the relay hung up
+                    break
+            await trio.sleep(0.2)
+            nursery.cancel_scope.cancel()
+
+    try:
+        commands = await stdin_lines()
+        emit({"ready": True})
+        while (cmd := await commands.get()) != "stop":
+            kind, n = cmd.split()
+            t0, c0 = time.monotonic(), time.process_time()
+            for _ in range(int(n) if kind == "identities" else 1):
+                await bridge.run(one, NodeKey.generate(), 1 if kind == "identities" else int(n), timeout_s=60)
+            emit({"done": kind, "n": int(n), "wall_s": time.monotonic() - t0, "cpu_s": time.process_time() - c0})
+    finally:
+        await bridge.stop()
+
+
+# --- driver ------------------------------------------------------------------------------------
+
+
+class Child:
+    """A child process of this benchmark speaking JSON lines on stdout, commands on stdin."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, env=env)
+        self.lines: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                with self._lock:
+                    self.lines.append(json.loads(line))
+
+    def send(self, cmd: str) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(cmd + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass
+
+    def take(self, key: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return [x for x in self.lines if key in x]
+
+    async def wait(self, key: str, timeout_s: float, after: int = 0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            got = self.take(key)
+            if len(got) > after:
+                return got[after]
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"child {self.proc.args[2:5]} exited with {self.proc.returncode}")
+            await asyncio.sleep(0.05)
+        raise TimeoutError(f"no {key!r} from {self.proc.args[2:5]} within {timeout_s} s")
+
+    async def status(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        n = len(self.take("status"))
+        self.send("status")
+        return (await self.wait("status", timeout_s, after=n))["status"]
+
+    def stop(self) -> None:
+        self.send("stop")
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def cpu_s(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
+
+
+def rss_mib(pid: int) -> float:
+    import psutil
+
+    return float(psutil.Process(pid).memory_info().rss / 2**20)
+
+
+async def level(args: argparse.Namespace, workers: int, layout: str, tmp: Path) -> dict[str, Any]:
+    """One network: relay, coordinator, ``workers`` simulated workers in ``layout``; returns its numbers."""
+    from protocol.identity import NodeKey
+    from protocol.runspec import NetworkSpec, RunInfo, RunSpec, dump_run_spec, sign_run_spec
+
+    coord_key = NodeKey.generate()
+    key_path = tmp / f"coord-{workers}-{layout}.key"
+    coord_key.save(key_path)
+    spec = RunSpec(run=RunInfo(coordinator=coord_key.peer_id), network=NetworkSpec(heartbeat_interval_s=args.heartbeat_s))
+    spec_path = tmp / f"run-{workers}-{layout}.toml"
+    spec_path.write_text(dump_run_spec(sign_run_spec(spec, coord_key)))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    common = ["--run", str(spec_path), "--layout", layout, "--max-peers", str(workers + 64)]
+    out: dict[str, Any] = {"workers": workers, "layout": layout, "load_start": round(os.getloadavg()[0], 1)}
+    children: list[Child] = []
+    try:
+        relay = Child(["--child", "relay", *common], env)
+        children.append(relay)
+        seed = (await relay.wait("ready", 60))["ready"]
+        coord = Child(["--child", "coordinator", "--key", str(key_path), "--bootstrap", seed, *common], env)
+        children.append(coord)
+        await coord.wait("ready", 60)
+        t0 = time.monotonic()
+        procs = math.ceil(workers / args.per_process)
+        pools = []
+        for i in range(procs):
+            count = min(args.per_process, workers - i * args.per_process)
+            pools.append(Child(["--child", "workers", "--count", str(count), "--bootstrap", seed, *common], env))
+        children.extend(pools)
+        for p in pools:
+            await p.wait("started", args.join_timeout_s)
+        seen = 0
+        while True:  # every worker listed by the coordinator
+            seen = (await coord.status(60))["by_role"].get("worker", 0)
+            if seen >= workers:
+                break
+            if time.monotonic() - t0 > args.join_timeout_s:
+                out["joined"] = f"{seen}/{workers} in {args.join_timeout_s:.0f} s"
+                out["load_end"] = round(os.getloadavg()[0], 1)
+                return out
+            await asyncio.sleep(1.0)
+        out["joined"] = f"{workers}/{workers} in {time.monotonic() - t0:.0f} s"
+        await asyncio.sleep(2 * args.heartbeat_s)  # meshes settle
+
+        # announcements
+        sent: dict[int, int] = {}
+        for step in range(1, args.announcements + 1):
+            coord.send(f"announce {step}")
+            sent[step] = (await coord.wait("announced", 30, after=step - 1))["sent_ns"]
+            await asyncio.sleep(args.interval_s)
+        await asyncio.sleep(3.0 + args.heartbeat_s)
+        lat = [(x["recv_ns"] - sent[x["step"]]) / 1e9 for p in pools for x in p.take("recv_ns") if x["step"] in sent]
+        out["delivered"] = f"{len(lat)}/{workers * args.announcements}"
+        if lat:
+            out["p50_ms"], out["p99_ms"], out["max_ms"] = (round(pct(lat, q) * 1e3) for q in (0.5, 0.99, 1.0))
+        await asyncio.sleep(2 * args.heartbeat_s)  # the records the steps changed have gone out
+
+        # idle
+        pids = {"relay": [relay.proc.pid], "coordinator": [coord.proc.pid], "workers": [p.proc.pid for p in pools]}
+        c0 = {k: sum(cpu_s(p) for p in v) for k, v in pids.items()}
+        w0 = time.monotonic()
+        await asyncio.sleep(args.idle_s)
+        wall = time.monotonic() - w0
+        c1 = {k: sum(cpu_s(p) for p in v) for k, v in pids.items()}
+        out["relay_cpu_pct"] = round(100 * (c1["relay"] - c0["relay"]) / wall, 2)
+        out["coord_cpu_pct"] = round(100 * (c1["coordinator"] - c0["coordinator"]) / wall, 2)
+        out["worker_cpu_pct"] = round(100 * (c1["workers"] - c0["workers"]) / wall / workers, 3)
+        out["relay_rss_mib"] = round(rss_mib(relay.proc.pid))
+        out["coord_rss_mib"] = round(rss_mib(coord.proc.pid))
+        out["worker_rss_mib"] = round(sum(rss_mib(p) for p in pids["workers"]) / workers, 1)
+        st = await relay.status()
+        out["relay_connected"] = st["connected"]
+        out["relay_send_drops"] = sum(v for k, v in st["send_drops"].items() if k != "messages")
+        cst = await coord.status()
+        out["coord_workers_listed"] = cst["by_role"].get("worker", 0)
+
+        if args.mint and layout == "presence" and workers == min(args.levels):
+            out.update(await mint(args, spec_path, seed, relay, env))
+        out["load_end"] = round(os.getloadavg()[0], 1)
+        return out
+    finally:
+        for c in children:
+            c.send("stop")
+        for c in children:
+            c.stop()
+
+
+async def mint(args: argparse.Namespace, spec_path: Path, seed: str, relay: Child, env: dict[str, str]) -> dict[str, Any]:
+    """The relay's CPU per minted identity and per flooded frame, against the minter's."""
+    minter = Child(["--child", "mint", "--run", str(spec_path), "--bootstrap", seed], env)
+    out: dict[str, Any] = {}
+    try:
+        await minter.wait("ready", 60)
+        base_w = time.monotonic()
+        base_c = cpu_s(relay.proc.pid)
+        await asyncio.sleep(5.0)
+        idle_rate = (cpu_s(relay.proc.pid) - base_c) / (time.monotonic() - base_w)
+        for i, (kind, n) in enumerate((("identities", args.mint), ("frames", 200))):
+            c0, w0 = cpu_s(relay.proc.pid), time.monotonic()
+            minter.send(f"{kind} {n}")
+            done = await minter.wait("done", 600, after=i)
+            await asyncio.sleep(1.0)
+            extra = cpu_s(relay.proc.pid) - c0 - idle_rate * (time.monotonic() - w0)
+            out[f"mint_{kind}_relay_us"] = round(1e6 * extra / n)
+            out[f"mint_{kind}_minter_us"] = round(1e6 * done["cpu_s"] / n)
+        st = await relay.status()
+        out["mint_relay_counters"] = {k: v for k, v in (st.get("presence") or {}).items() if k.startswith(("refused", "over", "records"))}
+    finally:
+        minter.stop()
+    return out
+
+
+async def drive(args: argparse.Namespace) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="hub-bench-"))
+    results = []
+    for workers in args.levels:
+        for layout in args.layouts:
+            try:
+                r = await level(args, workers, layout, tmp)
+            except (RuntimeError, TimeoutError) as e:
+                r = {"workers": workers, "layout": layout, "error": str(e)[:200], "load_end": round(os.getloadavg()[0], 1)}
+            emit(r)
+            results.append(r)
+    keys = list(dict.fromkeys(k for r in results for k in r if k not in ("workers", "layout", "mint_relay_counters")))
+    print(f"\nhub benchmark, {time.strftime('%Y-%m-%d %H:%M')}: 1 relay + coordinator, heartbeat {args.heartbeat_s:g} s, "
+          f"{args.announcements} announcements every {args.interval_s:g} s, idle window {args.idle_s:g} s, CPU in % of one core "
+          f"(CPU-seconds per wall-second); workers: per worker")
+    print(f"{'':24s}" + "".join(f"{str(r['workers']) + ' ' + r['layout']:>16s}" for r in results))
+    for k in keys:
+        print(f"{k:24s}" + "".join(f"{r.get(k, '-')!s:>16s}" for r in results))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", default="30,120,500", help="worker counts, comma-separated (default 30,120,500)")
+    p.add_argument("--layouts", default="presence,split", help=f"layouts in order, comma-separated, of {', '.join(LAYOUTS)}")
+    p.add_argument("--per-process", type=int, default=64, help="simulated workers per process (default 64)")
+    p.add_argument("--heartbeat-s", type=float, default=2.0, help="the run spec's heartbeat interval, seconds (default 2, the spec default)")
+    p.add_argument("--announcements", type=int, default=10, help="checkpoint announcements per level (default 10)")
+    p.add_argument("--interval-s", type=float, default=2.0, help="seconds between announcements (default 2)")
+    p.add_argument("--idle-s", type=float, default=30.0, help="idle measurement window, seconds (default 30)")
+    p.add_argument("--join-timeout-s", type=float, default=300.0, help="seconds for every worker to start and be listed (default 300)")
+    p.add_argument("--mint", type=int, default=50, help="identities minted against the relay at the first level (0: skip)")
+    # child processes
+    p.add_argument("--child", choices=["relay", "coordinator", "workers", "mint"], help=argparse.SUPPRESS)
+    p.add_argument("--run", help=argparse.SUPPRESS)
+    p.add_argument("--key", default="", help=argparse.SUPPRESS)
+    p.add_argument("--bootstrap", default="", help=argparse.SUPPRESS)
+    p.add_argument("--layout", default="presence", help=argparse.SUPPRESS)
+    p.add_argument("--max-peers", type=int, default=64, help=argparse.SUPPRESS)
+    p.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child in ("relay", "coordinator"):
+        asyncio.run(child_hub(args))
+    elif args.child == "workers":
+        asyncio.run(child_workers(args))
+    elif args.child == "mint":
+        asyncio.run(child_mint(args))
+    else:
+        args.levels = [int(x) for x in args.workers.split(",") if x]
+        args.layouts = [x for x in args.layouts.split(",") if x]
+        if not set(args.layouts) <= set(LAYOUTS):
+            raise SystemExit(f"--layouts: each of {', '.join(LAYOUTS)}")
+        asyncio.run(drive(args))
+
+
+if __name__ == "__main__":
+    main()

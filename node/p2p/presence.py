@@ -1,0 +1,697 @@
+"""Worker presence at its hubs, and hubs' rosters (trio side; wire format in ``protocol.presence``).
+
+Why: a worker record flooded on gossip costs every hub ≈ 1 ms of py-libp2p CPU per record it takes
+in and again per peer it forwards to, every heartbeat interval, so a relay paid ≈ 0.3 % of a core
+per worker attached (``docs/gossip.md``). Here a worker tells only the hubs it is connected to that
+it is alive, over a stream on that connection, and what the rest of the network learns is one
+signed record per hub per interval naming the hub's roster by content ID:
+
+* :class:`PresenceHub` (coordinator, relays, validators) accepts ``presence/1`` streams: a worker's
+  ``RECORD`` is verified (signature, run, freshness, role ``worker``, its subject is the stream's
+  authenticated peer, newer than the last one) before it is counted; ``BEAT`` frames and the open
+  connection keep it attached. Frames over a per-stream budget are dropped unread-as-records and a
+  peer that keeps sending them is banned. The verified records of the attached workers form the
+  *roster*, served on ``roster/1`` by its ID. The hub sends each worker a ``VIEW`` — the live hubs'
+  signed records — when the stream opens and whenever it changes.
+* :class:`PresenceClient` (workers) keeps one stream to every connected peer that speaks the
+  protocol, sends its record when it changes and a beat every ``PRESENCE_BEAT_INTERVALS``
+  intervals, and hands received views to the node.
+* :class:`RosterFetcher` (coordinator, ``node status``) fetches a hub's roster when the ID in its
+  record changes, checks the bytes hash to it, verifies every record it has not verified before.
+
+Everything here runs on the trio thread of the node's bridge; results cross to asyncio through
+callbacks the node passes in (its ``to_asyncio``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+from libp2p.abc import INetStream
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+
+from node.p2p.gossip import DuplicateEnvelope
+from node.p2p.host import P2PHost, parse_peer_addr
+from protocol.content import content_id
+from protocol.envelope import Envelope
+from protocol.errors import DecodeError, ProtocolError, SchemaError
+from protocol.identity import PeerId
+from protocol.messages import NodeRecord
+from protocol.presence import (
+    BEAT,
+    FRAME_MAX_BYTES,
+    HUB_KINDS,
+    LENGTH_BYTES,
+    MISSED_BEATS,
+    PRESENCE_BEAT_INTERVALS,
+    RECORD,
+    ROSTER_MAX_BYTES,
+    ROSTER_REQUEST_BYTES,
+    VIEW,
+    VIEW_MAX_BYTES,
+    VIEW_MAX_ENTRIES,
+    WORKER_FRAME_MAX_BYTES,
+    WORKER_KINDS,
+    frame,
+    frame_length,
+    pack_roster,
+    presence_protocol,
+    roster_protocol,
+    split_frame,
+    unpack_envelopes,
+    unpack_roster,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PresenceClient", "PresenceHub", "RosterFetcher"]
+
+READ_CHUNK_BYTES = 64 * 1024
+OPEN_TIMEOUT_S = 5.0
+"""Opening a stream (protocol negotiation included), seconds."""
+WRITE_TIMEOUT_S = 10.0
+"""One frame written to a peer, seconds; a peer that does not read is dropped."""
+ROSTER_TIMEOUT_S = 10.0
+"""A whole roster request (open, ask, read the answer), seconds."""
+NOT_A_HUB_S = 60.0
+"""After a peer refused the presence protocol, seconds before trying it again."""
+FRAMES_PER_INTERVAL = 2.0
+"""Frame budget of one presence stream, per heartbeat interval (an honest worker sends a beat every
+five intervals and a record when its policy step changes)."""
+FRAME_BURST = 8.0
+"""Frames a presence stream may send at once."""
+OVER_BUDGET_LIMIT = 16
+"""Frames over budget after which the peer is banned (each is dropped unparsed)."""
+ROSTERS_KEPT = 4
+"""Recent rosters a hub still serves by ID (a fetch may name one that just changed)."""
+ROSTER_REQUESTS_PER_INTERVAL = 1.0
+ROSTER_REQUEST_BURST = 4.0
+VERIFIED_CACHE = 16384
+"""Roster entries (envelope IDs) a fetcher remembers as verified, so an unchanged worker costs no check."""
+FETCH_CONCURRENCY = 4
+
+
+class TokenBucket:
+    """``burst`` tokens, refilled at ``rate`` per second; :meth:`take` spends one if there is one."""
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate, self.burst, self.tokens, self.at = rate, burst, burst, now
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
+class StreamReader:
+    """Exact reads from a libp2p stream, buffered (raises ``EOFError`` if the stream ends first)."""
+
+    def __init__(self, stream: INetStream) -> None:
+        self.stream = stream
+        self._buf = bytearray()
+
+    async def exactly(self, n: int) -> bytes:
+        while len(self._buf) < n:
+            chunk = await self.stream.read(READ_CHUNK_BYTES)
+            if not chunk:
+                raise EOFError("stream ended")
+            self._buf += chunk
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
+
+    async def frame(self, *, max_bytes: int, kinds: frozenset[int]) -> tuple[int, bytes]:
+        """The next presence frame's ``(kind, payload)``.
+
+        Raises:
+            DecodeError: a length over ``max_bytes`` or a kind not in ``kinds``.
+            EOFError, libp2p stream errors: the stream ended.
+        """
+        n = frame_length(await self.exactly(LENGTH_BYTES), max_bytes=max_bytes, kinds=kinds)
+        return split_frame(await self.exactly(n), kinds=kinds)
+
+
+async def _close(stream: INetStream) -> None:
+    with trio.move_on_after(1.0):
+        try:
+            await stream.reset()
+        except Exception as e:  # noqa: BLE001 - already gone
+            logger.debug("closing a presence stream: %r", e)
+
+
+def _peer_of(stream: INetStream) -> PeerId:
+    return PeerId(stream.muxed_conn.peer_id.to_base58())
+
+
+@dataclass
+class _Attached:
+    """One worker's presence stream at a hub."""
+
+    peer_id: PeerId
+    stream: INetStream
+    budget: TokenBucket
+    last_frame: float
+    envelope: bytes = b""
+    order: tuple[int, int] = (-1, -1)  # (ts_ms, seq) of the record held
+    over_budget: int = 0
+    view_version: int = -1
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+
+class PresenceHub:
+    """The hub side of presence (see the module docstring).
+
+    Args:
+        run_id: the run's 32-byte ID.
+        peer_id: this hub's peer ID.
+        heartbeat_interval_s: the run's heartbeat interval, seconds.
+        check_record: verifies a worker's ``node_record/1`` envelope and returns it (raises
+            :class:`~protocol.errors.ProtocolError`; a duplicate of an accepted envelope included).
+        on_attach: called with each accepted record envelope (the worker's newest).
+        on_detach: called with a worker's peer ID when it is no longer attached.
+        ban: disconnect and blacklist a peer (by peer ID).
+        max_attached: most workers attached at once (the hub's connection limit).
+        clock: trio clock, seconds (tests may pass another).
+    """
+
+    def __init__(
+        self,
+        run_id: bytes,
+        *,
+        peer_id: PeerId,
+        heartbeat_interval_s: float,
+        check_record: Callable[[bytes], Envelope[NodeRecord]],
+        on_attach: Callable[[Envelope[NodeRecord]], None],
+        on_detach: Callable[[PeerId], None],
+        ban: Callable[[PeerId], None],
+        max_attached: int,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self.run_id = run_id
+        self.peer_id = peer_id
+        self.interval_s = heartbeat_interval_s
+        self.check_record = check_record
+        self.on_attach = on_attach
+        self.on_detach = on_detach
+        self.ban = ban
+        self.max_attached = max_attached
+        self._clock = clock
+        self._attached: dict[PeerId, _Attached] = {}
+        self._roster_dirty = True
+        self._roster: tuple[int, bytes] = (0, b"")
+        self._rosters: OrderedDict[bytes, bytes] = OrderedDict()
+        self._roster_budget: dict[PeerId, TokenBucket] = {}
+        self._view = b""
+        self._view_version = 0
+        self._view_changed = trio.Event()
+        self.counters: Counter[str] = Counter()
+
+    @property
+    def beat_timeout_s(self) -> float:
+        """A worker silent (no frame) this long is detached, seconds."""
+        return MISSED_BEATS * PRESENCE_BEAT_INTERVALS * self.interval_s
+
+    def install(self, host: P2PHost) -> None:
+        """Register the presence and roster stream handlers on ``host`` (before it serves)."""
+        host.host.set_stream_handler(TProtocol(presence_protocol(self.run_id)), self._handle_presence)
+        host.host.set_stream_handler(TProtocol(roster_protocol(self.run_id)), self._handle_roster)
+
+    async def run(self) -> None:
+        """Detach workers whose beats stopped (their connection still up); runs until cancelled."""
+        while True:
+            await trio.sleep(self.interval_s)
+            now = self._clock()
+            for a in [a for a in self._attached.values() if now - a.last_frame > self.beat_timeout_s]:
+                self.counters["beat_timeouts"] += 1
+                logger.debug("worker %s sent nothing for %.0f s; detaching it", a.peer_id, now - a.last_frame, extra={"peer_id": a.peer_id})
+                a.scope.cancel()  # its handler ends (a read blocked on a reset stream is not always woken)
+
+    # --- roster ---------------------------------------------------------------------------
+
+    def roster(self) -> tuple[int, bytes]:
+        """``(workers, roster ID)`` of the attached workers with a verified record (``(0, b"")``: none)."""
+        if self._roster_dirty:
+            self._roster_dirty = False
+            envelopes = [a.envelope for a in self._attached.values() if a.envelope]
+            if not envelopes:
+                self._roster = (0, b"")
+            else:
+                roster_id, data = pack_roster(envelopes)
+                self._roster = (len(envelopes), bytes(roster_id))
+                self._rosters[bytes(roster_id)] = data
+                self._rosters.move_to_end(bytes(roster_id))
+                while len(self._rosters) > ROSTERS_KEPT:
+                    self._rosters.popitem(last=False)
+        return self._roster
+
+    def attached(self) -> list[PeerId]:
+        """Peer IDs of the workers attached with a verified record."""
+        return [a.peer_id for a in self._attached.values() if a.envelope]
+
+    # --- views ----------------------------------------------------------------------------
+
+    def set_view(self, view: bytes) -> None:
+        """Send ``view`` (a packed list of hub record envelopes) to every attached worker."""
+        self._view = view
+        self._view_version += 1
+        changed, self._view_changed = self._view_changed, trio.Event()
+        changed.set()
+
+    def refresh_view(self, view: bytes) -> None:
+        """Newer copies of the same view: streams opened from now on get them; none is resent."""
+        self._view = view
+
+    async def _send_views(self, a: _Attached) -> None:
+        while True:
+            if self._view and a.view_version != self._view_version:
+                a.view_version = self._view_version
+                with trio.move_on_after(WRITE_TIMEOUT_S) as scope:
+                    await a.stream.write(frame(VIEW, self._view))
+                if scope.cancelled_caught:
+                    self.counters["view_write_timeouts"] += 1
+                    return
+                self.counters["views_sent"] += 1
+            await self._view_changed.wait()
+
+    # --- streams --------------------------------------------------------------------------
+
+    async def _handle_presence(self, stream: INetStream) -> None:
+        peer = _peer_of(stream)
+        now = self._clock()
+        old = self._attached.get(peer)
+        if old is None and len(self._attached) >= self.max_attached:
+            self.counters["refused_full"] += 1
+            await _close(stream)
+            return
+        a = _Attached(peer, stream, TokenBucket(FRAMES_PER_INTERVAL / self.interval_s, FRAME_BURST, now), now)
+        self._attached[peer] = a
+        if old is not None:  # the newest stream of a peer wins; its record and budget carry over
+            a.envelope, a.order, a.budget, a.over_budget = old.envelope, old.order, old.budget, old.over_budget
+            old.scope.cancel()
+        self.counters["streams_accepted"] += 1
+        try:
+            with a.scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._send_views, a)
+                    try:
+                        await self._read_frames(a)
+                    finally:
+                        nursery.cancel_scope.cancel()
+        except Exception as e:  # noqa: BLE001 - whatever ended the stream ends only this worker's attachment
+            logger.debug("presence stream of %s ended: %r", peer, e, extra={"peer_id": peer})
+        finally:
+            if self._attached.get(peer) is a:
+                del self._attached[peer]
+                if a.envelope:
+                    self._roster_dirty = True
+                    self.on_detach(peer)
+            await _close(stream)
+
+    async def _read_frames(self, a: _Attached) -> None:
+        reader = StreamReader(a.stream)
+        while True:
+            try:
+                kind, payload = await reader.frame(max_bytes=WORKER_FRAME_MAX_BYTES, kinds=WORKER_KINDS)
+            except DecodeError as e:
+                self._offence(a, "malformed", str(e))
+                return
+            except Exception as e:  # noqa: BLE001 - EOF or libp2p's stream errors: the stream is over
+                logger.debug("presence stream of %s: %r", a.peer_id, e)
+                return
+            now = self._clock()
+            if not a.budget.take(now):
+                a.over_budget += 1
+                self.counters["over_budget"] += 1
+                if a.over_budget > OVER_BUDGET_LIMIT:
+                    self._offence(a, "over_budget", f"{a.over_budget} frames over {FRAMES_PER_INTERVAL:g} per interval")
+                    return
+                continue  # dropped before any decoding or signature check
+            a.last_frame = now
+            if kind == BEAT:
+                self.counters["beats"] += 1
+                continue
+            if not self._take_record(a, payload):
+                return
+
+    def _take_record(self, a: _Attached, payload: bytes) -> bool:
+        """Verify and hold a worker's record; ``False`` when the peer was cut off for it."""
+        try:
+            env = self.check_record(payload)
+        except SchemaError as e:
+            if e.field == "ts_ms":  # stale or ahead: clock skew or a slow worker, not forgery
+                self.counters["records_stale"] += 1
+                return True
+            self._offence(a, "bad_record", str(e))
+            return False
+        except DuplicateEnvelope:
+            self.counters["records_replayed"] += 1
+            return True
+        except ProtocolError as e:
+            self._offence(a, "bad_record", str(e))
+            return False
+        record = env.body
+        if record.peer_id != a.peer_id:
+            self._offence(a, "not_own_record", f"sent the record of {record.peer_id}")
+            return False
+        if record.role not in ("worker", "observer"):
+            self._offence(a, "bad_record", f"a {record.role} record on a presence stream")
+            return False
+        order = (env.ts_ms, record.seq)
+        if order <= a.order:
+            self.counters["records_replayed"] += 1
+            return True
+        a.order = order
+        a.envelope = env.raw
+        self._roster_dirty = True
+        self.counters["records"] += 1
+        self.on_attach(env)
+        return True
+
+    def _offence(self, a: _Attached, reason: str, detail: str) -> None:
+        self.counters[f"refused_{reason}"] += 1
+        logger.info("presence: cutting off %s (%s): %s", a.peer_id, reason, detail[:200], extra={"peer_id": a.peer_id})
+        self.ban(a.peer_id)
+
+    async def _handle_roster(self, stream: INetStream) -> None:
+        peer = _peer_of(stream)
+        now = self._clock()
+        budget = self._roster_budget.get(peer)
+        if budget is None:
+            if len(self._roster_budget) > 4 * self.max_attached:
+                self._roster_budget.clear()
+            budget = self._roster_budget[peer] = TokenBucket(ROSTER_REQUESTS_PER_INTERVAL / self.interval_s, ROSTER_REQUEST_BURST, now)
+        try:
+            if not budget.take(now):
+                self.counters["roster_over_budget"] += 1
+                return
+            with trio.move_on_after(ROSTER_TIMEOUT_S):
+                wanted = await StreamReader(stream).exactly(ROSTER_REQUEST_BYTES)
+                self.roster()
+                data = self._rosters.get(wanted, b"")
+                await stream.write(len(data).to_bytes(LENGTH_BYTES, "big") + data)
+                self.counters["rosters_served"] += 1
+                await stream.close()
+        except Exception as e:  # noqa: BLE001 - a requester that went away
+            logger.debug("roster request from %s: %r", peer, e)
+        finally:
+            await _close(stream)
+
+    def stats(self) -> dict[str, Any]:
+        workers, roster_id = self.roster()
+        return {"attached": workers, "streams": len(self._attached), "roster": roster_id.hex()[:16], **self.counters}
+
+
+@dataclass
+class _Link:
+    """A worker's presence stream to one hub."""
+
+    hub: PeerId
+    stream: INetStream
+    sent_version: int = -1
+    last_write: float = 0.0
+
+
+class PresenceClient:
+    """The worker side of presence (see the module docstring).
+
+    Args:
+        run_id: the run's 32-byte ID.
+        host: this worker's libp2p host.
+        heartbeat_interval_s: the run's heartbeat interval, seconds.
+        on_view: called with ``(hub peer ID, view payload)`` for each ``VIEW`` frame (unverified).
+        on_detach: called with a hub's peer ID when its stream ended.
+        clock: trio clock, seconds.
+    """
+
+    def __init__(
+        self,
+        run_id: bytes,
+        host: P2PHost,
+        *,
+        heartbeat_interval_s: float,
+        on_view: Callable[[PeerId, bytes], None],
+        on_detach: Callable[[PeerId], None],
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self.protocol = TProtocol(presence_protocol(run_id))
+        self.host = host
+        self.interval_s = heartbeat_interval_s
+        self.on_view = on_view
+        self.on_detach = on_detach
+        self._clock = clock
+        self._record = b""
+        self._version = 0
+        self._changed = trio.Event()
+        self._links: dict[PeerId, _Link] = {}
+        self._opening: set[PeerId] = set()
+        self._not_hub: dict[PeerId, float] = {}
+        self.counters: Counter[str] = Counter()
+
+    @property
+    def beat_interval_s(self) -> float:
+        return PRESENCE_BEAT_INTERVALS * self.interval_s
+
+    def offer(self, record: bytes, changed: bool) -> None:
+        """The worker's newest sealed record (sealed every interval, so a new stream sends a fresh
+        one); ``changed``: its content changed, so send it to every hub now."""
+        self._record = record
+        if changed or self._version == 0:
+            self._version += 1
+            wake, self._changed = self._changed, trio.Event()
+            wake.set()
+
+    def hubs(self) -> list[PeerId]:
+        """Peer IDs of the hubs this worker holds a presence stream to."""
+        return list(self._links)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Open a presence stream to every connected peer that speaks the protocol; until cancelled."""
+        async with trio.open_nursery() as nursery:
+            task_status.started(None)
+            while True:
+                now = self._clock()
+                for pid in self.host.host.get_connected_peers():
+                    peer = PeerId(pid.to_base58())
+                    if peer in self._links or peer in self._opening or self._not_hub.get(peer, 0.0) > now:
+                        continue
+                    self._opening.add(peer)
+                    nursery.start_soon(self._link, pid)
+                await trio.sleep(1.0)
+
+    async def _link(self, pid: ID) -> None:
+        hub = PeerId(pid.to_base58())
+        stream: INetStream | None = None
+        try:
+            with trio.move_on_after(OPEN_TIMEOUT_S):
+                stream = await self.host.host.new_stream(pid, [self.protocol])
+        except Exception as e:  # noqa: BLE001 - not a hub (a worker, an observer) or gone
+            logger.debug("no presence stream to %s: %r", hub, e)
+        finally:
+            self._opening.discard(hub)
+        if stream is None:
+            self._not_hub[hub] = self._clock() + NOT_A_HUB_S
+            return
+        link = _Link(hub, stream)
+        self._links[hub] = link
+        self.counters["links"] += 1
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._write, link)
+                try:
+                    await self._read_views(link)
+                finally:
+                    nursery.cancel_scope.cancel()
+        except Exception as e:  # noqa: BLE001 - a hub that went away
+            logger.debug("presence stream to %s ended: %r", hub, e)
+        finally:
+            if self._links.get(hub) is link:
+                del self._links[hub]
+            self.on_detach(hub)
+            await _close(stream)
+
+    async def _write(self, link: _Link) -> None:
+        while True:
+            if not self._record:
+                await self._changed.wait()
+                continue
+            now = self._clock()
+            data = b""
+            if self._record and link.sent_version != self._version:
+                link.sent_version = self._version
+                data = frame(RECORD, self._record)
+                self.counters["records_sent"] += 1
+            elif self._record and now - link.last_write >= self.beat_interval_s:
+                data = frame(BEAT)
+                self.counters["beats_sent"] += 1
+            if data:
+                with trio.fail_after(WRITE_TIMEOUT_S):
+                    await link.stream.write(data)
+                link.last_write = now
+            with trio.move_on_after(max(0.05, link.last_write + self.beat_interval_s - self._clock())):
+                await self._changed.wait()
+
+    async def _read_views(self, link: _Link) -> None:
+        reader = StreamReader(link.stream)
+        while True:
+            try:
+                kind, payload = await reader.frame(max_bytes=FRAME_MAX_BYTES, kinds=HUB_KINDS)
+            except Exception as e:  # noqa: BLE001 - the hub went away or sent junk: drop the link
+                logger.debug("presence stream from %s: %r", link.hub, e)
+                return
+            if kind == VIEW:
+                self.counters["views"] += 1
+                self.on_view(link.hub, payload)
+
+    def stats(self) -> dict[str, Any]:
+        return {"hubs": len(self._links), **self.counters}
+
+
+def unpack_view(payload: bytes) -> list[bytes]:
+    """The envelopes of a ``VIEW`` payload, bounded (:data:`VIEW_MAX_ENTRIES`, :data:`VIEW_MAX_BYTES`).
+
+    Raises:
+        DecodeError: not a bounded packed list of envelopes.
+    """
+    return unpack_envelopes(payload, max_entries=VIEW_MAX_ENTRIES, max_bytes=VIEW_MAX_BYTES)
+
+
+class RosterFetcher:
+    """Fetches hubs' rosters when the IDs in their records change (see the module docstring).
+
+    Args:
+        run_id: the run's 32-byte ID.
+        host: this node's libp2p host (dials a hub it is not connected to).
+        check_entry: verifies one roster entry (a worker's ``node_record/1`` envelope) and returns it.
+        deliver: called with ``(hub peer ID, roster ID, newly verified envelopes, member peer IDs)``.
+        heartbeat_interval_s: the run's heartbeat interval (the back-off after a failed fetch), seconds.
+        clock: trio clock, seconds.
+    """
+
+    def __init__(
+        self,
+        run_id: bytes,
+        host: P2PHost,
+        *,
+        check_entry: Callable[[bytes], Envelope[NodeRecord]],
+        deliver: Callable[[PeerId, bytes, list[Envelope[NodeRecord]], list[PeerId]], None],
+        heartbeat_interval_s: float,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self.protocol = TProtocol(roster_protocol(run_id))
+        self.host = host
+        self.check_entry = check_entry
+        self.deliver = deliver
+        self.interval_s = heartbeat_interval_s
+        self._clock = clock
+        self._have: dict[PeerId, bytes] = {}
+        self._busy: set[PeerId] = set()
+        self._retry_at: dict[PeerId, float] = {}
+        self._verified: OrderedDict[bytes, PeerId] = OrderedDict()  # envelope ID → peer ID
+        self._limit = trio.CapacityLimiter(FETCH_CONCURRENCY)
+        self._nursery: trio.Nursery | None = None
+        self.counters: Counter[str] = Counter()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the nursery fetches run in; until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started(None)
+            await trio.sleep_forever()
+
+    def note_hub(self, record: NodeRecord) -> None:
+        """A hub's verified record: fetch its roster if the ID is new to us."""
+        hub = record.peer_id
+        if self._have.get(hub) == record.roster or hub in self._busy or self._nursery is None:
+            return
+        if not record.roster:
+            self._have[hub] = b""
+            self.deliver(hub, b"", [], [])
+            return
+        if self._retry_at.get(hub, 0.0) > self._clock():
+            return
+        self._busy.add(hub)
+        self._nursery.start_soon(self._fetch, hub, record.roster, record.workers, list(record.addrs))
+
+    def forget(self, hub: PeerId) -> None:
+        """A hub is gone: its roster is fetched again if it comes back."""
+        self._have.pop(hub, None)
+
+    async def _fetch(self, hub: PeerId, roster_id: bytes, workers: int, addrs: list[str]) -> None:
+        try:
+            async with self._limit:
+                with trio.fail_after(ROSTER_TIMEOUT_S):
+                    data = await self._ask(hub, roster_id, addrs)
+                members, fresh = self._verify(roster_id, data, workers)
+        except (ProtocolError, OSError, trio.TooSlowError, EOFError, Exception) as e:  # noqa: BLE001 - a hub that fails is asked again later
+            self.counters["failed"] += 1
+            self._retry_at[hub] = self._clock() + self.interval_s
+            logger.debug("roster %s… of %s: %r", roster_id.hex()[:12], hub, e, extra={"peer_id": hub})
+            return
+        finally:
+            self._busy.discard(hub)
+        self._have[hub] = roster_id
+        self.counters["fetched"] += 1
+        self.deliver(hub, roster_id, fresh, members)
+
+    async def _ask(self, hub: PeerId, roster_id: bytes, addrs: list[str]) -> bytes:
+        pid = ID.from_base58(hub)
+        if not self.host.is_connected(hub):
+            infos = []
+            for a in addrs[:4]:
+                try:
+                    infos.append(parse_peer_addr(a if "/p2p/" in a else f"{a}/p2p/{hub}"))
+                except ValueError:
+                    continue
+            if not infos or not await self.host.dial(infos[0]):
+                raise OSError(f"cannot reach hub {hub}")
+        stream = await self.host.host.new_stream(pid, [self.protocol])
+        try:
+            await stream.write(roster_id)
+            reader = StreamReader(stream)
+            n = int.from_bytes(await reader.exactly(LENGTH_BYTES), "big")
+            if n == 0:
+                raise DecodeError("the hub no longer has that roster")
+            if n > ROSTER_MAX_BYTES:
+                raise DecodeError(f"roster of {n} bytes exceeds {ROSTER_MAX_BYTES}")
+            return await reader.exactly(n)
+        finally:
+            await _close(stream)
+
+    def _verify(self, roster_id: bytes, data: bytes, workers: int) -> tuple[list[PeerId], list[Envelope[NodeRecord]]]:
+        """Members and newly verified envelopes of a roster; raises on anything wrong."""
+        envelopes = unpack_roster(roster_id, data)
+        if len(envelopes) != workers:
+            raise DecodeError(f"roster lists {len(envelopes)} workers, its hub's record says {workers}")
+        members: list[PeerId] = []
+        fresh: list[Envelope[NodeRecord]] = []
+        for raw in envelopes:
+            eid = bytes(content_id(raw))
+            peer = self._verified.get(eid)
+            if peer is None:
+                env = self.check_entry(raw)
+                if env.body.role != "worker":
+                    raise SchemaError(f"a {env.body.role} record in a roster", "body.role")
+                peer = env.body.peer_id
+                self._verified[eid] = peer
+                while len(self._verified) > VERIFIED_CACHE:
+                    self._verified.popitem(last=False)
+                fresh.append(env)
+                self.counters["entries_verified"] += 1
+            else:
+                self._verified.move_to_end(eid)
+            members.append(peer)
+        if len(set(members)) != len(members):
+            raise DecodeError("a worker listed twice in one roster")
+        return members, fresh
+
+    def stats(self) -> dict[str, Any]:
+        return {"hubs": len(self._have), **self.counters}

@@ -1,0 +1,89 @@
+"""Presence frames and rosters (``protocol/presence.py``): bounded before anything is built, and a
+roster counts only if its bytes hash to the ID its hub signed."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocol import encoding
+from protocol.content import content_id
+from protocol.envelope import seal
+from protocol.errors import DecodeError
+from protocol.identity import NodeKey
+from protocol.messages import NodeRecord
+from protocol.presence import (
+    BEAT,
+    HUB_KINDS,
+    RECORD,
+    VIEW,
+    WORKER_FRAME_MAX_BYTES,
+    WORKER_KINDS,
+    frame,
+    frame_length,
+    pack_roster,
+    split_frame,
+    unpack_envelopes,
+    unpack_roster,
+)
+
+RUN = b"\x07" * 32
+
+
+def record(key: NodeKey, seq: int = 1) -> bytes:
+    return seal(key, RUN, NodeRecord(peer_id=key.peer_id, role="worker", seq=seq, version="t"))
+
+
+def test_frames_round_trip_and_are_bounded_by_direction() -> None:
+    env = record(NodeKey.generate())
+    data = frame(RECORD, env)
+    n = frame_length(data[:4], max_bytes=WORKER_FRAME_MAX_BYTES, kinds=WORKER_KINDS)
+    assert n == len(data) - 4 and split_frame(data[4:], kinds=WORKER_KINDS) == (RECORD, env)
+    assert split_frame(frame(BEAT)[4:], kinds=WORKER_KINDS) == (BEAT, b"")
+    with pytest.raises(DecodeError):  # a 1 MiB frame where a worker may send 8 KiB: refused from its length alone
+        frame_length((1 << 20).to_bytes(4, "big"), max_bytes=WORKER_FRAME_MAX_BYTES, kinds=WORKER_KINDS)
+    with pytest.raises(DecodeError):
+        frame_length(b"\0\0\0\0", max_bytes=WORKER_FRAME_MAX_BYTES, kinds=WORKER_KINDS)
+    with pytest.raises(DecodeError):  # a view is hub → worker only
+        split_frame(frame(VIEW, b"\x90")[4:], kinds=WORKER_KINDS)
+    with pytest.raises(DecodeError):  # a record is worker → hub only
+        split_frame(frame(RECORD, env)[4:], kinds=HUB_KINDS)
+    with pytest.raises(DecodeError):
+        split_frame(bytes([BEAT]) + b"x", kinds=WORKER_KINDS)
+
+
+def test_a_roster_is_its_content_id() -> None:
+    envs = [record(NodeKey.generate()) for _ in range(5)]
+    roster_id, data = pack_roster(envs)
+    assert pack_roster(list(reversed(envs))) == (roster_id, data)  # equal sets, equal IDs
+    assert sorted(unpack_roster(roster_id, data)) == sorted(envs)
+    with pytest.raises(DecodeError, match="hash"):  # one byte changed: not the roster its hub signed
+        unpack_roster(roster_id, data[:-1] + bytes([data[-1] ^ 1]))
+    _, other = pack_roster(envs[:4])
+    with pytest.raises(DecodeError, match="hash"):  # a real roster, but not the one named
+        unpack_roster(roster_id, other)
+    unordered = encoding.packb(sorted(envs, reverse=True))
+    with pytest.raises(DecodeError, match="order"):
+        unpack_roster(content_id(unordered), unordered)
+
+
+def test_envelope_lists_are_bounded_before_they_are_built() -> None:
+    env = record(NodeKey.generate())
+    with pytest.raises(DecodeError):
+        unpack_envelopes(encoding.packb([env] * 3), max_entries=2, max_bytes=1 << 20)
+    with pytest.raises(DecodeError):  # the same envelope twice
+        unpack_envelopes(encoding.packb([env, env]), max_entries=8, max_bytes=1 << 20)
+    with pytest.raises(DecodeError):  # not bins
+        unpack_envelopes(encoding.packb(["x"]), max_entries=8, max_bytes=1 << 20)
+    with pytest.raises(DecodeError):  # a bin over a record's limit
+        unpack_envelopes(encoding.packb([b"\0" * 9000]), max_entries=8, max_bytes=1 << 20)
+
+
+def test_only_a_hub_record_carries_a_roster() -> None:
+    key = NodeKey.generate()
+    NodeRecord(peer_id=key.peer_id, role="relay", seq=1, version="t", workers=3, roster=b"\1" * 32)
+    with pytest.raises(ValueError, match="no roster"):
+        NodeRecord(peer_id=key.peer_id, role="worker", seq=1, version="t", workers=3, roster=b"\1" * 32)
+    with pytest.raises(ValueError):
+        NodeRecord(peer_id=key.peer_id, role="relay", seq=1, version="t", workers=3, roster=b"")
+    with pytest.raises(ValueError):
+        NodeRecord(peer_id=key.peer_id, role="relay", seq=1, version="t", workers=0, roster=b"\1" * 16)
