@@ -81,6 +81,8 @@ ROSTER_TIMEOUT_S = 10.0
 """A whole roster request (open, ask, read the answer), seconds."""
 NOT_A_HUB_S = 60.0
 """After a peer refused the presence protocol, seconds before trying it again."""
+RETRY_OPEN_S = 2.0
+"""After opening a presence stream failed otherwise (timeout, reset), seconds before trying again."""
 FRAMES_PER_INTERVAL = 2.0
 """Frame budget of one presence stream, per heartbeat interval (an honest worker sends a beat every
 five intervals and a record when its policy step changes)."""
@@ -490,15 +492,18 @@ class PresenceClient:
     async def _link(self, pid: ID) -> None:
         hub = PeerId(pid.to_base58())
         stream: INetStream | None = None
+        retry_s = RETRY_OPEN_S  # a timeout or a connection still coming up: try again soon
         try:
             with trio.move_on_after(OPEN_TIMEOUT_S):
                 stream = await self.host.host.new_stream(pid, [self.protocol])
         except Exception as e:  # noqa: BLE001 - not a hub (a worker, an observer) or gone
             logger.debug("no presence stream to %s: %r", hub, e)
+            if "not supported" in repr(e) or "not supported" in str(getattr(e, "__cause__", "")):  # the peer answered: it does not speak presence
+                retry_s = NOT_A_HUB_S
         finally:
             self._opening.discard(hub)
         if stream is None:
-            self._not_hub[hub] = self._clock() + NOT_A_HUB_S
+            self._not_hub[hub] = self._clock() + retry_s
             return
         link = _Link(hub, stream)
         self._links[hub] = link
