@@ -112,6 +112,10 @@ def _run_devnet(args: argparse.Namespace) -> int:
     if args.tasks != "embedded" and not Path(args.tasks).exists() and data_root is None:
         raise CliError(f"--tasks {args.tasks} needs the public task sets: pass --data-root DIR (holding math/ and code/)")
     rl = _rl_overrides(args.rl, embedded=args.tasks == "embedded" and model is None, async_level=args.async_level)
+    from protocol.tasks import training_split_warning
+
+    if (split_warning := training_split_warning(args.tasks)) is not None:
+        print(f"warning: {split_warning}", flush=True)
     if args.out is None:
         out = new_default_out()
     else:
