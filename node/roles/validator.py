@@ -241,9 +241,10 @@ class ValidatorNode:
         log("verdict %s on %s from %s: %s %s", "accept" if result.accepted else "reject", sid[:12], sub.worker, result.reason,
             result.evidence or "", extra={"peer_id": sub.worker, "step": sub.policy_step})
         await self._post_verdict(verdict)
-        if self.gossip is not None and sub.policy_step > self.judged_step:
+        if sub.policy_step > self.judged_step:
             self.judged_step = sub.policy_step
-            self.gossip.set_record(policy_step=sub.policy_step)  # its record shows the newest step it judged (status, run page)
+            if self.gossip is not None:
+                self.gossip.set_record(policy_step=sub.policy_step)  # its record shows the newest step it judged (status, run page)
         if self.gossip is not None:
             try:
                 await self.gossip.publish_verdict(verdict)
@@ -331,6 +332,7 @@ class ValidatorNode:
             "seconds_per_submission": round(self.check_seconds / self.checked, 4) if self.checked else None,
             "queue": self.queue,
             "latest_step": self.follower.latest_step,
+            "judged_step": self.judged_step,
             "reputation": self.ledger.reputation(),
             "fraction": self.options.fraction,
         }

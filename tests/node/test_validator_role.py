@@ -150,6 +150,7 @@ async def test_validator_judges_posts_verdicts_and_gets_the_cheater_banned(tmp_p
         # the validator fetched step 0 through Shardcast and kept its own account
         assert node.follower.have(0)
         assert status["checked"] == 2 and status["verdicts_by_reason"] == {"ok": 1, "reward": 1}
+        assert status["judged_step"] == 0  # what its gossip record carries as policy_step (intellect-node status showed "—")
         assert status["reputation"] == {HONEST.peer_id: {"ok": 1}, CHEAT.peer_id: {"reward": 1}}
         assert status["seconds_per_submission"] > 0
         # a banned worker's next submission is refused at the door
