@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 DISCOVERY_TIMEOUT_S = 180.0
 """Longest wait for every node to appear on gossip, seconds (a loaded 2-core machine needed > 90 s)."""
 STATUS_POLL_S = 0.5
+BATCH_TIMEOUT_S = 180.0
+"""The coordinator's ``--batch-timeout`` is the devnet's own ``--timeout`` (at least this): the first batch
+waits for every process to start, which took > 180 s on a 2-core machine at load 40 (imports and model
+loads), and the devnet's deadline already ends a run that cannot fill a batch."""
 DOCTOR_TIMEOUT_S = 60.0
 """Longest time the workers' start-up ``doctor`` may take, seconds."""
 
@@ -197,7 +201,8 @@ class Devnet:
         coord = Proc("coordinator", "coordinator", [
             *self._bin("intellect-train"), "--run", str(run), "--key", str(out / "keys" / "coordinator.key"),
             "--data-dir", str(out / "coordinator"), "--http-port", str(self.http_port), "--p2p-port", str(self.p2p_port),
-            "--max-steps", str(self.o.steps), "--batch-timeout", "180", "--eval-samples", str(self.o.eval_samples),
+            "--max-steps", str(self.o.steps), "--batch-timeout", f"{max(BATCH_TIMEOUT_S, self.o.timeout_s):.0f}",
+            "--eval-samples", str(self.o.eval_samples),
             "--eval-every", str(self.o.eval_interval()), "-v", *self._data_root(),
         ], out / "logs" / "coordinator.log")
         self.group.start(coord)
