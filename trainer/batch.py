@@ -106,8 +106,8 @@ class RolloutRecord:
             )
         if not (np.isfinite(self.reward) and np.isfinite(self.task_reward)):
             raise BatchError(f"rollout {self.submission_id}/{self.task_key}/{self.sample}: non-finite reward")
-        # the validator's bounds rule (docs/validator.md §1, step 4) again: a validator that samples
-        # a submission out (--fraction) accepts it unchecked, and one NaN would reach the weights
+        # the validator's bounds rule (docs/validator.md §2, step 4) again: the coordinator must not depend
+        # on every validator applying it (spot checks accept most submissions after a light check), and one NaN would reach the weights
         if not (np.all(np.isfinite(self.logprobs)) and np.all(self.logprobs <= 0.0)):
             raise BatchError(f"rollout {self.submission_id}/{self.task_key}/{self.sample}: log-probs must be finite and ≤ 0")
 

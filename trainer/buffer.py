@@ -92,8 +92,8 @@ class RolloutBuffer:
         """Submissions read back from the store and verified again (not held, or after a restart)."""
         self.vocab_size: int | None = None
         """Rows of the policy's embedding, set by the coordinator once the model is built: a
-        submission with a token ID at or above it is retired untrained (an unchecked one, sampled
-        out by a validator's ``--fraction``, would otherwise stop the training step with an
+        submission with a token ID at or above it is retired untrained (one accepted after a light
+        check, which never loads the model, would otherwise stop the training step with an
         out-of-range embedding lookup)."""
 
     # --- intake (event loop) ------------------------------------------------------------------

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from node.cli import CliError, add_gossip_arguments, command, gossip_config, load_key, load_spec
 from node.paths import default_data_dir
+from validator.spot import DEFAULT_FULL_CHECKS, DEFAULT_MIN_SHARE
 
 
 @command
@@ -17,7 +18,12 @@ def _validate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--key", required=True, help="the validator key (its peer ID must be in the run spec)")
     p.add_argument("--data-dir", default=None, help=f"node data directory (default: {default_data_dir()})")
     p.add_argument("--http-port", type=int, default=0, help="status port for /status and /metrics (default: any)")
-    p.add_argument("--fraction", type=float, default=1.0, help="share of submissions fully checked, seeded per validator (default 1: all)")
+    p.add_argument("--full-checks", type=int, default=DEFAULT_FULL_CHECKS,
+                   help="check every submission of a worker in full until it has this many accepted full checks since its last doubt "
+                        "(docs/validator.md §5)")
+    p.add_argument("--min-share", type=float, default=DEFAULT_MIN_SHARE,
+                   help="after that a share full-checks / verified of its submissions is checked in full, never below this; "
+                        "1 checks everything in full")
     p.add_argument("--ingest-url", action="append", default=[], metavar="URL", help="coordinator ingest URL (default: the run spec's)")
     p.add_argument("--data-root", default=None,
                    help="directory of the public task sets (math/, code/): required when data.tasks names one (gsm8k, gsm8k_train, …)")
@@ -29,18 +35,22 @@ def _validate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _run_validate(args: argparse.Namespace) -> int:
     from node.roles import run_until_stopped
     from node.roles.validator import ValidatorNode, ValidatorOptions
+    from validator.spot import SpotCheckPolicy
 
     signed = load_spec(args.run)
     key = load_key(args.key)
     if not signed.spec.is_validator(key.peer_id):
         raise CliError(f"{args.key} holds {key.peer_id}, which the run spec does not name as a validator; "
                        f"ask the coordinator to add it (spec init --validator {key.peer_id})")
-    if not 0.0 < args.fraction <= 1.0:
-        raise CliError("--fraction must be in (0, 1]")
+    if not 0.0 < args.min_share <= 1.0:
+        raise CliError("--min-share must be in (0, 1]")
+    if args.full_checks < 1:
+        raise CliError("--full-checks must be at least 1")
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     gossip = gossip_config(args)
     options = ValidatorOptions(data_dir=data_dir, data_root=Path(args.data_root) if args.data_root else None, gossip=gossip,
-                               http_port=args.http_port, fraction=args.fraction, ingest_urls=list(args.ingest_url), device=args.device)
+                               http_port=args.http_port,
+                               spot=SpotCheckPolicy(args.full_checks, args.min_share), ingest_urls=list(args.ingest_url), device=args.device)
     if not (options.ingest_urls or signed.spec.network.ingest_urls):
         raise CliError("no ingest URL: the run spec has none; pass --ingest-url")
 

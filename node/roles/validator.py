@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import hashlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from protocol.runspec import SignedRunSpec
 from protocol.window import retained_steps
 from validator.ledger import Ledger
 from validator.pipeline import CheckResult, SubmissionChecker
+from validator.spot import SpotCheckPolicy, selected
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,6 @@ LEASE_BACKOFF_MAX_S = 15.0
 """Longest wait between lease attempts while no ingest answers, seconds (before jitter)."""
 FAILURE_LOG_INTERVAL_S = 30.0
 """A repeated lease failure is logged at most once per this many seconds."""
-SAMPLE_DOMAIN = b"intellect-node/validator-sample/1\x00"
-"""Prefix of what a validator signs to decide whether a submission is sampled (``--fraction``)."""
 
 
 @dataclass
@@ -60,8 +58,9 @@ class ValidatorOptions:
         data_root: directory of the public task sets, for named ``data.tasks``.
         gossip: gossip settings (``None``: off).
         http_port: status port (``None``: no status server).
-        fraction: share of submissions fully checked, chosen by a seeded hash of the submission ID
-            (1.0: all; see ``docs/validator.md`` for the detection probability).
+        spot: which submissions are checked in full (reputation-weighted spot checks,
+            :mod:`validator.spot`; ``SpotCheckPolicy(min_share=1.0)`` checks every one; see
+            ``docs/validator.md`` §5 for the detection probability).
         batch: submissions leased at once.
         ingest_urls: override of the run spec's ingest URLs.
         device: torch device for prefill.
@@ -71,7 +70,7 @@ class ValidatorOptions:
     data_root: Path | None = None
     gossip: GossipConfig | None = field(default_factory=GossipConfig)
     http_port: int | None = 0
-    fraction: float = 1.0
+    spot: SpotCheckPolicy = field(default_factory=SpotCheckPolicy)
     batch: int = 8
     ingest_urls: list[str] = field(default_factory=list)
     device: str = "cpu"
@@ -107,11 +106,14 @@ class ValidatorNode:
         self.coordinator_step: int | None = None  # the coordinator's trainer step, from the last lease answer
         self.state = "starting"
         self.checked = 0
+        self.checked_by_depth = {"full": 0, "light": 0}
         self.reasons: dict[str, int] = {}
         self.check_seconds = 0.0
         self.queue = 0
         self.registry = CollectorRegistry()
         self.m_checked = Counter("intellect_validator_checked", "Submissions judged", registry=self.registry)
+        self.m_depth = Counter("intellect_validator_checks", "Submissions judged by check depth (full, light)", ["depth"],
+                               registry=self.registry)
         self.m_verdicts = Counter("intellect_validator_verdicts", "Verdicts by reason", ["reason"], registry=self.registry)
         self.m_seconds = Histogram("intellect_validator_seconds", "Seconds to judge one submission", registry=self.registry,
                                    buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100))
@@ -192,10 +194,11 @@ class ValidatorNode:
         sub = env.body
         sid = env.id.hex()
         self.state = f"checking {sid[:12]} from {sub.worker[-8:]} (step {sub.policy_step})"
+        # spot check: decided now, after the ingest stored the submission, from this validator's key
+        share = self.options.spot.share(self.ledger.verified(sub.worker))
+        full = selected(self.key.sign, env.id, share)
         if sub.worker in self.banned:
             result = CheckResult(False, "banned_worker", {})
-        elif not self._sampled(sid):
-            result = CheckResult(True, "ok", {"sampled_out": True})
         else:
             await self._prepare(sub.policy_step)
             if sub.policy_step not in self._models:
@@ -206,7 +209,7 @@ class ValidatorNode:
             checker = SubmissionChecker(self.spec, self.tasks, self.tokenizer, self._models.get, trainer_step=self._trainer_step,
                                         counter_seen=self.ledger.counter_seen)
             try:
-                result = await asyncio.to_thread(checker.check, env)
+                result = await asyncio.to_thread(checker.check, env, full=full)
             except (MemoryError, OSError, RuntimeError) as e:
                 kind = _resource_failure(e)
                 if kind is None:
@@ -226,8 +229,12 @@ class ValidatorNode:
             # the submission is retried (or turns stale_policy once it leaves the async window)
             logger.warning("no checkpoint for step %d yet; leaving %s to a later lease", sub.policy_step, sid[:12])
             return
-        self.ledger.record(sub.worker, sub.counter, sid, result.reason)
+        if result.accepted:
+            result.evidence.update({"check": "full" if full else "light", "share": round(share, 6)})
+        self.ledger.record(sub.worker, sub.counter, sid, result.reason, full=full)
         self.checked += 1
+        self.checked_by_depth["full" if full else "light"] += 1
+        self.m_depth.labels("full" if full else "light").inc()
         self.check_seconds += result.seconds
         self.reasons[result.reason] = self.reasons.get(result.reason, 0) + 1
         self.m_checked.inc()
@@ -250,18 +257,6 @@ class ValidatorNode:
                 await self.gossip.publish_verdict(verdict)
             except Exception as e:  # noqa: BLE001 - gossip is best effort; the ingest got the verdict over HTTP
                 logger.debug("verdict gossip failed: %s", e)
-
-    def _sampled(self, sid: str) -> bool:
-        """Whether submission ``sid`` is fully checked under ``--fraction``.
-
-        Keyed by this validator's ed25519 signature of the ID (deterministic, RFC 8032): the same
-        submission gets the same decision after a re-lease, yet a worker cannot predict it and
-        grind the envelope nonce until its cheat is sampled out (a hash of public data would let it).
-        """
-        if self.options.fraction >= 1.0:
-            return True
-        h = hashlib.sha256(self.key.sign(SAMPLE_DOMAIN + bytes.fromhex(sid))).digest()
-        return int.from_bytes(h[:8], "big") < self.options.fraction * 2**64
 
     def _trainer_step(self) -> int:
         """The trainer step the async window is judged against (:mod:`protocol.window`): the
@@ -334,7 +329,8 @@ class ValidatorNode:
             "latest_step": self.follower.latest_step,
             "judged_step": self.judged_step,
             "reputation": self.ledger.reputation(),
-            "fraction": self.options.fraction,
+            "spot_checks": {"full_checks": self.options.spot.full_checks, "min_share": self.options.spot.min_share,
+                            "checked": self.checked_by_depth},
         }
 
 

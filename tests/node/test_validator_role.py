@@ -182,16 +182,52 @@ def test_validate_command_exits_2_for_a_key_not_in_the_spec(tmp_path: Path) -> N
     assert not (tmp_path / "data").exists()  # refused before touching anything
 
 
-def test_fraction_sampling_is_seeded_per_validator_and_near_the_fraction(tmp_path: Path) -> None:
-    signed = make_spec("http://127.0.0.1:9")
-    node = ValidatorNode(signed, VALIDATOR, ValidatorOptions(data_dir=tmp_path, gossip=None, http_port=None, fraction=0.25))
-    try:
-        sids = [bytes([i % 256, i // 256]).hex() * 16 for i in range(800)]
-        picked = [node._sampled(s) for s in sids]
-        assert picked == [node._sampled(s) for s in sids]  # the same decision after a re-lease
-        assert 150 <= sum(picked) <= 250  # 800 × 0.25 = 200, binomial sd ≈ 12
-    finally:
-        node.ledger.close()
+async def test_spot_checks_check_a_new_worker_in_full_then_a_keyed_share(tmp_path: Path) -> None:
+    """With full_checks 2 and min_share 0.2 a worker's first submissions are checked in full, later
+    ones in a share the validator's key picks; every honest one is accepted, light checks say so in
+    the verdict's evidence, and only full checks add to the worker's verified history."""
+    from validator.spot import SpotCheckPolicy, selected
+
+    async with coordinator(tmp_path / "coord") as coord:
+        spec, run_id = coord.signed.spec, coord.signed.run_id
+        tasks = resolve_tasks(spec.data.tasks).train
+        blobs = [await asyncio.to_thread(build_submission, spec, run_id, HONEST, coord.engine, coord.engine.tokenizer, tasks, 0, i)
+                 for i in range(8)]
+        ids = [open_envelope(b, run_id=run_id, expect=Submission).id for b in blobs]
+        policy = SpotCheckPolicy(full_checks=2, min_share=0.2)
+        node = ValidatorNode(coord.signed, VALIDATOR, ValidatorOptions(data_dir=tmp_path / "validator", gossip=None, http_port=None,
+                                                                       spot=policy, batch=1))
+        await node.start()
+        runner = asyncio.create_task(node.run())
+        try:
+            end = asyncio.get_running_loop().time() + 3 * VERDICT_WAIT_S
+            async with ClientSession() as http:
+                for lo in range(0, 8, 4):  # the ingest holds at most 4 of a worker's submissions awaiting verdicts
+                    for blob in blobs[lo : lo + 4]:
+                        async with http.post(f"{coord.url}/ingest/1/submissions", data=blob) as r:
+                            assert r.status == 200, await r.text()
+                    while any(coord.store.get(i.hex()).state == "pending" for i in ids[lo : lo + 4]):
+                        assert not runner.done() and asyncio.get_running_loop().time() < end, node.state
+                        await asyncio.sleep(0.1)
+            status = node.status()
+            verified = node.ledger.verified(HONEST.peer_id)
+            with node.ledger._lock:
+                judged = [bytes.fromhex(r[0]) for r in node.ledger._db.execute("SELECT submission_id FROM judged ORDER BY rowid")]
+        finally:
+            node.request_stop()
+            await asyncio.wait_for(runner, timeout=30)
+            await node.stop()
+        assert all(coord.store.get(i.hex()).state == "accepted" for i in ids)
+        depth = status["spot_checks"]["checked"]
+        assert depth["full"] + depth["light"] == 8 and depth["full"] >= 3 and depth["light"] >= 1, depth
+        assert verified == depth["full"]
+        # replay the validator's decisions in the order it judged: the keyed selection at the share of the history so far
+        assert sorted(judged) == sorted(ids)
+        full, v = 0, 0
+        for sid in judged:
+            if selected(VALIDATOR.sign, sid, policy.share(v)):
+                full, v = full + 1, v + 1
+        assert full == depth["full"]
 
 
 async def test_a_validator_out_of_resources_retries_once_then_sends_a_benign_resources_verdict(tmp_path: Path, monkeypatch) -> None:
@@ -201,7 +237,7 @@ async def test_a_validator_out_of_resources_retries_once_then_sends_a_benign_res
 
     calls = []
 
-    def out_of_memory(self, env):
+    def out_of_memory(self, env, **kwargs):
         calls.append(env.id.hex())
         raise MemoryError("cannot allocate the prefill's logits")
 

@@ -1,7 +1,7 @@
 """A submission accepted without a full check cannot wreck the coordinator's training.
 
-A validator running with ``--fraction f < 1`` accepts the other submissions unchecked
-(``sampled_out``, ``docs/validator.md`` §5): the trainer then gets whatever a schema-valid
+A spot-checking validator accepts most submissions after a light check, without the model
+work (``docs/validator.md`` §5), and a coordinator must not depend on any validator's checks: the trainer may get whatever a schema-valid
 envelope may carry. One such submission used to NaN the policy's weights (log-probs NaN or −1e30
 with ``rl.old_logprobs = "behavior"``, or rewards of 1e308, whose mean overflows) or stop the
 training step (a token ID past the embedding). Here each goes through the real buffer and one
