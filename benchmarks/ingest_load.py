@@ -51,15 +51,33 @@ concurrent clients in this process each GET every piece once (bytes read and dro
 verified, so the clients cost as little as possible). Prints aggregate MiB/s and the p50/p99 time
 per client to hold the whole checkpoint, side by side, with the load average.
 
+``--sybil 0,16,66``: fair leasing under Sybil pressure (issue 23 item 4), attacked against
+unattacked side by side. The child runs the ingest with its production limits plus a simulated
+trainer (a step every ``--step-s`` seconds at best, once ``--step-submissions`` accepted fresh
+submissions are there; consumed as the coordinator does). This process runs ``--honest``
+honest workers on 127.0.0.1 (each a submission every ``1 / --honest-rate`` s at the current
+policy step, retrying refusals after their ``Retry-After``), one simulated validator (signed
+leases of 8, ``--validator-rate`` judgements a second: honest work accepted, anything else
+rejected ``toploc``, which the coordinator's re-check reproduces) and, for a level N > 0, junk
+from N addresses (127.i.0.1, each its own /24) with a fresh key per submission, as fast as the
+ingest takes them. After a ``--warmup-s`` warm-up without junk (the honest workers become
+established) it measures ``--duration-s``: honest accepted/s (and its ratio to the unattacked
+level), trainer steps, the longest gap between steps against the unattacked median step time,
+honest submissions gone stale, and the answers each side got. With ``--baseline REV`` the same
+levels run against the whole ``protocol/``, ``trainer/`` and ``node/`` of ``REV``.
+
 Run: ``python benchmarks/ingest_load.py [--submissions 1200] [--concurrency 4,16,48] [--max-tokens 32]
 [--baseline REV] [--fsync-delay-ms X] [--history N]``
-or ``python benchmarks/ingest_load.py --relay [--relay-mib 64] [--clients 1,8,32]``.
+or ``python benchmarks/ingest_load.py --relay [--relay-mib 64] [--clients 1,8,32]``
+or ``python benchmarks/ingest_load.py --sybil 0,16,66 [--duration-s 60] [--baseline REV]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import os
 import statistics
@@ -101,11 +119,14 @@ def prefill(index: Path, n: int) -> None:
     import sqlite3
 
     db = sqlite3.connect(index)
+    ledger = db.execute("PRAGMA user_version").fetchone()[0] >= 2  # trainer/ledger's schema (a --baseline may be older)
+    # retired after training (the ledger's states), or accepted with consumed_step 0 (the store before it)
+    state = "retired" if ledger else "accepted"
     with db:
         start = db.execute("SELECT COALESCE(MAX(seq), 0) FROM submissions").fetchone()[0]
         db.executemany(
             "INSERT INTO submissions (id, worker, policy_step, counter, n_rollouts, size_bytes, received_ms, state, reason, consumed_step,"
-            " seq, source_ip, on_disk) VALUES (?, ?, 0, ?, 16, 14700, 0, 'accepted', 'ok', 0, ?, ?, 0)",
+            f" seq, source_ip, on_disk) VALUES (?, ?, 0, ?, 16, 14700, 0, '{state}', 'ok', 0, ?, ?, 0)",
             ((secrets.token_hex(32), f"history-worker-{i % 1000}", i // 1000, start + i + 1, f"10.0.{i % 100}.1") for i in range(n)),
         )
     db.close()
@@ -115,23 +136,20 @@ async def serve(root: Path, history: int = 0) -> None:
     """Child process: run the ingest on 127.0.0.1, print ``PORT <n>``, stop when stdin closes."""
     from aiohttp import web
 
+    import trainer.ingest.service as ingest
     from node.http_server import start_site
-    from protocol.identity import NodeKey
-    from trainer.ingest.service import IngestService, error_middleware
 
     try:
-        from trainer.ledger import BanBook, SubmissionStore
+        from trainer.ledger import SubmissionStore
     except ImportError:  # a --baseline revision from before trainer/ledger/
-        from trainer.ingest import BanBook, SubmissionStore  # type: ignore[attr-defined,no-redef]
+        from trainer.ingest import SubmissionStore  # type: ignore[attr-defined,no-redef]
 
     spec = bench_spec()
     if history:
         SubmissionStore(root / "ingest", spec.run_id).close()  # the schema (and this code's indexes)
         prefill(root / "ingest" / "index.sqlite", history)
-    store = SubmissionStore(root / "ingest", spec.run_id)
-    bans = BanBook(root / "bans.msgpack", NodeKey.from_seed(COORD_SEED), spec.run_id)
-    service = IngestService(spec, store, bans, trainer_step=lambda: 0, latest_policy_step=lambda: 0, limits=bench_limits())
-    app = web.Application(middlewares=[error_middleware], client_max_size=64 << 20)
+    service, store = open_service(ingest, root, spec)
+    app = web.Application(middlewares=[ingest.error_middleware], client_max_size=64 << 20)
     service.add_routes(app)
     running = await start_site(app, "127.0.0.1", 0)
     print(f"PORT {running.port}", flush=True)
@@ -139,7 +157,31 @@ async def serve(root: Path, history: int = 0) -> None:
     await running.stop()
     service.close()
     store.close()
-    print("STATS " + json.dumps(getattr(store, "commits", {})), flush=True)  # a baseline store has no group commits
+    commits = getattr(getattr(store, "store", store), "commits", {})  # the ledger's store; an old baseline store has none
+    print("STATS " + json.dumps(commits), flush=True)
+
+
+def open_service(ingest, root: Path, spec, *, trainer_step=lambda: 0, recheck=None, limits=None):  # type: ignore[no-untyped-def]
+    """The ingest service of the code under test and its store: ``open_ingest`` (the ledger), or a
+    ``--baseline`` revision's ``IngestService(spec, store, bans, …)``."""
+    from protocol.identity import NodeKey
+
+    key = NodeKey.from_seed(COORD_SEED)
+    limits = limits or bench_limits()
+    if hasattr(ingest, "open_ingest"):
+        service = ingest.open_ingest(root, spec, key, trainer_step=trainer_step, latest_policy_step=trainer_step, limits=limits,
+                                     recheck=recheck)
+        return service, service.ledger
+    try:
+        from trainer.ledger import BanBook, SubmissionStore
+    except ImportError:  # before trainer/ledger/
+        from trainer.ingest import BanBook, SubmissionStore  # type: ignore[attr-defined,no-redef]
+
+    store = SubmissionStore(root / "ingest", spec.run_id)
+    bans = BanBook(root / "bans.msgpack", key, spec.run_id)
+    service = ingest.IngestService(spec, store, bans, trainer_step=trainer_step, latest_policy_step=trainer_step, limits=limits,
+                                   recheck=recheck)
+    return service, store
 
 
 async def serve_relay(root: Path, size_mib: int) -> None:
@@ -154,8 +196,7 @@ async def serve_relay(root: Path, size_mib: int) -> None:
     ckpt = root / "ckpt"
     ckpt.mkdir()
     with open(ckpt / "model.safetensors", "wb") as f:
-        for _ in range(size_mib):
-            f.write(os.urandom(1 << 20))
+        f.writelines(os.urandom(1 << 20) for _ in range(size_mib))
     store = ShardcastStore(root / "store", run_id=spec.run_id, authorities=spec.authorities, keep_steps=2)
     env = await asyncio.to_thread(publish_checkpoint, store, [ckpt / "model.safetensors"], step=1, key=NodeKey.from_seed(COORD_SEED),
                                   piece_size_bytes=4 << 20)
@@ -219,7 +260,7 @@ async def relay_main(args: argparse.Namespace) -> None:
     print(f"\nrelay serving a {args.relay_mib} MiB checkpoint (4 MiB pieces) on 127.0.0.1")
     print(f"{'clients':26s}" + "".join(f"{r['clients']:>20}" for r in results))
     for k in [k for k in results[0] if k != "clients"]:
-        print(f"{k:26s}" + "".join(f"{str(r.get(k)):>20s}" for r in results))
+        print(f"{k:26s}" + "".join(f"{r.get(k)!s:>20s}" for r in results))
 
 
 def build_submissions(n: int, workers: int, per_worker: int, prompt_tokens: int, max_tokens: int, tasks: int, group: int) -> list[bytes]:
@@ -339,11 +380,17 @@ def build_fsync_shim(directory: Path) -> Path:
     return lib
 
 
-def extract_baseline(rev: str, directory: Path) -> Path:
+def extract_baseline(rev: str, directory: Path, *, whole: bool = False) -> Path:
     """This checkout's ``protocol/``, ``trainer/`` and ``node/`` under ``directory``, with ``trainer/ingest/``
-    and ``trainer/ledger/`` replaced by git revision ``rev``'s (``--baseline``): only the ingest differs."""
+    and ``trainer/ledger/`` replaced by git revision ``rev``'s (``--baseline``): only the ingest differs.
+    With ``whole``, all three packages are ``rev``'s (``--sybil``: the ingest with the protocol and
+    HTTP server of its time, which the current ones no longer fit)."""
     import shutil
 
+    if whole:
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "protocol", "trainer", "node"], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(directory)], input=archive, check=True)
+        return directory
     for pkg in ("protocol", "trainer", "node"):
         shutil.copytree(REPO / pkg, directory / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     for pkg in ("ingest", "ledger"):
@@ -445,6 +492,301 @@ async def main_async(args: argparse.Namespace) -> None:
         print(f"{k:26s}" + "".join(f"{r.get(k)!s:>20s}" for r in results))
 
 
+# --- Sybil pressure on leasing (--sybil) ----------------------------------------------------------
+
+VALIDATOR_SEED = b"v" * 32
+
+
+def sybil_spec():  # type: ignore[no-untyped-def]
+    from protocol.identity import NodeKey
+    from protocol.runspec import RunInfo, RunSpec
+
+    return RunSpec(run=RunInfo(coordinator=NodeKey.from_seed(COORD_SEED).peer_id, validators=[NodeKey.from_seed(VALIDATOR_SEED).peer_id],
+                               seed=1))
+
+
+async def serve_sybil(root: Path, step_s: float, step_submissions: int) -> None:
+    """Child process of ``--sybil``: the ingest with production limits and a simulated trainer;
+    prints ``PORT <n>``, then ``STEP <n>`` per trainer step, and ``WORKERS <json>`` when stdin closes."""
+    from aiohttp import web
+
+    import trainer.ingest.service as ingest
+    from node.http_server import start_site
+    from protocol.window import oldest_fresh_step
+
+    spec = sybil_spec()
+    step = [0]
+    try:
+        from trainer.ledger import RecheckResult
+    except ImportError:
+        from trainer.ingest.service import RecheckResult  # type: ignore[attr-defined,no-redef]
+    from protocol.identity import NodeKey
+
+    def recheck(raw: bytes) -> RecheckResult:  # the junk is a cheat, and the re-check reproduces it
+        return RecheckResult(False, "toploc", "junk", NodeKey.from_seed(COORD_SEED).peer_id)
+
+    service, store = open_service(ingest, root, spec, trainer_step=lambda: step[0], recheck=recheck, limits=ingest.IngestLimits())
+    app = web.Application(middlewares=[ingest.error_middleware], client_max_size=64 << 20)
+    service.add_routes(app)
+    running = await start_site(app, "127.0.0.1", 0)
+    print(f"PORT {running.port}", flush=True)
+
+    def train_once() -> bool:
+        n = step[0]
+        if hasattr(store, "trainable"):  # the ledger
+            ready = store.trainable(n)
+        else:
+            ready = store.accepted_unconsumed(oldest_fresh_step(n, spec.rl.async_level))
+        if len(ready) < step_submissions:
+            return False
+        ids = [r.id for r in sorted(ready, key=lambda r: -r.policy_step)[:step_submissions]]
+        if hasattr(store, "consumed"):
+            store.consumed(ids, n + 1)
+        else:
+            store.mark_consumed(ids, n + 1)
+        step[0] = n + 1
+        return True
+
+    async def trainer() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.05)
+            if time.monotonic() - last >= step_s and await asyncio.to_thread(train_once):
+                last = time.monotonic()
+                print(f"STEP {step[0]}", flush=True)
+
+    task = asyncio.create_task(trainer())
+    await asyncio.to_thread(sys.stdin.read)
+    task.cancel()
+    await running.stop()
+    service.close()
+    print("WORKERS " + json.dumps(store.worker_stats()), flush=True)
+    store.close()
+
+
+def sybil_submission(key, counter: int, step: int) -> bytes:  # type: ignore[no-untyped-def]
+    """A small submission of the spec's shape (2 tasks × group 8, 32 tokens)."""
+    from protocol.envelope import seal
+    from protocol.messages import Rollout, Submission, SubmissionTask
+
+    rollouts = [Rollout(task=t, sample=k, seed=k, prompt_ids=b"\x01\x00\x00\x00" * 16, completion_ids=b"\x02\x00\x00\x00" * 32,
+                        logprobs=b"\x00\x00\x80\xbf" * 32, finish="length", task_reward=0.0, reward=0.0, proofs=[b"\x00" * 258])
+                for t in range(2) for k in range(8)]
+    body = Submission(worker=key.peer_id, policy_step=step, counter=counter,
+                      tasks=[SubmissionTask(task_index=t, problem_id=f"p{t}", target_length=0) for t in range(2)], rollouts=rollouts)
+    return seal(key, sybil_spec().run_id, body)
+
+
+async def sybil_level(code: Path, junk_addresses: int, args: argparse.Namespace) -> dict[str, object]:
+    """One scenario: a fresh ingest (the code under ``code``), warm-up, then the measured window."""
+    import aiohttp
+
+    from protocol import encoding
+    from protocol.envelope import open_envelope, seal
+    from protocol.identity import NodeKey
+    from protocol.messages import LeaseRequest, Submission, Verdict
+
+    spec = sybil_spec()
+    validator = NodeKey.from_seed(VALIDATOR_SEED)
+    honest = [NodeKey.generate() for _ in range(args.honest)]
+    honest_ids = {k.peer_id for k in honest}
+    with tempfile.TemporaryDirectory(prefix="ingest-sybil-") as tmp:
+        env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen([sys.executable, __file__, "--serve-sybil", tmp, "--code", str(code), "--step-s", str(args.step_s),
+                                 "--step-submissions", str(args.step_submissions)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 600)
+            if not line.startswith("PORT "):
+                raise SystemExit(f"ingest did not start: {line!r}")
+            url = f"http://127.0.0.1:{line.split()[1]}"
+            step = [0]
+            steps: list[float] = []
+            lines: list[str] = []
+
+            def follow() -> None:  # trainer steps as the child reports them
+                assert proc.stdout is not None
+                for ln in proc.stdout:
+                    if ln.startswith("STEP "):
+                        step[0] = int(ln.split()[1])
+                        steps.append(time.monotonic())
+                    else:
+                        lines.append(ln)
+
+            reader = asyncio.get_running_loop().run_in_executor(None, follow)
+            stop = asyncio.Event()
+            window: dict[str, float] = {}
+            stats = {"honest_sent": 0, "honest_stored": 0, "honest_accepted": 0, "junk_stored": 0, "junk_judged": 0}
+            honest_codes: dict[str, int] = {}
+            junk_codes: dict[str, int] = {}
+            leased_at: dict[str, float] = {}
+            honest_wait: list[float] = []
+
+            def in_window() -> bool:
+                return "start" in window and "end" not in window
+
+            async def honest_worker(key) -> None:  # type: ignore[no-untyped-def]
+                counter = 0
+                async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=30)) as http:
+                    while not stop.is_set():
+                        data = sybil_submission(key, counter, step[0])
+                        counter += 1
+                        while not stop.is_set():
+                            t0 = time.monotonic()
+                            async with http.post("/ingest/1/submissions", data=data) as r:
+                                body = await r.json(content_type=None)
+                            if in_window():
+                                stats["honest_sent"] += 1
+                                honest_codes[str(body.get("error", r.status))] = honest_codes.get(str(body.get("error", r.status)), 0) + 1
+                            if r.status == 200:
+                                if in_window():
+                                    stats["honest_stored"] += 1
+                                leased_at[body["id"]] = -t0  # stored at t0 (negative: not leased yet)
+                                break
+                            if r.status == 409:
+                                break  # stale or replayed: a new one
+                            await asyncio.sleep(float(r.headers.get("Retry-After", "1")))
+                        await asyncio.sleep(1.0 / args.honest_rate)
+
+            async def validate() -> None:
+                async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=60)) as http:
+                    while not stop.is_set():
+                        req = seal(validator, spec.run_id, LeaseRequest(limit=8, lease_s=30.0))
+                        async with http.post("/ingest/1/lease", data=req) as r:
+                            got = encoding.unpackb(await r.read(), 1 << 30)["submissions"] if r.status == 200 else []
+                        if not got:
+                            await asyncio.sleep(0.1)
+                        for raw in got:
+                            sub = open_envelope(raw, run_id=spec.run_id, expect=Submission)
+                            sid = sub.id.hex()
+                            ok = sub.body.worker in honest_ids
+                            if ok and leased_at.get(sid, 0) < 0:
+                                if in_window():
+                                    honest_wait.append(time.monotonic() + leased_at[sid])
+                                leased_at[sid] = 1.0
+                            await asyncio.sleep(1.0 / args.validator_rate)
+                            v = seal(validator, spec.run_id, Verdict(submission_id=sub.id, worker=sub.body.worker, policy_step=sub.body.policy_step,
+                                                                     counter=sub.body.counter, accepted=ok, reason="ok" if ok else "toploc"))
+                            async with http.post("/ingest/1/verdicts", data=v) as r:
+                                applied = (await r.json()).get("applied") if r.status == 200 else False
+                            if in_window() and applied:
+                                stats["honest_accepted" if ok else "junk_judged"] += 1
+
+            tasks = [asyncio.create_task(honest_worker(k)) for k in honest] + [asyncio.create_task(validate())]
+            await asyncio.sleep(args.warmup_s)
+            load0 = os.getloadavg()[0]
+            window["start"] = time.monotonic()
+            # the junk comes from its own process (its CPU is not this process's, which plays the honest side)
+            flood = subprocess.Popen([sys.executable, __file__, "--junk", url, "--code", str(code), "--junk-addresses", str(junk_addresses)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) if junk_addresses else None
+            await asyncio.sleep(args.duration_s)
+            window["end"] = time.monotonic()
+            if flood is not None:
+                assert flood.stdin is not None and flood.stdout is not None
+                flood.stdin.close()
+                out = await asyncio.wait_for(asyncio.to_thread(flood.stdout.read), 120)
+                flood.wait(30)
+                junk_codes.update(next((json.loads(ln[6:]) for ln in out.splitlines() if ln.startswith("CODES ")), {}))
+                stats["junk_stored"] = junk_codes.get("200", 0)
+            stop.set()
+            await asyncio.wait(tasks, timeout=60)
+            for t in tasks:
+                t.cancel()
+            proc.stdin.close()
+            await asyncio.wait_for(reader, 120)
+        finally:
+            _stop(proc)
+    workers = next((json.loads(ln[8:]) for ln in lines if ln.startswith("WORKERS ")), {})
+    start, end = window["start"], window["end"]
+    marks = [start] + [t for t in steps if start < t < end] + [end]
+    gaps = [b - a for a, b in itertools.pairwise(marks)]
+    before = [b - a for a, b in itertools.pairwise(steps) if b <= start]
+    span = end - start
+    return {"junk_addresses": junk_addresses, "honest_accepted_per_s": round(stats["honest_accepted"] / span, 3),
+            "trainer_steps": len(marks) - 2, "step_gap_max_s": round(max(gaps), 2),
+            "step_gap_median_warmup_s": round(statistics.median(before), 2) if before else None,
+            "honest_lease_wait_p50_s": round(pct(honest_wait, 0.5), 2) if honest_wait else None,
+            "honest_lease_wait_max_s": round(max(honest_wait), 2) if honest_wait else None,
+            "honest_stale": sum(workers.get(k, {}).get("stale", 0) for k in honest_ids),
+            "honest_sent": stats["honest_sent"], "honest_answers": honest_codes, "junk_stored": stats["junk_stored"],
+            "junk_judged": stats["junk_judged"], "junk_answers": junk_codes, "load": f"{load0:.1f} → {os.getloadavg()[0]:.1f}"}
+
+
+async def junk_flood(url: str, addresses: int) -> None:
+    """Child process of ``--sybil``: junk from ``addresses`` addresses (127.i.0.1), a fresh key per
+    submission, as fast as the ingest takes them (a refusal: 0.2 s pause); prints ``CODES <json>``
+    when stdin closes."""
+    import aiohttp
+
+    from protocol.identity import NodeKey
+
+    codes: dict[str, int] = {}
+    step = [0]
+
+    async def flood(ip: str) -> None:
+        async with aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(local_addr=(ip, 0), limit=4),
+                                         timeout=aiohttp.ClientTimeout(total=30)) as http:
+            while True:
+                try:
+                    async with http.post("/ingest/1/submissions", data=sybil_submission(NodeKey.generate(), 0, step[0])) as r:
+                        body = await r.json(content_type=None)
+                except (aiohttp.ClientError, TimeoutError, ValueError):
+                    await asyncio.sleep(0.2)
+                    continue
+                code = "200" if r.status == 200 else str(body.get("error", r.status))
+                codes[code] = codes.get(code, 0) + 1
+                if code == "stale_policy":
+                    step[0] += 1  # follow the trainer
+                if r.status != 200:
+                    await asyncio.sleep(0.2)
+
+    async def follow_status() -> None:
+        async with aiohttp.ClientSession(base_url=url) as http:
+            while True:
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                    async with http.get("/status") as r:
+                        if r.status == 200:
+                            step[0] = int((await r.json())["trainer_step"])
+                await asyncio.sleep(1.0)
+
+    status = asyncio.create_task(follow_status())
+    await asyncio.sleep(1.0)  # the trainer's step first: junk inside the window
+    tasks = [asyncio.create_task(flood(f"127.{1 + i}.0.1")) for i in range(addresses)] + [status]
+    await asyncio.to_thread(sys.stdin.read)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    print("CODES " + json.dumps(codes), flush=True)
+
+
+async def sybil_main(args: argparse.Namespace) -> None:
+    levels = [int(x) for x in args.sybil.split(",")]
+    with tempfile.TemporaryDirectory(prefix="ingest-sybil-code-") as tmp:
+        codes: list[tuple[str, Path]] = [("current", REPO)]
+        for i, rev in enumerate(args.baseline.split(",") if args.baseline else []):
+            base = Path(tmp) / f"baseline{i}"
+            base.mkdir()
+            codes.insert(i, (f"base {rev[:10]}", extract_baseline(rev, base, whole=True)))
+        results = []
+        for n in levels:
+            for name, code in codes:
+                r = {"code": name, **(await sybil_level(code, n, args))}
+                print(json.dumps(r), flush=True)
+                results.append(r)
+    for name, _ in codes:
+        calm = next((r for r in results if r["code"] == name and r["junk_addresses"] == 0), None)
+        for r in results:
+            if r["code"] == name and calm is not None and calm["honest_accepted_per_s"]:
+                r["honest_vs_unattacked"] = round(float(r["honest_accepted_per_s"]) / float(calm["honest_accepted_per_s"]), 2)  # type: ignore[arg-type]
+                median = calm.get("step_gap_median_warmup_s") or 0
+                r["gap_vs_normal_step"] = round(float(r["step_gap_max_s"]) / float(median), 2) if median else None  # type: ignore[arg-type]
+    print(f"\nSybil pressure: {args.honest} honest workers × {args.honest_rate}/s, validator {args.validator_rate}/s, "
+          f"{args.duration_s:.0f} s measured after {args.warmup_s:.0f} s warm-up")
+    print(f"{'':26s}" + "".join(f"{r['code'] + ' / ' + str(r['junk_addresses']):>24}" for r in results))
+    for k in [k for k in results[0] if k not in ("code", "junk_addresses")] + ["honest_vs_unattacked", "gap_vs_normal_step"]:
+        print(f"{k:26s}" + "".join(f"{r.get(k)!s:>24s}" for r in results))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--serve", metavar="DIR", help=argparse.SUPPRESS)
@@ -464,6 +806,17 @@ def main() -> None:
     p.add_argument("--history", type=int, default=0, help="index rows of earlier, trained-on submissions in the store first (a long run)")
     p.add_argument("--status-hz", type=float, default=0.0, help="also GET /status this many times a second during the load (default 0: no)")
     p.add_argument("--fsync-delay-ms", type=float, default=0.0, help="delay every fsync of the ingest by this much (a slow disk), ms")
+    p.add_argument("--serve-sybil", metavar="DIR", help=argparse.SUPPRESS)
+    p.add_argument("--junk", metavar="URL", help=argparse.SUPPRESS)
+    p.add_argument("--junk-addresses", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--sybil", metavar="N[,N]", help="fair leasing under junk from N addresses (0: unattacked), side by side")
+    p.add_argument("--honest", type=int, default=4, help="sybil mode: honest workers (default 4)")
+    p.add_argument("--honest-rate", type=float, default=0.5, help="sybil mode: submissions per second per honest worker (default 0.5)")
+    p.add_argument("--validator-rate", type=float, default=10.0, help="sybil mode: judgements per second (default 10)")
+    p.add_argument("--step-s", type=float, default=1.0, help="sybil mode: shortest trainer step, seconds (default 1)")
+    p.add_argument("--step-submissions", type=int, default=4, help="sybil mode: accepted submissions a trainer step consumes (default 4)")
+    p.add_argument("--warmup-s", type=float, default=15.0, help="sybil mode: honest-only warm-up, seconds (default 15)")
+    p.add_argument("--duration-s", type=float, default=60.0, help="sybil mode: measured window, seconds (default 60)")
     args = p.parse_args()
     if args.code:  # server child: import the ingest from this tree (a --baseline revision or this checkout)
         sys.path.insert(0, args.code)
@@ -472,6 +825,15 @@ def main() -> None:
         return
     if args.serve_relay:
         asyncio.run(serve_relay(Path(args.serve_relay), args.relay_mib))
+        return
+    if args.junk:
+        asyncio.run(junk_flood(args.junk, args.junk_addresses))
+        return
+    if args.serve_sybil:
+        asyncio.run(serve_sybil(Path(args.serve_sybil), args.step_s, args.step_submissions))
+        return
+    if args.sybil:
+        asyncio.run(sybil_main(args))
         return
     if args.relay:
         asyncio.run(relay_main(args))

@@ -12,6 +12,7 @@ never sooner than the answer's ``Retry-After``).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,9 +26,9 @@ from protocol.ingest_api import (
     VERDICTS_ROUTE,
     Disposition,
     LeaseAnswer,
+    LeaseAnswerReader,
     disposition,
     lease_answer_max_bytes,
-    unpack_lease_answer,
 )
 from protocol.messages import BanList
 
@@ -88,8 +89,10 @@ class IngestUnavailable(Exception):
         return max((a.retry_after_s for a in self.answers if a.retry_after_s is not None), default=None)
 
 
-async def _read_bounded(r: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The whole answer body, refusing more than ``limit`` bytes (``ValueError``)."""
+async def _read_bounded(r: aiohttp.ClientResponse, limit: int, sink: Callable[[bytes], None] | None = None) -> bytes:
+    """The whole answer body, refusing more than ``limit`` bytes (``ValueError``); with ``sink``,
+    each chunk is handed to it as it arrives instead (and ``b""`` returned), so a large answer is
+    never held whole next to what is decoded from it."""
     if r.content_length is not None and r.content_length > limit:
         raise ValueError(f"answer of {r.content_length} bytes exceeds {limit}")
     chunks: list[bytes] = []
@@ -98,10 +101,13 @@ async def _read_bounded(r: aiohttp.ClientResponse, limit: int) -> bytes:
         data = await r.content.read(min(1 << 20, limit + 1 - got))
         if not data:
             return b"".join(chunks)
-        chunks.append(data)
         got += len(data)
         if got > limit:
             raise ValueError(f"answer exceeds {limit} bytes")
+        if sink is not None:
+            sink(data)
+        else:
+            chunks.append(data)
 
 
 class IngestClient:
@@ -128,15 +134,19 @@ class IngestClient:
         return self._session
 
     async def request(self, url: str, method: str, route: str, data: bytes | None = None, *,
-                      max_answer_bytes: int = JSON_ANSWER_MAX_BYTES) -> IngestAnswer:
-        """One request to one ingest; never raises for a network failure (``status`` 0 instead)."""
+                      max_answer_bytes: int = JSON_ANSWER_MAX_BYTES, sink: Callable[[bytes], None] | None = None) -> IngestAnswer:
+        """One request to one ingest; never raises for a network failure (``status`` 0 instead).
+
+        ``sink`` takes a 200 answer's bytes as they arrive (its ``body`` is then ``b""``); it may
+        raise ``DecodeError`` to abandon the answer (the error is raised from here).
+        """
         headers = {"Content-Type": "application/octet-stream"} if data is not None else None
         try:
             async with self._http().request(method, f"{url}{route}", data=data, headers=headers) as r:
                 status = r.status
                 retry_after = r.headers.get("Retry-After")
                 limit = max_answer_bytes if status == 200 else JSON_ANSWER_MAX_BYTES
-                body = await _read_bounded(r, limit)
+                body = await _read_bounded(r, limit, sink if status == 200 else None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             return IngestAnswer(url, 0, None, f"{type(e).__name__}: {e}")
         parsed: Any = None
@@ -186,12 +196,13 @@ class IngestClient:
         """
         answers: list[IngestAnswer] = []
         for url in self.urls:
-            a = await self.request(url, "POST", LEASE_ROUTE, request, max_answer_bytes=lease_answer_max_bytes(limit))
-            if a.ok:
-                try:
-                    return unpack_lease_answer(a.body, limit)
-                except DecodeError as e:
-                    a = IngestAnswer(url, 0, None, f"bad lease answer: {e}")
+            reader = LeaseAnswerReader(limit)  # decoded as it arrives: never held twice
+            try:
+                a = await self.request(url, "POST", LEASE_ROUTE, request, max_answer_bytes=lease_answer_max_bytes(limit), sink=reader.feed)
+                if a.ok:
+                    return reader.result()
+            except DecodeError as e:
+                a = IngestAnswer(url, 0, None, f"bad lease answer: {e}")
             answers.append(a)
         raise IngestUnavailable(answers)
 

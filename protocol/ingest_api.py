@@ -27,6 +27,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+import msgpack
+
 from protocol import encoding
 from protocol.errors import DecodeError
 from protocol.messages import Submission
@@ -75,6 +77,7 @@ ERROR_CODES: Final[dict[str, tuple[int, Kind]]] = {
     "busy": (429, "retry"),  # too many body bytes in flight, or too many lease requests
     "quota": (507, "retry"),
     "ip_quota": (507, "retry"),
+    "probation_quota": (507, "retry"),  # workers with no accepted submission yet hold their share of the disk quota
     "disk_quota": (507, "retry"),
     "disk_full": (507, "retry"),
     "storage_failed": (503, "retry"),  # the ingest could not write or commit it (disk error): nothing stored
@@ -165,20 +168,109 @@ def pack_lease_answer(submissions: list[bytes], trainer_step: int) -> bytes:
     return encoding.packb({"submissions": list(submissions), "trainer_step": int(trainer_step)})
 
 
+class LeaseAnswerReader:
+    """Decodes the answer to a lease request for ``limit`` submissions as its bytes arrive.
+
+    A lease answer may be ``limit`` × 32 MiB. Reading it whole and then decoding held it two to
+    three times over (the received chunks, their join, the decoded envelopes); fed chunk by chunk
+    here, each envelope is taken out of the stream as soon as it is complete, so the peak is the
+    decoded envelopes plus one envelope's bytes. Bounded before decoding: at most
+    :func:`lease_answer_max_bytes` in all, ``limit`` envelopes of at most ``Submission.MAX_BYTES``.
+    The answer is not signed, so its canonical form is not checked (only its shape).
+
+    Usage: :meth:`feed` every chunk, then :meth:`result`.
+
+    Raises (from :meth:`feed` or :meth:`result`):
+        DecodeError: oversized, cut short, trailing bytes, or not ``{"submissions": [bin…], "trainer_step": int}``.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.bound = lease_answer_max_bytes(limit)
+        self.received = 0
+        self._unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=Submission.MAX_BYTES + (2 << 20),
+                                          max_bin_len=Submission.MAX_BYTES, max_str_len=16, max_array_len=limit, max_map_len=2,
+                                          max_ext_len=0)
+        self._stage = "map"
+        self._n_keys = 0
+        self._keys: list[str] = []
+        self._left = 0  # envelopes still to come in the array being read
+        self.submissions: list[bytes] = []
+        self.trainer_step: int | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        """Take the next bytes of the answer and decode what they complete."""
+        self.received += len(chunk)
+        if self.received > self.bound:
+            raise DecodeError(f"lease answer exceeds {self.bound} bytes")
+        try:
+            self._unpacker.feed(chunk)
+            while self._step():
+                pass
+        except msgpack.OutOfData:
+            return
+        except (ValueError, TypeError, msgpack.UnpackException) as e:  # over a bound, bad type, invalid data
+            raise DecodeError(f"bad lease answer: {type(e).__name__}: {e}") from None
+
+    def _step(self) -> bool:
+        """Decode one more item; ``False`` once the answer is complete."""
+        u = self._unpacker
+        if self._stage == "map":
+            self._n_keys = u.read_map_header()  # 1: an ingest that does not send its trainer step
+            if self._n_keys not in (1, 2):
+                raise DecodeError("lease answer is not {'submissions': [bin…], 'trainer_step': int}")
+            self._stage = "key"
+        elif self._stage == "key":
+            if len(self._keys) == self._n_keys:
+                self._stage = "done"
+                return True
+            key = u.unpack()
+            expected = ("submissions", "trainer_step")[len(self._keys)]
+            if key != expected:
+                raise DecodeError(f"lease answer has key {str(key)[:16]!r} where {expected!r} belongs")
+            self._keys.append(key)
+            self._stage = key
+        elif self._stage == "submissions":
+            self._left = u.read_array_header()
+            if self._left > self.limit:
+                raise DecodeError(f"lease answer holds {self._left} submissions, more than the {self.limit} asked for")
+            self._stage = "envelopes"
+        elif self._stage == "envelopes":
+            if self._left == 0:
+                self._stage = "key"
+                return True
+            env = u.unpack()
+            if not isinstance(env, bytes):
+                raise DecodeError("a leased submission is not bin")
+            self.submissions.append(env)
+            self._left -= 1
+        elif self._stage == "trainer_step":
+            step = u.unpack()
+            if not isinstance(step, int) or isinstance(step, bool) or not -(2**62) < step < 2**62:
+                raise DecodeError("lease answer's trainer_step is not an int")
+            self.trainer_step = step
+            self._stage = "key"
+        else:
+            return False
+        return True
+
+    def result(self) -> LeaseAnswer:
+        """The decoded answer (call after the last :meth:`feed`)."""
+        if self._stage != "done":
+            raise DecodeError("lease answer cut short")
+        try:
+            self._unpacker.skip()
+        except msgpack.OutOfData:
+            return LeaseAnswer(self.submissions, self.trainer_step)
+        raise DecodeError("trailing bytes after the lease answer")
+
+
 def unpack_lease_answer(data: bytes, limit: int) -> LeaseAnswer:
-    """Decode the answer to a lease request for ``limit`` submissions, bounded before decoding
-    (:func:`lease_answer_max_bytes`, ≤ ``limit`` entries of ≤ ``Submission.MAX_BYTES``).
+    """Decode a whole answer to a lease request for ``limit`` submissions (:class:`LeaseAnswerReader`).
 
     Raises:
-        DecodeError: oversized, not canonical msgpack, or not ``{"submissions": [bin…], "trainer_step": int}``.
+        DecodeError: oversized, not msgpack, or not ``{"submissions": [bin…], "trainer_step": int}``.
     """
-    bound = lease_answer_max_bytes(limit)
-    lim = encoding.DecodeLimits(max_bin_len=Submission.MAX_BYTES, max_str_len=16, max_array_len=limit, max_map_len=2, max_depth=2)
-    obj = encoding.unpackb(data, bound, lim)
-    subs = obj.get("submissions") if isinstance(obj, dict) else None
-    if not isinstance(subs, list) or not all(isinstance(b, bytes) for b in subs):
-        raise DecodeError("lease answer is not {'submissions': [bin…], 'trainer_step': int}")
-    step = obj.get("trainer_step")
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or not -(2**62) < step < 2**62):
-        raise DecodeError("lease answer's trainer_step is not an int")
-    return LeaseAnswer(list(subs), step)
+    reader = LeaseAnswerReader(limit)
+    reader.feed(data)
+    return reader.result()

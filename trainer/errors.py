@@ -7,7 +7,9 @@ wrong types) stay ``ValueError`` / ``TypeError`` and are never caught.
 
 from __future__ import annotations
 
-__all__ = ["BatchError", "NotEnoughRolloutsError", "StateError", "TrainerError"]
+from protocol.ingest_api import ERROR_CODES
+
+__all__ = ["BatchError", "NotEnoughRolloutsError", "Refused", "StateError", "TrainerError"]
 
 
 class TrainerError(Exception):
@@ -67,3 +69,21 @@ class StateError(TrainerError):
     def __init__(self, message: str, path: str = "") -> None:
         super().__init__(f"{path}: {message}" if path else message)
         self.path = path
+
+
+class Refused(TrainerError):
+    """A submission, lease request or verdict the coordinator refuses, with one of the ingest's
+    error codes (:data:`protocol.ingest_api.ERROR_CODES`, which fixes its HTTP status and what a
+    client does with it).
+
+    Attributes:
+        code: the error code; detail: what was wrong, for the client; retry_after_s: when to retry
+            (flow control), seconds, or ``None``.
+    """
+
+    def __init__(self, code: str, detail: str, retry_after_s: float | None = None) -> None:
+        if code not in ERROR_CODES:
+            raise ValueError(f"unknown ingest error code {code!r}")
+        super().__init__(detail)
+        self.code, self.detail, self.retry_after_s = code, detail, retry_after_s
+        self.status = ERROR_CODES[code][0]

@@ -4,7 +4,7 @@ A worker is banned only when a second, independent check reproduces a cheat reas
 (``docs/validator.md`` "Ban rule"). With one validator in a run, that second check is this one:
 the coordinator re-runs the whole verification pipeline (:class:`validator.pipeline.SubmissionChecker`,
 the very code validators run) on the submission, with the policy it published for that step. It
-runs in the ingest's re-check thread (``trainer.ingest.service``), one submission at a time, only
+runs in the ban rule's re-check thread (``trainer/ledger/ban_rule.py``), one submission at a time, only
 for deciding cheat verdicts, so its cost is bounded by how often validators reject for cheating.
 
 The policy window and the counter were checked by the ingest when the submission arrived, so the
@@ -28,7 +28,7 @@ from protocol.models import ModelLoadError, load_model
 from protocol.rewards import RewardLimits
 from protocol.runspec import RunSpec
 from protocol.tasks import Task
-from trainer.ingest.service import RecheckResult
+from trainer.ledger.ban_rule import RecheckResult
 from validator.pipeline import SubmissionChecker
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ MODELS_KEPT = 2
 
 
 class CoordinatorRecheck:
-    """Callable ``(submission envelope bytes) → RecheckResult`` for :class:`IngestService`'s ``recheck``.
+    """Callable ``(submission envelope bytes) → RecheckResult``: the ``recheck`` of :class:`~trainer.ledger.ban_rule.BanRule`.
 
     Args:
         spec: the run spec; run_id: its 32-byte ID.

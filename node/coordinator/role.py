@@ -49,8 +49,7 @@ from trainer.batch import Batch
 from trainer.buffer import RolloutBuffer
 from trainer.distributed import DistContext
 from trainer.errors import NotEnoughRolloutsError, TrainerError
-from trainer.ingest.service import IngestService, error_middleware
-from trainer.ledger import BanBook, SubmissionStore
+from trainer.ingest.service import error_middleware, open_ingest
 from trainer.loop import LoopPaths, run_training, torch_dtype
 from trainer.train import StepMetrics, Trainer, TrainerConfig
 
@@ -110,11 +109,17 @@ class Coordinator:
         self.ctx = ctx or DistContext()
         self.data_dir = Path(options.data_dir)
         self.tasks = resolve_tasks(self.spec.data.tasks, options.data_root, self.spec.data.tasks_hash)
-        self.store = SubmissionStore(self.data_dir / "ingest", signed.run_id)
-        self.bans = BanBook(self.data_dir / "bans.msgpack", key, signed.run_id)
+        # a validator's cheat verdict bans only once this independent re-check reproduces it
+        recheck = CoordinatorRecheck(self.spec, signed.run_id, self.tasks.train, lambda: self.tokenizer,
+                                     lambda step: self.publisher.policy_dir(step) if self.publisher else None,
+                                     by=key.peer_id, device=options.device)
+        self.ingest = open_ingest(self.data_dir, self.spec, key, trainer_step=lambda: self.trainer.step if self.trainer is not None else 0,
+                                  latest_policy_step=lambda: self.published_step, recheck=recheck, on_ban=self._gossip_bans,
+                                  on_verdict=self._verdict_applied, status_extra=self._status_extra)
+        self.ledger = self.ingest.ledger
+        self.bans = self.ledger.bans
         self.origin: ShardcastStore | None = None
         self.server: ShardcastServer | None = None
-        self.ingest: IngestService | None = None
         self.run_page: RunPage | None = None
         self.gossip: GossipNode | None = None
         self.trainer: Trainer | None = None
@@ -129,7 +134,7 @@ class Coordinator:
         self.busy_s = 0.0
         self.wait_s = 0.0  # seconds the last batch took to fill (the trainer idle, waiting for accepted rollouts)
         self.started_s = time.monotonic()
-        self.buffer = RolloutBuffer(self.store, signed.run_id, self.spec.rl)
+        self.buffer = RolloutBuffer(self.ledger, self.spec.rl)
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -164,17 +169,6 @@ class Coordinator:
         )
         # one HTTP port: Shardcast origin routes + ingest + status/metrics
         self.server = ShardcastServer(self.origin, host=self.options.host, port=self.options.port, peer_id=self.key.peer_id)
-        self.ingest = IngestService(
-            self.spec, self.store, self.bans,
-            trainer_step=lambda: trainer.step,
-            latest_policy_step=lambda: self.published_step,
-            on_verdict=self._verdict_applied, on_ban=self._gossip_bans, status_extra=self._status_extra,
-            on_stored=self.buffer.note_stored,  # the verified body goes on: the buffer does not verify it again
-            # a validator's cheat verdict bans only once this independent re-check reproduces it
-            recheck=CoordinatorRecheck(self.spec, self.signed.run_id, self.tasks.train, lambda: self.tokenizer,
-                                       lambda step: self.publisher.policy_dir(step) if self.publisher else None,
-                                       by=self.key.peer_id, device=self.options.device),
-        )
         from prometheus_client import Gauge
 
         reg = self.ingest.registry
@@ -197,7 +191,7 @@ class Coordinator:
         app = self.server.make_app()
         app.middlewares.append(error_middleware)
         self.ingest.add_routes(app)
-        self.run_page = RunPage(self.signed, self.store, self.bans, status=self.ingest.status, metrics_path=self.metrics_path,
+        self.run_page = RunPage(self.signed, self.ledger, status=self.ingest.status, metrics_path=self.metrics_path,
                                 peer_id=self.key.peer_id, archive_dir=self.data_dir / "run-page")  # final state kept at stop
         self.run_page.add_routes(app)  # GET / (the run page) and GET /api/run
         running = await start_site(app, self.options.host, self.options.port)  # header timeout, per-IP cap, no compressed bodies
@@ -266,9 +260,8 @@ class Coordinator:
             await self.gossip.stop()
         if self._runner is not None:
             await self._runner.cleanup()
-        if self.ingest is not None:
-            self.ingest.close()
-        self.store.close()
+        self.ingest.close()
+        self.ledger.close()
 
     # --- training (worker thread) --------------------------------------------------------------
 
@@ -292,7 +285,7 @@ class Coordinator:
         self.busy_s += m.step_time_s
         self.buffer.retire(self.buffer.consume(batch), self.trainer.step)
         row = {"event": "step", **m.as_dict(), "utilization": self.utilization(), "broadcast_s": self.publisher.publish_s.get(self.trainer.step) if self.publisher else None,
-               "wait_s": round(self.wait_s, 3), "wall_s": round(time.monotonic() - self.started_s, 3), "verdicts": self.store.verdict_reasons(),
+               "wait_s": round(self.wait_s, 3), "wall_s": round(time.monotonic() - self.started_s, 3), "verdicts": self.ledger.verdict_reasons(),
                "banned": len(self.bans.entries())}
         self._log_metrics(row)
         self.last_step = {k: row[k] for k in ("step", "reward_mean", "pass_rate", "loss", "staleness", "tokens_per_s", "mismatch_kl",
@@ -385,11 +378,11 @@ class Coordinator:
 
     # --- gossip glue (asyncio loop) ------------------------------------------------------------
 
-    def _verdict_applied(self, raw: bytes, gossip: bool) -> None:
+    def _verdict_applied(self, env: Envelope[Verdict], gossip: bool) -> None:
         if self.run_page is not None:
-            self.run_page.note_verdict(raw)  # a ban's evidence on the run page
+            self.run_page.note_verdict(env)  # a ban's evidence on the run page
         if gossip:  # posted over HTTP; one that came on gossip is already there
-            self._gossip_verdict(raw)
+            self._gossip_verdict(env.raw)
 
     def _gossip_verdict(self, raw: bytes) -> None:
         if self.gossip is not None and self._loop is not None:
@@ -411,8 +404,6 @@ class Coordinator:
 
     def _apply_gossip_verdict(self, env: Envelope[Verdict]) -> None:
         """A verdict from gossip, already verified there (signed by a validator of the spec): applied as is."""
-        if self.ingest is None:
-            return
         try:
             self.ingest.apply_verdict(env, via_gossip=True)
         except ProtocolError as e:

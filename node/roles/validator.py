@@ -103,7 +103,6 @@ class ValidatorNode:
         self._stop = asyncio.Event()
         self.ingest = IngestClient(self.ingest_urls, timeout_s=60.0)
         self._lease_retry_after_s = 0.0
-        self.coordinator_step: int | None = None  # the coordinator's trainer step, from the last lease answer
         self.state = "starting"
         self.checked = 0
         self.checked_by_depth = {"full": 0, "light": 0}
@@ -181,9 +180,7 @@ class ValidatorNode:
         self._lease_failures.recovered("ingest reachable")
         self._lease_backoff.reset()
         self._lease_retry_after_s = 0.0
-        if answer.trainer_step is not None:
-            self.coordinator_step = answer.trainer_step
-        return answer.submissions
+        return answer.submissions  # its trainer_step is unsigned: not trusted (_trainer_step)
 
     async def _judge(self, blob: bytes) -> None:
         try:
@@ -260,22 +257,14 @@ class ValidatorNode:
 
     def _trainer_step(self) -> int:
         """The trainer step the async window is judged against (:mod:`protocol.window`): the
-        coordinator's, from the last lease answer; from an ingest that does not send it, the newest
-        policy step this validator has heard of (a lower bound of it). The answer is unsigned, so it
-        is held between signed bounds: below the newest coordinator-signed step ``s`` (every
-        published step is ≤ ``n``) it is raised to ``s``; above ``s + rl.publish_every`` (the
-        coordinator publishes at least that often) it is lowered to that, so a lying ingest cannot
-        push fresh work out of the window's top, and moves its bottom by at most
-        ``publish_every`` steps (the true ``n`` may be anywhere in ``[s, s + publish_every]``;
-        only a signed ``n`` would close that). Lowering only widens the
-        window when this validator's view of ``s`` lags (honest work is never rejected for it).
-        ``s`` counts the checkpoints loaded here too: each came with a coordinator-signed manifest
-        (a validator restarted on its cached checkpoints has them before any announcement)."""
-        latest = max(self.follower.latest_step, max(self._models, default=-1))
-        if self.coordinator_step is not None:
-            step = max(self.coordinator_step, latest)
-            return min(step, latest + self.spec.rl.publish_every) if latest >= 0 else step
-        return latest
+        newest coordinator-signed policy step this validator knows, ``s`` — announced, or of a
+        checkpoint it loaded (each came with a coordinator-signed manifest). The lease answer's
+        ``trainer_step`` is unsigned and not trusted: a lying ingest could otherwise push fresh
+        work out of the window. Every published step is ≤ the coordinator's ``n``, so ``s ≤ n``:
+        the window judged here reaches at least as far back as the coordinator's (a submission it
+        accepts that is stale by ``n`` is retired by the coordinator, never trained on), and it
+        always covers the submission being judged, whose checkpoint is loaded (``p ≤ s``)."""
+        return max(self.follower.latest_step, max(self._models, default=-1))
 
     async def _prepare(self, step: int) -> None:
         """Load the checkpoint of ``step`` (fetching it through Shardcast) unless cached."""

@@ -11,8 +11,9 @@ What the page shows and where it comes from (all of it public; no keys, no submi
 * Shardcast propagation per step — when the coordinator announced a step, and when each relay's
   signed heartbeat first listed it as held and each worker's first reported it as its policy;
 * nodes by role — the gossip peer table (alive, or silent since the last heartbeat);
-* contributor leaderboard — the ingest store (accepted / rejected / pending, rollouts trained on)
-  and the completion tokens of every stored submission (each decoded once, off the event loop).
+* contributor leaderboard — the submission ledger's read model (accepted / rejected / pending,
+  submissions and rollouts trained on, completion tokens of everything stored), kept by the ledger
+  as submissions change state: the page never opens a stored envelope.
 
 When the coordinator stops, the page's final state is written as a static copy (``archive_dir``,
 :func:`write_archive`: ``index.html`` opens in a browser without a server), so a run's report
@@ -41,13 +42,12 @@ from aiohttp import web
 from node import __version__
 from node.web.assets import ASSETS, SECURITY_HEADERS, PageLimiter, add_page_routes, asset_bytes
 from protocol.durable import atomic_write
-from protocol.envelope import Envelope, open_envelope
-from protocol.errors import ProtocolError
+from protocol.envelope import Envelope
 from protocol.identity import PeerId
-from protocol.messages import NodeRecord, Submission, Verdict
+from protocol.messages import NodeRecord, Verdict
 from protocol.runspec import SignedRunSpec
-from trainer.ledger.bans import BanBook
-from trainer.ledger.store import SubmissionStore
+from trainer.ledger.ids import submission_id
+from trainer.ledger.ledger import SubmissionLedger
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +55,11 @@ API_ROUTE = "/api/run"
 SNAPSHOT_VERSION = 1
 REFRESH_S = 1.0
 """Seconds between two rebuilds of the snapshot."""
-DECODE_PER_REFRESH = 32
-"""Stored submissions decoded per rebuild to count their tokens (bounds the work of one rebuild)."""
-DECODE_BYTES_PER_REFRESH = 16 << 20
-"""...and at most about this many bytes of them (one submission at least), bytes."""
 BOARD_DUTY_FACTOR = 20
-"""The leaderboard's store queries scan the whole submission history under the store's lock (which
-the ingest's admission also takes): it is rebuilt only once this many times its last build time
-has passed, so it holds the lock at most 1/20 of the time however long the history grows
-(200,000 submissions: ≈ 0.3 s a build, which every :data:`REFRESH_S` held it a third of the time)."""
+"""The leaderboard is rebuilt only once this many times its last build time has passed, so however
+its cost grows it takes at most 1/20 of the page's refresh thread (it reads the ledger's
+per-worker read model, top entries first; before that model it scanned the whole submission
+history: ≈ 0.3 s a build at 200,000 submissions)."""
 MAX_RESPONSE_BYTES = 1 << 20
 """Largest ``/api/run`` answer, bytes; curves are thinned until it fits."""
 CAPS = {"curve_points": 300, "heldout_points": 100, "nodes": 300, "leaderboard": 200, "bans": 100, "propagation_steps": 50,
@@ -182,8 +178,7 @@ class RunPage:
 
     Args:
         signed: the run spec.
-        store: the ingest store (read only).
-        bans: the ban book (read only).
+        ledger: the submission ledger (its read models and ban book; read only).
         status: the coordinator's ``/status`` dict (trainer step, state, held-out pass rates…).
         metrics_path: the coordinator's ``metrics.jsonl``.
         peer_id: the coordinator's peer ID; url: its public URL.
@@ -191,13 +186,13 @@ class RunPage:
         archive_dir: where :meth:`stop` writes the page's final state (:func:`write_archive`); ``None``: nowhere.
     """
 
-    def __init__(self, signed: SignedRunSpec, store: SubmissionStore, bans: BanBook, *, status: Callable[[], dict[str, Any]],
+    def __init__(self, signed: SignedRunSpec, ledger: SubmissionLedger, *, status: Callable[[], dict[str, Any]],
                  metrics_path: Path, peer_id: PeerId, url: str = "", clock: Callable[[], float] = time.monotonic,
                  archive_dir: Path | None = None) -> None:
         self.signed = signed
         self.spec = signed.spec
-        self.store = store
-        self.bans = bans
+        self.ledger = ledger
+        self.bans = ledger.bans
         self.status = status
         self.peer_id = peer_id
         self.url = url
@@ -207,8 +202,6 @@ class RunPage:
         self.limiter = PageLimiter()
         self._verdicts: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         self._verdict_lock = threading.Lock()
-        self._tokens: dict[str, int] = {}
-        self._token_seq = 0
         self._silent: dict[str, dict[str, Any]] = {}
         self._last_alive: dict[str, dict[str, Any]] = {}
         self._snapshot: bytes = b""
@@ -231,17 +224,12 @@ class RunPage:
         self.gossip = gossip
         gossip.on_record(lambda env: self.propagation.note_record(env.body))
 
-    def note_verdict(self, raw: bytes) -> None:
-        """Remember an applied rejecting verdict (envelope bytes), so a ban can show its evidence."""
-        try:
-            env: Envelope[Verdict] = open_envelope(raw, run_id=self.signed.run_id, expect=Verdict, authorities=self.spec.authorities)
-        except ProtocolError as e:
-            logger.debug("run page ignores a verdict: %s", e)
-            return
+    def note_verdict(self, env: Envelope[Verdict]) -> None:
+        """Remember an applied rejecting verdict (verified by the ingest or gossip), so a ban can show its evidence."""
         if env.body.accepted:
             return
         with self._verdict_lock:
-            self._verdicts[env.id.hex()] = {"validator": env.peer_id, "submission_id": env.body.submission_id.hex(),
+            self._verdicts[env.id.hex()] = {"validator": env.peer_id, "submission_id": submission_id(env.body.submission_id),
                                             "evidence": {k: v for k, v in list(env.body.evidence.items())[:16]}}
             while len(self._verdicts) > CAPS["verdicts_remembered"]:
                 self._verdicts.popitem(last=False)
@@ -305,48 +293,25 @@ class RunPage:
             row["last_seen_s"] = round(max(0.0, time.time() - row["_seen_wall"]), 1)
         return [{k: v for k, v in r.items() if k not in ("_seen_wall", "addrs", "hardware", "seq")} for r in rows][: CAPS["nodes"]]
 
-    def _count_tokens(self) -> None:
-        budget = DECODE_BYTES_PER_REFRESH
-        for seq, sid, worker in self.store.submissions_after(self._token_seq, DECODE_PER_REFRESH):
-            if budget <= 0:
-                break
-            self._token_seq = seq
-            try:
-                data = self.store.read(sid)
-                budget -= len(data)
-                env = open_envelope(data, run_id=self.signed.run_id, expect=Submission)
-            except (OSError, ProtocolError) as e:
-                logger.debug("run page cannot read submission %s: %s", sid[:12], e)
-                continue
-            n = sum(len(r.completion_ids) // 4 for r in env.body.rollouts)  # packed uint32 token IDs
-            self._tokens[worker] = self._tokens.get(worker, 0) + n
-
     def _leaderboard(self, banned: Mapping[PeerId, Any]) -> list[dict[str, Any]]:
         """The top :data:`CAPS` ``leaderboard`` workers; the last one built until it is due again
         (:data:`BOARD_DUTY_FACTOR`)."""
         t0 = self._clock()
         if self._board is not None and t0 < self._board_due:
             return self._board
-        workers = self.store.worker_stats()
-        trained = self.store.rollouts_trained()
         board: list[dict[str, Any]] = []
-        for peer, c in workers.items():
-            acc, rej = c.get("accepted", 0), c.get("rejected", 0)
-            ban = banned.get(PeerId(peer))
-            board.append({"peer_id": peer, "accepted": acc, "rejected": rej, "pending": c.get("pending", 0),
-                          "submissions_trained": c.get("trained", 0), "rollouts_trained": trained.get(peer, 0),
-                          "tokens": self._tokens.get(peer, 0), "reputation": 0.0 if ban else round((acc + 1) / (acc + rej + 2), 4),
+        for row in self.ledger.leaderboard(CAPS["leaderboard"]):
+            acc, rej, ban = row["accepted"], row["rejected"], banned.get(PeerId(row["peer_id"]))
+            board.append({**row, "reputation": 0.0 if ban else round((acc + 1) / (acc + rej + 2), 4),
                           "banned": ban is not None, "ban_reason": ban.reason if ban else ""})
-        board.sort(key=lambda w: (-w["accepted"], w["rejected"], w["peer_id"]))
-        self._board = board[: CAPS["leaderboard"]]
+        self._board = board
         t1 = self._clock()
         self._board_due = t1 + (BOARD_DUTY_FACTOR - 1) * (t1 - t0)
         return self._board
 
     def build(self, nodes: list[dict[str, Any]] | None = None) -> bytes:
-        """The ``/api/run`` document as JSON bytes (blocking: store reads; call off the event loop)."""
+        """The ``/api/run`` document as JSON bytes (blocking: ledger reads; call off the event loop)."""
         self.metrics.poll()
-        self._count_tokens()
         st = self.status()
         spec = self.spec
         published = int(st.get("published_step", st.get("latest_policy_step", -1)))

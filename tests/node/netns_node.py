@@ -48,15 +48,13 @@ async def coordinator(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
     from node.http_server import start_site
     from node.p2p import GossipConfig, GossipNode
-    from trainer.ingest.service import IngestLimits, IngestService, error_middleware
-    from trainer.ledger import BanBook, SubmissionStore
+    from trainer.ingest.limits import IngestLimits
+    from trainer.ingest.service import error_middleware, open_ingest
 
     key, spec = run_spec()
-    store = SubmissionStore(Path(args.dir) / "ingest", spec.run_id)
-    bans = BanBook(Path(args.dir) / "bans.msgpack", key, spec.run_id)
     # nothing judges the submissions here: the per-worker pending quota (default 4) is lifted
     limits = IngestLimits(max_pending_per_worker=10_000)
-    service = IngestService(spec, store, bans, trainer_step=lambda: 0, latest_policy_step=lambda: 0, limits=limits)
+    service = open_ingest(Path(args.dir), spec, key, trainer_step=lambda: 0, latest_policy_step=lambda: 0, limits=limits)
     app = web.Application(middlewares=[error_middleware], client_max_size=64 << 20)
     service.add_routes(app)
     running = await start_site(app, args.host, 0)
@@ -71,7 +69,7 @@ async def coordinator(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await node.stop()
         await running.stop()
         service.close()
-        store.close()
+        service.ledger.close()
 
 
 async def worker(args: argparse.Namespace, stop: asyncio.Event) -> None:

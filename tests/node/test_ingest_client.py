@@ -88,3 +88,41 @@ async def test_lease_decodes_bounded_answers_and_reports_retry_after() -> None:
             assert e.value.retry_after_s == 7.0 and e.value.answers[0].code == "busy"
         finally:
             await client.close()
+
+
+async def test_a_large_lease_answer_is_decoded_as_it_arrives() -> None:
+    """4 × 8 MiB leased envelopes: the client's peak memory stays near the decoded envelopes'
+    (32 MiB), not the 2–3× of reading the answer whole, joining it and decoding a copy. The
+    ingest is a plain socket thread (no Python buffer of its own to count)."""
+    import socket
+    import threading
+    import tracemalloc
+
+    envelopes = [bytes([i]) * (8 << 20) for i in range(4)]
+    answer = pack_lease_answer(envelopes, 3)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def ingest() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += conn.recv(4096)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/msgpack\r\nContent-Length: %d\r\n\r\n" % len(answer))
+            conn.sendall(answer)
+
+    server = threading.Thread(target=ingest, daemon=True)
+    server.start()
+    client = IngestClient([f"http://127.0.0.1:{listener.getsockname()[1]}"], timeout_s=60)
+    try:
+        tracemalloc.start()
+        got = await client.lease(b"req", limit=4)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    finally:
+        await client.close()
+        server.join(10)
+        listener.close()
+    assert got.submissions == envelopes and got.trainer_step == 3
+    total = sum(len(e) for e in envelopes)
+    assert peak < 1.5 * total, f"peak {peak / 2**20:.0f} MiB for {total / 2**20:.0f} MiB of envelopes"

@@ -251,19 +251,19 @@ async def test_api_is_bounded_and_rate_limited(tmp_path):
     from node.web.runpage import CAPS, RunPage
     from protocol.identity import NodeKey
     from protocol.runspec import sign_run_spec
-    from trainer.ledger import BanBook, SubmissionStore
+    from trainer.ledger import BanBook, SubmissionLedger
 
     key = NodeKey.generate()
     signed = sign_run_spec(devnet_spec(key, [], tasks="embedded", http_url="http://127.0.0.1:1", bootstrap="", seed=3), key)
-    store = SubmissionStore(tmp_path / "ingest", signed.run_id)
-    bans = BanBook(tmp_path / "bans.msgpack", key, signed.run_id)
+    ledger = SubmissionLedger(tmp_path / "ingest", signed.spec, BanBook(tmp_path / "bans.msgpack", key, signed.run_id),
+                              trainer_step=lambda: 2000, latest_policy_step=lambda: 2000)
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"event": "step", "step": i, "reward_mean": 0.5, "pass_rate": 0.25,
                                            "verdicts": {"ok": i}}) + "\n" for i in range(1, 2000))
                        # an unchecked submission's huge reward made the last mean overflow (json writes Infinity)
                        + json.dumps({"event": "step", "step": 2000, "reward_mean": float("inf"), "pass_rate": float("nan")}) + "\n"
                        + '{"event": "st')
-    page = RunPage(signed, store, bans, status=lambda: {"trainer_step": 2000, "published_step": 2000, "state": "training"},
+    page = RunPage(signed, ledger, status=lambda: {"trainer_step": 2000, "published_step": 2000, "state": "training"},
                    metrics_path=metrics, peer_id=key.peer_id)
     app = web.Application()
     page.add_routes(app)
@@ -283,7 +283,7 @@ async def test_api_is_bounded_and_rate_limited(tmp_path):
         assert (await client.get("/web/..%2fassets.py")).status == 404
         codes = [(await client.get("/api/run")).status for _ in range(150)]
         assert 429 in codes  # one address cannot poll faster than the limit
-    store.close()
+    ledger.close()
 
 
 async def test_node_page_and_last_errors(tmp_path):

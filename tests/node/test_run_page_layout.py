@@ -18,7 +18,7 @@ from node.devnet.config import devnet_spec
 from node.web.runpage import RunPage, write_archive
 from protocol.identity import NodeKey
 from protocol.runspec import sign_run_spec
-from trainer.ledger import BanBook, SubmissionStore
+from trainer.ledger import BanBook, SubmissionLedger
 
 pytestmark = pytest.mark.integration
 
@@ -56,10 +56,10 @@ def page_url(tmp_path) -> Iterator[tuple[str, RunPage]]:
     key = NodeKey.generate()
     signed = sign_run_spec(devnet_spec(key, [NodeKey.generate().peer_id], tasks="embedded", http_url="http://127.0.0.1:1",
                                        bootstrap="", seed=3), key)
-    store = SubmissionStore(tmp_path / "ingest", signed.run_id)
-    bans = BanBook(tmp_path / "bans.msgpack", key, signed.run_id)
+    store = SubmissionLedger(tmp_path / "ingest", signed.spec, BanBook(tmp_path / "bans.msgpack", key, signed.run_id),
+                             trainer_step=lambda: 60, latest_policy_step=lambda: 60)
     _metrics(tmp_path / "metrics.jsonl")
-    page = RunPage(signed, store, bans, status=lambda: {"trainer_step": 60, "published_step": 60, "state": "done"},
+    page = RunPage(signed, store, status=lambda: {"trainer_step": 60, "published_step": 60, "state": "done"},
                    metrics_path=tmp_path / "metrics.jsonl", peer_id=key.peer_id, url="http://127.0.0.1:8000")
     page._nodes = _nodes  # what gossip would have shown
     for step in range(61):

@@ -42,8 +42,9 @@ from protocol.runspec import (
     dump_run_spec,
     sign_run_spec,
 )
-from trainer.ingest.service import IngestService, error_middleware
+from trainer.ingest.service import error_middleware, open_ingest
 from trainer.ledger import BanBook, SubmissionStore
+from trainer.ledger.states import PENDING
 
 COORD = NodeKey.from_seed(b"C" * 32)
 VALIDATOR = NodeKey.from_seed(b"V" * 32)
@@ -85,11 +86,10 @@ async def coordinator(root: Path) -> AsyncIterator[Coordinator]:
     files = save_model(model, tok, root / "policies" / "step-0")
     origin = ShardcastStore(root / "origin", run_id=run_id, authorities=spec.authorities, keep_steps=spec.shardcast.keep_steps, fsync=False)
     publish_checkpoint(origin, files, step=0, key=COORD, piece_size_bytes=spec.shardcast.piece_size_bytes)
-    store = SubmissionStore(root / "ingest", run_id)
-    bans = BanBook(root / "bans.msgpack", COORD, run_id)
     recheck = CoordinatorRecheck(spec, run_id, resolve_tasks(spec.data.tasks).train, lambda: tok, lambda step: root / "policies" / f"step-{step}",
                                  by=COORD.peer_id)  # the independent re-check a ban needs
-    ingest = IngestService(spec, store, bans, trainer_step=lambda: 0, latest_policy_step=lambda: 0, recheck=recheck)
+    ingest = open_ingest(root, spec, COORD, trainer_step=lambda: 0, latest_policy_step=lambda: 0, recheck=recheck)
+    store, bans = ingest.ledger.store, ingest.ledger.bans
     app = ShardcastServer(origin, host="127.0.0.1", port=port).make_app()
     app.middlewares.append(error_middleware)
     ingest.add_routes(app)
@@ -101,7 +101,7 @@ async def coordinator(root: Path) -> AsyncIterator[Coordinator]:
     finally:
         await runner.cleanup()
         ingest.close()
-        store.close()
+        ingest.ledger.close()
 
 
 async def test_validator_judges_posts_verdicts_and_gets_the_cheater_banned(tmp_path: Path) -> None:
@@ -127,7 +127,7 @@ async def test_validator_judges_posts_verdicts_and_gets_the_cheater_banned(tmp_p
         try:
             loop = asyncio.get_running_loop()
             end = loop.time() + VERDICT_WAIT_S
-            while any(coord.store.get(i).state == "pending" for i in ids.values()):
+            while any(coord.store.get(i).state in PENDING for i in ids.values()):
                 assert not runner.done(), f"validator stopped: {runner.exception() if not runner.cancelled() else 'cancelled'}"
                 assert loop.time() < end, f"no verdicts within {VERDICT_WAIT_S} s; validator state: {node.state}"
                 await asyncio.sleep(0.1)
@@ -255,7 +255,7 @@ async def test_a_validator_out_of_resources_retries_once_then_sends_a_benign_res
         runner = asyncio.create_task(node.run())
         try:
             end = asyncio.get_running_loop().time() + VERDICT_WAIT_S
-            while coord.store.get(sid).state == "pending":
+            while coord.store.get(sid).state in PENDING:
                 assert not runner.done() and asyncio.get_running_loop().time() < end, f"no verdict; validator state: {node.state}"
                 await asyncio.sleep(0.1)
             reputation = node.status()["reputation"]

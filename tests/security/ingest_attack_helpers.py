@@ -1,6 +1,7 @@
 """A real ingest server on 127.0.0.1 and the tools of a hostile worker against it.
 
-The server is the coordinator's: :class:`trainer.ingest.service.IngestService` routes started by
+The server is the coordinator's: :class:`trainer.ingest.service.IngestService` routes (over the
+submission ledger, ``trainer/ledger/``) started by
 :func:`node.http_server.start_site` (header timeout, per-IP connection cap, no compressed
 bodies). Attackers connect from 127.0.0.2 (any 127/8 address reaches loopback), honest clients
 from 127.0.0.1, so per-IP limits tell them apart as they would on a real network.
@@ -23,8 +24,9 @@ from protocol.envelope import DOMAIN, open_envelope, seal
 from protocol.identity import NodeKey
 from protocol.messages import Rollout, Submission, SubmissionTask, Verdict
 from protocol.runspec import RunInfo, RunSpec
-from trainer.ingest.service import IngestLimits, IngestService, Recheck, error_middleware
-from trainer.ledger import BanBook, SubmissionStore
+from trainer.ingest.limits import IngestLimits
+from trainer.ingest.service import IngestService, error_middleware, open_ingest
+from trainer.ledger import BanBook, Recheck, SubmissionLedger, SubmissionStore
 
 COORD = NodeKey.from_seed(b"c" * 32)
 VALIDATOR = NodeKey.from_seed(b"v" * 32)
@@ -62,9 +64,10 @@ def forge(key: NodeKey, type_tag: str, body: Any, ts_ms: int | None = None) -> b
 
 @dataclass
 class Ingest:
-    """The running ingest: its service, store, ban book and URL."""
+    """The running ingest: its service, ledger (with its store and ban book) and URL."""
 
     service: IngestService
+    ledger: SubmissionLedger
     store: SubmissionStore
     bans: BanBook
     server: RunningServer
@@ -82,21 +85,20 @@ async def running_ingest(root: Path, limits: IngestLimits | None = None, server_
     """Start the ingest on 127.0.0.1 (all interfaces of 127/8 reach it: bound to 0.0.0.0 is not needed)."""
     from aiohttp import web
 
-    store = SubmissionStore(root / "ingest", RUN)
-    bans = BanBook(root / "bans.msgpack", COORD, RUN)
     step = [0]
     gossiped: list[bytes] = []
-    service = IngestService(SPEC, store, bans, trainer_step=lambda: step[0], latest_policy_step=lambda: step[0], on_ban=gossiped.append,
-                            limits=limits, recheck=recheck)
+    service = open_ingest(root, SPEC, COORD, trainer_step=lambda: step[0], latest_policy_step=lambda: step[0], on_ban=gossiped.append,
+                          limits=limits, recheck=recheck)
+    ledger = service.ledger
     app = web.Application(middlewares=[error_middleware])
     service.add_routes(app)
     server = await start_site(app, "127.0.0.1", 0, limits=server_limits)
     try:
-        yield Ingest(service, store, bans, server, gossiped, step)
+        yield Ingest(service, ledger, ledger.store, ledger.bans, server, gossiped, step)
     finally:
         await server.stop()
         service.close()
-        store.close()
+        ledger.close()
 
 
 def honest_session(url: str) -> aiohttp.ClientSession:

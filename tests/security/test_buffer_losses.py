@@ -20,15 +20,16 @@ from protocol.messages import Rollout, Submission, SubmissionTask
 from protocol.rollout import pack_f32, pack_u32
 from protocol.runspec import RLSpec, RunInfo, RunSpec
 from trainer.buffer import RolloutBuffer
-from trainer.ledger import SubmissionStore
+from trainer.ledger import BanBook, State, SubmissionLedger
 
 COORD = NodeKey.from_seed(b"c" * 32)
 WORKER = NodeKey.from_seed(b"w" * 32)
-RUN = RunSpec(run=RunInfo(coordinator=COORD.peer_id, seed=1)).run_id
+SPEC = RunSpec(run=RunInfo(coordinator=COORD.peer_id, seed=1))
+RUN = SPEC.run_id
 RL = RLSpec(group_size=2, batch_groups=1, async_level=2)
 
 
-def _store_accepted(store: SubmissionStore) -> str:
+def _store_accepted(ledger: SubmissionLedger) -> str:
     """One accepted submission of one group (rewards 0 and 1); returns its ID."""
     rollouts = [Rollout(task=0, sample=k, seed=k, prompt_ids=pack_u32([5, 6, 7]), completion_ids=pack_u32([8 + k, 9]),
                         logprobs=pack_f32([-1.0, -1.0]), finish="length", task_reward=float(k), reward=float(k), proofs=[])
@@ -37,15 +38,9 @@ def _store_accepted(store: SubmissionStore) -> str:
                       tasks=[SubmissionTask(task_index=0, problem_id="p0", target_length=0)], rollouts=rollouts)
     env = open_envelope(seal(WORKER, RUN, body), run_id=RUN, expect=Submission)
     sid = env.id.hex()
-    assert store.add(env)
-    assert store.record_verdict(f"v-{sid}", sid, "validator", True, "ok")
+    assert ledger.store.add(env)
+    assert ledger.store.record_verdict(f"v-{sid}", sid, "validator", True, "ok")
     return sid
-
-
-def _consumed_step(store: SubmissionStore, sid: str) -> int:
-    """Which trainer step retired ``sid`` (−1: none yet, −2: untrainable)."""
-    with store._lock:
-        return int(store._db.execute("SELECT consumed_step FROM submissions WHERE id = ?", (sid,)).fetchone()[0])
 
 
 def _lowest_free_fd() -> int:
@@ -56,10 +51,11 @@ def _lowest_free_fd() -> int:
 
 @pytest.mark.skipif(not hasattr(resource, "RLIMIT_NOFILE"), reason="needs RLIMIT_NOFILE")
 def test_running_out_of_descriptors_does_not_retire_an_accepted_submission(tmp_path: Path) -> None:
-    store = SubmissionStore(tmp_path / "ingest", RUN)
+    ledger = SubmissionLedger(tmp_path / "ingest", SPEC, BanBook(tmp_path / "bans.msgpack", COORD, RUN), trainer_step=lambda: 0,
+                              latest_policy_step=lambda: 0)
     try:
-        buffer = RolloutBuffer(store, RUN, RL)  # nothing held: the body is read back from the store (as after a restart)
-        sid = _store_accepted(store)
+        buffer = RolloutBuffer(ledger, RL)  # nothing held: the body is read back from disk (as after a restart)
+        sid = _store_accepted(ledger)
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (_lowest_free_fd(), hard))  # every new descriptor now fails: EMFILE
         try:
@@ -69,7 +65,7 @@ def test_running_out_of_descriptors_does_not_retire_an_accepted_submission(tmp_p
         finally:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         assert starved == []
-        assert _consumed_step(store, sid) == -1  # not retired
+        assert ledger.get(sid).state == State.ACCEPTED  # not retired
         assert {r.submission_id for r in buffer.fresh_records(1)} == {sid}  # trainable once descriptors are free
     finally:
-        store.close()
+        ledger.close()

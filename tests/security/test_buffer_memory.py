@@ -1,7 +1,8 @@
-"""A worker cannot make the coordinator's rollout buffer hold more memory than its bound.
+"""A worker cannot make the coordinator hold more verified bodies in memory than its bound.
 
-The ingest hands every stored submission's verified body to :meth:`trainer.buffer.RolloutBuffer.note_stored`,
-which keeps bodies up to ``max_held_bytes``. A hostile worker (free keys, one per submission)
+The ingest hands every stored submission's verified body to the ledger
+(:meth:`trainer.ledger.ledger.SubmissionLedger.stored`), which keeps bodies for the trainer up to
+``max_held_bytes`` (``trainer/ledger/bodies.py``). A hostile worker (free keys, one per submission)
 sends bodies that are almost all TOPLOC proofs: up to ``⌈max_tokens / chunk⌉`` proofs of 1 KiB
 per rollout, with one-token arrays. Counting only the packed arrays, each such body counted a few
 hundred bytes while holding hundreds of KiB, so the bound held ~1000× its size.
@@ -20,9 +21,8 @@ from protocol.envelope import seal
 from protocol.identity import NodeKey
 from protocol.messages import Rollout, Submission, SubmissionTask
 from protocol.rollout import submission_decode_limits
-from trainer.buffer import RolloutBuffer
 from trainer.ingest.service import IngestService, error_middleware
-from trainer.ledger import BanBook, SubmissionStore
+from trainer.ledger import BanBook, BanRule, SubmissionLedger
 
 HELD_BOUND = 1 << 20
 
@@ -45,10 +45,9 @@ def _held_data_bytes(sub: Submission) -> int:
 
 @pytest.mark.asyncio
 async def test_proof_heavy_submissions_do_not_overfill_the_held_bodies(tmp_path: Path) -> None:
-    store = SubmissionStore(tmp_path / "ingest", RUN)
-    bans = BanBook(tmp_path / "bans.msgpack", COORD, RUN)
-    buffer = RolloutBuffer(store, RUN, SPEC.rl, max_held_bytes=HELD_BOUND)
-    service = IngestService(SPEC, store, bans, trainer_step=lambda: 0, latest_policy_step=lambda: 0, on_stored=buffer.note_stored)
+    ledger = SubmissionLedger(tmp_path / "ingest", SPEC, BanBook(tmp_path / "bans.msgpack", COORD, RUN), trainer_step=lambda: 0,
+                              latest_policy_step=lambda: 0, max_held_bytes=HELD_BOUND)
+    service = IngestService(ledger, BanRule(ledger))
     app = web.Application(middlewares=[error_middleware])
     service.add_routes(app)
     server = await start_site(app, "127.0.0.1", 0)
@@ -61,11 +60,11 @@ async def test_proof_heavy_submissions_do_not_overfill_the_held_bodies(tmp_path:
                 assert status == 200, answer
                 sent += len(raw)
         assert sent > 2 * HELD_BOUND
-        held = [sub for sub, _ in buffer._held.values()]
-        assert held, "the buffer holds verified bodies (the ingest handed them on)"
+        held = [sub for sub, _ in ledger.bodies._held.values()]
+        assert held, "the ledger holds verified bodies (the ingest handed them on)"
         assert sum(_held_data_bytes(s) for s in held) <= HELD_BOUND
-        assert buffer._held_bytes <= HELD_BOUND
+        assert ledger.bodies.held_bytes <= HELD_BOUND
     finally:
         await server.stop()
         service.close()
-        store.close()
+        ledger.close()

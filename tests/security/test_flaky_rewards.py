@@ -30,7 +30,7 @@ from protocol.messages import Submission
 from protocol.rewards import RewardLimits, compute_reward
 from protocol.rewards.sandbox import sandbox_status
 from protocol.tasks import Task, code_task
-from trainer.ingest.service import RecheckResult
+from trainer.ledger import RecheckResult
 from validator.rewards import REWARD_RERUNS, judge_reward, mismatch_reason
 
 pytestmark = [
@@ -112,7 +112,7 @@ async def test_flaky_honest_code_is_never_banned_and_cheats_still_are(tmp_path: 
                 target.service.apply_verdict(verdict(sub, reason == "ok", reason, key=VALIDATOR))
 
         def rechecks_done(i) -> bool:
-            r = i.service.rechecks
+            r = i.service.ban_rule.rechecks
             return r["reproduced"] + r["not_reproduced"] + r["dropped"] == r["queued"]
 
         await wait_until(lambda: rechecks_done(ing) and rechecks_done(old), timeout_s=600, what="re-checks")

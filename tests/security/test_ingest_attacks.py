@@ -35,7 +35,7 @@ from protocol import encoding
 from protocol.envelope import seal
 from protocol.identity import NodeKey
 from protocol.messages import LeaseRequest
-from trainer.ingest.service import IngestLimits
+from trainer.ingest.limits import IngestLimits
 
 SUBMISSIONS = "/ingest/1/submissions"
 
@@ -92,25 +92,25 @@ async def test_signed_flood_of_empty_maps_does_not_block_status(tmp_path: Path) 
 
 
 async def test_free_identities_cannot_fill_the_disk_and_files_are_deleted(tmp_path: Path) -> None:
-    limits = IngestLimits(max_disk_files=6, max_pending_per_ip=64)
+    limits = IngestLimits(max_disk_files=6, max_pending_per_ip=64, probation_share=1.0)  # the disk quota itself (probation: below)
     keys = [NodeKey.generate() for _ in range(3)]
     async with running_ingest(tmp_path, limits=limits) as ing, attacker_session(ing.url) as evil:
         results = [await post(evil, SUBMISSIONS, submission(k, counter=c, payload_tokens=20_000)) for k in keys for c in range(4)]
         stored = [b["id"] for s, b in results if s == 200]
         refused = [b for s, b in results if s != 200]
         assert len(stored) == 6 and all(b["error"] == "disk_quota" for b in refused)
-        files = lambda: sorted(p.stem for p in ing.store.dir.glob("*.sub"))  # noqa: E731
+        files = lambda: sorted(p.stem for p in ing.store.dir.glob("*.sub"))
         assert files() == sorted(stored)
         # a benign rejection is final: its file goes at once; an accepted one stays until trained on
         ing.service.apply_verdict(verdict(submission_by_id(ing, stored[0]), False, "stale_policy"))
         ing.service.apply_verdict(verdict(submission_by_id(ing, stored[1]), True, "ok"))
         assert stored[0] not in files() and stored[1] in files()
-        ing.store.mark_consumed([stored[1]], step=1)
-        ing.store.mark_consumed([], step=2)  # the next step's state is saved: step 1's inputs are no longer needed
+        ing.ledger.consumed([stored[1]], step=1)
+        ing.ledger.consumed([], step=2)  # the next step's state is saved: step 1's inputs are no longer needed
         assert stored[1] not in files()
         # pending work that fell out of the async window is retired with its file
         ing.step[0] = 10
-        assert ing.store.retire_stale(10 - 2) == 4 and files() == []
+        assert ing.ledger.expire_stale() == 4 and files() == []
         # room again for honest work
         ing.step[0] = 0
         await honest_round(ing.url, NodeKey.generate(), 0)
@@ -155,7 +155,7 @@ async def test_leasing_is_fair_across_workers(tmp_path: Path) -> None:
     async with running_ingest(tmp_path) as ing, honest_session(ing.url) as http:
         junk_ids = [(await post(http, SUBMISSIONS, submission(junk, counter=c)))[1]["id"] for c in range(4)]
         honest_id = (await post(http, SUBMISSIONS, submission(honest)))[1]["id"]
-        ids = ing.store.lease_pending(2, 30.0)
+        ids = ing.ledger.lease(2, 30.0)
         assert honest_id in ids and len(set(ids) & set(junk_ids)) == 1  # one each, not the junk key's newest two
 
 
@@ -241,8 +241,11 @@ async def test_status_servers_get_the_same_protections() -> None:
 
 
 async def test_slow_big_bodies_cannot_pin_the_coordinators_memory(tmp_path: Path) -> None:
-    """Bodies declared at 30 MiB and sent slowly: at most 64 MiB of them per address are taken on."""
-    limits = IngestLimits(max_body_bytes_in_flight_per_ip=64 << 20)
+    """Bodies declared at 30 MiB, of which 3 MiB are sent at once and nothing more: an address holds
+    at most its share of what arrived (8 MiB here; the third body is refused at once), and a body
+    that stalls is cut off (408) once it falls below the rate floor, not after the whole body
+    deadline. The declared length reserves nothing (``tests/security/test_ingest_budgets.py``)."""
+    limits = IngestLimits(max_body_bytes_in_flight_per_ip=8 << 20, body_grace_s=1.0)
     async with running_ingest(tmp_path, limits=limits) as ing:
         writers = []
         try:
@@ -250,13 +253,19 @@ async def test_slow_big_bodies_cannot_pin_the_coordinators_memory(tmp_path: Path
             for _ in range(3):
                 reader, writer = await asyncio.open_connection("127.0.0.1", ing.server.port, local_addr=(ATTACKER_IP, 0))
                 writers.append(writer)
-                writer.write(f"POST {SUBMISSIONS} HTTP/1.1\r\nHost: x\r\nContent-Length: {30 << 20}\r\n\r\n".encode() + b"\x88" * 1000)
+                writer.write(f"POST {SUBMISSIONS} HTTP/1.1\r\nHost: x\r\nContent-Length: {30 << 20}\r\n\r\n".encode() + b"\x88" * (3 << 20))
                 await writer.drain()
                 answers.append(reader)
-            # the third is refused at once (the first two hold 60 MiB and wait for their bytes)
+            # the third is refused once its bytes would take the address past its share
             head = await asyncio.wait_for(answers[2].readuntil(b"\r\n\r\n"), timeout=10)
             assert head.startswith(b"HTTP/1.1 429")
+            assert ing.service.budget.by_address.get(ATTACKER_IP, 0) <= 8 << 20
             await honest_round(ing.url, NodeKey.generate(), 0)  # another address is not affected
+            # 3 MiB then nothing: below 256 KiB/s after the 1 s grace within ≈ 13 s, far sooner than the 30 s deadline
+            for reader in answers[:2]:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=25)
+                assert head.startswith(b"HTTP/1.1 408")
+            await wait_until(lambda: ATTACKER_IP not in ing.service.budget.by_address, what="the stalled bodies' bytes released")
         finally:
             for w in writers:
                 w.close()
@@ -344,6 +353,28 @@ async def test_junk_from_many_keys_and_addresses_does_not_hide_honest_work_from_
                     for c in range(4):
                         status, _ = await post(evil, SUBMISSIONS, submission(key, counter=c))
                         assert status == 200
-        ids = ing.store.lease_pending(8, 30.0)
+        ids = ing.ledger.lease(8, 30.0)
         assert honest_id in ids, "the honest submission was not leased"
         assert len(ids) == 8
+
+
+async def test_a_status_flood_from_one_address_is_limited(tmp_path: Path) -> None:
+    """``/status`` and ``/metrics`` are public: one address polling them as fast as it can gets 429
+    with ``Retry-After`` past its bucket, and another address is still answered within 2 s."""
+    import time
+
+    limits = IngestLimits()
+    async with running_ingest(tmp_path, limits=limits) as ing, attacker_session(ing.url) as evil:
+        codes = []
+        t0 = time.monotonic()
+        for path in ["/status"] * 60 + ["/metrics"] * 10:
+            async with evil.get(path) as r:
+                await r.read()
+                codes.append(r.status)
+                if r.status == 429:
+                    assert int(r.headers["Retry-After"]) >= 1
+        elapsed = time.monotonic() - t0
+        # at most the bucket and what refilled meanwhile (however slow this loaded machine answers)
+        assert codes.count(200) <= limits.status_burst + limits.status_requests_per_s * elapsed + 1, (codes, elapsed)
+        assert 429 in codes and set(codes) == {200, 429}
+        await honest_round(ing.url, NodeKey.generate(), 0)

@@ -1,10 +1,11 @@
-"""A lease answer's ``trainer_step`` is unsigned: it is held between coordinator-signed bounds.
+"""A lease answer's ``trainer_step`` is unsigned, so a validator does not trust it.
 
 Every published step is ≤ the trainer step ``n`` (:mod:`protocol.window`), so a validator that
-has a coordinator-signed announcement of step 5 knows ``n ≥ 5``. A stale or lying ingest that
-answers ``trainer_step`` −2⁶¹ (or 0) would otherwise put every fresh submission above the
-window's upper end, and the validator would sign ``stale_policy`` rejections of honest work; one
-far above it (2⁶¹) would put every fresh submission below the window's lower end.
+has a coordinator-signed announcement of step 5 knows ``n ≥ 5`` and judges the window against
+that. A stale or lying ingest that answers ``trainer_step`` −2⁶¹ (or 0) would otherwise put every
+fresh submission above the window's upper end, and the validator would sign ``stale_policy``
+rejections of honest work; one far above it (2⁶¹) would put every fresh submission below the
+window's lower end; even one just above the truth (6 when ``n`` is 5) moved the lower end.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from node.roles.validator import ValidatorNode, ValidatorOptions
 from protocol.envelope import seal
 from protocol.identity import NodeKey
+from protocol.ingest_api import LeaseAnswer
 from protocol.messages import Rollout, Submission, SubmissionTask
 from protocol.rollout import pack_f32, pack_u32
 from protocol.runspec import NetworkSpec, RLSpec, RunInfo, RunSpec, sign_run_spec
@@ -32,37 +34,43 @@ def _validator(tmp_path: Path) -> ValidatorNode:
     return ValidatorNode(sign_run_spec(spec, COORD), VALIDATOR, ValidatorOptions(data_dir=tmp_path, gossip=None, http_port=None))
 
 
-def test_a_lease_answer_below_the_signed_latest_step_does_not_move_the_window(tmp_path: Path) -> None:
+def _answering(node: ValidatorNode, trainer_step: int) -> None:
+    """Make the node's ingest answer every lease with no submissions and ``trainer_step``."""
+
+    async def lease(request: bytes, limit: int) -> LeaseAnswer:
+        return LeaseAnswer([], trainer_step)
+
+    node.ingest.lease = lease  # type: ignore[method-assign]
+
+
+async def test_no_lease_answer_moves_the_window(tmp_path: Path) -> None:
     node = _validator(tmp_path)
     try:
         node.follower.note_step(5)  # a verified coordinator announcement
-        for lie in (-(2**61), -1, 0, 4):
-            node.coordinator_step = lie  # what _lease keeps from the answer
+        for lie in (-(2**61), -1, 0, 4, 6, 7, 2**61):
+            _answering(node, lie)
+            assert await node._lease() == []
             assert node._trainer_step() == 5
             assert in_window(5, trainer_step=node._trainer_step(), async_level=1)
-        node.coordinator_step = 6  # an answer inside the signed bounds is taken as it is
-        assert node._trainer_step() == 6
-        for lie in (7, 2**61):  # above the newest signed step + publish_every (1): lowered to it
-            node.coordinator_step = lie
-            assert node._trainer_step() == 6
-            assert in_window(5, trainer_step=node._trainer_step(), async_level=1)
     finally:
+        await node.ingest.close()
         node.ledger.close()
 
 
-def test_a_restarted_validator_bounds_the_answer_by_the_checkpoints_it_holds(tmp_path: Path) -> None:
+async def test_a_restarted_validator_judges_by_the_checkpoints_it_holds(tmp_path: Path) -> None:
     """Restarted with checkpoint 5 on its disk and no announcement heard yet (the origin poll failed):
-    the verified checkpoint it loaded proves step 5 was published, so ``n ≥ 5`` bounds the answer
-    as an announcement would (the bound was skipped while no announcement had been heard)."""
+    the verified checkpoint it loaded proves step 5 was published, so ``n ≥ 5``, whatever the answer says."""
     node = _validator(tmp_path)
     try:
         assert node.follower.latest_step == -1
         node._models[5] = object()  # what _prepare keeps after loading the verified checkpoint of step 5
         for lie in (2**61, 7, -(2**61), 0):
-            node.coordinator_step = lie
-            assert node._trainer_step() in (5, 6)
+            _answering(node, lie)
+            await node._lease()
+            assert node._trainer_step() == 5
             assert in_window(5, trainer_step=node._trainer_step(), async_level=1)
     finally:
+        await node.ingest.close()
         node.ledger.close()
 
 
@@ -85,7 +93,8 @@ async def test_no_verdict_on_a_submission_whose_checkpoint_this_validator_cannot
         blob = seal(worker, node.signed.run_id, Submission(worker=worker.peer_id, policy_step=0, counter=0,
                                                            tasks=[SubmissionTask(task_index=0, problem_id="p0", target_length=0)],
                                                            rollouts=[rollout]))
-        node.coordinator_step = 2**61
+        _answering(node, 2**61)
+        await node._lease()
         await asyncio.wait_for(node._judge(blob), 60)
         assert posted == [] and node.checked == 0
     finally:

@@ -1,21 +1,23 @@
-"""The run page's leaderboard cannot hold the ingest store's lock a growing share of the time.
+"""The run page's leaderboard cannot take a growing share of the coordinator's time.
 
-Its two store queries scan the whole submission history (every row ever stored: counters stay
-unique for the run) under the store's lock, which the ingest's admission also takes on the
-event loop. Rebuilt every second, 200,000 rows of history (≈ 0.3 s a build; hostile workers can
-each add rows with a fresh key) held the lock about a third of the time. It is now rebuilt only
-when ``BOARD_DUTY_FACTOR`` times its last build time has passed (checked with a clock the store
-advances, so no wall time is measured).
+It used to scan the whole submission history (every row ever stored: counters stay unique for
+the run) under the store's lock, which the ingest's admission also takes on the event loop:
+rebuilt every second, 200,000 rows of history (≈ 0.3 s a build; hostile workers can each add
+rows with a fresh key) held the lock about a third of the time. It now reads the ledger's
+per-worker read model, and whatever that costs it is rebuilt only when ``BOARD_DUTY_FACTOR``
+times its last build time has passed (checked with a clock the ledger advances, so no wall time
+is measured).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from node.web.runpage import BOARD_DUTY_FACTOR, RunPage
 from protocol.identity import NodeKey
 from protocol.runspec import RunInfo, RunSpec, sign_run_spec
-from trainer.ledger import BanBook, SubmissionStore
+from trainer.ledger import BanBook, SubmissionLedger
 
 COORD = NodeKey.from_seed(b"c" * 32)
 SIGNED = sign_run_spec(RunSpec(run=RunInfo(coordinator=COORD.peer_id, seed=1)), COORD)
@@ -31,25 +33,26 @@ class _Clock:
         return self.now
 
 
-class _LongHistory(SubmissionStore):
-    """A store whose whole-history queries take :data:`SCAN_S` on the test's clock."""
+class _LongHistory(SubmissionLedger):
+    """A ledger whose leaderboard takes :data:`SCAN_S` on the test's clock."""
 
     clock: _Clock
     scans = 0
 
-    def worker_stats(self) -> dict[str, dict[str, int]]:
+    def leaderboard(self, limit: int) -> list[dict[str, Any]]:
         self.scans += 1
         self.clock.now += SCAN_S
-        return {f"worker{i}": {"accepted": i} for i in range(3)}
+        return [{"peer_id": f"worker{i}", "accepted": i, "rejected": 0, "pending": 0, "submissions_trained": 0, "rollouts_trained": 0,
+                 "tokens": 0} for i in range(3)]
 
 
 def test_the_leaderboard_scans_the_history_a_bounded_share_of_the_time(tmp_path: Path) -> None:
     clock = _Clock()
-    store = _LongHistory(tmp_path / "ingest", SIGNED.run_id)
+    store = _LongHistory(tmp_path / "ingest", SIGNED.spec, BanBook(tmp_path / "bans.msgpack", COORD, SIGNED.run_id),
+                         trainer_step=lambda: 0, latest_policy_step=lambda: 0)
     store.clock = clock
     try:
-        page = RunPage(SIGNED, store, BanBook(tmp_path / "bans.msgpack", COORD, SIGNED.run_id), status=dict,
-                       metrics_path=tmp_path / "metrics.jsonl", peer_id=COORD.peer_id, clock=clock)
+        page = RunPage(SIGNED, store, status=dict, metrics_path=tmp_path / "metrics.jsonl", peer_id=COORD.peer_id, clock=clock)
         first = page.build([])
         assert store.scans == 1 and b"worker2" in first
         built_at = clock.now

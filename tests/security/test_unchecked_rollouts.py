@@ -24,17 +24,18 @@ from protocol.models import build_model
 from protocol.rollout import pack_f32, pack_u32
 from protocol.runspec import RLSpec, RunInfo, RunSpec
 from trainer.buffer import RolloutBuffer
-from trainer.ledger import SubmissionStore
+from trainer.ledger import BanBook, State, SubmissionLedger
 from trainer.loss import LossConfig
 from trainer.model import tiny_qwen2_config
 from trainer.train import Trainer, TrainerConfig
 
 COORD = NodeKey.from_seed(b"c" * 32)
-RUN = RunSpec(run=RunInfo(coordinator=COORD.peer_id, seed=1)).run_id
+SPEC = RunSpec(run=RunInfo(coordinator=COORD.peer_id, seed=1))
+RUN = SPEC.run_id
 VOCAB = 32
 
 
-def _accept(store: SubmissionStore, worker: NodeKey, counter: int, tasks: int, *, logprob: float = -1.0, reward: float = 1.0,
+def _accept(ledger: SubmissionLedger, worker: NodeKey, counter: int, tasks: int, *, logprob: float = -1.0, reward: float = 1.0,
             token: int = 9) -> str:
     """Store and accept (as a validator's sampled-out verdict does) ``tasks`` groups of 2 rollouts;
     each group's second rollout carries ``logprob``, ``reward`` and completion token ``token``."""
@@ -47,14 +48,9 @@ def _accept(store: SubmissionStore, worker: NodeKey, counter: int, tasks: int, *
                       rollouts=rollouts)
     env = open_envelope(seal(worker, RUN, body), run_id=RUN, expect=Submission)
     sid = env.id.hex()
-    assert store.add(env)
-    assert store.record_verdict(f"v-{sid}", sid, "validator", True, "ok")  # a sampled-out verdict accepts with reason ok
+    assert ledger.store.add(env)
+    assert ledger.store.record_verdict(f"v-{sid}", sid, "validator", True, "ok")  # a sampled-out verdict accepts with reason ok
     return sid
-
-
-def _consumed_step(store: SubmissionStore, sid: str) -> int:
-    with store._lock:
-        return int(store._db.execute("SELECT consumed_step FROM submissions WHERE id = ?", (sid,)).fetchone()[0])
 
 
 # (what the hostile rollout carries, whether the buffer retires it untrained)
@@ -70,22 +66,23 @@ CASES = {
 def test_one_unchecked_submission_does_not_wreck_a_training_step(tmp_path: Path, case: str) -> None:
     torch.set_num_threads(1)
     poison, retired = CASES[case]
-    store = SubmissionStore(tmp_path / "ingest", RUN)
+    ledger = SubmissionLedger(tmp_path / "ingest", SPEC, BanBook(tmp_path / "bans.msgpack", COORD, RUN), trainer_step=lambda: 0,
+                              latest_policy_step=lambda: 0)
     try:
-        honest = _accept(store, NodeKey.from_seed(b"h" * 32), 0, tasks=2)
-        hostile = _accept(store, NodeKey.from_seed(b"x" * 32), 0, tasks=1, **poison)
+        honest = _accept(ledger, NodeKey.from_seed(b"h" * 32), 0, tasks=2)
+        hostile = _accept(ledger, NodeKey.from_seed(b"x" * 32), 0, tasks=1, **poison)
         rl = RLSpec(group_size=2, batch_groups=2 if retired else 3, async_level=2)
-        buffer = RolloutBuffer(store, RUN, rl)
+        buffer = RolloutBuffer(ledger, rl)
         model = build_model(tiny_qwen2_config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, intermediate_size=96), seed=0)
         buffer.vocab_size = int(model.get_input_embeddings().num_embeddings)  # as the coordinator sets it
         batch = buffer.next_batch(0)
         in_batch = {s.record.submission_id for s in batch.sequences}
         assert honest in in_batch and (hostile in in_batch) is not retired
-        assert (_consumed_step(store, hostile) == -2) is retired
+        assert (ledger.get(hostile).state == State.RETIRED) is retired
         trainer = Trainer(model, TrainerConfig(learning_rate=1e-3, warmup_steps=1, max_grad_norm=0.1, loss=LossConfig(norm_tokens=64.0, old_logprobs="behavior"),
                                                micro_batch_tokens=24, optimizer_steps_per_batch=1))
         m = trainer.train_step(batch)
         assert math.isfinite(m.loss)
         assert all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
     finally:
-        store.close()
+        ledger.close()

@@ -15,8 +15,8 @@ from aiohttp import web
 from node.http_server import start_site
 from protocol.identity import NodeKey
 from protocol.runspec import RunInfo, RunSpec
-from trainer.ingest.service import IngestLimits, IngestService, error_middleware
-from trainer.ledger import BanBook, SubmissionStore
+from trainer.ingest.limits import IngestLimits
+from trainer.ingest.service import error_middleware, open_ingest
 
 COORD = NodeKey.from_seed(b"c" * 32)
 VALIDATOR = NodeKey.from_seed(b"v" * 32)
@@ -24,10 +24,8 @@ SPEC = RunSpec(run=RunInfo(coordinator=COORD.peer_id, validators=[VALIDATOR.peer
 
 
 async def main(root: Path) -> None:
-    store = SubmissionStore(root / "ingest", SPEC.run_id)
-    bans = BanBook(root / "bans.msgpack", COORD, SPEC.run_id)
     limits = IngestLimits(requests_per_s=1000.0, burst=1000.0, max_pending_per_ip=10_000, decode_concurrency_per_ip=4)
-    service = IngestService(SPEC, store, bans, trainer_step=lambda: 0, latest_policy_step=lambda: 0, limits=limits)
+    service = open_ingest(root, SPEC, COORD, trainer_step=lambda: 0, latest_policy_step=lambda: 0, limits=limits)
     app = web.Application(middlewares=[error_middleware])
     service.add_routes(app)
     server = await start_site(app, "127.0.0.1", 0)

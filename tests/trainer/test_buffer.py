@@ -1,6 +1,6 @@
-"""The rollout buffer: the ingest's verified body is used as is, groups are consumed and
-submissions retired exactly once, the saved position resumes, and an unreadable stored submission
-is retired once with a reason instead of being retried."""
+"""The rollout buffer (the ledger's trainable view): the ingest's verified body is used as is, groups
+are consumed and submissions retired exactly once, the saved position resumes, and an unreadable
+stored submission is retired once with a reason instead of being retried."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from protocol.identity import NodeKey
 from protocol.messages import Rollout, Submission, SubmissionTask
 from protocol.rollout import pack_f32, pack_u32
 from protocol.runspec import RLSpec, RunInfo, RunSpec
-from trainer.buffer import RolloutBuffer, _body_bytes
+from trainer.buffer import RolloutBuffer
 from trainer.errors import NotEnoughRolloutsError
-from trainer.ledger import SubmissionStore
+from trainer.ledger import BanBook, State, SubmissionLedger
+from trainer.ledger.bodies import body_bytes
 
 COORD = NodeKey.from_seed(b"c" * 32)
 WORKER = NodeKey.from_seed(b"w" * 32)
@@ -36,43 +37,56 @@ def _submission(counter: int, step: int = 0, tasks: int = 2) -> bytes:
     return seal(WORKER, RUN, body)
 
 
-def _store_accepted(store: SubmissionStore, raw: bytes) -> tuple[str, Submission]:
+def _store_accepted(ledger: SubmissionLedger, raw: bytes, *, hold: bool = False) -> tuple[str, Submission]:
+    """Store ``raw`` and accept it, as the ingest and a validator would (``hold``: the ingest keeps its verified body)."""
     env = open_envelope(raw, run_id=RUN, expect=Submission)
     sid = env.id.hex()
-    assert store.add(env)
-    assert store.record_verdict(f"v-{sid}", sid, "validator", True, "ok")
+    assert ledger.store.add(env)
+    if hold:
+        ledger.stored(sid, env.body)
+    assert ledger.store.record_verdict(f"v-{sid}", sid, "validator", True, "ok")
     return sid, env.body
 
 
-def _consumed_step(store: SubmissionStore, sid: str) -> int:
-    """The store's record of which trainer step retired ``sid`` (−1: none yet, −2: untrainable)."""
-    with store._lock:
-        return int(store._db.execute("SELECT consumed_step FROM submissions WHERE id = ?", (sid,)).fetchone()[0])
+def _consumed(ledger: SubmissionLedger, sid: str) -> tuple[State, int | None]:
+    """The ledger's state of ``sid`` and the trainer step that consumed it (``None``: none)."""
+    row = ledger.get(sid)
+    assert row is not None
+    return row.state, row.consumed_step
+
+
+def _ledger(tmp_path: Path, *, max_held_bytes: int | None = None) -> SubmissionLedger:
+    kw = {} if max_held_bytes is None else {"max_held_bytes": max_held_bytes}
+    return SubmissionLedger(tmp_path / "ingest", SPEC, BanBook(tmp_path / "bans.msgpack", COORD, RUN), trainer_step=lambda: 0,
+                            latest_policy_step=lambda: 0, **kw)
 
 
 @pytest.fixture
-def store(tmp_path: Path):
-    s = SubmissionStore(tmp_path / "ingest", RUN)
+def ledger(tmp_path: Path):
+    s = _ledger(tmp_path)
     yield s
     s.close()
 
 
-def test_the_ingests_verified_body_is_not_verified_again(store):
-    buffer = RolloutBuffer(store, RUN, RL)
-    sid, body = _store_accepted(store, _submission(0))
-    buffer.note_stored(sid, body)
+def test_the_ingests_verified_body_is_not_verified_again(tmp_path):
+    ledger = _ledger(tmp_path)
+    buffer = RolloutBuffer(ledger, RL)
+    sid, body = _store_accepted(ledger, _submission(0), hold=True)
     batch = buffer.next_batch(1)
     assert batch.consumed_submission_ids == [sid]
-    assert buffer.reopened == 0
-    # a buffer that never saw it (a restart) reads it back from the store and opens it there
-    fresh = RolloutBuffer(store, RUN, RL)
+    assert ledger.reopened == 0
+    ledger.close()
+    # a ledger that never saw it (a restart) reads it back from disk and opens it there
+    restarted = _ledger(tmp_path)
+    fresh = RolloutBuffer(restarted, RL)
     assert fresh.next_batch(1).group_keys == batch.group_keys
-    assert fresh.reopened == 1
+    assert restarted.reopened == 1
+    restarted.close()
 
 
-def test_groups_are_consumed_once_and_a_submission_retires_with_its_last_group(store):
-    buffer = RolloutBuffer(store, RUN, RL)
-    sid, _ = _store_accepted(store, _submission(0, tasks=2))
+def test_groups_are_consumed_once_and_a_submission_retires_with_its_last_group(ledger):
+    buffer = RolloutBuffer(ledger, RL)
+    sid, _ = _store_accepted(ledger, _submission(0, tasks=2))
     first = buffer.next_batch(1)
     assert buffer.consume(first) == []  # one of its two groups is left
     buffer.retire([], 1)
@@ -80,54 +94,55 @@ def test_groups_are_consumed_once_and_a_submission_retires_with_its_last_group(s
     assert second.group_keys != first.group_keys
     assert buffer.consume(second) == [sid]
     buffer.retire([sid], 2)
-    assert _consumed_step(store, sid) == 2
+    assert _consumed(ledger, sid) == (State.CONSUMED, 2)
     with pytest.raises(NotEnoughRolloutsError):
         buffer.next_batch(2)
     assert buffer.fresh_records(2) == []
 
 
-def test_saved_position_resumes_without_training_a_group_twice(store):
-    buffer = RolloutBuffer(store, RUN, RL)
-    sid, _ = _store_accepted(store, _submission(0, tasks=2))
+def test_saved_position_resumes_without_training_a_group_twice(ledger):
+    buffer = RolloutBuffer(ledger, RL)
+    sid, _ = _store_accepted(ledger, _submission(0, tasks=2))
     first = buffer.next_batch(1)
     buffer.consume(first)
     position = buffer.position()
     second = buffer.next_batch(2)
     buffer.retire(buffer.consume(second), 2)  # step 2 trained, but its state was never saved
-    resumed = RolloutBuffer(store, RUN, RL)
+    resumed = RolloutBuffer(ledger, RL)
     assert resumed.restore(position, 1) == 1  # the submission step 2 retired is trainable again
     again = resumed.next_batch(2)
     assert again.group_keys == second.group_keys  # not the group step 1 already trained
-    assert _consumed_step(store, sid) == -1
+    assert _consumed(ledger, sid) == (State.ACCEPTED, None)
 
 
-def test_a_group_outside_the_async_window_is_not_trainable(store):
-    buffer = RolloutBuffer(store, RUN, RL)
-    _store_accepted(store, _submission(0, step=0))
+def test_a_group_outside_the_async_window_is_not_trainable(ledger):
+    buffer = RolloutBuffer(ledger, RL)
+    _store_accepted(ledger, _submission(0, step=0))
     assert buffer.fresh_records(2)  # 2 − async level 2 = 0
     assert buffer.fresh_records(3) == []
 
 
-def test_an_unreadable_stored_submission_is_retired_once_with_a_warning(store, caplog):
-    buffer = RolloutBuffer(store, RUN, RL)
-    sid, _ = _store_accepted(store, _submission(0))
-    (store.dir / f"{sid}.sub").write_bytes(b"not an envelope")
+def test_an_unreadable_stored_submission_is_retired_once_with_a_warning(ledger, caplog):
+    buffer = RolloutBuffer(ledger, RL)
+    sid, _ = _store_accepted(ledger, _submission(0))
+    (ledger.store.dir / f"{sid}.sub").write_bytes(b"not an envelope")
     with caplog.at_level(logging.WARNING, logger="trainer.buffer"):
         assert buffer.fresh_records(1) == []
         assert buffer.fresh_records(1) == []
     assert [r.message for r in caplog.records if sid[:12] in r.message] and len(caplog.records) == 1
-    assert _consumed_step(store, sid) == -2
+    assert _consumed(ledger, sid) == (State.RETIRED, None)  # retired untrained
+    assert not (ledger.store.dir / f"{sid}.sub").exists()
 
 
-def test_held_bodies_are_bounded(store):
-    stored = [_store_accepted(store, _submission(counter, tasks=1)) for counter in range(4)]
-    bound = 2 * _body_bytes(stored[0][1]) + 1  # room for two of the four bodies
-    buffer = RolloutBuffer(store, RUN, RL, max_held_bytes=bound)
-    ids = []
-    for sid, body in stored:
-        buffer.note_stored(sid, body)
-        ids.append(sid)
-    held = [i for i in ids if i in buffer._held]
-    assert buffer._held_bytes <= bound and ids[-1] in held and ids[0] not in held
-    assert len(buffer.fresh_records(1)) == 2 * len(ids)
-    assert buffer.reopened == len(ids) - len(held)  # the dropped ones were read back from the store
+def test_held_bodies_are_bounded(tmp_path):
+    bound = 2 * body_bytes(open_envelope(_submission(0, tasks=1), run_id=RUN, expect=Submission).body) + 1  # room for two of four
+    ledger = _ledger(tmp_path, max_held_bytes=bound)
+    try:
+        ids = [_store_accepted(ledger, _submission(counter, tasks=1), hold=True)[0] for counter in range(4)]
+        held = [i for i in ids if i in ledger.bodies]
+        assert ledger.bodies.held_bytes <= bound and ids[-1] in held and ids[0] not in held
+        buffer = RolloutBuffer(ledger, RL)
+        assert len(buffer.fresh_records(1)) == 2 * len(ids)
+        assert ledger.reopened == len(ids) - len(held)  # the dropped ones were read back from disk
+    finally:
+        ledger.close()

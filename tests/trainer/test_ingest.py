@@ -14,8 +14,8 @@ from protocol.identity import NodeKey
 from protocol.ingest_api import BANS_ROUTE, LEASE_ROUTE, SUBMISSIONS_ROUTE, VERDICTS_ROUTE
 from protocol.messages import BanList, LeaseRequest, Rollout, Submission, SubmissionTask, Verdict
 from protocol.runspec import RunInfo, RunSpec
-from trainer.ingest.service import IngestService, RecheckResult, error_middleware
-from trainer.ledger import BanBook, SubmissionStore
+from trainer.ingest.service import error_middleware, open_ingest
+from trainer.ledger import BanBook, RecheckResult, State, SubmissionLedger, SubmissionStore
 
 COORD = NodeKey.from_seed(b"c" * 32)
 VALIDATOR = NodeKey.from_seed(b"v" * 32)
@@ -45,13 +45,18 @@ def reproduce(raw: bytes) -> RecheckResult:
 class Coordinator:
     def __init__(self, root, limits=None, recheck=reproduce):
         self.step = 0
-        self.store = SubmissionStore(root / "ingest", RUN)
-        self.bans = BanBook(root / "bans.msgpack", COORD, RUN)
         self.gossiped: list[bytes] = []
-        self.service = IngestService(SPEC, self.store, self.bans, trainer_step=lambda: self.step, latest_policy_step=lambda: self.step,
-                                     on_ban=self.gossiped.append, limits=limits, recheck=recheck,
-                                     on_verdict=lambda raw, gossip: self.verdicts.append((raw, gossip)))
+        self.service = open_ingest(root, SPEC, COORD, trainer_step=lambda: self.step, latest_policy_step=lambda: self.step,
+                                   on_ban=self.gossiped.append, limits=limits, recheck=recheck,
+                                   on_verdict=lambda env, gossip: self.verdicts.append((env.raw, gossip)))
+        self.ledger = self.service.ledger
+        self.store = self.ledger.store
+        self.bans = self.ledger.bans
         self.verdicts: list[tuple[bytes, bool]] = []  # (verdict, still to gossip) as on_verdict saw them
+
+    def close(self) -> None:
+        self.service.close()
+        self.ledger.close()
 
 
 async def serve(coord: Coordinator) -> tuple[web.AppRunner, int]:
@@ -72,8 +77,7 @@ async def ingest(tmp_path):
     async with ClientSession(base_url=f"http://127.0.0.1:{port}") as http:
         yield coord, http
     await runner.cleanup()
-    coord.service.close()
-    coord.store.close()
+    coord.close()
 
 
 async def post(http, path, data):
@@ -143,7 +147,7 @@ async def test_verdicts_bans_and_lease(ingest):
     assert (await post(http, VERDICTS_ROUTE, verdict(s2, False, "toploc")))[1] == {"applied": True}
     await wait_until(lambda: coord.gossiped)  # banned once the coordinator's re-check reproduced it
     assert coord.bans.is_banned(cheat.peer_id) and not coord.bans.is_banned(honest.peer_id)
-    assert coord.store.get(open_envelope(s3, run_id=RUN).id.hex()).state == "rejected"  # pending work of a banned peer
+    assert coord.store.get(open_envelope(s3, run_id=RUN).id.hex()).state == State.REJECTED  # pending work of a banned peer
     ban_env = open_envelope(coord.gossiped[-1], run_id=RUN, expect=BanList, authorities=SPEC.authorities)
     assert [e.peer_id for e in ban_env.body.entries] == [cheat.peer_id]
     entry = ban_env.body.entries[0]  # the record carries both checks
@@ -217,12 +221,18 @@ def test_acked_submission_survives_crash_and_orphans_are_recovered(tmp_path):
     assert again.get(env.id.hex()) is not None
     assert again.get(env2.id.hex()) is not None  # re-indexed on start
     assert not (tmp_path / "submissions" / "junk.tmp").exists()
-    again.record_verdict("v1", env.id.hex(), VALIDATOR.peer_id, True, "ok")
-    assert [s.id for s in again.accepted_unconsumed(0)] == [env.id.hex()]
-    again.mark_consumed([env.id.hex()], step=3)
-    assert again.accepted_unconsumed(0) == []
-    assert again.unconsume_after(2) == 1  # resume from step 2: step 3's rollouts become trainable again
-    assert [s.id for s in again.accepted_unconsumed(0)] == [env.id.hex()]
+    again.close()
+    ledger = SubmissionLedger(tmp_path, SPEC, BanBook(tmp_path / "bans.msgpack", COORD, RUN), trainer_step=lambda: 0,
+                              latest_policy_step=lambda: 0)
+    try:
+        ledger.store.record_verdict("v1", env.id.hex(), VALIDATOR.peer_id, True, "ok")
+        assert [s.id for s in ledger.trainable(0)] == [env.id.hex()]
+        ledger.consumed([env.id.hex()], step=3)
+        assert ledger.trainable(0) == []
+        assert ledger.unconsume_after(2) == 1  # resume from step 2: step 3's rollouts become trainable again
+        assert [s.id for s in ledger.trainable(0)] == [env.id.hex()]
+    finally:
+        ledger.close()
 
 
 def test_rate_limiter():
@@ -239,14 +249,14 @@ def test_rate_limiter():
 def test_status_history_is_rebuilt_at_most_a_twentieth_of_the_time(tmp_path, monkeypatch):
     """``/status`` is public and its per-worker counts scan the whole run: a rebuild that took s
     seconds is served again for 19 s more; a cheap one (a small store) is never kept."""
-    import trainer.ingest.service as service_mod
+    import trainer.ingest.status as status_mod
 
     coord = Coordinator(tmp_path)
     try:
         now = [1000.0]
-        monkeypatch.setattr(service_mod.time, "monotonic", lambda: now[0])  # no event loop runs in this test
+        monkeypatch.setattr(status_mod.time, "monotonic", lambda: now[0])  # no event loop runs in this test
         scans = []
-        real_stats = coord.store.worker_stats
+        real_stats = coord.ledger.worker_stats
         cost = [1.0]
 
         def costly_stats():
@@ -254,7 +264,7 @@ def test_status_history_is_rebuilt_at_most_a_twentieth_of_the_time(tmp_path, mon
             now[0] += cost[0]  # the scan took `cost` seconds
             return real_stats()
 
-        monkeypatch.setattr(coord.store, "worker_stats", costly_stats)
+        monkeypatch.setattr(coord.ledger, "worker_stats", costly_stats)
         w = NodeKey.generate()
         assert coord.store.add(open_envelope(submission(w), run_id=RUN))
         assert coord.service.status()["workers"] == {w.peer_id: {"pending": 1}} and len(scans) == 1
@@ -269,8 +279,7 @@ def test_status_history_is_rebuilt_at_most_a_twentieth_of_the_time(tmp_path, mon
         coord.service.status()
         assert len(scans) == 4
     finally:
-        coord.service.close()
-        coord.store.close()
+        coord.close()
 
 
 async def test_a_burst_of_status_requests_does_not_queue_submissions(ingest):
@@ -281,13 +290,13 @@ async def test_a_burst_of_status_requests_does_not_queue_submissions(ingest):
 
     coord, http = ingest
     release = threading.Event()
-    real_stats = coord.service.history_stats
+    real_stats = coord.service.view.history_stats
 
     def slow_stats():
         release.wait(120)  # a scan that lasts until the test ends it
         return real_stats()
 
-    coord.service.history_stats = slow_stats
+    coord.service.view.history_stats = slow_stats
     try:
         statuses = [asyncio.create_task(http.get("/status")) for _ in range(12)]
         await asyncio.sleep(0)  # the requests are on their way (the assertion below waits for the POST, not for time)
@@ -308,10 +317,10 @@ async def test_status_encodes_the_per_worker_counts_once_per_history_rebuild(ing
     once per rebuild, in the status thread; five requests between rebuilds encode it once."""
     import time as _time
 
-    import trainer.ingest.service as service_mod
+    import trainer.ingest.status as status_mod
 
     coord, http = ingest
-    monkeypatch.setattr(service_mod, "STATUS_DUTY_FACTOR", 10**9)  # one rebuild for the whole test
+    monkeypatch.setattr(status_mod, "STATUS_DUTY_FACTOR", 10**9)  # one rebuild for the whole test
     encoded = []
 
     class Counted:
@@ -319,13 +328,13 @@ async def test_status_encodes_the_per_worker_counts_once_per_history_rebuild(ing
             encoded.append(1)
             return "n/a"
 
-    real_stats = coord.store.worker_stats
+    real_stats = coord.ledger.worker_stats
 
     def stats():
         _time.sleep(0.01)  # a scan long enough to be kept (STATUS_CACHE_MIN_S)
         return {**real_stats(), "probe": {"note": Counted()}}
 
-    monkeypatch.setattr(coord.store, "worker_stats", stats)
+    monkeypatch.setattr(coord.ledger, "worker_stats", stats)
     w = NodeKey.generate()
     status, _ = await post(http, SUBMISSIONS_ROUTE, submission(w))
     assert status == 200

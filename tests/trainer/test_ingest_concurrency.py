@@ -20,7 +20,7 @@ import trainer.ledger.store as store_mod
 from protocol.envelope import open_envelope
 from protocol.identity import NodeKey
 from protocol.ingest_api import SUBMISSIONS_ROUTE
-from trainer.ingest.service import IngestLimits
+from trainer.ingest.limits import IngestLimits
 from trainer.ledger import SubmissionStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +77,8 @@ def test_group_commit_counts_staged_work_and_answers_only_when_durable(tmp_path,
     assert store.commits == {"groups": 2, "submissions": 12, "largest_group": 11}
     assert store.counts()["pending"] == 12 and not store.storing(envs[5].id.hex())
     assert store.usage(workers[0].peer_id, "10.0.0.1") == u  # counted once: staged before, indexed now
-    assert [sid for _, sid, _ in store.submissions_after(0, 100)] == [e.id.hex() for e in envs]  # arrival order
+    indexed = sorted(store.leasable(now_ms=0), key=lambda c: c.seq)
+    assert [c.id for c in indexed] == [e.id.hex() for e in envs]  # arrival order
     assert all(store.read(e.id.hex()) == e.raw for e in envs)
     store.close()
 
@@ -136,8 +137,10 @@ async def test_concurrent_posts_from_many_workers_each_accepted_once_quotas_exac
     """12 workers post 6 counters each, every envelope twice, plus a replayed counter with other bytes,
     all at once: each quota that binds holds exactly, every counter is stored at most once, and
     every stored submission was answered ``stored: true`` exactly once."""
+    # every worker here is new (on probation): its share of the disk quota is lifted, so the disk quota itself binds
     limits = IngestLimits(requests_per_s=1000.0, burst=1000.0, decode_concurrency_per_ip=4, max_pending_per_worker=4,
-                          max_pending_per_ip={"ip": 30}.get(binding, 10_000), max_disk_files={"disk": 25}.get(binding, 10_000))
+                          max_pending_per_ip={"ip": 30}.get(binding, 10_000), max_disk_files={"disk": 25}.get(binding, 10_000),
+                          probation_share=1.0)
     coord = Coordinator(tmp_path, limits=limits)
     runner, port = await serve(coord)
     workers = [NodeKey.generate() for _ in range(12)]

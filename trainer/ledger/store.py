@@ -1,4 +1,8 @@
-"""Durable submission store: envelope files plus a SQLite index.
+"""The ledger's persistence: envelope files plus a SQLite index (the only SQL of the coordinator).
+
+Nothing outside ``trainer/ledger/`` reads the index: the ledger (:mod:`trainer.ledger.ledger`)
+names every change of state (:mod:`trainer.ledger.states`) and this module applies it as one
+guarded update; the state names and the SQL live here and in ``states.py`` only.
 
 Write path (group commit; the ingest acknowledges a submission only once its future resolves):
 
@@ -23,15 +27,15 @@ re-indexes on start every file without an index row (that power cut's rows, or a
 file and row): an acknowledged submission is never lost, and an unacknowledged one is at worst
 accepted late (re-indexed without its source address, at its file's time).
 
-States: ``pending`` → (leased to a validator for ``lease_s``) → ``accepted`` | ``rejected``.
-The trainer reads accepted submissions in arrival order and marks them ``consumed`` only when the
-training state that used them is saved (see :meth:`mark_consumed`).
+Read models: per-worker counts (pending, accepted, rejected, stale, trained, rollouts trained,
+completion tokens), verdicts by reason and the pending work of workers on probation are tables
+kept by SQLite triggers in the same transaction as each change of state, so ``/status``, the
+run page's leaderboard and admission read them in O(workers) or O(1), never by scanning the run's
+history, and never by opening an envelope.
 
-Files do not outlive their use (the disk is what free identities would fill): a rejected
-submission's file is deleted once its verdict is final (:meth:`delete_files`), a consumed one's
-when the next trainer step's state is saved, and an accepted or pending one that fell out of the
-async window by :meth:`retire_stale`. Index rows stay (a few hundred bytes each) so counters
-remain unique per worker for the whole run (:meth:`counter_used`).
+Files do not outlive their use (the disk is what free identities would fill): index rows stay
+(a few hundred bytes each) so counters remain unique per worker for the whole run
+(:meth:`counter_used`); which files go when is the ledger's retention rule.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import logging
 import sqlite3
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,31 +55,54 @@ from protocol.envelope import Envelope, open_envelope
 from protocol.errors import ProtocolError
 from protocol.identity import PeerId
 from protocol.messages import Submission
+from trainer.ledger.ids import SubmissionId
+from trainer.ledger.states import PENDING, TRANSITIONS, State, Transition
 
 logger = logging.getLogger(__name__)
 
+SCHEMA_VERSION = 2
+"""``PRAGMA user_version`` of an index this code wrote. Version 1 (no version set) kept states as
+``pending``/``accepted``/``rejected`` plus ``consumed_step`` sentinels (−1 none, −2 untrainable);
+it is migrated in place on open (:func:`_migrate_v1`)."""
+
+STALE_REASON = "stale_policy"
+"""The reason of a submission that left the async window before a verdict (``protocol.verdicts``)."""
+
+
+def _in(states: Iterable[State]) -> str:
+    """``('a','b')``: an SQL list of state names (enum values, never input)."""
+    return "(" + ",".join(f"'{s.value}'" for s in sorted(states)) + ")"
+
+
+_JUDGED_OK = frozenset({State.ACCEPTED, State.CONSUMED, State.RETIRED})  # every accepted one, whatever became of it
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS submissions (
-    id TEXT PRIMARY KEY,           -- hex SHA-256 of the envelope bytes
+    id TEXT PRIMARY KEY,            -- SubmissionId: hex SHA-256 of the envelope bytes
     worker TEXT NOT NULL,
     policy_step INTEGER NOT NULL,
     counter INTEGER NOT NULL,
     n_rollouts INTEGER NOT NULL,
+    tokens INTEGER NOT NULL DEFAULT 0,  -- completion tokens of its rollouts
     size_bytes INTEGER NOT NULL,
     received_ms INTEGER NOT NULL,
-    state TEXT NOT NULL DEFAULT 'pending',  -- pending | accepted | rejected
-    reason TEXT NOT NULL DEFAULT '',
+    state TEXT NOT NULL,            -- trainer.ledger.states.State
+    reason TEXT NOT NULL DEFAULT '',  -- the deciding verdict's reason, or why it was rejected unjudged
     verdict_by TEXT NOT NULL DEFAULT '',
     lease_until_ms INTEGER NOT NULL DEFAULT 0,
-    consumed_step INTEGER NOT NULL DEFAULT -1,
+    consumed_step INTEGER,          -- the trainer step that consumed it; NULL: none
     seq INTEGER NOT NULL,
-    source_ip TEXT NOT NULL DEFAULT '',     -- address it was posted from (per-IP quota)
-    on_disk INTEGER NOT NULL DEFAULT 1      -- 0 once its file is deleted (rejected, consumed, or unusable)
+    source_ip TEXT NOT NULL DEFAULT '',  -- address it was posted from (per-address quota, lease fairness)
+    on_disk INTEGER NOT NULL DEFAULT 1   -- 0 once its file is deleted
 );
 CREATE INDEX IF NOT EXISTS submissions_state ON submissions(state, seq);
 CREATE INDEX IF NOT EXISTS submissions_worker ON submissions(worker, counter);
+CREATE INDEX IF NOT EXISTS submissions_worker_state ON submissions(worker, state, size_bytes);
+CREATE INDEX IF NOT EXISTS submissions_ip_state ON submissions(source_ip, state, size_bytes);
+CREATE INDEX IF NOT EXISTS submissions_on_disk ON submissions(on_disk, size_bytes);
+CREATE INDEX IF NOT EXISTS submissions_seq ON submissions(seq);
 CREATE TABLE IF NOT EXISTS verdicts (
-    id TEXT PRIMARY KEY,           -- hex SHA-256 of the verdict envelope
+    id TEXT PRIMARY KEY,            -- hex SHA-256 of the verdict envelope
     submission_id TEXT NOT NULL,
     validator TEXT NOT NULL,
     accepted INTEGER NOT NULL,
@@ -83,28 +111,153 @@ CREATE TABLE IF NOT EXISTS verdicts (
     evidence TEXT NOT NULL DEFAULT ''  -- one-line summary of the verdict's evidence (for a ban record)
 );
 CREATE INDEX IF NOT EXISTS verdicts_submission ON verdicts(submission_id);
+CREATE TABLE IF NOT EXISTS worker_stats (
+    worker TEXT PRIMARY KEY,
+    pending INTEGER NOT NULL DEFAULT 0,
+    pending_bytes INTEGER NOT NULL DEFAULT 0,
+    accepted INTEGER NOT NULL DEFAULT 0,
+    rejected INTEGER NOT NULL DEFAULT 0,
+    stale INTEGER NOT NULL DEFAULT 0,
+    trained INTEGER NOT NULL DEFAULT 0,
+    rollouts_trained INTEGER NOT NULL DEFAULT 0,
+    tokens INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS worker_stats_board ON worker_stats(accepted DESC, rejected, worker);
+CREATE TABLE IF NOT EXISTS verdict_reasons (reason TEXT PRIMARY KEY, n INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS address_stats (address TEXT PRIMARY KEY, accepted INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS probation (
+    one INTEGER PRIMARY KEY CHECK (one = 1),
+    pending INTEGER NOT NULL,
+    pending_bytes INTEGER NOT NULL
+);
+INSERT OR IGNORE INTO probation VALUES (1, 0, 0);
 """
 
-_HISTORY_INDEXES = """
-CREATE INDEX IF NOT EXISTS submissions_worker_state ON submissions(worker, state, size_bytes);
-CREATE INDEX IF NOT EXISTS submissions_ip_state ON submissions(source_ip, state, size_bytes);
-CREATE INDEX IF NOT EXISTS submissions_on_disk ON submissions(on_disk, size_bytes);
-CREATE INDEX IF NOT EXISTS submissions_seq ON submissions(seq);
-CREATE INDEX IF NOT EXISTS submissions_unconsumed ON submissions(state, consumed_step, seq);
+
+def _terms(r: str) -> dict[str, str]:
+    """The read model's per-row contributions, as SQL over row ``r`` (``NEW`` or ``OLD``)."""
+    pending = f"({r}.state IN {_in(PENDING)})"
+    trained = f"({r}.consumed_step IS NOT NULL)"
+    return {
+        "pending": pending,
+        "pending_bytes": f"{pending} * {r}.size_bytes",
+        "accepted": f"({r}.state IN {_in(_JUDGED_OK)})",
+        "rejected": f"({r}.state = '{State.REJECTED.value}')",
+        "stale": f"({r}.state = '{State.REJECTED.value}' AND {r}.reason = '{STALE_REASON}')",
+        "trained": trained,
+        "rollouts_trained": f"{trained} * {r}.n_rollouts",
+    }
+
+
+_STAT_COLUMNS = ("pending", "pending_bytes", "accepted", "rejected", "stale", "trained", "rollouts_trained", "tokens")
+
+
+def _triggers() -> str:
+    new, old = _terms("NEW"), _terms("OLD")
+    cols = ", ".join(_STAT_COLUMNS)
+    values = ", ".join([*(new[c] for c in _STAT_COLUMNS[:-1]), "NEW.tokens"])
+    on_insert = ", ".join(f"{c} = {c} + excluded.{c}" for c in _STAT_COLUMNS)
+    on_update = ", ".join(f"{c} = {c} + ({new[c]}) - ({old[c]})" for c in _STAT_COLUMNS[:-1])
+    return f"""
+CREATE TRIGGER IF NOT EXISTS ledger_insert AFTER INSERT ON submissions BEGIN
+    INSERT INTO worker_stats (worker, {cols}) VALUES (NEW.worker, {values})
+    ON CONFLICT (worker) DO UPDATE SET {on_insert};
+END;
+CREATE TRIGGER IF NOT EXISTS ledger_update AFTER UPDATE OF state, reason, consumed_step ON submissions BEGIN
+    UPDATE worker_stats SET {on_update} WHERE worker = NEW.worker;
+END;
+CREATE TRIGGER IF NOT EXISTS ledger_address AFTER UPDATE OF state ON submissions
+WHEN NEW.state = '{State.ACCEPTED.value}' AND OLD.state IN {_in(PENDING)} BEGIN
+    INSERT INTO address_stats VALUES (NEW.source_ip, 1) ON CONFLICT (address) DO UPDATE SET accepted = accepted + 1;
+END;
+CREATE TRIGGER IF NOT EXISTS ledger_verdict AFTER INSERT ON verdicts BEGIN
+    INSERT INTO verdict_reasons VALUES (NEW.reason, 1) ON CONFLICT (reason) DO UPDATE SET n = n + 1;
+END;
+CREATE TRIGGER IF NOT EXISTS probation_insert AFTER INSERT ON worker_stats BEGIN
+    UPDATE probation SET pending = pending + (NEW.accepted = 0) * NEW.pending,
+                         pending_bytes = pending_bytes + (NEW.accepted = 0) * NEW.pending_bytes;
+END;
+CREATE TRIGGER IF NOT EXISTS probation_update AFTER UPDATE ON worker_stats BEGIN
+    UPDATE probation SET pending = pending + (NEW.accepted = 0) * NEW.pending - (OLD.accepted = 0) * OLD.pending,
+                         pending_bytes = pending_bytes + (NEW.accepted = 0) * NEW.pending_bytes - (OLD.accepted = 0) * OLD.pending_bytes;
+END;
 """
-"""Indexes that keep the frequent queries off the run's history (index rows are kept for good):
-:meth:`SubmissionStore.usage` for every admitted submission (covering), the next ``seq`` for every
-group commit and :meth:`SubmissionStore.submissions_after`, :meth:`SubmissionStore.accepted_unconsumed`.
-Without them the disk count alone scanned every row: 25 ms of CPU per submission after 200,000
-(``benchmarks/ingest_load.py --history``)."""
+
+
+def _split(script: str) -> list[str]:
+    """The statements of ``script`` (a trigger's body keeps its inner ``;``), to run inside one
+    transaction (``executescript`` would commit first)."""
+    out: list[str] = []
+    acc = ""
+    for part in script.split(";"):
+        acc += part + ";"
+        if sqlite3.complete_statement(acc):
+            if acc.strip(" \n;"):
+                out.append(acc.strip())
+            acc = ""
+    return out
+
+
+def _rebuild_read_models(db: sqlite3.Connection) -> None:
+    """Fill the read-model tables from the index in one pass (after a migration)."""
+    t = _terms("s")
+    sums = ", ".join([*(f"SUM({t[c]})" for c in _STAT_COLUMNS[:-1]), "SUM(s.tokens)"])
+    db.execute("DELETE FROM worker_stats")
+    db.execute(f"INSERT INTO worker_stats (worker, {', '.join(_STAT_COLUMNS)}) SELECT s.worker, {sums} FROM submissions s GROUP BY s.worker")
+    db.execute("DELETE FROM address_stats")
+    db.execute(f"INSERT INTO address_stats SELECT source_ip, COUNT(*) FROM submissions WHERE state IN {_in(_JUDGED_OK)} GROUP BY source_ip")
+    db.execute("DELETE FROM verdict_reasons")
+    db.execute("INSERT INTO verdict_reasons SELECT reason, COUNT(*) FROM verdicts GROUP BY reason")
+    db.execute("UPDATE probation SET pending = (SELECT COALESCE(SUM(pending), 0) FROM worker_stats WHERE accepted = 0),"
+               " pending_bytes = (SELECT COALESCE(SUM(pending_bytes), 0) FROM worker_stats WHERE accepted = 0)")
+
+
+def _migrate_v1(db: sqlite3.Connection) -> int:
+    """Rewrite a version-1 index (states ``pending``/``accepted``/``rejected``, ``consumed_step`` −1
+    for none and −2 for untrainable) into this schema; returns the rows moved.
+
+    pending → stored (an old lease is kept: leased until it ends); accepted and consumed (step ≥ 0)
+    → consumed while its file is kept, else retired; accepted with its file gone or untrainable →
+    retired; rejected stays.
+    """
+    cols = {row[1] for row in db.execute("PRAGMA table_info(submissions)")}
+    for col, decl in (("source_ip", "TEXT NOT NULL DEFAULT ''"), ("on_disk", "INTEGER NOT NULL DEFAULT 1")):
+        if col not in cols:  # an index made by an even older version
+            db.execute(f"ALTER TABLE submissions ADD COLUMN {col} {decl}")
+    if "evidence" not in {row[1] for row in db.execute("PRAGMA table_info(verdicts)")}:
+        db.execute("ALTER TABLE verdicts ADD COLUMN evidence TEXT NOT NULL DEFAULT ''")
+    for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'submissions' AND sql IS NOT NULL").fetchall():
+        db.execute(f"DROP INDEX {name}")
+    db.execute("ALTER TABLE submissions RENAME TO submissions_v1")
+    for stmt in _split(_SCHEMA):
+        db.execute(stmt)
+    state = (f"CASE WHEN state = 'pending' THEN '{State.STORED.value}'"
+             f" WHEN state = 'rejected' THEN '{State.REJECTED.value}'"
+             f" WHEN consumed_step >= 0 AND on_disk = 1 THEN '{State.CONSUMED.value}'"
+             f" WHEN consumed_step != -1 OR on_disk = 0 THEN '{State.RETIRED.value}'"
+             f" ELSE '{State.ACCEPTED.value}' END")
+    cur = db.execute(
+        "INSERT INTO submissions (id, worker, policy_step, counter, n_rollouts, tokens, size_bytes, received_ms, state, reason, verdict_by,"
+        " lease_until_ms, consumed_step, seq, source_ip, on_disk)"
+        f" SELECT id, worker, policy_step, counter, n_rollouts, 0, size_bytes, received_ms, {state}, reason, verdict_by, lease_until_ms,"
+        " CASE WHEN consumed_step >= 0 THEN consumed_step END, seq, source_ip, on_disk FROM submissions_v1")
+    db.execute("DROP TABLE submissions_v1")
+    return cur.rowcount
 
 
 @dataclass(frozen=True)
 class Usage:
-    """Pending submissions and bytes of one worker and of one address, and files on disk in all.
+    """What one worker, one address and everybody hold: the inputs of the ledger's admission quotas.
 
-    ``writing_bytes``: bytes of submissions admitted whose files are not yet written (the file
-    system's free space does not show them yet)."""
+    Attributes:
+        worker_pending, worker_bytes: the worker's pending submissions and their bytes.
+        ip_pending, ip_bytes: the same for the address.
+        disk_files, disk_bytes: submission files on disk in all and their bytes.
+        writing_bytes: bytes of submissions admitted whose files are not yet written (the file
+            system's free space does not show them yet).
+        established: the worker has an accepted submission (else it is on probation).
+        probation_pending, probation_bytes: pending submissions (and bytes) of every worker on probation.
+    """
 
     worker_pending: int
     worker_bytes: int
@@ -113,13 +266,16 @@ class Usage:
     disk_files: int
     disk_bytes: int
     writing_bytes: int = 0
+    established: bool = False
+    probation_pending: int = 0
+    probation_bytes: int = 0
 
 
 @dataclass(frozen=True)
 class DecidingVerdict:
-    """The verdict that decided a submission: its envelope's content ID (hex), signer, outcome, evidence summary."""
+    """The verdict that decided a submission: its envelope's content ID, signer, outcome, evidence summary."""
 
-    verdict_id: str
+    verdict_id: bytes
     validator: PeerId
     accepted: bool
     reason: str
@@ -128,28 +284,59 @@ class DecidingVerdict:
 
 @dataclass(frozen=True)
 class StoredSubmission:
-    """An index row of the store (no body)."""
+    """An index row of the ledger (no body)."""
 
-    id: str
+    id: SubmissionId
     worker: str
     policy_step: int
     counter: int
     n_rollouts: int
     size_bytes: int
     received_ms: int
-    state: str
+    state: State
     reason: str
+    consumed_step: int | None = None
+
+
+@dataclass(frozen=True)
+class LeaseCandidate:
+    """A pending submission a validator may lease now, with what the lease order weighs.
+
+    Attributes:
+        id: the submission; worker: its signer; address: the address it was posted from
+            (``protocol.addresses.address_key``); seq: arrival order (higher is newer).
+        established: its worker has an accepted submission (else it is on probation).
+    """
+
+    id: SubmissionId
+    worker: str
+    address: str
+    seq: int
+    established: bool
+
+
+_ROW = "id, worker, policy_step, counter, n_rollouts, size_bytes, received_ms, state, reason, consumed_step"
+
+
+def _row(r: tuple[Any, ...]) -> StoredSubmission:
+    return StoredSubmission(SubmissionId(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], State(r[7]), r[8], r[9])
+
+
+def completion_tokens(sub: Submission) -> int:
+    """Completion tokens of a submission's rollouts (packed ``<u4`` IDs, ``protocol.rollout``)."""
+    return sum(len(r.completion_ids) // 4 for r in sub.rollouts)
 
 
 @dataclass
 class _Staged:
     """A submission admitted but not yet committed: counted by the quotas, not yet visible to readers."""
 
-    sid: str
+    sid: SubmissionId
     worker: str
     policy_step: int
     counter: int
     n_rollouts: int
+    tokens: int
     size_bytes: int
     received_ms: int
     source_ip: str
@@ -206,21 +393,35 @@ class SubmissionStore:
         # lost, and one WAL fsync fewer is waited for per group. Every other write stays FULL.
         self._commit_db = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_S)
         self._commit_db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
-        cols = {row[1] for row in self._db.execute("PRAGMA table_info(submissions)")}
-        for col, decl in (("source_ip", "TEXT NOT NULL DEFAULT ''"), ("on_disk", "INTEGER NOT NULL DEFAULT 1")):
-            if col not in cols:  # an index made by an older version
-                self._db.execute(f"ALTER TABLE submissions ADD COLUMN {col} {decl}")
-        if "evidence" not in {row[1] for row in self._db.execute("PRAGMA table_info(verdicts)")}:
-            self._db.execute("ALTER TABLE verdicts ADD COLUMN evidence TEXT NOT NULL DEFAULT ''")
-        self._db.executescript(_HISTORY_INDEXES)  # after the columns an older index lacked
-        # Whole-history statistics (status pages, the run page's leaderboard) read through their own
-        # connection: in WAL mode a reader sees the last committed snapshot without the store's lock,
-        # so a scan (≈ 2 s at 10^6 submissions) never holds up admission, verdicts or the group commit.
+        self._open_schema()
+        # Read models and whole-history reads go through their own connection: in WAL mode a reader
+        # sees the last committed snapshot without the store's lock, so they never hold up
+        # admission, verdicts or the group commit.
         self._stats_lock = threading.Lock()  # this connection only
         self._stats_db = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_S)
         self._stats_db.execute("PRAGMA query_only=1")
         self.recover()
+
+    def _open_schema(self) -> None:
+        """Create the index, or migrate one an older version wrote (in one transaction)."""
+        db = self._db
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        old = version < SCHEMA_VERSION and db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'submissions'").fetchone()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            n = _migrate_v1(db) if old else -1
+            for stmt in _split(_SCHEMA + _triggers()):
+                db.execute(stmt)
+            if old:
+                _rebuild_read_models(db)
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+        if n >= 0:
+            logger.info("migrated the submission index to schema %d (%d submissions)", SCHEMA_VERSION, n)
 
     def close(self) -> None:
         """Finish every submitted write (their futures resolve), stop the threads, close the index."""
@@ -278,7 +479,7 @@ class SubmissionStore:
             ``sqlite3.Error`` if the write or the commit failed (nothing stored) and
             ``RuntimeError`` if the store is closing.
         """
-        sid = env.id.hex()
+        sid = SubmissionId(env.id.hex())
         body = env.body
         fut: Future[bool] = Future()
         fut.set_running_or_notify_cancel()  # nobody can cancel it: the commit thread resolves every future it holds
@@ -292,7 +493,7 @@ class SubmissionStore:
             if earlier is not None:  # the same bytes posted twice at once: answer when the first is durable
                 earlier.future.add_done_callback(lambda f: _chain_duplicate(f, fut))
                 return fut
-            item = _Staged(sid, body.worker, body.policy_step, body.counter, len(body.rollouts), len(env.raw),
+            item = _Staged(sid, body.worker, body.policy_step, body.counter, len(body.rollouts), completion_tokens(body), len(env.raw),
                            now_ms or int(time.time() * 1000), source_ip, env.raw, fut, self._admitted)
             self._admitted += 1
             self._staged[sid] = item
@@ -366,11 +567,11 @@ class SubmissionStore:
             rows = []
             for item in items:
                 seq += 1
-                rows.append((item.sid, item.worker, item.policy_step, item.counter, item.n_rollouts, item.size_bytes, item.received_ms,
-                             seq, item.source_ip))
+                rows.append((item.sid, item.worker, item.policy_step, item.counter, item.n_rollouts, item.tokens, item.size_bytes,
+                             item.received_ms, State.STORED.value, seq, item.source_ip))
             db.executemany(
-                "INSERT OR IGNORE INTO submissions (id, worker, policy_step, counter, n_rollouts, size_bytes, received_ms, seq, source_ip)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR IGNORE INTO submissions (id, worker, policy_step, counter, n_rollouts, tokens, size_bytes, received_ms, state,"
+                " seq, source_ip) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
             db.execute("COMMIT")
@@ -391,7 +592,7 @@ class SubmissionStore:
             known = {row[0] for row in self._db.execute("SELECT id FROM submissions")}
         found: list[_Staged] = []
         for path in sorted(self.dir.glob("*.sub"), key=lambda p: p.stat().st_mtime):
-            sid = path.stem
+            sid = SubmissionId(path.stem)
             if sid in known:
                 continue
             try:
@@ -401,7 +602,7 @@ class SubmissionStore:
                 path.unlink(missing_ok=True)
                 continue
             body = env.body
-            found.append(_Staged(sid, body.worker, body.policy_step, body.counter, len(body.rollouts), len(env.raw),
+            found.append(_Staged(sid, body.worker, body.policy_step, body.counter, len(body.rollouts), completion_tokens(body), len(env.raw),
                                  int(path.stat().st_mtime * 1000), "", b""))
         if found:
             with self._lock:
@@ -411,19 +612,21 @@ class SubmissionStore:
 
     # --- reads -------------------------------------------------------------------------------
 
-    def get(self, sid: str) -> StoredSubmission | None:
+    def get(self, sid: SubmissionId) -> StoredSubmission | None:
+        """The index row of ``sid`` (``None`` if unknown, or still being stored)."""
         with self._lock:
-            row = self._db.execute(
-                "SELECT id, worker, policy_step, counter, n_rollouts, size_bytes, received_ms, state, reason FROM submissions WHERE id = ?",
-                (sid,),
-            ).fetchone()
-        return StoredSubmission(*row) if row else None
+            row = self._db.execute(f"SELECT {_ROW} FROM submissions WHERE id = ?", (sid,)).fetchone()
+        return _row(row) if row else None
 
-    def read(self, sid: str) -> bytes:
-        """The stored envelope bytes of submission ``sid``."""
+    def read(self, sid: SubmissionId) -> bytes:
+        """The stored envelope bytes of submission ``sid``.
+
+        Raises:
+            OSError: its file is gone (``FileNotFoundError``) or unreadable now.
+        """
         return (self.dir / f"{sid}.sub").read_bytes()
 
-    def counter_used(self, worker: str, counter: int, exclude_id: str) -> bool:
+    def counter_used(self, worker: str, counter: int, exclude_id: SubmissionId) -> bool:
         """Whether ``worker`` already has another stored submission with this counter (stored or being stored)."""
         with self._lock:
             if any(s.worker == worker and s.counter == counter and s.sid != exclude_id for s in self._staged.values()):
@@ -433,8 +636,20 @@ class SubmissionStore:
             ).fetchone()
         return row is not None
 
+    def address_standing(self, source_ip: str) -> tuple[int, bool, int]:
+        """What admission can check before a body from ``source_ip`` is read: its pending submissions
+        (stored or being stored), whether a submission it posted was ever accepted (a *proven*
+        address), and the pending submissions of workers on probation (indexed ones; O(1))."""
+        with self._lock:
+            n = sum(1 for s in self._staged.values() if s.source_ip == source_ip)
+            row = self._db.execute(
+                f"SELECT (SELECT COUNT(*) FROM submissions WHERE source_ip = ? AND state IN {_in(PENDING)}),"
+                " (SELECT COALESCE(MAX(accepted), 0) FROM address_stats WHERE address = ?), (SELECT pending FROM probation)",
+                (source_ip, source_ip)).fetchone()
+        return int(row[0]) + n, bool(row[1]), int(row[2])
+
     def usage(self, worker: str, source_ip: str) -> Usage:
-        """What one worker, one address and everybody hold: the inputs of the ingest's quotas.
+        """What one worker, one address, the workers on probation and everybody hold (:class:`Usage`).
 
         Submissions still being stored (:meth:`submit`) count as pending and on disk, each exactly
         once: one whose group is committing right now may already be in the index too, so those
@@ -445,68 +660,98 @@ class SubmissionStore:
             staged = list(self._staged.values())
             # not committing: its commit has not begun (the flag is set under this lock first), so not in the index
             committing = [s.sid for s in staged if s.committing]
-            row = self._db.execute(_usage_sql(len(committing)), (worker, source_ip, *committing)).fetchone()
-        if row[6]:  # committing and already in the index: counted there
-            indexed = set(row[6].split(","))
-            staged = [s for s in staged if s.sid not in indexed]
+            row = self._db.execute(_usage_sql(len(committing)), (worker, source_ip, *committing, worker)).fetchone()
+            if row[6]:  # committing and already in the index: counted there
+                indexed = set(row[6].split(","))
+                staged = [s for s in staged if s.sid not in indexed]
+            others = {s.worker for s in staged if s.worker != worker}
+            known = {r[0] for r in self._db.execute(
+                f"SELECT worker FROM worker_stats WHERE accepted > 0 AND worker IN ({','.join('?' * len(others))})", tuple(others))
+            } if others else set()
+        established = bool(row[7])
         w, ip, disk = (row[0], row[1]), (row[2], row[3]), (row[4], row[5])
         sw = [s.size_bytes for s in staged if s.worker == worker]
         si = [s.size_bytes for s in staged if s.source_ip == source_ip]
+        sp = [s.size_bytes for s in staged if (s.worker == worker and not established) or (s.worker != worker and s.worker not in known)]
         return Usage(int(w[0]) + len(sw), int(w[1]) + sum(sw), int(ip[0]) + len(si), int(ip[1]) + sum(si),
                      int(disk[0]) + len(staged), int(disk[1]) + sum(s.size_bytes for s in staged),
-                     sum(s.size_bytes for s in staged if not s.written))
+                     sum(s.size_bytes for s in staged if not s.written), established, int(row[8]) + len(sp), int(row[9]) + sum(sp))
 
-    def storing(self, sid: str) -> bool:
+    def storing(self, sid: SubmissionId) -> bool:
         """Whether submission ``sid`` was submitted and is not yet committed (nor failed)."""
         with self._lock:
             return sid in self._staged
 
-    def lease_pending(self, limit: int, lease_s: float, now_ms: int | None = None) -> list[str]:
-        """Hand out up to ``limit`` pending submissions not leased in the last ``lease_s`` seconds.
-
-        Fair share across client addresses, then across workers: round-robin over the addresses
-        with pending work, and within an address over its workers, the one whose oldest pending
-        submission waited longest first, so junk from many free keys (or from several addresses)
-        cannot push honest work back. Every pending submission is considered (the ingest's disk
-        quota bounds how many there are): looking only at the newest ones let 128 fresh junk
-        submissions from two addresses hide an honest worker's older one from every lease. Within
-        a worker newest first: what validators judge first is what the trainer can still use; the
-        oldest pending work ages out of the async window instead.
-
-        Returns:
-            Submission IDs in round-robin order; each is leased until ``now + lease_s``.
-        """
-        now = now_ms or int(time.time() * 1000)
+    def leasable(self, now_ms: int) -> list[LeaseCandidate]:
+        """Every pending submission not leased at ``now_ms`` (the disk quota bounds how many), with
+        what the lease order needs (``trainer/ledger/leasing.py``)."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT id, worker, source_ip, seq FROM submissions WHERE state = 'pending' AND lease_until_ms <= ? ORDER BY seq DESC",
-                (now,),
+                f"SELECT s.id, s.worker, s.source_ip, s.seq, COALESCE(w.accepted, 0) > 0 FROM submissions s"
+                f" LEFT JOIN worker_stats w ON w.worker = s.worker WHERE s.state IN {_in(PENDING)} AND s.lease_until_ms <= ?",
+                (now_ms,),
             ).fetchall()
-            by_ip: dict[str, dict[str, list[tuple[str, int]]]] = {}
-            for sid, worker, ip, seq in rows:
-                by_ip.setdefault(ip, {}).setdefault(worker, []).append((sid, seq))
-            # per address: its workers' queues, oldest waiting worker first; addresses likewise
-            addresses = sorted(
-                (sorted(workers.values(), key=lambda q: q[-1][1]) for workers in by_ip.values()),
-                key=lambda qs: min(q[-1][1] for q in qs),
-            )
-            ids: list[str] = []
-            while len(ids) < limit and addresses:
-                for qs in list(addresses):
-                    if len(ids) >= limit:
-                        break
-                    q = qs.pop(0)  # this address's next worker
-                    ids.append(q.pop(0)[0])
-                    if q:
-                        qs.append(q)
-                    if not qs:
-                        addresses.remove(qs)
-            self._db.executemany("UPDATE submissions SET lease_until_ms = ? WHERE id = ?", [(now + int(lease_s * 1000), i) for i in ids])
-        return ids
+        return [LeaseCandidate(SubmissionId(i), w, ip, int(seq), bool(e)) for i, w, ip, seq, e in rows]
 
-    def record_verdict(self, verdict_id: str, submission_id: str, validator: str, accepted: bool, reason: str, now_ms: int | None = None,
-                       evidence: str = "") -> bool:
-        """Apply a validator's verdict; the first verdict on a submission decides its state.
+    def lease(self, ids: list[SubmissionId], until_ms: int, now_ms: int) -> list[SubmissionId]:
+        """The :attr:`~Transition.LEASE` transition: each of ``ids`` still pending and not leased at
+        ``now_ms`` is leased until ``until_ms``; returns those."""
+        sources, target = TRANSITIONS[Transition.LEASE]
+        out: list[SubmissionId] = []
+        with self._lock, self._transaction():
+            for sid in ids:
+                cur = self._db.execute(f"UPDATE submissions SET state = ?, lease_until_ms = ? WHERE id = ? AND state IN {_in(sources)}"
+                                       " AND lease_until_ms <= ?", (target.value, until_ms, sid, now_ms))
+                if cur.rowcount:
+                    out.append(sid)
+        return out
+
+    def apply(self, transition: Transition, ids: Iterable[SubmissionId], *, reason: str | None = None,
+              consumed_step: int | None = None) -> list[SubmissionId]:
+        """Apply ``transition`` (:data:`~trainer.ledger.states.TRANSITIONS`) to each of ``ids`` that
+        is in one of its source states; returns those it changed.
+
+        Args:
+            reason: the new ``reason`` (:attr:`~Transition.EXPIRE`, :attr:`~Transition.BAN`).
+            consumed_step: the consuming trainer step (:attr:`~Transition.CONSUME`; required there).
+
+        Raises:
+            ValueError: a verdict's transition (use :meth:`record_verdict`), or a missing ``consumed_step``.
+        """
+        sources, target = TRANSITIONS[transition]
+        sets, params = ["state = ?"], [target.value]
+        if transition in (Transition.ACCEPT, Transition.REJECT, Transition.LEASE):
+            raise ValueError(f"{transition} is applied by record_verdict or lease")
+        if transition is Transition.CONSUME:
+            if consumed_step is None:
+                raise ValueError("consume needs the consuming step")
+            sets.append("consumed_step = ?")
+            params.append(consumed_step)
+        elif transition is Transition.UNCONSUME:
+            sets.append("consumed_step = NULL")
+        if reason is not None:
+            sets.append("reason = ?")
+            params.append(reason)
+        sql = f"UPDATE submissions SET {', '.join(sets)} WHERE id = ? AND state IN {_in(sources)}"
+        out: list[SubmissionId] = []
+        with self._lock, self._transaction():
+            for sid in ids:
+                if self._db.execute(sql, (*params, sid)).rowcount:
+                    out.append(sid)
+        return out
+
+    def select(self, states: Iterable[State], *, worker: str | None = None, policy_below: int | None = None,
+               consumed_below: int | None = None, consumed_above: int | None = None, on_disk: bool | None = None) -> list[SubmissionId]:
+        """IDs of submissions in ``states`` matching every filter given (each an indexed range)."""
+        sql, params = _select_sql(states, worker=worker, policy_below=policy_below, consumed_below=consumed_below,
+                                  consumed_above=consumed_above, on_disk=on_disk)
+        with self._lock:
+            return [SubmissionId(r[0]) for r in self._db.execute(sql, params)]
+
+    def record_verdict(self, verdict_id: str, submission_id: SubmissionId, validator: str, accepted: bool, reason: str,
+                       now_ms: int | None = None, evidence: str = "") -> bool:
+        """Record a validator's verdict; the first on a pending submission decides it (the
+        :attr:`~Transition.ACCEPT` or :attr:`~Transition.REJECT` transition, in the same transaction).
 
         Every verdict is recorded (with ``evidence``, a one-line summary), deciding or not.
 
@@ -514,46 +759,34 @@ class SubmissionStore:
             ``True`` if it decided the submission's state, ``False`` if it was a repeat or late.
         """
         now = now_ms or int(time.time() * 1000)
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute(
-                    "INSERT OR IGNORE INTO verdicts (id, submission_id, validator, accepted, reason, received_ms, evidence)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (verdict_id, submission_id, validator, int(accepted), reason, now, evidence),
-                )
-                cur = self._db.execute(
-                    "UPDATE submissions SET state = ?, reason = ?, verdict_by = ? WHERE id = ? AND state = 'pending'",
-                    ("accepted" if accepted else "rejected", reason, validator, submission_id),
-                )
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        sources, target = TRANSITIONS[Transition.ACCEPT if accepted else Transition.REJECT]
+        with self._lock, self._transaction():
+            self._db.execute(
+                "INSERT OR IGNORE INTO verdicts (id, submission_id, validator, accepted, reason, received_ms, evidence)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (verdict_id, submission_id, validator, int(accepted), reason, now, evidence),
+            )
+            cur = self._db.execute(
+                f"UPDATE submissions SET state = ?, reason = ?, verdict_by = ? WHERE id = ? AND state IN {_in(sources)}",
+                (target.value, reason, validator, submission_id),
+            )
         return cur.rowcount == 1
 
-    def deciding_verdict(self, submission_id: str) -> DecidingVerdict | None:
-        """The verdict that decided ``submission_id``'s state, or ``None`` while it is pending."""
+    def deciding_verdict(self, submission_id: SubmissionId) -> DecidingVerdict | None:
+        """The verdict that decided ``submission_id``'s state, or ``None`` while it is pending (or
+        when it was rejected without one: stale, its worker banned)."""
         with self._lock:
             row = self._db.execute(
                 "SELECT v.id, v.validator, v.accepted, v.reason, v.evidence FROM submissions s JOIN verdicts v"
                 " ON v.submission_id = s.id AND v.validator = s.verdict_by AND v.reason = s.reason"
-                " WHERE s.id = ? AND s.state != 'pending' ORDER BY v.received_ms LIMIT 1",
+                f" WHERE s.id = ? AND s.state NOT IN {_in(PENDING)} ORDER BY v.received_ms LIMIT 1",
                 (submission_id,),
             ).fetchone()
-        return DecidingVerdict(row[0], row[1], bool(row[2]), row[3], row[4]) if row else None
+        return DecidingVerdict(bytes.fromhex(row[0]), PeerId(row[1]), bool(row[2]), row[3], row[4]) if row else None
 
-    def reject_worker_pending(self, worker: str, reason: str) -> int:
-        """Reject every pending submission of a banned worker and delete their files; returns how many."""
-        with self._lock:
-            ids = [r[0] for r in self._db.execute("SELECT id FROM submissions WHERE worker = ? AND state = 'pending'", (worker,))]
-            self._db.executemany("UPDATE submissions SET state = 'rejected', reason = ? WHERE id = ? AND state = 'pending'",
-                                 [(reason, i) for i in ids])
-        self.delete_files(ids)
-        return len(ids)
-
-    def delete_files(self, ids: list[str]) -> int:
+    def delete_files(self, ids: Iterable[SubmissionId]) -> int:
         """Delete the files of these submissions (their index rows stay); returns how many were on disk."""
+        ids = list(ids)
         n = 0
         for sid in ids:
             path = self.dir / f"{sid}.sub"
@@ -564,119 +797,101 @@ class SubmissionStore:
             self._db.executemany("UPDATE submissions SET on_disk = 0 WHERE id = ?", [(i,) for i in ids])
         return n
 
-    def retire_stale(self, min_policy_step: int) -> int:
-        """Drop work that fell out of the async window: pending → rejected ``stale_policy``, and the
-        files of pending or accepted-unconsumed submissions with policy step < ``min_policy_step``.
-
-        Returns:
-            How many files were deleted.
-        """
+    def trainable(self, min_policy_step: int) -> list[StoredSubmission]:
+        """Accepted submissions not yet consumed with policy step ≥ ``min_policy_step``, oldest first."""
         with self._lock:
-            ids = [r[0] for r in self._db.execute(
-                "SELECT id FROM submissions WHERE on_disk = 1 AND policy_step < ? AND (state = 'pending' OR (state = 'accepted' AND consumed_step = -1))",
-                (min_policy_step,))]
-            self._db.executemany("UPDATE submissions SET state = 'rejected', reason = 'stale_policy' WHERE id = ? AND state = 'pending'",
-                                 [(i,) for i in ids])
-        return self.delete_files(ids)
+            rows = self._db.execute(_TRAINABLE_SQL, (min_policy_step,)).fetchall()
+        return [_row(r) for r in rows]
 
-    def accepted_unconsumed(self, min_policy_step: int) -> list[StoredSubmission]:
-        """Accepted submissions not yet trained on, with policy step ≥ ``min_policy_step``, oldest first."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT id, worker, policy_step, counter, n_rollouts, size_bytes, received_ms, state, reason FROM submissions"
-                " WHERE state = 'accepted' AND consumed_step = -1 AND policy_step >= ? ORDER BY seq",
-                (min_policy_step,),
-            ).fetchall()
-        return [StoredSubmission(*r) for r in rows]
+    # --- read models (their own connection: never the store's lock) ----------------------------
 
-    def mark_consumed(self, ids: list[str], step: int) -> None:
-        """Record that trainer step ``step`` used these submissions (call after saving its state).
-
-        Files of submissions consumed by steps before ``step`` (and of untrainable ones, step −2)
-        are deleted now: a resume from ``step``'s saved state never un-consumes them.
-        """
-        with self._lock:
-            self._db.executemany("UPDATE submissions SET consumed_step = ? WHERE id = ?", [(step, i) for i in ids])
-            done = [r[0] for r in self._db.execute(
-                "SELECT id FROM submissions WHERE on_disk = 1 AND consumed_step != -1 AND consumed_step < ?", (step,))]
-        self.delete_files(done)
-
-    def unconsume_after(self, step: int) -> int:
-        """Make submissions consumed by steps > ``step`` trainable again (resume from ``step``)."""
-        with self._lock:
-            cur = self._db.execute("UPDATE submissions SET consumed_step = -1 WHERE consumed_step > ?", (step,))
-        return cur.rowcount
-
-    def _snapshot(self, *queries: str) -> list[list[tuple[Any, ...]]]:
-        """Rows of each query, all from one committed snapshot, through the statistics connection
-        (never the store's lock: see ``__init__``)."""
+    def _snapshot(self, *queries: tuple[str, tuple[Any, ...]]) -> list[list[tuple[Any, ...]]]:
+        """Rows of each query, all from one committed snapshot."""
         with self._stats_lock:
             self._stats_db.execute("BEGIN")
             try:
-                return [self._stats_db.execute(q).fetchall() for q in queries]
+                return [self._stats_db.execute(q, p).fetchall() for q, p in queries]
             finally:
                 self._stats_db.execute("COMMIT")
 
     def counts(self) -> dict[str, int]:
-        """Submissions by state, plus ``consumed`` (committed ones; a whole-history scan)."""
-        rows, consumed_row = self._snapshot("SELECT state, COUNT(*) FROM submissions GROUP BY state",
-                                            "SELECT COUNT(*) FROM submissions WHERE consumed_step >= 0")
-        consumed = consumed_row[0][0]
-        out = {"pending": 0, "accepted": 0, "rejected": 0}
-        out.update({k: int(v) for k, v in rows})
-        out["consumed"] = int(consumed)
-        return out
+        """Submissions of the run: ``pending`` now, and ever ``accepted``, ``rejected`` and ``consumed``
+        (trained on by a step). O(workers)."""
+        ((row,),) = self._snapshot((("SELECT COALESCE(SUM(pending), 0), COALESCE(SUM(accepted), 0), COALESCE(SUM(rejected), 0),"
+                                    " COALESCE(SUM(trained), 0) FROM worker_stats"), ()))
+        return dict(zip(("pending", "accepted", "rejected", "consumed"), (int(x) for x in row), strict=True))
 
     def verdict_reasons(self) -> dict[str, int]:
-        """Verdicts received, by reason."""
-        (rows,) = self._snapshot("SELECT reason, COUNT(*) FROM verdicts GROUP BY reason")
+        """Verdicts received, by reason (deciding or not)."""
+        (rows,) = self._snapshot(("SELECT reason, n FROM verdict_reasons", ()))
         return {k: int(v) for k, v in rows}
 
-    def submissions_after(self, seq: int, limit: int) -> list[tuple[int, str, str]]:
-        """Up to ``limit`` stored submissions whose index sequence number is above ``seq``, in arrival order.
-
-        Returns:
-            ``(seq, submission ID, worker peer ID)`` tuples (for readers that follow the store, e.g. the run page).
-        """
-        with self._lock:
-            rows = self._db.execute("SELECT seq, id, worker FROM submissions WHERE seq > ? ORDER BY seq LIMIT ?", (seq, limit)).fetchall()
-        return [(int(s), i, w) for s, i, w in rows]
-
-    def rollouts_trained(self) -> dict[str, int]:
-        """Per worker: rollouts in its submissions that a trainer step consumed (a whole-history scan)."""
-        (rows,) = self._snapshot("SELECT worker, SUM(n_rollouts) FROM submissions WHERE consumed_step >= 0 GROUP BY worker")
-        return {w: int(n) for w, n in rows}
-
     def worker_stats(self) -> dict[str, dict[str, int]]:
-        """Per worker: submissions by state, ``stale`` (of the rejected, those retired as
-        ``stale_policy``: out of the async window, no fault of the worker's) and ``trained``
-        (submissions a trainer step consumed). A whole-history scan."""
-        rows, stale, trained = self._snapshot(
-            "SELECT worker, state, COUNT(*) FROM submissions GROUP BY worker, state",
-            "SELECT worker, COUNT(*) FROM submissions WHERE state = 'rejected' AND reason = 'stale_policy' GROUP BY worker",
-            "SELECT worker, COUNT(*) FROM submissions WHERE consumed_step >= 0 GROUP BY worker",
-        )
-        out: dict[str, dict[str, int]] = {}
-        for worker, state, n in rows:
-            out.setdefault(worker, {})[state] = int(n)
-        for worker, n in stale:
-            out.setdefault(worker, {})["stale"] = int(n)
-        for worker, n in trained:
-            out.setdefault(worker, {})["trained"] = int(n)
-        return out
+        """Per worker, its non-zero counts: ``pending``, ``accepted``, ``rejected``, ``stale`` (of the
+        rejected, those that left the async window unjudged: no fault of the worker's) and
+        ``trained`` (submissions a trainer step consumed). O(workers)."""
+        keys = ("pending", "accepted", "rejected", "stale", "trained")
+        (rows,) = self._snapshot((f"SELECT worker, {', '.join(keys)} FROM worker_stats", ()))
+        return {r[0]: {k: int(v) for k, v in zip(keys, r[1:], strict=True) if v} for r in rows}
+
+    def leaderboard(self, limit: int) -> list[dict[str, Any]]:
+        """The ``limit`` workers with the most accepted submissions (then fewest rejected, then peer
+        ID): ``peer_id``, ``accepted``, ``rejected``, ``pending``, ``submissions_trained``,
+        ``rollouts_trained``, ``tokens`` (completion tokens of everything it stored)."""
+        (rows,) = self._snapshot((("SELECT worker, accepted, rejected, pending, trained, rollouts_trained, tokens FROM worker_stats"
+                                  " ORDER BY accepted DESC, rejected, worker LIMIT ?"), (limit,)))
+        keys = ("peer_id", "accepted", "rejected", "pending", "submissions_trained", "rollouts_trained", "tokens")
+        return [dict(zip(keys, r, strict=True)) for r in rows]
+
+    def _transaction(self) -> _Transaction:
+        return _Transaction(self._db)
+
+
+class _Transaction:
+    """``BEGIN IMMEDIATE`` … ``COMMIT`` (``ROLLBACK`` on an error) on a connection the caller holds the lock of."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.db.execute("COMMIT")
+        elif self.db.in_transaction:
+            self.db.execute("ROLLBACK")
+
+
+_TRAINABLE_SQL = f"SELECT {_ROW} FROM submissions WHERE state = '{State.ACCEPTED.value}' AND policy_step >= ? ORDER BY seq"
+
+
+def _select_sql(states: Iterable[State], *, worker: str | None = None, policy_below: int | None = None, consumed_below: int | None = None,
+                consumed_above: int | None = None, on_disk: bool | None = None) -> tuple[str, tuple[Any, ...]]:
+    """The statement of :meth:`SubmissionStore.select` and its parameters."""
+    where, params = [f"state IN {_in(states)}"], []
+    for clause, value in (("worker = ?", worker), ("policy_step < ?", policy_below), ("consumed_step < ?", consumed_below),
+                          ("consumed_step > ?", consumed_above), ("on_disk = ?", None if on_disk is None else int(on_disk))):
+        if value is not None:
+            where.append(clause)
+            params.append(value)
+    return f"SELECT id FROM submissions WHERE {' AND '.join(where)}", tuple(params)
 
 
 def _usage_sql(n_committing: int) -> str:
     """The one statement of :meth:`SubmissionStore.usage` (one snapshot; each index range read once):
-    parameters ``worker, source_ip`` and ``n_committing`` submission IDs; one row ``(worker count,
-    worker bytes, address count, address bytes, files on disk, their bytes, comma-joined IDs of the
-    given ones already indexed)``."""
+    parameters ``worker, source_ip``, ``n_committing`` submission IDs, ``worker``; one row ``(worker
+    count, worker bytes, address count, address bytes, files on disk, their bytes, comma-joined IDs
+    of the given ones already indexed, the worker's accepted count, probation count, probation bytes)``."""
     marks = ",".join("?" * n_committing) or "NULL"
-    return ("SELECT w.n, w.b, i.n, i.b, d.n, d.b, x.ids FROM"
-            " (SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS b FROM submissions WHERE worker = ? AND state = 'pending') AS w,"
-            " (SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS b FROM submissions WHERE source_ip = ? AND state = 'pending') AS i,"
+    pending = _in(PENDING)
+    return ("SELECT w.n, w.b, i.n, i.b, d.n, d.b, x.ids, e.accepted, p.pending, p.pending_bytes FROM"
+            f" (SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS b FROM submissions WHERE worker = ? AND state IN {pending}) AS w,"
+            f" (SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS b FROM submissions WHERE source_ip = ? AND state IN {pending}) AS i,"
             " (SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS b FROM submissions WHERE on_disk = 1) AS d,"
-            f" (SELECT group_concat(id) AS ids FROM submissions WHERE id IN ({marks})) AS x")
+            f" (SELECT group_concat(id) AS ids FROM submissions WHERE id IN ({marks})) AS x,"
+            " (SELECT COALESCE(MAX(accepted), 0) AS accepted FROM worker_stats WHERE worker = ?) AS e,"
+            " probation AS p")
 
 
 def _chain_duplicate(first: Future[bool], dup: Future[bool]) -> None:

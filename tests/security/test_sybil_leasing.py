@@ -1,0 +1,105 @@
+"""Sybil junk against the ingest's admission and lease order (issue 23, item 4; ``trainer/ledger/leasing.py``).
+
+Junk from many addresses and free keys used to fill the disk quota (66 addresses × 64 pending
+each > 4,096 files: honest submissions got 507) and, leased addresses-oldest-first, to take the
+validators' time: training stalled and an honest worker's accepted rate fell from 0.9/s to
+0.03/s. Now workers with no accepted submission are on probation: together they hold at most
+``probation_share`` of the disk quota, and they get one lease slot in ``PROBATION_EVERY`` while
+established workers have work. A real attacker process floods from 16 or 66 loopback addresses
+(each its own /24) with fresh keys; an established honest worker's next submission is stored
+within 2 s, the next lease hands it out first, and ``/status`` answers within 2 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from ingest_attack_helpers import VALIDATOR, honest_session, post, running_ingest, submission, verdict
+from waiting import wait_until
+
+from protocol import encoding
+from protocol.envelope import seal
+from protocol.identity import NodeKey
+from protocol.messages import LeaseRequest
+from trainer.ingest.limits import IngestLimits
+
+HERE = Path(__file__).resolve().parent
+SUBMISSIONS = "/ingest/1/submissions"
+
+FLOOD = textwrap.dedent("""
+    import asyncio, sys
+    sys.path.insert(0, sys.argv[3])
+    import aiohttp
+    from ingest_attack_helpers import submission
+    from protocol.identity import NodeKey
+
+    url, ips = sys.argv[1], sys.argv[2].split(",")
+    codes = {}
+
+    async def flood(ip):  # a fresh key per submission, as fast as the ingest takes them
+        async with aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(local_addr=(ip, 0))) as http:
+            while True:
+                async with http.post("/ingest/1/submissions", data=submission(NodeKey.generate())) as r:
+                    await r.read()
+                    codes[r.status] = codes.get(r.status, 0) + 1
+                    if r.status != 200:
+                        await asyncio.sleep(0.2)
+
+    async def main():
+        tasks = [asyncio.create_task(flood(ip)) for ip in ips]
+        await asyncio.sleep(1.0)
+        print("ready", flush=True)
+        await asyncio.to_thread(sys.stdin.read)  # until the test closes stdin
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        print("codes", " ".join(f"{k}={v}" for k, v in sorted(codes.items())), flush=True)
+
+    asyncio.run(main())
+""")
+
+
+@pytest.mark.parametrize("addresses", [16, 66])
+async def test_junk_from_many_addresses_neither_refuses_nor_delays_an_established_worker(tmp_path: Path, addresses: int) -> None:
+    limits = IngestLimits(max_disk_files=64, max_pending_per_ip=8)
+    ips = [f"127.{1 + i}.0.1" for i in range(addresses)]
+    honest = NodeKey.generate()
+    async with running_ingest(tmp_path, limits=limits) as ing:
+        async with honest_session(ing.url) as http:  # the honest worker is established before the attack
+            status, body = await post(http, SUBMISSIONS, first := submission(honest, counter=0))
+            assert status == 200, body
+            assert ing.service.apply_verdict(verdict(first, True, "ok")) is True
+        proc = subprocess.Popen([sys.executable, "-c", FLOOD, ing.url, ",".join(ips), str(HERE)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout=60)
+            assert line.strip() == "ready", line
+            share = int(limits.probation_share * limits.max_disk_files)
+            await wait_until(lambda: ing.store.counts()["pending"] >= share, timeout_s=60, what="the junk filling its share")
+            async with honest_session(ing.url) as http:
+                async with http.get("/status") as r:
+                    assert r.status == 200
+                status, body = await post(http, SUBMISSIONS, submission(honest, counter=1))
+                assert status == 200 and body["stored"] is True, body  # not 507: the junk holds only its share
+                lease = seal(VALIDATOR, ing.ledger.run_id, LeaseRequest(limit=1, lease_s=30.0))
+                async with http.post("/ingest/1/lease", data=lease) as r:
+                    assert r.status == 200
+                    leased = encoding.unpackb(await r.read(), 1 << 26)["submissions"]
+            assert leased == [submission_bytes(ing, body["id"])]  # first in line, whatever piled up
+            assert ing.store.counts()["pending"] <= share + 1  # the junk's share, plus the honest one
+        finally:
+            proc.stdin.close()  # type: ignore[union-attr]
+            out = await asyncio.wait_for(asyncio.to_thread(proc.stdout.read), timeout=60)  # type: ignore[union-attr]
+            proc.wait(30)
+        assert "507=" in out or "429=" in out, out  # the attacker was held to its share
+
+
+def submission_bytes(ing, sid: str) -> bytes:  # type: ignore[no-untyped-def]
+    return ing.store.read(sid)
+

@@ -1,0 +1,379 @@
+"""The submission ledger: one owner for a submission's life on the coordinator.
+
+Every change of a submission's state is one method here, named after its transition
+(:mod:`trainer.ledger.states`); the async-window rule (:mod:`protocol.window`) and the retention
+rule (which files go when) are applied here and nowhere else on the coordinator. Callers:
+
+* the ingest's HTTP adapter (``trainer/ingest/service.py``): :meth:`SubmissionLedger.admit` →
+  :meth:`~SubmissionLedger.stored`; :meth:`~SubmissionLedger.lease`; verdicts through the ban
+  rule (``ban_rule.py``), which calls :meth:`~SubmissionLedger.judge`; :meth:`~SubmissionLedger.expire_stale`
+  on a timer, never inside a request;
+* the rollout buffer (``trainer/buffer.py``, the ledger's trainable view):
+  :meth:`~SubmissionLedger.trainable`, :meth:`~SubmissionLedger.body`,
+  :meth:`~SubmissionLedger.consumed`, :meth:`~SubmissionLedger.unconsume_after`,
+  :meth:`~SubmissionLedger.retire_untrainable`;
+* status pages and the run page read the read models (:meth:`~SubmissionLedger.counts`,
+  :meth:`~SubmissionLedger.worker_stats`, :meth:`~SubmissionLedger.leaderboard`, …), kept as
+  transitions happen: nothing here opens a stored envelope except :meth:`~SubmissionLedger.body`
+  for a body no longer held (after a restart) and the ban rule's re-check.
+
+Retention: a rejected submission's file goes once its verdict is final (the ban rule says when);
+a consumed one's when a later step's training state is saved (a resume never needs it again);
+a pending or accepted one's when it leaves the async window; an unreadable one's at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from protocol.envelope import Envelope, open_envelope
+from protocol.messages import Submission, Verdict
+from protocol.runspec import RunSpec
+from protocol.window import in_window, oldest_fresh_step
+from trainer.errors import Refused
+from trainer.ledger.bans import BanBook
+from trainer.ledger.bodies import MAX_HELD_BODY_BYTES, HeldBodies
+from trainer.ledger.ids import SubmissionId, submission_id
+from trainer.ledger.leasing import PROBATION_EVERY, lease_order
+from trainer.ledger.states import PENDING, State, Transition, public_state
+from trainer.ledger.store import STALE_REASON, DecidingVerdict, StoredSubmission, SubmissionStore
+
+logger = logging.getLogger(__name__)
+
+BANNED_REASON = "banned"
+"""The reason of a pending submission rejected because its worker was banned."""
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """What the ledger admits: bounds that keep one worker, one address or many free identities
+    from taking the disk, and the validators' time, that others need.
+
+    Attributes:
+        max_pending_per_worker: a worker's unjudged submissions: backpressure, so workers
+            generate no faster than validators judge (their excess would only turn stale).
+        max_pending_bytes_per_worker: a worker's unjudged bytes.
+        max_pending_per_ip: unjudged submissions posted from one address, whatever the keys.
+        max_pending_bytes_per_ip: unjudged bytes posted from one address.
+        max_disk_files: submission files on disk in all (pending, and accepted not yet retired).
+        max_disk_bytes: their bytes.
+        min_free_disk_bytes: refuse submissions that would leave less free space than this.
+        probation_share: the fraction of ``max_disk_files`` and ``max_disk_bytes`` that workers
+            on probation (no accepted submission yet) may hold pending together, so free keys
+            can never take the room established workers' submissions need.
+    """
+
+    max_pending_per_worker: int = 4
+    max_pending_bytes_per_worker: int = 256 << 20
+    max_pending_per_ip: int = 64
+    max_pending_bytes_per_ip: int = 1 << 30
+    max_disk_files: int = 4096
+    max_disk_bytes: int = 8 << 30
+    min_free_disk_bytes: int = 256 << 20
+    probation_share: float = 0.5
+
+
+@dataclass(frozen=True)
+class Admission:
+    """An admitted submission.
+
+    Attributes:
+        sid: its ID.
+        durable: resolves ``True`` once it is durable (``False``: the same bytes were stored by a
+            concurrent request); raises ``OSError``/``sqlite3.Error`` if it could not be stored.
+            ``None`` when it was already stored: a duplicate, answered at once.
+        state: a duplicate's state as the ingest reports it (``pending``/``accepted``/``rejected``).
+    """
+
+    sid: SubmissionId
+    durable: Future[bool] | None
+    state: str = "pending"
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """A verdict recorded against its submission: ``decided`` when it was the first (it set the state)."""
+
+    sid: SubmissionId
+    worker: str
+    decided: bool
+
+
+class SubmissionLedger:
+    """The submissions of one run on the coordinator (see the module docstring).
+
+    Thread-safety: admission and leasing run on the event loop, verdicts on the loop or the
+    gossip thread, the trainable view on the training thread; the store serialises its writes.
+
+    Args:
+        root: the ledger's directory (``<data dir>/ingest``: files and index).
+        spec: the run spec (run ID, async level).
+        bans: the ban book (who is banned; the ban rule adds to it).
+        trainer_step: returns the trainer step ``n`` (:mod:`protocol.window`).
+        latest_policy_step: returns the newest published policy step (the window's upper end at admission).
+        quotas: :class:`Quotas`.
+        max_held_bytes: verified bodies held in memory (:data:`~trainer.ledger.bodies.MAX_HELD_BODY_BYTES`).
+    """
+
+    def __init__(self, root: Path, spec: RunSpec, bans: BanBook, *, trainer_step: Callable[[], int],
+                 latest_policy_step: Callable[[], int], quotas: Quotas | None = None, max_held_bytes: int = MAX_HELD_BODY_BYTES) -> None:
+        self.spec = spec
+        self.run_id = spec.run_id
+        self.async_level = spec.rl.async_level
+        self.store = SubmissionStore(root, spec.run_id)
+        self.bans = bans
+        self.bodies = HeldBodies(max_held_bytes)
+        self.trainer_step = trainer_step
+        self.latest_policy_step = latest_policy_step
+        self.quotas = quotas or Quotas()
+        self.probation_every = PROBATION_EVERY
+        self._lease_slot = 0
+        self._lease_lock = threading.Lock()
+        self.reopened = 0
+        """Stored envelopes opened and verified again (bodies no longer held, or after a restart)."""
+
+    def close(self) -> None:
+        """Finish every write in progress and close the index."""
+        self.store.close()
+
+    # --- admitted → stored (event loop) --------------------------------------------------------
+
+    def admit(self, env: Envelope[Submission], address: str) -> Admission:
+        """Admit a verified submission: not banned, inside the async window, not a replayed counter,
+        within its quotas; its durable write starts (group-committed) and it counts from now on.
+
+        One call, no await: the checks see every earlier admitted submission, durable or still
+        being written, and this one is counted before the next is checked.
+
+        Args:
+            env: the verified envelope.
+            address: the address it was posted from (``protocol.addresses.address_key``).
+
+        Raises:
+            Refused: ``banned``, ``stale_policy``, ``replay``, or a quota (``backpressure``,
+                ``quota``, ``ip_quota``, ``probation_quota``, ``disk_quota``, ``disk_full``).
+        """
+        sub = env.body
+        if self.bans.is_banned(sub.worker):
+            raise Refused("banned", f"worker {sub.worker} is banned")
+        now, hi = self.trainer_step(), self.latest_policy_step()
+        if not in_window(sub.policy_step, trainer_step=now, async_level=self.async_level, newest_step=hi):
+            raise Refused("stale_policy", f"policy step {sub.policy_step} outside the window [{oldest_fresh_step(now, self.async_level)}, {hi}]")
+        sid = submission_id(env.id)
+        # staged first, then the index: a submission goes staged → (both, while committing) → index
+        if not self.store.storing(sid):  # the same bytes being stored now: a duplicate, answered when they are durable
+            existing = self.store.get(sid)
+            if existing is not None:
+                return Admission(sid, None, public_state(existing.state))
+            if self.store.counter_used(sub.worker, sub.counter, sid):
+                raise Refused("replay", f"worker {sub.worker} already submitted counter {sub.counter} in another submission")
+            self._check_quotas(sub.worker, address, len(env.raw))
+        return Admission(sid, self.store.submit(env, None, address))
+
+    def _check_quotas(self, worker: str, address: str, size: int) -> None:
+        q = self.quotas
+        u = self.store.usage(worker, address)
+        if u.worker_pending >= q.max_pending_per_worker:
+            raise Refused("backpressure", f"worker {worker} has {q.max_pending_per_worker} submissions awaiting verdicts; retry later",
+                          retry_after_s=1.0)
+        if u.worker_bytes + size > q.max_pending_bytes_per_worker:
+            raise Refused("quota", f"worker {worker} has too many unjudged bytes; retry later", retry_after_s=10.0)
+        if u.ip_pending >= q.max_pending_per_ip or u.ip_bytes + size > q.max_pending_bytes_per_ip:
+            raise Refused("ip_quota", f"address {address} has {u.ip_pending} submissions ({u.ip_bytes} bytes) awaiting verdicts; retry later",
+                          retry_after_s=10.0)
+        if u.disk_files >= q.max_disk_files or u.disk_bytes + size > q.max_disk_bytes:
+            raise Refused("disk_quota", f"the ingest holds {u.disk_files} submissions ({u.disk_bytes} bytes), its limit; retry later",
+                          retry_after_s=10.0)
+        if not u.established and (u.probation_pending + 1 > q.probation_share * q.max_disk_files
+                                  or u.probation_bytes + size > q.probation_share * q.max_disk_bytes):
+            raise Refused("probation_quota", f"workers with no accepted submission yet hold {u.probation_pending} submissions "
+                          f"({u.probation_bytes} bytes) awaiting verdicts, their share; retry later", retry_after_s=10.0)
+        # minus what admitted submissions are still writing: the file system does not show it yet
+        free = shutil.disk_usage(self.store.dir).free - u.writing_bytes
+        if free - size < q.min_free_disk_bytes:
+            raise Refused("disk_full", f"only {free} bytes free on the ingest's disk; retry later", retry_after_s=30.0)
+
+    def precheck(self, address: str) -> bool:
+        """What can be refused before a body from ``address`` is read (its bytes would only be
+        refused after decoding and verifying them): an address holding its whole pending quota,
+        and, while workers on probation hold their whole share, an address none of whose
+        submissions was ever accepted (so a Sybil flood costs the coordinator no decoding once
+        its share is full; a new worker behind an established worker's address still gets in).
+
+        Returns:
+            Whether the address is *proven* (a submission it posted was accepted).
+
+        Raises:
+            Refused: ``ip_quota``, ``probation_quota`` (or ``disk_quota`` when probation holds it all).
+        """
+        q = self.quotas
+        pending, established, probation = self.store.address_standing(address)
+        if pending >= q.max_pending_per_ip:
+            raise Refused("ip_quota", f"address {address} holds {q.max_pending_per_ip} submissions awaiting verdicts; retry later",
+                          retry_after_s=10.0)
+        if not established and probation >= q.max_disk_files:  # what admission would say: the whole disk quota is taken
+            raise Refused("disk_quota", f"the ingest holds {probation} submissions, its limit; retry later", retry_after_s=10.0)
+        if not established and probation >= q.probation_share * q.max_disk_files:
+            raise Refused("probation_quota", f"workers with no accepted submission yet hold {probation} submissions awaiting verdicts, "
+                          "their share, and none from this address was ever accepted; retry later", retry_after_s=10.0)
+        return established
+
+    def stored(self, sid: SubmissionId, body: Submission) -> None:
+        """``sid`` is durable: keep its verified body for the trainer (so it is not verified again).
+
+        Raises:
+            Refused: ``banned`` — its worker was banned while it was being written (the ban's
+                rejection of its pending work missed it); it is rejected now.
+        """
+        if self.bans.is_banned(body.worker):
+            self.ban_pending(body.worker)
+            raise Refused("banned", f"worker {body.worker} is banned")
+        self.bodies.hold(sid, body)
+
+    def get(self, sid: SubmissionId) -> StoredSubmission | None:
+        """The index row of ``sid`` (no body), or ``None``."""
+        return self.store.get(sid)
+
+    # --- stored → leased ---------------------------------------------------------------------
+
+    def lease(self, limit: int, lease_s: float, now_ms: int | None = None) -> list[SubmissionId]:
+        """Lease up to ``limit`` pending submissions to a validator for ``lease_s`` seconds, in the
+        fair order of ``leasing.py`` (established workers first, round robin over address
+        prefixes, addresses and keys); each may be leased again once its lease ends."""
+        with self._lease_lock:  # one lease at a time: each sees the previous one's leases
+            now = now_ms or int(time.time() * 1000)
+            order, self._lease_slot = lease_order(self.store.leasable(now), limit, slot=self._lease_slot,
+                                                  probation_every=self.probation_every)
+            return self.store.lease(order, now + int(lease_s * 1000), now)
+
+    def read(self, sid: SubmissionId) -> bytes:
+        """The stored envelope of ``sid`` (for a lease answer, the re-check).
+
+        Raises:
+            OSError: its file is gone or unreadable now.
+        """
+        return self.store.read(sid)
+
+    # --- leased → accepted | rejected (the ban rule drives these) --------------------------------
+
+    def judge(self, env: Envelope[Verdict]) -> Judgement | None:
+        """Record a verified verdict; the first on a pending submission decides it (accept or reject).
+
+        Returns:
+            The :class:`Judgement`, or ``None`` when the verdict names an unknown submission or
+            another worker than the one that signed it (never recorded).
+        """
+        v = env.body
+        sid = submission_id(v.submission_id)
+        stored = self.store.get(sid)
+        if stored is None or stored.worker != v.worker:
+            return None
+        decided = self.store.record_verdict(env.id.hex(), sid, env.peer_id, v.accepted, v.reason, evidence=evidence_summary(v.evidence))
+        return Judgement(sid, v.worker, decided)
+
+    def deciding_verdict(self, sid: SubmissionId) -> DecidingVerdict | None:
+        """The verdict that decided ``sid`` (``None`` while pending, or rejected without one)."""
+        return self.store.deciding_verdict(sid)
+
+    def release(self, sid: SubmissionId) -> None:
+        """A rejection of ``sid`` is final (no re-check will read it): its file goes."""
+        self.store.delete_files([sid])
+
+    def ban_pending(self, worker: str) -> int:
+        """The ban transition: reject every pending submission of a banned worker, delete their files; returns how many."""
+        done = self.store.apply(Transition.BAN, self.store.select(PENDING, worker=worker), reason=BANNED_REASON)
+        self.store.delete_files(done)
+        return len(done)
+
+    # --- the async window ---------------------------------------------------------------------
+
+    def expire_stale(self) -> int:
+        """Drop work that fell out of the async window at the current trainer step: pending →
+        rejected ``stale_policy`` (expire), accepted → retired; their files go.
+
+        Returns:
+            How many files were deleted.
+        """
+        lo = oldest_fresh_step(self.trainer_step(), self.async_level)
+        expired = self.store.apply(Transition.EXPIRE, self.store.select(PENDING, policy_below=lo), reason=STALE_REASON)
+        retired = self.store.apply(Transition.RETIRE, self.store.select({State.ACCEPTED}, policy_below=lo))
+        n = self.store.delete_files([*expired, *retired])
+        if n:
+            logger.info("deleted %d submission files that fell out of the async window", n)
+        return n
+
+    # --- accepted → consumed → retired (the trainable view, training thread) --------------------
+
+    def trainable(self, step: int) -> list[StoredSubmission]:
+        """Accepted submissions fresh at trainer step ``step`` (inside the async window), oldest first."""
+        return self.store.trainable(oldest_fresh_step(step, self.async_level))
+
+    def body(self, sid: SubmissionId) -> Submission:
+        """The verified body of ``sid``: the one the ingest verified if still held, else read back
+        from disk and verified again (counted in :attr:`reopened`).
+
+        Raises:
+            OSError: its file is gone or unreadable now.
+            ProtocolError: its bytes no longer verify.
+        """
+        held = self.bodies.take(sid)
+        if held is not None:
+            return held
+        self.reopened += 1
+        return open_envelope(self.store.read(sid), run_id=self.run_id, expect=Submission).body
+
+    def forget_body(self, sid: SubmissionId) -> None:
+        """Drop ``sid``'s held body (the trainer no longer needs it)."""
+        self.bodies.take(sid)
+
+    def retire_untrainable(self, sid: SubmissionId) -> None:
+        """Retire an accepted submission that can never be trained (file gone, bytes that no longer
+        decode, token IDs out of the vocabulary); its file goes now."""
+        self.store.apply(Transition.RETIRE, [sid])
+        self.store.delete_files([sid])
+
+    def consumed(self, ids: Iterable[SubmissionId], step: int) -> None:
+        """Trainer step ``step`` consumed every group of these (call once its training state is saved).
+
+        Submissions consumed by earlier steps are retired now and their files deleted: a resume
+        from ``step``'s saved state never makes them trainable again.
+        """
+        self.store.apply(Transition.CONSUME, ids, consumed_step=step)
+        superseded = self.store.apply(Transition.RETIRE, self.store.select({State.CONSUMED}, consumed_below=step))
+        self.store.delete_files(superseded)
+
+    def unconsume_after(self, step: int) -> int:
+        """Resume from trainer step ``step``: submissions consumed by later steps (trained by a step
+        whose state was never saved) become trainable again; returns how many."""
+        return len(self.store.apply(Transition.UNCONSUME, self.store.select({State.CONSUMED}, consumed_above=step)))
+
+    # --- read models ----------------------------------------------------------------------------
+
+    def counts(self) -> dict[str, int]:
+        """``pending`` now; ``accepted``, ``rejected``, ``consumed`` over the run."""
+        return self.store.counts()
+
+    def verdict_reasons(self) -> dict[str, int]:
+        """Verdicts received, by reason."""
+        return self.store.verdict_reasons()
+
+    def worker_stats(self) -> dict[str, dict[str, int]]:
+        """Per worker: its non-zero ``pending``/``accepted``/``rejected``/``stale``/``trained`` counts."""
+        return self.store.worker_stats()
+
+    def leaderboard(self, limit: int) -> list[dict[str, Any]]:
+        """The ``limit`` workers with the most accepted submissions, with their tokens and trained rollouts."""
+        return self.store.leaderboard(limit)
+
+
+def evidence_summary(evidence: dict[str, Any]) -> str:
+    """A verdict's evidence map as one ≤ 200-character line (for a ban record)."""
+    return ", ".join(f"{k}={v}" for k, v in evidence.items())[:200]

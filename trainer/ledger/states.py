@@ -1,0 +1,84 @@
+"""The life of a submission on the coordinator, as a state machine (``docs/architecture.md`` "The submission ledger").
+
+::
+
+    (admitted) ──store──▶ stored ──lease──▶ leased ──┬─accept──▶ accepted ──consume──▶ consumed ──retire──▶ retired
+                             ▲                │      │             │  ▲                  │
+                             └──lease expires─┘      │             │  └────unconsume─────┘ (resume)
+                                                     │             └──────────retire──────────────────▶ retired
+                                                     ├─reject──▶ rejected   (a cheat reason reproduced: the worker is banned)
+                                                     ├─expire──▶ rejected   (left the async window unjudged: stale_policy)
+                                                     └─ban─────▶ rejected   (its worker was banned)
+
+* **admitted** — the ingest checked it (signature, window, counter, quotas) and counts it, while
+  its file and index row are being written; it exists only in memory (``store.py``'s staging).
+* **stored** / **leased** — durable and waiting for a verdict; *leased* while a validator holds
+  it (until ``lease_until_ms``; afterwards it may be leased again). Together: *pending*.
+* **accepted** — a validator accepted it: trainable while its policy step is inside the async
+  window of the step being assembled (*fresh*, :mod:`protocol.window`; not a stored state).
+* **rejected** — final: a validator rejected it, it left the window unjudged, or its worker was
+  banned. A cheat reason bans the worker only when reproduced (``ban_rule.py``).
+* **consumed** — a trainer step trained on (or dropped) every group of it; its file is kept
+  until a later step's state is saved, so a resume can train it again (*unconsume*).
+* **retired** — done, its file gone: consumed and superseded, left the window before a step used
+  it, or unreadable (never trained).
+
+Only the transitions in :data:`TRANSITIONS` exist; :class:`~trainer.ledger.store.SubmissionStore`
+applies each as one guarded update (a row not in a transition's source states is left alone).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+__all__ = ["PENDING", "TRANSITIONS", "State", "Transition", "public_state"]
+
+
+class State(StrEnum):
+    """A stored submission's state (the index's ``state`` column)."""
+
+    STORED = "stored"
+    LEASED = "leased"
+    ACCEPTED = "accepted"
+    REJECTED = "rejected"
+    CONSUMED = "consumed"
+    RETIRED = "retired"
+
+
+PENDING = frozenset({State.STORED, State.LEASED})
+"""Waiting for a verdict: what the pending quotas count and validators lease."""
+
+
+class Transition(StrEnum):
+    """A named change of state (``docs/architecture.md``)."""
+
+    LEASE = "lease"
+    ACCEPT = "accept"
+    REJECT = "reject"
+    EXPIRE = "expire"
+    BAN = "ban"
+    CONSUME = "consume"
+    UNCONSUME = "unconsume"
+    RETIRE = "retire"
+
+
+TRANSITIONS: dict[Transition, tuple[frozenset[State], State]] = {
+    Transition.LEASE: (PENDING, State.LEASED),
+    Transition.ACCEPT: (PENDING, State.ACCEPTED),
+    Transition.REJECT: (PENDING, State.REJECTED),
+    Transition.EXPIRE: (PENDING, State.REJECTED),
+    Transition.BAN: (PENDING, State.REJECTED),
+    Transition.CONSUME: (frozenset({State.ACCEPTED}), State.CONSUMED),
+    Transition.UNCONSUME: (frozenset({State.CONSUMED}), State.ACCEPTED),
+    Transition.RETIRE: (frozenset({State.ACCEPTED, State.CONSUMED}), State.RETIRED),
+}
+"""Each transition's source states and target state."""
+
+_PUBLIC = {State.STORED: "pending", State.LEASED: "pending", State.ACCEPTED: "accepted", State.CONSUMED: "accepted",
+           State.RETIRED: "accepted", State.REJECTED: "rejected"}
+
+
+def public_state(state: State) -> str:
+    """What the ingest's answers and ``/status`` call ``state``: ``pending``, ``accepted`` or ``rejected``
+    (the verdict's outcome; consumption is counted apart)."""
+    return _PUBLIC[state]
