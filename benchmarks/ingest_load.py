@@ -119,9 +119,12 @@ def prefill(index: Path, n: int) -> None:
     import sqlite3
 
     db = sqlite3.connect(index)
-    ledger = db.execute("PRAGMA user_version").fetchone()[0] >= 2  # trainer/ledger's schema (a --baseline may be older)
-    # retired after training (the ledger's states), or accepted with consumed_step 0 (the store before it)
-    state = "retired" if ledger else "accepted"
+    if db.execute("PRAGMA user_version").fetchone()[0] >= 2:  # trainer/ledger's schema: retired after training
+        from trainer.ledger.states import State
+
+        state = State.RETIRED.value
+    else:  # a --baseline from before the ledger: accepted, with consumed_step 0
+        state = "accepted"
     with db:
         start = db.execute("SELECT COALESCE(MAX(seq), 0) FROM submissions").fetchone()[0]
         db.executemany(

@@ -10,8 +10,10 @@ gets a paired bootstrap over the same resampled problems.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +24,8 @@ from protocol.rewards import RewardLimits, compute_reward
 from protocol.rollout import completion_text, encode_prompt
 from protocol.runspec import RunSpec
 from protocol.tasks import Task
+
+logger = logging.getLogger(__name__)
 
 BOOTSTRAP_RESAMPLES = 2000
 """Bootstrap resamples of the held-out problems per interval (≈ 1 ms for 20 problems)."""
@@ -146,3 +150,64 @@ def evaluate(spec: RunSpec, engine: Engine, tokenizer: Any, tasks: Sequence[Task
         total_r += r.reward
         tokens += len(ids)
     return EvalResult(passed / len(gens), total_r / len(gens), len(gens), tokens, per_task, samples_per_task)
+
+
+class HeldOutSchedule:
+    """When the coordinator evaluates its published policy on the held-out tasks, and what it found:
+    at start, every ``every`` trainer steps, and at the end (unless the last periodic evaluation
+    already covered the last published step). Each evaluation is an ``eval`` row of
+    ``metrics.jsonl`` (:func:`eval_row`) and a WARNING line with its 95 % interval.
+
+    Runs on the training thread (and once from the event loop's executor at start and end).
+
+    Args:
+        spec: the run spec; tasks: the held-out tasks.
+        samples: samples per task (0: never evaluate).
+        every: evaluate after every this many trainer steps too (0: only at start and end).
+        policy_dir: the directory of a published policy step.
+        tokenizer: returns the policy tokenizer.
+        log: writes a ``metrics.jsonl`` row (``node/coordinator/metrics.py`` ``MetricsLog.write``).
+    """
+
+    def __init__(self, spec: RunSpec, tasks: Sequence[Task], *, samples: int, every: int, policy_dir: Callable[[int], Path],
+                 tokenizer: Callable[[], Any], log: Callable[[dict[str, Any]], None]) -> None:
+        self.spec = spec
+        self.tasks = tasks
+        self.samples = samples
+        self.every = every
+        self.policy_dir = policy_dir
+        self.tokenizer = tokenizer
+        self.log = log
+        self.start: EvalResult | None = None
+        self.end: EvalResult | None = None
+        self.latest: dict[str, Any] | None = None
+        """The last ``eval`` row's step, pass rate and interval (``/status`` ``heldout_latest``)."""
+        self._last: EvalResult | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether trainer step ``step`` is followed by a periodic evaluation."""
+        return bool(self.samples and self.every and step % self.every == 0)
+
+    def run(self, step: int) -> EvalResult:
+        """Evaluate published policy step ``step``; log its ``eval`` row."""
+        from node.engine.hf import TransformersEngine
+
+        r = evaluate(self.spec, TransformersEngine.from_dir(self.policy_dir(step)), self.tokenizer(), self.tasks, self.samples)
+        row = eval_row(step, r)
+        self.log(row)
+        self._last = r
+        self.latest = {k: row[k] for k in ("step", "heldout_pass_rate", "heldout_ci_low", "heldout_ci_high")}
+        logger.warning("held-out pass rate at step %d: %.3f (95%% interval %.3f-%.3f, %d problems x %d samples)", row["step"],
+                       r.pass_rate, row["heldout_ci_low"], row["heldout_ci_high"], row["problems"], r.samples_per_task)
+        return r
+
+    def initial(self, step: int) -> None:
+        """The start-of-run evaluation of published step ``step``."""
+        self.start = self.run(step)
+
+    def final(self, step: int) -> None:
+        """The end-of-run evaluation of published step ``step`` (the last periodic one when it was of that step)."""
+        if self.latest is not None and self.latest["step"] == step and self._last is not None:
+            self.end = self._last
+        else:
+            self.end = self.run(step)

@@ -1,11 +1,13 @@
 """The coordinator (rank 0): wires the parts and is the training loop's hooks.
 
-Parts, each in its own module: the ingest (``trainer/ingest/``) and the Shardcast origin on one
-HTTP port with ``/status``, ``/metrics`` and the run page (``node/web/``); the rollout buffer
-(``trainer/buffer.py``: what each step trains on); the one training loop every rank runs
-(``trainer/loop.py``) in a worker thread, so the event loop stays responsive; publishing
-(``node/coordinator/publish.py``); held-out evaluation (``evaluate.py``); the ban re-check
-(``recheck.py``); gossip. With ``torchrun --nproc-per-node N`` the other ranks run
+Parts, each in its own module: the ingest (``trainer/ingest/``, the HTTP face of the submission
+ledger ``trainer/ledger/``) and the Shardcast origin on one HTTP port with ``/status``,
+``/metrics`` and the run page (``node/web/``); the rollout buffer (``trainer/buffer.py``: what
+each step trains on); the one training loop every rank runs (``trainer/loop.py``) in a worker
+thread, so the event loop stays responsive; publishing (``publish.py``); held-out evaluation and
+its schedule (``evaluate.py``); the learning-signal probe (``probe.py``); the ban re-check
+(``recheck.py``); gossip (``gossip.py``); Prometheus gauges and ``metrics.jsonl``
+(``metrics.py``); the console line per step (``console.py``). With ``torchrun --nproc-per-node N`` the other ranks run
 :func:`follow_rank`: the trainer built the same way (:func:`build_trainer`) and the same loop
 without hooks. Each trainer step: a batch of validator-accepted, fresh, whole groups → GRPO step
 → the policy written as safetensors → published into the origin (signed manifest) → announced on
@@ -15,7 +17,6 @@ gossip → the training state saved → the consumed rollouts retired (``docs/tr
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -23,23 +24,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from aiohttp import web
 
 from node.coordinator.base import prepare_base
-from node.coordinator.evaluate import EvalResult, eval_row, evaluate
+from node.coordinator.console import StepConsole
+from node.coordinator.evaluate import HeldOutSchedule
+from node.coordinator.gossip import CoordinatorGossip
+from node.coordinator.metrics import MetricsLog, TrainerGauges
 from node.coordinator.probe import PROBE_TASKS, SignalProbe, no_signal_advice, probe_learning_signal
 from node.coordinator.publish import PolicyPublisher
 from node.coordinator.recheck import CoordinatorRecheck
 from node.engine.hf import TransformersEngine
 from node.http_server import start_site
-from node.p2p import GossipConfig, GossipNode
+from node.p2p import GossipConfig
 from node.retry import FailureLog
 from node.shardcast import ShardcastServer, ShardcastStore
 from node.web.runpage import RunPage
 from protocol.dataset import resolve_tasks
 from protocol.envelope import Envelope
-from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
 from protocol.messages import Verdict
 from protocol.models import config_int, load_model, load_tokenizer
@@ -121,22 +123,23 @@ class Coordinator:
         self.origin: ShardcastStore | None = None
         self.server: ShardcastServer | None = None
         self.run_page: RunPage | None = None
-        self.gossip: GossipNode | None = None
+        self.gossip: CoordinatorGossip | None = None
         self.trainer: Trainer | None = None
         self.tokenizer: Any = None
         self.publisher: PolicyPublisher | None = None
         self.state = "starting"
         self.metrics_path = self.data_dir / "metrics.jsonl"
-        self.eval_start: EvalResult | None = None
-        self.eval_end: EvalResult | None = None
-        self.eval_latest: dict[str, Any] | None = None  # the last eval row: step, pass rate, interval
-        self._last_eval: EvalResult | None = None
+        self.gauges = TrainerGauges(self.ingest.registry)  # one /metrics: the ingest's registry
+        self.metrics = MetricsLog(self.metrics_path, self.gauges)
+        self.console = StepConsole()
+        self.heldout = HeldOutSchedule(self.spec, self.tasks.heldout, samples=options.eval_samples, every=options.eval_every,
+                                       policy_dir=lambda step: self.data_dir / "policies" / f"step-{step}", tokenizer=lambda: self.tokenizer,
+                                       log=self.metrics.write)
         self.busy_s = 0.0
         self.wait_s = 0.0  # seconds the last batch took to fill (the trainer idle, waiting for accepted rollouts)
         self.started_s = time.monotonic()
         self.buffer = RolloutBuffer(self.ledger, self.spec.rl)
         self._stop = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self.url = ""
         self.error: str | None = None
@@ -145,15 +148,10 @@ class Coordinator:
         self.signal_probe: SignalProbe | None = None
         self.wait_reason: str | None = None
         self._wait_log = FailureLog(logger, interval_s=WAIT_LOG_INTERVAL_S)
-        self.m_train: dict[str, Any] = {}  # Prometheus gauges, made with the ingest's registry in start()
-        from rich.console import Console
-
-        self.console = Console(stderr=False, soft_wrap=True)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
         self.state = "preparing the base model"
         trainer, base, self.tokenizer, pos = await asyncio.to_thread(build_trainer, self.signed, self.tasks, self.data_dir, self.ctx,
                                                                      resume=self.options.resume)
@@ -169,25 +167,6 @@ class Coordinator:
         )
         # one HTTP port: Shardcast origin routes + ingest + status/metrics
         self.server = ShardcastServer(self.origin, host=self.options.host, port=self.options.port, peer_id=self.key.peer_id)
-        from prometheus_client import Gauge
-
-        reg = self.ingest.registry
-        self.m_train = {
-            name: Gauge(f"intellect_trainer_{name}", doc, registry=reg)
-            for name, doc in (
-                ("step", "Trainer steps completed (policy step of the current weights)"),
-                ("reward_mean", "Mean reward of the last batch"),
-                ("pass_rate", "Pass rate (task reward 1) of the last batch"),
-                ("loss", "GRPO loss of the last step"),
-                ("grad_norm", "Gradient norm of the last step, before clipping"),
-                ("clipped_frac", "Fraction of loss tokens clipped in the last step"),
-                ("entropy", "Mean policy entropy of the last step, nats"),
-                ("tokens_per_s", "Trainer tokens per second in the last step"),
-                ("utilization", "Trainer busy time over wall time"),
-                ("heldout_pass_rate", "Latest held-out pass rate"),
-                ("mismatch_kl", "KL(behavior || trainer) of the last step's sampled tokens (k3 estimate), nats"),
-            )
-        }
         app = self.server.make_app()
         app.middlewares.append(error_middleware)
         self.ingest.add_routes(app)
@@ -200,15 +179,16 @@ class Coordinator:
         self.server.port = port
         self.run_page.url = self.url
         if self.options.gossip is not None:
-            self.gossip = await GossipNode.create(self.spec, self.key, self.options.gossip, role="coordinator", http_url=self.url)
-            self.gossip.on_verdict(self._apply_gossip_verdict)
-            self.run_page.attach_gossip(self.gossip)
+            ingest = self.ingest
+            self.gossip = await CoordinatorGossip.create(self.spec, self.key, self.options.gossip, http_url=self.url,
+                                                         apply_verdict=lambda env: ingest.apply_verdict(env, via_gossip=True))
+            self.run_page.attach_gossip(self.gossip.node)
         await self.run_page.start()
         self.publisher = PolicyPublisher(self.origin, self.key, self.signed, self.data_dir / "policies", self.url, self._announce)
         await asyncio.to_thread(self.publisher.start, trainer.step, self.base_dir)
         if trainer.step == 0:
             cfg = getattr(model, "config", None)
-            self._log_metrics({"event": "run", "tasks": self.spec.data.tasks, "tasks_hash": self.tasks.hash,
+            self.metrics.write({"event": "run", "tasks": self.spec.data.tasks, "tasks_hash": self.tasks.hash,
                                "train_problems": len(self.tasks.train), "heldout_problems": len(self.tasks.heldout),
                                "model": self.spec.model.base, "dtype": self.spec.model.dtype,
                                "hidden_size": getattr(cfg, "hidden_size", None), "layers": getattr(cfg, "num_hidden_layers", None),
@@ -227,7 +207,7 @@ class Coordinator:
                             self.signal_probe.groups_with_spread, self.signal_probe.groups, self.signal_probe.pass_rate)
         if self.options.eval_samples:
             self.state = "evaluating the initial policy on held-out tasks"
-            self.eval_start = await asyncio.to_thread(self._evaluate_and_log)
+            await asyncio.to_thread(self.heldout.initial, self.published_step)
         self.started_s = time.monotonic()
 
     async def run(self) -> None:
@@ -236,15 +216,12 @@ class Coordinator:
         if self._stop.is_set() and self.options.eval_samples:
             # stopped by SIGTERM/Ctrl-C: stop now (a CPU evaluation can take long); --resume continues the run
             logger.warning("stop requested: no final held-out evaluation (the latest is of step %s); state saved at step %d",
-                           self.eval_latest["step"] if self.eval_latest else "-", self.trainer.step if self.trainer else 0)
+                           self.heldout.latest["step"] if self.heldout.latest else "-", self.trainer.step if self.trainer else 0)
         elif self.options.eval_samples and self.trainer is not None:
             self.state = "evaluating the final policy on held-out tasks"
-            if self.eval_latest is not None and self.eval_latest["step"] == self.published_step and self._last_eval is not None:
-                self.eval_end = self._last_eval  # the periodic evaluation already covered the last step
-            else:
-                self.eval_end = await asyncio.to_thread(self._evaluate_and_log)
+            await asyncio.to_thread(self.heldout.final, self.published_step)
         self.state = "done" if self.error is None else f"stopped: {self.error}"
-        self._log_metrics({"event": "end", "step": self.trainer.step if self.trainer else 0, "error": self.error,
+        self.metrics.write({"event": "end", "step": self.trainer.step if self.trainer else 0, "error": self.error,
                            "utilization": self.utilization()})
         if self.error:
             raise TrainerError(self.error)
@@ -287,25 +264,16 @@ class Coordinator:
         row = {"event": "step", **m.as_dict(), "utilization": self.utilization(), "broadcast_s": self.publisher.publish_s.get(self.trainer.step) if self.publisher else None,
                "wait_s": round(self.wait_s, 3), "wall_s": round(time.monotonic() - self.started_s, 3), "verdicts": self.ledger.verdict_reasons(),
                "banned": len(self.bans.entries())}
-        self._log_metrics(row)
+        self.metrics.write(row)
         self.last_step = {k: row[k] for k in ("step", "reward_mean", "pass_rate", "loss", "staleness", "tokens_per_s", "mismatch_kl",
                                               "is_ratio_mean", "is_ratio_min", "is_ratio_max", "clipped_frac")}
-        for name, value in (("step", m.step), ("reward_mean", m.reward_mean), ("pass_rate", m.pass_rate), ("loss", m.loss),
-                            ("grad_norm", m.grad_norm), ("clipped_frac", m.clipped_frac), ("entropy", m.entropy_mean),
-                            ("tokens_per_s", m.tokens_per_s), ("utilization", self.utilization()), ("mismatch_kl", m.mismatch_kl)):
-            self.m_train[name].set(value)
+        self.gauges.step(m, self.utilization())
         logger.info("step %d: reward %.3f pass %.3f loss %.4f grad %.3f (%d groups, staleness %s)", m.step, m.reward_mean,
                     m.pass_rate, m.loss, m.grad_norm, m.num_groups, m.staleness, extra={"step": m.step})
-        self.console.print(
-            f"[bold]step {m.step}[/bold]  reward {m.reward_mean:.3f}  pass {m.pass_rate:.3f}  loss {m.loss:+.4f}  "
-            f"grad {m.grad_norm:.3f}  clipped {m.clipped_frac:.3f}  entropy {m.entropy_mean:.3f}  mismatch KL {m.mismatch_kl:.4f}  "
-            f"ratio {m.is_ratio_min:.2f}-{m.is_ratio_max:.2f}  {m.tokens_per_s:.0f} tok/s  "
-            f"staleness {m.staleness}  utilization {self.utilization():.2f}",
-            highlight=False,
-        )
-        if self.options.eval_every and self.trainer.step % self.options.eval_every == 0 and self.options.eval_samples:
+        self.console.step(m, self.utilization())
+        if self.heldout.due(self.trainer.step):
             self.state = f"evaluating policy step {self.trainer.step} on held-out tasks"
-            self._evaluate_and_log()
+            self.heldout.run(self.published_step)
 
     def next_batch(self) -> Batch | None:
         """Block until the buffer fills the next step's batch; ``None`` on stop or batch timeout."""
@@ -349,65 +317,25 @@ class Coordinator:
         """A policy step is in the origin: show it on the run page and announce it on gossip."""
         if self.run_page is not None:
             self.run_page.propagation.note_published(step, publish_s)
-        if self.gossip is not None and self._loop is not None:
-            self.gossip.set_record(policy_step=step)
-            asyncio.run_coroutine_threadsafe(self.gossip.publish_announcement(announcement), self._loop)
+        if self.gossip is not None:
+            self.gossip.announce(step, announcement)
 
     def _probe(self) -> SignalProbe:
         """The start-up learning-signal probe on the published base (``node/coordinator/probe.py``)."""
         engine = TransformersEngine.from_dir(self.data_dir / "policies" / f"step-{self.published_step}")
         return probe_learning_signal(self.spec, engine, self.tokenizer, self.tasks.train, n_tasks=self.options.probe_tasks)
 
-    def _evaluate(self) -> EvalResult:
-        assert self.trainer is not None
-        path = self.data_dir / "policies" / f"step-{self.published_step}"
-        engine = TransformersEngine.from_dir(path)
-        return evaluate(self.spec, engine, self.tokenizer, self.tasks.heldout, self.options.eval_samples)
-
-    def _evaluate_and_log(self) -> EvalResult:
-        """Evaluate the published policy on the held-out tasks; log the ``eval`` row (with its 95 % interval)."""
-        assert self.trainer is not None
-        r = self._evaluate()
-        row = eval_row(self.published_step, r)
-        self._log_metrics(row)
-        self._last_eval = r
-        self.eval_latest = {k: row[k] for k in ("step", "heldout_pass_rate", "heldout_ci_low", "heldout_ci_high")}
-        logger.warning("held-out pass rate at step %d: %.3f (95%% interval %.3f-%.3f, %d problems x %d samples)", row["step"],
-                       r.pass_rate, row["heldout_ci_low"], row["heldout_ci_high"], row["problems"], r.samples_per_task)
-        return r
-
-    # --- gossip glue (asyncio loop) ------------------------------------------------------------
+    # --- the ingest's callbacks (event loop or the ban rule's thread) ----------------------------
 
     def _verdict_applied(self, env: Envelope[Verdict], gossip: bool) -> None:
         if self.run_page is not None:
             self.run_page.note_verdict(env)  # a ban's evidence on the run page
-        if gossip:  # posted over HTTP; one that came on gossip is already there
-            self._gossip_verdict(env.raw)
-
-    def _gossip_verdict(self, raw: bytes) -> None:
-        if self.gossip is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._safe_publish("verdict", raw)))
+        if gossip and self.gossip is not None:  # posted over HTTP; one that came on gossip is already there
+            self.gossip.publish_verdict(env.raw)
 
     def _gossip_bans(self, raw: bytes) -> None:
-        if self.gossip is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._safe_publish("ban", raw)))
-
-    async def _safe_publish(self, kind: str, raw: bytes) -> None:
-        assert self.gossip is not None
-        try:
-            if kind == "verdict":
-                await self.gossip.publish_verdict(raw)
-            else:
-                await self.gossip.publish_ban_list(raw)
-        except Exception as e:  # noqa: BLE001 - gossip is best effort: HTTP remains the source of truth
-            logger.debug("gossip publish of %s failed: %s", kind, e)
-
-    def _apply_gossip_verdict(self, env: Envelope[Verdict]) -> None:
-        """A verdict from gossip, already verified there (signed by a validator of the spec): applied as is."""
-        try:
-            self.ingest.apply_verdict(env, via_gossip=True)
-        except ProtocolError as e:
-            logger.debug("ignoring gossiped verdict: %s", e)
+        if self.gossip is not None:
+            self.gossip.publish_bans(raw)
 
     # --- status -------------------------------------------------------------------------------
 
@@ -419,7 +347,7 @@ class Coordinator:
     def _status_extra(self) -> dict[str, Any]:
         peers: dict[str, int] = {}
         if self.gossip is not None:
-            for p in self.gossip.peers.alive():
+            for p in self.gossip.node.peers.alive():
                 peers[p.role] = peers.get(p.role, 0) + 1
         return {
             "role": "coordinator",
@@ -427,9 +355,9 @@ class Coordinator:
             "state": self.state,
             "published_step": self.published_step,
             "utilization": self.utilization(),
-            "heldout_start": self.eval_start.pass_rate if self.eval_start else None,
-            "heldout_end": self.eval_end.pass_rate if self.eval_end else None,
-            "heldout_latest": self.eval_latest,
+            "heldout_start": self.heldout.start.pass_rate if self.heldout.start else None,
+            "heldout_end": self.heldout.end.pass_rate if self.heldout.end else None,
+            "heldout_latest": self.heldout.latest,
             "peers_by_role": peers,
             "broadcast_s": {str(k): round(v, 3) for k, v in list(self.publisher.publish_s.items())[-5:]} if self.publisher else {},
             "last_step": self.last_step,
@@ -438,14 +366,6 @@ class Coordinator:
             # the probe's prediction stands until a step trains: then the run has shown it learns
             "warnings": [w for w in (self.signal_probe.warning if self.signal_probe and not self.last_step else None,) if w],
         }
-
-    def _log_metrics(self, row: dict[str, Any]) -> None:
-        if row.get("event") == "eval" and self.m_train:
-            self.m_train["heldout_pass_rate"].set(row["heldout_pass_rate"])
-        row = {"ts": round(time.time(), 3), **row}
-        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row, default=_json_default) + "\n")
 
 
 def build_trainer(signed: SignedRunSpec, tasks: Any, data_dir: Path, ctx: DistContext, *,
@@ -492,11 +412,3 @@ def follow_rank(signed: SignedRunSpec, data_dir: Path, ctx: DistContext, *, resu
     trainer, base, _, _ = build_trainer(signed, tasks, data_dir, ctx, resume=resume)
     paths = LoopPaths(policies=Path(data_dir) / "policies", state=Path(data_dir) / "state", base=base)
     run_training(trainer, ctx, paths, publish_every=spec.rl.publish_every, dtype=torch_dtype(spec.model.dtype), hooks=None)
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    return str(o)
