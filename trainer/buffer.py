@@ -118,7 +118,8 @@ class RolloutBuffer:
         now retired: every group of theirs is consumed. Call :meth:`retire` with them once the
         trainer state that records this step is saved."""
         self._consumed.update(batch.consumed_groups)
-        done = [sid for sid in batch.consumed_submission_ids if all(r.group_key in self._consumed for r in self._records.get(sid, []))]
+        ids = [SubmissionId(sid) for sid in batch.consumed_submission_ids]
+        done = [sid for sid in ids if all(r.group_key in self._consumed for r in self._records.get(sid, []))]
         for sid in done:
             self._consumed.difference_update(r.group_key for r in self._records.get(sid, []))
         return done

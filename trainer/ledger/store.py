@@ -719,7 +719,8 @@ class SubmissionStore:
             ValueError: a verdict's transition (use :meth:`record_verdict`), or a missing ``consumed_step``.
         """
         sources, target = TRANSITIONS[transition]
-        sets, params = ["state = ?"], [target.value]
+        sets: list[str] = ["state = ?"]
+        params: list[str | int] = [target.value]
         if transition in (Transition.ACCEPT, Transition.REJECT, Transition.LEASE):
             raise ValueError(f"{transition} is applied by record_verdict or lease")
         if transition is Transition.CONSUME:
