@@ -11,8 +11,9 @@ schema-check, quota checks, durable write, answer.
 
 Quotas (H2's, ``IngestLimits``): every load client connects from 127.0.0.1, so the per-address
 limits are set out of the way for this benchmark — per-address request rate (4 × ``requests_per_s``)
-to 4,000/s, unjudged submissions per address to 10⁶, decode slots per address to the global 4, disk
-quotas to 10⁶ files / 1 TiB — and each worker key sends at most ``max_pending_per_worker`` (4)
+to 4,000/s, the shared rate of addresses with no accepted submission to 4,000/s, unjudged
+submissions per address to 10⁶, decode slots per address to the global 4, disk quotas to 10⁶
+files / 1 TiB — and each worker key sends at most ``max_pending_per_worker`` (4)
 submissions, because nothing judges them here. Per-key rate and the global decode concurrency
 stay at their defaults. The server's own cap of 64 connections per address bounds
 ``--concurrency``.
@@ -77,6 +78,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -109,8 +111,11 @@ def bench_spec():  # type: ignore[no-untyped-def]
 def bench_limits():  # type: ignore[no-untyped-def]
     from trainer.ingest.service import IngestLimits
 
+    lifted = {"unproven_requests_per_s": 4000.0, "unproven_burst": 4000.0}  # every client is one address nothing judges
+    known = {f.name for f in dataclasses.fields(IngestLimits)}  # a --baseline's limits may lack them
     return IngestLimits(requests_per_s=1000.0, burst=1000.0, max_pending_per_ip=1_000_000, max_pending_bytes_per_ip=1 << 40,
-                        max_disk_files=1_000_000, max_disk_bytes=1 << 40, decode_concurrency_per_ip=4)
+                        max_disk_files=1_000_000, max_disk_bytes=1 << 40, decode_concurrency_per_ip=4,
+                        **{k: v for k, v in lifted.items() if k in known})
 
 
 def prefill(index: Path, n: int) -> None:

@@ -103,3 +103,29 @@ async def test_junk_from_many_addresses_neither_refuses_nor_delays_an_establishe
 def submission_bytes(ing, sid: str) -> bytes:  # type: ignore[no-untyped-def]
     return ing.store.read(sid)
 
+
+
+async def test_new_addresses_share_one_submission_rate_and_a_proven_address_keeps_its_own(tmp_path: Path) -> None:
+    """Addresses none of whose submissions was ever accepted share one bucket (refused before their
+    bodies are read): three of them posting 90 submissions at once get most refused with 429, while
+    an address with an accepted submission posts on within its own rate."""
+    import aiohttp
+
+    limits = IngestLimits(unproven_requests_per_s=5.0, unproven_burst=10.0)
+    honest = NodeKey.generate()
+    async with running_ingest(tmp_path, limits=limits) as ing:
+        async with honest_session(ing.url) as http:
+            status, body = await post(http, SUBMISSIONS, first := submission(honest, counter=0))
+            assert status == 200, body
+            assert ing.service.apply_verdict(verdict(first, True, "ok")) is True  # 127.0.0.1 is proven now
+        codes: list[int] = []
+        for ip in ("127.9.0.1", "127.9.1.1", "127.9.2.1"):
+            async with aiohttp.ClientSession(base_url=ing.url, connector=aiohttp.TCPConnector(local_addr=(ip, 0))) as evil:
+                answers = await asyncio.gather(*(post(evil, SUBMISSIONS, submission(NodeKey.generate())) for _ in range(30)))
+                codes += [status for status, _ in answers]
+                assert all(b["error"] == "rate_limited" for status, b in answers if status == 429)
+        assert codes.count(200) <= 10 + 5 * 10 and codes.count(429) >= 30, codes  # the bucket, and what refilled meanwhile (≤ 10 s)
+        async with honest_session(ing.url) as http:
+            for c in range(1, 4):
+                status, body = await post(http, SUBMISSIONS, submission(honest, counter=c))
+                assert status == 200, body

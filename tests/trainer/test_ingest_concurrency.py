@@ -137,10 +137,11 @@ async def test_concurrent_posts_from_many_workers_each_accepted_once_quotas_exac
     """12 workers post 6 counters each, every envelope twice, plus a replayed counter with other bytes,
     all at once: each quota that binds holds exactly, every counter is stored at most once, and
     every stored submission was answered ``stored: true`` exactly once."""
-    # every worker here is new (on probation): its share of the disk quota is lifted, so the disk quota itself binds
+    # every worker here is new (on probation), from an address nothing judges: their share of the disk quota and
+    # the shared rate of unproven addresses are lifted, so the quota under test binds
     limits = IngestLimits(requests_per_s=1000.0, burst=1000.0, decode_concurrency_per_ip=4, max_pending_per_worker=4,
                           max_pending_per_ip={"ip": 30}.get(binding, 10_000), max_disk_files={"disk": 25}.get(binding, 10_000),
-                          probation_share=1.0)
+                          probation_share=1.0, unproven_requests_per_s=1000.0, unproven_burst=1000.0)
     coord = Coordinator(tmp_path, limits=limits)
     runner, port = await serve(coord)
     workers = [NodeKey.generate() for _ in range(12)]
