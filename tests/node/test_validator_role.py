@@ -206,7 +206,7 @@ async def test_spot_checks_check_a_new_worker_in_full_then_a_keyed_share(tmp_pat
                     for blob in blobs[lo : lo + 4]:
                         async with http.post(f"{coord.url}/ingest/1/submissions", data=blob) as r:
                             assert r.status == 200, await r.text()
-                    while any(coord.store.get(i.hex()).state == "pending" for i in ids[lo : lo + 4]):
+                    while any(coord.store.get(i.hex()).state in PENDING for i in ids[lo : lo + 4]):
                         assert not runner.done() and asyncio.get_running_loop().time() < end, node.state
                         await asyncio.sleep(0.1)
             status = node.status()
