@@ -16,7 +16,8 @@
   coordinator's re-check queue.
 * ``bans.py`` — :class:`BanBook`: the coordinator-signed ban list.
 * ``bodies.py`` — verified bodies held in memory (an envelope is verified once).
-* ``store.py`` — :class:`SubmissionStore`: files + SQLite index, group commit; the only SQL.
+* ``store.py`` — :class:`SubmissionStore`: files + SQLite index, group commit; with
+  ``schema.py`` (tables, read-model triggers, migration of older indexes) the only SQL.
 
 The rollout buffer (``trainer/buffer.py``) is the ledger's trainable view; the ingest
 (``trainer/ingest/``) is its HTTP face.

@@ -43,8 +43,9 @@ from trainer.ledger.bans import BanBook
 from trainer.ledger.bodies import MAX_HELD_BODY_BYTES, HeldBodies
 from trainer.ledger.ids import SubmissionId, submission_id
 from trainer.ledger.leasing import PROBATION_EVERY, lease_order
+from trainer.ledger.schema import STALE_REASON
 from trainer.ledger.states import PENDING, State, Transition, public_state
-from trainer.ledger.store import STALE_REASON, DecidingVerdict, StoredSubmission, SubmissionStore
+from trainer.ledger.store import DecidingVerdict, StoredSubmission, SubmissionStore
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,8 @@
 
 Nothing outside ``trainer/ledger/`` reads the index: the ledger (:mod:`trainer.ledger.ledger`)
 names every change of state (:mod:`trainer.ledger.states`) and this module applies it as one
-guarded update; the state names and the SQL live here and in ``states.py`` only.
+guarded update; the state names and the SQL live here, in ``schema.py`` (tables, triggers,
+migration) and in ``states.py`` only.
 
 Write path (group commit; the ingest acknowledges a submission only once its future resolves):
 
@@ -56,194 +57,10 @@ from protocol.errors import ProtocolError
 from protocol.identity import PeerId
 from protocol.messages import Submission
 from trainer.ledger.ids import SubmissionId
+from trainer.ledger.schema import SCHEMA_VERSION, in_states, open_schema
 from trainer.ledger.states import PENDING, TRANSITIONS, State, Transition
 
 logger = logging.getLogger(__name__)
-
-SCHEMA_VERSION = 2
-"""``PRAGMA user_version`` of an index this code wrote. Version 1 (no version set) kept states as
-``pending``/``accepted``/``rejected`` plus ``consumed_step`` sentinels (−1 none, −2 untrainable);
-it is migrated in place on open (:func:`_migrate_v1`)."""
-
-STALE_REASON = "stale_policy"
-"""The reason of a submission that left the async window before a verdict (``protocol.verdicts``)."""
-
-
-def _in(states: Iterable[State]) -> str:
-    """``('a','b')``: an SQL list of state names (enum values, never input)."""
-    return "(" + ",".join(f"'{s.value}'" for s in sorted(states)) + ")"
-
-
-_JUDGED_OK = frozenset({State.ACCEPTED, State.CONSUMED, State.RETIRED})  # every accepted one, whatever became of it
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS submissions (
-    id TEXT PRIMARY KEY,            -- SubmissionId: hex SHA-256 of the envelope bytes
-    worker TEXT NOT NULL,
-    policy_step INTEGER NOT NULL,
-    counter INTEGER NOT NULL,
-    n_rollouts INTEGER NOT NULL,
-    tokens INTEGER NOT NULL DEFAULT 0,  -- completion tokens of its rollouts
-    size_bytes INTEGER NOT NULL,
-    received_ms INTEGER NOT NULL,
-    state TEXT NOT NULL,            -- trainer.ledger.states.State
-    reason TEXT NOT NULL DEFAULT '',  -- the deciding verdict's reason, or why it was rejected unjudged
-    verdict_by TEXT NOT NULL DEFAULT '',
-    lease_until_ms INTEGER NOT NULL DEFAULT 0,
-    consumed_step INTEGER,          -- the trainer step that consumed it; NULL: none
-    seq INTEGER NOT NULL,
-    source_ip TEXT NOT NULL DEFAULT '',  -- address it was posted from (per-address quota, lease fairness)
-    on_disk INTEGER NOT NULL DEFAULT 1   -- 0 once its file is deleted
-);
-CREATE INDEX IF NOT EXISTS submissions_state ON submissions(state, seq);
-CREATE INDEX IF NOT EXISTS submissions_worker ON submissions(worker, counter);
-CREATE INDEX IF NOT EXISTS submissions_worker_state ON submissions(worker, state, size_bytes);
-CREATE INDEX IF NOT EXISTS submissions_ip_state ON submissions(source_ip, state, size_bytes);
-CREATE INDEX IF NOT EXISTS submissions_on_disk ON submissions(on_disk, size_bytes);
-CREATE INDEX IF NOT EXISTS submissions_seq ON submissions(seq);
-CREATE TABLE IF NOT EXISTS verdicts (
-    id TEXT PRIMARY KEY,            -- hex SHA-256 of the verdict envelope
-    submission_id TEXT NOT NULL,
-    validator TEXT NOT NULL,
-    accepted INTEGER NOT NULL,
-    reason TEXT NOT NULL,
-    received_ms INTEGER NOT NULL,
-    evidence TEXT NOT NULL DEFAULT ''  -- one-line summary of the verdict's evidence (for a ban record)
-);
-CREATE INDEX IF NOT EXISTS verdicts_submission ON verdicts(submission_id);
-CREATE TABLE IF NOT EXISTS worker_stats (
-    worker TEXT PRIMARY KEY,
-    pending INTEGER NOT NULL DEFAULT 0,
-    pending_bytes INTEGER NOT NULL DEFAULT 0,
-    accepted INTEGER NOT NULL DEFAULT 0,
-    rejected INTEGER NOT NULL DEFAULT 0,
-    stale INTEGER NOT NULL DEFAULT 0,
-    trained INTEGER NOT NULL DEFAULT 0,
-    rollouts_trained INTEGER NOT NULL DEFAULT 0,
-    tokens INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS worker_stats_board ON worker_stats(accepted DESC, rejected, worker);
-CREATE TABLE IF NOT EXISTS verdict_reasons (reason TEXT PRIMARY KEY, n INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS address_stats (address TEXT PRIMARY KEY, accepted INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS probation (
-    one INTEGER PRIMARY KEY CHECK (one = 1),
-    pending INTEGER NOT NULL,
-    pending_bytes INTEGER NOT NULL
-);
-INSERT OR IGNORE INTO probation VALUES (1, 0, 0);
-"""
-
-
-def _terms(r: str) -> dict[str, str]:
-    """The read model's per-row contributions, as SQL over row ``r`` (``NEW`` or ``OLD``)."""
-    pending = f"({r}.state IN {_in(PENDING)})"
-    trained = f"({r}.consumed_step IS NOT NULL)"
-    return {
-        "pending": pending,
-        "pending_bytes": f"{pending} * {r}.size_bytes",
-        "accepted": f"({r}.state IN {_in(_JUDGED_OK)})",
-        "rejected": f"({r}.state = '{State.REJECTED.value}')",
-        "stale": f"({r}.state = '{State.REJECTED.value}' AND {r}.reason = '{STALE_REASON}')",
-        "trained": trained,
-        "rollouts_trained": f"{trained} * {r}.n_rollouts",
-    }
-
-
-_STAT_COLUMNS = ("pending", "pending_bytes", "accepted", "rejected", "stale", "trained", "rollouts_trained", "tokens")
-
-
-def _triggers() -> str:
-    new, old = _terms("NEW"), _terms("OLD")
-    cols = ", ".join(_STAT_COLUMNS)
-    values = ", ".join([*(new[c] for c in _STAT_COLUMNS[:-1]), "NEW.tokens"])
-    on_insert = ", ".join(f"{c} = {c} + excluded.{c}" for c in _STAT_COLUMNS)
-    on_update = ", ".join(f"{c} = {c} + ({new[c]}) - ({old[c]})" for c in _STAT_COLUMNS[:-1])
-    return f"""
-CREATE TRIGGER IF NOT EXISTS ledger_insert AFTER INSERT ON submissions BEGIN
-    INSERT INTO worker_stats (worker, {cols}) VALUES (NEW.worker, {values})
-    ON CONFLICT (worker) DO UPDATE SET {on_insert};
-END;
-CREATE TRIGGER IF NOT EXISTS ledger_update AFTER UPDATE OF state, reason, consumed_step ON submissions BEGIN
-    UPDATE worker_stats SET {on_update} WHERE worker = NEW.worker;
-END;
-CREATE TRIGGER IF NOT EXISTS ledger_address AFTER UPDATE OF state ON submissions
-WHEN NEW.state = '{State.ACCEPTED.value}' AND OLD.state IN {_in(PENDING)} BEGIN
-    INSERT INTO address_stats VALUES (NEW.source_ip, 1) ON CONFLICT (address) DO UPDATE SET accepted = accepted + 1;
-END;
-CREATE TRIGGER IF NOT EXISTS ledger_verdict AFTER INSERT ON verdicts BEGIN
-    INSERT INTO verdict_reasons VALUES (NEW.reason, 1) ON CONFLICT (reason) DO UPDATE SET n = n + 1;
-END;
-CREATE TRIGGER IF NOT EXISTS probation_insert AFTER INSERT ON worker_stats BEGIN
-    UPDATE probation SET pending = pending + (NEW.accepted = 0) * NEW.pending,
-                         pending_bytes = pending_bytes + (NEW.accepted = 0) * NEW.pending_bytes;
-END;
-CREATE TRIGGER IF NOT EXISTS probation_update AFTER UPDATE ON worker_stats BEGIN
-    UPDATE probation SET pending = pending + (NEW.accepted = 0) * NEW.pending - (OLD.accepted = 0) * OLD.pending,
-                         pending_bytes = pending_bytes + (NEW.accepted = 0) * NEW.pending_bytes - (OLD.accepted = 0) * OLD.pending_bytes;
-END;
-"""
-
-
-def _split(script: str) -> list[str]:
-    """The statements of ``script`` (a trigger's body keeps its inner ``;``), to run inside one
-    transaction (``executescript`` would commit first)."""
-    out: list[str] = []
-    acc = ""
-    for part in script.split(";"):
-        acc += part + ";"
-        if sqlite3.complete_statement(acc):
-            if acc.strip(" \n;"):
-                out.append(acc.strip())
-            acc = ""
-    return out
-
-
-def _rebuild_read_models(db: sqlite3.Connection) -> None:
-    """Fill the read-model tables from the index in one pass (after a migration)."""
-    t = _terms("s")
-    sums = ", ".join([*(f"SUM({t[c]})" for c in _STAT_COLUMNS[:-1]), "SUM(s.tokens)"])
-    db.execute("DELETE FROM worker_stats")
-    db.execute(f"INSERT INTO worker_stats (worker, {', '.join(_STAT_COLUMNS)}) SELECT s.worker, {sums} FROM submissions s GROUP BY s.worker")
-    db.execute("DELETE FROM address_stats")
-    db.execute(f"INSERT INTO address_stats SELECT source_ip, COUNT(*) FROM submissions WHERE state IN {_in(_JUDGED_OK)} GROUP BY source_ip")
-    db.execute("DELETE FROM verdict_reasons")
-    db.execute("INSERT INTO verdict_reasons SELECT reason, COUNT(*) FROM verdicts GROUP BY reason")
-    db.execute("UPDATE probation SET pending = (SELECT COALESCE(SUM(pending), 0) FROM worker_stats WHERE accepted = 0),"
-               " pending_bytes = (SELECT COALESCE(SUM(pending_bytes), 0) FROM worker_stats WHERE accepted = 0)")
-
-
-def _migrate_v1(db: sqlite3.Connection) -> int:
-    """Rewrite a version-1 index (states ``pending``/``accepted``/``rejected``, ``consumed_step`` −1
-    for none and −2 for untrainable) into this schema; returns the rows moved.
-
-    pending → stored (an old lease is kept: leased until it ends); accepted and consumed (step ≥ 0)
-    → consumed while its file is kept, else retired; accepted with its file gone or untrainable →
-    retired; rejected stays.
-    """
-    cols = {row[1] for row in db.execute("PRAGMA table_info(submissions)")}
-    for col, decl in (("source_ip", "TEXT NOT NULL DEFAULT ''"), ("on_disk", "INTEGER NOT NULL DEFAULT 1")):
-        if col not in cols:  # an index made by an even older version
-            db.execute(f"ALTER TABLE submissions ADD COLUMN {col} {decl}")
-    if "evidence" not in {row[1] for row in db.execute("PRAGMA table_info(verdicts)")}:
-        db.execute("ALTER TABLE verdicts ADD COLUMN evidence TEXT NOT NULL DEFAULT ''")
-    for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'submissions' AND sql IS NOT NULL").fetchall():
-        db.execute(f"DROP INDEX {name}")
-    db.execute("ALTER TABLE submissions RENAME TO submissions_v1")
-    for stmt in _split(_SCHEMA):
-        db.execute(stmt)
-    state = (f"CASE WHEN state = 'pending' THEN '{State.STORED.value}'"
-             f" WHEN state = 'rejected' THEN '{State.REJECTED.value}'"
-             f" WHEN consumed_step >= 0 AND on_disk = 1 THEN '{State.CONSUMED.value}'"
-             f" WHEN consumed_step != -1 OR on_disk = 0 THEN '{State.RETIRED.value}'"
-             f" ELSE '{State.ACCEPTED.value}' END")
-    cur = db.execute(
-        "INSERT INTO submissions (id, worker, policy_step, counter, n_rollouts, tokens, size_bytes, received_ms, state, reason, verdict_by,"
-        " lease_until_ms, consumed_step, seq, source_ip, on_disk)"
-        f" SELECT id, worker, policy_step, counter, n_rollouts, 0, size_bytes, received_ms, {state}, reason, verdict_by, lease_until_ms,"
-        " CASE WHEN consumed_step >= 0 THEN consumed_step END, seq, source_ip, on_disk FROM submissions_v1")
-    db.execute("DROP TABLE submissions_v1")
-    return cur.rowcount
-
 
 @dataclass(frozen=True)
 class Usage:
@@ -393,7 +210,9 @@ class SubmissionStore:
         # lost, and one WAL fsync fewer is waited for per group. Every other write stays FULL.
         self._commit_db = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_S)
         self._commit_db.execute("PRAGMA synchronous=NORMAL")
-        self._open_schema()
+        n = open_schema(self._db)
+        if n >= 0:
+            logger.info("migrated the submission index to schema %d (%d submissions)", SCHEMA_VERSION, n)
         # Read models and whole-history reads go through their own connection: in WAL mode a reader
         # sees the last committed snapshot without the store's lock, so they never hold up
         # admission, verdicts or the group commit.
@@ -401,27 +220,6 @@ class SubmissionStore:
         self._stats_db = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_S)
         self._stats_db.execute("PRAGMA query_only=1")
         self.recover()
-
-    def _open_schema(self) -> None:
-        """Create the index, or migrate one an older version wrote (in one transaction)."""
-        db = self._db
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        old = version < SCHEMA_VERSION and db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'submissions'").fetchone()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            n = _migrate_v1(db) if old else -1
-            for stmt in _split(_SCHEMA + _triggers()):
-                db.execute(stmt)
-            if old:
-                _rebuild_read_models(db)
-            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
-        if n >= 0:
-            logger.info("migrated the submission index to schema %d (%d submissions)", SCHEMA_VERSION, n)
 
     def close(self) -> None:
         """Finish every submitted write (their futures resolve), stop the threads, close the index."""
@@ -643,7 +441,7 @@ class SubmissionStore:
         with self._lock:
             n = sum(1 for s in self._staged.values() if s.source_ip == source_ip)
             row = self._db.execute(
-                f"SELECT (SELECT COUNT(*) FROM submissions WHERE source_ip = ? AND state IN {_in(PENDING)}),"
+                f"SELECT (SELECT COUNT(*) FROM submissions WHERE source_ip = ? AND state IN {in_states(PENDING)}),"
                 " (SELECT COALESCE(MAX(accepted), 0) FROM address_stats WHERE address = ?), (SELECT pending FROM probation)",
                 (source_ip, source_ip)).fetchone()
         return int(row[0]) + n, bool(row[1]), int(row[2])
@@ -688,7 +486,7 @@ class SubmissionStore:
         with self._lock:
             rows = self._db.execute(
                 f"SELECT s.id, s.worker, s.source_ip, s.seq, COALESCE(w.accepted, 0) > 0 FROM submissions s"
-                f" LEFT JOIN worker_stats w ON w.worker = s.worker WHERE s.state IN {_in(PENDING)} AND s.lease_until_ms <= ?",
+                f" LEFT JOIN worker_stats w ON w.worker = s.worker WHERE s.state IN {in_states(PENDING)} AND s.lease_until_ms <= ?",
                 (now_ms,),
             ).fetchall()
         return [LeaseCandidate(SubmissionId(i), w, ip, int(seq), bool(e)) for i, w, ip, seq, e in rows]
@@ -700,7 +498,7 @@ class SubmissionStore:
         out: list[SubmissionId] = []
         with self._lock, self._transaction():
             for sid in ids:
-                cur = self._db.execute(f"UPDATE submissions SET state = ?, lease_until_ms = ? WHERE id = ? AND state IN {_in(sources)}"
+                cur = self._db.execute(f"UPDATE submissions SET state = ?, lease_until_ms = ? WHERE id = ? AND state IN {in_states(sources)}"
                                        " AND lease_until_ms <= ?", (target.value, until_ms, sid, now_ms))
                 if cur.rowcount:
                     out.append(sid)
@@ -733,7 +531,7 @@ class SubmissionStore:
         if reason is not None:
             sets.append("reason = ?")
             params.append(reason)
-        sql = f"UPDATE submissions SET {', '.join(sets)} WHERE id = ? AND state IN {_in(sources)}"
+        sql = f"UPDATE submissions SET {', '.join(sets)} WHERE id = ? AND state IN {in_states(sources)}"
         out: list[SubmissionId] = []
         with self._lock, self._transaction():
             for sid in ids:
@@ -768,7 +566,7 @@ class SubmissionStore:
                 (verdict_id, submission_id, validator, int(accepted), reason, now, evidence),
             )
             cur = self._db.execute(
-                f"UPDATE submissions SET state = ?, reason = ?, verdict_by = ? WHERE id = ? AND state IN {_in(sources)}",
+                f"UPDATE submissions SET state = ?, reason = ?, verdict_by = ? WHERE id = ? AND state IN {in_states(sources)}",
                 (target.value, reason, validator, submission_id),
             )
         return cur.rowcount == 1
@@ -780,7 +578,7 @@ class SubmissionStore:
             row = self._db.execute(
                 "SELECT v.id, v.validator, v.accepted, v.reason, v.evidence FROM submissions s JOIN verdicts v"
                 " ON v.submission_id = s.id AND v.validator = s.verdict_by AND v.reason = s.reason"
-                f" WHERE s.id = ? AND s.state NOT IN {_in(PENDING)} ORDER BY v.received_ms LIMIT 1",
+                f" WHERE s.id = ? AND s.state NOT IN {in_states(PENDING)} ORDER BY v.received_ms LIMIT 1",
                 (submission_id,),
             ).fetchone()
         return DecidingVerdict(bytes.fromhex(row[0]), PeerId(row[1]), bool(row[2]), row[3], row[4]) if row else None
@@ -870,7 +668,7 @@ _TRAINABLE_SQL = f"SELECT {_ROW} FROM submissions WHERE state = '{State.ACCEPTED
 def _select_sql(states: Iterable[State], *, worker: str | None = None, policy_below: int | None = None, consumed_below: int | None = None,
                 consumed_above: int | None = None, on_disk: bool | None = None) -> tuple[str, tuple[Any, ...]]:
     """The statement of :meth:`SubmissionStore.select` and its parameters."""
-    where, params = [f"state IN {_in(states)}"], []
+    where, params = [f"state IN {in_states(states)}"], []
     for clause, value in (("worker = ?", worker), ("policy_step < ?", policy_below), ("consumed_step < ?", consumed_below),
                           ("consumed_step > ?", consumed_above), ("on_disk = ?", None if on_disk is None else int(on_disk))):
         if value is not None:
@@ -885,7 +683,7 @@ def _usage_sql(n_committing: int) -> str:
     count, worker bytes, address count, address bytes, files on disk, their bytes, comma-joined IDs
     of the given ones already indexed, the worker's accepted count, probation count, probation bytes)``."""
     marks = ",".join("?" * n_committing) or "NULL"
-    pending = _in(PENDING)
+    pending = in_states(PENDING)
     return ("SELECT w.n, w.b, i.n, i.b, d.n, d.b, x.ids, e.accepted, p.pending, p.pending_bytes FROM"
             f" (SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS b FROM submissions WHERE worker = ? AND state IN {pending}) AS w,"
             f" (SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS b FROM submissions WHERE source_ip = ? AND state IN {pending}) AS i,"
