@@ -75,10 +75,13 @@ def test_report_has_heldout_band_gain_and_off_policy(tmp_path):
                      "staleness": {"0": 10, "1": 6}, "tokens_per_s": 100.0, "broadcast_s": 0.1, "utilization": 0.3})
         rows.append(eval_row(step, EvalResult(0.5, 0.5, 80, 160, [12, 8, 10, 6, 4], 16)))
     (coord / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    dn = SimpleNamespace(out=tmp_path, o=DevnetOptions(out=tmp_path, steps=2), peer_ids={}, coord_url="http://127.0.0.1:1", events=[])
+    # stands in for node.devnet.orchestrator.Devnet: the attributes and the one method write_report reads
+    dn = SimpleNamespace(out=tmp_path, o=DevnetOptions(out=tmp_path, steps=2), peer_ids={}, coord_url="http://127.0.0.1:1", events=[],
+                         run_id="c0ffee" * 8, seed=1234, chaos_summary=lambda: None)
     result = SimpleNamespace(ok=True, reason="completed", wall_s=10.0, coordinator={"verdicts_by_reason": {"ok": 3}})
     md, png = write_report(dn, result)  # type: ignore[arg-type]
     text = md.read_text()
+    assert f"- run ID `{'c0ffee' * 8}`, seed **1234**" in text and "## Crash and restart" not in text
     assert "embedded (80 training problems, 5 held out" in text
     assert "300,000 parameters" in text
     assert "start 0.250 (95 % " in text and "end 0.500 (95 % " in text
