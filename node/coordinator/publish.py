@@ -17,10 +17,16 @@ from protocol.envelope import seal
 from protocol.identity import NodeKey
 from protocol.messages import CheckpointAnnouncement
 from protocol.runspec import SignedRunSpec
+from protocol.window import retained_steps
 from trainer.checkpoint import write_base_policy
 from trainer.errors import TrainerError
 
 logger = logging.getLogger(__name__)
+
+RECHECK_GRACE_STEPS = 1
+"""Written policies the coordinator keeps beyond a node's ``shardcast.keep_steps``: a cheat verdict
+on a rollout of the window's oldest step can arrive after the next publish, and the ban rule's
+re-check needs that policy (without it the re-check is a benign ``unknown_checkpoint``: no ban)."""
 
 
 class PolicyPublisher:
@@ -94,8 +100,10 @@ class PolicyPublisher:
         return path if (path / "config.json").is_file() else None
 
     def _prune(self, step: int) -> None:
-        keep = self.spec.shardcast.keep_steps + 1
-        for p in self.policies_dir.glob("step-*"):
-            s = p.name.split("-", 1)[1]
-            if s.isdigit() and int(s) <= step - keep:
+        """Remove written policies outside the retention rule (:func:`protocol.window.retained_steps`)
+        with ``shardcast.keep_steps`` + :data:`RECHECK_GRACE_STEPS`; ``step`` is always kept."""
+        dirs = {int(p.name.split("-", 1)[1]): p for p in self.policies_dir.glob("step-*") if p.name.split("-", 1)[1].isdigit()}
+        keep = retained_steps(dirs, self.spec.shardcast.keep_steps + RECHECK_GRACE_STEPS, in_use=step)
+        for s, p in dirs.items():
+            if s not in keep:
                 shutil.rmtree(p, ignore_errors=True)

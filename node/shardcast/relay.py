@@ -263,8 +263,7 @@ class Relay:
             offers = {k: [u for u in v if u in origin_urls] for k, v in offers.items()}
             offers = {k: v for k, v in offers.items() if v}
         known = set(self.store.steps())
-        held = self.store.held_steps()
-        floor = held[-self.store.keep_steps] if len(held) >= self.store.keep_steps else -1
+        floor = self.store.retention_floor()
         wanted = sorted((s for s in offers if s not in known and s > floor and (ceiling is None or s <= ceiling)), reverse=True)
         failures: dict[str, int] = {}
         for step in wanted:

@@ -562,13 +562,21 @@ class ShardcastStore:
 
     # --- retention --------------------------------------------------------------------------
 
+    def retention_floor(self) -> int:
+        """The oldest of the newest ``keep_steps`` complete steps (−1 while fewer are complete): an
+        incomplete step not above it is pruned (so a relay does not start fetching it)."""
+        with self._lock:
+            return self._floor(retained_steps(self._complete, self.keep_steps))
+
     def steps_to_keep(self) -> set[int]:
         """The newest ``keep_steps`` complete steps and every incomplete step newer than the oldest of them."""
         with self._lock:
             kept = retained_steps(self._complete, self.keep_steps)
-            floor = min(kept) if len(kept) >= self.keep_steps else -1
-            kept |= {s for s in self._manifests if s not in self._complete and s > floor}
-        return kept
+            floor = self._floor(kept)
+            return kept | {s for s in self._manifests if s not in self._complete and s > floor}
+
+    def _floor(self, kept: set[int]) -> int:
+        return min(kept) if len(kept) >= self.keep_steps else -1
 
     def prune(self, protect: Iterable[int] = ()) -> list[int]:
         """Delete steps outside :meth:`steps_to_keep` (and not in ``protect``); blocking.

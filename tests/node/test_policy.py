@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 from shardcast_fixtures import Run, StaticSources, make_run, make_store, serving, write_checkpoint
 
+from node.coordinator.publish import RECHECK_GRACE_STEPS, PolicyPublisher
 from node.errors import FetchError
 from node.policy import PolicyFollower
 from node.shardcast.delta import full_fetch_reason
@@ -59,6 +60,23 @@ async def test_fetch_locks_do_not_grow_with_steps_nobody_has(tmp_path: Path) -> 
             assert follower._locks == {}
         finally:
             await follower.close()
+
+
+def test_the_coordinator_keeps_its_written_policies_by_the_same_rule(tmp_path: Path) -> None:
+    """The coordinator's written policies follow protocol.window.retained_steps with keep_steps + the
+    re-check's grace: with rl.publish_every 2 (steps 0, 2, 4, ...) it keeps the newest three
+    published, as a node counts held steps (pruning by step distance kept two)."""
+    run = make_run(keep_steps=2)
+    origin = make_store(run, tmp_path / "origin", keep_steps=8)
+    pub = PolicyPublisher(origin, run.key, run.signed, tmp_path / "policies", "http://127.0.0.1:1", lambda *_: None)
+    for step in range(0, 10, 2):
+        d = tmp_path / "policies" / f"step-{step}"
+        ckpt = write_checkpoint(d / "model.safetensors", 0.1, seed=step)
+        (d / "config.json").write_text("{}")
+        pub.publish(step, [ckpt, d / "config.json"])
+    assert RECHECK_GRACE_STEPS == 1
+    assert sorted(int(p.name[5:]) for p in (tmp_path / "policies").glob("step-*")) == [4, 6, 8]
+    assert pub.policy_dir(4) is not None and pub.policy_dir(2) is None
 
 
 def test_the_delta_or_full_choice(tmp_path: Path) -> None:
