@@ -85,6 +85,9 @@ def add_gossip_arguments(p: argparse._ActionsContainer, *, off_help: str) -> Non
     p.add_argument("--listen-host", default="127.0.0.1", help="interface for libp2p (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
                    help="bootstrap peer /ip4/…/tcp/…/p2p/12D3KooW… (repeatable; added to the run spec's)")
+    p.add_argument("--max-peers", type=int, default=64, metavar="N",
+                   help="libp2p connections in all (default 64). A hub holds one per attached worker: raise it on relays, "
+                        "validators and the coordinator to carry more workers (docs/capacity.md)")
     p.add_argument("--max-peers-per-ip", type=int, default=8, metavar="N",
                    help="libp2p connections accepted from one remote IP (default 8; loopback is not counted; 0: no limit). "
                         "Raise it on relays and validators that serve many workers behind one NAT address")
@@ -92,7 +95,7 @@ def add_gossip_arguments(p: argparse._ActionsContainer, *, off_help: str) -> Non
 
 
 _GOSSIP_FLAGS = {"listen_host": "--listen-host", "p2p_port": "--p2p-port", "bootstrap": "--bootstrap",
-                 "max_peers_per_ip": "--max-peers-per-ip"}
+                 "max_peers": "--max-peers", "max_peers_per_ip": "--max-peers-per-ip"}
 
 
 def gossip_config(args: argparse.Namespace) -> GossipConfig | None:
@@ -111,7 +114,7 @@ def gossip_config(args: argparse.Namespace) -> GossipConfig | None:
 
     try:
         config = GossipConfig(listen_host=args.listen_host, p2p_port=args.p2p_port, bootstrap=args.bootstrap,
-                              max_peers_per_ip=args.max_peers_per_ip)
+                              max_peers=args.max_peers, max_peers_per_ip=args.max_peers_per_ip)
     except ValidationError as e:
         err = e.errors()[0]
         flag = _GOSSIP_FLAGS.get(str(err["loc"][0]) if err["loc"] else "", "gossip option")

@@ -250,10 +250,11 @@ KEEPALIVE_PROBES = 3
 
 def set_keepalive(conn: Any, interval_s: float) -> bool:
     """Turn on TCP keepalive on the socket under a py-libp2p raw connection (walking ``.stream``):
-    idle and probe interval ``interval_s`` (≥ 1 s), :data:`KEEPALIVE_PROBES` probes, and a matching
-    ``TCP_USER_TIMEOUT`` for unacknowledged data. A peer whose machine or network vanished without
-    closing its connection is then dropped by the kernel within about
-    ``(1 + KEEPALIVE_PROBES) × interval_s``, at no cost to this process (``docs/gossip.md``, liveness).
+    idle and probe interval ``interval_s`` (≥ 1 s), :data:`KEEPALIVE_PROBES` probes. A peer whose
+    machine or network vanished while the connection was idle is then dropped by the kernel within
+    about ``(1 + KEEPALIVE_PROBES) × interval_s``, at no cost to this process (``docs/gossip.md``,
+    liveness). No ``TCP_USER_TIMEOUT``: it also cuts a live peer that is only slow to read (a zero
+    window for that long), which a loaded hub's workers are.
 
     Returns:
         Whether a socket was found and set (False for a transport without one).
@@ -271,8 +272,7 @@ def set_keepalive(conn: Any, interval_s: float) -> bool:
     seconds = max(1, round(interval_s))
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for name, value in (("TCP_KEEPIDLE", seconds), ("TCP_KEEPINTVL", seconds), ("TCP_KEEPCNT", KEEPALIVE_PROBES),
-                            ("TCP_USER_TIMEOUT", 1000 * seconds * (1 + KEEPALIVE_PROBES))):
+        for name, value in (("TCP_KEEPIDLE", seconds), ("TCP_KEEPINTVL", seconds), ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
             if hasattr(socket, name):
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
     except OSError as e:

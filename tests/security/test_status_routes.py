@@ -133,3 +133,18 @@ def test_max_peers_per_ip_flag():
     assert gossip_config(p.parse_args(["--max-peers-per-ip", "32"])).max_peers_per_ip == 32
     with pytest.raises(CliError, match=r"^invalid --max-peers-per-ip: "):
         gossip_config(p.parse_args(["--max-peers-per-ip", "-1"]))
+
+
+def test_max_peers_flag():
+    """``--max-peers`` reaches the gossip settings (default 64; a hub holds one connection per
+    attached worker, docs/capacity.md) and 0 is a one-line error naming the flag."""
+    import argparse
+
+    from node.cli import CliError, add_gossip_arguments, gossip_config
+
+    p = argparse.ArgumentParser()
+    add_gossip_arguments(p, off_help="off")
+    assert gossip_config(p.parse_args([])).max_peers == 64
+    assert gossip_config(p.parse_args(["--max-peers", "600"])).max_peers == 600
+    with pytest.raises(CliError, match=r"^invalid --max-peers: "):
+        gossip_config(p.parse_args(["--max-peers", "0"]))
