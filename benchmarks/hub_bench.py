@@ -7,16 +7,16 @@ flooded on the ``workers`` topic), in one invocation:
 * a relay (the seed) and the coordinator run in their own processes, as the node runs them
   (``GossipNode``, role ``relay`` / ``coordinator``, the run spec's heartbeat interval, 2 s by
   default; ``max_peers`` raised to carry every worker);
-* the workers are real ``GossipNode`` instances of role ``worker``, ``--per-process`` of them
-  multiplexed in each of a few processes (one asyncio loop and one trio thread per process), each
-  with its own key, its own libp2p connections (to the relay, and to the coordinator once it
-  learns it), sealing and sending its real signed record at the spec's interval exactly as the
-  worker role does (``presence``: to its hubs, a record on change and a beat every few intervals;
-  ``split``: on gossip every interval);
+* the workers are real ``GossipNode`` instances of role ``worker``, ``--per-process`` (16) of them
+  multiplexed in each of several processes (one asyncio loop and one trio thread per process), each
+  with its own key and its own libp2p connection to the relay (``target_peers`` 1: the relay is the
+  hub measured; the coordinator learns the workers through it), sealing its real signed record at
+  the spec's interval and sending it exactly as the worker role does (``presence``: to its hub, a
+  record on change and a beat every 5 intervals; ``split``: on gossip every interval);
 * once every worker is listed by the coordinator, the coordinator publishes ``--announcements``
-  checkpoint announcements (raising its record's policy step, as the coordinator role does) and
-  every worker sets its record's policy step when it hears one (as the worker role does after
-  fetching); reported: delivered, publish → delivered p50 / p99 / max over (announcement, worker)
+  checkpoint announcements ``--interval-s`` (8) apart (raising its record's policy step, as the
+  coordinator role does) and every worker sets its record's policy step 0.5–1.5 intervals after it
+  hears one (as the worker role does once it fetched the step); reported: delivered, publish → delivered p50 / p99 / max over (announcement, worker)
   pairs;
 * then ``--idle-s`` seconds of idle: CPU of each process as CPU-seconds per wall-second
   (``psutil``; user + system, in % of one core) and RSS — relay, coordinator, and workers as the
@@ -41,6 +41,7 @@ import asyncio
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -54,6 +55,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 LAYOUTS = ("presence", "split")
+JOIN_BATCH = 8
+JOIN_PROCESSES = 4
+"""Simulated workers started at once in one process; the next batch starts once these have joined
+(a hub's noise handshakes and py-libp2p's per-connection set-up are a burst this machine serves slowly)."""
 
 
 def pct(values: list[float], q: float) -> float:
@@ -134,26 +139,40 @@ async def child_workers(args: argparse.Namespace) -> None:
     bridge = make_bridge("thread")
     await bridge.start()
     nodes: list[Any] = []
-    config = gossip_config(args, bootstrap=[args.bootstrap])
+    # Each simulated worker attaches to the relay only (target_peers 1): the relay is the hub measured, and
+    # the coordinator hears them as it would through any hub (presence: the relay's roster; split: the
+    # flooded records the relay forwards). Bootstrap retries capped at 5 s instead of 30 s: under this
+    # machine's load a handshake may time out.
+    config = gossip_config(args, bootstrap=[args.bootstrap], bootstrap_backoff_max_s=5.0, dial_timeout_s=15.0, target_peers=1)
     try:
+        loop = asyncio.get_running_loop()
+        rng = random.Random()
+
         def attach(node: Any, i: int) -> Any:
             def heard(env: Any) -> None:
                 emit({"step": env.body.step, "recv_ns": time.time_ns(), "w": i})
-                node.set_record(policy_step=env.body.step)  # as a worker does once it holds the step
+                # as a worker does once it fetched the step (a fetch takes a while: 0.5-1.5 intervals here)
+                loop.call_later(rng.uniform(0.5, 1.5) * spec.network.heartbeat_interval_s, lambda: node.set_record(policy_step=env.body.step))
 
             node.on_announcement(heard)
             return node
 
-        for start in range(0, args.count, 16):  # batches, so the hubs take the handshakes a few at a time
-            batch = range(start, min(args.count, start + 16))
+        def joined(node: Any) -> bool:
+            return bool(node.attached_hubs) if node.presence else node.peers.coordinator() is not None
+
+        for start in range(0, args.count, JOIN_BATCH):  # a ramp: each batch attached before the next starts
+            batch = range(start, min(args.count, start + JOIN_BATCH))
             made = await asyncio.gather(*(GossipNode.create(spec, NodeKey.generate(), config, role="worker", bridge=bridge) for _ in batch))
             nodes.extend(attach(n, i) for n, i in zip(made, batch))
+            deadline = time.monotonic() + 60.0
+            while not all(joined(n) for n in made) and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
             emit({"progress": len(nodes)})
         emit({"started": len(nodes)})
         commands = await stdin_lines()
         while (cmd := await commands.get()) != "stop":
             if cmd == "status":
-                hubs = [len(n._linked) if n.presence else len(n.peers) for n in nodes]
+                hubs = [len(n.attached_hubs) if n.presence else len(n.peers) for n in nodes]
                 emit({"status": {"workers": len(nodes), "min_hubs": min(hubs), "mean_hubs": round(statistics.mean(hubs), 2)}})
     finally:
         await asyncio.gather(*(n.stop() for n in nodes), return_exceptions=True)
@@ -215,9 +234,16 @@ async def child_mint(args: argparse.Namespace) -> None:
 class Child:
     """A child process of this benchmark speaking JSON lines on stdout, commands on stdin."""
 
+    log_dir: Path | None = None
+    """Where children's stderr goes (``--log-dir``); None: discarded."""
+
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        err: Any = subprocess.DEVNULL
+        if Child.log_dir is not None:
+            Child.log_dir.mkdir(parents=True, exist_ok=True)
+            err = open(Child.log_dir / f"{argv[1]}-{time.monotonic_ns()}.log", "w")  # noqa: SIM115 - the child holds it
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, env=env)
+                                     stderr=err, text=True, env=env)
         self.lines: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -304,12 +330,15 @@ async def level(args: argparse.Namespace, workers: int, layout: str, tmp: Path) 
         t0 = time.monotonic()
         procs = math.ceil(workers / args.per_process)
         pools = []
-        for i in range(procs):
-            count = min(args.per_process, workers - i * args.per_process)
-            pools.append(Child(["--child", "workers", "--count", str(count), "--bootstrap", seed, *common], env))
-        children.extend(pools)
-        for p in pools:
-            await p.wait("started", args.join_timeout_s)
+        for first in range(0, procs, JOIN_PROCESSES):  # a few processes at a time, each ramping its workers up in batches
+            group = []
+            for i in range(first, min(procs, first + JOIN_PROCESSES)):
+                count = min(args.per_process, workers - i * args.per_process)
+                group.append(Child(["--child", "workers", "--count", str(count), "--bootstrap", seed, *common], env))
+            pools.extend(group)
+            children.extend(group)
+            for p in group:
+                await p.wait("started", args.join_timeout_s)
         seen = 0
         while True:  # every worker listed by the coordinator
             seen = (await coord.status(60))["by_role"].get("worker", 0)
@@ -415,13 +444,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", default="30,120,500", help="worker counts, comma-separated (default 30,120,500)")
     p.add_argument("--layouts", default="presence,split", help=f"layouts in order, comma-separated, of {', '.join(LAYOUTS)}")
-    p.add_argument("--per-process", type=int, default=64, help="simulated workers per process (default 64)")
+    p.add_argument("--per-process", type=int, default=16, help="simulated workers per process (default 16)")
     p.add_argument("--heartbeat-s", type=float, default=2.0, help="the run spec's heartbeat interval, seconds (default 2, the spec default)")
     p.add_argument("--announcements", type=int, default=10, help="checkpoint announcements per level (default 10)")
-    p.add_argument("--interval-s", type=float, default=2.0, help="seconds between announcements (default 2)")
+    p.add_argument("--interval-s", type=float, default=8.0, help="seconds between announcements (default 8: a run publishes a checkpoint every few minutes, and each is a burst of work for every simulated worker process)")
     p.add_argument("--idle-s", type=float, default=30.0, help="idle measurement window, seconds (default 30)")
-    p.add_argument("--join-timeout-s", type=float, default=300.0, help="seconds for every worker to start and be listed (default 300)")
+    p.add_argument("--join-timeout-s", type=float, default=900.0, help="seconds for every worker to start and be listed (default 900)")
     p.add_argument("--mint", type=int, default=50, help="identities minted against the relay at the first level (0: skip)")
+    p.add_argument("--log-dir", default="", help="write each child's log (stderr, INFO) to a file here")
     # child processes
     p.add_argument("--child", choices=["relay", "coordinator", "workers", "mint"], help=argparse.SUPPRESS)
     p.add_argument("--run", help=argparse.SUPPRESS)
@@ -431,6 +461,12 @@ def main() -> None:
     p.add_argument("--max-peers", type=int, default=64, help=argparse.SUPPRESS)
     p.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.child:
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        for noisy in ("libp2p", "multiaddr"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.child in ("relay", "coordinator"):
         asyncio.run(child_hub(args))
     elif args.child == "workers":
@@ -438,6 +474,7 @@ def main() -> None:
     elif args.child == "mint":
         asyncio.run(child_mint(args))
     else:
+        Child.log_dir = Path(args.log_dir) if args.log_dir else None
         args.levels = [int(x) for x in args.workers.split(",") if x]
         args.layouts = [x for x in args.layouts.split(",") if x]
         if not set(args.layouts) <= set(LAYOUTS):

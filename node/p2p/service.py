@@ -79,10 +79,11 @@ ACCEPTED_CACHE = 4096
 """Envelopes verified by the topic validator kept for delivery (entries), so each is decoded once."""
 MIN_BEAT_GAP_S = 0.05
 """Shortest gap between two records triggered by :meth:`GossipNode.set_record`, seconds."""
-VIEW_MIN_GAP_S = 0.5
-"""Shortest gap between two views a hub sends its workers, seconds: a new policy step changes the
-coordinator's record and then each relay's, and each change would otherwise cost one frame per
-attached worker."""
+VIEW_SETTLE_INTERVALS = 0.5
+"""A hub sends its workers a changed view this many heartbeat intervals after the change, and at most
+one per interval: a new policy step changes the coordinator's record and then each relay's, each
+change would otherwise cost one frame per attached worker, and the announcement that caused it
+should reach them first."""
 VIEW_CACHE = 1024
 """Hub records a worker remembers as verified (by envelope ID), so a view repeating them costs no check."""
 _NOT_IN_VIEW = frozenset({"seq", "hardware", "workers", "roster"})
@@ -303,6 +304,11 @@ class GossipNode:
     def addrs(self) -> list[str]:
         """Multiaddrs this node can be dialed at (``…/p2p/<peer ID>``); the first is a bootstrap address."""
         return list(self._addrs)
+
+    @property
+    def attached_hubs(self) -> frozenset[PeerId]:
+        """A worker: the hubs its presence stream is open to (empty for a hub or in the older layouts)."""
+        return frozenset(self._linked)
 
     # --- what we say -------------------------------------------------------------------------
 
@@ -578,14 +584,16 @@ class GossipNode:
         self.peers.touch(members)
 
     async def _view_loop(self) -> None:
-        """A hub: send attached workers a new view when what they need changed (at most every
-        :data:`VIEW_MIN_GAP_S`), and keep the view new streams get fresh."""
+        """A hub: send attached workers a new view when what they need changed — half an interval
+        after the change (the announcement that usually causes it goes out first and alone) and at
+        most once per interval — and keep the view new streams get fresh."""
         assert self._bridge is not None and self._presence_hub is not None
         loop = asyncio.get_running_loop()
-        last = -VIEW_MIN_GAP_S
+        interval_s = self.heartbeat_interval_s
+        last = -interval_s
+        pending_since: float | None = None
         while True:
             await self._view_wanted.wait()
-            await asyncio.sleep(max(0.0, last + VIEW_MIN_GAP_S - loop.time()))
             self._view_wanted.clear()
             if not self._last_sealed:
                 continue
@@ -595,13 +603,19 @@ class GossipNode:
                 del self._hub_envs[pid]
             key = tuple(sorted((e.body.peer_id, _view_material(e.body)) for e in live))
             data = pack_envelopes([e.raw for e in live][:VIEW_MAX_ENTRIES])
+            now = loop.time()
             try:
-                if key != self._view_key:
-                    self._view_key = key
-                    last = loop.time()
-                    await self._bridge.run_sync(self._presence_hub.set_view, data, timeout_s=CALL_TIMEOUT_S)
-                else:  # unchanged: only streams opened from now on get these newer copies
+                if key == self._view_key:  # unchanged: only streams opened from now on get these newer copies
+                    pending_since = None
                     await self._bridge.run_sync(self._presence_hub.refresh_view, data, timeout_s=CALL_TIMEOUT_S)
+                    continue
+                pending_since = now if pending_since is None else pending_since
+                due = max(last + interval_s, pending_since + VIEW_SETTLE_INTERVALS * interval_s)
+                if now < due:
+                    loop.call_later(due - now, self._view_wanted.set)
+                    continue
+                self._view_key, last, pending_since = key, now, None
+                await self._bridge.run_sync(self._presence_hub.set_view, data, timeout_s=CALL_TIMEOUT_S)
             except (TimeoutError, GossipError) as e:
                 logger.warning("view not sent: %s", e)
 
