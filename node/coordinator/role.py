@@ -183,6 +183,7 @@ class Coordinator:
             self.gossip = await CoordinatorGossip.create(self.spec, self.key, self.options.gossip, http_url=self.url,
                                                          apply_verdict=lambda env: ingest.apply_verdict(env, via_gossip=True))
             self.run_page.attach_gossip(self.gossip.node)
+            self.gossip.node.register_metrics(self.ingest.registry)  # intellect_gossip_* on the one /metrics
         await self.run_page.start()
         self.publisher = PolicyPublisher(self.origin, self.key, self.signed, self.data_dir / "policies", self.url, self._announce)
         await asyncio.to_thread(self.publisher.start, trainer.step, self.base_dir)

@@ -33,7 +33,7 @@ import logging
 import os
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import trio
 from libp2p.peer.id import ID
@@ -65,6 +65,9 @@ from protocol.identity import NodeKey, PeerId
 from protocol.messages import HUB_ROLES, CheckpointAnnouncement, Hardware, Message, NodeRecord, Role
 from protocol.presence import VIEW_MAX_ENTRIES, pack_envelopes
 from protocol.runspec import RunSpec
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +214,8 @@ class GossipNode:
         self._delivered: Counter[str] = Counter()
         self._addrs: list[str] = []
         self._running = False
+        self._export_stats = False
+        self._stats_snapshot: dict[str, Any] = {}
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -443,6 +448,26 @@ class GossipNode:
         out["peers_alive"] = len(self.peers)
         return out
 
+    def track_stats(self) -> None:
+        """Refresh :attr:`last_stats` every heartbeat interval from now on (off by default: a
+        simulated worker in a benchmark should not pay for it)."""
+        self._export_stats = True
+
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        """The :meth:`stats` of the last heartbeat interval (empty until :meth:`track_stats` and
+        one interval), readable from any code on the asyncio thread without awaiting."""
+        return self._stats_snapshot
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        """Export this node's counters to ``registry`` as ``intellect_gossip_*`` metrics
+        (:class:`~node.p2p.metrics.GossipCollector`: send-queue and delivery drops, rejected
+        messages, bans, connections, live peers, attached workers), refreshed every heartbeat interval."""
+        from node.p2p.metrics import GossipCollector
+
+        self.track_stats()
+        registry.register(GossipCollector(lambda: self._stats_snapshot))
+
     # --- asyncio side ------------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
@@ -454,6 +479,11 @@ class GossipNode:
                 await self._beat()
             self._vouch()
             self.peers.prune()
+            if self._export_stats:
+                try:
+                    self._stats_snapshot = await self.stats()
+                except (TimeoutError, GossipError) as e:
+                    logger.debug("gossip stats not refreshed: %s", e)
             remaining = self.heartbeat_interval_s - (loop.time() - started)
             try:
                 await asyncio.wait_for(self._beat_now.wait(), max(0.0, remaining))

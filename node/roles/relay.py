@@ -17,6 +17,7 @@ from node.cli import CliError, gossip_config, load_key, load_spec
 from node.errors import NodeError
 from node.p2p import GossipConfig, GossipNode
 from node.p2p.follow import follow_relay
+from node.p2p.metrics import gossip_summary
 from node.paths import default_data_dir
 from node.shardcast.relay import Relay, RelayConfig
 from node.shardcast.store import ShardcastStore
@@ -61,16 +62,18 @@ async def run_relay(
     relay = Relay(store, RelayConfig(host=host, port=port, upstreams=tuple(upstreams), origins=tuple(spec.network.origin_urls),
                                      peer_id=key.peer_id))
     started = time.monotonic()
-    relay.server.status = lambda: relay_status(relay, key.peer_id, public_url or relay.url, started)
+    node: GossipNode | None = None
+    relay.server.status = lambda: relay_status(relay, key.peer_id, public_url or relay.url, started,
+                                                gossip=node.last_stats if node is not None else None)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(relay.stop()))
     await relay.start()
-    node: GossipNode | None = None
     follow: asyncio.Task[None] | None = None
     try:
         if gossip is not None:
             node = await GossipNode.create(spec, key, gossip, role="relay", http_url=public_url or relay.url)
+            node.track_stats()  # its counters in /status
             follow = asyncio.create_task(follow_relay(node, relay, pick_sources=not upstreams, own_url=public_url or relay.url),
                                          name="relay-gossip-follow")
             print(f"relay {key.peer_id} on gossip at {' '.join(node.addrs)}", flush=True)
@@ -88,11 +91,13 @@ async def run_relay(
         await relay.stop()
 
 
-def relay_status(relay: Relay, peer_id: PeerId, url: str, started_s: float) -> dict[str, Any]:
+def relay_status(relay: Relay, peer_id: PeerId, url: str, started_s: float, *, gossip: dict[str, Any] | None = None) -> dict[str, Any]:
     """The relay's ``GET /status`` JSON: role, peer ID, URL, held steps (ascending), latest held
-    step (``None``: none yet), upstreams, piece responses served, uptime in seconds."""
+    step (``None``: none yet), upstreams, piece responses served, uptime in seconds, and with
+    ``gossip`` (the gossip node's :attr:`~node.p2p.service.GossipNode.last_stats`) its counters:
+    connections, workers attached, send-queue and delivery drops, rejected messages by reason."""
     held = relay.held_steps()
-    return {
+    out: dict[str, Any] = {
         "role": "relay",
         "peer_id": peer_id,
         "version": __version__,
@@ -103,6 +108,9 @@ def relay_status(relay: Relay, peer_id: PeerId, url: str, started_s: float) -> d
         "pieces_served": relay.server.pieces_served,
         "uptime_s": round(time.monotonic() - started_s, 1),
     }
+    if gossip:
+        out["gossip"] = gossip_summary(gossip)
+    return out
 
 
 def run_relay_from_args(args: argparse.Namespace) -> int:

@@ -128,6 +128,7 @@ class ValidatorNode:
             self.gossip = await GossipNode.create(self.spec, self.key, self.options.gossip, role="validator")
             self.gossip.on_announcement(lambda env: self.follower.note_step(env.body.step))
             self.gossip.on_ban_list(self._on_ban_list)
+            self.gossip.register_metrics(self.registry)  # intellect_gossip_*: drops, refusals, attached workers
         self.status_server = await start_status_server(self.status, self.registry, self.options.http_port)
 
     def request_stop(self) -> None:

@@ -118,6 +118,7 @@ class Worker:
             self.gossip.on_announcement(self._on_announcement)
             self.gossip.on_latest_step(self.follower.note_step)  # a missed announcement: the coordinator's next record
             self.gossip.on_verdict(self._on_verdict)
+            self.gossip.register_metrics(self.registry)  # intellect_gossip_*: drops, refusals, hubs
         self.status_server = await start_status_server(self.status, self.registry, self.options.http_port)
         if self.spool.pending():
             await self._triage_spool()

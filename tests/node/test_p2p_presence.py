@@ -145,6 +145,32 @@ async def test_a_forged_or_replayed_record_is_refused_before_it_is_counted() -> 
             assert not banned(relay, w_key)  # replays and skew are no offence
 
 
+async def test_a_hubs_refusals_and_attached_workers_are_exported_as_metrics() -> None:
+    """``register_metrics``: the hub's ``/metrics`` names its attached workers and, by reason, the
+    presence records it refused and the send-queue drops (none here), refreshed every interval."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    run = Run(heartbeat_s=0.5)
+    registry = CollectorRegistry()
+    async with shared_bridge() as bridge, swarm(run, [("relay", None)], bridge=bridge) as (relay,):
+        relay.register_metrics(registry)
+
+        def metric(line: str) -> bool:
+            return line in generate_latest(registry).decode().splitlines()
+
+        async with raw_host(bridge) as (w_key, w), raw_host(bridge) as (_, mallory):
+            stream = await open_presence(bridge, w, relay)
+            await bridge.run(stream.write, frame(RECORD, worker_record(w_key, run)), timeout_s=5)
+            bad = await open_presence(bridge, mallory, relay)
+            await bridge.run(bad.write, frame(RECORD, worker_record(w_key, run, seq=2)), timeout_s=5)  # not its own record
+            await wait_until(lambda: metric("intellect_gossip_presence_attached 1.0"), 10.0, "one worker attached in /metrics")
+            await wait_until(lambda: metric('intellect_gossip_presence_refused_total{reason="not_own_record"} 1.0'), 10.0,
+                             "the foreign record refused in /metrics")
+        text = generate_latest(registry).decode()
+        assert "intellect_gossip_delivery_drops_total 0.0" in text and "intellect_gossip_connected" in text
+        assert 'intellect_gossip_send_drops_total{reason="queue_full"}' not in text  # nothing dropped, nothing named
+
+
 async def test_a_restarted_hub_learns_its_workers_again() -> None:
     run = Run()
     relay_key = NodeKey.generate()

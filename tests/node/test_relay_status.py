@@ -39,6 +39,12 @@ async def test_relay_status_reports_held_steps(tmp_path):
         assert doc["url"] == "http://relay.example:8700" and doc["upstreams"] == [up.url]
         assert isinstance(doc["last_errors"], list)
         assert relay.server.errors in logging.getLogger().handlers
+        assert "gossip" not in doc  # off gossip: no counters
+        stats = {"connected": 3, "peers_alive": 5, "banned": ["p"], "send_drops": {"queue_full": 2}, "delivery_drops": 1,
+                 "rejected": {"stale": 4}, "presence": {"attached": 2, "records": 9}}
+        on_gossip = relay_status(relay, "relay-peer", "http://relay.example:8700", time.monotonic(), gossip=stats)["gossip"]
+        assert on_gossip == {"connected": 3, "peers_alive": 5, "banned": 1, "send_drops": {"queue_full": 2}, "delivery_drops": 1,
+                             "rejected": {"stale": 4}, "attached": 2}
     finally:
         await relay.stop()
         await up.stop()
