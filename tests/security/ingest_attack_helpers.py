@@ -101,6 +101,17 @@ async def running_ingest(root: Path, limits: IngestLimits | None = None, server_
         ledger.close()
 
 
+async def establish(ing: Ingest, worker: NodeKey) -> None:
+    """Make ``worker`` and 127.0.0.1 established: one submission posted from there and accepted
+    (what an honest worker that has been in the run a while is; a new one shares the rate of
+    unproven addresses with whatever junk new addresses send)."""
+    sub = submission(worker, counter=1_000_000)
+    async with honest_session(ing.url) as http:
+        status, body = await post(http, "/ingest/1/submissions", sub)
+    assert status == 200, body
+    assert ing.service.apply_verdict(verdict(sub, True, "ok"))
+
+
 def honest_session(url: str) -> aiohttp.ClientSession:
     """An honest client from 127.0.0.1 that gives up after :data:`CLIENT_TIMEOUT_S`."""
     return aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S),

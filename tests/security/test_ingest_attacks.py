@@ -21,6 +21,7 @@ from ingest_attack_helpers import (
     RUN,
     VALIDATOR,
     attacker_session,
+    establish,
     forge,
     honest_session,
     post,
@@ -78,10 +79,12 @@ async def test_signed_flood_of_empty_maps_does_not_block_status(tmp_path: Path) 
         n = 380_000 if i % 2 else 65_536  # over the array bound (C stops at once) / within it (schema stops it)
         bodies.append(forge(keys[i % 6], "submission/1", {"counter": i, "policy_step": 0, "rollouts": [{}] * n, "tasks": [{}],
                                                             "worker": keys[i % 6].peer_id}))
+    honest = NodeKey.generate()
     async with running_ingest(tmp_path) as ing, attacker_session(ing.url) as evil:
+        await establish(ing, honest)  # (a new worker would share the unproven addresses' rate with the flood)
         flood = [asyncio.create_task(post(evil, SUBMISSIONS, b)) for b in bodies]
         await asyncio.sleep(0)  # let the flood start
-        await honest_round(ing.url, NodeKey.generate(), 0)
+        await honest_round(ing.url, honest, 0)
         outcomes = await asyncio.gather(*flood, return_exceptions=True)
         cut = [o for o in outcomes if isinstance(o, BaseException)]  # connections over the per-IP cap are closed at accept
         results = [o for o in outcomes if not isinstance(o, BaseException)]
@@ -155,7 +158,8 @@ async def test_leasing_is_fair_across_workers(tmp_path: Path) -> None:
     async with running_ingest(tmp_path) as ing, honest_session(ing.url) as http:
         junk_ids = [(await post(http, SUBMISSIONS, submission(junk, counter=c)))[1]["id"] for c in range(4)]
         honest_id = (await post(http, SUBMISSIONS, submission(honest)))[1]["id"]
-        ids = ing.ledger.lease(2, 30.0)
+        # both are new (on probation: one per lease answer of up to 8), so two answers
+        ids = ing.ledger.lease(2, 30.0) + ing.ledger.lease(2, 30.0)
         assert honest_id in ids and len(set(ids) & set(junk_ids)) == 1  # one each, not the junk key's newest two
 
 
@@ -357,7 +361,8 @@ async def test_junk_from_many_keys_and_addresses_does_not_hide_honest_work_from_
                         assert status == 200
         ids = ing.ledger.lease(8, 30.0)
         assert honest_id in ids, "the honest submission was not leased"
-        assert len(ids) == 8
+        assert len(ids) == 1  # every worker here is on probation: its share of one answer
+        assert len(ing.ledger.lease(8, 30.0)) == 1  # and the next answer goes on
 
 
 async def test_a_status_flood_from_one_address_is_limited(tmp_path: Path) -> None:

@@ -130,9 +130,15 @@ async def test_verdicts_bans_and_lease(ingest):
     s1, s2, s3 = submission(honest), submission(cheat, counter=0), submission(cheat, counter=1)
     for s in (s1, s2, s3):
         assert (await post(http, SUBMISSIONS_ROUTE, s))[0] == 200
-    lease = seal(VALIDATOR, RUN, LeaseRequest(limit=10, lease_s=30.0))
-    async with http.post(LEASE_ROUTE, data=lease) as r:
-        got = encoding.unpackb(await r.read(), 1 << 26)["submissions"]
+    got: list[bytes] = []
+    for _ in range(3):  # every worker is on probation: at most ⌈10 / 8⌉ of them per answer
+        lease = seal(VALIDATOR, RUN, LeaseRequest(limit=10, lease_s=30.0))
+        async with http.post(LEASE_ROUTE, data=lease) as r:
+            answer = encoding.unpackb(await r.read(), 1 << 26)["submissions"]
+        assert 1 <= len(answer) <= 2
+        got += answer
+        if len(got) == 3:
+            break
     assert sorted(got) == sorted([s1, s2, s3])
     status, body = await post(http, LEASE_ROUTE, lease)  # a captured lease request cannot lease again
     assert status == 409 and body["error"] == "replay"

@@ -42,7 +42,7 @@ from trainer.errors import Refused
 from trainer.ledger.bans import BanBook
 from trainer.ledger.bodies import MAX_HELD_BODY_BYTES, HeldBodies
 from trainer.ledger.ids import SubmissionId, submission_id
-from trainer.ledger.leasing import PROBATION_EVERY, lease_order
+from trainer.ledger.leasing import LeaseOrder
 from trainer.ledger.schema import STALE_REASON
 from trainer.ledger.states import PENDING, State, Transition, public_state
 from trainer.ledger.store import DecidingVerdict, StoredSubmission, SubmissionStore
@@ -135,8 +135,8 @@ class SubmissionLedger:
         self.trainer_step = trainer_step
         self.latest_policy_step = latest_policy_step
         self.quotas = quotas or Quotas()
-        self.probation_every = PROBATION_EVERY
-        self._lease_slot = 0
+        self.lease_order = LeaseOrder()
+        """The fair lease order and the turns it remembers across answers (``leasing.py``)."""
         self._lease_lock = threading.Lock()
         self.reopened = 0
         """Stored envelopes opened and verified again (bodies no longer held, or after a restart)."""
@@ -251,8 +251,7 @@ class SubmissionLedger:
         prefixes, addresses and keys); each may be leased again once its lease ends."""
         with self._lease_lock:  # one lease at a time: each sees the previous one's leases
             now = now_ms or int(time.time() * 1000)
-            order, self._lease_slot = lease_order(self.store.leasable(now), limit, slot=self._lease_slot,
-                                                  probation_every=self.probation_every)
+            order = self.lease_order.take(self.store.leasable(now), limit)
             return self.store.lease(order, now + int(lease_s * 1000), now)
 
     def read(self, sid: SubmissionId) -> bytes:
