@@ -20,7 +20,10 @@ flooded on the ``workers`` topic), in one invocation:
   pairs;
 * then ``--idle-s`` seconds of idle: CPU of each process as CPU-seconds per wall-second
   (``psutil``; user + system, in % of one core) and RSS — relay, coordinator, and workers as the
-  sum of their processes divided by the number of workers;
+  sum of their processes divided by the number of workers; the relay's TCP payload bytes in and
+  out per second (noise and yamux included; ``ss -tin`` over the connections to its port) while
+  idle and over the announcement phase, and its TCP segments per second while idle (keepalive
+  probes included);
 * ``--mint N`` (presence only, first level): what minting a worker identity costs. A separate
   process makes N fresh identities one after another; each connects to the relay (noise
   handshake), opens a presence stream, sends one signed record and leaves; then one identity
@@ -42,6 +45,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -299,6 +303,16 @@ def cpu_s(pid: int) -> float:
     return float(t.user + t.system)
 
 
+def tcp_counters(port: int) -> tuple[int, int, int]:
+    """Payload bytes received, bytes sent (acknowledged) and TCP segments in + out, summed over the
+    established TCP connections whose local port is ``port`` (the relay's listening port: every
+    worker's and the coordinator's connection to it), from ``ss -tin`` (the kernel's tcp_info)."""
+    out = subprocess.run(["ss", "-tinH", "state", "established", f"( sport = :{port} )"], capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    got = {k: sum(int(v) for v in re.findall(rf"\b{k}:(\d+)", out)) for k in ("bytes_received", "bytes_acked", "segs_in", "segs_out")}
+    return got["bytes_received"], got["bytes_acked"], got["segs_in"] + got["segs_out"]
+
+
 def rss_mib(pid: int) -> float:
     import psutil
 
@@ -353,12 +367,17 @@ async def level(args: argparse.Namespace, workers: int, layout: str, tmp: Path) 
         await asyncio.sleep(2 * args.heartbeat_s)  # meshes settle
 
         # announcements
+        port = int(seed.split("/tcp/")[1].split("/")[0])
+        a_io, a_w = tcp_counters(port), time.monotonic()
         sent: dict[int, int] = {}
         for step in range(1, args.announcements + 1):
             coord.send(f"announce {step}")
             sent[step] = (await coord.wait("announced", 30, after=step - 1))["sent_ns"]
             await asyncio.sleep(args.interval_s)
         await asyncio.sleep(3.0 + args.heartbeat_s)
+        b_io, b_w = tcp_counters(port), time.monotonic()
+        out["relay_announcing_in_b_s"] = round((b_io[0] - a_io[0]) / (b_w - a_w))
+        out["relay_announcing_out_b_s"] = round((b_io[1] - a_io[1]) / (b_w - a_w))
         lat = [(x["recv_ns"] - sent[x["step"]]) / 1e9 for p in pools for x in p.take("recv_ns") if x["step"] in sent]
         out["delivered"] = f"{len(lat)}/{workers * args.announcements}"
         if lat:
@@ -368,10 +387,15 @@ async def level(args: argparse.Namespace, workers: int, layout: str, tmp: Path) 
         # idle
         pids = {"relay": [relay.proc.pid], "coordinator": [coord.proc.pid], "workers": [p.proc.pid for p in pools]}
         c0 = {k: sum(cpu_s(p) for p in v) for k, v in pids.items()}
+        io0 = tcp_counters(port)
         w0 = time.monotonic()
         await asyncio.sleep(args.idle_s)
         wall = time.monotonic() - w0
         c1 = {k: sum(cpu_s(p) for p in v) for k, v in pids.items()}
+        io1 = tcp_counters(port)
+        out["relay_idle_in_b_s"] = round((io1[0] - io0[0]) / wall)
+        out["relay_idle_out_b_s"] = round((io1[1] - io0[1]) / wall)
+        out["relay_idle_segments_s"] = round((io1[2] - io0[2]) / wall, 1)
         out["relay_cpu_pct"] = round(100 * (c1["relay"] - c0["relay"]) / wall, 2)
         out["coord_cpu_pct"] = round(100 * (c1["coordinator"] - c0["coordinator"]) / wall, 2)
         out["worker_cpu_pct"] = round(100 * (c1["workers"] - c0["workers"]) / wall / workers, 3)
