@@ -23,7 +23,9 @@ flooded on the ``workers`` topic), in one invocation:
   sum of their processes divided by the number of workers; the relay's TCP payload bytes in and
   out per second (noise and yamux included; ``ss -tin`` over the connections to its port) while
   idle and over the announcement phase, and its TCP segments per second while idle (keepalive
-  probes included);
+  probes included); the relay's and coordinator's CPU over the announcement phase too (each
+  announcement, the view and the policy-step change of every worker's record it causes, and the
+  roster fetches those changes cause);
 * ``--mint N`` (presence only, first level): what minting a worker identity costs. A separate
   process makes N fresh identities one after another; each connects to the relay (noise
   handshake), opens a presence stream, sends one signed record and leaves; then one identity
@@ -369,6 +371,7 @@ async def level(args: argparse.Namespace, workers: int, layout: str, tmp: Path) 
         # announcements
         port = int(seed.split("/tcp/")[1].split("/")[0])
         a_io, a_w = tcp_counters(port), time.monotonic()
+        a_cpu = (cpu_s(relay.proc.pid), cpu_s(coord.proc.pid))
         sent: dict[int, int] = {}
         for step in range(1, args.announcements + 1):
             coord.send(f"announce {step}")
@@ -376,6 +379,8 @@ async def level(args: argparse.Namespace, workers: int, layout: str, tmp: Path) 
             await asyncio.sleep(args.interval_s)
         await asyncio.sleep(3.0 + args.heartbeat_s)
         b_io, b_w = tcp_counters(port), time.monotonic()
+        out["relay_announcing_cpu_pct"] = round(100 * (cpu_s(relay.proc.pid) - a_cpu[0]) / (b_w - a_w), 2)
+        out["coord_announcing_cpu_pct"] = round(100 * (cpu_s(coord.proc.pid) - a_cpu[1]) / (b_w - a_w), 2)
         out["relay_announcing_in_b_s"] = round((b_io[0] - a_io[0]) / (b_w - a_w))
         out["relay_announcing_out_b_s"] = round((b_io[1] - a_io[1]) / (b_w - a_w))
         lat = [(x["recv_ns"] - sent[x["step"]]) / 1e9 for p in pools for x in p.take("recv_ns") if x["step"] in sent]
