@@ -15,10 +15,15 @@ Two libp2p stream protocols, per run:
   ``PRESENCE_BEAT_INTERVALS`` heartbeat intervals). hub → worker: ``VIEW`` (payload: a
   :func:`pack_envelopes` list of the ``node_record/1`` envelopes of the live hubs, the sender
   first; sent when the stream opens and whenever what it lists changes).
-* ``/intellect/<run16>/roster/1`` — request: the 32-byte roster ID named in a hub's record;
-  answer: a u32 big-endian length, then that many bytes: the roster (:func:`pack_envelopes` of
-  the attached workers' ``node_record/1`` envelopes, ordered by their bytes), whose SHA-256 is
-  the roster ID; length 0 when the hub no longer has it.
+* ``/intellect/<run16>/roster/1`` — request (:func:`roster_request`): the 32-byte roster ID
+  named in a hub's record, then the 32-byte ID of a roster of that hub the reader already holds
+  (32 zero bytes: none); answer: a u32 big-endian length, then that many bytes
+  (:func:`read_roster_answer`): ``FULL`` and the roster (:func:`pack_envelopes` of the attached
+  workers' ``node_record/1`` envelopes, ordered by their bytes), whose SHA-256 is the roster ID;
+  or ``DELTA`` and what changed since the held roster (:func:`pack_roster_delta`: the content IDs
+  of the entries gone, the entries new), which the reader applies to its copy and must then hash
+  to the roster ID; length 0 when the hub no longer has it. A worker whose record changes costs a
+  reader of its hub's roster that record, not the whole roster again.
 
 Nothing here is trusted by being well formed: every envelope inside is verified by the reader
 (``protocol.envelope.open_envelope``), and a roster only counts if it hashes to the ID its hub signed.
@@ -60,7 +65,13 @@ ROSTER_MAX_ENTRIES: Final = 4096
 """Most workers in one roster (a hub's ``max_peers`` is at most 4,096)."""
 ROSTER_MAX_BYTES: Final = 8 * MiB
 """Largest roster, bytes (4,096 records of ≤ 2 KiB each; records are capped at 8 KiB alone)."""
-ROSTER_REQUEST_BYTES: Final = CONTENT_ID_BYTES
+ROSTER_REQUEST_BYTES: Final = 2 * CONTENT_ID_BYTES
+"""A roster request: the roster ID wanted, then the ID of the roster held (zeros: none)."""
+FULL: Final = 0x00
+"""Roster answer form: the whole roster follows."""
+DELTA: Final = 0x01
+"""Roster answer form: the changes since the roster the reader holds follow."""
+NO_ROSTER: Final = bytes(CONTENT_ID_BYTES)
 
 PRESENCE_BEAT_INTERVALS: Final = 5
 """A worker sends a ``BEAT`` every this many heartbeat intervals (10 s at the default 2 s): a hub
@@ -195,3 +206,103 @@ def unpack_roster(roster_id: bytes, data: bytes) -> list[bytes]:
     if envelopes != sorted(envelopes):
         raise DecodeError("roster entries are not in order")
     return envelopes
+
+
+def roster_request(wanted: bytes, held: bytes = b"") -> bytes:
+    """A ``roster/1`` request: the roster ID wanted and the ID of the roster of the same hub held
+    (``b""``: none; the answer is then the whole roster).
+
+    Raises:
+        ValueError: an ID that is not 32 bytes.
+    """
+    held = held or NO_ROSTER
+    if len(wanted) != CONTENT_ID_BYTES or len(held) != CONTENT_ID_BYTES:
+        raise ValueError("roster IDs are 32 bytes")
+    return bytes(wanted) + bytes(held)
+
+
+def parse_roster_request(data: bytes) -> tuple[bytes, bytes]:
+    """``(wanted, held)`` of a request (``held`` is ``b""`` for none).
+
+    Raises:
+        DecodeError: not :data:`ROSTER_REQUEST_BYTES` long.
+    """
+    if len(data) != ROSTER_REQUEST_BYTES:
+        raise DecodeError(f"a roster request is {ROSTER_REQUEST_BYTES} bytes, got {len(data)}")
+    held = bytes(data[CONTENT_ID_BYTES:])
+    return bytes(data[:CONTENT_ID_BYTES]), b"" if held == NO_ROSTER else held
+
+
+def pack_roster_delta(held: list[bytes], wanted: list[bytes]) -> bytes:
+    """The ``DELTA`` answer turning roster ``held`` into roster ``wanted`` (both lists of envelopes):
+    ``DELTA`` byte, then the canonical msgpack array ``[gone, new]``: the content IDs of the
+    entries of ``held`` not in ``wanted`` (ascending), and the entries of ``wanted`` not in ``held``
+    (ascending).
+
+    Raises:
+        ValueError: as :func:`pack_envelopes` for the new entries.
+    """
+    before, after = set(held), set(wanted)
+    gone = sorted(bytes(content_id(e)) for e in before - after)
+    new = sorted(after - before)
+    pack_envelopes(new)  # its bounds
+    return bytes([DELTA]) + encoding.packb([gone, [bytes(e) for e in new]])
+
+
+def pack_roster_answer(data: bytes) -> bytes:
+    """The ``FULL`` answer carrying roster bytes ``data`` (as :func:`pack_roster` made them)."""
+    return bytes([FULL]) + data
+
+
+def read_roster_answer(roster_id: bytes, answer: bytes, held: dict[bytes, bytes] | None = None) -> dict[bytes, bytes]:
+    """The entries of roster ``roster_id`` from a ``roster/1`` answer, after checking it is the
+    roster its hub signed.
+
+    Args:
+        roster_id: the ``roster`` field of the hub's verified record.
+        answer: the answer's bytes (after the length prefix, non-empty).
+        held: the entries of the roster the request named as held, by content ID (required for a
+            ``DELTA`` answer; never modified).
+
+    Returns:
+        The roster's entries (envelopes) by content ID.
+
+    Raises:
+        DecodeError: over a bound; an unknown form; a ``DELTA`` without a held roster, naming an
+            entry gone that was not held or a new one already held; or the result does not hash
+            to ``roster_id`` (a wrong or stale answer), is out of order or holds duplicates.
+    """
+    if not answer:
+        raise DecodeError("empty roster answer")
+    form, body = answer[0], answer[1:]
+    if form == FULL:
+        return {bytes(content_id(e)): e for e in unpack_roster(roster_id, body)}
+    if form != DELTA:
+        raise DecodeError(f"unknown roster answer form {form:#x}")
+    if held is None:
+        raise DecodeError("a roster delta, but no roster was held")
+    limits = encoding.DecodeLimits(max_bin_len=ENVELOPE_MAX_BYTES, max_str_len=0, max_array_len=ROSTER_MAX_ENTRIES,
+                                   max_map_len=0, max_depth=2)
+    obj = encoding.unpackb(body, ROSTER_MAX_BYTES, limits)
+    if not (isinstance(obj, list) and len(obj) == 2 and all(isinstance(part, list) for part in obj)):
+        raise DecodeError("a roster delta is [gone, new]")
+    gone, new = obj
+    if not all(isinstance(g, bytes) and len(g) == CONTENT_ID_BYTES for g in gone) or not all(isinstance(e, bytes) for e in new):
+        raise DecodeError("a roster delta's gone are 32-byte IDs, its new are envelopes")
+    entries = dict(held)
+    for g in gone:
+        if entries.pop(g, None) is None:
+            raise DecodeError("a roster delta removes an entry that was not held")
+    for e in new:
+        eid = bytes(content_id(e))
+        if eid in entries:
+            raise DecodeError("a roster delta adds an entry already held")
+        entries[eid] = e
+    if len(entries) > ROSTER_MAX_ENTRIES:
+        raise DecodeError(f"a roster of {len(entries)} entries, over {ROSTER_MAX_ENTRIES}")
+    data = pack_envelopes(sorted(entries.values()))
+    if len(data) > ROSTER_MAX_BYTES:
+        raise DecodeError(f"a roster of {len(data)} bytes, over {ROSTER_MAX_BYTES}")
+    if content_id(data) != roster_id:
+        raise DecodeError("the roster after the delta does not hash to the roster ID the hub signed")
+    return entries

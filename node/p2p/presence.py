@@ -17,7 +17,9 @@ signed record per hub per interval naming the hub's roster by content ID:
   protocol, sends its record when it changes and a beat every ``PRESENCE_BEAT_INTERVALS``
   intervals, and hands received views to the node.
 * :class:`RosterFetcher` (coordinator, ``node status``) fetches a hub's roster when the ID in its
-  record changes, checks the bytes hash to it, verifies every record it has not verified before.
+  record changes — the changes since the roster it holds of that hub when the hub still has that
+  one, else the whole roster —, checks the result hashes to the ID, and verifies every record it
+  has not verified before.
 
 Everything here runs on the trio thread of the node's bridge; results cross to asyncio through
 callbacks the node passes in (its ``to_asyncio``).
@@ -38,13 +40,13 @@ from libp2p.peer.id import ID
 
 from node.p2p.gossip import DuplicateEnvelope
 from node.p2p.host import P2PHost, parse_peer_addr
-from protocol.content import content_id
 from protocol.envelope import Envelope
 from protocol.errors import DecodeError, ProtocolError, SchemaError
 from protocol.identity import PeerId
 from protocol.messages import NodeRecord
 from protocol.presence import (
     BEAT,
+    DELTA,
     FRAME_MAX_BYTES,
     HUB_KINDS,
     LENGTH_BYTES,
@@ -61,11 +63,15 @@ from protocol.presence import (
     frame,
     frame_length,
     pack_roster,
+    pack_roster_answer,
+    pack_roster_delta,
+    parse_roster_request,
     presence_protocol,
+    read_roster_answer,
     roster_protocol,
+    roster_request,
     split_frame,
     unpack_envelopes,
-    unpack_roster,
 )
 
 logger = logging.getLogger(__name__)
@@ -97,6 +103,9 @@ ROSTER_REQUEST_BURST = 4.0
 VERIFIED_CACHE = 16384
 """Roster entries (envelope IDs) a fetcher remembers as verified, so an unchanged worker costs no check."""
 FETCH_CONCURRENCY = 4
+HELD_ROSTERS_MAX_BYTES = 64 * 1024 * 1024
+"""Bytes of hubs' roster entries a fetcher keeps to apply deltas to (beyond it, the hubs fetched
+longest ago are fetched whole next time): anyone may run a relay, so their number is not bounded."""
 
 
 class TokenBucket:
@@ -210,7 +219,7 @@ class PresenceHub:
         self._attached: dict[PeerId, _Attached] = {}
         self._roster_dirty = True
         self._roster: tuple[int, bytes] = (0, b"")
-        self._rosters: OrderedDict[bytes, bytes] = OrderedDict()
+        self._rosters: OrderedDict[bytes, tuple[bytes, list[bytes]]] = OrderedDict()  # ID → (packed, entries)
         self._roster_budget: dict[PeerId, TokenBucket] = {}
         self._view = b""
         self._view_version = 0
@@ -249,7 +258,7 @@ class PresenceHub:
             else:
                 roster_id, data = pack_roster(envelopes)
                 self._roster = (len(envelopes), bytes(roster_id))
-                self._rosters[bytes(roster_id)] = data
+                self._rosters[bytes(roster_id)] = (data, envelopes)
                 self._rosters.move_to_end(bytes(roster_id))
                 while len(self._rosters) > ROSTERS_KEPT:
                     self._rosters.popitem(last=False)
@@ -396,16 +405,32 @@ class PresenceHub:
                 self.counters["roster_over_budget"] += 1
                 return
             with trio.move_on_after(ROSTER_TIMEOUT_S):
-                wanted = await StreamReader(stream).exactly(ROSTER_REQUEST_BYTES)
+                wanted, held = parse_roster_request(await StreamReader(stream).exactly(ROSTER_REQUEST_BYTES))
                 self.roster()
-                data = self._rosters.get(wanted, b"")
-                await stream.write(len(data).to_bytes(LENGTH_BYTES, "big") + data)
-                self.counters["rosters_served"] += 1
+                answer = self._roster_answer(wanted, held)
+                await stream.write(len(answer).to_bytes(LENGTH_BYTES, "big") + answer)
                 await stream.close()
-        except Exception as e:  # noqa: BLE001 - a requester that went away
+        except Exception as e:  # noqa: BLE001 - a malformed request, or a requester that went away
             logger.debug("roster request from %s: %r", peer, e)
         finally:
             await _close(stream)
+
+    def _roster_answer(self, wanted: bytes, held: bytes) -> bytes:
+        """The answer to a request for roster ``wanted`` from a reader holding roster ``held``: the
+        changes since ``held`` when this hub still has it and they are smaller, else the whole
+        roster; ``b""`` when ``wanted`` is not one of the last :data:`ROSTERS_KEPT`."""
+        if wanted not in self._rosters:
+            self.counters["rosters_unknown"] += 1
+            return b""
+        data, entries = self._rosters[wanted]
+        full = pack_roster_answer(data)
+        if held and held != wanted and held in self._rosters:
+            delta = pack_roster_delta(self._rosters[held][1], entries)
+            if len(delta) < len(full):
+                self.counters["roster_deltas_served"] += 1
+                return delta
+        self.counters["rosters_served"] += 1
+        return full
 
     def stats(self) -> dict[str, Any]:
         workers, roster_id = self.roster()
@@ -598,6 +623,8 @@ class RosterFetcher:
         self.interval_s = heartbeat_interval_s
         self._clock = clock
         self._have: dict[PeerId, bytes] = {}
+        self._held: OrderedDict[PeerId, tuple[bytes, dict[bytes, bytes], int]] = OrderedDict()  # hub → (roster ID, entries by ID, bytes)
+        self._held_bytes = 0
         self._busy: set[PeerId] = set()
         self._retry_at: dict[PeerId, float] = {}
         self._verified: OrderedDict[bytes, PeerId] = OrderedDict()  # envelope ID → peer ID
@@ -627,15 +654,34 @@ class RosterFetcher:
         self._nursery.start_soon(self._fetch, hub, record.roster, record.workers, list(record.addrs))
 
     def forget(self, hub: PeerId) -> None:
-        """A hub is gone: its roster is fetched again if it comes back."""
+        """A hub is gone: its roster is fetched again (whole) if it comes back."""
         self._have.pop(hub, None)
+        self._drop_held(hub)
+
+    def _drop_held(self, hub: PeerId) -> None:
+        gone = self._held.pop(hub, None)
+        if gone is not None:
+            self._held_bytes -= gone[2]
+
+    def _keep_held(self, hub: PeerId, roster_id: bytes, entries: dict[bytes, bytes]) -> None:
+        """Keep ``entries`` as the roster a delta from ``hub`` applies to, within :data:`HELD_ROSTERS_MAX_BYTES`."""
+        self._drop_held(hub)
+        size = sum(len(e) for e in entries.values()) + 32 * len(entries)
+        self._held[hub] = (roster_id, entries, size)
+        self._held_bytes += size
+        while self._held_bytes > HELD_ROSTERS_MAX_BYTES and self._held:
+            self._drop_held(next(iter(self._held)))
 
     async def _fetch(self, hub: PeerId, roster_id: bytes, workers: int, addrs: list[str]) -> None:
         try:
             async with self._limit:
+                held_id, held = self._held.get(hub, (b"", None, 0))[:2]
                 with trio.fail_after(ROSTER_TIMEOUT_S):
-                    data = await self._ask(hub, roster_id, addrs)
-                members, fresh = self._verify(roster_id, data, workers)
+                    answer = await self._ask(hub, roster_request(roster_id, held_id), addrs)
+                entries = read_roster_answer(roster_id, answer, held)
+                members, fresh = self._verify(entries, workers)
+                self.counters["deltas" if answer[0] == DELTA else "full"] += 1
+                self.counters["bytes"] += len(answer)
         except (ProtocolError, OSError, trio.TooSlowError, EOFError, Exception) as e:  # noqa: BLE001 - a hub that fails is asked again later
             self.counters["failed"] += 1
             self._retry_at[hub] = self._clock() + self.interval_s
@@ -644,10 +690,11 @@ class RosterFetcher:
         finally:
             self._busy.discard(hub)
         self._have[hub] = roster_id
+        self._keep_held(hub, roster_id, entries)
         self.counters["fetched"] += 1
         self.deliver(hub, roster_id, fresh, members)
 
-    async def _ask(self, hub: PeerId, roster_id: bytes, addrs: list[str]) -> bytes:
+    async def _ask(self, hub: PeerId, request: bytes, addrs: list[str]) -> bytes:
         pid = ID.from_base58(hub)
         if not self.host.is_connected(hub):
             infos = []
@@ -660,7 +707,7 @@ class RosterFetcher:
                 raise OSError(f"cannot reach hub {hub}")
         stream = await self.host.host.new_stream(pid, [self.protocol])
         try:
-            await stream.write(roster_id)
+            await stream.write(request)
             reader = StreamReader(stream)
             n = int.from_bytes(await reader.exactly(LENGTH_BYTES), "big")
             if n == 0:
@@ -671,15 +718,14 @@ class RosterFetcher:
         finally:
             await _close(stream)
 
-    def _verify(self, roster_id: bytes, data: bytes, workers: int) -> tuple[list[PeerId], list[Envelope[NodeRecord]]]:
-        """Members and newly verified envelopes of a roster; raises on anything wrong."""
-        envelopes = unpack_roster(roster_id, data)
-        if len(envelopes) != workers:
-            raise DecodeError(f"roster lists {len(envelopes)} workers, its hub's record says {workers}")
+    def _verify(self, entries: dict[bytes, bytes], workers: int) -> tuple[list[PeerId], list[Envelope[NodeRecord]]]:
+        """Members and newly verified envelopes of a roster (its entries by content ID, already
+        checked against the roster ID); raises on anything wrong."""
+        if len(entries) != workers:
+            raise DecodeError(f"roster lists {len(entries)} workers, its hub's record says {workers}")
         members: list[PeerId] = []
         fresh: list[Envelope[NodeRecord]] = []
-        for raw in envelopes:
-            eid = bytes(content_id(raw))
+        for eid, raw in entries.items():
             peer = self._verified.get(eid)
             if peer is None:
                 env = self.check_entry(raw)
@@ -699,4 +745,4 @@ class RosterFetcher:
         return members, fresh
 
     def stats(self) -> dict[str, Any]:
-        return {"hubs": len(self._have), **self.counters}
+        return {"hubs": len(self._have), "held_bytes": self._held_bytes, **self.counters}

@@ -35,6 +35,8 @@ from protocol.presence import (
     RECORD,
     frame,
     pack_roster,
+    pack_roster_answer,
+    parse_roster_request,
     presence_protocol,
     roster_protocol,
 )
@@ -205,8 +207,8 @@ async def test_a_roster_counts_only_if_it_hashes_to_the_signed_id_and_holds_reco
 
         async with raw_host(bridge) as (hub_key, hub):
             async def serve_roster(stream: Any) -> None:
-                wanted = await stream.read(32)
-                data = answers.get(bytes(wanted), b"")
+                wanted, _ = parse_roster_request(await stream.read(64))
+                data = pack_roster_answer(answers[wanted]) if wanted in answers else b""
                 await stream.write(len(data).to_bytes(4, "big") + data)
                 await stream.close()
 
@@ -239,6 +241,36 @@ async def test_a_roster_counts_only_if_it_hashes_to_the_signed_id_and_holds_reco
             await bridge.run(hub.publish, coord.topics["nodes"], bad_sig, timeout_s=5)
             await wait_until(lambda: coord._rejected.get("bad_signer", 0) >= 1, 10.0)
             assert fetches("failed") == 2
+
+
+async def test_a_worker_that_changes_its_record_costs_the_coordinator_that_record_not_the_roster() -> None:
+    """The coordinator holds the relay's roster of 6 workers; one worker's new policy step reaches
+    it as a roster delta (that record and one ID), applied to the held roster and checked against
+    the relay's signed roster ID, not as the whole roster again."""
+    run = Run(heartbeat_s=0.5)
+    async with shared_bridge() as bridge, swarm(run, [("relay", None), ("coordinator", run.coordinator)], bridge=bridge) as (relay, coord):
+        seed = relay.addrs[0]
+        workers = [await GossipNode.create(run.spec, NodeKey.generate(), config(bootstrap=[seed], target_peers=1), role="worker", bridge=bridge)
+                   for _ in range(6)]
+        try:
+            await wait_until(lambda: all(w.peer_id in coord.peers and w.peer_id in relay.peers for w in workers), 30.0,
+                             "every worker listed by the coordinator")
+            fetcher = coord._fetcher
+            assert fetcher is not None
+            await wait_until(lambda: relay.peer_id in fetcher._have and fetcher._have[relay.peer_id] == relay._presence_hub.roster()[1],  # type: ignore[union-attr]
+                             10.0, "the coordinator holding the relay's current roster")
+            before = dict(fetcher.counters)
+            roster_data, _ = relay._presence_hub._rosters[fetcher._have[relay.peer_id]]  # type: ignore[union-attr]
+            workers[0].set_record(policy_step=7)
+            await wait_until(lambda: getattr(coord.peers.get(workers[0].peer_id), "policy_step", None) == 7, 10.0,
+                             "the new policy step seen by the coordinator")
+            c = fetcher.counters
+            assert c["deltas"] > before.get("deltas", 0) and c["full"] == before["full"] and c["failed"] == before.get("failed", 0)
+            per_fetch = (c["bytes"] - before["bytes"]) / (c["fetched"] - before["fetched"])
+            assert per_fetch < len(roster_data) / 3, (per_fetch, len(roster_data))
+            assert {p.peer_id for p in coord.peers if p.role == "worker"} == {w.peer_id for w in workers}
+        finally:
+            await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
 
 
 async def test_node_records_minted_past_a_forwarders_budget_are_dropped_unverified_and_cost_it_the_connection() -> None:

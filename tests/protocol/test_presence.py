@@ -1,5 +1,6 @@
 """Presence frames and rosters (``protocol/presence.py``): bounded before anything is built, and a
-roster counts only if its bytes hash to the ID its hub signed."""
+roster counts only if its bytes — whole, or a held roster with a delta applied — hash to the ID
+its hub signed."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ from protocol.presence import (
     frame,
     frame_length,
     pack_roster,
+    pack_roster_answer,
+    pack_roster_delta,
+    parse_roster_request,
+    read_roster_answer,
+    roster_request,
     split_frame,
     unpack_envelopes,
     unpack_roster,
@@ -64,6 +70,50 @@ def test_a_roster_is_its_content_id() -> None:
     unordered = encoding.packb(sorted(envs, reverse=True))
     with pytest.raises(DecodeError, match="order"):
         unpack_roster(content_id(unordered), unordered)
+
+
+def by_id(envs: list[bytes]) -> dict[bytes, bytes]:
+    return {bytes(content_id(e)): e for e in envs}
+
+
+def test_a_roster_delta_carries_only_what_changed_and_counts_only_if_the_result_hashes_to_the_id() -> None:
+    keys = [NodeKey.generate() for _ in range(40)]
+    old_envs = [record(k) for k in keys]
+    new_envs = [record(keys[0], seq=2), *old_envs[1:39], record(NodeKey.generate())]  # one changed, one left, one joined
+    old_id, old_data = pack_roster(old_envs)
+    new_id, new_data = pack_roster(new_envs)
+    delta = pack_roster_delta(old_envs, new_envs)
+    assert len(delta) < len(new_data) // 10  # two records and two IDs, not forty records
+    assert read_roster_answer(new_id, delta, by_id(old_envs)) == by_id(new_envs)
+    assert read_roster_answer(new_id, pack_roster_answer(new_data)) == by_id(new_envs)  # the whole roster needs nothing held
+    with pytest.raises(DecodeError, match="hash"):  # applied to a roster other than the one it was made from
+        read_roster_answer(new_id, delta, by_id([*old_envs, record(NodeKey.generate())]))
+    with pytest.raises(DecodeError, match="no roster was held"):
+        read_roster_answer(new_id, delta)
+    wrong = pack_roster_delta(old_envs, [*new_envs[:-1], record(NodeKey.generate())])  # a real delta to another roster
+    with pytest.raises(DecodeError, match="hash"):
+        read_roster_answer(new_id, wrong, by_id(old_envs))
+    not_held = bytes([0x01]) + encoding.packb([[b"\1" * 32], []])
+    with pytest.raises(DecodeError, match="not held"):
+        read_roster_answer(old_id, not_held, by_id(old_envs))
+    twice = bytes([0x01]) + encoding.packb([[], [old_envs[0]]])
+    with pytest.raises(DecodeError, match="already held"):
+        read_roster_answer(old_id, twice, by_id(old_envs))
+    with pytest.raises(DecodeError):  # gone IDs are 32 bytes
+        read_roster_answer(old_id, bytes([0x01]) + encoding.packb([[b"x"], []]), by_id(old_envs))
+    with pytest.raises(DecodeError, match="form"):
+        read_roster_answer(old_id, bytes([0x07]) + old_data)
+    assert old_id == content_id(old_data)
+
+
+def test_a_roster_request_names_the_roster_wanted_and_the_one_held() -> None:
+    wanted, held = b"\1" * 32, b"\2" * 32
+    assert parse_roster_request(roster_request(wanted, held)) == (wanted, held)
+    assert parse_roster_request(roster_request(wanted)) == (wanted, b"")
+    with pytest.raises(DecodeError):
+        parse_roster_request(wanted)  # the 32-byte request of before: refused, not misread
+    with pytest.raises(ValueError):
+        roster_request(b"short")
 
 
 def test_envelope_lists_are_bounded_before_they_are_built() -> None:
