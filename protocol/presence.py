@@ -156,6 +156,30 @@ def pack_envelopes(envelopes: list[bytes]) -> bytes:
     return encoding.packb([bytes(e) for e in envelopes])
 
 
+def fit_view(envelopes: list[bytes]) -> list[bytes]:
+    """The longest prefix of ``envelopes`` (in the caller's priority order) that packs within
+    :data:`VIEW_MAX_ENTRIES` and :data:`VIEW_MAX_BYTES`, so a view always fits one frame.
+
+    Hub records are self-signed and up to :data:`ENVELOPE_MAX_BYTES` each, so anyone can make the
+    live hubs' records outgrow a frame (≈ 200 records of ≈ 5 KiB); the caller orders them so that
+    the ones workers need most come first.
+    """
+    out: list[bytes] = []
+    size = _MSGPACK_HEADER_MAX  # array header
+    for e in envelopes:
+        if len(out) == VIEW_MAX_ENTRIES:
+            break
+        size += _MSGPACK_HEADER_MAX + len(e)  # bin header + bytes
+        if size > VIEW_MAX_BYTES:
+            break
+        out.append(e)
+    return out
+
+
+_MSGPACK_HEADER_MAX = 5
+"""Most bytes a msgpack array or bin header takes (type byte + u32 length)."""
+
+
 def unpack_envelopes(data: bytes, *, max_entries: int, max_bytes: int) -> list[bytes]:
     """The envelope byte strings of a view or roster, bounded before anything is built.
 

@@ -96,6 +96,12 @@ FRAME_BURST = 8.0
 """Frames a presence stream may send at once."""
 OVER_BUDGET_LIMIT = 16
 """Frames over budget after which the peer is banned (each is dropped unparsed)."""
+VIEWS_PER_INTERVAL = 2.0
+"""Views a worker takes from one hub per heartbeat interval: twice what an honest hub sends (one when
+the stream opens, then at most one per interval: ``node.p2p.service.VIEW_SETTLE_INTERVALS``). Each
+view may make a worker verify up to 256 signatures, so a peer posing as a hub must not choose how many."""
+VIEW_BURST = 4.0
+"""Views a hub may send at once."""
 ROSTERS_KEPT = 4
 """Recent rosters a hub still serves by ID (a fetch may name one that just changed)."""
 ROSTER_REQUESTS_PER_INTERVAL = 1.0
@@ -443,8 +449,10 @@ class _Link:
 
     hub: PeerId
     stream: INetStream
+    budget: TokenBucket
     sent_version: int = -1
     last_write: float = 0.0
+    over_budget: int = 0
 
 
 class PresenceClient:
@@ -454,7 +462,9 @@ class PresenceClient:
         run_id: the run's 32-byte ID.
         host: this worker's libp2p host.
         heartbeat_interval_s: the run's heartbeat interval, seconds.
-        on_view: called with ``(hub peer ID, view payload)`` for each ``VIEW`` frame (unverified).
+        on_view: called with ``(hub peer ID, view payload)`` for each ``VIEW`` frame within the
+            hub's budget (unverified); returns ``False`` when the view held something no honest hub
+            sends (the hub is then banned).
         on_detach: called with a hub's peer ID when its stream ended.
         clock: trio clock, seconds.
     """
@@ -465,7 +475,7 @@ class PresenceClient:
         host: P2PHost,
         *,
         heartbeat_interval_s: float,
-        on_view: Callable[[PeerId, bytes], None],
+        on_view: Callable[[PeerId, bytes], bool],
         on_detach: Callable[[PeerId], None],
         clock: Callable[[], float] = trio.current_time,
     ) -> None:
@@ -530,7 +540,7 @@ class PresenceClient:
         if stream is None:
             self._not_hub[hub] = self._clock() + retry_s
             return
-        link = _Link(hub, stream)
+        link = _Link(hub, stream, TokenBucket(VIEWS_PER_INTERVAL / self.interval_s, VIEW_BURST, self._clock()))
         self._links[hub] = link
         self.counters["links"] += 1
         try:
@@ -577,9 +587,24 @@ class PresenceClient:
             except Exception as e:  # noqa: BLE001 - the hub went away or sent junk: drop the link
                 logger.debug("presence stream from %s: %r", link.hub, e)
                 return
-            if kind == VIEW:
-                self.counters["views"] += 1
-                self.on_view(link.hub, payload)
+            if kind != VIEW:
+                continue
+            if not link.budget.take(self._clock()):
+                link.over_budget += 1
+                self.counters["views_over_budget"] += 1
+                if link.over_budget > OVER_BUDGET_LIMIT:
+                    self._cut_off(link, f"{link.over_budget} views over {VIEWS_PER_INTERVAL:g} per interval")
+                    return
+                continue  # dropped before any decoding or signature check
+            self.counters["views"] += 1
+            if not self.on_view(link.hub, payload):
+                self._cut_off(link, "a view no honest hub sends")
+                return
+
+    def _cut_off(self, link: _Link, detail: str) -> None:
+        self.counters["hubs_cut_off"] += 1
+        logger.info("presence: cutting off hub %s: %s", link.hub, detail, extra={"peer_id": link.hub})
+        self.host.ban(link.hub)
 
     def stats(self) -> dict[str, Any]:
         return {"hubs": len(self._links), **self.counters}

@@ -56,14 +56,14 @@ from node.p2p.gossip import (
     topic_names,
 )
 from node.p2p.host import P2PHost
-from node.p2p.peers import PeerTable, Vouchers
+from node.p2p.peers import KEY_CHECKED_ROLES, PeerTable, Vouchers
 from node.p2p.presence import PresenceClient, PresenceHub, RosterFetcher, TokenBucket, unpack_view
 from protocol.content import content_id
 from protocol.envelope import Envelope, open_envelope, seal
 from protocol.errors import DecodeError, ProtocolError, SchemaError
 from protocol.identity import NodeKey, PeerId
 from protocol.messages import HUB_ROLES, CheckpointAnnouncement, Hardware, Message, NodeRecord, Role
-from protocol.presence import VIEW_MAX_ENTRIES, pack_envelopes
+from protocol.presence import fit_view, pack_envelopes
 from protocol.runspec import RunSpec
 
 if TYPE_CHECKING:
@@ -628,11 +628,17 @@ class GossipNode:
             if not self._last_sealed:
                 continue
             own = open_envelope(self._last_sealed, run_id=self.run_id, expect=NodeRecord)
-            live = [own] + [self._hub_envs[p.peer_id] for p in self.peers.alive() if p.peer_id in self._hub_envs]
+            # what workers need most first (hub records are self-signed: anyone can add hubs, up to
+            # any size): this hub, the key-checked coordinator and validators, then the hubs heard
+            # longest; the rest is cut where the frame ends (protocol.presence.fit_view)
+            hubs = sorted((p for p in self.peers.alive() if p.peer_id in self._hub_envs),
+                          key=lambda p: (p.role not in KEY_CHECKED_ROLES, p.first_seen, p.peer_id))
+            live = [own] + [self._hub_envs[p.peer_id] for p in hubs]
             for pid in [p for p in self._hub_envs if p not in self.peers]:
                 del self._hub_envs[pid]
+            live = live[:len(fit_view([e.raw for e in live]))]
             key = tuple(sorted((e.body.peer_id, _view_material(e.body)) for e in live))
-            data = pack_envelopes([e.raw for e in live][:VIEW_MAX_ENTRIES])
+            data = pack_envelopes([e.raw for e in live])
             now = loop.time()
             try:
                 if key == self._view_key:  # unchanged: only streams opened from now on get these newer copies
@@ -717,15 +723,21 @@ class GossipNode:
             raise SchemaError(f"a {env.body.role} record in a roster", "body.role")
         return env
 
-    def _on_view(self, hub: PeerId, payload: bytes, host: P2PHost) -> None:
-        """A worker (trio side): verify a hub's view; hand the valid records to the asyncio side."""
+    def _on_view(self, hub: PeerId, payload: bytes, host: P2PHost) -> bool:
+        """A worker (trio side): verify a hub's view; hand the valid records to the asyncio side.
+
+        Returns:
+            ``False`` when the view is malformed or holds a record that fails for any reason but
+            its age (a hub verified every record it lists, so that hub lies); the view is dropped
+            at that record, so a lying view costs at most one failed check.
+        """
         assert self._bridge is not None
         try:
             raws = unpack_view(payload)
         except ProtocolError as e:
             self._rejected["view_malformed"] += 1
             logger.debug("malformed view from %s: %s", hub, e, extra={"peer_id": hub})
-            return
+            return False
         envs: list[Envelope[NodeRecord]] = []
         for raw in raws:
             eid = bytes(content_id(raw))
@@ -736,7 +748,10 @@ class GossipNode:
                 except ProtocolError as e:
                     reason, _ = penalty_for(e)
                     self._rejected[f"view_{reason}"] += 1
-                    continue
+                    if reason in ("stale", "duplicate"):  # aged on the way, or seen: skipped, not a lie
+                        continue
+                    logger.debug("view from %s lists a record that fails: %s", hub, e, extra={"peer_id": hub})
+                    return False
                 self._view_cache[eid] = env
                 while len(self._view_cache) > VIEW_CACHE:
                     self._view_cache.popitem(last=False)
@@ -745,6 +760,7 @@ class GossipNode:
                 host.note_peer(env.body.peer_id, env.body.addrs)
             envs.append(env)  # type: ignore[arg-type]
         self._bridge.to_asyncio(self._deliver_view, hub, envs)
+        return True
 
     def _make_validator(self, kind: TopicKind, host: P2PHost) -> Callable[[ID, rpc_pb2.Message], bool]:
         interval_s = self.heartbeat_interval_s

@@ -17,10 +17,14 @@ from protocol.presence import (
     HUB_KINDS,
     RECORD,
     VIEW,
+    VIEW_MAX_BYTES,
+    VIEW_MAX_ENTRIES,
     WORKER_FRAME_MAX_BYTES,
     WORKER_KINDS,
+    fit_view,
     frame,
     frame_length,
+    pack_envelopes,
     pack_roster,
     pack_roster_answer,
     pack_roster_delta,
@@ -137,3 +141,13 @@ def test_only_a_hub_record_carries_a_roster() -> None:
         NodeRecord(peer_id=key.peer_id, role="relay", seq=1, version="t", workers=3, roster=b"")
     with pytest.raises(ValueError):
         NodeRecord(peer_id=key.peer_id, role="relay", seq=1, version="t", workers=0, roster=b"\1" * 16)
+
+
+def test_fit_view_cuts_where_the_frame_ends() -> None:
+    """Self-signed hub records can outgrow one frame; the view keeps the first ones that fit."""
+    big = [bytes([i % 256]) * 5000 + i.to_bytes(2, "big") for i in range(300)]
+    kept = fit_view(big)
+    assert kept == big[: len(kept)] and 0 < len(kept) < len(big)
+    assert len(pack_envelopes(kept)) <= VIEW_MAX_BYTES < len(pack_envelopes(big[: len(kept) + 1]))
+    small = [i.to_bytes(4, "big") for i in range(VIEW_MAX_ENTRIES + 10)]
+    assert fit_view(small) == small[:VIEW_MAX_ENTRIES]

@@ -1,0 +1,151 @@
+"""Hostile peers against presence streams (``node/p2p/presence.py``, ``docs/gossip.md``), as real
+libp2p hosts on 127.0.0.1.
+
+* A peer posing as a hub (any peer a worker is connected to that speaks the presence protocol)
+  floods the worker's presence stream with views: 256 records with broken signatures each, or
+  validly signed ones as fast as it can write. Before the fix the worker checked every signature
+  of every view (≈ 0.7 of a core at ≈ 3,300 junk records/s from one attacker, 20 s: its
+  announcements arrived 5-10× later) and never cut the peer off.
+* Sybil relay records (self-signed, ≈ 5 KiB each, ≈ 210 of them) make a hub's view outgrow the
+  1 MiB presence frame. Before the fix the hub's view writer raised on every attached worker's
+  stream, so every worker was detached from every hub and could not re-attach (seen: attached
+  1 → 0, the worker re-opening a stream every ≈ 2 s), and with more than 255 of them the
+  validators, which sort after ``relay``, fell out of the view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from libp2p.abc import INetStream
+from libp2p.custom_types import TProtocol
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "node"))  # the p2p test factories live there
+from p2p_helpers import Run, config, forge, shared_bridge, swarm
+from waiting import wait_until
+
+from node.p2p import GossipNode
+from node.p2p.bridge import TrioBridge
+from node.p2p.host import P2PHost, parse_peer_addr
+from node.p2p.presence import OVER_BUDGET_LIMIT, VIEW_BURST
+from protocol.envelope import seal
+from protocol.identity import NodeKey
+from protocol.messages import NodeRecord
+from protocol.presence import VIEW, VIEW_MAX_BYTES, frame, pack_envelopes, presence_protocol
+
+pytestmark = pytest.mark.integration
+
+VIEWS_SENT = 64
+"""Views each fake hub writes (bounded), far more than its budget."""
+
+
+def relay_record(key: NodeKey, run: Run, *, big: bool = False, seq: int = 1) -> bytes:
+    """A self-signed relay record; ``big``: as large as the schema allows (≈ 5.3 KiB)."""
+    if not big:
+        return seal(key, run.spec.run_id, NodeRecord(peer_id=key.peer_id, role="relay", seq=seq, version="t"))
+    return seal(key, run.spec.run_id, NodeRecord(
+        peer_id=key.peer_id, role="relay", seq=seq, version="v" * 64, http_url="http://" + "h" * 240,
+        addrs=[f"/dns4/{'a' * 226}{i:02d}.example/tcp/{4000 + i}" for i in range(16)], held_steps=[2**40 - i for i in range(64)],
+    ))
+
+
+@contextlib.asynccontextmanager
+async def fake_hub(bridge: TrioBridge, run: Run, views: list[bytes]) -> AsyncIterator[tuple[NodeKey, P2PHost]]:
+    """A bare host that speaks the presence protocol: to every presence stream a worker opens to it,
+    it writes ``views`` (frames) back to back. Yields its key and host."""
+    key = NodeKey.generate()
+    host = P2PHost(key, config())
+
+    async def serve(stream: INetStream) -> None:
+        try:
+            for data in views:
+                with trio.fail_after(10):
+                    await stream.write(data)
+            await trio.sleep(30)  # keep the stream open: the worker decides when it ends
+        except Exception:  # noqa: BLE001 - the worker cut us off
+            return
+
+    host.host.set_stream_handler(TProtocol(presence_protocol(run.spec.run_id)), serve)
+    handle = await bridge.start_task(host.serve, timeout_s=10)
+    try:
+        yield key, host
+    finally:
+        await handle.cancel()
+
+
+def banned(node: GossipNode, key: NodeKey) -> bool:
+    """Whether ``node`` blacklisted ``key``'s peer (a test's look across threads)."""
+    assert node._host is not None
+    return key.peer_id in node._host._banned_until
+
+
+async def presence(node: GossipNode) -> dict[str, Any]:
+    return dict((await node.stats()).get("presence", {}))
+
+
+async def test_a_fake_hub_flooding_views_is_budgeted_and_cut_off() -> None:
+    """Junk views cost the worker one failed check and the peer its connection; valid views past
+    the budget are dropped unread and then cost the peer its connection too. The worker's real
+    hub keeps it attached throughout."""
+    run = Run()
+    junk = [forge(NodeKey.generate(), run.spec.run_id, "node_record/1",
+                  NodeRecord(peer_id=NodeKey.generate().peer_id, role="relay", seq=1, version="t").model_dump(), corrupt_sig=True)
+            for _ in range(256)]
+    junk_view = frame(VIEW, pack_envelopes(junk))
+    async with shared_bridge() as bridge, swarm(run, [("relay", None), ("worker", None)], bridge=bridge) as (relay, worker):
+        await wait_until(lambda: worker.peer_id in relay.peers, 20.0, "the worker attached to its hub")
+        async with fake_hub(bridge, run, [junk_view] * VIEWS_SENT) as (liar_key, liar):
+            await bridge.run(liar.host.connect, parse_peer_addr(worker.addrs[0]), timeout_s=10)
+            await wait_until(lambda: banned(worker, liar_key), 20.0, "the worker cutting off the hub that sent junk views")
+            checked = (await worker.stats())["rejected"].get("view_bad_signer", 0)
+            assert checked <= 1, f"the worker checked {checked} junk records (one lie is enough)"
+
+        minted = [relay_record(NodeKey.generate(), run) for _ in range(VIEWS_SENT)]
+        flood = [frame(VIEW, pack_envelopes([m])) for m in minted]  # each view new, each record valid
+        async with fake_hub(bridge, run, flood) as (flood_key, flooder):
+            await bridge.run(flooder.host.connect, parse_peer_addr(worker.addrs[0]), timeout_s=10)
+            await wait_until(lambda: banned(worker, flood_key), 20.0, "the worker cutting off the hub that floods views")
+            stats = await presence(worker)
+            assert stats["views_over_budget"] == OVER_BUDGET_LIMIT + 1
+            assert stats["views"] <= VIEW_BURST + 3 + 1, stats  # the burst, what refilled meanwhile, and the honest hub's
+        assert worker.peer_id in relay.peers and relay.peer_id in worker.peers, "the honest hub and worker still see each other"
+
+
+async def test_sybil_hub_records_never_push_a_view_past_its_frame() -> None:
+    """≈ 210 self-signed 5 KiB relay records on the nodes topic: the hub's view is cut to fit its
+    frame, its worker stays attached, and the view keeps the validator (key-checked) ahead of them."""
+    run = Run(heartbeat_s=10.0)  # records stay alive 30 s: long enough to deliver them all here
+    n = VIEW_MAX_BYTES // len(relay_record(NodeKey.generate(), run, big=True)) + 16
+    sybils = [relay_record(NodeKey.generate(), run, big=True) for _ in range(n)]
+    roles = [("relay", None), ("coordinator", run.coordinator), ("validator", run.validator), ("worker", None)]
+    async with shared_bridge() as bridge, swarm(run, roles, bridge=bridge) as (relay, coord, validator, worker):
+        await wait_until(lambda: worker.peer_id in relay.peers and validator.peer_id in worker.peers, 30.0,
+                         "the worker attached to its hub and its view listing the validator")
+        accepted = (await presence(relay))["streams_accepted"]
+        attacker = await GossipNode.create(run.spec, NodeKey.generate(), config(bootstrap=[relay.addrs[0]]), role="relay", bridge=bridge)
+        try:
+            await wait_until(lambda: relay.peers.get(attacker.peer_id) is not None, 20.0, "the attacker's own record at the hub")
+            for i, data in enumerate(sybils):
+                await attacker.publish("nodes", data)
+                if i % 20 == 19:
+                    await asyncio.sleep(0.1)  # py-libp2p drops a new stream's 101st queued message
+            await wait_until(lambda: sum(p.role == "relay" for p in relay.peers.alive()) > n, 60.0, "the Sybil records alive at the hub")
+            hub = relay._presence_hub  # a test's look across threads
+            assert hub is not None
+            await wait_until(lambda: len(hub._view) > VIEW_MAX_BYTES * 0.9, 40.0, "the hub's view filled with Sybil records")
+            # its attached worker's stream has written that view (or failed to)
+            await wait_until(lambda: all(a.view_version == hub._view_version for a in list(hub._attached.values())), 20.0,
+                             "the view written to the worker")
+            stats = await presence(relay)
+            assert stats["attached"] == 1 and stats["streams_accepted"] == accepted, f"the worker was detached: {stats}"
+            assert worker.peer_id in relay.peers
+            assert validator.peer_id in worker.peers and coord.peer_id in worker.peers, "the view kept the key-checked hubs"
+        finally:
+            await attacker.stop()
