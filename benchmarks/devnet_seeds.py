@@ -44,6 +44,8 @@ def run_seed(seed: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout + 120,
                        env=dict(os.environ, OMP_NUM_THREADS="1", INTELLECT_CACHE=str(args.cache)))
     wall = time.monotonic() - t0
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "devnet-output.txt").write_text(r.stdout + r.stderr)  # the devnet's own summary, for quoting a real run
     rows = read_metrics(out / "coordinator" / "metrics.jsonl")
     steps = [x for x in rows if x.get("event") == "step"]
     evals = [x for x in rows if x.get("event") == "eval"]
@@ -67,7 +69,9 @@ def main() -> None:
     ap.add_argument("--first-seed", type=int, default=1, help="seeds are first-seed, first-seed + 1, … (default 1)")
     ap.add_argument("--steps", type=int, default=None, help="trainer steps (default: the devnet's default)")
     ap.add_argument("--timeout", type=float, default=900.0, help="per-seed devnet timeout, seconds")
-    ap.add_argument("--keep", default=None, help="keep every run's output under this directory (default: a temporary one)")
+    ap.add_argument("--keep", default=None,
+                    help="keep every run's output under this directory, with what the devnet printed in seed-N/devnet-output.txt "
+                         "(default: a temporary one)")
     ap.add_argument("--cache", default=None, help="INTELLECT_CACHE of every devnet (default: one new empty folder)")
     args = ap.parse_args()
     tmp = None if args.keep else tempfile.TemporaryDirectory(prefix="devnet-seeds-")
