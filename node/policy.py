@@ -37,6 +37,7 @@ from node.shardcast import DownloadConfig
 from node.shardcast.client import MANIFEST_FILE_NAME, resolve_manifest
 from node.shardcast.delta import fetch_step
 from node.shardcast.download import ManifestCache, make_session
+from node.shardcast.events import log_held
 from node.shardcast.sources import SourcePool
 from protocol.errors import ProtocolError
 from protocol.models import check_base_hash
@@ -97,11 +98,36 @@ class PolicyFollower:
         self._cfg = DownloadConfig(stall_timeout_s=30.0, deadline_s=600.0)
         self._session: Any = None
         self._manifests = ManifestCache()  # verified manifests are not downloaded/decoded again; liars not re-polled
+        self._prefetch: asyncio.Task[None] | None = None
 
     async def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.cancel()
+            await asyncio.gather(self._prefetch, return_exceptions=True)  # stopping: its outcome no longer matters
+            self._prefetch = None
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    def prefetch(self, step: int) -> None:
+        """Start fetching ``step`` in the background unless it is held or one prefetch runs already.
+
+        A worker learns of a new step while it generates with the old one, and a validator before
+        the first submission of it arrives: fetching at once overlaps the download and delta apply
+        with that work (INTELLECT-2's workers do the same), so the step is on disk when it is
+        needed. :meth:`fetch` of the same step waits for this one (one lock per step). A failure
+        is logged; the next :meth:`fetch` tries again.
+        """
+        if self.have(step) or (self._prefetch is not None and not self._prefetch.done()):
+            return
+
+        async def run() -> None:
+            try:
+                await self.fetch(step)
+            except (FetchError, NodeError, OSError) as e:
+                logger.info("prefetch of policy step %d failed: %s", step, e, extra={"step": step})
+
+        self._prefetch = asyncio.create_task(run(), name=f"prefetch-step-{step}")
 
     def note_step(self, step: int) -> None:
         """Record that ``step`` was announced (from a verified gossip announcement)."""
@@ -190,6 +216,7 @@ class PolicyFollower:
         else:
             used = sorted(res.full.source_bytes) if res.full is not None else []
             logger.info("fetched policy step %d in %.2f s from %s", step, time.monotonic() - t0, used, extra={"step": step})
+        log_held(logger, step, "delta" if res.via == "delta" else "full", res.bytes_downloaded, time.monotonic() - t0, res.apply_s)
         self.note_step(step)
         await asyncio.to_thread(self._prune, step)
         return out

@@ -47,6 +47,11 @@ LEASE_BACKOFF_MAX_S = 15.0
 """Longest wait between lease attempts while no ingest answers, seconds (before jitter)."""
 FAILURE_LOG_INTERVAL_S = 30.0
 """A repeated lease failure is logged at most once per this many seconds."""
+MODEL_CACHE_BYTES = 2560 * 1024 * 1024
+"""Float32 model parameters kept in memory for prefill (2.5 GiB), on top of the retention rule:
+the embedded devnet keeps every retained step, a 0.5B-shape model (1.98 GB) only the one in use;
+a submission of another step loads its checkpoint from disk again (seconds) instead of doubling
+the validator's memory (``docs/validator.md``)."""
 
 
 @dataclass
@@ -126,7 +131,7 @@ class ValidatorNode:
         await require_sandbox_for(self.tasks)  # code tasks only in a real sandbox: RewardError naming what to install
         if self.options.gossip is not None:
             self.gossip = await GossipNode.create(self.spec, self.key, self.options.gossip, role="validator")
-            self.gossip.on_announcement(lambda env: self.follower.note_step(env.body.step))
+            self.gossip.on_announcement(self._on_announcement)
             self.gossip.on_ban_list(self._on_ban_list)
             self.gossip.register_metrics(self.registry)  # intellect_gossip_*: drops, refusals, attached workers
         self.status_server = await start_status_server(self.status, self.registry, self.options.http_port)
@@ -243,8 +248,8 @@ class ValidatorNode:
             accepted=result.accepted, reason=result.reason, evidence={k: v for k, v in result.evidence.items()},
         ))
         log = logger.info if result.accepted else logger.warning
-        log("verdict %s on %s from %s: %s %s", "accept" if result.accepted else "reject", sid[:12], sub.worker, result.reason,
-            result.evidence or "", extra={"peer_id": sub.worker, "step": sub.policy_step})
+        log("verdict %s on %s from %s (step %d, checked in %.2f s): %s %s", "accept" if result.accepted else "reject", sid[:12], sub.worker,
+            sub.policy_step, result.seconds, result.reason, result.evidence or "", extra={"peer_id": sub.worker, "step": sub.policy_step})
         await self._post_verdict(verdict)
         if sub.policy_step > self.judged_step:
             self.judged_step = sub.policy_step
@@ -267,8 +272,25 @@ class ValidatorNode:
         always covers the submission being judged, whose checkpoint is loaded (``p ≤ s``)."""
         return max(self.follower.latest_step, max(self._models, default=-1))
 
+    def _on_announcement(self, env: Any) -> None:
+        """A new step: note it, and fetch it now (submissions of it follow; only the files, the
+        model is loaded when the first of them is checked)."""
+        self.follower.note_step(env.body.step)
+        self.follower.prefetch(env.body.step)
+
+    def _models_fitting(self) -> int:
+        """How many float32 models fit :data:`MODEL_CACHE_BYTES` (at least one: the model in use),
+        judged by a loaded one (before any is loaded: no bound)."""
+        if not self._models:
+            return 1 << 20
+        size = sum(p.numel() * p.element_size() for p in next(iter(self._models.values())).parameters())
+        return max(1, MODEL_CACHE_BYTES // max(1, size))
+
     async def _prepare(self, step: int) -> None:
-        """Load the checkpoint of ``step`` (fetching it through Shardcast) unless cached."""
+        """Load the checkpoint of ``step`` (fetching it through Shardcast) unless cached.
+
+        Models the retention rule drops, and beyond :meth:`_models_fitting` the oldest, are freed
+        before the new one is loaded, so no more than that many are ever in memory at once."""
         if step in self._models:
             return
         if step > self.follower.latest_step:
@@ -278,13 +300,15 @@ class ValidatorNode:
         except FetchError as e:
             logger.warning("cannot fetch policy step %d: %s", step, e)
             return
+        fitting = self._models_fitting()
+        kept = retained_steps([*self._models, step], self.spec.shardcast.keep_steps, in_use=step)  # the held checkpoints' rule
+        others = sorted((s for s in kept if s != step), reverse=True)[: fitting - 1]
+        for s in [s for s in self._models if s not in others]:
+            del self._models[s]
         model = await asyncio.to_thread(load_model, path, torch.float32, self.options.device)
         if self.tokenizer is None:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, path)
         self._models[step] = model
-        kept = retained_steps(self._models, self.spec.shardcast.keep_steps, in_use=step)  # the held checkpoints' rule
-        for s in [s for s in self._models if s not in kept]:
-            del self._models[s]
 
     async def _post_verdict(self, verdict: bytes) -> None:
         """Post a verdict to the ingest: up to 5 tries while it answers *retry* or not at all (backing

@@ -254,6 +254,8 @@ class Worker:
 
     def _on_announcement(self, env: Envelope[Any]) -> None:
         self.follower.note_step(env.body.step)
+        if self.policy_step >= 0:  # fetch while generating with the held step (the first one the run loop fetches)
+            self.follower.prefetch(env.body.step)
 
     def _on_verdict(self, env: Envelope[Verdict]) -> None:
         if env.body.worker == self.key.peer_id:

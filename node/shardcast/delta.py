@@ -366,6 +366,7 @@ class StepFetchResult:
         faulty_sources: sources caught serving bad data, with the reason.
         fallback_reason: why the delta path was not taken (empty when it was).
         full: the full fetch's own result when ``via`` is ``"full"`` (sources used, bytes per source).
+        apply_s: of ``elapsed_s``, applying deltas to the held files (reading, decoding, writing and hashing), seconds.
     """
 
     step: int
@@ -380,6 +381,7 @@ class StepFetchResult:
     faulty_sources: dict[str, str] = field(default_factory=dict)
     fallback_reason: str = ""
     full: FetchResult | None = None
+    apply_s: float = 0.0
 
 
 async def _resolve_chain(session: aiohttp.ClientSession, pool: SourcePool, held: Envelope[Manifest], target: Envelope[Manifest],
@@ -500,6 +502,7 @@ async def fetch_step(
                 chain = await _resolve_chain(sess, pool, held, target, max_chain, run_id, authorities, cfg)
                 cur_dir, cur = held_dir, held
                 applied: list[int] = []
+                apply_s = 0.0
                 for i, (d, tenv) in enumerate(chain):
                     last = i == len(chain) - 1
                     dest = out_dir if last else out_dir.parent / f".{out_dir.name}.chain-{tenv.body.step}"
@@ -509,14 +512,16 @@ async def fetch_step(
                     dpath = out_dir.parent / f".{out_dir.name}.{hex_id(d.body.delta_hash)[:16]}.delta"
                     got, had = await _download_delta(sess, pool, cfg, d.body, dpath)
                     downloaded, resumed = downloaded + got, resumed + had
+                    t_apply = time.monotonic()
                     await asyncio.to_thread(apply_into_dir, dpath, d.body, cur, cur_dir, tenv, dest)
+                    apply_s += time.monotonic() - t_apply
                     dpath.unlink(missing_ok=True)
                     cur_dir, cur = dest, tenv
                     applied.append(tenv.body.step)
-                logger.info("step %d from step %d through %d delta(s): %d bytes in %.2f s", target.body.step, held.body.step,
-                            len(chain), downloaded, time.monotonic() - t0, extra={"step": target.body.step})
+                logger.info("step %d from step %d through %d delta(s): %d bytes in %.2f s (apply %.2f s)", target.body.step,
+                            held.body.step, len(chain), downloaded, time.monotonic() - t0, apply_s, extra={"step": target.body.step})
                 return StepFetchResult(target.body.step, target, out_dir, files, "delta", applied, downloaded, resumed,
-                                       time.monotonic() - t0, pool.faulty())
+                                       time.monotonic() - t0, pool.faulty(), apply_s=apply_s)
             except (DeltaUnavailable, FetchError, ProtocolError, StoreError, OSError) as e:  # OSError: e.g. the held base vanished
                 reason = str(e)
                 # no delta published (yet) is normal; a source that failed or lied is worth a warning
@@ -636,22 +641,24 @@ def d_manifest_file(d: DeltaManifest) -> Manifest:
 
 async def rebuild_from_delta(session: aiohttp.ClientSession, pool: SourcePool, store: ShardcastStore, step: int,
                              cfg: DownloadConfig, *, semaphore: asyncio.Semaphore | None = None,
-                             on_piece: Callable[[bytes], None] | None = None) -> bool:
+                             on_piece: Callable[[bytes], None] | None = None) -> float | None:
     """Fill ``step`` in a relay's store from its stored delta and the held base step (relays).
 
     The delta pieces are fetched into the store (and so served downstream at once); the target's
     pieces are then written from base + delta, each verified by its ID before it is stored.
 
     Returns:
-        Whether the step was filled this way (``False``: no delta or base; the caller fetches pieces).
+        Seconds spent rebuilding the target's pieces from base + delta once the delta was here
+        (its apply time), or ``None`` when the step was not filled this way (no delta or base, or
+        the rebuild failed; the caller fetches pieces).
     """
     d = store.delta(step)
     target = store.manifest(step)
     if d is None or target is None or d.body.target_manifest_id != target.id:
-        return False
+        return None
     base = store.manifest(d.body.base_step)
     if base is None or base.id != d.body.base_manifest_id or not store.is_complete(d.body.base_step):
-        return False
+        return None
     loop = asyncio.get_running_loop()
     notify = on_piece or (lambda _pid: None)
     try:
@@ -663,11 +670,13 @@ async def rebuild_from_delta(session: aiohttp.ClientSession, pool: SourcePool, s
                 return await asyncio.to_thread(store.piece_writer, piece.piece_id, piece.size_bytes)
 
             await downloader.run(missing, open_writer)
+        t_apply = time.monotonic()
         stats = await asyncio.to_thread(_rebuild_blocking, store, d.body, base, target,
                                         lambda pid: loop.call_soon_threadsafe(notify, pid))
+        apply_s = time.monotonic() - t_apply
     except (FetchError, ProtocolError, StoreError, OSError) as e:
         logger.warning("rebuilding step %d from its delta failed (%s); fetching its pieces", step, e, extra={"step": step})
-        return False
-    logger.info("rebuilt step %d from step %d + %d-byte delta (%d words changed)", step, d.body.base_step, d.body.size_bytes,
-                stats.changed_elements, extra={"step": step})
-    return True
+        return None
+    logger.info("rebuilt step %d from step %d + %d-byte delta (%d words changed) in %.2f s", step, d.body.base_step, d.body.size_bytes,
+                stats.changed_elements, apply_s, extra={"step": step})
+    return apply_s

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ import aiohttp
 from node.errors import FetchError, SourceError
 from node.shardcast.delta import mirror_delta, rebuild_from_delta
 from node.shardcast.download import DownloadConfig, PieceDownloader, get_held, get_manifest, make_session
+from node.shardcast.events import log_held
 from node.shardcast.server import ShardcastServer
 from node.shardcast.sources import SourcePool, normalise_url
 from node.shardcast.store import PieceWriter, ShardcastStore
@@ -306,10 +308,12 @@ class Relay:
     async def _sync(self, step: int) -> None:
         """Fill ``step`` from the upstreams (one attempt; the next poll retries a failed one)."""
         assert self._session is not None
+        t0 = time.monotonic()
+        apply_s: float | None = None
         try:
             if self.pool.urls:  # from the held base step + a small delta when there is one (docs/shardcast.md §9)
-                await rebuild_from_delta(self._session, self.pool, self.store, step, self.config.download, semaphore=self._sem,
-                                         on_piece=self.server.piece_stored)
+                apply_s = await rebuild_from_delta(self._session, self.pool, self.store, step, self.config.download, semaphore=self._sem,
+                                                   on_piece=self.server.piece_stored)
             missing: list[PieceRef] = await asyncio.to_thread(self.store.missing_pieces, step)
             if missing and self.pool.urls:
                 logger.info("syncing step %d: %d pieces", step, len(missing), extra={"step": step})
@@ -323,6 +327,11 @@ class Relay:
 
                 await downloader.run(missing, open_writer)
             if await asyncio.to_thread(self.store.check_complete, step):
+                delta = self.store.delta(step)
+                nbytes = (delta.body.size_bytes if apply_s is not None and delta is not None
+                          else sum(p.size_bytes for p in missing))
+                log_held(logger, step, "delta" if apply_s is not None and not missing else "full", nbytes, time.monotonic() - t0,
+                         apply_s or 0.0)
                 await self._prune()
         except FetchError as e:
             logger.warning("sync of step %d stopped: %s", step, e, extra={"step": step})

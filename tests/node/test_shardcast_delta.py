@@ -334,6 +334,54 @@ async def test_policy_follower_takes_deltas(origin, policies, tmp_path, caplog):
     assert any("policy step 2 from step 0 by 2 delta(s)" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
+async def test_follower_prefetches_a_step_and_writes_the_hold_lines(origin, policies, tmp_path, caplog):
+    """A worker or validator that learns of a step fetches it at once in the background (by delta
+    from the held one); each held step is one parseable hold line (what the devnet's timeline reads)."""
+    from node.policy import PolicyFollower
+    from node.shardcast.events import parse_held
+
+    run, store = origin
+    caplog.set_level("INFO", logger="node.policy")
+    async with serving(store) as srv:
+        follower = PolicyFollower(run.signed.spec, tmp_path / "policy", lambda _step: [srv.url])
+        try:
+            await follower.fetch(0)
+            follower.prefetch(1)
+            follower.prefetch(1)  # one fetch at a time: a second call while it runs does nothing
+            await wait_until(lambda: follower.have(1))
+            follower.prefetch(1)  # held: nothing to do
+            assert follower._prefetch is not None and follower._prefetch.done()
+        finally:
+            await follower.close()
+    assert _same_files(follower.path_for(1), policies[1])
+    held = [e for e in (parse_held(r.getMessage()) for r in caplog.records) if e is not None]
+    assert [(e.step, e.via) for e in held] == [(0, "full"), (1, "delta")]
+    assert held[0].bytes == sum(f.size_bytes for f in store.manifest(0).body.files) and held[0].apply_s == 0.0
+    assert held[1].bytes == store.delta(1).body.size_bytes and 0 < held[1].apply_s <= held[1].elapsed_s
+    assert held[0].at <= held[1].at
+
+
+async def test_relay_writes_a_hold_line_per_step(tmp_path, policies, caplog):
+    from node.shardcast.events import parse_held
+
+    caplog.set_level("INFO", logger="node.shardcast.relay")
+    run = make_run(keep_steps=4)
+    origin = make_store(run, tmp_path / "origin")
+    _publish_all(run, origin, policies, steps=range(1))
+    async with serving(origin) as srv:
+        relay = _relay(make_store(run, tmp_path / "relay"), srv.url)
+        await relay.start()
+        try:
+            await wait_until(lambda: 0 in relay.held_steps())
+            _publish_all(run, origin, policies, steps=[0, 1])
+            await wait_until(lambda: 1 in relay.held_steps())
+        finally:
+            await relay.stop()
+    held = {e.step: e for e in (parse_held(r.getMessage()) for r in caplog.records) if e is not None}
+    assert held[0].via == "full" and held[0].bytes == sum(f.size_bytes for f in origin.manifest(0).body.files)
+    assert held[1].via == "delta" and held[1].bytes == origin.delta(1).body.size_bytes and held[1].apply_s > 0
+
+
 def test_cli_publish_delta_and_fetch_held(tmp_path, policies, capsys):
     import threading
 

@@ -268,3 +268,39 @@ async def test_a_validator_out_of_resources_retries_once_then_sends_a_benign_res
         assert calls == [sid, sid]  # one retry after the lease expired
         assert not coord.bans.is_banned(HONEST.peer_id)
         assert reputation == {HONEST.peer_id: {"resources": 1}}
+
+
+async def test_models_in_memory_are_bounded_by_bytes_and_evicted_before_a_load(tmp_path: Path, monkeypatch) -> None:
+    """At a real shape one float32 model is ≈ 2 GB: the validator keeps the models of the async
+    window only while their parameters fit ``MODEL_CACHE_BYTES``, and frees one before loading the next."""
+    import node.roles.validator as role
+
+    tok = embedded_tokenizer()
+    model = build_model(embedded_config(len(tok)), seed=0)
+    save_model(model, tok, tmp_path / "ckpt")
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    node = ValidatorNode(make_spec("http://127.0.0.1:9"), VALIDATOR, ValidatorOptions(data_dir=tmp_path / "v", gossip=None, http_port=None))
+    held_at_load: list[int] = []
+    real_load = role.load_model
+
+    def load_model(*args, **kw):  # noqa: ANN002, ANN003
+        held_at_load.append(len(node._models))
+        return real_load(*args, **kw)
+
+    async def fetch(step: int) -> Path:
+        return tmp_path / "ckpt"
+
+    monkeypatch.setattr(role, "load_model", load_model)
+    monkeypatch.setattr(node.follower, "fetch", fetch)
+    monkeypatch.setattr(node.follower, "latest_step", 10)
+    try:
+        monkeypatch.setattr(role, "MODEL_CACHE_BYTES", size + size // 2)  # room for one
+        for step in (0, 1, 2):
+            await node._prepare(step)
+        assert list(node._models) == [2] and held_at_load == [0, 0, 0]
+        monkeypatch.setattr(role, "MODEL_CACHE_BYTES", 100 * size)  # room for the async window: async_level 1 + 2 = 3
+        for step in (3, 4, 5, 6):
+            await node._prepare(step)
+        assert list(node._models) == [4, 5, 6] and held_at_load[3:] == [1, 2, 2, 2]
+    finally:
+        node.ledger.close()
