@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from node.cli import CliError, command
+from node.devnet.profile import PROFILES
 from node.worker import ADVERSARIES
 
 if TYPE_CHECKING:
@@ -28,23 +29,24 @@ def _default_data_root() -> Path | None:
 @command
 def _devnet(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("devnet", help="run every role as its own process on 127.0.0.1 and train (the main job)")
-    p.add_argument("--workers", type=int, default=2, help="honest workers (default 2)")
-    p.add_argument("--relays", type=int, default=2, help="Shardcast relays, in a tree under the origin (default 2)")
+    p.add_argument("--workers", type=int, default=None, help="honest workers (default 2; 1 with --profile)")
+    p.add_argument("--relays", type=int, default=None, help="Shardcast relays, in a tree under the origin (default 2; 1 with --profile)")
     p.add_argument("--validators", type=int, default=1, help="validators (default 1)")
-    p.add_argument("--steps", type=int, default=60, help="trainer steps (default 60)")
-    p.add_argument("--tasks", default="embedded", help="embedded (default), gsm8k (test split), gsm8k_train (train split), math500, math_train, humaneval, mbpp, or a path (INTELLECT-2 schema)")
+    p.add_argument("--steps", type=int, default=None, help="trainer steps (default 60; 3 with --profile)")
+    p.add_argument("--tasks", default=None, help="embedded (default; gsm8k with --profile), gsm8k (test split), gsm8k_train (train split), math500, math_train, humaneval, mbpp, or a path (INTELLECT-2 schema)")
     p.add_argument("--data-root", default=None, help="where the public task sets are (default: $INTELLECT_DATA_ROOT or ../shared/data)")
     p.add_argument("--adversary", choices=ADVERSARIES, default=None, help="add one dishonest worker of this kind")
     p.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP", help="SIGKILL worker-0 at this trainer step, then restart it")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="folder for logs, data and the report: missing, empty, or a previous devnet's (replaced; devnet outputs "
                         "inside it are kept). Default: a new folder devnet-out/<UTC time>, with devnet-out/latest pointing at it")
-    p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
+    p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default 900; 3600 with --profile)")
     p.add_argument("--seed", type=int, default=None, help="run seed (default random)")
     p.add_argument("--async-level", type=int, default=None, help="max policy staleness in steps (default 2)")
     p.add_argument("--eval-every", type=int, default=None, metavar="N",
                    help="held-out evaluation every N trainer steps (default: steps/6 rounded up, so the curve has ≥ 6 points after the start)")
-    p.add_argument("--eval-samples", type=int, default=16, help="samples per held-out problem in each evaluation (default 16)")
+    p.add_argument("--eval-samples", type=int, default=None,
+                   help="samples per held-out problem in each evaluation (default 16; 0, none, with --profile: random weights score 0)")
     p.add_argument("--model", default=None, metavar="DIR",
                    help="train your own model: a local Hugging Face directory of the Qwen2 family (model_type qwen2: Qwen2, Qwen2.5), "
                         "as save_pretrained or a hub download writes it (config.json, *.safetensors in float32 or bfloat16, "
@@ -52,11 +54,21 @@ def _devnet(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--rl", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field of the run spec's [rl] section, e.g. --rl is_correction=truncate --rl old_logprobs=recompute "
                         "(repeatable; checked like a spec file's)")
+    p.add_argument("--profile", choices=sorted(PROFILES), default=None,
+                   help="train a real-shape model: qwen2.5-0.5b (hidden 896, 24 layers, 14/2 heads, 151,936-token byte-level BPE trained "
+                        "here on the task text, tied embeddings, random weights, bf16 published, fp32 masters; built once per machine "
+                        "and cached; ≈ 16 GB of memory with 1 worker); one task × group 4 × 32 tokens per submission")
+    p.add_argument("--profile-layers", type=int, default=None, metavar="N",
+                   help="with --profile: N decoder layers instead of the profile's (same vocabulary, width and tokenizer; a cheap rehearsal)")
+    p.add_argument("--links", action="store_true",
+                   help="every node in its own network namespace behind a token-bucket-capped link (coordinator and relays "
+                        "1 Gb/s, validators 500 Mb/s, workers 100 Mb/s; root only; all removed on exit)")
+    p.add_argument("--no-deltas", action="store_true", help="publish and fetch every policy step in full (no step deltas), for comparison")
     p.add_argument("--no-dashboard", action="store_true", help="plain progress lines instead of the live view")
     p.set_defaults(handler=_run_devnet)
 
 
-def _rl_overrides(items: list[str], *, embedded: bool, async_level: int | None) -> dict[str, Any]:
+def _rl_overrides(items: list[str], *, embedded: bool, async_level: int | None, profile: bool = False) -> dict[str, Any]:
     """``--rl KEY=VALUE`` flags as ``[rl]`` fields (values as TOML reads them; a bare word is a
     string), checked on the devnet's own ``[rl]`` section (``node.devnet.config.devnet_rl``).
 
@@ -82,7 +94,7 @@ def _rl_overrides(items: list[str], *, embedded: bool, async_level: int | None) 
             value = raw.strip()  # a bare word: a string
         out[key] = value
     try:
-        devnet_rl(embedded=embedded, async_level=async_level, rl_overrides=out)
+        devnet_rl(embedded=embedded, async_level=async_level, rl_overrides=out, profile=profile)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err.get("loc", ()))
@@ -96,10 +108,20 @@ def _run_devnet(args: argparse.Namespace) -> int:
     from node.devnet.report import write_report
     from protocol.models import ModelLoadError
 
-    if args.workers < 1 or args.relays < 0 or args.validators < 1 or args.steps < 1:
+    profile = args.profile is not None
+    workers = args.workers if args.workers is not None else 1 if profile else 2
+    relays = args.relays if args.relays is not None else 1 if profile else 2
+    steps = args.steps if args.steps is not None else 3 if profile else 60
+    tasks = args.tasks or ("gsm8k" if profile else "embedded")
+    eval_samples = args.eval_samples if args.eval_samples is not None else 0 if profile else 16
+    if workers < 1 or relays < 0 or args.validators < 1 or steps < 1:
         raise CliError("need --workers ≥ 1, --validators ≥ 1, --relays ≥ 0 and --steps ≥ 1")
-    if (args.eval_every is not None and args.eval_every < 1) or args.eval_samples < 1:
+    if (args.eval_every is not None and args.eval_every < 1) or eval_samples < (0 if profile else 1):
         raise CliError("need --eval-every ≥ 1 and --eval-samples ≥ 1")
+    if args.profile_layers is not None and (not profile or args.profile_layers < 1):
+        raise CliError("--profile-layers N needs --profile and N ≥ 1")
+    if profile and args.model:
+        raise CliError("--profile builds its own model; leave out --model")
     model = Path(args.model).resolve() if args.model else None
     if model is not None and not model.exists():
         raise CliError(f"--model {args.model}: no such directory ({model}); pass the folder of a local Hugging Face Qwen2 model "
@@ -109,13 +131,20 @@ def _run_devnet(args: argparse.Namespace) -> int:
     if model is not None and not (model / "config.json").is_file():
         raise CliError(f"--model {args.model} has no config.json (a local Hugging Face Qwen2 directory: config.json, *.safetensors, tokenizer)")
     data_root = Path(args.data_root) if args.data_root else _default_data_root()
-    if args.tasks != "embedded" and not Path(args.tasks).exists() and data_root is None:
-        raise CliError(f"--tasks {args.tasks} needs the public task sets: pass --data-root DIR (holding math/ and code/)")
-    rl = _rl_overrides(args.rl, embedded=args.tasks == "embedded" and model is None, async_level=args.async_level)
+    if (profile or tasks != "embedded") and not Path(tasks).exists() and data_root is None:
+        raise CliError(f"--tasks {tasks}{' and --profile' if profile else ''} need the public task sets: pass --data-root DIR (holding math/ and code/)")
+    rl = _rl_overrides(args.rl, embedded=tasks == "embedded" and model is None and not profile, async_level=args.async_level,
+                       profile=profile)
     from protocol.tasks import training_split_warning
 
-    if (split_warning := training_split_warning(args.tasks)) is not None:
+    if (split_warning := training_split_warning(tasks)) is not None:
         print(f"warning: {split_warning}", flush=True)
+    if args.links:
+        from node.devnet.links import unavailable
+
+        why = unavailable()
+        if why:
+            raise CliError(why)
     if args.out is None:
         out = new_default_out()
     else:
@@ -124,11 +153,12 @@ def _run_devnet(args: argparse.Namespace) -> int:
             check_out(out)
         except OutDirError as e:
             raise CliError(str(e)) from None
-    options = DevnetOptions(out=out, workers=args.workers, relays=args.relays, validators=args.validators, steps=args.steps,
-                            tasks=args.tasks, data_root=data_root, adversary=args.adversary, kill_worker_at=args.kill_worker_at,
-                            dashboard=not args.no_dashboard and sys.stdout.isatty(), timeout_s=args.timeout, seed=args.seed,
-                            async_level=args.async_level, eval_every=args.eval_every, eval_samples=args.eval_samples, model=model,
-                            rl=rl)
+    timeout = args.timeout if args.timeout is not None else 3600.0 if profile else 900.0
+    options = DevnetOptions(out=out, workers=workers, relays=relays, validators=args.validators, steps=steps,
+                            tasks=tasks, data_root=data_root, adversary=args.adversary, kill_worker_at=args.kill_worker_at,
+                            dashboard=not args.no_dashboard and sys.stdout.isatty(), timeout_s=timeout, seed=args.seed,
+                            async_level=args.async_level, eval_every=args.eval_every, eval_samples=eval_samples, model=model,
+                            rl=rl, profile=args.profile, profile_layers=args.profile_layers, links=args.links, deltas=not args.no_deltas)
     live = None
     last_print = [0.0]
 
@@ -160,7 +190,7 @@ def _run_devnet(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted; every process was stopped", file=sys.stderr)
         return 130
-    except (RuntimeError, TimeoutError, FileExistsError, ModelLoadError) as e:
+    except (RuntimeError, TimeoutError, FileExistsError, FileNotFoundError, ModelLoadError) as e:  # LinksError is a RuntimeError
         print(f"error: {e}", file=sys.stderr)
         return 1
     md, png = write_report(dn, result)

@@ -54,6 +54,10 @@ class PolicyPublisher:
         """The newest policy step published (−1 before the base is)."""
         self.publish_s: dict[int, float] = {}
         """Step → seconds from a written policy to its signed manifest in the origin."""
+        self.published_at: dict[int, float] = {}
+        """Step → wall clock (Unix seconds) when it was announced."""
+        self.sizes: dict[int, tuple[int, int | None]] = {}
+        """Step → (bytes of the full checkpoint, bytes of its delta from the previous step or ``None``)."""
 
     def start(self, step: int, base_dir: Path | None) -> None:
         """At start: policy 0 is the base as it is (no gather). On resume, the newest policy the
@@ -89,6 +93,9 @@ class PolicyPublisher:
             logger.warning("policy step %d was published before a restart; its manifest stays as it went out", step)
         self.published_step = step
         self.publish_s[step] = time.monotonic() - t0
+        delta = self.origin.delta(step)
+        self.sizes[step] = (sum(f.size_bytes for f in env.body.files), delta.body.size_bytes if delta is not None else None)
+        self.published_at[step] = time.time()
         ann = seal(self.key, self.signed.run_id, CheckpointAnnouncement(step=step, manifest_id=env.id, checkpoint_hash=env.body.checkpoint_hash,
                                                                         origin_url=self.origin_url))
         self.on_published(step, ann, self.publish_s[step])

@@ -148,6 +148,7 @@ class Coordinator:
         self.signal_probe: SignalProbe | None = None
         self.wait_reason: str | None = None
         self._wait_log = FailureLog(logger, interval_s=WAIT_LOG_INTERVAL_S)
+        self._timing: dict[str, float] = {}  # monotonic marks of the current step: batch ready, policy written, published
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -256,7 +257,9 @@ class Coordinator:
 
     def published(self, step: int, files: list[Path]) -> None:
         assert self.publisher is not None
+        self._timing["written"] = time.monotonic()
         self.publisher.publish(step, files)
+        self._timing["published"] = time.monotonic()
 
     def step_done(self, batch: Batch, m: StepMetrics) -> None:
         assert self.trainer is not None
@@ -264,7 +267,7 @@ class Coordinator:
         self.buffer.retire(self.buffer.consume(batch), self.trainer.step)
         row = {"event": "step", **m.as_dict(), "utilization": self.utilization(), "broadcast_s": self.publisher.publish_s.get(self.trainer.step) if self.publisher else None,
                "wait_s": round(self.wait_s, 3), "wall_s": round(time.monotonic() - self.started_s, 3), "verdicts": self.ledger.verdict_reasons(),
-               "banned": len(self.bans.entries())}
+               "banned": len(self.bans.entries()), **self._step_timing(m)}
         self.metrics.write(row)
         self.last_step = {k: row[k] for k in ("step", "reward_mean", "pass_rate", "loss", "staleness", "tokens_per_s", "mismatch_kl",
                                               "is_ratio_mean", "is_ratio_min", "is_ratio_max", "clipped_frac")}
@@ -276,6 +279,24 @@ class Coordinator:
             self.state = f"evaluating policy step {self.trainer.step} on held-out tasks"
             self.heldout.run(self.published_step)
 
+    def _step_timing(self, m: StepMetrics) -> dict[str, Any]:
+        """The rest of the step's timeline on the coordinator (``docs/devnet.md``; the batch wait is
+        ``wait_s``), seconds: ``save_s`` (writing the policy, from the end of the train step),
+        ``state_s`` (saving the training state), and from the publisher ``published_at`` (Unix
+        seconds of the announcement), ``checkpoint_bytes`` and ``delta_bytes`` (``None``: no delta)."""
+        t = self._timing
+        out: dict[str, Any] = {}
+        if "written" in t and "batch" in t:
+            out["save_s"] = round(max(0.0, t["written"] - t["batch"] - m.step_time_s), 3)
+        if "published" in t:
+            out["state_s"] = round(time.monotonic() - t["published"], 3)
+        step = self.trainer.step if self.trainer is not None else -1
+        if self.publisher is not None and step in self.publisher.sizes:
+            out["checkpoint_bytes"], out["delta_bytes"] = self.publisher.sizes[step]
+            out["published_at"] = round(self.publisher.published_at[step], 3)
+        self._timing = {}
+        return out
+
     def next_batch(self) -> Batch | None:
         """Block until the buffer fills the next step's batch; ``None`` on stop or batch timeout."""
         assert self.trainer is not None
@@ -286,6 +307,7 @@ class Coordinator:
             try:
                 batch = self.buffer.next_batch(step)
                 self.wait_s = time.monotonic() - t0
+                self._timing = {"batch": time.monotonic()}
                 self.state = f"training step {step + 1}"  # not the last wait's reason, which would stay up all run
                 self.wait_reason = None
                 self._wait_log.recovered(f"batch for step {step} filled")

@@ -28,15 +28,27 @@ REAL_TASKS_RL = RLSpec(async_level=2, group_size=4, batch_groups=4, learning_rat
 """Real task sets: the tiny model rarely solves them, so the INTELLECT-2 length penalty (toward a
 drawn target length) is what varies within groups and keeps every stage busy."""
 
+PROFILE_RL = RLSpec(async_level=2, group_size=4, batch_groups=1, learning_rate=3e-7, warmup_steps=0, old_logprobs="behavior",
+                    micro_batch_tokens=512)
+"""A real-shape profile (``--profile``, ``node/devnet/profile.py``): one group of 4 per step (one
+task per submission), INTELLECT-2's learning rate (3e-7) so the published bf16 step deltas are
+the size a real run's are, and short packed rows (≤ 512 tokens: 2 rollouts) because the
+trainer's logits over a 151,936-token vocabulary cost 0.6 MB per token in float32."""
+PROFILE_PIECE_BYTES = 4 * 1024 * 1024
+"""Shardcast piece size at a profile: a 1 GB checkpoint in ≈ 240 pieces (the devnet's 256 KiB
+would be ≈ 3,800 requests per full fetch)."""
 
-def devnet_rl(*, embedded: bool, async_level: int | None = None, rl_overrides: dict[str, Any] | None = None) -> RLSpec:
-    """The ``[rl]`` section of a devnet: :data:`EMBEDDED_RL` or :data:`REAL_TASKS_RL`, with the
-    async level and the ``rl_overrides`` fields replaced and the result checked by ``RLSpec``.
+
+def devnet_rl(*, embedded: bool, async_level: int | None = None, rl_overrides: dict[str, Any] | None = None,
+              profile: bool = False) -> RLSpec:
+    """The ``[rl]`` section of a devnet: :data:`EMBEDDED_RL`, :data:`PROFILE_RL` (``profile``) or
+    :data:`REAL_TASKS_RL`, with the async level and the ``rl_overrides`` fields replaced and the
+    result checked by ``RLSpec``.
 
     Raises:
         pydantic.ValidationError: an override names no ``[rl]`` field, or the section is invalid.
     """
-    rl = EMBEDDED_RL if embedded else REAL_TASKS_RL
+    rl = EMBEDDED_RL if embedded else PROFILE_RL if profile else REAL_TASKS_RL
     update = dict(rl_overrides or {})
     if async_level is not None:
         update["async_level"] = async_level
@@ -55,6 +67,8 @@ def devnet_spec(
     async_level: int | None = None,
     model: Path | None = None,
     rl_overrides: dict[str, Any] | None = None,
+    profile: bool = False,
+    deltas: bool = True,
 ) -> RunSpec:
     """The unsigned run spec of a devnet whose coordinator serves at ``http_url``.
 
@@ -64,21 +78,25 @@ def devnet_spec(
     (an arbitrary model may solve none of the tasks; the length penalty still varies within groups).
 
     ``rl_overrides`` replaces fields of the ``[rl]`` section (``--rl KEY=VALUE``), checked by
-    :class:`~protocol.runspec.RLSpec` like a spec file's.
+    :class:`~protocol.runspec.RLSpec` like a spec file's. With ``profile`` (``model`` is a
+    real-shape profile's directory) the run trains with :data:`PROFILE_RL`, one task per
+    submission and :data:`PROFILE_PIECE_BYTES` pieces. Without ``deltas``,
+    ``shardcast.max_delta_chain`` is 0: every step is published and fetched in full.
 
     Raises:
         protocol.models.ModelLoadError: ``model`` is not a usable Qwen2 directory (one line naming why).
         pydantic.ValidationError: an override names no ``[rl]`` field or a value out of its bounds.
     """
     embedded = tasks == "embedded" and model is None
-    rl = devnet_rl(embedded=embedded, async_level=async_level, rl_overrides=rl_overrides)
+    rl = devnet_rl(embedded=embedded, async_level=async_level, rl_overrides=rl_overrides, profile=profile)
     return RunSpec(
         run=RunInfo(name="devnet", seed=seed, coordinator=coordinator.peer_id, validators=validators),
         model=_model_spec(model),
-        data=DataSpec(tasks=tasks, tasks_per_submission=4 if tasks == "embedded" else 2),
+        data=DataSpec(tasks=tasks, tasks_per_submission=1 if profile else 4 if tasks == "embedded" else 2),
         sampling=EMBEDDED_SAMPLING if embedded else REAL_TASKS_SAMPLING,
         rl=rl,
-        shardcast=ShardcastSpec(piece_size_bytes=256 * 1024),  # keep_steps: async_level + 1 (protocol.window.fresh_steps)
+        # keep_steps: async_level + 1 (protocol.window.fresh_steps)
+        shardcast=ShardcastSpec(piece_size_bytes=PROFILE_PIECE_BYTES if profile else 256 * 1024, **({} if deltas else {"max_delta_chain": 0})),
         network=NetworkSpec(bootstrap=[bootstrap], ingest_urls=[http_url], origin_urls=[http_url], heartbeat_interval_s=heartbeat_interval_s),
     )
 

@@ -23,8 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from node.devnet.config import devnet_spec
+from node.devnet.links import Links
 from node.devnet.outdir import claim_out, write_marker
 from node.devnet.procs import Proc, ProcessGroup
+from node.devnet.profile import prepare_profile_model
+from node.devnet.timeline import MemorySampler
 from protocol.identity import NodeKey, PeerId
 from protocol.runspec import dump_run_spec, sign_run_spec
 
@@ -32,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 DISCOVERY_TIMEOUT_S = 180.0
 """Longest wait for every node to appear on gossip, seconds (a loaded 2-core machine needed > 90 s)."""
+FINAL_HOLD_WAIT_S = 20.0
+FINAL_HOLD_WAIT_PROFILE_S = 600.0
+"""After the last step, how long the nodes may take to hold it before the devnet stops them, seconds."""
 STATUS_POLL_S = 0.5
 BATCH_TIMEOUT_S = 180.0
 """The coordinator's ``--batch-timeout`` is the devnet's own ``--timeout`` (at least this): the first batch
@@ -60,6 +66,12 @@ class DevnetOptions:
         eval_every: held-out evaluation every this many trainer steps (``None``: :meth:`eval_interval`,
             so the held-out curve has at least 6 points besides the start).
         eval_samples: samples per held-out problem in each evaluation.
+        profile: a real-shape model profile (``node/devnet/profile.py``, e.g. ``qwen2.5-0.5b``) built
+            (cached) and trained instead; ``None``: no profile.
+        profile_layers: decoder layers of the profile's model (``None``: the profile's; fewer keep its
+            vocabulary, width and tokenizer at a fraction of the cost).
+        links: every node in its own network namespace behind a capped link (``node/devnet/links.py``; root only).
+        deltas: publish and fetch step deltas (bf16 models; ``False``: every step in full, for comparison).
         model: a local Hugging Face Qwen2 directory to train instead of the embedded model (``None``: embedded).
         rl: overrides of the run spec's ``[rl]`` fields (``--rl KEY=VALUE``; e.g. the off-policy
             correction ``is_correction``), checked like a spec file's.
@@ -78,6 +90,10 @@ class DevnetOptions:
     timeout_s: float = 900.0
     seed: int | None = None
     async_level: int | None = None
+    profile: str | None = None
+    profile_layers: int | None = None
+    links: bool = False
+    deltas: bool = True
     eval_every: int | None = None
     eval_samples: int = 16
     model: Path | None = None
@@ -129,6 +145,8 @@ class Devnet:
         self.status: dict[str, Any] = {}
         self.node_urls: dict[str, str] = {}
         self.node_status: dict[str, dict[str, Any]] = {}
+        self.memory = MemorySampler()
+        self.links: Links | None = None
         self.events: list[str] = []
         self.started = time.monotonic()
         self.killed_at: int | None = None
@@ -181,11 +199,26 @@ class Devnet:
             k = NodeKey.generate()
             k.save(self.out / "keys" / f"relay-{i}.key")
             self.peer_ids[f"relay-{i}"] = k.peer_id
+        if self.o.profile is not None:
+            if self.o.data_root is None:
+                raise FileNotFoundError(f"--profile {self.o.profile} trains its tokenizer on the public task text: pass --data-root")
+            self.events.append(f"{time.monotonic() - self.started:.0f}s preparing the {self.o.profile} model (built once per machine, then cached)")
+            self.o.model = prepare_profile_model(self.o.profile, self.o.data_root, layers=self.o.profile_layers)
+            self.events.append(f"{time.monotonic() - self.started:.0f}s model ready: {self.o.model}")
+        if self.o.links:
+            roles = {"coordinator": "coordinator", **{n: ("worker" if n.startswith(("worker", "adversary")) else n.split("-")[0])
+                                                     for n in self.peer_ids if n != "coordinator"}}
+            self.links = Links(roles)
+            self.links.setup()
+            self.events.append(f"{time.monotonic() - self.started:.0f}s links: " + ", ".join(
+                f"{n.name} {n.ip} {n.mbit} Mb/s" for n in self.links.nodes.values()))
         self.http_port, self.p2p_port = free_port(), free_port()
-        self.coord_url = f"http://127.0.0.1:{self.http_port}"
-        bootstrap = f"/ip4/127.0.0.1/tcp/{self.p2p_port}/p2p/{coord.peer_id}"
+        host = self._host("coordinator")
+        self.coord_url = f"http://{host}:{self.http_port}"
+        bootstrap = f"/ip4/{host}/tcp/{self.p2p_port}/p2p/{coord.peer_id}"
         spec = devnet_spec(coord, validators, tasks=self.o.tasks, http_url=self.coord_url, bootstrap=bootstrap,
-                           seed=self.seed, async_level=self.o.async_level, model=self.o.model, rl_overrides=self.o.rl)
+                           seed=self.seed, async_level=self.o.async_level, model=self.o.model, rl_overrides=self.o.rl,
+                           profile=self.o.profile is not None, deltas=self.o.deltas)
         signed = sign_run_spec(spec, coord)
         self.run_id = signed.run_id.hex()
         write_marker(self.out, {"seed": self.seed, "run_id": self.run_id, "started": round(time.time(), 3)})
@@ -196,15 +229,25 @@ class Devnet:
     def _data_root(self) -> list[str]:
         return ["--data-root", str(self.o.data_root)] if self.o.data_root else []
 
+    def _host(self, name: str) -> str:
+        """The address node ``name`` listens on: its namespace's with ``--links``, else loopback."""
+        return self.links.ip(name) if self.links is not None else "127.0.0.1"
+
+    def _cmd(self, name: str, argv: list[str]) -> list[str]:
+        """``argv`` of node ``name``: in its namespace with ``--links``, listening on its address."""
+        if self.links is None:
+            return argv
+        return self.links.wrap(name, [*argv, "--listen-host", self.links.ip(name)])
+
     def start_all(self, run: Path) -> None:
         out = self.out
-        coord = Proc("coordinator", "coordinator", [
+        coord = Proc("coordinator", "coordinator", self._cmd("coordinator", [
             *self._bin("intellect-train"), "--run", str(run), "--key", str(out / "keys" / "coordinator.key"),
             "--data-dir", str(out / "coordinator"), "--http-port", str(self.http_port), "--p2p-port", str(self.p2p_port),
             "--max-steps", str(self.o.steps), "--batch-timeout", f"{max(BATCH_TIMEOUT_S, self.o.timeout_s):.0f}",
-            "--eval-samples", str(self.o.eval_samples),
-            "--eval-every", str(self.o.eval_interval()), "-v", *self._data_root(),
-        ], out / "logs" / "coordinator.log")
+            "--eval-samples", str(self.o.eval_samples), "--eval-every", str(self.o.eval_interval()), "-v", *self._data_root(),
+            *(["--probe-tasks", "0"] if self.o.profile else []), *(["--host", self._host("coordinator")] if self.links else []),
+        ]), out / "logs" / "coordinator.log")
         self.group.start(coord)
         self._wait(lambda: get_json(f"{self.coord_url}/status") is not None, 300.0, "the coordinator to come up", coord)
         print(f"run page: {self.coord_url}/", flush=True)
@@ -214,30 +257,33 @@ class Devnet:
         for i in range(self.o.relays):
             port = free_port()
             upstream = self.coord_url if i == 0 else relay_urls[(i - 1) // 2]
-            relay_urls.append(f"http://127.0.0.1:{port}")
-            self.group.start(Proc(f"relay-{i}", "relay", [
+            relay_urls.append(f"http://{self._host(f'relay-{i}')}:{port}")
+            self.group.start(Proc(f"relay-{i}", "relay", self._cmd(f"relay-{i}", [
                 *self._bin("intellect-node"), "-v", "join", "--role", "relay", "--run", str(run), "--key", str(out / "keys" / f"relay-{i}.key"),
                 "--data-dir", str(out / f"relay-{i}"), "--http-port", str(port), "--upstream", upstream,
-            ], out / "logs" / f"relay-{i}.log"))
-            self.node_urls[f"relay-{i}"] = f"http://127.0.0.1:{port}/shardcast/1/held"
+                *(["--host", self._host(f"relay-{i}")] if self.links else []),
+            ]), out / "logs" / f"relay-{i}.log"))
+            self.node_urls[f"relay-{i}"] = f"{relay_urls[-1]}/shardcast/1/held"
         for i in range(self.o.validators):
             port = free_port()
-            self.group.start(Proc(f"validator-{i}", "validator", [
+            self.group.start(Proc(f"validator-{i}", "validator", self._cmd(f"validator-{i}", [
                 *self._bin("intellect-node"), "-v", "validate", "--run", str(run), "--key", str(out / "keys" / f"validator-{i}.key"),
                 "--data-dir", str(out / f"validator-{i}"), "--http-port", str(port), *self._data_root(),
-            ], out / "logs" / f"validator-{i}.log"))
-            self.node_urls[f"validator-{i}"] = f"http://127.0.0.1:{port}/status"
+            ]), out / "logs" / f"validator-{i}.log"))
+            if self.links is None:  # a status server on the namespace's loopback is out of the devnet process's reach
+                self.node_urls[f"validator-{i}"] = f"http://127.0.0.1:{port}/status"
         names = [f"worker-{i}" for i in range(self.o.workers)] + (["adversary"] if self.o.adversary else [])
         ports = {name: free_port() for name in names}
         self._doctor(run, ports)
         for name in names:
             port = ports[name]
             cheat = ["--adversary", self.o.adversary] if name == "adversary" and self.o.adversary else []
-            self.group.start(Proc(name, "worker", [
+            self.group.start(Proc(name, "worker", self._cmd(name, [
                 *self._bin("intellect-node"), "-v", "join", "--role", "worker", "--run", str(run), "--key", str(out / "keys" / f"{name}.key"),
                 "--data-dir", str(out / name), "--http-port", str(port), *cheat, *self._data_root(),
-            ], out / "logs" / f"{name}.log"))
-            self.node_urls[name] = f"http://127.0.0.1:{port}/status"
+            ]), out / "logs" / f"{name}.log"))
+            if self.links is None:
+                self.node_urls[name] = f"http://127.0.0.1:{port}/status"
 
     def _doctor(self, run: Path, ports: dict[str, int]) -> None:
         """``intellect-node doctor --role worker`` for every worker at once, each into its worker's log."""
@@ -246,9 +292,11 @@ class Devnet:
             log = self.out / "logs" / f"{name}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             with open(log, "ab") as f:
-                running.append((name, log, subprocess.Popen(
-                    [*self._bin("intellect-node"), "doctor", "--run", str(run), "--role", "worker", "--data-dir", str(self.out / name),
-                     "--http-port", str(port), "--gossip-wait", "0"], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.group.env)))
+                argv = [*self._bin("intellect-node"), "doctor", "--run", str(run), "--role", "worker", "--data-dir", str(self.out / name),
+                        "--http-port", str(port), "--gossip-wait", "0"]
+                argv = self.links.wrap(name, argv) if self.links is not None else argv
+                running.append((name, log, subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                            env=self.group.env)))
         for name, log, p in running:
             try:
                 rc = p.wait(timeout=DOCTOR_TIMEOUT_S)
@@ -273,6 +321,8 @@ class Devnet:
     # --- the run -------------------------------------------------------------------------------
 
     def _tick(self) -> None:
+        if _INTERRUPTED.is_set():
+            raise KeyboardInterrupt
         st = get_json(f"{self.coord_url}/status")
         if st is not None:
             self.status = st
@@ -280,6 +330,8 @@ class Devnet:
             s = get_json(url, timeout_s=0.5)
             if s is not None:
                 self.node_status[name] = s
+        self.memory.sample([(p.name, p.role, p.popen.pid) for p in self.group.procs if p.popen is not None and p.alive],
+                           int(self.status.get("trainer_step", 0) or 0))
         if self.on_tick is not None:
             self.on_tick(self)
 
@@ -288,14 +340,15 @@ class Devnet:
 
     def run(self) -> DevnetResult:
         """Set up, start everything, run the steps, stop everything, and say how it went."""
-        run = self.setup()
         coord: Proc | None = None
         restore: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             # SIGTERM and SIGINT (even where a shell started us with SIGINT ignored) stop the devnet
-            # like Ctrl-C: every child is stopped in the finally below
+            # like Ctrl-C: every child is stopped (and with --links every namespace removed) in the finally below
+            _INTERRUPTED.clear()
             restore = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
+            run = self.setup()
             self.start_all(run)
             coord = self.group.procs[0]
             self.events.append(f"{time.monotonic() - self.started:.0f}s all processes started")
@@ -317,12 +370,40 @@ class Devnet:
             self._tick()
             rc = coord.popen.returncode if coord.popen else -1
             ok = rc == 0
+            if ok:
+                self._await_final_holds()
             reason = "completed" if ok else f"coordinator exited with status {rc}; see {coord.log}"
             return DevnetResult(ok, time.monotonic() - self.started, reason, self.status, self.node_status)
         finally:
+            for sig in restore:  # a second signal must not cut the clean-up short (it is bounded: ≈ 15 s)
+                signal.signal(sig, signal.SIG_IGN)
             self.group.stop_all()
+            if self.links is not None:
+                left = self.links.teardown()
+                self.events.append(f"{time.monotonic() - self.started:.0f}s links removed" + (f"; NOT removed: {left}" if left else ""))
             for sig, handler in restore.items():
                 signal.signal(sig, handler)
+
+    def _await_final_holds(self) -> None:
+        """After the coordinator's last step: wait (bounded) until every running node holds the last
+        policy step (its hold line; the relays serve it once the origin is gone), so the report's
+        timeline has the whole propagation of every step."""
+        from node.devnet.report import read_metrics
+        from node.devnet.timeline import read_node_log
+
+        steps = [r["step"] for r in read_metrics(self.out / "coordinator" / "metrics.jsonl") if r.get("event") == "step"]
+        if not steps or self.o.relays == 0:
+            return
+        last = max(steps)
+        end = time.monotonic() + (FINAL_HOLD_WAIT_PROFILE_S if self.o.profile else FINAL_HOLD_WAIT_S)
+        while time.monotonic() < end:
+            waiting = [p.name for p in self.group.procs if p.role != "coordinator" and p.alive and last not in read_node_log(p.log).held]
+            if not waiting:
+                self.events.append(f"{time.monotonic() - self.started:.0f}s every node holds the last policy step {last}")
+                return
+            self._tick()
+            time.sleep(STATUS_POLL_S)
+        self.events.append(f"{time.monotonic() - self.started:.0f}s gave up waiting for {', '.join(waiting)} to hold policy step {last}")
 
     def _chaos(self) -> None:
         k = self.o.kill_worker_at
@@ -357,5 +438,12 @@ class Devnet:
         return f"worker-0 killed (SIGKILL) at step {self.killed_at} and restarted at step {self.restarted_at}; {after}"
 
 
+_INTERRUPTED = threading.Event()
+"""Set by SIGTERM/SIGINT. The handler also raises KeyboardInterrupt, but a raise that lands in an
+"exception ignored" context (logging's at-fork hook while a child is being forked, a ``__del__``)
+is lost, so :meth:`Devnet._tick` raises again from this flag."""
+
+
 def _raise_interrupt(signum: int, frame: Any) -> None:
+    _INTERRUPTED.set()
     raise KeyboardInterrupt

@@ -7,6 +7,8 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from node.devnet.timeline import GiB, NodeLog, read_node_log, rss_budget_bytes, step_timeline, trainer_state_bytes
+
 if TYPE_CHECKING:
     from node.devnet.orchestrator import Devnet, DevnetResult
 
@@ -146,6 +148,8 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
         lines.append(f"| {s['step']} | {_f(s.get('reward_mean'))} | {_f(s.get('pass_rate'))} | {_f(s.get('loss'), 4)} | "
                      f"{_f(s.get('grad_norm'))} | {_f(s.get('mismatch_kl'), 5)} | {_f(s.get('is_ratio_min'), 2)}–{_f(s.get('is_ratio_max'), 2)} | "
                      f"{_f(s.get('clipped_frac'))} | {s.get('staleness')} | {s.get('tokens_per_s', 0):.0f} | {_f(s.get('broadcast_s'))} |")
+    lines += timeline_section(dn, steps, run)
+    lines += memory_section(dn, run, steps)
     if (chaos := dn.chaos_summary()) is not None:
         lines += ["", "## Crash and restart", "", f"{chaos[0].upper()}{chaos[1:]}. See `logs/worker-0.log` (the line starting `restart:`)."]
     if dn.events:
@@ -154,6 +158,72 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
     md = dn.out / "report.md"
     md.write_text("\n".join(lines))
     return md, png
+
+
+def node_logs(dn: Devnet) -> dict[str, NodeLog]:
+    """Every node's parsed log (workers, validators, relays), by process name."""
+    return {p.name: read_node_log(p.log) for p in dn.group.procs if p.role != "coordinator"}
+
+
+def timeline_section(dn: Devnet, steps: list[dict[str, Any]], run: dict[str, Any]) -> list[str]:
+    """``## Per-step timeline`` and ``## Policy propagation`` of the report (``node/devnet/timeline.py``)."""
+    rows = step_timeline(steps, node_logs(dn))
+    lines = ["", "## Per-step timeline", "",
+             ("Seconds. rollout: mean worker time per submission generated with policy s−1; validation: mean validator check "
+              "time of those submissions; batch wait: the trainer waiting for accepted rollouts; train: the GRPO step; save: "
+              "writing the policy (bf16 at a profile); publish: cutting, signing and the delta into the origin; state: saving "
+              "the training state (fp32 masters + optimizer); delta / full: the step's published bytes; last holds: seconds from "
+              "the announcement until the last node (worker, validator or relay) held step s."), "",
+             "| step | rollout | validation | batch wait | train | save | publish | state | full bytes | delta bytes | delta / full | last holds (node) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        full, delta = r["checkpoint_bytes"], r["delta_bytes"]
+        ratio = f"1/{full / delta:.0f}" if isinstance(full, int) and isinstance(delta, int) and delta else "-"
+        last = f"{r['last_hold_s']:.1f} ({r['last_node']})" if r["last_hold_s"] is not None else "-"
+        lines.append(f"| {r['step']} | {_f(r['rollout_s'], 1)} | {_f(r['validation_s'], 1)} | {_f(r['batch_wait_s'], 1)} | "
+                     f"{_f(r['train_s'], 1)} | {_f(r['save_s'], 1)} | {_f(r['publish_s'], 1)} | {_f(r['state_s'], 1)} | "
+                     f"{full if full is not None else '-'} | {delta if delta is not None else '-'} | {ratio} | {last} |")
+    held = [(r["step"], name, h) for r in rows for name, h in r["held"].items()]
+    if held:
+        lines += ["", "## Policy propagation", "",
+                  ("Per node and step: seconds from the coordinator's announcement until the node held the step (its hold line, "
+                   "`node/shardcast/events.py`), how (delta or full), bytes received, its own fetch time and, by delta, the part "
+                   "spent applying it."), "",
+                  "| step | node | held after s | via | bytes | fetch s | apply s |", "|---|---|---|---|---|---|---|"]
+        for step, name, h in held:
+            lines.append(f"| {step} | {name} | {h['after_s']:.2f} | {h['via']} | {h['bytes']} | {h['fetch_s']:.2f} | {h['apply_s']:.2f} |")
+    return lines
+
+
+def memory_section(dn: Devnet, run: dict[str, Any], steps: list[dict[str, Any]]) -> list[str]:
+    """``## Memory``: each process's peak RSS, its highest RSS per trainer step, and the profile goal."""
+    mem = dn.memory.rows(max((int(s["step"]) for s in steps), default=None))
+    if not mem:
+        return []
+    ckpt = next((s.get("checkpoint_bytes") for s in steps if isinstance(s.get("checkpoint_bytes"), int)), None)
+    params = run.get("parameters")
+    budget = rss_budget_bytes(ckpt) if ckpt else None
+    state = trainer_state_bytes(params) if isinstance(params, int) else None
+    all_steps = sorted({k for m in mem for k in m["by_step"]})
+    lines = ["", "## Memory (resident set per process)", "",
+             ("peak: the kernel's high-water mark (VmHWM) of the process; step k: the highest VmRSS read (every 0.5 s) while the "
+              "trainer was at step k (after it finished step k, while it trained step k + 1); growth: step (last − 1) − step 1 "
+              "(from step 1 on every model is loaded; the last step's column is the wind-down).")]
+    if budget and ckpt:
+        apart = (f"; the coordinator's fp32 masters, gradients and AdamW moments take 16 B × {params:,} parameters = "
+                 f"{state / GiB:.2f} GiB of its peak, stated apart." if state else ".")
+        lines.append(f"Goal per node: ≤ 3 × the bf16 checkpoint ({ckpt / GiB:.2f} GiB) + 1 GiB = {budget / GiB:.2f} GiB{apart}")
+    lines += ["", "| process | peak GiB | " + " | ".join(f"step {k}" for k in all_steps) + " | growth MiB | vs goal |",
+              "|---|---|" + "---|" * len(all_steps) + "---|---|"]
+    for m in sorted(mem, key=lambda m: m["name"]):
+        cells = " | ".join(f"{m['by_step'][k] / GiB:.2f}" if k in m["by_step"] else "-" for k in all_steps)
+        growth = f"{m['growth_bytes'] / (1 << 20):+.0f}" if m["growth_bytes"] is not None else "-"
+        goal = "-"
+        if budget:
+            peak = m["peak_bytes"] - (state if m["role"] == "coordinator" and state else 0)
+            goal = f"{peak / budget:.2f}" + (" (without the trainer state)" if m["role"] == "coordinator" and state else "")
+        lines.append(f"| {m['name']} | {m['peak_bytes'] / GiB:.2f} | {cells} | {growth} | {goal} |")
+    return lines
 
 
 def _plot(steps: list[dict[str, Any]], evals: list[dict[str, Any]], st: dict[str, Any], path: Path, title: str) -> None:
