@@ -343,7 +343,7 @@ async def test_follower_prefetches_a_step_and_writes_the_hold_lines(origin, poli
     run, store = origin
     caplog.set_level("INFO", logger="node.policy")
     async with serving(store) as srv:
-        follower = PolicyFollower(run.signed.spec, tmp_path / "policy", lambda _step: [srv.url])
+        follower = PolicyFollower(run.signed.spec, tmp_path / "policy", StaticSources([srv.url]))
         try:
             await follower.fetch(0)
             follower.prefetch(1)
