@@ -14,6 +14,12 @@
 #    replay exactly, log-probs, EOS gate, TOPLOC proofs of the captured rows, hot weight swap).
 # 4. The transformers engine's static decode on CUDA (tests/node/test_engine.py -k cuda): no host
 #    synchronisation in a decode step; its tokens and rows pass a CPU validator's replay and TOPLOC.
+# 5. The qwen2.5-0.5b devnet profile across devices (scripts/gpu_profile_check.py; needs the public
+#    task text, default ../shared/data, or DATA_ROOT=…): its worker on vLLM in bfloat16 on CUDA and
+#    the transformers worker on the CPU, each submission checked by a CPU validator and by a validator
+#    prefilling on CUDA (float32, as `validate --device cuda` loads it); a rejection prints its
+#    evidence (the check, the measured figure, the threshold) so a threshold that must move is named
+#    with the number. Builds the 24-layer model once (cached, ≈ 1 min).
 # Prints versions and a PASS/FAIL line per step; exits non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,4 +49,10 @@ step() {
 step "sampling CPU vs GPU, no host sync" tests/protocol/test_sampling.py
 step "vLLM engine on CUDA" tests/node/test_vllm_engine.py
 step "transformers engine's static decode on CUDA" tests/node/test_engine.py -k cuda
+t0=$SECONDS
+if "$VENV/bin/python" scripts/gpu_profile_check.py --data-root "${DATA_ROOT:-../shared/data}"; then
+    echo "PASS  qwen2.5-0.5b profile: vLLM bf16 worker and CPU worker vs CPU and GPU validators ($((SECONDS - t0)) s)"
+else
+    echo "FAIL  qwen2.5-0.5b profile: vLLM bf16 worker and CPU worker vs CPU and GPU validators ($((SECONDS - t0)) s)"; fail=1
+fi
 exit "$fail"

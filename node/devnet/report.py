@@ -157,7 +157,19 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
     lines += ["", "![report](report.png)", ""]
     md = dn.out / "report.md"
     md.write_text("\n".join(lines))
+    write_timeline_json(dn, steps, run)
     return md, png
+
+
+def write_timeline_json(dn: Devnet, steps: list[dict[str, Any]], run: dict[str, Any]) -> Path:
+    """``OUT/timeline.json``: the report's timeline and memory tables as data (``benchmarks/profile_devnet.py``
+    reads it): ``steps`` (:func:`node.devnet.timeline.step_timeline` rows), ``memory`` (per process),
+    ``parameters``, ``links`` (node → Mb/s, empty without ``--links``)."""
+    doc = {"steps": step_timeline(steps, node_logs(dn)), "memory": dn.memory.rows(max((int(s["step"]) for s in steps), default=None)),
+           "parameters": run.get("parameters"), "links": {n.name: n.mbit for n in dn.links.nodes.values()} if dn.links else {}}
+    path = dn.out / "timeline.json"
+    path.write_text(json.dumps(doc, indent=1))
+    return path
 
 
 def node_logs(dn: Devnet) -> dict[str, NodeLog]:

@@ -23,6 +23,7 @@ from node.devnet.timeline import read_node_log
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.timeout(1500)
 def test_profile_at_one_layer_runs_every_role_and_reports_its_timeline(tmp_path, shared):
     out = tmp_path / "out"
     links = unavailable() is None
@@ -49,8 +50,9 @@ def test_profile_at_one_layer_runs_every_role_and_reports_its_timeline(tmp_path,
     assert config["tie_word_embeddings"] is True and (config["num_attention_heads"], config["num_key_value_heads"]) == (14, 2)
     (step,) = [r for r in rows if r.get("event") == "step"]
     assert set(step["verdicts"]) == {"ok"}, step["verdicts"]
-    # published in bf16 (2 bytes per parameter) with a delta from step 0, and every node applied that delta
-    assert profile.bf16_bytes(1) < step["checkpoint_bytes"] < profile.bf16_bytes(1) + (1 << 20)
+    # published in bf16 (2 bytes per parameter; the checkpoint also holds the ≈ 7 MB tokenizer and the config) with a
+    # delta from step 0, and every node applied that delta
+    assert profile.bf16_bytes(1) < step["checkpoint_bytes"] < profile.bf16_bytes(1) + (16 << 20)
     assert 0 < step["delta_bytes"] < step["checkpoint_bytes"]
     for name in ("relay-0", "validator-0", "worker-0"):
         held = read_node_log(out / "logs" / f"{name}.log").held
