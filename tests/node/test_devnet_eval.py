@@ -11,6 +11,7 @@ import pytest
 from node.coordinator.evaluate import EvalResult, eval_row, gain_interval, pass_rate_interval
 from node.devnet.orchestrator import DevnetOptions
 from node.devnet.report import heldout_summary, write_report
+from node.devnet.timeline import MemorySampler
 
 
 def test_pass_rate_interval_resamples_problems_not_samples():
@@ -72,12 +73,15 @@ def test_report_has_heldout_band_gain_and_off_policy(tmp_path):
     for step in (1, 2):
         rows.append({"event": "step", "step": step, "reward_mean": 0.5, "pass_rate": 0.5, "loss": 0.01, "grad_norm": 0.2,
                      "mismatch_kl": 0.0123, "is_ratio_mean": 1.0, "is_ratio_min": 0.5, "is_ratio_max": 3.5, "clipped_frac": 0.04,
-                     "staleness": {"0": 10, "1": 6}, "tokens_per_s": 100.0, "broadcast_s": 0.1, "utilization": 0.3})
+                     "staleness": {"0": 10, "1": 6}, "tokens_per_s": 100.0, "broadcast_s": 0.1, "utilization": 0.3,
+                     "wait_s": 1.5, "step_time_s": 2.5, "save_s": 0.5, "state_s": 0.25, "checkpoint_bytes": 1000, "delta_bytes": 20,
+                     "published_at": 100.0})
         rows.append(eval_row(step, EvalResult(0.5, 0.5, 80, 160, [12, 8, 10, 6, 4], 16)))
     (coord / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     # stands in for node.devnet.orchestrator.Devnet: the attributes and the one method write_report reads
     dn = SimpleNamespace(out=tmp_path, o=DevnetOptions(out=tmp_path, steps=2), peer_ids={}, coord_url="http://127.0.0.1:1", events=[],
-                         run_id="c0ffee" * 8, seed=1234, chaos_summary=lambda: None)
+                         run_id="c0ffee" * 8, seed=1234, chaos_summary=lambda: None, memory=MemorySampler(), group=SimpleNamespace(procs=[]),
+                         links=None)
     result = SimpleNamespace(ok=True, reason="completed", wall_s=10.0, coordinator={"verdicts_by_reason": {"ok": 3}})
     md, png = write_report(dn, result)  # type: ignore[arg-type]
     text = md.read_text()
@@ -88,4 +92,6 @@ def test_report_has_heldout_band_gain_and_off_policy(tmp_path):
     assert "held-out gain: **+0.250** (95 % " in text and "paired bootstrap over 5 held-out problems" in text
     assert "| 2 | 0.500 | 0.500 | 0.0100 | 0.200 | 0.01230 | 0.50–3.50 | 0.040 |" in text
     assert "## Held-out evaluations" in text and text.count("| 16") == 0
+    timeline = text.split("## Per-step timeline", 1)[1].split("\n## ", 1)[0]
+    assert "| 2 | - | - | 1.5 | 2.5 | 0.5 | 0.1 | 0.2 | 1000 | 20 | 1/50 | - |" in timeline  # no node logs: no rollouts, no holds
     assert png.stat().st_size > 10_000
