@@ -30,6 +30,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from node.devnet.links import Links
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -127,7 +131,7 @@ def build_policies(root: Path, data_root: Path, layers: int | None) -> tuple[Pat
     return a, b
 
 
-def run_mode(mode: str, links, a: Path, b: Path, work: Path, spec_path: Path, key_path: Path) -> dict[str, dict[str, float]]:
+def run_mode(mode: str, links: Links, a: Path, b: Path, work: Path, spec_path: Path, key_path: Path) -> dict[str, dict[str, Any]]:
     from node.devnet.timeline import read_node_log
     from node.shardcast.publish import checkpoint_files
 
@@ -135,7 +139,7 @@ def run_mode(mode: str, links, a: Path, b: Path, work: Path, spec_path: Path, ke
     me = str(Path(__file__).resolve())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     work.mkdir(parents=True)
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[subprocess.Popen[Any]] = []
     origin_url = f"http://{links.ip('coordinator')}:8601"
     relay_url = f"http://{links.ip('relay-0')}:8602"
     try:
@@ -175,7 +179,7 @@ def run_mode(mode: str, links, a: Path, b: Path, work: Path, spec_path: Path, ke
         origin.stdin.write(f"publish 1 {b}{' 0' if mode == 'delta' else ''}\n")
         origin.stdin.flush()
         pub = json.loads(origin.stdout.readline())
-        out: dict[str, dict[str, float]] = {"origin": {"publish_s": pub["at"] - pub["start"], "delta_bytes": pub["delta_bytes"] or 0}}
+        out: dict[str, dict[str, Any]] = {"origin": {"publish_s": pub["at"] - pub["start"], "delta_bytes": pub["delta_bytes"] or 0}}
         for name, c in clients.items():
             assert c.stdout is not None
             r = json.loads(c.stdout.readline())

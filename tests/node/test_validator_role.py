@@ -283,7 +283,7 @@ async def test_models_in_memory_are_bounded_by_bytes_and_evicted_before_a_load(t
     held_at_load: list[int] = []
     real_load = role.load_model
 
-    def load_model(*args, **kw):  # noqa: ANN002, ANN003
+    def load_model(*args, **kw):
         held_at_load.append(len(node._models))
         return real_load(*args, **kw)
 
