@@ -38,7 +38,7 @@ from libp2p.abc import INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
-from node.p2p.gossip import DuplicateEnvelope
+from node.p2p.gossip import DuplicateEnvelope, OverRate
 from node.p2p.host import P2PHost, parse_peer_addr
 from protocol.envelope import Envelope
 from protocol.errors import DecodeError, ProtocolError, SchemaError
@@ -109,22 +109,31 @@ ROSTER_REQUEST_BURST = 4.0
 VERIFIED_CACHE = 16384
 """Roster entries (envelope IDs) a fetcher remembers as verified, so an unchanged worker costs no check."""
 FETCH_CONCURRENCY = 4
+ENTRY_CHECKS_PER_S = 1024.0
+"""Roster entries a fetcher verifies per second, over all hubs (≈ 0.15 ms of CPU each: ≈ 15 % of a
+core). Anyone may run a hub and roster entries have no age limit, so a fake hub can serve rosters
+of 4,096 records minted once, in advance, each time its record names a new roster: 4 such hubs
+kept a coordinator's process at 0.95 of a core. An honest load is one check per worker record
+change (a worker's record changes with its policy step), so this follows ≈ 30,000 workers at one
+policy step per 30 s; a roster whose new entries exceed what is left waits for the next try."""
+ENTRY_CHECK_BURST = 4096.0
+"""Entry checks a fetcher may spend at once: one full roster (``ROSTER_MAX_ENTRIES``)."""
 HELD_ROSTERS_MAX_BYTES = 64 * 1024 * 1024
 """Bytes of hubs' roster entries a fetcher keeps to apply deltas to (beyond it, the hubs fetched
 longest ago are fetched whole next time): anyone may run a relay, so their number is not bounded."""
 
 
 class TokenBucket:
-    """``burst`` tokens, refilled at ``rate`` per second; :meth:`take` spends one if there is one."""
+    """``burst`` tokens, refilled at ``rate`` per second; :meth:`take` spends ``cost`` if there are that many."""
 
     def __init__(self, rate: float, burst: float, now: float) -> None:
         self.rate, self.burst, self.tokens, self.at = rate, burst, burst, now
 
-    def take(self, now: float) -> bool:
+    def take(self, now: float, cost: float = 1.0) -> bool:
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
         self.at = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
+        if self.tokens >= cost:
+            self.tokens -= cost
             return True
         return False
 
@@ -654,6 +663,7 @@ class RosterFetcher:
         self._retry_at: dict[PeerId, float] = {}
         self._verified: OrderedDict[bytes, PeerId] = OrderedDict()  # envelope ID → peer ID
         self._limit = trio.CapacityLimiter(FETCH_CONCURRENCY)
+        self._checks = TokenBucket(ENTRY_CHECKS_PER_S, ENTRY_CHECK_BURST, clock())
         self._nursery: trio.Nursery | None = None
         self.counters: Counter[str] = Counter()
 
@@ -748,6 +758,10 @@ class RosterFetcher:
         checked against the roster ID); raises on anything wrong."""
         if len(entries) != workers:
             raise DecodeError(f"roster lists {len(entries)} workers, its hub's record says {workers}")
+        unchecked = sum(1 for eid in entries if eid not in self._verified)
+        if unchecked and not self._checks.take(self._clock(), unchecked):
+            self.counters["deferred"] += 1  # asked again after an interval (the fetch's failure path)
+            raise OverRate(f"{unchecked} new roster entries, over the {ENTRY_CHECKS_PER_S:g} entry checks per second left")
         members: list[PeerId] = []
         fresh: list[Envelope[NodeRecord]] = []
         for eid, raw in entries.items():

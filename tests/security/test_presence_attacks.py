@@ -11,6 +11,9 @@ libp2p hosts on 127.0.0.1.
   stream, so every worker was detached from every hub and could not re-attach (seen: attached
   1 → 0, the worker re-opening a stream every ≈ 2 s), and with more than 255 of them the
   validators, which sort after ``relay``, fell out of the view.
+* Fake hubs name rosters of 4,096 worker records minted once, in advance (roster entries have no
+  age limit). Before the fix the coordinator checked every new entry of every roster (4 such hubs:
+  its process at 0.95 of a core); now its entry checks are budgeted over all hubs.
 """
 
 from __future__ import annotations
@@ -34,11 +37,22 @@ from waiting import wait_until
 from node.p2p import GossipNode
 from node.p2p.bridge import TrioBridge
 from node.p2p.host import P2PHost, parse_peer_addr
-from node.p2p.presence import OVER_BUDGET_LIMIT, VIEW_BURST
+from node.p2p.presence import ENTRY_CHECK_BURST, ENTRY_CHECKS_PER_S, OVER_BUDGET_LIMIT, VIEW_BURST, StreamReader
 from protocol.envelope import seal
 from protocol.identity import NodeKey
 from protocol.messages import NodeRecord
-from protocol.presence import VIEW, VIEW_MAX_BYTES, frame, pack_envelopes, presence_protocol
+from protocol.presence import (
+    LENGTH_BYTES,
+    ROSTER_REQUEST_BYTES,
+    VIEW,
+    VIEW_MAX_BYTES,
+    frame,
+    pack_envelopes,
+    pack_roster,
+    pack_roster_answer,
+    presence_protocol,
+    roster_protocol,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -149,3 +163,64 @@ async def test_sybil_hub_records_never_push_a_view_past_its_frame() -> None:
             assert validator.peer_id in worker.peers and coord.peer_id in worker.peers, "the view kept the key-checked hubs"
         finally:
             await attacker.stop()
+
+
+async def test_fake_hubs_cannot_make_the_coordinator_check_rosters_without_bound() -> None:
+    """Four fake hubs (self-signed relay records; their hosts serve ``roster/1``) each name a roster
+    of 4,096 worker records minted in advance (roster entries have no age limit). Before, the
+    coordinator checked every entry of every such roster, as fast as the hubs named new ones (4 hubs
+    kept a coordinator process at 0.95 of a core); now its checks stay within
+    ``ENTRY_CHECK_BURST + ENTRY_CHECKS_PER_S × elapsed``, the rest wait, and an honest relay's
+    worker still reaches it."""
+    run = Run()
+    hubs = [NodeKey.generate() for _ in range(4)]
+    members = [NodeKey.generate() for _ in range(4096)]
+    rosters: dict[bytes, bytes] = {}
+    named: list[tuple[NodeKey, bytes]] = []
+    for i, key in enumerate(hubs):
+        rid, data = pack_roster([seal(m, run.spec.run_id, NodeRecord(peer_id=m.peer_id, role="worker", seq=i + 1, version="t"))
+                                 for m in members])
+        rosters[bytes(rid)] = data
+        named.append((key, bytes(rid)))
+
+    async def serve_roster(stream: INetStream) -> None:
+        with trio.move_on_after(10):
+            wanted = (await StreamReader(stream).exactly(ROSTER_REQUEST_BYTES))[:32]
+            answer = pack_roster_answer(rosters[wanted]) if wanted in rosters else b""
+            await stream.write(len(answer).to_bytes(LENGTH_BYTES, "big") + answer)
+            await stream.close()
+
+    roles = [("relay", None), ("coordinator", run.coordinator), ("worker", None)]
+    async with shared_bridge() as bridge, swarm(run, roles, bridge=bridge) as (relay, coord, worker):
+        hosts = []
+        async with contextlib.AsyncExitStack() as stack:
+            for key in hubs:
+                host = P2PHost(key, config())
+                host.host.set_stream_handler(TProtocol(roster_protocol(run.spec.run_id)), serve_roster)
+                handle = await bridge.start_task(host.serve, timeout_s=10)
+                stack.push_async_callback(handle.cancel)
+                hosts.append(host)
+            attacker = await GossipNode.create(run.spec, NodeKey.generate(), config(bootstrap=[relay.addrs[0]]), role="relay", bridge=bridge)
+            stack.push_async_callback(attacker.stop)
+            await wait_until(lambda: relay.peers.get(attacker.peer_id) is not None, 20.0, "the attacker's own record at the hub")
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            for (key, rid), host in zip(named, hosts, strict=True):
+                addrs = [str(a) for a in host.host.get_addrs()][:4]
+                await attacker.publish("nodes", seal(key, run.spec.run_id, NodeRecord(
+                    peer_id=key.peer_id, role="relay", seq=1, version="t", addrs=addrs, workers=len(members), roster=rid)))
+
+            async def asked() -> dict[str, Any]:
+                return dict((await coord.stats()).get("rosters", {}))
+
+            for _ in range(400):  # every fake hub's roster fetched and checked, or refused (≤ 40 s)
+                stats = await asked()
+                if stats.get("entries_verified", 0) + ENTRY_CHECK_BURST * stats.get("deferred", 0) >= len(hubs) * len(members):
+                    break
+                await asyncio.sleep(0.1)
+            elapsed = loop.time() - started
+            stats = await asked()
+            bound = ENTRY_CHECK_BURST + ENTRY_CHECKS_PER_S * elapsed + 64  # + the honest relay's roster
+            assert stats["entries_verified"] <= bound, f"{stats['entries_verified']} roster entries checked in {elapsed:.1f} s: {stats}"
+            assert stats.get("deferred", 0) >= 1, stats
+            await wait_until(lambda: worker.peer_id in coord.peers, 30.0, "the honest relay's worker at the coordinator")
