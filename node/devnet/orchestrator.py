@@ -372,6 +372,7 @@ class Devnet:
             ok = rc == 0
             if ok:
                 self._await_final_holds()
+                self._await_restart_triage()
             reason = "completed" if ok else f"coordinator exited with status {rc}; see {coord.log}"
             return DevnetResult(ok, time.monotonic() - self.started, reason, self.status, self.node_status)
         finally:
@@ -405,6 +406,16 @@ class Devnet:
             time.sleep(STATUS_POLL_S)
         self.events.append(f"{time.monotonic() - self.started:.0f}s gave up waiting for {', '.join(waiting)} to hold policy step {last}")
 
+    def _await_restart_triage(self) -> None:
+        """After a ``--kill-worker-at`` restart: wait (bounded) until the restarted worker's status says
+        what it did with its spool, so the summary can say it (a short run can end while it still loads)."""
+        if self.killed_at is None:
+            return
+        end = time.monotonic() + FINAL_HOLD_WAIT_S
+        while time.monotonic() < end and not isinstance((self.node_status.get("worker-0") or {}).get("spool_restart"), dict):
+            self._tick()
+            time.sleep(STATUS_POLL_S)
+
     def _chaos(self) -> None:
         k = self.o.kill_worker_at
         step = int(self.status.get("trainer_step", 0) or 0)
@@ -415,6 +426,7 @@ class Devnet:
         self.killed_at = step
         self.events.append(f"{time.monotonic() - self.started:.0f}s killed worker-0 at step {step} (SIGKILL)")
         time.sleep(1.0)
+        self.node_status.pop("worker-0", None)  # what it said before the kill is not what the restart did
         self.group.restart(victim)
         self._tick()
         self.restarted_at = int(self.status.get("trainer_step", step) or step)

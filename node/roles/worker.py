@@ -97,7 +97,8 @@ class Worker:
         self._stop = asyncio.Event()
         self._kick = asyncio.Event()
         self._last_poll = 0.0  # monotonic time of the last manifest poll
-        self.spool_restart: dict[str, Any] | None = None  # what a restart did with the spool it found
+        # what this start did with the spool it found (found 0: it was empty); None until that is decided
+        self.spool_restart: dict[str, Any] | None = None
         self._late_backoff = Backoff(base_s=LATE_RETRY_S, max_s=LATE_RETRY_MAX_S)
         self._late_log = FailureLog(logger, interval_s=30.0)
         self._sender: asyncio.Task[None] | None = None
@@ -122,6 +123,8 @@ class Worker:
         self.status_server = await start_status_server(self.status, self.registry, self.options.http_port)
         if self.spool.pending():
             await self._triage_spool()
+        else:
+            self.spool_restart = {"found": 0, "resent": 0, "dropped_stale": 0, "latest_step": None}
         self._sender = asyncio.create_task(self._send_loop(), name="worker-submitter")
         if self.spool.pending():
             self._kick.set()
