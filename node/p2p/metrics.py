@@ -46,7 +46,8 @@ class GossipCollector(Collector):
     from a full delivery channel), ``rejected_total{reason}`` (messages refused by the topic
     validator or a budget), and on a hub ``presence_attached`` (workers attached) and
     ``presence_refused_total{reason}`` (presence streams and frames refused: offences, a full hub,
-    frames past a stream's budget, stale or replayed records, workers detached for silence).
+    frames past a stream's budget, streams opened past a peer's budget, stale or replayed records,
+    workers detached for silence).
     """
 
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
@@ -76,9 +77,10 @@ class GossipCollector(Collector):
             yield _by_reason("intellect_gossip_presence_refused", "Presence frames or streams refused, by reason", refused)
 
 
-_PRESENCE_IGNORED = {"over_budget": "over_budget", "stale": "records_stale", "replayed": "records_replayed", "beat_timeout": "beat_timeouts"}
+_PRESENCE_IGNORED = {"over_budget": "over_budget", "opens_over_budget": "opens_over_budget", "stale": "records_stale", "replayed": "records_replayed", "beat_timeout": "beat_timeouts"}
 """Presence counters (``PresenceHub.counters``) exported as refusals without an offence: frames past
-a stream's budget, stale or replayed records, workers detached for silence."""
+a stream's budget, streams opened past a peer's budget, stale or replayed records, workers detached
+for silence."""
 
 
 def _by_reason(name: str, doc: str, counts: dict[str, int]) -> CounterMetricFamily:

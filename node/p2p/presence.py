@@ -102,6 +102,13 @@ the stream opens, then at most one per interval: ``node.p2p.service.VIEW_SETTLE_
 view may make a worker verify up to 256 signatures, so a peer posing as a hub must not choose how many."""
 VIEW_BURST = 4.0
 """Views a hub may send at once."""
+OPENS_PER_INTERVAL = 1.0
+"""Presence streams a hub accepts from one peer per heartbeat interval. Each new stream replaces the
+peer's last one and is sent the hub's view (up to 1 MiB) at once, so streams opened back to back
+cost the hub CPU and upload for a few bytes each (one identity opened 220 a second: 0.7 of the
+hub's core); an honest worker opens one per connection, and again only after it ended."""
+OPEN_BURST = 4.0
+"""Presence streams a peer may open at once."""
 ROSTERS_KEPT = 4
 """Recent rosters a hub still serves by ID (a fetch may name one that just changed)."""
 ROSTER_REQUESTS_PER_INTERVAL = 1.0
@@ -236,6 +243,7 @@ class PresenceHub:
         self._roster: tuple[int, bytes] = (0, b"")
         self._rosters: OrderedDict[bytes, tuple[bytes, list[bytes]]] = OrderedDict()  # ID → (packed, entries)
         self._roster_budget: dict[PeerId, TokenBucket] = {}
+        self._opens: dict[PeerId, TokenBucket] = {}  # peer → its budget of stream opens
         self._view = b""
         self._view_version = 0
         self._view_changed = trio.Event()
@@ -313,6 +321,9 @@ class PresenceHub:
     async def _handle_presence(self, stream: INetStream) -> None:
         peer = _peer_of(stream)
         now = self._clock()
+        if not self._may_open(peer, now):
+            await _close(stream)
+            return
         old = self._attached.get(peer)
         if old is None and len(self._attached) >= self.max_attached:
             self.counters["refused_full"] += 1
@@ -401,6 +412,20 @@ class PresenceHub:
         self.counters["records"] += 1
         self.on_attach(env)
         return True
+
+    def _may_open(self, peer: PeerId, now: float) -> bool:
+        """Whether ``peer`` may open another presence stream now (:data:`OPENS_PER_INTERVAL`). One
+        over it is closed before anything is sent, and the peer is not banned for it: a full hub
+        closes honest workers' streams too, and they open them again every second."""
+        budget = self._opens.get(peer)
+        if budget is None:
+            if len(self._opens) > 4 * self.max_attached:
+                self._opens.clear()
+            budget = self._opens[peer] = TokenBucket(OPENS_PER_INTERVAL / self.interval_s, OPEN_BURST, now)
+        if budget.take(now):
+            return True
+        self.counters["opens_over_budget"] += 1
+        return False
 
     def _offence(self, a: _Attached, reason: str, detail: str) -> None:
         self.counters[f"refused_{reason}"] += 1

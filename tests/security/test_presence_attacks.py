@@ -14,6 +14,7 @@ libp2p hosts on 127.0.0.1.
 * Fake hubs name rosters of 4,096 worker records minted once, in advance (roster entries have no
   age limit). Before the fix the coordinator checked every new entry of every roster (4 such hubs:
   its process at 0.95 of a core); now its entry checks are budgeted over all hubs.
+* One identity opens presence streams back to back; each was sent the hub's view.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import pytest
 import trio
 from libp2p.abc import INetStream
 from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "node"))  # the p2p test factories live there
 from p2p_helpers import Run, config, forge, shared_bridge, swarm
@@ -37,7 +39,7 @@ from waiting import wait_until
 from node.p2p import GossipNode
 from node.p2p.bridge import TrioBridge
 from node.p2p.host import P2PHost, parse_peer_addr
-from node.p2p.presence import ENTRY_CHECK_BURST, ENTRY_CHECKS_PER_S, OVER_BUDGET_LIMIT, VIEW_BURST, StreamReader
+from node.p2p.presence import ENTRY_CHECK_BURST, ENTRY_CHECKS_PER_S, OPEN_BURST, OVER_BUDGET_LIMIT, VIEW_BURST, StreamReader
 from protocol.envelope import seal
 from protocol.identity import NodeKey
 from protocol.messages import NodeRecord
@@ -224,3 +226,33 @@ async def test_fake_hubs_cannot_make_the_coordinator_check_rosters_without_bound
             assert stats["entries_verified"] <= bound, f"{stats['entries_verified']} roster entries checked in {elapsed:.1f} s: {stats}"
             assert stats.get("deferred", 0) >= 1, stats
             await wait_until(lambda: worker.peer_id in coord.peers, 30.0, "the honest relay's worker at the coordinator")
+
+
+async def test_presence_streams_opened_back_to_back_are_refused_before_a_view_is_sent() -> None:
+    """One identity opens 60 presence streams back to back. Before, each replaced the last and was
+    sent the hub's view (up to 1 MiB each; 220 streams a second took 0.7 of a hub's core); now
+    past :data:`OPEN_BURST` they are closed before anything is sent, and the honest worker stays."""
+    run = Run()
+    async with shared_bridge() as bridge, swarm(run, [("relay", None), ("worker", None)], bridge=bridge) as (relay, worker):
+        await wait_until(lambda: worker.peer_id in relay.peers, 20.0, "the worker attached to its hub")
+        before = await presence(relay)
+        key = NodeKey.generate()
+        host = P2PHost(key, config())
+        handle = await bridge.start_task(host.serve, timeout_s=10)
+        try:
+            await bridge.run(host.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
+            protocols = [TProtocol(presence_protocol(run.spec.run_id))]
+            for _ in range(60):
+                with contextlib.suppress(Exception):  # a refused stream may be reset while it is negotiated
+                    await bridge.run(host.host.new_stream, ID.from_base58(relay.peer_id), protocols, timeout_s=10)
+            stats: dict[str, Any] = {}
+            for _ in range(100):  # the hub has handled all 60 (≤ 10 s)
+                stats = await presence(relay)
+                if stats["streams_accepted"] + stats.get("opens_over_budget", 0) - before["streams_accepted"] >= 60:
+                    break
+                await asyncio.sleep(0.1)
+            sent = stats["views_sent"] - before["views_sent"]
+            assert sent <= OPEN_BURST + 2, f"the hub sent {sent} views to 60 streams of one peer: {stats}"
+            assert stats["attached"] == 1 and worker.peer_id in relay.peers
+        finally:
+            await handle.cancel()
