@@ -64,7 +64,9 @@ from N addresses (127.i.0.1, each its own /24) with a fresh key per submission, 
 ingest takes them. After a ``--warmup-s`` warm-up without junk (the honest workers become
 established) it measures ``--duration-s``: honest accepted/s (and its ratio to the unattacked
 level), trainer steps, the longest gap between steps against the unattacked median step time,
-honest submissions gone stale, and the answers each side got. With ``--baseline REV`` the same
+honest submissions gone stale, and the answers each side got; also the honest POSTs' answer
+time (p50, max) and the CPU the ingest process used over the window, in cores
+(``ingest_cpu_share``: what the box left it). With ``--baseline REV`` the same
 levels run against the whole ``protocol/``, ``trainer/`` and ``node/`` of ``REV``.
 
 Run: ``python benchmarks/ingest_load.py [--submissions 1200] [--concurrency 4,16,48] [--max-tokens 32]
@@ -629,6 +631,7 @@ async def sybil_level(code: Path, junk_addresses: int, args: argparse.Namespace)
             junk_codes: dict[str, int] = {}
             leased_at: dict[str, float] = {}
             honest_wait: list[float] = []
+            honest_post: list[float] = []  # seconds from sending an honest submission to its answer
 
             def in_window() -> bool:
                 return "start" in window and "end" not in window
@@ -645,6 +648,7 @@ async def sybil_level(code: Path, junk_addresses: int, args: argparse.Namespace)
                                 body = await r.json(content_type=None)
                             if in_window():
                                 stats["honest_sent"] += 1
+                                honest_post.append(time.monotonic() - t0)
                                 honest_codes[str(body.get("error", r.status))] = honest_codes.get(str(body.get("error", r.status)), 0) + 1
                             if r.status == 200:
                                 if in_window():
@@ -683,12 +687,14 @@ async def sybil_level(code: Path, junk_addresses: int, args: argparse.Namespace)
             tasks = [asyncio.create_task(honest_worker(k)) for k in honest] + [asyncio.create_task(validate())]
             await asyncio.sleep(args.warmup_s)
             load0 = os.getloadavg()[0]
+            cpu0 = process_cpu_s(proc.pid)
             window["start"] = time.monotonic()
             # the junk comes from its own process (its CPU is not this process's, which plays the honest side)
             flood = subprocess.Popen([sys.executable, __file__, "--junk", url, "--code", str(code), "--junk-addresses", str(junk_addresses)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) if junk_addresses else None
             await asyncio.sleep(args.duration_s)
             window["end"] = time.monotonic()
+            ingest_cpu = process_cpu_s(proc.pid) - cpu0
             if flood is not None:
                 assert flood.stdin is not None and flood.stdout is not None
                 flood.stdin.close()
@@ -716,8 +722,17 @@ async def sybil_level(code: Path, junk_addresses: int, args: argparse.Namespace)
             "honest_lease_wait_p50_s": round(pct(honest_wait, 0.5), 2) if honest_wait else None,
             "honest_lease_wait_max_s": round(max(honest_wait), 2) if honest_wait else None,
             "honest_stale": sum(workers.get(k, {}).get("stale", 0) for k in honest_ids),
+            "honest_post_p50_s": round(pct(honest_post, 0.5), 3) if honest_post else None,
+            "honest_post_max_s": round(max(honest_post), 2) if honest_post else None,
+            "ingest_cpu_share": round(ingest_cpu / span, 2),
             "honest_sent": stats["honest_sent"], "honest_answers": honest_codes, "junk_stored": stats["junk_stored"],
             "junk_judged": stats["junk_judged"], "junk_answers": junk_codes, "load": f"{load0:.1f} → {os.getloadavg()[0]:.1f}"}
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def junk_flood(url: str, addresses: int) -> None:
