@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from node.errors import FetchError
 from node.ingest_client import IngestClient, IngestUnavailable
+from node.memory import release_free_memory
 from node.p2p import GossipConfig, GossipNode
 from node.policy import GossipSources, PolicyFollower
 from node.retry import Backoff, FailureLog
@@ -290,7 +291,8 @@ class ValidatorNode:
         """Load the checkpoint of ``step`` (fetching it through Shardcast) unless cached.
 
         Models the retention rule drops, and beyond :meth:`_models_fitting` the oldest, are freed
-        before the new one is loaded, so no more than that many are ever in memory at once."""
+        before the new one is loaded, their heap pages handed back to the kernel (``node/memory.py``),
+        so no more than that many are ever in memory at once."""
         if step in self._models:
             return
         if step > self.follower.latest_step:
@@ -303,8 +305,11 @@ class ValidatorNode:
         fitting = self._models_fitting()
         kept = retained_steps([*self._models, step], self.spec.shardcast.keep_steps, in_use=step)  # the held checkpoints' rule
         others = sorted((s for s in kept if s != step), reverse=True)[: fitting - 1]
-        for s in [s for s in self._models if s not in others]:
+        dropped = [s for s in self._models if s not in others]
+        for s in dropped:
             del self._models[s]
+        if dropped:  # the dropped model's heap pages back to the kernel, or they sit beside the next one (node/memory.py)
+            await asyncio.to_thread(release_free_memory)
         model = await asyncio.to_thread(load_model, path, torch.float32, self.options.device)
         if self.tokenizer is None:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, path)

@@ -272,7 +272,8 @@ async def test_a_validator_out_of_resources_retries_once_then_sends_a_benign_res
 
 async def test_models_in_memory_are_bounded_by_bytes_and_evicted_before_a_load(tmp_path: Path, monkeypatch) -> None:
     """At a real shape one float32 model is ≈ 2 GB: the validator keeps the models of the async
-    window only while their parameters fit ``MODEL_CACHE_BYTES``, and frees one before loading the next."""
+    window only while their parameters fit ``MODEL_CACHE_BYTES``, and frees one before loading the next,
+    its heap pages handed back to the kernel first (node/memory.py: else they sit beside the next one)."""
     import node.roles.validator as role
 
     tok = embedded_tokenizer()
@@ -283,14 +284,18 @@ async def test_models_in_memory_are_bounded_by_bytes_and_evicted_before_a_load(t
     held_at_load: list[int] = []
     real_load = role.load_model
 
+    events: list[str] = []
+
     def load_model(*args, **kw):
         held_at_load.append(len(node._models))
+        events.append("load")
         return real_load(*args, **kw)
 
     async def fetch(step: int) -> Path:
         return tmp_path / "ckpt"
 
     monkeypatch.setattr(role, "load_model", load_model)
+    monkeypatch.setattr(role, "release_free_memory", lambda: events.append("release") or True)
     monkeypatch.setattr(node.follower, "fetch", fetch)
     monkeypatch.setattr(node.follower, "latest_step", 10)
     try:
@@ -298,6 +303,7 @@ async def test_models_in_memory_are_bounded_by_bytes_and_evicted_before_a_load(t
         for step in (0, 1, 2):
             await node._prepare(step)
         assert list(node._models) == [2] and held_at_load == [0, 0, 0]
+        assert events == ["load", "release", "load", "release", "load"]
         monkeypatch.setattr(role, "MODEL_CACHE_BYTES", 100 * size)  # room for many: the retention rule (keep_steps) bounds them
         keep = node.spec.shardcast.keep_steps
         for step in (3, 4, 5, 6):
