@@ -27,6 +27,11 @@ RUN_ID_DOMAIN = b"intellect-node/run-spec/1\x00"
 SIGNATURE_DOMAIN = b"intellect-node/run-spec-signature/1\x00"
 MAX_SPEC_BYTES = 1 << 20
 MiB = 1 << 20
+REPLAY_EPS_DEFAULT = 1e-4
+"""Default ``toploc.replay_eps`` (probability units): float32 workers move CDF edges by ≲ 1e-6 and the
+check's own rounding by ≤ 7.6e-6 (``docs/toploc.md`` §5.2, §6.1)."""
+MAX_NEAR_TIE_FRACTION_DEFAULT = 0.1
+"""Default ``toploc.max_near_tie_fraction``: near-tie mismatches allowed per completion, as a share of its tokens."""
 LOGPROB_TOL_LIMIT = 5.0
 """Upper bound on ``toploc.logprob_*`` tolerances, nats: beyond a factor of e⁵ ≈ 150 in probability
 a reported log-prob no longer says anything about the policy."""
@@ -91,7 +96,11 @@ class ToplocSpec(_Section):
     ``docs/toploc.md`` §8). The defaults (0.01 and 0.001 nats) are for fp32 on both sides: honest
     CPU workers differ by ≤ 1.1e-5 nats per token and ≤ 3.7e-6 on a completion's mean; a run whose
     workers decode in bf16 raises both. Both must be finite, in (0, :data:`LOGPROB_TOL_LIMIT`], with
-    mean ≤ max.
+    mean ≤ max. ``replay_eps`` and ``max_near_tie_fraction`` are the sampling replay's tolerances
+    (:func:`protocol.sampling.replay_check`, ``docs/toploc.md`` §6.1); their defaults are for fp32
+    workers too, and a run whose workers decode in bf16 raises them (``benchmarks/false_rejections.py``
+    measures both). In the signed spec so that every validator and the coordinator's re-check of a
+    run apply the same ones.
     """
 
     chunk_size: Annotated[int, Field(ge=1, le=1024, description="tokens per proof")] = 32
@@ -110,6 +119,17 @@ class ToplocSpec(_Section):
         Field(gt=0.0, le=LOGPROB_TOL_LIMIT, allow_inf_nan=False,
               description="largest mean |reported − recomputed| sampling log-prob over one completion, nats; ≤ logprob_max_abs"),
     ] = 1e-3
+    replay_eps: Annotated[
+        float,
+        Field(gt=0.0, le=0.5, allow_inf_nan=False,
+              description="sampling replay: a claimed token may differ from the recomputed one only where the uniform lies within "
+                          "this distance of its CDF interval, probability units (docs/toploc.md §6.1)"),
+    ] = REPLAY_EPS_DEFAULT
+    max_near_tie_fraction: Annotated[
+        float,
+        Field(ge=0.0, le=1.0, allow_inf_nan=False,
+              description="sampling replay: such near-tie mismatches allowed per completion, share of its tokens (rounded up)"),
+    ] = MAX_NEAR_TIE_FRACTION_DEFAULT
 
     @model_validator(mode="after")
     def _logprob_tolerances(self) -> ToplocSpec:

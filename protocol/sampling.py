@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from protocol.identity import PeerId
+from protocol.runspec import MAX_NEAR_TIE_FRACTION_DEFAULT, REPLAY_EPS_DEFAULT
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +99,12 @@ ICDF_DRAWS = 16
 CDF_CHUNK = 64
 """Tokens per partial sum of the chunked CDF (:class:`_ChunkedCDF`): a float32 sum of 64 weights
 is within ``63 · 2^-24 ≈ 3.8e-6`` of its value relatively, whatever the summation order."""
-DEFAULT_ICDF_EPS = 1e-4
+DEFAULT_ICDF_EPS = REPLAY_EPS_DEFAULT
 """Replay tolerance ε: the claimed token passes if ``u`` lies within this distance of its interval
-of the validator's cumulative distribution (probability units)."""
-DEFAULT_MAX_NEAR_TIE_FRACTION = 0.1
-"""Near-tie mismatches tolerated per completion: at most ``ceil(fraction · T)`` of T tokens."""
+of the validator's cumulative distribution (probability units); a run's is ``toploc.replay_eps``."""
+DEFAULT_MAX_NEAR_TIE_FRACTION = MAX_NEAR_TIE_FRACTION_DEFAULT
+"""Near-tie mismatches tolerated per completion: at most ``ceil(fraction · T)`` of T tokens; a run's
+is ``toploc.max_near_tie_fraction``."""
 DEFAULT_NUCLEUS_SLACK = 1e-3
 """Probability slack when deciding whether a claimed token lies inside the validator's nucleus."""
 DEFAULT_MIN_EOS_PROB = 0.1

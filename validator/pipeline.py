@@ -78,20 +78,15 @@ class Rejection(Exception):
 class Tolerances:
     """Numeric tolerances of the sampling checks (``docs/toploc.md``) that are the validator's own.
 
-    The log-prob tolerances are not here: every node of a run applies the signed run spec's
-    ``toploc.logprob_max_abs`` / ``logprob_mean_abs`` (:func:`protocol.sampling.logprob_check`).
+    The log-prob and replay tolerances are not here: every node of a run applies the signed run
+    spec's ``toploc.logprob_max_abs`` / ``logprob_mean_abs`` (:func:`protocol.sampling.logprob_check`)
+    and ``toploc.replay_eps`` / ``max_near_tie_fraction`` (:func:`protocol.sampling.replay_checks`).
 
     Attributes:
-        icdf_eps: a claimed token may differ from the recomputed one only where the uniform lies
-            within this distance (probability units) of its CDF interval.
-        max_tie_fraction: at most this fraction of a completion's tokens may be such near-tie
-            differences.
         reward_tol: reported vs recomputed reward, absolute.
         eos_prob_slack: numeric slack on P(EOS) around the run's EOS floor.
     """
 
-    icdf_eps: float = sampling.DEFAULT_ICDF_EPS
-    max_tie_fraction: float = sampling.DEFAULT_MAX_NEAR_TIE_FRACTION
     reward_tol: float = 1e-6
     eos_prob_slack: float = sampling.DEFAULT_EOS_PROB_SLACK
 
@@ -287,8 +282,8 @@ class SubmissionChecker:
                                               self.tol.eos_prob_slack)
             if not term.ok:
                 raise Rejection("termination", rollout=j, p_eos=_finite(term.p_eos), min_p_eos=eos_floor, detail=term.reason[:200])
-        replays = sampling.replay_checks(logits, completions, seeds, None, s.temperature, s.top_p, self.tol.icdf_eps,
-                                         self.tol.max_tie_fraction, eos_ids=(self.eos_id,), min_eos_prob=eos_floor,
+        replays = sampling.replay_checks(logits, completions, seeds, None, s.temperature, s.top_p, self.spec.toploc.replay_eps,
+                                         self.spec.toploc.max_near_tie_fraction, eos_ids=(self.eos_id,), min_eos_prob=eos_floor,
                                          eos_prob_slack=self.tol.eos_prob_slack, rule=s.rule, overwrite=True)
         t = self.spec.toploc
         for j, replay, reported in zip(group, replays, logprobs, strict=True):

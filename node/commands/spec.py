@@ -49,6 +49,10 @@ def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       help="per-token tolerance on reported vs recomputed sampling log-probs, nats (default 0.01; docs/toploc.md §8)")
     init.add_argument("--logprob-mean-abs", type=float, default=None,
                       help="tolerance on their mean over a completion, nats, ≤ --logprob-max-abs (default 0.001)")
+    init.add_argument("--replay-eps", type=float, default=None,
+                      help="sampling replay tolerance, probability units (default 1e-4, for fp32 workers; docs/toploc.md §6.1)")
+    init.add_argument("--max-near-tie-fraction", type=float, default=None,
+                      help="near-tie mismatches allowed per completion, share of its tokens (default 0.1)")
     init.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     init.set_defaults(handler=_run_spec_init)
     show = ssub.add_parser("show", help="print a run spec and whether its signature holds")
@@ -83,7 +87,8 @@ def _run_spec_init(args: argparse.Namespace) -> int:
         model.update(_describe_base(Path(args.model_base), args.hidden_size))
     sampling = given(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, length_penalty=args.length_penalty,
                      target_lengths=args.target_length or None, rule=args.sampling_rule)
-    toploc = given(logprob_max_abs=args.logprob_max_abs, logprob_mean_abs=args.logprob_mean_abs)
+    toploc = given(logprob_max_abs=args.logprob_max_abs, logprob_mean_abs=args.logprob_mean_abs, replay_eps=args.replay_eps,
+                   max_near_tie_fraction=args.max_near_tie_fraction)
     shard = given(keep_steps=args.keep_steps)  # not given: the spec keeps rl.async_level + 1 (protocol.window.fresh_steps)
     if args.piece_size is not None:
         shard["piece_size_bytes"] = args.piece_size

@@ -73,17 +73,21 @@ def test_spec_init_rejects_bad_options(tmp_path, opt):
 
 
 def test_spec_init_logprob_tolerances(tmp_path):
-    """--logprob-max-abs / --logprob-mean-abs set the run spec's toploc tolerances; bad values are refused in one line."""
+    """--logprob-max-abs / --logprob-mean-abs / --replay-eps / --max-near-tie-fraction set the run spec's toploc
+    tolerances; bad values are refused in one line."""
     key = tmp_path / "coord"
     cli("keygen", "--key", str(key))
     run = tmp_path / "run.toml"
-    r = cli("spec", "init", "--coordinator-key", str(key), "--out", str(run), "--logprob-max-abs", "0.5", "--logprob-mean-abs", "0.05")
+    r = cli("spec", "init", "--coordinator-key", str(key), "--out", str(run), "--logprob-max-abs", "0.5", "--logprob-mean-abs", "0.05",
+            "--replay-eps", "0.05", "--max-near-tie-fraction", "0.5")
     assert r.returncode == 0, r.stderr
     show = cli("spec", "show", str(run))
     assert show.returncode == 0 and "logprob_max_abs = 0.5" in show.stdout and "logprob_mean_abs = 0.05" in show.stdout
-    for opt in (["--logprob-max-abs", "nan"], ["--logprob-max-abs", "0"], ["--logprob-mean-abs", "0.02"]):
+    assert "replay_eps = 0.05" in show.stdout and "max_near_tie_fraction = 0.5" in show.stdout
+    for opt in (["--logprob-max-abs", "nan"], ["--logprob-max-abs", "0"], ["--logprob-mean-abs", "0.02"], ["--replay-eps", "0"],
+                ["--max-near-tie-fraction", "2"]):
         bad = cli("spec", "init", "--coordinator-key", str(key), "--out", str(tmp_path / "bad.toml"), *opt)
-        assert bad.returncode == 2 and "invalid option" in bad.stderr and "logprob" in bad.stderr, bad.stderr
+        assert bad.returncode == 2 and "invalid option" in bad.stderr and opt[0][2:].replace("-", "_") in bad.stderr, bad.stderr
         assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 

@@ -81,6 +81,23 @@ def test_authorities():
     assert not s.authorities.allows("validator", COORD.public_key)
 
 
+def test_replay_tolerances_validated():
+    """``toploc.replay_eps`` in (0, 0.5] and ``toploc.max_near_tie_fraction`` in [0, 1], finite; part
+    of the signed content; one-line errors naming the field."""
+    signed = sign_run_spec(spec(), COORD)
+    text = dump_run_spec(signed)
+    assert "replay_eps = 0.0001" in text and "max_near_tie_fraction = 0.1" in text
+    unsigned = text[: text.index("[signature]")]
+    for field, bads in (("replay_eps", ("nan", "inf", "0.0", "-1e-4", "0.6")), ("max_near_tie_fraction", ("nan", "-0.1", "1.5"))):
+        for bad in bads:
+            edited = re.sub(rf"(?m)^{field} = .*$", f"{field} = {bad}", unsigned)
+            with pytest.raises(RunSpecError, match=rf"^run spec field toploc\.{field}: ") as e:
+                parse_run_spec(edited, require_signature=False)
+            assert "\n" not in str(e.value)
+    other = parse_run_spec(unsigned.replace("replay_eps = 0.0001", "replay_eps = 0.05"), require_signature=False).spec
+    assert other.toploc.replay_eps == 0.05 and other.run_id != signed.run_id
+
+
 def test_logprob_tolerances_validated():
     """``toploc.logprob_max_abs`` / ``logprob_mean_abs``: finite, in (0, 5] nats, mean ≤ max; one-line errors naming the field."""
     from protocol.runspec import LOGPROB_TOL_LIMIT, ToplocSpec

@@ -411,3 +411,26 @@ def test_logprob_tolerances_come_from_the_run_spec(world: World, honest_env: Env
     # the unedited submission passes under every one of these runs
     for spec in (loose, tighter, mean_ok, mean_bad):
         assert check(spec, _logprobs_shifted(honest_env, spec, lambda i, n: 0.0)).accepted
+
+
+def test_replay_tolerances_come_from_the_run_spec(world: World, honest_env: Envelope[Submission], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampling replay applies the signed spec's ``toploc.replay_eps`` and
+    ``max_near_tie_fraction`` (a bf16-compute run raises them; every validator of the run and the
+    coordinator's re-check must apply the same ones), not constants of the validator."""
+    from protocol import sampling
+
+    seen: list[tuple[float, float]] = []
+    real = sampling.replay_checks
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append((args[6], args[7]))  # eps, max_near_tie_fraction (positional, as the pipeline passes them)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sampling, "replay_checks", spy)
+    assert (SPEC.toploc.replay_eps, SPEC.toploc.max_near_tie_fraction) == (1e-4, 0.1)  # the defaults
+    spec = RunSpec(run=SPEC.run, data=SPEC.data, sampling=SPEC.sampling, rl=SPEC.rl,
+                   toploc=ToplocSpec(replay_eps=0.03, max_near_tie_fraction=0.4))
+    env = open_envelope(seal(WORKER, spec.run_id, honest_env.body), run_id=spec.run_id, expect=Submission)
+    result = SubmissionChecker(spec, world.tasks, world.tokenizer, lambda s: world.model, trainer_step=lambda: 0,
+                               counter_seen=lambda w, c, sid: False).check(env)
+    assert result.accepted and seen and set(seen) == {(0.03, 0.4)}
