@@ -148,7 +148,8 @@ def completion_rows(
     if any(len(c) == 0 for c in completions):
         raise ValueError("every completion needs at least one token")
     seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
-    ids, mask, pos = pad_left(seqs, pad_id)
+    device = next(model.parameters()).device  # the batch goes where the model is (a validator may prefill on a GPU)
+    ids, mask, pos = (t.to(device) for t in pad_left(seqs, pad_id))
     out = forward(model, ids, mask, pos, with_logits=False)
     t = ids.shape[1]
     # padded index of position P-1 is t - n - 1

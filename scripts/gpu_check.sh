@@ -20,6 +20,12 @@
 #    prefilling on CUDA (float32, as `validate --device cuda` loads it); a rejection prints its
 #    evidence (the check, the measured figure, the threshold) so a threshold that must move is named
 #    with the number. Builds the 24-layer model once (cached, ≈ 1 min).
+# 6. The verification benchmarks on the GPU (the CPU runs are in docs/toploc.md §9-10):
+#    benchmarks/validator_bench.py at the qwen2.5-0.5b profile, worker and validator on CUDA (goal
+#    validator / worker ≤ 1/20; also sampling check / prefill ≤ 1/4, validator / prefill ≤ 1.25),
+#    and benchmarks/false_rejections.py with honest workers decoding on CUDA in float32 and bfloat16
+#    against a float32 CUDA validator (goal: 0 false rejections; prints every threshold's margin).
+#    Their result lines are printed under the step; a step fails only if the script fails.
 # Prints versions and a PASS/FAIL line per step; exits non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +52,18 @@ step() {
         echo "FAIL  $name ($((SECONDS - t0)) s)"; fail=1
     fi
 }
+bench() {
+    local name=$1; shift
+    local t0=$SECONDS out
+    out=$(mktemp)
+    if "$VENV/bin/python" "$@" >"$out" 2>&1; then
+        grep -E "^(ratio|floor|honest|model|load|submission|threshold|TOPLOC|replay|log-prob|cheating|  )" "$out" | grep -v "^  batch" | head -60
+        echo "PASS  $name ($((SECONDS - t0)) s)"
+    else
+        tail -20 "$out"; echo "FAIL  $name ($((SECONDS - t0)) s)"; fail=1
+    fi
+    rm -f "$out"
+}
 step "sampling CPU vs GPU, no host sync" tests/protocol/test_sampling.py
 step "vLLM engine on CUDA" tests/node/test_vllm_engine.py
 step "transformers engine's static decode on CUDA" tests/node/test_engine.py -k cuda
@@ -55,4 +73,7 @@ if "$VENV/bin/python" scripts/gpu_profile_check.py --data-root "${DATA_ROOT:-../
 else
     echo "FAIL  qwen2.5-0.5b profile: vLLM bf16 worker and CPU worker vs CPU and GPU validators ($((SECONDS - t0)) s)"; fail=1
 fi
+bench "validator / worker at the qwen2.5-0.5b profile on CUDA" benchmarks/validator_bench.py --device cuda --profile qwen2.5-0.5b \
+    --tasks 2 --group 4 --max-tokens 256 --repeats 2 --peaked 12
+bench "honest false rejections, workers on CUDA (fp32 and bf16)" benchmarks/false_rejections.py --device cuda --submissions 4
 exit "$fail"
