@@ -292,7 +292,17 @@ def _check_task_files(spec: RunSpec, data_root: Path | None) -> list[Check]:
 
 def _check_base(spec: RunSpec) -> Check:
     if spec.model.base == "embedded":
-        return Check("base model", "PASS", "the embedded model (built and cached here at start)")
+        from node.coordinator.base import EMBEDDED_BASE_DIR, base_cache_root, check_shipped_base, uses_shipped_base
+        from protocol.models import ModelLoadError
+
+        if not uses_shipped_base(spec):
+            return Check("base model", "PASS", f"the embedded model, warm-started once on this machine at start and cached in {base_cache_root()} "
+                         "(only the embedded task set at hidden 128 has a shipped base)")
+        try:
+            check_shipped_base()
+        except ModelLoadError as e:
+            return Check("base model", "FAIL", str(e), "pip install -e . again (or git checkout node/coordinator/embedded_base)")
+        return Check("base model", "PASS", f"the embedded base shipped in the package ({EMBEDDED_BASE_DIR}), its hash checked")
     base = Path(spec.model.base)
     if not base.is_dir():
         return Check("base model", "FAIL", f"model.base {base} is not a directory on this machine",

@@ -102,7 +102,7 @@ def prepare_base(spec: RunSpec, tasks: RunTasks, cache_dir: Path) -> Path:
         check_base_hash(path, spec.model.base_hash)
         return path
     if uses_shipped_base(spec):
-        return _cached_copy(Path(cache_dir) / f"embedded-h{EMBEDDED_HIDDEN_SIZE}-{EMBEDDED_BASE_HASH[:16]}", _check_shipped_base)
+        return _cached_copy(Path(cache_dir) / f"embedded-h{EMBEDDED_HIDDEN_SIZE}-{EMBEDDED_BASE_HASH[:16]}", check_shipped_base)
     embedded = spec.data.tasks == "embedded"
     config = EMBEDDED_WARM_START if embedded else REAL_TASKS_WARM_START
     key = hashlib.sha256(f"{BASE_CACHE_VERSION}|{spec.model.hidden_size}|{EMBEDDED_INIT_SEED}|{config}|{tasks.hash}".encode()).hexdigest()[:16]
@@ -117,8 +117,12 @@ def prepare_base(spec: RunSpec, tasks: RunTasks, cache_dir: Path) -> Path:
     return _cached_copy(Path(cache_dir) / name, machine_base)
 
 
-def _check_shipped_base() -> Path:
-    """:data:`EMBEDDED_BASE_DIR` after its hash check (raises ModelLoadError naming the fix)."""
+def check_shipped_base() -> Path:
+    """:data:`EMBEDDED_BASE_DIR` after its hash check (the coordinator before use; ``doctor --role coordinator``).
+
+    Raises:
+        protocol.models.ModelLoadError: its files do not hash to :data:`EMBEDDED_BASE_HASH` (the message names the fix).
+    """
     got = base_hash(EMBEDDED_BASE_DIR)
     if got != EMBEDDED_BASE_HASH:
         raise ModelLoadError(

@@ -154,3 +154,23 @@ def test_coordinator_role(tmp_path, shared, capsys):
         rc = main(["doctor", "--run", str(good), "--role", "coordinator", "--data-root", str(shared / "data"), "--data-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 1 and "FAIL  HTTP port" in out and "doctor (coordinator)" in out
+
+
+def test_coordinator_base_check_says_where_the_embedded_base_comes_from(tmp_path, monkeypatch):
+    """The default spec's base is the one shipped in the package, its hash checked (doctor said 'built and
+    cached here at start' after the base was shipped); a shipped base whose files changed is a FAIL; another
+    task set's embedded base is warm-started on this machine."""
+    from node.commands.doctor import _check_base
+    from node.coordinator import base
+    from protocol.runspec import load_run_spec
+
+    NodeKey.generate().save(tmp_path / "coord.key")
+    for name, tasks in (("default.toml", "embedded"), ("gsm8k.toml", "gsm8k_train")):
+        assert main(["spec", "init", "--coordinator-key", str(tmp_path / "coord.key"), "--out", str(tmp_path / name), "--tasks", tasks]) == 0
+    default, other = (load_run_spec(tmp_path / n).spec for n in ("default.toml", "gsm8k.toml"))
+    check = _check_base(default)
+    assert check.status == "PASS" and "shipped in the package" in check.detail and "hash checked" in check.detail, check
+    assert _check_base(other).status == "PASS" and "warm-started once on this machine" in _check_base(other).detail
+    monkeypatch.setattr(base, "EMBEDDED_BASE_HASH", "0" * 64)
+    check = _check_base(default)
+    assert check.status == "FAIL" and "expected 0000000000000000" in check.detail and "reinstall" in check.detail, check
