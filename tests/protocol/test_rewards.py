@@ -249,20 +249,29 @@ def test_broken_solutions_fail(humaneval, mbpp):
     assert reward(task, fenced("import os\nos._exit(0)")) == 0.0
 
 
+CANONICAL_STRIDE = int(os.environ.get("INTELLECT_CANONICAL_STRIDE", "3"))
+"""Every third task's canonical solution (both task sets, every encoding they use) in the suite, to
+keep its time down; ``INTELLECT_CANONICAL_STRIDE=1`` checks all 1,137."""
+
+
 @pytest.mark.usefixtures("code_sandbox")
 @pytest.mark.slow
-def test_all_canonical_solutions_pass(humaneval, mbpp):
+def test_canonical_solutions_pass(humaneval, mbpp):
     # every sandbox run is its own processes: two at a time use both cores
     jobs = [(task, he_solution(raw)) for task, raw in humaneval] + [(task, mbpp_solution(raw)) for task, raw in mbpp]
+    jobs = jobs[::CANONICAL_STRIDE]
 
     def score(job):
         task, code = job
-        r = compute_reward(task, fenced(code), 10, None, 0.0, RewardLimits())
-        return None if r.task_reward == 1.0 else (task.problem_id, r.detail)
+        return task.problem_id, compute_reward(task, fenced(code), 10, None, 0.0, RewardLimits())
 
     with ThreadPoolExecutor(2) as pool:
-        failures = [f for f in pool.map(score, jobs) if f is not None]
-    assert failures == []
+        results = list(pool.map(score, jobs))
+    # a limit hit (wall time on a loaded machine) says nothing about the solution: scored again alone
+    retry = {pid for pid, r in results if r.task_reward != 1.0 and r.limit_hit is not None}
+    again = {pid: score(job)[1] for job in jobs if job[0].problem_id in retry}
+    failures = [(pid, again.get(pid, r).detail) for pid, r in results if again.get(pid, r).task_reward != 1.0]
+    assert len(jobs) > 300 and failures == []
 
 
 # ----------------------------------------------------------------------------- code: INTELLECT-2 encodings

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -88,17 +89,19 @@ async def test_status_flood_from_one_ip_is_limited(server):
     relay's public port."""
     import aiohttp
 
-    from node.web.assets import PAGE_BURST
+    from node.web.assets import PAGE_BURST, PAGE_REQUESTS_PER_S
 
     codes: dict[int, int] = {}
     retry_after = None
+    started = time.monotonic()
     async with aiohttp.ClientSession() as s:
         for _ in range(200):
             async with s.get(f"{server.url}/status") as r:
                 await r.read()
                 codes[r.status] = codes.get(r.status, 0) + 1
                 retry_after = r.headers.get("Retry-After") if r.status == 429 else retry_after
-    assert set(codes) == {200, 429} and codes[200] <= PAGE_BURST + 10, codes  # +10: refill while the loop runs
+    refilled = PAGE_REQUESTS_PER_S * (time.monotonic() - started)  # the budget refills while the loop runs (slowly on a loaded box)
+    assert set(codes) == {200, 429} and codes[200] <= PAGE_BURST + refilled + 1, (codes, refilled)
     assert retry_after is not None and int(retry_after) >= 1
 
 

@@ -132,13 +132,14 @@ async def sybil_relays(run_toml: Path, origin: str) -> AsyncIterator[list[Trickl
             await asyncio.gather(task, return_exceptions=True)
 
 
+@pytest.mark.timeout(900)
 async def test_eight_sybil_trickling_relays_never_fail_a_policy_fetch(tmp_path: Path) -> None:
     out = tmp_path / "out"
     console = tmp_path / "devnet.txt"
     with console.open("wb") as sink:
         proc = await asyncio.to_thread(
             subprocess.Popen,
-            [sys.executable, "-m", "node", "devnet", "--steps", "3", "--workers", "1", "--relays", "1", "--validators", "1",
+            [sys.executable, "-m", "node", "devnet", "--steps", "2", "--workers", "1", "--relays", "1", "--validators", "1",
              "--out", str(out), "--no-dashboard", "--timeout", "600"],
             stdout=sink, stderr=subprocess.STDOUT,
         )
@@ -171,4 +172,4 @@ async def test_eight_sybil_trickling_relays_never_fail_a_policy_fetch(tmp_path: 
     assert failures == [], "\n".join(failures[:20])
     assert hits["manifests"] + hits["piece"] > 0, f"the Sybil relays were never asked: the test proves nothing ({dict(hits)})"
     steps = [json.loads(line) for line in (out / "coordinator" / "metrics.jsonl").read_text().splitlines()]
-    assert len([s for s in steps if s.get("event") == "step"]) == 3
+    assert len([s for s in steps if s.get("event") == "step"]) == 2
