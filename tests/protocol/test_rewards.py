@@ -269,7 +269,7 @@ def test_canonical_solutions_pass(humaneval, mbpp):
         results = list(pool.map(score, jobs))
     # a limit hit (wall time on a loaded machine) says nothing about the solution: scored again alone
     retry = {pid for pid, r in results if r.task_reward != 1.0 and r.limit_hit is not None}
-    again = {pid: score(job)[1] for job in jobs if job[0].problem_id in retry}
+    again = dict(score(job) for job in jobs if job[0].problem_id in retry)
     failures = [(pid, again.get(pid, r).detail) for pid, r in results if again.get(pid, r).task_reward != 1.0]
     assert len(jobs) > 300 and failures == []
 
