@@ -443,7 +443,7 @@ class Devnet:
         if not isinstance(spool, dict):
             after = "its status after the restart was never read (see logs/worker-0.log)"
         elif spool.get("found", 0) == 0:
-            after = "its spool was empty"
+            after = "its spool was empty (the ingest had answered every submission signed before the kill): nothing to re-send or drop"
         else:
             after = (f"of {spool.get('found')} spooled submissions it re-sent {spool.get('resent')} and dropped {spool.get('dropped_stale')} "
                      f"already outside the async window (newest policy step {spool.get('latest_step')})")

@@ -58,6 +58,18 @@ def _ci(c: tuple[float, float] | None) -> str:
     return f" (95 % {c[0]:.3f}–{c[1]:.3f})" if c else ""
 
 
+def crash_section(dn: Devnet) -> list[str]:
+    """report.md's "Crash and restart" lines for ``--kill-worker-at`` (none without it): the summary's
+    sentence, and a pointer to the worker's ``restart:`` log line when there is one (an empty spool logs none)."""
+    chaos = dn.chaos_summary()
+    if chaos is None:
+        return []
+    spool = (dn.node_status.get("worker-0") or {}).get("spool_restart")
+    logged = isinstance(spool, dict) and bool(spool.get("found"))
+    return ["", "## Crash and restart", "", f"{chaos[0].upper()}{chaos[1:]}." +
+            (" See `logs/worker-0.log` (the line starting `restart:`)." if logged else "")]
+
+
 def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
     """Write ``OUT/report.md`` and ``OUT/report.png``; returns their paths."""
     rows = read_metrics(dn.out / "coordinator" / "metrics.jsonl")
@@ -150,8 +162,7 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
                      f"{_f(s.get('clipped_frac'))} | {s.get('staleness')} | {s.get('tokens_per_s', 0):.0f} | {_f(s.get('broadcast_s'))} |")
     lines += timeline_section(dn, steps, run)
     lines += memory_section(dn, run, steps)
-    if (chaos := dn.chaos_summary()) is not None:
-        lines += ["", "## Crash and restart", "", f"{chaos[0].upper()}{chaos[1:]}. See `logs/worker-0.log` (the line starting `restart:`)."]
+    lines += crash_section(dn)
     if dn.events:
         lines += ["", "## Events", ""] + [f"- {e}" for e in dn.events]
     lines += ["", "![report](report.png)", ""]

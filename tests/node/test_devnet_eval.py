@@ -95,3 +95,18 @@ def test_report_has_heldout_band_gain_and_off_policy(tmp_path):
     timeline = text.split("## Per-step timeline", 1)[1].split("\n## ", 1)[0]
     assert "| 2 | - | - | 1.5 | 2.5 | 0.5 | 0.1 | 0.2 | 1000 | 20 | 1/50 | - |" in timeline  # no node logs: no rollouts, no holds
     assert png.stat().st_size > 10_000
+
+
+def test_crash_section_points_at_the_restart_line_only_when_there_is_one():
+    """A restarted worker with an empty spool logs no ``restart:`` line: the report must not send the
+    reader looking for one (a 20-step run killed at step 10 had an empty spool and the report pointed at it)."""
+    from node.devnet.report import crash_section
+
+    def dn(spool: dict[str, object] | None, summary: str | None = "worker-0 killed (SIGKILL) at step 10") -> SimpleNamespace:
+        return SimpleNamespace(chaos_summary=lambda: summary, node_status={"worker-0": {"spool_restart": spool}})
+
+    assert crash_section(dn(None, summary=None)) == []
+    empty = "\n".join(crash_section(dn({"found": 0, "resent": 0, "dropped_stale": 0})))
+    assert "## Crash and restart" in empty and "Worker-0 killed (SIGKILL) at step 10." in empty and "restart:" not in empty
+    found = "\n".join(crash_section(dn({"found": 2, "resent": 1, "dropped_stale": 1})))
+    assert "the line starting `restart:`" in found
