@@ -313,6 +313,11 @@ def _plot(steps: list[dict[str, Any]], evals: list[dict[str, Any]], st: dict[str
     ax[2, 2].set_title("fraction of clipped tokens")
     ax[2, 2].set_xlabel("trainer step")
     ax[2, 2].set_ylabel("fraction of loss tokens")
+    from matplotlib.ticker import MaxNLocator
+
+    for a in ax.flat:  # steps are whole numbers: no "2.5" ticks on a short run (verdicts' x is by reason)
+        if a is not ax[1, 0]:
+            a.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(title, fontsize=14)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
