@@ -220,8 +220,10 @@ Penalty = float
 PENALTY_INVALID: Penalty = 10.0
 """Points for a forged, malformed, wrong-run, wrong-type, oversized or wrongly signed message."""
 PENALTY_OVER_RATE: Penalty = 1.0
-"""Points for a node record past a forwarder's budget (:class:`OverRate`): 50 of them and the
-forwarder is disconnected, so minting records costs an attacker its connection."""
+"""Points for a node record past a forwarder's budget (:class:`OverRate`) that the forwarder
+published itself: 50 of them and it is disconnected, so minting records costs an attacker its
+connection. One it only relayed costs nothing (``node/p2p/service.py``): minters behind an honest
+relay, each within its budget there, would otherwise get the relay banned."""
 PENALTY_STALE: Penalty = 0.5
 """Points for a message outside the freshness window: an honest peer's clock can be off, or an
 overloaded peer forward late, so it takes a hundred of them to reach the default limit."""

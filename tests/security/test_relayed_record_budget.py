@@ -1,0 +1,68 @@
+"""Sybil minters behind an honest relay must not get that relay banned (``docs/gossip.md``, scoring).
+
+Node records on ``nodes`` are budgeted per *forwarder* (``max_records_per_interval``). Two
+attacker hosts connect to an honest relay only and each publishes freshly minted relay records
+below its own budget there; the relay verifies and forwards them all, so the relay, as the
+coordinator's forwarder, goes over the coordinator's budget for it. Before the fix each record
+past it cost the relay a penalty point and the coordinator banned the honest relay (scaled run:
+budget 16/interval, 2 minters at 12/s each: relay banned after 53 over-budget records, 11 s),
+cutting itself off from every worker behind it. Records past a forwarder's budget that it did not
+publish itself are now dropped without points; a peer publishing them itself is still banned
+(tests/node/test_p2p_presence.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "node"))  # the p2p test factories live there
+from p2p_helpers import Run, shared_bridge, swarm
+from test_p2p_presence import banned, raw_host
+from waiting import wait_until
+
+from node.p2p.host import parse_peer_addr
+from protocol.envelope import seal
+from protocol.identity import NodeKey
+from protocol.messages import NodeRecord
+
+pytestmark = pytest.mark.integration
+
+BUDGET = 8
+"""Records per 1 s interval each node accepts from one forwarder (scaled down from 256 / 2 s)."""
+
+
+async def test_minters_behind_an_honest_relay_do_not_get_it_banned() -> None:
+    run = Run()
+    relay_key = NodeKey.generate()
+    roles = [("relay", relay_key), ("coordinator", run.coordinator)]
+    async with shared_bridge() as bridge, swarm(run, roles, bridge=bridge, max_records_per_interval=BUDGET, penalty_limit=5.0,
+                                                target_peers=1) as (relay, coord):
+        await wait_until(lambda: relay.peer_id in coord.peers, 20.0, "the relay at the coordinator")
+        topic = relay.topics["nodes"]
+        async with raw_host(bridge) as (_, a), raw_host(bridge) as (_, b):
+            for host in (a, b):
+                await bridge.run(host.host.connect, parse_peer_addr(relay.addrs[0]), timeout_s=10)
+                await wait_until(lambda h=host: topic in h.pubsub.peer_topics, 10.0, "the relay's nodes subscription")
+
+            async def mint(host: object, n: int) -> None:  # 3/4 of its own budget at the relay
+                for _ in range(n):
+                    k = NodeKey.generate()
+                    await host.pubsub.publish(topic, seal(k, run.spec.run_id, NodeRecord(peer_id=k.peer_id, role="relay", seq=1, version="m")))  # type: ignore[attr-defined]
+                    await trio.sleep(1.0 / (0.75 * BUDGET))
+
+            flood = asyncio.gather(bridge.run(mint, a, 120, timeout_s=60), bridge.run(mint, b, 120, timeout_s=60))
+            try:
+                # the coordinator drops what the relay forwards past its budget: at least 3 × the penalty limit
+                await wait_until(lambda: coord._rejected["over_rate"] >= 15 or banned(coord, relay_key), 30.0,
+                                 "records over the relay's budget at the coordinator")
+            finally:
+                flood.cancel()
+                await asyncio.gather(flood, return_exceptions=True)
+            assert relay._rejected["over_rate"] == 0, dict(relay._rejected)  # each minter stayed within its budget there
+            assert not banned(coord, relay_key), f"the coordinator banned the honest relay: {dict(coord._rejected)}"
+            assert relay.peer_id in coord.peers
