@@ -125,6 +125,17 @@ change (a worker's record changes with its policy step), so this follows ≈ 30,
 policy step per 30 s; a roster whose new entries exceed what is left waits for the next try."""
 ENTRY_CHECK_BURST = 4096.0
 """Entry checks a fetcher may spend at once: one full roster (``ROSTER_MAX_ENTRIES``)."""
+HUBS_REMEMBERED = 4096
+"""Hubs whose fetched roster a fetcher remembers (and vouches for), least recently heard dropped
+first: a dropped hub's roster is fetched again when its record next arrives. Before, every record
+on ``nodes`` left an entry for good, and identities are free (≈ 128 a second through one
+forwarder's budget)."""
+FETCHES_WANTED_MAX = 1024
+"""Roster fetches waiting for a slot; past it the longest-waiting one of a hub never fetched and not
+connected is dropped (its next record asks again). Any record may name a roster and addresses, and
+each fetch of an unreachable one holds a slot for the dial timeout: before, every such record queued
+a task for good (512 minted records in 15 s kept an honest relay's new worker from the coordinator
+for over 2 minutes)."""
 HELD_ROSTERS_MAX_BYTES = 64 * 1024 * 1024
 """Bytes of hubs' roster entries a fetcher keeps to apply deltas to (beyond it, the hubs fetched
 longest ago are fetched whole next time): anyone may run a relay, so their number is not bounded."""
@@ -681,13 +692,14 @@ class RosterFetcher:
         self.deliver = deliver
         self.interval_s = heartbeat_interval_s
         self._clock = clock
-        self._have: dict[PeerId, bytes] = {}
+        self._have: OrderedDict[PeerId, bytes] = OrderedDict()  # hub → roster ID fetched, least recently heard first
         self._held: OrderedDict[PeerId, tuple[bytes, dict[bytes, bytes], int]] = OrderedDict()  # hub → (roster ID, entries by ID, bytes)
         self._held_bytes = 0
         self._busy: set[PeerId] = set()
+        self._wanted: OrderedDict[PeerId, tuple[bytes, int, list[str]]] = OrderedDict()  # hub → (roster ID, workers, addrs) to fetch
+        self._idle = trio.lowlevel.ParkingLot()  # fetch slots waiting for work
         self._retry_at: dict[PeerId, float] = {}
         self._verified: OrderedDict[bytes, PeerId] = OrderedDict()  # envelope ID → peer ID
-        self._limit = trio.CapacityLimiter(FETCH_CONCURRENCY)
         self._checks = TokenBucket(ENTRY_CHECKS_PER_S, ENTRY_CHECK_BURST, clock())
         self._nursery: trio.Nursery | None = None
         self.counters: Counter[str] = Counter()
@@ -695,28 +707,71 @@ class RosterFetcher:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Hold the nursery fetches run in; until cancelled."""
         async with trio.open_nursery() as nursery:
+            for _ in range(FETCH_CONCURRENCY):
+                nursery.start_soon(self._slot)
             self._nursery = nursery
             task_status.started(None)
             await trio.sleep_forever()
 
+    async def _slot(self) -> None:
+        """One fetch at a time: hubs this node fetched before or is connected to first (an honest
+        hub's roster changes as its workers do), then the one named most recently."""
+        while True:
+            hub = self._next()
+            if hub is None:
+                await self._idle.park()
+                continue
+            roster_id, workers, addrs = self._wanted.pop(hub)
+            self._busy.add(hub)
+            await self._fetch(hub, roster_id, workers, addrs)
+
+    def _known(self, hub: PeerId) -> bool:
+        return hub in self._have or self.host.is_connected(hub)
+
+    def _next(self) -> PeerId | None:
+        if not self._wanted:
+            return None
+        return next((h for h in reversed(self._wanted) if self._known(h)), next(reversed(self._wanted)))
+
     def note_hub(self, record: NodeRecord) -> None:
         """A hub's verified record: fetch its roster if the ID is new to us."""
         hub = record.peer_id
-        if self._have.get(hub) == record.roster or hub in self._busy or self._nursery is None:
+        if self._nursery is None:
             return
         if not record.roster:
-            self._have[hub] = b""
-            self.deliver(hub, b"", [], [])
+            self._wanted.pop(hub, None)
+            if self._have.pop(hub, None) is not None:  # its roster emptied: it vouches for no one now
+                self._drop_held(hub)
+                self.deliver(hub, b"", [], [])
             return
-        if self._retry_at.get(hub, 0.0) > self._clock():
+        if hub in self._have:
+            self._have.move_to_end(hub)
+        if self._have.get(hub) == record.roster or hub in self._busy or self._retry_at.get(hub, 0.0) > self._clock():
             return
-        self._busy.add(hub)
-        self._nursery.start_soon(self._fetch, hub, record.roster, record.workers, list(record.addrs))
+        self._wanted[hub] = (record.roster, record.workers, list(record.addrs))
+        self._wanted.move_to_end(hub)
+        if len(self._wanted) > FETCHES_WANTED_MAX:
+            drop = next((h for h in self._wanted if not self._known(h)), next(iter(self._wanted)))
+            del self._wanted[drop]
+            self.counters["fetches_dropped"] += 1
+        self._idle.unpark()
 
     def forget(self, hub: PeerId) -> None:
         """A hub is gone: its roster is fetched again (whole) if it comes back."""
         self._have.pop(hub, None)
+        self._wanted.pop(hub, None)
+        self._retry_at.pop(hub, None)
         self._drop_held(hub)
+
+    def _remember(self, hub: PeerId, roster_id: bytes) -> None:
+        """``hub``'s roster ``roster_id`` is the one delivered; within :data:`HUBS_REMEMBERED` hubs
+        (one dropped vouches for no one until it is fetched again)."""
+        self._have[hub] = roster_id
+        self._have.move_to_end(hub)
+        while len(self._have) > HUBS_REMEMBERED:
+            old = next(iter(self._have))
+            self.forget(old)
+            self.deliver(old, b"", [], [])
 
     def _drop_held(self, hub: PeerId) -> None:
         gone = self._held.pop(hub, None)
@@ -734,22 +789,24 @@ class RosterFetcher:
 
     async def _fetch(self, hub: PeerId, roster_id: bytes, workers: int, addrs: list[str]) -> None:
         try:
-            async with self._limit:
-                held_id, held = self._held.get(hub, (b"", None, 0))[:2]
-                with trio.fail_after(ROSTER_TIMEOUT_S):
-                    answer = await self._ask(hub, roster_request(roster_id, held_id), addrs)
-                entries = read_roster_answer(roster_id, answer, held)
-                members, fresh = self._verify(entries, workers)
-                self.counters["deltas" if answer[0] == DELTA else "full"] += 1
-                self.counters["bytes"] += len(answer)
+            held_id, held = self._held.get(hub, (b"", None, 0))[:2]
+            with trio.fail_after(ROSTER_TIMEOUT_S):
+                answer = await self._ask(hub, roster_request(roster_id, held_id), addrs)
+            entries = read_roster_answer(roster_id, answer, held)
+            members, fresh = self._verify(entries, workers)
+            self.counters["deltas" if answer[0] == DELTA else "full"] += 1
+            self.counters["bytes"] += len(answer)
         except (ProtocolError, OSError, trio.TooSlowError, EOFError, Exception) as e:  # noqa: BLE001 - a hub that fails is asked again later
             self.counters["failed"] += 1
-            self._retry_at[hub] = self._clock() + self.interval_s
+            now = self._clock()
+            if len(self._retry_at) >= HUBS_REMEMBERED:  # past retry times decide nothing
+                self._retry_at = {h: t for h, t in self._retry_at.items() if t > now}
+            self._retry_at[hub] = now + self.interval_s
             logger.debug("roster %s… of %s: %r", roster_id.hex()[:12], hub, e, extra={"peer_id": hub})
             return
         finally:
             self._busy.discard(hub)
-        self._have[hub] = roster_id
+        self._remember(hub, roster_id)
         self._keep_held(hub, roster_id, entries)
         self.counters["fetched"] += 1
         self.deliver(hub, roster_id, fresh, members)
@@ -809,4 +866,4 @@ class RosterFetcher:
         return members, fresh
 
     def stats(self) -> dict[str, Any]:
-        return {"hubs": len(self._have), "held_bytes": self._held_bytes, **self.counters}
+        return {"hubs": len(self._have), "held_bytes": self._held_bytes, "fetches_waiting": len(self._wanted), **self.counters}

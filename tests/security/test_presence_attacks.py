@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -256,3 +258,39 @@ async def test_presence_streams_opened_back_to_back_are_refused_before_a_view_is
             assert stats["attached"] == 1 and worker.peer_id in relay.peers
         finally:
             await handle.cancel()
+
+
+async def test_minted_hub_records_neither_queue_roster_fetches_nor_stay_remembered() -> None:
+    """A relay's peer mints hub records within its record budget: half name no roster, half a roster
+    at an address that accepts TCP and never answers (each fetch holds a slot for the dial timeout).
+    Before, each record with a roster queued a fetch for good behind 4 slots (512 in 15 s kept an
+    honest relay's new worker from the coordinator for over 2 minutes) and each identity stayed in
+    the fetcher; now fetches of hubs the coordinator knows go first and the rest are bounded, and a
+    hub is remembered only once its roster was fetched."""
+    run = Run()
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(256)  # connections complete in the kernel and are never read: every dial waits its timeout
+    port = hole.getsockname()[1]
+    try:
+        async with shared_bridge() as bridge, swarm(run, [("relay", None), ("coordinator", run.coordinator)], bridge=bridge,
+                                                    target_peers=1) as (relay, coord):
+            await wait_until(lambda: relay.peer_id in coord.peers, 20.0, "the relay at the coordinator")
+            attacker = await GossipNode.create(run.spec, NodeKey.generate(), config(bootstrap=[relay.addrs[0]], target_peers=1),
+                                               role="relay", bridge=bridge)
+            try:
+                await wait_until(lambda: relay.peers.get(attacker.peer_id) is not None, 20.0, "the attacker at the relay")
+                for i in range(120):
+                    k = NodeKey.generate()
+                    extra: dict[str, Any] = {} if i % 2 else {"addrs": [f"/ip4/127.0.0.1/tcp/{port}"], "workers": 1, "roster": os.urandom(32)}
+                    await attacker.publish("nodes", seal(k, run.spec.run_id, NodeRecord(peer_id=k.peer_id, role="relay", seq=1, version="m", **extra)))
+                await wait_until(lambda: coord.peers.get(k.peer_id) is not None, 20.0, "the minted records at the coordinator")
+                async with swarm(run, [("worker", None)], bridge=bridge, bootstrap=[relay.addrs[0]], target_peers=1) as (worker,):
+                    # 60 unreachable fetches ahead of it took 4 slots x 3 s each per 4: 45 s before the fix
+                    await wait_until(lambda: worker.peer_id in coord.peers, 20.0, "the honest relay's new worker at the coordinator")
+                rosters = dict((await coord.stats())["rosters"])
+                assert rosters["hubs"] <= 2, f"minted identities remembered by the roster fetcher: {rosters}"
+            finally:
+                await attacker.stop()
+    finally:
+        hole.close()
