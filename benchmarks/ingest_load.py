@@ -806,7 +806,8 @@ async def sybil_main(args: argparse.Namespace) -> None:
     print(f"\nSybil pressure: {args.honest} honest workers × {args.honest_rate}/s, validator {args.validator_rate}/s, "
           f"{args.duration_s:.0f} s measured after {args.warmup_s:.0f} s warm-up")
     print(f"{'':26s}" + "".join(f"{r['code'] + ' / ' + str(r['junk_addresses']):>24}" for r in results))
-    for k in [k for k in results[0] if k not in ("code", "junk_addresses")] + ["honest_vs_unattacked", "gap_vs_normal_step"]:
+    ratios = ["honest_vs_unattacked", "gap_vs_normal_step"]
+    for k in [k for k in results[0] if k not in ("code", "junk_addresses", *ratios)] + ratios:
         print(f"{k:26s}" + "".join(f"{r.get(k)!s:>24s}" for r in results))
 
 
