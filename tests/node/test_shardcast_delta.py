@@ -347,10 +347,13 @@ async def test_follower_prefetches_a_step_and_writes_the_hold_lines(origin, poli
         try:
             await follower.fetch(0)
             follower.prefetch(1)
+            first = follower._prefetch
             follower.prefetch(1)  # one fetch at a time: a second call while it runs does nothing
+            assert first is not None and follower._prefetch is first
             await wait_until(lambda: follower.have(1))
+            await first  # the step is held before the fetch has closed its connections
             follower.prefetch(1)  # held: nothing to do
-            assert follower._prefetch is not None and follower._prefetch.done()
+            assert follower._prefetch is first
         finally:
             await follower.close()
     assert _same_files(follower.path_for(1), policies[1])
