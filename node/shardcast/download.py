@@ -548,9 +548,9 @@ class PieceDownloader:
 
     Rates are watched as bytes arrive (``docs/shardcast.md`` §6.2): every ``rate_window_s``
     after its headers a request's bytes in that window give its rate, and the **rate floor** is
-    ``max(rate_floor_bps, slow_fraction × best)``, ``best`` being the highest rate measured in
-    this download (windows and completed pieces of the last ``10 × rate_window_s``) or by the
-    pool. A relay's request below the floor is cut off like a silent one: its writes finished,
+    ``max(rate_floor_bps, slow_fraction × best)``, ``best`` being the highest rate an origin
+    delivered in this download (windows and completed pieces of the last ``10 × rate_window_s``)
+    or in the pool: relays cannot raise it. A relay's request below the floor is cut off like a silent one: its writes finished,
     its source's rate set to what it delivered and cooled down, its piece moved to proven
     sources only. Origin requests are never cut off for rate (their reserved path always makes
     progress); their windows feed ``best``. When every piece is assigned, a request to a relay
@@ -589,7 +589,7 @@ class PieceDownloader:
         self.stats = DownloadStats()
         self._last_progress = time.monotonic()
         self._proven_only: set[bytes] = set()  # pieces taken from a silent or slow relay: only proven sources get them again
-        self._rates: deque[tuple[float, float]] = deque(maxlen=256)  # (when, bytes/s) of recent windows and pieces
+        self._rates: deque[tuple[float, float]] = deque(maxlen=256)  # (when, bytes/s) of origins' recent windows and pieces
 
     async def run(self, pieces: Sequence[PieceRef], open_writer: Callable[[PieceRef], Awaitable[PieceWriter]]) -> DownloadStats:
         """Fetch every piece in ``pieces`` (each piece ID once) through writers from ``open_writer``.
@@ -675,11 +675,14 @@ class PieceDownloader:
         self._changed.set()
 
     def rate_floor_bps(self, now: float | None = None) -> float:
-        """The rate floor now: ``max(rate_floor_bps, slow_fraction × best)``, bytes/s."""
+        """The rate floor now: ``max(rate_floor_bps, slow_fraction × best)``, bytes/s, ``best`` being
+        the origins' best rate: a relay that serves one piece from memory at once (gigabytes a second
+        over a short path) and then refuses would otherwise set a floor that cuts every honest relay
+        off in each window, leaving the origin to serve nearly everything."""
         now = time.monotonic() if now is None else now
         horizon = now - 10 * self._cfg.rate_window_s
         best = max((r for t, r in self._rates if t >= horizon), default=0.0)
-        return max(self._cfg.rate_floor_bps, self._cfg.slow_fraction * max(best, self._pool.best_rate_bps() or 0.0))
+        return max(self._cfg.rate_floor_bps, self._cfg.slow_fraction * max(best, self._pool.best_rate_bps(origins_only=True) or 0.0))
 
     def _police(self, running: dict[asyncio.Task[bool], _Request]) -> None:
         """Close the rate windows that are due; cut off relay requests below the floor."""
@@ -690,7 +693,8 @@ class PieceDownloader:
             if req.answered and not req.hedged and req.task is not None and not req.task.done() and now - req.window_start >= window:
                 rate = (req.received - req.window_bytes) / (now - req.window_start)
                 req.window_start, req.window_bytes = now, req.received
-                self._rates.append((now, rate))
+                if req.src.origin:
+                    self._rates.append((now, rate))
                 closed.append((req, rate))
         if not closed:
             return
@@ -800,7 +804,8 @@ class PieceDownloader:
             raise
         seconds = time.monotonic() - t0
         self._pool.record_success(src, piece.size_bytes, seconds)
-        self._rates.append((time.monotonic(), piece.size_bytes / max(seconds, 1e-6)))
+        if src.origin:
+            self._rates.append((time.monotonic(), piece.size_bytes / max(seconds, 1e-6)))
         self.stats.pieces += 1
         self.stats.bytes += piece.size_bytes
         self._last_progress = time.monotonic()

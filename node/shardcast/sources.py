@@ -264,10 +264,12 @@ class SourcePool:
             return src.throughput_bps
         return best if src.origin else best * self.untried_weight
 
-    def best_rate_bps(self) -> float | None:
-        """The highest measured rate among sources not banned, bytes/s (``None``: none measured)."""
+    def best_rate_bps(self, *, origins_only: bool = False) -> float | None:
+        """The highest measured rate among sources not banned (``origins_only``: among origins), bytes/s
+        (``None``: none measured)."""
         now = time.monotonic()
-        rates = [s.throughput_bps for s in self._sources.values() if s.throughput_bps is not None and s.banned_until <= now]
+        rates = [s.throughput_bps for s in self._sources.values()
+                 if s.throughput_bps is not None and s.banned_until <= now and (s.origin or not origins_only)]
         return max(rates, default=None)
 
     def record_success(self, src: SourceState, nbytes: int, seconds: float) -> None:

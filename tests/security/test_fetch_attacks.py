@@ -493,3 +493,57 @@ async def test_trickling_upstreams_cannot_hold_a_relay_back(big_origin, tmp_path
     given = {t.url for t in tricklers if t.hits["piece"]}
     assert given and all(cooled.get(u) == "slow" for u in given), "every trickler given a piece was cut off as slow and cooled down"
     assert all(t.trickled_bytes < 64 for t in tricklers)
+
+
+class PacedRelay(LyingRelay):
+    """A relay serving the store's true bytes at ``rate_bps`` per request (an honest relay on a
+    modest link), or, ``fast_once``, one piece at once from memory and then 503 to every piece."""
+
+    def __init__(self, store, *, rate_bps: float = 0.0, fast_once: bool = False) -> None:  # noqa: ANN001
+        super().__init__(store, "paced")
+        self.rate_bps = rate_bps
+        self.fast_once = fast_once
+
+    async def _piece(self, request: web.Request) -> web.StreamResponse:
+        self.hits["piece"] += 1
+        path = self.store.piece_path(bytes.fromhex(request.match_info["pid"]))
+        if self.fast_once:
+            if self.hits["piece"] > 1:
+                raise web.HTTPServiceUnavailable()
+            return web.Response(body=path.read_bytes(), content_type="application/octet-stream")
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        resp.content_length = path.stat().st_size
+        await resp.prepare(request)
+        loop = asyncio.get_running_loop()
+        started, sent = loop.time(), 0
+        with path.open("rb") as f, contextlib.suppress(ConnectionError):
+            while b := f.read(64 << 10):
+                await resp.write(b)
+                sent += len(b)
+                await asyncio.sleep(max(0.0, started + sent / self.rate_bps - loop.time()))
+        return resp
+
+
+async def test_a_relay_fast_once_then_refusing_does_not_raise_the_rate_floor(tmp_path):
+    """A Sybil relay serves its first piece from memory at once (gigabytes a second on a short path),
+    then answers 503. Its measured rate stayed the download's best, so the relative rate floor
+    (best / 8) cut every honest relay (0.5 MiB/s here) off in its first 2 s window and the origin
+    served the rest (32 MiB at 1 MiB/s, 3 honest relays: the origin sent 28 MiB instead of 16). The
+    floor now follows the origins' rates only: the honest relays deliver their pieces."""
+    run = make_run(piece_size=2 << 20)
+    store = make_store(run, tmp_path / "origin")
+    ckpt = write_checkpoint(tmp_path / "model.safetensors", 16.0)
+    publish(run, store, ckpt, 1)
+    async with contextlib.AsyncExitStack() as stack:
+        servers = [PacedRelay(store, rate_bps=0.5 * (1 << 20)) for _ in range(4)] + [PacedRelay(store, fast_once=True)]
+        for s in servers:
+            await s.start()
+            stack.push_async_callback(s.stop)
+        origin, honest, sybil = servers[0], servers[1:4], servers[4]
+        res = await fetch_checkpoint([s.url for s in servers], tmp_path / "out", run_id=run.run_id, authorities=run.authorities, step=1,
+                                     origins=[origin.url], progress=False)
+    assert (res.out_dir / "model.safetensors").read_bytes() == ckpt.read_bytes()
+    assert sybil.hits["piece"] >= 1
+    slow = {u: why for u, why in res.cooled_sources.items() if why == "slow"}
+    assert not slow, f"honest relays cut off as slow: {slow} ({res.source_bytes})"
+    assert all(res.source_bytes.get(r.url, 0) >= 2 << 20 for r in honest), res.source_bytes
