@@ -265,10 +265,10 @@ def test_status_history_is_rebuilt_at_most_a_twentieth_of_the_time(tmp_path, mon
         real_stats = coord.ledger.worker_stats
         cost = [1.0]
 
-        def costly_stats():
+        def costly_stats(limit=None):
             scans.append(now[0])
             now[0] += cost[0]  # the scan took `cost` seconds
-            return real_stats()
+            return real_stats(limit)
 
         monkeypatch.setattr(coord.ledger, "worker_stats", costly_stats)
         w = NodeKey.generate()
@@ -336,9 +336,9 @@ async def test_status_encodes_the_per_worker_counts_once_per_history_rebuild(ing
 
     real_stats = coord.ledger.worker_stats
 
-    def stats():
+    def stats(limit=None):
         _time.sleep(0.01)  # a scan long enough to be kept (STATUS_CACHE_MIN_S)
-        return {**real_stats(), "probe": {"note": Counted()}}
+        return {**real_stats(limit), "probe": {"note": Counted()}}
 
     monkeypatch.setattr(coord.ledger, "worker_stats", stats)
     w = NodeKey.generate()

@@ -365,9 +365,14 @@ class SubmissionLedger:
         """Verdicts received, by reason."""
         return self.store.verdict_reasons()
 
-    def worker_stats(self) -> dict[str, dict[str, int]]:
-        """Per worker: its non-zero ``pending``/``accepted``/``rejected``/``stale``/``trained`` counts."""
-        return self.store.worker_stats()
+    def worker_stats(self, limit: int | None = None) -> dict[str, dict[str, int]]:
+        """Per worker: its non-zero ``pending``/``accepted``/``rejected``/``stale``/``trained`` counts
+        (``limit``: the first in the leaderboard's order only)."""
+        return self.store.worker_stats(limit)
+
+    def worker_count(self) -> int:
+        """Workers with a submission in this run."""
+        return self.store.worker_count()
 
     def leaderboard(self, limit: int) -> list[dict[str, Any]]:
         """The ``limit`` workers with the most accepted submissions, with their tokens and trained rollouts."""

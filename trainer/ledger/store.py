@@ -625,13 +625,20 @@ class SubmissionStore:
         (rows,) = self._snapshot(("SELECT reason, n FROM verdict_reasons", ()))
         return {k: int(v) for k, v in rows}
 
-    def worker_stats(self) -> dict[str, dict[str, int]]:
+    def worker_stats(self, limit: int | None = None) -> dict[str, dict[str, int]]:
         """Per worker, its non-zero counts: ``pending``, ``accepted``, ``rejected``, ``stale`` (of the
         rejected, those that left the async window unjudged: no fault of the worker's) and
-        ``trained`` (submissions a trainer step consumed). O(workers)."""
+        ``trained`` (submissions a trainer step consumed). O(workers); with ``limit``, only the
+        ``limit`` first in the leaderboard's order (most accepted, then fewest rejected), O(limit)."""
         keys = ("pending", "accepted", "rejected", "stale", "trained")
-        (rows,) = self._snapshot((f"SELECT worker, {', '.join(keys)} FROM worker_stats", ()))
+        query = f"SELECT worker, {', '.join(keys)} FROM worker_stats"
+        (rows,) = self._snapshot((query, ()) if limit is None else (query + " ORDER BY accepted DESC, rejected, worker LIMIT ?", (limit,)))
         return {r[0]: {k: int(v) for k, v in zip(keys, r[1:], strict=True) if v} for r in rows}
+
+    def worker_count(self) -> int:
+        """Workers with a submission in this run."""
+        (rows,) = self._snapshot(("SELECT COUNT(*) FROM worker_stats", ()))
+        return int(rows[0][0])
 
     def leaderboard(self, limit: int) -> list[dict[str, Any]]:
         """The ``limit`` workers with the most accepted submissions (then fewest rejected, then peer
