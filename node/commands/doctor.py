@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from node.cli import CliError, command
 from node.paths import default_data_dir
+from node.terminal import printable
 
 if TYPE_CHECKING:
     from protocol.runspec import RunSpec
@@ -69,6 +70,11 @@ class Check:
     status: Status
     detail: str
     fix: str = ""
+
+    def line(self) -> str:
+        """The check as ``doctor`` prints it; what servers sent is shown escaped (``node.terminal``)."""
+        return f"{self.status:4}  {self.name:<22} {printable(self.detail)}" + (
+            f"\n      fix: {printable(self.fix)}" if self.fix and self.status != "PASS" else "")
 
 
 @command
@@ -131,7 +137,7 @@ def _run_doctor(args: argparse.Namespace) -> int:
         print(json.dumps([asdict(c) for c in checks], indent=2))
     else:
         for c in checks:
-            print(f"{c.status:4}  {c.name:<22} {c.detail}" + (f"\n      fix: {c.fix}" if c.fix and c.status != "PASS" else ""))
+            print(c.line())
         n = {s: sum(c.status == s for c in checks) for s in ("PASS", "WARN", "FAIL")}
         print(f"doctor ({args.role}): {n['PASS']} passed, {n['WARN']} warnings, {n['FAIL']} failed")
     return 1 if any(c.status == "FAIL" for c in checks) else 0

@@ -106,6 +106,9 @@ def latest_step(announced: int | None, peers: list[dict[str, Any]]) -> int | Non
 def _print_table(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
+
+    from node.terminal import printable
 
     latest = report["latest_step"]
     table = Table(title=f"run {report['run_id'][:16]}…  latest step: {'—' if latest is None else latest}  peers: {len(report['peers'])}")
@@ -113,7 +116,7 @@ def _print_table(report: dict[str, Any]) -> None:
         table.add_column(col, no_wrap=col == "peer ID")
     for p in report["peers"]:
         held = p["held_steps"]
-        table.add_row(
+        cells = (
             p["peer_id"],
             p["role"],
             p["http_url"] or "—",
@@ -122,4 +125,6 @@ def _print_table(report: dict[str, Any]) -> None:
             f"{p['last_seen_s']:.1f} s ago",
             p["version"],
         )
+        # peers' self-signed strings: as Text (no rich markup), control characters escaped
+        table.add_row(*(Text(printable(c)) for c in cells))
     Console(width=max(160, Console().width)).print(table)
