@@ -15,6 +15,8 @@ asyncio side reaches it only through :class:`node.p2p.service.GossipNode`.
   auto-connector (which dials every known peer up to 50–100 connections) is switched off.
   py-libp2p's per-connection cost is high: eight nodes that all dial each other fall behind their
   own gossip on a 2-core machine (``docs/gossip.md``).
+* py-libp2p's resource manager does not limit connections (:func:`resource_manager`): its count
+  leaks and its "graceful degradation" then halves the limit, so a hub refused every new worker.
 * Bootstrap peers are dialed forever while the host runs, with exponential backoff and jitter
   (:meth:`P2PHost.keep_connected`); a node whose bootstrap peers are all down keeps serving.
 """
@@ -40,6 +42,7 @@ from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import get_content_addressed_msg_id
 from libp2p.pubsub.subscription import TrioSubscriptionAPI
+from libp2p.rcmgr import ResourceLimits, ResourceManager, new_resource_manager
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.address_validation import expand_wildcard_address
 
@@ -122,6 +125,24 @@ def parse_peer_addr(addr: str) -> PeerInfo:
         raise ValueError(f"{addr[:256]!r} is not a multiaddr ending in /p2p/<peer ID>: {why}") from None
 
 
+def resource_manager() -> ResourceManager:
+    """py-libp2p's resource manager with no connection limit of its own, no graceful degradation
+    and no circuit breaker; its stream limit (10,000 per process) and per-peer connection rate stay.
+
+    The connection limits are ours: ``max_peers`` (py-libp2p's connection config), the per-address
+    cap and the inbound slot freed when a connection closes (``node/p2p/transport.py``). py-libp2p
+    0.8's own count of connections is not given back when a connection fails while it is being
+    set up (measured: 6 counted after 30 connections had come and gone on a loaded machine), and at
+    its default limit (1,000) it "degrades": it lowers the limit, down to half, and refuses new
+    connections meanwhile. A relay carrying 500 simulated workers stopped accepting any at 258.
+    """
+    return new_resource_manager(
+        limits=ResourceLimits(max_connections=2**62),  # py-libp2p's default streams and memory
+        enable_graceful_degradation=False,
+        enable_circuit_breaker=False,  # a tripped breaker refuses every connection for 60 s
+    )
+
+
 class P2PHost:
     """A running libp2p host with gossipsub, driven from the trio loop.
 
@@ -155,6 +176,7 @@ class P2PHost:
         self.host: IHost = new_host(
             key_pair=key_pair, connection_config=connections, disable_identify_address_discovery=True,
             sec_opt=secure_transports(key_pair), muxer_opt=muxer_options(config.muxer),
+            resource_manager=resource_manager(),
         )
         if self.host.get_id().to_base58() != key.peer_id:
             raise GossipError(f"libp2p derived peer ID {self.host.get_id()} from key {key.peer_id}")

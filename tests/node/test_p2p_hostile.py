@@ -434,6 +434,28 @@ async def test_a_closed_inbound_connection_gives_its_slot_back() -> None:
         assert left == (True, 0), left
 
 
+async def test_connections_py_libp2p_counted_and_never_gave_back_do_not_shut_a_hub() -> None:
+    """py-libp2p's resource manager counts connections, does not give the count back when one
+    fails while being set up, and at its limit (1,000) "degrades": it lowers the limit, down to
+    half, refusing new connections (a relay with 500 simulated workers took none past 258). With
+    1,000 such counts held, a worker still connects and attaches; the node's own caps
+    (``max_peers``, per address) are the limits."""
+    run = Run()
+    async with shared_bridge() as bridge, swarm(run, [("relay", None)], bridge=bridge) as (relay,):
+        assert relay._host is not None
+        rm = relay._host.host.get_network()._resource_manager  # type: ignore[attr-defined]
+
+        def leak() -> int:
+            return sum(bool(rm.acquire_connection("", endpoint_ip="127.0.0.1", direction="inbound")) for _ in range(1000))
+
+        assert await bridge.run_sync(leak, timeout_s=10) == 1000
+        worker = await GossipNode.create(run.spec, NodeKey.generate(), config(bootstrap=[relay.addrs[0]]), role="worker", bridge=bridge)
+        try:
+            await wait_until(lambda: worker.peer_id in relay.peers, 20.0, "the worker attached to the relay")
+        finally:
+            await worker.stop()
+
+
 async def test_handshakes_from_one_address_hold_at_most_max_peers_per_ip_inbound_slots() -> None:
     """Before the noise handshake no cap applied: TCP connections that never speak each held one of
     the ``max_peers`` inbound slots for py-libp2p's 10 s upgrade timeout, so one address (opening
