@@ -16,6 +16,13 @@ def shared_dir() -> Path:
     return Path(os.environ.get("INTELLECT_SHARED", REPO.parent / "shared"))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """An integration test (several processes or nodes) is slow: never in ``pytest -m "not slow"``."""
+    for item in items:
+        if item.get_closest_marker("integration") is not None and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def shared() -> Path:
     d = shared_dir()

@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from local_model import build_local_model
 from safetensors import safe_open
 
 from protocol.models import ModelLoadError, base_hash, check_base_hash, inspect_model_dir, load_model
 from protocol.runspec import load_run_spec
-from local_model import build_local_model
+
+pytestmark = pytest.mark.slow  # the module's base model takes ~10 s to build
 
 
 @pytest.fixture(scope="module")

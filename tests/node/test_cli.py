@@ -22,6 +22,7 @@ def test_help_lists_commands_and_is_fast():
         assert name in r.stdout
 
 
+@pytest.mark.slow
 def test_keygen_id_agree_mode_and_no_overwrite(tmp_path):
     key = tmp_path / "k"
     a = cli("keygen", "--key", str(key))
@@ -46,6 +47,7 @@ def test_id_without_key_is_a_clear_error(tmp_path):
     assert r.returncode == 2 and "keygen" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_spec_init_show_and_tamper(tmp_path):
     key = tmp_path / "coord"
     cli("keygen", "--key", str(key))
@@ -72,6 +74,7 @@ def test_spec_init_rejects_bad_options(tmp_path, opt):
     assert r.returncode == 2 and "invalid option" in r.stderr
 
 
+@pytest.mark.slow
 def test_spec_init_logprob_tolerances(tmp_path):
     """--logprob-max-abs / --logprob-mean-abs / --replay-eps / --max-near-tie-fraction set the run spec's toploc
     tolerances; bad values are refused in one line."""
@@ -91,6 +94,7 @@ def test_spec_init_logprob_tolerances(tmp_path):
         assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_bad_gossip_flags_are_one_line_errors_in_every_role(tmp_path):
     """``join``, ``validate`` and ``intellect-train`` read the gossip flags the same way (node.cli.gossip_config)."""
     key = tmp_path / "coord"

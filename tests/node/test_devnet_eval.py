@@ -63,6 +63,7 @@ def test_default_eval_interval_gives_six_points_after_start(steps, every, points
     assert len(at) == points and len(at) >= min(steps, 6) + 1
 
 
+@pytest.mark.slow
 def test_report_has_heldout_band_gain_and_off_policy(tmp_path):
     coord = tmp_path / "coordinator"
     coord.mkdir()

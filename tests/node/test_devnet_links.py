@@ -105,6 +105,7 @@ def test_namespaces_of_a_killed_devnet_are_swept():
 
 
 @needs_root
+@pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_sigterm_stops_the_devnet_and_removes_its_namespaces(tmp_path):
     """A devnet stopped by SIGTERM while its nodes start: every child stopped, every namespace gone."""

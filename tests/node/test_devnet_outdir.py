@@ -39,6 +39,7 @@ def test_a_previous_run_is_replaced_and_nested_runs_are_kept(tmp_path):
     assert not (out / "logs").exists()
 
 
+@pytest.mark.slow
 def test_a_folder_that_is_no_devnet_output_is_refused(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -52,6 +53,7 @@ def test_a_folder_that_is_no_devnet_output_is_refused(tmp_path):
     assert (mine / "notes.txt").read_text() == "keep me"
 
 
+@pytest.mark.slow
 def test_missing_model_directory_is_reported_as_missing(tmp_path):
     r = subprocess.run([sys.executable, "-m", "node", "devnet", "--model", str(tmp_path / "my-qwen2"), "--out", str(tmp_path / "out"),
                         "--no-dashboard"], capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)

@@ -39,6 +39,7 @@ def _by_name(checks: list) -> dict[str, object]:
     return {c.name.split(" ")[0]: c for c in checks}
 
 
+@pytest.mark.slow
 def test_dead_bootstrap_and_wrong_run_ingest_fail(tmp_path, other_run_server, capsys):
     dead = free_port()  # nobody listens here
     run = _write_spec(tmp_path, http_url=other_run_server, bootstrap=f"/ip4/127.0.0.1/tcp/{dead}/p2p/{NodeKey.generate().peer_id}")

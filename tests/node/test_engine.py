@@ -184,6 +184,7 @@ def _no_cache_generate(model: torch.nn.Module, prompts: list[list[int]], seeds: 
     return out
 
 
+@pytest.mark.slow
 def test_honest_rollouts_replay_at_large_vocabulary() -> None:
     """0 false rejections over 208 rollouts at vocabulary 32,768 under the default rule (EOS gate 0.1;
     top-p is replayed at vocabulary 500 in tests/protocol/test_sampling.py): engines batching 1, 8 or 64 sequences on 1 or 2 threads with the KV cache, and a

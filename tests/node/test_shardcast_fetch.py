@@ -126,6 +126,7 @@ async def test_relay_killed_mid_transfer(origin, tmp_path):
     assert res.source_bytes[b.url] > res.source_bytes[a.url]
 
 
+@pytest.mark.slow
 async def test_killed_fetch_resumes_without_redownloading(origin, tmp_path):
     """A real `intellect-node fetch` process is SIGKILLed mid-way; the restart downloads only the rest."""
     run, store, ckpt, env = origin

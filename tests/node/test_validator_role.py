@@ -168,6 +168,7 @@ def test_validator_refuses_a_key_the_spec_does_not_name(tmp_path: Path) -> None:
     ValidatorNode(signed, VALIDATOR, ValidatorOptions(data_dir=tmp_path, gossip=None, http_port=None)).ledger.close()
 
 
+@pytest.mark.slow
 def test_validate_command_exits_2_for_a_key_not_in_the_spec(tmp_path: Path) -> None:
     run = tmp_path / "run.toml"
     run.write_text(dump_run_spec(make_spec("http://127.0.0.1:9")))
@@ -182,6 +183,7 @@ def test_validate_command_exits_2_for_a_key_not_in_the_spec(tmp_path: Path) -> N
     assert not (tmp_path / "data").exists()  # refused before touching anything
 
 
+@pytest.mark.slow
 async def test_spot_checks_check_a_new_worker_in_full_then_a_keyed_share(tmp_path: Path) -> None:
     """With full_checks 2 and min_share 0.2 a worker's first submissions are checked in full, later
     ones in a share the validator's key picks; every honest one is accepted, light checks say so in
@@ -230,6 +232,7 @@ async def test_spot_checks_check_a_new_worker_in_full_then_a_keyed_share(tmp_pat
         assert full == depth["full"]
 
 
+@pytest.mark.slow
 async def test_a_validator_out_of_resources_retries_once_then_sends_a_benign_resources_verdict(tmp_path: Path, monkeypatch) -> None:
     """Running out of memory while checking is the validator's failure: the lease is left to expire
     once (the failure may pass), then a ``resources`` verdict rejects the submission without a ban."""

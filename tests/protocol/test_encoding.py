@@ -16,6 +16,7 @@ values = st.recursive(
 )
 
 
+@pytest.mark.slow
 @given(values)
 @settings(max_examples=300, deadline=None)
 def test_round_trip_is_canonical(v):

@@ -171,6 +171,7 @@ def test_seal_refuses_invalid_body():
         seal(WORKER, b"short", record())
 
 
+@pytest.mark.slow
 @given(st.binary(max_size=600))
 @settings(max_examples=5000, deadline=None, suppress_health_check=list(HealthCheck))
 def test_random_bytes_only_raise_protocol_errors(data):
@@ -181,6 +182,7 @@ def test_random_bytes_only_raise_protocol_errors(data):
 _valid = seal(WORKER, RUN, record())
 
 
+@pytest.mark.slow
 @given(st.lists(st.tuples(st.integers(0, len(_valid) - 1), st.integers(0, 255)), min_size=1, max_size=6), st.integers(0, len(_valid)))
 @settings(max_examples=5000, deadline=None, suppress_health_check=list(HealthCheck))
 def test_mutated_envelopes_only_raise_protocol_errors(edits, cut):

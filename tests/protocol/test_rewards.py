@@ -220,6 +220,7 @@ def test_extract_code():
     assert extract_code("```python\nunterminated") is None
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("code_sandbox")
 def test_humaneval_canonical_sample_passes(humaneval):
     for task, raw in random.Random(1).sample(humaneval, N_SAMPLE):
@@ -227,6 +228,7 @@ def test_humaneval_canonical_sample_passes(humaneval):
         assert r.task_reward == 1.0, (task.problem_id, r.detail)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("code_sandbox")
 def test_mbpp_canonical_sample_passes(mbpp):
     for task, raw in random.Random(2).sample(mbpp, N_SAMPLE):
@@ -328,6 +330,7 @@ def limited(task: Task, text: str, limits: RewardLimits = FAST) -> tuple[float, 
     return r.task_reward, r.limit_hit
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("code_sandbox")
 def test_infinite_loop_is_stopped(humaneval):
     # stopped by its limits (the kill is the evidence; no wall-clock assert)
@@ -388,6 +391,7 @@ def test_output_flood_is_bounded(humaneval):
     assert limited(task, fenced("while True:\n    print('x' * 100000)"), limits) == (0.0, "output")
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("code_sandbox")
 def test_assert_forms_are_judged_in_the_parent():
     # each (program, asserts, expected reward): the sandbox prints operands, this process compares

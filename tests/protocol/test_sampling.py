@@ -215,6 +215,7 @@ def test_icdf_replay_near_ties_counted_and_bounded() -> None:
     torch.testing.assert_close(res.gaps[order[:3]], dist[order[:3]].double())
 
 
+@pytest.mark.slow
 def test_icdf_single_token_deviation_caught_at_the_stated_rate() -> None:
     """docs/toploc.md §6: a claimed token c' ≠ the rule's token c passes only if u lies within ε of
     c''s interval. For a deviation chosen without looking at u, u is uniform on c's interval, so

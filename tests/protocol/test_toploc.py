@@ -131,6 +131,7 @@ def test_poly_only_vector_through_interpolate(vectors: dict[str, Any]) -> None:
         toploc.decode_proof(bytes.fromhex(vec["null_proof_k4_hex"]), topk=4)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 300), st.integers(0, 2**32 - 1))
 def test_interpolate_then_evaluate_roundtrip(k: int, seed: int) -> None:

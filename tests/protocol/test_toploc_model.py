@@ -21,6 +21,8 @@ from protocol import sampling, toploc
 from protocol.models import build_model
 from protocol.runspec import ToplocSpec
 
+pytestmark = pytest.mark.slow
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB, HIDDEN, N_NEW, PAD = 512, 128, 36, 0  # 36 tokens: a full chunk of 32 and a short one of 4

@@ -153,6 +153,7 @@ def test_reward_mismatch_reasons(reported: float, recomputed: float, limit_hit: 
     assert mismatch_reason(reported, recomputed, limit_hit) == reason
 
 
+@pytest.mark.slow
 def test_a_long_ban_list_still_fits_its_signed_size(tmp_path: Path) -> None:
     """Free identities can get themselves banned by the thousand: the signed list must stay valid."""
     import time

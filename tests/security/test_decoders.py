@@ -25,6 +25,7 @@ def _resign_without(data: bytes) -> bytes:
     return encoding.packb(obj)
 
 
+@pytest.mark.slow
 def test_body_of_a_forged_envelope_is_never_decoded() -> None:
     # 380 KiB of empty maps inside an envelope whose signature is wrong: refused at the signature,
     # after one C pass that skips the body (its 380k maps are never built)

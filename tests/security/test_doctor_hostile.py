@@ -23,6 +23,8 @@ from node.devnet.config import devnet_spec
 from protocol.identity import NodeKey
 from protocol.runspec import dump_run_spec, sign_run_spec
 
+pytestmark = pytest.mark.slow
+
 DRIBBLE_S = 2.0
 """Seconds between two bytes of a dribbling server (the attack of the issue)."""
 

@@ -23,6 +23,8 @@ from shardcast_fixtures import make_run
 
 from node.shardcast.download import DownloadConfig, SourceError, get_held, get_manifest, make_session
 
+pytestmark = pytest.mark.slow
+
 CFG = DownloadConfig(connect_timeout_s=1.0, manifest_timeout_s=0.5, held_timeout_s=0.5, max_manifest_bytes=64 << 10)
 
 

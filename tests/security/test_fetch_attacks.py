@@ -434,6 +434,7 @@ def big_origin(tmp_path_factory):
     return run, store, ckpt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 8, 20])
 async def test_trickling_relays_cannot_stall_a_policy_fetch(big_origin, tmp_path, n):
     """Issue 23 item 1: relay records pointing at relays that answer at once and then send one
@@ -466,6 +467,7 @@ async def test_trickling_relays_cannot_stall_a_policy_fetch(big_origin, tmp_path
     assert sum(t.trickled_bytes for t in tricklers) < 64 * n
 
 
+@pytest.mark.slow
 async def test_trickling_upstreams_cannot_hold_a_relay_back(big_origin, tmp_path):
     """Issue 23 item 1, relay side: 20 trickling upstreams beside the origin (the relay's own limits:
     120 s stall timeout). The relay fills the step within 30 s (before: a trickler held a 16 MiB

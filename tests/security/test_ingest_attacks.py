@@ -70,6 +70,7 @@ async def test_one_mebibyte_honest_submission_is_read_whole(tmp_path: Path) -> N
         assert ing.store.read(body["id"]) == big
 
 
+@pytest.mark.slow
 async def test_signed_flood_of_empty_maps_does_not_block_status(tmp_path: Path) -> None:
     # 60 bodies of ≈ 380 KiB, correctly signed with free keys: containers of empty maps where the
     # schema wants rollouts. The decoder stops at the schema's array bound or the body's schema.
@@ -187,6 +188,7 @@ SLOWLORIS = textwrap.dedent("""
 """).replace("{ip}", ATTACKER_IP)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("low_fd_limit", [False, True])
 async def test_slowloris_half_open_connections_do_not_starve_status(tmp_path: Path, low_fd_limit: bool) -> None:
     import resource
@@ -244,6 +246,7 @@ async def test_status_servers_get_the_same_protections() -> None:
         await server.stop()
 
 
+@pytest.mark.slow
 async def test_slow_big_bodies_cannot_pin_the_coordinators_memory(tmp_path: Path) -> None:
     """Bodies declared at 30 MiB, of which 3 MiB are sent at once and nothing more: an address holds
     at most its share of what arrived (8 MiB here; the third body is refused at once), and a body
@@ -321,6 +324,7 @@ def test_ipv6_addresses_count_per_64() -> None:
     assert _address_key("127.0.0.2") != _address_key("127.0.0.3")
 
 
+@pytest.mark.slow
 async def test_arrays_longer_than_the_run_allows_are_refused_before_they_are_built(tmp_path: Path) -> None:
     """A correctly signed body inside the schema's limits (arrays ≤ 65,536) but made of millions of
     empty proofs: the ingest decodes submissions under the run's bounds (here ≤ 16 rollouts,

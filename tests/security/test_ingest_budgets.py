@@ -18,6 +18,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from ingest_attack_helpers import honest_session, post, running_ingest, submission
 from waiting import wait_until
 
@@ -79,6 +80,7 @@ async def stop(proc: subprocess.Popen[str]) -> dict[str, int]:
     return {k: int(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
 
 
+@pytest.mark.slow
 async def test_declared_but_unsent_bodies_hold_nothing_and_honest_work_is_never_refused(tmp_path: Path) -> None:
     """The attack of issue 23 item 2: 18 connections from 6 addresses, each declaring 32 MiB and
     sending nothing, reconnecting whenever cut off. For 8 s (past the rate floor's 5 s grace, so

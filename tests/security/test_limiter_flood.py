@@ -19,6 +19,7 @@ import asyncio
 import time
 from pathlib import Path
 
+import pytest
 from ingest_attack_helpers import honest_session, running_ingest
 
 FLOOD = 600
@@ -49,6 +50,7 @@ async def flood(port: int, ips: list[str]) -> tuple[float, list[bytes]]:
     return time.monotonic() - t0, lines
 
 
+@pytest.mark.slow
 async def test_fresh_addresses_against_a_full_limiter_cost_what_known_ones_do(tmp_path: Path) -> None:
     known = [f"127.60.{i >> 8}.{i & 255}" for i in range(FLOOD)]
     fresh = [f"127.61.{i >> 8}.{i & 255}" for i in range(FLOOD)]

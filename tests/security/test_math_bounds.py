@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from protocol.rewards import RewardLimits, compute_reward
 from protocol.rewards.math import answer_precheck
 from protocol.rewards.verifier import verify_answer
@@ -72,6 +74,7 @@ def test_loop_keeps_answering_while_rewards_run():
     assert rewards == [0.0] * len(PATHOLOGICAL) + [1.0]
 
 
+@pytest.mark.slow
 def test_runaway_check_is_killed_and_the_loop_stays_live():
     # past the pre-checks (called directly): the verifier process is killed at the wall limit
     def runaway():
@@ -85,6 +88,7 @@ def test_runaway_check_is_killed_and_the_loop_stays_live():
     assert (r.task_reward, r.limit_hit) == (1.0, None)
 
 
+@pytest.mark.slow
 def test_wall_limit_is_reported_to_callers():
     limits = RewardLimits(math_timeout_s=1)
     ok, limit, _ = verify_answer("1", r"9^{9^{9^{9}}}", timeout_s=float(limits.math_timeout_s), memory_bytes=limits.math_memory_bytes)
@@ -92,6 +96,7 @@ def test_wall_limit_is_reported_to_callers():
 
 
 
+@pytest.mark.slow
 def test_verifier_killed_between_checks_is_replaced(monkeypatch):
     """A verifier killed while idle (an operator, the OOM killer, a test reaper) that still looks
     alive when the next check starts: the request hits a closed pipe, the verifier is replaced

@@ -132,6 +132,7 @@ def test_writes_never_reach_the_host(tmp_path):
 # ----------------------------------------------------------------------------- processes
 
 
+@pytest.mark.slow
 def test_children_do_not_outlive_the_wall_kill():
     marker = f"{secrets.randbelow(10**6) + 10**6}.{secrets.randbelow(1000)}"
     code = (
@@ -183,6 +184,7 @@ print("init prctl returned", result, flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="the injection is x86-64 code")
 def test_a_ptraced_init_does_not_keep_the_namespace_alive():
     marker = f"{secrets.randbelow(10**6) + 3 * 10**6}.{secrets.randbelow(1000)}"
@@ -307,6 +309,7 @@ def test_frame_and_gc_walks_find_no_expected_value():
     assert score(code, ["assert f(0) == 'nothing'"]).task_reward == 1.0  # the search ran and found nothing
 
 
+@pytest.mark.slow
 def test_lying_objects_do_not_pass():
     liars = [
         "class Liar:\n    def __eq__(self, o):\n        return True\n    __hash__ = object.__hash__\ndef f(x):\n    return Liar()",
@@ -405,6 +408,7 @@ def test_disk_fill_stops_at_the_tmpfs_size():
     assert r.task_reward == 1.0, r.detail
 
 
+@pytest.mark.slow
 def test_cpu_and_wall_limits_are_reported():
     r = score("while True:\n    pass", ["assert True"], RewardLimits(sandbox=SandboxLimits(cpu_time_s=1, wall_time_s=20.0)))
     assert (r.task_reward, r.limit_hit) == (0.0, "cpu"), r.detail
@@ -494,6 +498,7 @@ def test_inherited_descriptors_cannot_grow_the_hosts_disk():
     assert (before.f_bavail - after.f_bavail) * before.f_frsize < 256 * 1024**2, "the host's /tmp did not lose a gigabyte"
 
 
+@pytest.mark.slow
 def test_a_program_that_kills_itself_failed_it_hit_no_limit():
     """A self-SIGKILL was classed as the CPU limit (benign): now only a SIGKILL after
     ``cpu_time_s`` of CPU is; a busy loop ignoring SIGXCPU still is."""

@@ -14,6 +14,8 @@ from waiting import wait_until
 
 from node.http_server import ServerLimits, start_site
 
+pytestmark = pytest.mark.slow
+
 BIG = 16 * 1024 * 1024  # far more than the socket buffers on both sides hold
 
 

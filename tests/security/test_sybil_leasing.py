@@ -64,6 +64,7 @@ FLOOD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("addresses", [16, 66])
 async def test_junk_from_many_addresses_neither_refuses_nor_delays_an_established_worker(tmp_path: Path, addresses: int) -> None:
     limits = IngestLimits(max_disk_files=64, max_pending_per_ip=8)

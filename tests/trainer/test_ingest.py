@@ -63,7 +63,7 @@ async def serve(coord: Coordinator) -> tuple[web.AppRunner, int]:
     """The coordinator's ingest routes on 127.0.0.1 (any port): its runner (``cleanup()`` stops it) and port."""
     app = web.Application(middlewares=[error_middleware], client_max_size=64 << 20)
     coord.service.add_routes(app)
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, shutdown_timeout=1.0)  # as node.http_server stops: a refused body's lingering read is not waited out (10 s)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -132,6 +132,7 @@ def test_a_failed_commit_answers_an_error_and_leaves_nothing(tmp_path, monkeypat
     store.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("binding", ["worker", "ip", "disk"])
 async def test_concurrent_posts_from_many_workers_each_accepted_once_quotas_exact(tmp_path, binding):
     """12 workers post 6 counters each, every envelope twice, plus a replayed counter with other bytes,
@@ -178,6 +179,7 @@ async def test_concurrent_posts_from_many_workers_each_accepted_once_quotas_exac
     store.close()
 
 
+@pytest.mark.slow
 def test_kill_9_after_acknowledgement_loses_nothing(tmp_path):
     """SIGKILL the ingest while submissions are in flight: every one it answered ``stored`` is there on reopening."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

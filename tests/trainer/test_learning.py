@@ -21,6 +21,8 @@ from trainer.loss import LossConfig
 from trainer.model import tiny_qwen2_config
 from trainer.train import Trainer, TrainerConfig
 
+pytestmark = pytest.mark.slow
+
 logger = logging.getLogger(__name__)
 
 VOCAB = 16

@@ -4,6 +4,8 @@ keys with turns carried across lease answers, newest first within a worker."""
 
 from __future__ import annotations
 
+import pytest
+
 from trainer.ledger.ids import SubmissionId
 from trainer.ledger.leasing import PROBATION_EVERY, LeaseOrder, prefix_key
 from trainer.ledger.store import LeaseCandidate
@@ -71,6 +73,7 @@ def test_round_robin_over_prefixes_then_addresses_then_keys() -> None:
     assert workers_of(ids, same)[:2] in (["a", "c"], ["c", "a"]) and ids.index(SubmissionId(f"{2:064x}")) < ids.index(SubmissionId(f"{1:064x}"))
 
 
+@pytest.mark.slow
 def test_turns_carry_over_between_answers() -> None:
     # 66 junk prefixes whose 20 submissions each all arrived before one new honest worker's; a
     # validator leasing one per answer reaches the honest one within one round of prefixes

@@ -113,6 +113,7 @@ def assert_rejected(result: CheckResult, reasons: set[str]) -> None:
 # --- honest work -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_honest_workers_accepted_across_batch_sizes_and_threads(world: World) -> None:
     """0 false rejections over 320 rollouts from engines batching 1, 8 or 64 sequences on 1 or 2 threads.
 

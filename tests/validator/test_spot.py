@@ -134,6 +134,7 @@ def _simulate_cheater(ledger: Ledger, policy: SpotCheckPolicy, worker: str, rng:
     return limit + 1, accepted_cheats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("honest_first", [False, True], ids=["cheats-from-the-start", "builds-history-first"])
 def test_a_cheater_under_spot_checks_is_banned_within_the_stated_bound(tmp_path: Path, honest_first: bool) -> None:
     """30 simulated cheaters (c = 10 %) against one validator with full_checks 4 and min_share 0.1:
