@@ -387,6 +387,9 @@ async def level(args: argparse.Namespace, workers: int, layout: str, tmp: Path) 
         out["delivered"] = f"{len(lat)}/{workers * args.announcements}"
         if lat:
             out["p50_ms"], out["p99_ms"], out["max_ms"] = (round(pct(lat, q) * 1e3) for q in (0.5, 0.99, 1.0))
+            out["over_1s"] = sum(x > 1.0 for x in lat)
+            by_step = {s: [(x["recv_ns"] - sent[s]) / 1e9 for p in pools for x in p.take("recv_ns") if x["step"] == s] for s in sent}
+            out["p99_by_step_ms"] = "/".join(str(round(pct(v, 0.99) * 1e3)) if v else "-" for v in by_step.values())
         await asyncio.sleep(2 * args.heartbeat_s)  # the records the steps changed have gone out
 
         # idle
