@@ -283,6 +283,7 @@ def main() -> None:
     worker_key = NodeKey.from_seed(b"w" * 32)
     honest: dict[str, Stats] = defaultdict(Stats)
     n_rollouts = rejected_rollouts = 0
+    per_dtype: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # dtype -> [rejected rollouts, rollouts]
     rejections: list[str] = []
     counter = 0
     dtypes = [DTYPES[d] for d in args.dtypes]
@@ -301,13 +302,17 @@ def main() -> None:
             result = checker.check(env)
             n = len(env.body.rollouts)
             n_rollouts += n
+            per_dtype[str(dtype)[6:]][1] += n
             if not result.accepted:
                 rejected_rollouts += n
+                per_dtype[str(dtype)[6:]][0] += n
                 rejections.append(f"{label}: {result.reason} {result.evidence}")
             honest[str(dtype)[6:]].add(statistics_of(spec, policy, env, tok.pad_token_id))
         print(f"  {label}: {args.submissions} submissions in {time.perf_counter() - t0:6.1f} s, "
               f"{'all accepted' if len(rejections) == rejected_before else f'{len(rejections) - rejected_before} REJECTED'}", flush=True)
     print(f"honest false rejections: {rejected_rollouts} / {n_rollouts} (95 % upper bound {upper_bound_95(rejected_rollouts, n_rollouts):.2g})")
+    for name, (k, n) in per_dtype.items():
+        print(f"  {name} workers' run: {k} / {n} (95 % upper bound {upper_bound_95(k, n):.2g})")
     for name, st in honest.items():
         print(f"  {name} workers: {len(st.lp_max)} rollouts, {st.tokens} tokens, {st.eos_stops} ended by EOS; the policy's top-token "
               f"probability at their positions: median {statistics.median(st.top_p):.3f}, lower quartile {statistics.quantiles(st.top_p, n=4)[0]:.3f}")
@@ -330,20 +335,26 @@ def main() -> None:
     ]
     print("threshold margins, per run: the threshold (run spec), the worst honest value over every honest rollout and the threshold's")
     print("multiple of it (honest margin), and the nearest cheat: the cheating kind whose median rollout lies closest above the threshold")
-    print("(its multiple of the threshold); 'none above' = no cheat kind is caught by this threshold alone at its median")
+    print("(its multiple of the threshold); 'none above' = no cheat kind is caught by this threshold alone at its median; 'beyond' =")
+    print("honest rollouts this threshold alone rejects, and the honest values' 99.9 % quantile")
     for name in (str(d)[6:] for d in dtypes):
         t = run_spec(args, DTYPES[name]).toploc
         print(f"{name} workers' run:")
-        print(f"  {'threshold':40}{'value':>10}{'worst honest':>14}{'margin':>9}  nearest cheat above (median)   | cheats' medians")
+        print(f"  {'threshold':40}{'value':>10}{'worst honest':>14}{'margin':>10}{'99.9 %':>10}{'beyond':>8}  nearest cheat above (median)"
+              "   | cheats' medians")
         for title, attr, fld in table:
             value = float(getattr(t, fld))
-            worst = max(getattr(honest[name], attr), default=0.0)
+            values = getattr(honest[name], attr)
+            worst = max(values, default=0.0)
+            q999 = statistics.quantiles(values, n=1000)[-1] if len(values) > 1 else worst
+            # the near-tie share rejects d ≥ 1 differing tokens of T iff (d − 1) / T ≥ the share; the others reject above the value
+            beyond = sum(v >= value for v in values if v > 0) if attr == "tie_share" else sum(v > value for v in values)
             per_kind = {k: statistics.median(getattr(v, attr)) for k, v in cheats[name].items() if getattr(v, attr)}
             above = {k: m for k, m in per_kind.items() if m > value}
             nearest = min(above.items(), key=lambda kv: kv[1]) if above else None
             cheat = f"{nearest[0]}: ×{nearest[1] / value:.3g}" if nearest else "none above"
             margin = f"×{value / worst:.3g}" if worst > 0 else "∞"
-            print(f"  {title:40}{value:10.4g}{worst:14.4g}{margin:>10}  {cheat:30} | "
+            print(f"  {title:40}{value:10.4g}{worst:14.4g}{margin:>10}{q999:10.4g}{beyond:8d}  {cheat:30} | "
                   + ", ".join(f"{k} {m:.3g}" for k, m in per_kind.items()))
     print(f"wall time {time.perf_counter() - t_start:.0f} s; load average (1, 5, 15 min) at start {load_start[0]:.1f} {load_start[1]:.1f} "
           f"{load_start[2]:.1f}, at the end " + " ".join(f"{x:.1f}" for x in os.getloadavg()))
