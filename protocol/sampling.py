@@ -105,6 +105,9 @@ of the validator's cumulative distribution (probability units); a run's is ``top
 DEFAULT_MAX_NEAR_TIE_FRACTION = MAX_NEAR_TIE_FRACTION_DEFAULT
 """Near-tie mismatches tolerated per completion: at most ``ceil(fraction · T)`` of T tokens; a run's
 is ``toploc.max_near_tie_fraction``."""
+EXP_FLOOR = -87.0
+"""Lower clamp of ``(x − max x) / T`` before ``exp`` in ``icdf-v1``: ``e^-87 ≈ 1.6e-38`` is just above
+float32's smallest normal (1.18e-38), so no weight is subnormal (slow arithmetic on CPUs)."""
 DEFAULT_NUCLEUS_SLACK = 1e-3
 """Probability slack when deciding whether a claimed token lies inside the validator's nucleus."""
 DEFAULT_MIN_EOS_PROB = 0.1
@@ -479,14 +482,18 @@ def _icdf_fallback(e: torch.Tensor, keep: torch.Tensor, u: torch.Tensor, eos_idx
 
 
 def _icdf_weights(x: torch.Tensor, temperature: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``icdf-v1`` weights ``w = exp((x − max x) / T)`` in float32 (relative error ~1e-7, far
-    inside the replay tolerance) and ``max x / T`` in float64, from ``[B, V]`` float32 logits;
-    written into ``out`` (which may be ``x`` itself) when given."""
+    """``icdf-v1`` weights ``w = exp(max((x − max x) / T, −87))`` in float32 (relative error ~1e-7,
+    far inside the replay tolerance) and ``max x / T`` in float64, from ``[B, V]`` float32 logits;
+    written into ``out`` (which may be ``x`` itself) when given.
+
+    The floor :data:`EXP_FLOOR` keeps every weight a normal float32 (≥ e^-87 ≈ 1.6e-38): below it
+    ``exp`` returns subnormals or underflows, which made the check on peaked logits 4-8× slower on
+    x86 CPUs (docs/toploc.md §5.2). It moves no CDF edge by more than ``V · e^-87`` of the total."""
     mx = x.amax(dim=-1, keepdim=True)  # [B, 1]
     e = torch.sub(x, mx) if out is None else torch.sub(x, mx, out=out)
     if temperature != 1.0:
         e.mul_(1.0 / temperature)
-    return e.exp_(), mx.to(torch.float64) / temperature
+    return e.clamp_(min=EXP_FLOOR).exp_(), mx.to(torch.float64) / temperature
 
 
 def _icdf_rows_per_block(vocab: int) -> int:
