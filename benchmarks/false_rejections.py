@@ -134,9 +134,10 @@ def worker_copy(policy: torch.nn.Module, attn: str, dtype: torch.dtype) -> torch
     return copy_
 
 
-BF16_DEFAULTS = {"replay_eps": 0.05, "max_near_tie_fraction": 0.5, "logprob_max_abs": 1.0, "logprob_mean_abs": 0.5}
-"""The bf16 workers' run spec ``toploc.*`` tolerances (the float32 run uses the defaults), chosen from
-this benchmark's bf16 rows with a margin over the worst honest value (``docs/toploc.md`` §10)."""
+BF16_DEFAULTS = {"replay_eps": 0.5, "max_near_tie_fraction": 0.5, "logprob_max_abs": 1.0, "logprob_mean_abs": 0.5}
+"""The bf16 workers' run spec ``toploc.*`` tolerances (the float32 run uses the defaults), from this
+benchmark's bf16 rows: ``replay_eps`` is the largest the spec accepts, and honest bf16 gaps still
+reached 0.96 in one run of 6,144 rollouts (``docs/toploc.md`` §10: no ε separates bf16 noise)."""
 
 
 def run_spec(args: argparse.Namespace, dtype: torch.dtype) -> RunSpec:
