@@ -73,6 +73,7 @@ from protocol.presence import (
     split_frame,
     unpack_envelopes,
 )
+from protocol.ratelimit import RateLimiter, TokenBucket
 
 logger = logging.getLogger(__name__)
 
@@ -139,21 +140,6 @@ for over 2 minutes)."""
 HELD_ROSTERS_MAX_BYTES = 64 * 1024 * 1024
 """Bytes of hubs' roster entries a fetcher keeps to apply deltas to (beyond it, the hubs fetched
 longest ago are fetched whole next time): anyone may run a relay, so their number is not bounded."""
-
-
-class TokenBucket:
-    """``burst`` tokens, refilled at ``rate`` per second; :meth:`take` spends ``cost`` if there are that many."""
-
-    def __init__(self, rate: float, burst: float, now: float) -> None:
-        self.rate, self.burst, self.tokens, self.at = rate, burst, burst, now
-
-    def take(self, now: float, cost: float = 1.0) -> bool:
-        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens >= cost:
-            self.tokens -= cost
-            return True
-        return False
 
 
 class StreamReader:
@@ -253,8 +239,10 @@ class PresenceHub:
         self._roster_dirty = True
         self._roster: tuple[int, bytes] = (0, b"")
         self._rosters: OrderedDict[bytes, tuple[bytes, list[bytes]]] = OrderedDict()  # ID → (packed, entries)
-        self._roster_budget: dict[PeerId, TokenBucket] = {}
-        self._opens: dict[PeerId, TokenBucket] = {}  # peer → its budget of stream opens
+        # per-peer budgets, the least recently used forgotten past 4 × the workers a hub holds
+        self._roster_budget = RateLimiter(ROSTER_REQUESTS_PER_INTERVAL / self.interval_s, ROSTER_REQUEST_BURST,
+                                          max_peers=4 * max_attached)
+        self._opens = RateLimiter(OPENS_PER_INTERVAL / self.interval_s, OPEN_BURST, max_peers=4 * max_attached)
         self._view = b""
         self._view_version = 0
         self._view_changed = trio.Event()
@@ -428,12 +416,7 @@ class PresenceHub:
         """Whether ``peer`` may open another presence stream now (:data:`OPENS_PER_INTERVAL`). One
         over it is closed before anything is sent, and the peer is not banned for it: a full hub
         closes honest workers' streams too, and they open them again every second."""
-        budget = self._opens.get(peer)
-        if budget is None:
-            if len(self._opens) > 4 * self.max_attached:
-                self._opens.clear()
-            budget = self._opens[peer] = TokenBucket(OPENS_PER_INTERVAL / self.interval_s, OPEN_BURST, now)
-        if budget.take(now):
+        if self._opens.allow(peer, now_s=now):
             return True
         self.counters["opens_over_budget"] += 1
         return False
@@ -446,13 +429,8 @@ class PresenceHub:
     async def _handle_roster(self, stream: INetStream) -> None:
         peer = _peer_of(stream)
         now = self._clock()
-        budget = self._roster_budget.get(peer)
-        if budget is None:
-            if len(self._roster_budget) > 4 * self.max_attached:
-                self._roster_budget.clear()
-            budget = self._roster_budget[peer] = TokenBucket(ROSTER_REQUESTS_PER_INTERVAL / self.interval_s, ROSTER_REQUEST_BURST, now)
         try:
-            if not budget.take(now):
+            if not self._roster_budget.allow(peer, now_s=now):
                 self.counters["roster_over_budget"] += 1
                 return
             with trio.move_on_after(ROSTER_TIMEOUT_S):

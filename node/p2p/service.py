@@ -57,13 +57,14 @@ from node.p2p.gossip import (
 )
 from node.p2p.host import P2PHost
 from node.p2p.peers import KEY_CHECKED_ROLES, PeerTable, Vouchers
-from node.p2p.presence import PresenceClient, PresenceHub, RosterFetcher, TokenBucket, unpack_view
+from node.p2p.presence import PresenceClient, PresenceHub, RosterFetcher, unpack_view
 from protocol.content import content_id
 from protocol.envelope import Envelope, open_envelope, seal
 from protocol.errors import DecodeError, ProtocolError, SchemaError
 from protocol.identity import NodeKey, PeerId
 from protocol.messages import HUB_ROLES, CheckpointAnnouncement, Hardware, Message, NodeRecord, Role
 from protocol.presence import fit_view, pack_envelopes
+from protocol.ratelimit import RateLimiter
 from protocol.runspec import RunSpec
 
 if TYPE_CHECKING:
@@ -201,7 +202,9 @@ class GossipNode:
         self._presence_client: PresenceClient | None = None  # trio side
         self._fetcher: RosterFetcher | None = None  # trio side
         self._view_cache: OrderedDict[bytes, Envelope[Message]] = OrderedDict()  # trio side
-        self._forward_budget: dict[str, TokenBucket] = {}  # trio side
+        # trio side: each forwarder's budget of node records (the least recently heard forgotten past 4 × max_peers)
+        per_interval = float(self.config.max_records_per_interval)
+        self._forward_budget = RateLimiter(per_interval / self.heartbeat_interval_s, per_interval, max_peers=4 * self.config.max_peers)
         self._bridge = bridge
         self._owns_bridge = bridge is None
         self._host: P2PHost | None = None
@@ -763,19 +766,12 @@ class GossipNode:
         return True
 
     def _make_validator(self, kind: TopicKind, host: P2PHost) -> Callable[[ID, rpc_pb2.Message], bool]:
-        interval_s = self.heartbeat_interval_s
         per_interval = float(self.config.max_records_per_interval)
 
         def over_rate(sender: str) -> bool:
             """Node records past the forwarder's budget are dropped before any check (minting costs
             the sender its score, and us almost nothing)."""
-            now = trio.current_time()
-            budget = self._forward_budget.get(sender)
-            if budget is None:
-                if len(self._forward_budget) > 4 * self.config.max_peers:
-                    self._forward_budget.clear()
-                budget = self._forward_budget[sender] = TokenBucket(per_interval / interval_s, per_interval, now)
-            return not budget.take(now)
+            return not self._forward_budget.allow(sender, now_s=trio.current_time())
 
         def validate(forwarder: ID, msg: rpc_pb2.Message) -> bool:
             sender = PeerId(forwarder.to_base58())

@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from trainer.ingest.limits import RateLimiter
+from protocol.ratelimit import RateLimiter
 
 ASSETS = {"style.css": "text/css", "common.js": "text/javascript", "run.js": "text/javascript", "node.js": "text/javascript",
           "icon.svg": "image/svg+xml"}

@@ -43,7 +43,7 @@ from node.p2p.bridge import TrioBridge
 from node.p2p.host import P2PHost, parse_peer_addr
 from node.p2p.presence import ENTRY_CHECK_BURST, ENTRY_CHECKS_PER_S, OPEN_BURST, OVER_BUDGET_LIMIT, VIEW_BURST, StreamReader
 from protocol.envelope import seal
-from protocol.identity import NodeKey
+from protocol.identity import NodeKey, PeerId
 from protocol.messages import NodeRecord
 from protocol.presence import (
     LENGTH_BYTES,
@@ -294,3 +294,18 @@ async def test_minted_hub_records_neither_queue_roster_fetches_nor_stay_remember
                 await attacker.stop()
     finally:
         hole.close()
+
+
+def test_fresh_identities_do_not_refill_a_peers_spent_open_budget() -> None:
+    """A peer that spent its presence-stream opens stays refused while thousands of other identities
+    open streams: the hub forgets only its least recently used budgets (the budgets used to be
+    cleared whole past 4 × the hub's workers, so minting 9 identities gave a flooder a fresh burst)."""
+    from node.p2p.presence import PresenceHub
+
+    hub = PresenceHub(b"r" * 32, peer_id=PeerId("hub"), heartbeat_interval_s=2.0, check_record=lambda raw: None,  # type: ignore[arg-type, return-value]
+                      on_attach=lambda env: None, on_detach=lambda p: None, ban=lambda p: None, max_attached=2, clock=lambda: 0.0)
+    flooder = PeerId("flooder")
+    assert all(hub._may_open(flooder, 0.0) for _ in range(int(OPEN_BURST)))
+    for i in range(1000):
+        assert hub._may_open(PeerId(f"sybil-{i}"), 0.0)
+        assert not hub._may_open(flooder, 0.0), f"the flooder's budget came back after {i + 1} new identities"

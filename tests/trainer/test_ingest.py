@@ -242,7 +242,7 @@ def test_acked_submission_survives_crash_and_orphans_are_recovered(tmp_path):
 
 
 def test_rate_limiter():
-    from trainer.ingest.limits import RateLimiter
+    from protocol.ratelimit import RateLimiter
 
     rl = RateLimiter(rate_per_s=1.0, burst=2.0)
     assert rl.allow("a", now_s=0.0) and rl.allow("a", now_s=0.0)

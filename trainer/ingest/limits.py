@@ -1,63 +1,12 @@
-"""The ingest's bounds (:class:`IngestLimits`) and its per-peer token buckets (:class:`RateLimiter`)."""
+"""The ingest's bounds (:class:`IngestLimits`); its per-peer token buckets are :class:`protocol.ratelimit.RateLimiter`."""
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from protocol.messages import Submission
 from trainer.ledger.ban_rule import MAX_PENDING_RECHECKS
 from trainer.ledger.ledger import Quotas
-
-
-@dataclass
-class _Bucket:
-    tokens: float
-    updated_s: float
-
-
-@dataclass
-class RateLimiter:
-    """Token buckets keyed by peer.
-
-    Attributes:
-        rate_per_s: tokens refilled per second.
-        burst: bucket capacity (tokens).
-        max_peers: buckets kept; the least recently used are forgotten beyond it (in O(1): the
-            buckets are kept in order of use, so a full limiter costs a new peer no more than a
-            known one; a scan for the oldest cost ≈ 10–90 ms per new address at 100,000, which
-            a flood of fresh addresses or free keys turned into a stalled event loop).
-    """
-
-    rate_per_s: float
-    burst: float
-    max_peers: int = 100_000
-    _buckets: OrderedDict[str, _Bucket] = field(default_factory=OrderedDict)
-
-    def allow(self, peer: str, cost: float = 1.0, now_s: float | None = None) -> bool:
-        """Take ``cost`` tokens from ``peer``'s bucket; ``False`` (and nothing taken) if too few."""
-        now = time.monotonic() if now_s is None else now_s
-        b = self._buckets.get(peer)
-        if b is None:
-            if len(self._buckets) >= self.max_peers:
-                self._buckets.popitem(last=False)  # the least recently used
-            b = self._buckets[peer] = _Bucket(self.burst, now)
-        else:
-            self._buckets.move_to_end(peer)
-        b.tokens = min(self.burst, b.tokens + (now - b.updated_s) * self.rate_per_s)
-        b.updated_s = now
-        if b.tokens < cost:
-            return False
-        b.tokens -= cost
-        return True
-
-    def retry_after_s(self, peer: str, cost: float = 1.0) -> float:
-        """Seconds until ``peer`` could spend ``cost`` tokens."""
-        b = self._buckets.get(peer)
-        if b is None or b.tokens >= cost:
-            return 0.0
-        return (cost - b.tokens) / self.rate_per_s
 
 
 @dataclass

@@ -52,11 +52,12 @@ from protocol.ingest_api import (
     pack_lease_answer,
 )
 from protocol.messages import LeaseRequest, Submission, Verdict
+from protocol.ratelimit import RateLimiter
 from protocol.rollout import submission_decode_limits
 from protocol.runspec import RunSpec
 from trainer.errors import Refused
 from trainer.ingest.body import BodyBudget, BodyError, Ticket, read_body
-from trainer.ingest.limits import IngestLimits, RateLimiter
+from trainer.ingest.limits import IngestLimits
 from trainer.ingest.status import IngestMetrics, IngestStatus
 from trainer.ledger.ban_rule import BanRule, Recheck
 from trainer.ledger.bans import BanBook
