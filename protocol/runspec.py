@@ -106,8 +106,8 @@ class ToplocSpec(_Section):
     chunk_size: Annotated[int, Field(ge=1, le=1024, description="tokens per proof")] = 32
     topk: Annotated[int, Field(ge=1, le=1024)] = 128
     max_mismatches: Annotated[int, Field(ge=0, le=1024)] = 38
-    max_mant_err_mean: Annotated[float, Field(ge=0.0)] = 10.0
-    max_mant_err_median: Annotated[float, Field(ge=0.0)] = 8.0
+    max_mant_err_mean: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 10.0  # inf: no spec could be hashed (canonical msgpack)
+    max_mant_err_median: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 8.0
     eos_min_prob: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
     logprob_max_abs: Annotated[
         float,
@@ -358,13 +358,20 @@ def parse_run_spec(text: str, *, require_signature: bool = True) -> SignedRunSpe
     """Parse, validate and verify a run spec.
 
     Raises:
-        RunSpecError: bad TOML, a schema violation (naming the field), a missing or wrong
+        RunSpecError: over :data:`MAX_SPEC_BYTES`, bad TOML (nested too deeply, an integer of
+            thousands of digits), a schema violation (naming the field), a missing or wrong
             signature, or a ``run_id`` line that does not match the content.
     """
+    if len(text) > MAX_SPEC_BYTES:  # characters: at least as many bytes
+        raise RunSpecError(f"run spec of {len(text)} characters is over the {MAX_SPEC_BYTES}-byte limit")
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise RunSpecError(f"run spec is not valid TOML: {e}") from e
+    except RecursionError:  # tomllib recurses once per nesting level: 1,000 '[' in a row
+        raise RunSpecError("run spec is not valid TOML: arrays or tables nested too deeply") from None
+    except ValueError as e:  # an integer over Python's 4,300-digit conversion limit
+        raise RunSpecError(f"run spec is not valid TOML: {str(e)[:120]}") from None
     sig_table = doc.pop("signature", None)
     try:
         spec = RunSpec.model_validate(doc)
