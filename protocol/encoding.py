@@ -85,6 +85,11 @@ class DecodeLimits:
         max_array_len: most elements in one array.
         max_map_len: most entries in one map.
         max_depth: deepest container nesting (a scalar at top level is depth 0).
+        max_containers: most arrays and maps in the whole value, counted as the decoder builds
+            them. The C decoder checks nesting only against its own stack (1,024 levels) and the
+            depth limit is checked after the value is built, so without this bound a body within
+            every other limit could be nothing but empty arrays: one Python list (≈ 64 bytes) per
+            input byte, 1.2 GB for an 8 MiB roster answer.
     """
 
     max_bin_len: int
@@ -92,12 +97,17 @@ class DecodeLimits:
     max_array_len: int
     max_map_len: int
     max_depth: int = MAX_DEPTH
+    max_containers: int = 1 << 62
 
     @classmethod
     def generic(cls, max_size: int) -> DecodeLimits:
         """Limits for a value without a schema: bins/strs up to ``max_size``, ≤ 65,536 array
-        elements and ≤ 1,024 map entries."""
-        return cls(max_size, max_size, min(max_size, 1 << 16), min(max_size, 1 << 10), MAX_DEPTH)
+        elements, ≤ 1,024 map entries and ≤ 65,536 containers in all."""
+        return cls(max_size, max_size, min(max_size, 1 << 16), min(max_size, 1 << 10), MAX_DEPTH, min(max_size, 1 << 16))
+
+
+class _TooManyContainers(Exception):
+    """Raised inside the decoder's hooks to stop it at the container budget."""
 
 
 def unpackb(data: bytes, max_size: int, limits: DecodeLimits | None = None, *, canonical: bool = True) -> Any:
@@ -117,7 +127,8 @@ def unpackb(data: bytes, max_size: int, limits: DecodeLimits | None = None, *, c
 
     Raises:
         DecodeError: oversized, truncated, trailing bytes, invalid UTF-8, extension types,
-            a container/bin/str over ``limits``, too deep, or not in canonical form.
+            a container/bin/str over ``limits``, more containers than ``limits.max_containers``
+            (stopped when the next one is built), too deep, or not in canonical form.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise DecodeError(f"expected bytes, got {type(data).__name__}")
@@ -127,6 +138,18 @@ def unpackb(data: bytes, max_size: int, limits: DecodeLimits | None = None, *, c
     if not data:
         raise DecodeError("empty message")
     lim = limits or DecodeLimits.generic(max_size)
+    hooks: dict[str, Any] = {}
+    if lim.max_containers < len(data):  # each container takes at least one byte: a larger budget never binds
+        left = lim.max_containers
+
+        def count(container: Any) -> Any:
+            nonlocal left
+            left -= 1
+            if left < 0:
+                raise _TooManyContainers
+            return container
+
+        hooks = {"list_hook": count, "object_hook": count}
     try:
         obj = msgpack.unpackb(
             data,
@@ -138,7 +161,10 @@ def unpackb(data: bytes, max_size: int, limits: DecodeLimits | None = None, *, c
             max_array_len=min(lim.max_array_len, max_size),
             max_map_len=min(lim.max_map_len, max_size),
             max_ext_len=0,
+            **hooks,
         )
+    except _TooManyContainers:
+        raise DecodeError(f"more than {lim.max_containers} arrays and maps in one message") from None
     except msgpack.ExtraData as e:
         raise DecodeError("trailing bytes after the message") from e
     except RecursionError as e:

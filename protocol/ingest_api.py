@@ -168,6 +168,13 @@ def pack_lease_answer(submissions: list[bytes], trainer_step: int) -> bytes:
     return encoding.packb({"submissions": list(submissions), "trainer_step": int(trainer_step)})
 
 
+def _no_container(_: object) -> object:
+    """Decoder hook of :class:`LeaseAnswerReader`: its arrays and maps are read as headers, so one
+    built by ``unpack()`` stands where a submission (bin) or the trainer step (int) belongs. Refused
+    as soon as the first is complete: a 32 MiB tree of empty arrays there took ≈ 2 GB to build."""
+    raise DecodeError("lease answer holds an array or map where a submission or the trainer step belongs")
+
+
 class LeaseAnswerReader:
     """Decodes the answer to a lease request for ``limit`` submissions as its bytes arrive.
 
@@ -190,7 +197,7 @@ class LeaseAnswerReader:
         self.received = 0
         self._unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=Submission.MAX_BYTES + (2 << 20),
                                           max_bin_len=Submission.MAX_BYTES, max_str_len=16, max_array_len=limit, max_map_len=2,
-                                          max_ext_len=0)
+                                          max_ext_len=0, list_hook=_no_container, object_hook=_no_container)
         self._stage = "map"
         self._n_keys = 0
         self._keys: list[str] = []

@@ -394,7 +394,42 @@ def decode_limits(cls: type[Message]) -> DecodeLimits:
     acc = {"bin": 0, "str": 0, "array": 0, "map": 0, "depth": 0}
     _walk(cls, [], 0, acc)
     return DecodeLimits(max_bin_len=acc["bin"], max_str_len=acc["str"], max_array_len=acc["array"], max_map_len=acc["map"],
-                        max_depth=acc["depth"])
+                        max_depth=acc["depth"], max_containers=max_containers(cls))
+
+
+def max_containers(cls: type[BaseModel], lengths: dict[str, int] | None = None) -> int:
+    """Most arrays and maps a body of message type (or part) ``cls`` holds, itself included, with
+    every list and dict at its schema's ``max_length``, or (list fields of ``cls`` named in
+    ``lengths``) at the length given there (:class:`protocol.encoding.DecodeLimits`)."""
+    if not lengths:
+        return _containers(cls, [])
+    total = 1 + _EXTRA_FIELDS_SLACK
+    for name, f in cls.model_fields.items():
+        if name in lengths and typing.get_origin(f.annotation) is list:
+            total += 1 + lengths[name] * _containers(typing.get_args(f.annotation)[0], [])
+        else:
+            total += _containers(f.annotation, f.metadata)
+    return total
+
+
+def _containers(tp: Any, metadata: list[Any]) -> int:
+    """Most arrays and maps a valid value of type ``tp`` holds (itself included), plus an empty
+    one in each of a model's :data:`_EXTRA_FIELDS_SLACK` unknown fields (so the schema, not the
+    decoder, names an unknown field)."""
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        base, *extra = typing.get_args(tp)
+        return _containers(base, list(metadata) + [m for e in extra for m in (getattr(e, "metadata", None) or [e])])
+    if origin in (typing.Union, types.UnionType):
+        return max(_containers(arg, metadata) for arg in typing.get_args(tp))
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return 1 + _EXTRA_FIELDS_SLACK + sum(_containers(f.annotation, f.metadata) for f in tp.model_fields.values())
+    n = _max_len(metadata) or 0
+    if origin is list:
+        return 1 + n * _containers(typing.get_args(tp)[0], [])
+    if origin is dict:
+        return 1 + n * _containers(typing.get_args(tp)[1], [])
+    return 0
 
 
 BODY_LIMITS: dict[str, DecodeLimits] = {tag: decode_limits(cls) for tag, cls in MESSAGE_TYPES.items()}

@@ -191,7 +191,8 @@ def unpack_envelopes(data: bytes, *, max_entries: int, max_bytes: int) -> list[b
     Raises:
         DecodeError: over a bound, not canonical msgpack, not an array of bins, or duplicates.
     """
-    limits = encoding.DecodeLimits(max_bin_len=ENVELOPE_MAX_BYTES, max_str_len=0, max_array_len=max_entries, max_map_len=0, max_depth=1)
+    limits = encoding.DecodeLimits(max_bin_len=ENVELOPE_MAX_BYTES, max_str_len=0, max_array_len=max_entries, max_map_len=0, max_depth=1,
+                                   max_containers=1)
     obj = encoding.unpackb(data, max_bytes, limits)
     if not isinstance(obj, list) or not all(isinstance(e, bytes) for e in obj):
         raise DecodeError("expected an array of envelope bins")
@@ -306,7 +307,7 @@ def read_roster_answer(roster_id: bytes, answer: bytes, held: dict[bytes, bytes]
     if held is None:
         raise DecodeError("a roster delta, but no roster was held")
     limits = encoding.DecodeLimits(max_bin_len=ENVELOPE_MAX_BYTES, max_str_len=0, max_array_len=ROSTER_MAX_ENTRIES,
-                                   max_map_len=0, max_depth=2)
+                                   max_map_len=0, max_depth=2, max_containers=3)
     obj = encoding.unpackb(body, ROSTER_MAX_BYTES, limits)
     if not (isinstance(obj, list) and len(obj) == 2 and all(isinstance(part, list) for part in obj)):
         raise DecodeError("a roster delta is [gone, new]")

@@ -22,7 +22,7 @@ import numpy.typing as npt
 from protocol import sampling
 from protocol.encoding import DecodeLimits
 from protocol.identity import PeerId
-from protocol.messages import BODY_LIMITS, Submission
+from protocol.messages import BODY_LIMITS, Submission, max_containers
 from protocol.runspec import RunSpec
 from protocol.tasks import Task, build_messages, build_prompt_text, derive_task_indices
 
@@ -120,12 +120,15 @@ def submission_decode_limits(spec: RunSpec) -> DecodeLimits:
     ``⌈max_tokens / chunk_size⌉`` proofs; every other bound is the schema's
     (:data:`protocol.messages.BODY_LIMITS`). The schema alone allows 65,536-element arrays, so a
     signed 31 MB body of 240 rollouts × 65,536 empty proofs made a node build 16 M objects
-    (≈ 6 s and ≈ 330 MB to decode); under these bounds the C decoder refuses it at once.
+    (≈ 6 s and ≈ 330 MB to decode); under these bounds the C decoder refuses it at once. Arrays
+    of 16 nested deeper than the schema allows made the same per byte (the depth is checked after
+    the value is built): the container budget stops them at an honest submission's count.
     """
     base = BODY_LIMITS[Submission.TYPE]
     n_tasks = spec.data.tasks_per_submission
     longest = max(n_tasks, n_tasks * spec.rl.group_size, -(-spec.sampling.max_tokens // spec.toploc.chunk_size))
-    return dataclasses.replace(base, max_array_len=min(base.max_array_len, longest))
+    containers = max_containers(Submission, {"tasks": n_tasks, "rollouts": n_tasks * spec.rl.group_size})
+    return dataclasses.replace(base, max_array_len=min(base.max_array_len, longest), max_containers=min(base.max_containers, containers))
 
 
 def completion_text(tokenizer: Any, completion_ids: Sequence[int], eos_id: int | None) -> str:

@@ -27,6 +27,7 @@ from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
 from protocol.messages import BanList, LeaseRequest, Submission, Verdict
 from protocol.models import load_model, load_tokenizer
+from protocol.rollout import submission_decode_limits
 from protocol.runspec import SignedRunSpec
 from protocol.window import retained_steps
 from validator.ledger import Ledger
@@ -108,6 +109,7 @@ class ValidatorNode:
         self.banned: set[str] = set()
         self._stop = asyncio.Event()
         self.ingest = IngestClient(self.ingest_urls, timeout_s=60.0)
+        self._body_limits = submission_decode_limits(self.spec)
         self._lease_retry_after_s = 0.0
         self.state = "starting"
         self.checked = 0
@@ -191,7 +193,8 @@ class ValidatorNode:
 
     async def _judge(self, blob: bytes) -> None:
         try:
-            env = open_envelope(blob, run_id=self.signed.run_id, expect=Submission)
+            # the ingest's bounds (no array longer than an honest submission's): a lease answer is unsigned
+            env = open_envelope(blob, run_id=self.signed.run_id, expect=Submission, body_limits=self._body_limits)
         except ProtocolError as e:
             logger.warning("ingest handed out an invalid submission: %s", e)
             return
