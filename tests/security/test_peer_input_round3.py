@@ -5,6 +5,7 @@ has built what the bytes describe (tracemalloc peak) and with an error naming wh
 from __future__ import annotations
 
 import struct
+import time
 import tracemalloc
 from collections.abc import Callable
 from typing import Any
@@ -187,3 +188,53 @@ def test_run_spec_decoder_bounds_its_work_and_names_the_field(text: str, why: st
     text = text.replace("{c}", NodeKey.from_seed(b"c" * 32).peer_id)
     with pytest.raises(RunSpecError, match=why):
         parse_run_spec(text, require_signature=False)
+
+
+@pytest.mark.integration
+async def test_a_dribbled_presence_frame_ends_its_attachment_and_a_huge_length_is_refused_unread() -> None:
+    """Live on 127.0.0.1: a worker sends its record, then the length of an 8 KiB frame and one byte
+    of it every 0.1 s; its hub drops it once no whole frame came for the beat timeout (3 s at a
+    0.2 s heartbeat) and answers its own callers meanwhile. A peer whose frame length says 4 GiB is
+    cut off at the 4 length bytes."""
+    import sys
+    from pathlib import Path
+
+    import trio
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "node"))
+    from p2p_helpers import Run, shared_bridge, swarm  # noqa: I001 - the p2p test factories live in tests/node
+    from test_p2p_presence import banned, counter, open_presence, raw_host, worker_record
+    from waiting import wait_until
+
+    from protocol.presence import RECORD, WORKER_FRAME_MAX_BYTES, frame
+
+    run = Run(heartbeat_s=0.2)
+    async with shared_bridge() as bridge, swarm(run, [("relay", None)], bridge=bridge) as (relay,):
+        hub = relay._presence_hub
+        assert hub is not None
+        async with raw_host(bridge) as (w_key, w):
+            stream = await open_presence(bridge, w, relay)
+            await bridge.run(stream.write, frame(RECORD, worker_record(w_key, run)), timeout_s=5)
+            await wait_until(lambda: w_key.peer_id in relay.peers, 10.0, "the dribbler attached")
+            await bridge.run(stream.write, WORKER_FRAME_MAX_BYTES.to_bytes(4, "big"), timeout_s=5)
+
+            async def dribble(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                task_status.started(None)
+                with trio.move_on_after(15):
+                    for _ in range(WORKER_FRAME_MAX_BYTES):
+                        await stream.write(b"\x01")
+                        await trio.sleep(0.1)
+
+            task = await bridge.start_task(dribble, timeout_s=5)
+            try:
+                started = time.monotonic()
+                await wait_until(lambda: w_key.peer_id not in hub.attached(), 12.0, "the dribbler detached")
+                assert time.monotonic() - started < 3 * hub.beat_timeout_s
+                assert await counter(relay, "beat_timeouts") >= 1
+            finally:
+                await task.cancel()
+        async with raw_host(bridge) as (m_key, m):
+            stream = await open_presence(bridge, m, relay)
+            await bridge.run(stream.write, b"\xff\xff\xff\xff", timeout_s=5)
+            await wait_until(lambda: banned(relay, m_key), 10.0, "the 4 GiB frame's sender cut off")
+            assert await counter(relay, "refused_malformed") == 1
