@@ -238,3 +238,35 @@ async def test_a_dribbled_presence_frame_ends_its_attachment_and_a_huge_length_i
             await bridge.run(stream.write, b"\xff\xff\xff\xff", timeout_s=5)
             await wait_until(lambda: banned(relay, m_key), 10.0, "the 4 GiB frame's sender cut off")
             assert await counter(relay, "refused_malformed") == 1
+
+
+_S, _TS = msgpack.packb("submissions"), msgpack.packb("trainer_step")
+
+
+@pytest.mark.parametrize("data, why", [
+    (b"\x82" + _S + b"\xdd\xff\xff\xff\xff\xc4\x01x", "more than the 4 asked for"),  # a huge count, a tiny body
+    (b"\x82" + _S + b"\x91\xc6\x00\x00\x10\x00" + b"x" * 10, "cut short"),  # a bin that says more than follows
+    (b"\x83" + _S + b"\x90" + _TS + b"\x00" + msgpack.packb("x") + b"\x00", "is not"),
+    (b"\x82" + _TS + b"\x00" + _S + b"\x90", "where 'submissions' belongs"),
+    (b"\x82" + _S + b"\x90" + _TS + b"\xc3", "not an int"),
+    (b"\x82" + _S + b"\x90" + _TS + b"\xcf" + b"\xff" * 8, "not an int"),
+    (b"\x82" + _S + b"\x90" + _TS + b"\xcb\x7f\xf8" + bytes(6), "not an int"),  # NaN
+    (b"\x82" + _S + b"\x90" + _TS + b"\x00" + bytes(5), "trailing bytes"),
+    (b"\x82" + _S + b"\x91\xd4\x01\x00", "max_ext_len"),
+])
+def test_lease_answers_that_lie_about_sizes_or_types_are_refused(data: bytes, why: str) -> None:
+    reader = LeaseAnswerReader(4)
+    with pytest.raises(DecodeError, match=why):
+        reader.feed(data)
+        reader.result()
+
+
+def test_a_lease_answer_bin_claiming_4_gib_stops_at_the_reader_buffer() -> None:
+    reader = LeaseAnswerReader(4)
+    reader.feed(b"\x82" + _S + b"\x91\xc6\xff\xff\xff\xff")
+    fed = 0
+    with pytest.raises(DecodeError, match="BufferFull"):
+        while fed < (64 << 20):
+            reader.feed(bytes(1 << 20))
+            fed += 1 << 20
+    assert fed <= Submission.MAX_BYTES + (2 << 20)
