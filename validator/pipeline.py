@@ -176,6 +176,9 @@ class SubmissionChecker:
                 raise Rejection("malformed", rollout=j, detail="rollouts must be task-major, samples 0..G-1")
             if ro.seed != p.seeds[ro.sample]:
                 raise Rejection("task_mismatch", rollout=j, detail="sampling seed is not the derived one")
+            # sizes before values: a 4 MiB packed array is 1 M Python ints (≈ 0.3 s, 40 MB)
+            if len(ro.prompt_ids) != 4 * len(p.prompt_ids):
+                raise Rejection("task_mismatch", rollout=j, detail="prompt tokens are not the derived prompt")
             prompt = unpack_u32(ro.prompt_ids)
             if tuple(prompt) != p.prompt_ids:
                 raise Rejection("task_mismatch", rollout=j, detail="prompt tokens are not the derived prompt")
@@ -246,6 +249,10 @@ class SubmissionChecker:
 
     def _bounds(self, j: int, ro: Any, prompt: list[int]) -> tuple[list[int], list[int], list[float]]:
         spec = self.spec
+        if not 1 <= len(ro.completion_ids) // 4 <= spec.sampling.max_tokens:  # before 1 M tokens become Python ints
+            raise Rejection("bounds", rollout=j, length=len(ro.completion_ids) // 4, max_tokens=spec.sampling.max_tokens)
+        if len(ro.logprobs) != len(ro.completion_ids):
+            raise Rejection("bounds", rollout=j, detail="one finite log-prob ≤ 0 per completion token")
         completion = unpack_u32(ro.completion_ids)
         logprobs = unpack_f32(ro.logprobs)
         n = len(completion)

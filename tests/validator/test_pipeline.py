@@ -435,3 +435,24 @@ def test_replay_tolerances_come_from_the_run_spec(world: World, honest_env: Enve
     result = SubmissionChecker(spec, world.tasks, world.tokenizer, lambda s: world.model, trainer_step=lambda: 0,
                                counter_seen=lambda w, c, sid: False).check(env)
     assert result.accepted and seen and set(seen) == {(0.03, 0.4)}
+
+
+def test_oversized_packed_arrays_are_refused_before_they_are_unpacked(world: World, honest_env: Envelope[Submission],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # 1 M tokens of completion and log-probs, or of prompt, in one validly signed rollout: refused on
+    # their byte sizes (old code: made 1-2 M Python numbers first, ≈ 0.7 s and 48 MiB per rollout)
+    import validator.pipeline as vp
+
+    seen: list[int] = []
+    for name in ("unpack_u32", "unpack_f32"):
+        def spy(data: bytes, real: Callable[[bytes], Any] = getattr(vp, name)) -> Any:
+            seen.append(len(data))
+            return real(data)
+
+        monkeypatch.setattr(vp, name, spy)
+    big = 4 << 20  # bytes: 1 M uint32 / float32
+    for env, reason in ((_edit_rollout(honest_env, 0, completion_ids=bytes(big), logprobs=bytes(big)), "bounds"),
+                        (_edit_rollout(honest_env, 0, prompt_ids=bytes(big)), "task_mismatch")):
+        seen.clear()
+        assert_rejected(world.checker().check(env), {reason})
+        assert max(seen, default=0) < big, seen
