@@ -49,8 +49,13 @@ logger = logging.getLogger(__name__)
 POLL_INTERVAL_S = 2.0
 """How often the latest manifest is polled when gossip announced nothing new, seconds."""
 RELAY_WAIT_S = 3.0
-"""After an announcement, wait up to this long for a relay to hold the step before loading the
+"""A fetch the node needs now waits up to this long for a relay to hold the step before loading the
 origin (relays exist to spare the origin's upload), seconds."""
+PREFETCH_RELAY_WAIT_S = 30.0
+"""A prefetch (started at the announcement, nothing waits on it) waits up to this long for a relay,
+seconds, and only :data:`RELAY_WAIT_S` once a :meth:`PolicyFollower.fetch` of the step needs it.
+A relay holds a step only after fetching it (and applying its delta: 10–12 s at the 0.5B profile),
+so prefetches that gave up after 3 s all loaded the origin, which relays are there to spare."""
 
 
 class PolicySources(Protocol):
@@ -99,6 +104,7 @@ class PolicyFollower:
         self._session: Any = None
         self._manifests = ManifestCache()  # verified manifests are not downloaded/decoded again; liars not re-polled
         self._prefetch: asyncio.Task[None] | None = None
+        self._needed: set[int] = set()  # steps a fetch() waits for: a prefetch of one stops waiting for relays
 
     async def close(self) -> None:
         if self._prefetch is not None:
@@ -115,7 +121,10 @@ class PolicyFollower:
         A worker learns of a new step while it generates with the old one, and a validator before
         the first submission of it arrives: fetching at once overlaps the download and delta apply
         with that work (INTELLECT-2's workers do the same), so the step is on disk when it is
-        needed. :meth:`fetch` of the same step waits for this one (one lock per step). A failure
+        needed. It waits for a relay to hold the step up to :data:`PREFETCH_RELAY_WAIT_S`, where a
+        :meth:`fetch` would wait :data:`RELAY_WAIT_S`: nothing waits on it, and every node that loads
+        the origin instead costs the origin's upload. :meth:`fetch` of the same step waits for this
+        one (one lock per step), and cuts its wait for relays to :data:`RELAY_WAIT_S`. A failure
         is logged; the next :meth:`fetch` tries again.
         """
         if self.have(step) or (self._prefetch is not None and not self._prefetch.done()):
@@ -123,7 +132,7 @@ class PolicyFollower:
 
         async def run() -> None:
             try:
-                await self.fetch(step)
+                await self._locked_fetch(step, needed=False)
             except (FetchError, NodeError, OSError) as e:
                 logger.info("prefetch of policy step %d failed: %s", step, e, extra={"step": step})
 
@@ -171,8 +180,13 @@ class PolicyFollower:
         Raises:
             FetchError: no source could provide a verified copy.
         """
+        return await self._locked_fetch(step, needed=True)
+
+    async def _locked_fetch(self, step: int, *, needed: bool) -> Path:
         entry = self._locks.setdefault(step, _StepLock(asyncio.Lock()))
         entry.users += 1
+        if needed:
+            self._needed.add(step)
         try:
             async with entry.lock:
                 return await self._fetch(step)
@@ -180,13 +194,17 @@ class PolicyFollower:
             entry.users -= 1
             if entry.users == 0:
                 del self._locks[step]
+                self._needed.discard(step)
 
     async def _fetch(self, step: int) -> Path:
         out = self.path_for(step)
         if self.have(step):
             return out
-        end = time.monotonic() + RELAY_WAIT_S
-        while self.sources.relays_lagging(step) and time.monotonic() < end:
+        t0 = time.monotonic()
+        while self.sources.relays_lagging(step):
+            waited = time.monotonic() - t0
+            if waited >= PREFETCH_RELAY_WAIT_S or (step in self._needed and waited >= RELAY_WAIT_S):
+                break
             await asyncio.sleep(0.1)
         urls = self.sources(step)
         if not urls:

@@ -364,6 +364,55 @@ async def test_follower_prefetches_a_step_and_writes_the_hold_lines(origin, poli
     assert held[0].at <= held[1].at
 
 
+class LaggingSources(StaticSources):
+    """:class:`StaticSources` whose relays lag (none holds any step) until :attr:`lagging` is cleared;
+    it records when each step was first found lagging."""
+
+    def __init__(self, urls: list[str]) -> None:
+        super().__init__(urls)
+        self.lagging = True
+        self.asked: dict[int, list[float]] = {}
+
+    def relays_lagging(self, step: int) -> bool:
+        self.asked.setdefault(step, []).append(asyncio.get_running_loop().time())
+        return self.lagging
+
+
+async def test_a_prefetch_waits_for_a_relay_longer_than_a_needed_fetch(origin, policies, tmp_path, monkeypatch):
+    """A prefetch (nothing waits on it) waits for a relay to hold the step well past the few seconds a
+    needed fetch allows, then takes it once one does; a fetch of that step cuts the wait short.
+    Before, prefetches started at the announcement gave up on relays after those seconds and loaded the
+    origin: every node at once, from the one upload relays exist to spare."""
+    import node.policy as policy
+    from node.policy import PolicyFollower
+
+    monkeypatch.setattr(policy, "RELAY_WAIT_S", 0.2)
+    monkeypatch.setattr(policy, "PREFETCH_RELAY_WAIT_S", 120.0)
+    run, store = origin
+    async with serving(store) as srv:
+        sources = LaggingSources([srv.url])
+        sources.lagging = False
+        follower = PolicyFollower(run.signed.spec, tmp_path / "policy", sources)
+        try:
+            await follower.fetch(0)
+            sources.lagging = True
+            follower.prefetch(1)
+            # waited ten times what a needed fetch waits, and still waiting for a relay
+            await wait_until(lambda: len(t := sources.asked.get(1, [])) > 1 and t[-1] - t[0] > 10 * policy.RELAY_WAIT_S)
+            assert not follower.have(1) and not follower._prefetch.done()
+            sources.lagging = False  # a relay holds it
+            await wait_until(lambda: follower.have(1))
+            sources.lagging = True
+            follower.prefetch(2)
+            await wait_until(lambda: 2 in sources.asked)
+            path = await asyncio.wait_for(follower.fetch(2), 60)  # needed now: the relay wait drops to RELAY_WAIT_S
+            t = sources.asked[2]
+            assert t[-1] - t[0] < policy.PREFETCH_RELAY_WAIT_S / 2
+        finally:
+            await follower.close()
+    assert _same_files(path, policies[2])
+
+
 async def test_relay_writes_a_hold_line_per_step(tmp_path, policies, caplog):
     from node.shardcast.events import parse_held
 
