@@ -16,7 +16,8 @@ asyncio side reaches it only through :class:`node.p2p.service.GossipNode`.
   py-libp2p's per-connection cost is high: eight nodes that all dial each other fall behind their
   own gossip on a 2-core machine (``docs/gossip.md``).
 * py-libp2p's resource manager does not limit connections (:func:`resource_manager`): its count
-  leaks and its "graceful degradation" then halves the limit, so a hub refused every new worker.
+  leaks and its "graceful degradation" then halves the limit, and its default lifecycle limits
+  (256 inbound) closed every worker past the 256th, so a hub refused new workers.
 * Bootstrap peers are dialed forever while the host runs, with exponential backoff and jitter
   (:meth:`P2PHost.keep_connected`); a node whose bootstrap peers are all down keeps serving.
 """
@@ -43,13 +44,14 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import get_content_addressed_msg_id
 from libp2p.pubsub.subscription import TrioSubscriptionAPI
 from libp2p.rcmgr import ResourceLimits, ResourceManager, new_resource_manager
+from libp2p.rcmgr.connection_limits import ConnectionLimits
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.address_validation import expand_wildcard_address
 
 from node.errors import GossipError
 from node.p2p.config import GossipConfig
 from node.p2p.router import BoundedGossipSub, CountingPubsub
-from node.p2p.transport import PerAddressCap, install_inbound_rules, muxer_options, secure_transports
+from node.p2p.transport import MAX_INBOUND_STREAMS, PerAddressCap, install_inbound_rules, muxer_options, secure_transports
 from protocol.identity import NodeKey, PeerId
 
 logger = logging.getLogger(__name__)
@@ -125,19 +127,34 @@ def parse_peer_addr(addr: str) -> PeerInfo:
         raise ValueError(f"{addr[:256]!r} is not a multiaddr ending in /p2p/<peer ID>: {why}") from None
 
 
-def resource_manager() -> ResourceManager:
-    """py-libp2p's resource manager with no connection limit of its own, no graceful degradation
-    and no circuit breaker; its stream limit (10,000 per process) and per-peer connection rate stay.
+def resource_manager(max_peers: int) -> ResourceManager:
+    """py-libp2p's resource manager with no connection limit of its own and a stream limit the
+    node's own caps reach first; no graceful degradation, no circuit breaker; its per-peer
+    connection rate (10/s, burst 50) stays.
 
     The connection limits are ours: ``max_peers`` (py-libp2p's connection config), the per-address
-    cap and the inbound slot freed when a connection closes (``node/p2p/transport.py``). py-libp2p
-    0.8's own count of connections is not given back when a connection fails while it is being
-    set up (measured: 6 counted after 30 connections had come and gone on a loaded machine), and at
-    its default limit (1,000) it "degrades": it lowers the limit, down to half, and refuses new
-    connections meanwhile. A relay carrying 500 simulated workers stopped accepting any at 258.
+    cap and the inbound slot freed when a connection closes (``node/p2p/transport.py``). What
+    py-libp2p 0.8 would add, each measured as a ceiling below ``max_peers``:
+
+    * its connection count (default 1,000) is not given back when a connection fails while it is
+      being set up (6 counted after 30 had come and gone on a loaded machine), and at the limit it
+      "degrades": lowers the limit, down to half, and refuses new connections. A relay carrying
+      500 simulated workers stopped accepting any at 258.
+    * its connection-lifecycle limits (``new_connection_limits_with_defaults``): at most 256
+      established inbound connections, 256 outbound, 1,024 in all. Past 256 a hub closed each new
+      connection after its handshake (``[ADDCONN_DENY]`` at WARNING, demoted by our log filter):
+      300 peers dialing a relay with ``max_peers`` 600 left it at 256 connections.
+    * its stream count, 10,000 per process in both directions, and a semaphore of that size that
+      new streams *wait* on: at ~4 streams per peer a hub of ~2,500 peers, or ~160 peers each
+      holding :data:`MAX_INBOUND_STREAMS`, would stall every new stream. The limit is set to
+      ``2 × MAX_INBOUND_STREAMS`` per allowed peer (inbound capped per connection, outbound ours).
+
+    Args:
+        max_peers: the node's connection cap (``GossipConfig.max_peers``).
     """
     return new_resource_manager(
-        limits=ResourceLimits(max_connections=2**62),  # py-libp2p's default streams and memory
+        limits=ResourceLimits(max_connections=2**62, max_streams=max(10_000, 2 * MAX_INBOUND_STREAMS * max_peers)),
+        connection_limits=ConnectionLimits(),  # None everywhere: the node's caps (above) are the limits
         enable_graceful_degradation=False,
         enable_circuit_breaker=False,  # a tripped breaker refuses every connection for 60 s
     )
@@ -176,7 +193,7 @@ class P2PHost:
         self.host: IHost = new_host(
             key_pair=key_pair, connection_config=connections, disable_identify_address_discovery=True,
             sec_opt=secure_transports(key_pair), muxer_opt=muxer_options(config.muxer),
-            resource_manager=resource_manager(),
+            resource_manager=resource_manager(config.max_peers),
         )
         if self.host.get_id().to_base58() != key.peer_id:
             raise GossipError(f"libp2p derived peer ID {self.host.get_id()} from key {key.peer_id}")

@@ -456,6 +456,30 @@ async def test_connections_py_libp2p_counted_and_never_gave_back_do_not_shut_a_h
             await worker.stop()
 
 
+def test_a_hub_admits_max_peers_connections_and_their_streams() -> None:
+    """py-libp2p 0.8's resource manager also enforces connection-lifecycle limits of its own (256
+    established inbound, 1,024 in all) and 10,000 streams per process: hub_bench's relay with 500
+    simulated workers and ``max_peers`` 564 held 256 connections and closed every later one after
+    its handshake. A hub admits ``max_peers`` established inbound connections, and each of them
+    the streams an honest peer opens (4), through the checks ``Swarm.add_conn`` and new streams
+    make; the node's own caps (``max_peers``, per address, per connection) are the limits."""
+    from libp2p.rcmgr import Direction
+
+    max_peers = 4096
+    host = P2PHost(NodeKey.generate(), config(max_peers=max_peers), hub=True)
+    rm = host.host.get_network()._resource_manager  # type: ignore[attr-defined]
+    lifecycle = rm.connection_lifecycle
+    addr = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/1")
+
+    async def admit() -> int:
+        for i in range(max_peers):
+            await lifecycle.handle_established_inbound_connection(f"conn-{i}", ID(i.to_bytes(8, "big")), addr, addr)
+        return int(lifecycle.tracker.get_connection_count("established_inbound"))
+
+    assert trio.run(admit) == max_peers  # old code: ResourceLimitExceeded at the 257th
+    assert sum(rm.acquire_stream(f"peer-{i % max_peers}", Direction.INBOUND) for i in range(4 * max_peers)) == 4 * max_peers  # old: 10,000
+
+
 async def test_handshakes_from_one_address_hold_at_most_max_peers_per_ip_inbound_slots() -> None:
     """Before the noise handshake no cap applied: TCP connections that never speak each held one of
     the ``max_peers`` inbound slots for py-libp2p's 10 s upgrade timeout, so one address (opening
