@@ -202,8 +202,11 @@ class GossipNode:
         self._presence_client: PresenceClient | None = None  # trio side
         self._fetcher: RosterFetcher | None = None  # trio side
         self._view_cache: OrderedDict[bytes, Envelope[Message]] = OrderedDict()  # trio side
-        # trio side: each forwarder's budget of node records (the least recently heard forgotten past 4 × max_peers)
+        # trio side: each forwarder's budgets of node records (the least recently heard forgotten past
+        # 4 × max_peers): one for records it published itself, one for records it relayed, so records
+        # minted behind an honest hub cannot spend the budget its own heartbeat record needs
         per_interval = float(self.config.max_records_per_interval)
+        self._own_budget = RateLimiter(per_interval / self.heartbeat_interval_s, per_interval, max_peers=4 * self.config.max_peers)
         self._forward_budget = RateLimiter(per_interval / self.heartbeat_interval_s, per_interval, max_peers=4 * self.config.max_peers)
         self._bridge = bridge
         self._owns_bridge = bridge is None
@@ -768,17 +771,19 @@ class GossipNode:
     def _make_validator(self, kind: TopicKind, host: P2PHost) -> Callable[[ID, rpc_pb2.Message], bool]:
         per_interval = float(self.config.max_records_per_interval)
 
-        def over_rate(sender: str) -> bool:
+        def over_rate(sender: str, published: bool) -> bool:
             """Node records past the forwarder's budget are dropped before any check (minting costs
-            the sender its score, and us almost nothing)."""
-            return not self._forward_budget.allow(sender, now_s=trio.current_time())
+            the sender its score, and us almost nothing); what it published itself and what it
+            relayed are counted apart."""
+            budget = self._own_budget if published else self._forward_budget
+            return not budget.allow(sender, now_s=trio.current_time())
 
         def validate(forwarder: ID, msg: rpc_pb2.Message) -> bool:
             sender = PeerId(forwarder.to_base58())
             try:
                 if len(msg.topicIDs) != 1:  # ours go on one topic; py-libp2p's router walks every listed one
                     raise DecodeError(f"message lists {len(msg.topicIDs)} topics, not 1")
-                if kind == "nodes" and sender != self.peer_id and over_rate(sender):
+                if kind == "nodes" and sender != self.peer_id and over_rate(sender, msg.from_id == forwarder.to_bytes()):
                     raise OverRate(f"more than {per_interval:g} node records in one heartbeat interval")
                 env = self._validator.check(kind, msg.data)
             except ProtocolError as e:

@@ -69,3 +69,48 @@ async def test_minters_behind_an_honest_relay_do_not_get_it_banned() -> None:
             assert relay._rejected["over_rate"] == 0, dict(relay._rejected)  # each minter stayed within its budget there
             assert not banned(coord, relay_key), f"the coordinator banned the honest relay: {dict(coord._rejected)}"
             assert relay.peer_id in coord.peers
+
+
+def test_records_relayed_by_a_hub_do_not_spend_the_budget_of_its_own_record() -> None:
+    """A forwarder's own records and the records it relays are budgeted apart: minters behind an
+    honest relay that use up its relayed budget at the coordinator cannot get the relay's own
+    record dropped (its liveness) or charged points; its own records past their budget still are.
+    (Seen in a fresh-clone suite run at load 7: the relay expired at the coordinator.)"""
+    from libp2p.peer.id import ID
+    from libp2p.pubsub.pb import rpc_pb2
+
+    from node.p2p.config import GossipConfig
+    from node.p2p.service import GossipNode
+
+    run = Run()
+    coord = GossipNode(run.spec, run.coordinator, GossipConfig(max_records_per_interval=4), role="coordinator")
+    relay_key = NodeKey.generate()
+    relay = ID.from_base58(relay_key.peer_id)
+    banned_ids: list[str] = []
+
+    class Host:
+        def ban(self, peer: str) -> None:
+            banned_ids.append(peer)
+
+        def message_id(self, msg: rpc_pb2.Message) -> bytes:
+            return bytes(msg.from_id) + bytes(msg.seqno)
+
+    validate = coord._make_validator("nodes", Host())  # type: ignore[arg-type]
+    topic = coord.topics["nodes"]
+    n = iter(range(1 << 20))
+
+    def record(signer: NodeKey, publisher: ID) -> rpc_pb2.Message:
+        data = seal(signer, run.spec.run_id, NodeRecord(peer_id=signer.peer_id, role="relay", seq=1, version="m"))
+        return rpc_pb2.Message(from_id=publisher.to_bytes(), data=data, seqno=next(n).to_bytes(8, "big"), topicIDs=[topic])
+
+    async def main() -> None:
+        minter = ID.from_base58(NodeKey.generate().peer_id)
+        relayed = [validate(relay, record(NodeKey.generate(), minter)) for _ in range(6)]
+        assert relayed == [True] * 4 + [False] * 2  # the relayed budget spent, the rest dropped
+        assert coord._scores.points(relay_key.peer_id) == 0.0  # relaying costs the honest relay nothing
+        assert validate(relay, record(relay_key, relay)), "the relay's own record was dropped with its relayed budget spent"
+        own = [validate(relay, record(NodeKey.generate(), relay)) for _ in range(4)]  # records it publishes itself
+        assert own == [True] * 3 + [False]
+        assert coord._scores.points(relay_key.peer_id) > 0.0 and not banned_ids
+
+    trio.run(main)
