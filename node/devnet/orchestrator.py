@@ -115,6 +115,23 @@ class DevnetResult:
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+def workers_all_banned(status: dict[str, Any], peer_ids: dict[str, str]) -> str | None:
+    """Why the run cannot go on when the coordinator has banned every worker the devnet started
+    (the adversary aside), or ``None``. No rollout can arrive after that, so the devnet stops
+    instead of waiting out its ``--timeout``.
+
+    Args:
+        status: the coordinator's ``/status`` JSON (its ``banned`` list: ``peer_id``, ``reason``).
+        peer_ids: node name → peer ID, as the devnet made the keys (``worker-<i>``, ``adversary``, …).
+    """
+    banned = {b.get("peer_id"): str(b.get("reason", "")) for b in status.get("banned") or [] if isinstance(b, dict)}
+    workers = {name: pid for name, pid in peer_ids.items() if name.startswith("worker-")}
+    if not workers or not all(pid in banned for pid in workers.values()):
+        return None
+    said = "; ".join(f"{name} ({pid[-8:]}): {banned[pid]}" for name, pid in sorted(workers.items()))
+    return f"every worker was banned, so no rollout can arrive: {said}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -364,6 +381,8 @@ class Devnet:
                 if time.monotonic() > deadline:
                     return DevnetResult(False, time.monotonic() - self.started, f"timed out after {self.o.timeout_s:.0f} s",
                                         self.status, self.node_status)
+                if (why := workers_all_banned(self.status, self.peer_ids)) is not None:
+                    return DevnetResult(False, time.monotonic() - self.started, why, self.status, self.node_status)
                 self._chaos()
                 self._tick()
                 time.sleep(STATUS_POLL_S)
