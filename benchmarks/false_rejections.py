@@ -23,10 +23,14 @@ the proofs), each statistic computed the pipeline's way on every rollout.
 The policy is a random-weight Qwen2 (vocabulary 32,768, hidden 128, 2 layers) whose final norm is
 scaled by ``--peaked`` (sharp next-token distributions, like a trained model's; ``0``: flat) and
 whose EOS row of the (untied) LM head is set so that P(EOS) varies widely over positions, so
-completions end both by EOS and by length. The float32 workers' run is the default spec; the
-bfloat16 workers' run raises the replay and log-prob tolerances (``--bf16-replay-eps``,
-``--bf16-max-near-tie-fraction``, ``--bf16-logprob-max-abs``, ``--bf16-logprob-mean-abs``; run
-spec ``toploc.*``, ``docs/toploc.md`` §6.1, §8), as a run whose workers decode in bf16 must.
+completions end both by EOS and by length. The float32 workers' run is the default spec (replay
+rule ``eps-v1``); the bfloat16 workers' run uses replay rule ``logit-bound-v1`` with the stated
+per-logit error ``--bf16-logit-bound`` (δ, nats) and raises the near-tie share and log-prob
+tolerances (``--bf16-max-near-tie-fraction``, ``--bf16-logprob-max-abs``, ``--bf16-logprob-mean-abs``;
+run spec ``toploc.*``, ``docs/toploc.md`` §6.2, §8), as a run whose workers decode in bf16 must.
+Every worker's logits at each sampled position are captured as its sampler saw them, so the
+table also prints the data δ is chosen from: each position's logit error against the validator,
+``max_v |x'_v − x_v − s|`` at the best common shift ``s`` (half the range of ``x' − x``).
 
 Example::
 
@@ -48,7 +52,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -134,16 +138,17 @@ def worker_copy(policy: torch.nn.Module, attn: str, dtype: torch.dtype) -> torch
     return copy_
 
 
-BF16_DEFAULTS = {"replay_eps": 0.5, "max_near_tie_fraction": 0.5, "logprob_max_abs": 1.0, "logprob_mean_abs": 0.5}
-"""The bf16 workers' run spec ``toploc.*`` tolerances (the float32 run uses the defaults), from this
-benchmark's bf16 rows: ``replay_eps`` is the largest the spec accepts, and honest bf16 gaps still
-reached 0.96 in one run of 6,144 rollouts (``docs/toploc.md`` §10: no ε separates bf16 noise)."""
+BF16_DEFAULTS = {"replay_logit_bound": 1.0, "max_near_tie_fraction": 0.5, "logprob_max_abs": 2.0, "logprob_mean_abs": 0.5}
+"""The bf16 workers' run spec ``toploc.*`` (the float32 run uses the defaults), from this benchmark's
+bf16 rows (``docs/toploc.md`` §10): replay rule ``logit-bound-v1`` with δ = 1.0 nats, ×1.48 the
+largest honest bf16 logit error of a first run (0.674 over the 11,428 positions of 1,536 rollouts);
+the per-token log-prob bound 2δ, the most logits within δ can move a log-prob."""
 
 
 def run_spec(args: argparse.Namespace, dtype: torch.dtype) -> RunSpec:
     toploc_spec = ToplocSpec() if dtype == torch.float32 else ToplocSpec(
-        logprob_max_abs=args.bf16_logprob_max_abs, logprob_mean_abs=args.bf16_logprob_mean_abs, replay_eps=args.bf16_replay_eps,
-        max_near_tie_fraction=args.bf16_max_near_tie_fraction)
+        logprob_max_abs=args.bf16_logprob_max_abs, logprob_mean_abs=args.bf16_logprob_mean_abs, replay_rule="logit-bound-v1",
+        replay_logit_bound=args.bf16_logit_bound, max_near_tie_fraction=args.bf16_max_near_tie_fraction)
     return RunSpec(run=RunInfo(coordinator=NodeKey.from_seed(b"c" * 32).peer_id, seed=11), model=ModelSpec(hidden_size=args.hidden),
                    data=DataSpec(tasks_per_submission=args.tasks), sampling=SamplingSpec(max_tokens=args.max_tokens, temperature=args.temperature),
                    toploc=toploc_spec, rl=RLSpec(group_size=args.group))
@@ -156,7 +161,8 @@ class Stats:
     mismatches: list[float] = field(default_factory=list)  # TOPLOC sign/exponent mismatches, worst chunk
     mant_mean: list[float] = field(default_factory=list)  # TOPLOC mean mantissa error, worst chunk
     mant_median: list[float] = field(default_factory=list)  # TOPLOC upper-median mantissa error, worst chunk
-    gap: list[float] = field(default_factory=list)  # largest replay gap of a token that differs (0 if none), probability units
+    gap: list[float] = field(default_factory=list)  # largest replay gap of a token that differs (0 if none): probability units (eps-v1), nats (logit-bound-v1)
+    logit_err: list[float] = field(default_factory=list)  # largest logit error of the worker at a sampled position, nats, up to a common shift
     tie_share: list[float] = field(default_factory=list)  # (d − 1) / T for d ≥ 1 differing tokens of T, else 0: passes iff < the share
     lp_max: list[float] = field(default_factory=list)  # max |reported − recomputed| log-prob, nats
     lp_mean: list[float] = field(default_factory=list)  # mean of the same over the completion
@@ -165,16 +171,39 @@ class Stats:
     tokens: int = 0
 
     def add(self, other: Stats) -> None:
-        for name in ("mismatches", "mant_mean", "mant_median", "gap", "tie_share", "lp_max", "lp_mean", "top_p"):
+        for name in ("mismatches", "mant_mean", "mant_median", "gap", "logit_err", "tie_share", "lp_max", "lp_mean", "top_p"):
             getattr(self, name).extend(getattr(other, name))
         self.eos_stops += other.eos_stops
         self.tokens += other.tokens
 
 
+class SamplerLogits:
+    """Captures the logits every worker's sampler sees, by (sequence seed, completion position): the
+    worker side of the logit error (a context manager around :func:`protocol.sampling.sample`)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[int, int], torch.Tensor] = {}
+        self._sample = sampling.sample
+
+    def __enter__(self) -> Self:
+        def spy(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, *a: Any, **k: Any) -> Any:
+            for i, (seed, pos) in enumerate(zip(seeds.tolist(), positions.tolist(), strict=True)):
+                self.rows[(seed, pos)] = logits[i].detach().float().cpu().clone()
+            return self._sample(logits, seeds, positions, *a, **k)
+
+        sampling.sample = spy
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sampling.sample = self._sample
+
+
 @torch.no_grad()
-def statistics_of(spec: RunSpec, model: torch.nn.Module, env: Envelope[Submission], pad_id: int) -> Stats:
+def statistics_of(spec: RunSpec, model: torch.nn.Module, env: Envelope[Submission], pad_id: int,
+                  worker_logits: dict[tuple[int, int], torch.Tensor] | None = None) -> Stats:
     """Every rollout's statistics, from the validator's float32 prefill (TOPLOC, replay with no
-    near-tie cap, log-probs), whether or not the pipeline would stop at an earlier check."""
+    near-tie cap, log-probs), whether or not the pipeline would stop at an earlier check; with
+    ``worker_logits`` (:class:`SamplerLogits`), each rollout's largest logit error too."""
     out = Stats()
     ros = env.body.rollouts
     comps = [unpack_u32(r.completion_ids) for r in ros]
@@ -189,8 +218,16 @@ def statistics_of(spec: RunSpec, model: torch.nn.Module, env: Envelope[Submissio
     for ro, row, comp in zip(ros, rows, comps, strict=True):
         logits = head_logits(model, row)
         out.top_p.extend(torch.softmax(logits.double() / s.temperature, -1).amax(-1).tolist())
-        rep = sampling.replay_check(logits, comp, ro.seed, 0, s.temperature, s.top_p, spec.toploc.replay_eps, 1.0, eos_ids=(EOS,),
-                                    min_eos_prob=spec.toploc.eos_min_prob, overwrite=True)
+        if worker_logits is not None:
+            worst = 0.0
+            for i in range(len(comp)):
+                d = worker_logits[(ro.seed, i)].double() - logits[i].double()  # [V]
+                worst = max(worst, float(d.max() - d.min()) / 2)
+            out.logit_err.append(worst)
+        t = spec.toploc
+        rep = sampling.replay_check(logits, comp, ro.seed, 0, s.temperature, s.top_p, t.replay_eps, 1.0, eos_ids=(EOS,),
+                                    min_eos_prob=t.eos_min_prob, eos_prob_slack=t.eos_prob_slack, overwrite=True, replay_rule=t.replay_rule,
+                                    logit_bound=t.replay_logit_bound)
         differs = rep.tokens.cpu() != torch.tensor(comp)
         out.gap.append(float(rep.gaps.cpu()[differs].max()) if bool(differs.any()) else 0.0)
         d = int(differs.sum())  # the rule allows ⌈share · T⌉ of T: d of them pass iff share > (d − 1) / T
@@ -237,14 +274,15 @@ def cheat_stats(args: argparse.Namespace, policy_cpu: torch.nn.Module, policy: t
         engine = TransformersEngine(model, tok, device=args.device, max_batch=64)
         for _ in range(args.cheat_submissions):
             key = NodeKey.from_seed(bytes([counter % 251 + 1]) * 32)
-            if scale is None:  # the adversary's cheap model samples; it proves with the engine's (policy) model
-                blob = build_dishonest_submission("other-model", spec, spec.run_id, key, engine, tok, tasks, 0, counter)
-            else:
-                blob = build_submission(spec, spec.run_id, key, engine, tok, tasks, 0, counter)
+            with SamplerLogits() as seen:
+                if scale is None:  # the adversary's cheap model samples; it proves with the engine's (policy) model
+                    blob = build_dishonest_submission("other-model", spec, spec.run_id, key, engine, tok, tasks, 0, counter)
+                else:
+                    blob = build_submission(spec, spec.run_id, key, engine, tok, tasks, 0, counter)
             counter += 1
             env = open_envelope(blob, run_id=spec.run_id, expect=Submission)
             reasons.append(checker.check(env).reason)
-            st.add(statistics_of(spec, policy, env, tok.pad_token_id))
+            st.add(statistics_of(spec, policy, env, tok.pad_token_id, seen.rows))
         stats[name], verdicts[name] = st, reasons
     return stats, verdicts, counter
 
@@ -264,8 +302,11 @@ def main() -> None:
     ap.add_argument("--submissions", type=int, default=4, help="honest submissions per configuration (24 configurations per dtype)")
     ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["float32", "bfloat16"], help="the honest workers' compute dtypes")
     ap.add_argument("--cheat-submissions", type=int, default=2, help="submissions per cheating worker and dtype")
+    ap.add_argument("--first-counter", type=int, default=0,
+                    help="submission counter of the first honest submission: runs with different values check different submissions")
     ap.add_argument("--device", default="cpu", help="where the workers decode and the validator prefills (cpu, cuda)")
-    ap.add_argument("--bf16-replay-eps", type=float, default=BF16_DEFAULTS["replay_eps"], help="run spec toploc.replay_eps of the bf16 workers' run")
+    ap.add_argument("--bf16-logit-bound", type=float, default=BF16_DEFAULTS["replay_logit_bound"],
+                    help="run spec toploc.replay_logit_bound (δ, nats) of the bf16 workers' run (replay rule logit-bound-v1)")
     ap.add_argument("--bf16-max-near-tie-fraction", type=float, default=BF16_DEFAULTS["max_near_tie_fraction"],
                     help="run spec toploc.max_near_tie_fraction of the bf16 workers' run")
     ap.add_argument("--bf16-logprob-max-abs", type=float, default=BF16_DEFAULTS["logprob_max_abs"],
@@ -286,7 +327,7 @@ def main() -> None:
     n_rollouts = rejected_rollouts = 0
     per_dtype: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # dtype -> [rejected rollouts, rollouts]
     rejections: list[str] = []
-    counter = 0
+    counter = args.first_counter
     dtypes = [DTYPES[d] for d in args.dtypes]
     for batch, threads, kv, attn, dtype in itertools.product((1, 8, 64), (1, 2), (True, False), ("eager", "sdpa"), dtypes):
         spec = run_spec(args, dtype)
@@ -296,7 +337,8 @@ def main() -> None:
         t0, rejected_before = time.perf_counter(), len(rejections)
         for _ in range(args.submissions):
             torch.set_num_threads(threads)
-            blob = build_submission(spec, spec.run_id, worker_key, engine, tok, tasks, 0, counter)
+            with SamplerLogits() as seen:
+                blob = build_submission(spec, spec.run_id, worker_key, engine, tok, tasks, 0, counter)
             counter += 1
             torch.set_num_threads(1)
             env = open_envelope(blob, run_id=spec.run_id, expect=Submission)
@@ -308,7 +350,7 @@ def main() -> None:
                 rejected_rollouts += n
                 per_dtype[str(dtype)[6:]][0] += n
                 rejections.append(f"{label}: {result.reason} {result.evidence}")
-            honest[str(dtype)[6:]].add(statistics_of(spec, policy, env, tok.pad_token_id))
+            honest[str(dtype)[6:]].add(statistics_of(spec, policy, env, tok.pad_token_id, seen.rows))
         print(f"  {label}: {args.submissions} submissions in {time.perf_counter() - t0:6.1f} s, "
               f"{'all accepted' if len(rejections) == rejected_before else f'{len(rejections) - rejected_before} REJECTED'}", flush=True)
     print(f"honest false rejections: {rejected_rollouts} / {n_rollouts} (95 % upper bound {upper_bound_95(rejected_rollouts, n_rollouts):.2g})")
@@ -329,7 +371,8 @@ def main() -> None:
         ("TOPLOC mismatches per chunk (max)", "mismatches", "max_mismatches"),
         ("TOPLOC mantissa error mean (max)", "mant_mean", "max_mant_err_mean"),
         ("TOPLOC mantissa error median (max)", "mant_median", "max_mant_err_median"),
-        ("replay gap of a differing token (eps)", "gap", "replay_eps"),
+        ("replay gap of a differing token", "gap", "replay_eps"),
+        ("worker's logit error at a position, nats", "logit_err", "replay_logit_bound"),
         ("replay near-tie share ((d−1)/T)", "tie_share", "max_near_tie_fraction"),
         ("log-prob |Δ| per token, nats (max)", "lp_max", "logprob_max_abs"),
         ("log-prob |Δ| mean per completion, nats", "lp_mean", "logprob_mean_abs"),
@@ -343,8 +386,17 @@ def main() -> None:
         print(f"{name} workers' run:")
         print(f"  {'threshold':40}{'value':>10}{'worst honest':>14}{'margin':>10}{'99.9 %':>10}{'beyond':>8}  nearest cheat above (median)"
               "   | cheats' medians")
+        print(f"  replay rule {t.replay_rule}" + (f", δ = {t.replay_logit_bound} nats (gaps in nats)" if t.replay_rule == "logit-bound-v1"
+                                                   else f", ε = {t.replay_eps} (gaps in probability units); logit error: no threshold"))
         for title, attr, fld in table:
+            if attr == "gap" and t.replay_rule == "logit-bound-v1":
+                fld = "replay_logit_bound"
             value = float(getattr(t, fld))
+            if value <= 0:  # the logit error under eps-v1: printed, not thresholded
+                values = getattr(honest[name], attr)
+                print(f"  {title:40}{'-':>10}{max(values, default=0.0):14.4g}   | cheats' medians: "
+                      + ", ".join(f"{k} {statistics.median(getattr(v, attr)):.3g}" for k, v in cheats[name].items() if getattr(v, attr)))
+                continue
             values = getattr(honest[name], attr)
             worst = max(values, default=0.0)
             q999 = statistics.quantiles(values, n=1000)[-1] if len(values) > 1 else worst

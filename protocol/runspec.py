@@ -32,6 +32,24 @@ REPLAY_EPS_DEFAULT = 1e-4
 check's own rounding by ≤ 7.6e-6 (``docs/toploc.md`` §5.2, §6.1)."""
 MAX_NEAR_TIE_FRACTION_DEFAULT = 0.1
 """Default ``toploc.max_near_tie_fraction``: near-tie mismatches allowed per completion, as a share of its tokens."""
+EOS_PROB_SLACK_DEFAULT = 0.01
+"""Default ``toploc.eos_prob_slack`` (probability units) of the ``eps-v1`` replay: float32 workers and the
+validator see P(EOS) differ by ≲ 1e-6."""
+REPLAY_RULE_EPS = "eps-v1"
+"""Replay rule: a differing token passes where its uniform lies within ``toploc.replay_eps`` (probability
+units) of its CDF interval, and P(EOS) may differ by ``toploc.eos_prob_slack`` (``docs/toploc.md`` §6.1)."""
+REPLAY_RULE_LOGIT_BOUND = "logit-bound-v1"
+"""Replay rule: a token passes where it is the rule's token for *some* logits within ``toploc.replay_logit_bound``
+nats of the validator's, up to a common shift (every CDF edge and P(EOS) bounded in log-odds;
+``docs/toploc.md`` §6.2): for workers that compute in another dtype than the validator (bf16)."""
+REPLAY_RULES = (REPLAY_RULE_EPS, REPLAY_RULE_LOGIT_BOUND)
+"""Every replay rule a run spec may name; a spec naming another is refused when parsed."""
+LOGIT_BOUND_LIMIT = 4.0
+"""Upper bound on ``toploc.replay_logit_bound``, nats: beyond it any edge moves by ≥ e⁸ in odds and the replay
+no longer says anything about the tokens."""
+_HASHED_ONLY_OFF_DEFAULT = {"toploc": ("replay_rule", "replay_logit_bound", "eos_prob_slack")}
+"""Fields added after specs were signed: hashed only where they differ from their default, so a spec
+signed before them keeps its run ID and means what it meant (the ``eps-v1`` replay, EOS slack 0.01)."""
 LOGPROB_TOL_LIMIT = 5.0
 """Upper bound on ``toploc.logprob_*`` tolerances, nats: beyond a factor of e⁵ ≈ 150 in probability
 a reported log-prob no longer says anything about the policy."""
@@ -101,6 +119,12 @@ class ToplocSpec(_Section):
     workers too, and a run whose workers decode in bf16 raises them (``benchmarks/false_rejections.py``
     measures both). In the signed spec so that every validator and the coordinator's re-check of a
     run apply the same ones.
+
+    ``replay_rule`` names how the replay tolerates numeric noise (:data:`REPLAY_RULES`):
+    ``eps-v1`` (the default, for float32 workers) with ``replay_eps`` and ``eos_prob_slack``;
+    ``logit-bound-v1`` (for bf16 workers against a float32 validator) with ``replay_logit_bound``,
+    the stated per-logit error δ of the workers' compute dtype (``docs/toploc.md`` §6.2). Each
+    rule's own fields must be left at their defaults under the other.
     """
 
     chunk_size: Annotated[int, Field(ge=1, le=1024, description="tokens per proof")] = 32
@@ -130,6 +154,22 @@ class ToplocSpec(_Section):
         Field(ge=0.0, le=1.0, allow_inf_nan=False,
               description="sampling replay: such near-tie mismatches allowed per completion, share of its tokens (rounded up)"),
     ] = MAX_NEAR_TIE_FRACTION_DEFAULT
+    replay_rule: Annotated[
+        Literal["eps-v1", "logit-bound-v1"],
+        Field(description="how the sampling replay tolerates numeric noise: eps-v1 (replay_eps, eos_prob_slack; float32 workers) "
+                          "or logit-bound-v1 (replay_logit_bound; workers in another dtype) (docs/toploc.md §6)"),
+    ] = "eps-v1"
+    replay_logit_bound: Annotated[
+        float,
+        Field(ge=0.0, le=LOGIT_BOUND_LIMIT, allow_inf_nan=False,
+              description="logit-bound-v1: the stated largest error of a worker's logit, nats, up to a shift common to the row; "
+                          "> 0 under logit-bound-v1, 0 under eps-v1 (docs/toploc.md §6.2)"),
+    ] = 0.0
+    eos_prob_slack: Annotated[
+        float,
+        Field(ge=0.0, le=0.5, allow_inf_nan=False,
+              description="eps-v1: P(EOS) of worker and validator may differ by this much around eos_min_prob (docs/toploc.md §6.1)"),
+    ] = EOS_PROB_SLACK_DEFAULT
 
     @model_validator(mode="after")
     def _logprob_tolerances(self) -> ToplocSpec:
@@ -138,6 +178,14 @@ class ToplocSpec(_Section):
                 f"toploc.logprob_mean_abs {self.logprob_mean_abs} exceeds toploc.logprob_max_abs {self.logprob_max_abs}: "
                 "a mean of per-token differences never exceeds their maximum, so that bound would never apply"
             )
+        if self.replay_rule == REPLAY_RULE_LOGIT_BOUND:
+            if self.replay_logit_bound <= 0.0:
+                raise ValueError("toploc.replay_rule logit-bound-v1 needs toploc.replay_logit_bound > 0 (nats)")
+            if self.replay_eps != REPLAY_EPS_DEFAULT or self.eos_prob_slack != EOS_PROB_SLACK_DEFAULT:
+                raise ValueError("toploc.replay_eps and toploc.eos_prob_slack belong to replay rule eps-v1; "
+                                 "under logit-bound-v1 leave them unset (the logit bound sets both)")
+        elif self.replay_logit_bound != 0.0:
+            raise ValueError("toploc.replay_logit_bound belongs to replay rule logit-bound-v1; set toploc.replay_rule too")
         return self
 
 
@@ -287,8 +335,14 @@ class RunSpec(_Section):
         return self
 
     def canonical_bytes(self) -> bytes:
-        """Canonical msgpack of the content (what the run ID hashes)."""
-        return encoding.packb(self.model_dump(mode="python"))
+        """Canonical msgpack of the content (what the run ID hashes); the fields of :data:`_HASHED_ONLY_OFF_DEFAULT` only where set."""
+        content = self.model_dump(mode="python")
+        for section, names in _HASHED_ONLY_OFF_DEFAULT.items():
+            fields = type(getattr(self, section)).model_fields
+            for name in names:
+                if content[section][name] == fields[name].default:
+                    del content[section][name]
+        return encoding.packb(content)
 
     @property
     def run_id(self) -> bytes:

@@ -40,8 +40,12 @@ The rule is exact arithmetic; implementations round. This one computes the weigh
 and keeps the cumulative sums as one float64 partial sum per :data:`CDF_CHUNK` tokens built from
 float32 chunk sums (:class:`_ChunkedCDF`, shared by :func:`sample` and :func:`replay_check`), so
 every CDF edge is within ``(CDF_CHUNK − 1) · 2^-24 ≈ 3.8e-6`` of its exact value relative to the
-total; the replay tolerance ε (1e-4 in probability units) absorbs that and the numeric noise
-between the worker's and the validator's forward passes (``docs/toploc.md`` §5.3). Cost per
+total; the replay absorbs that and the numeric noise between the worker's and the validator's
+forward passes by the run's replay rule (:data:`REPLAY_RULES`, run spec ``toploc.replay_rule``,
+``docs/toploc.md`` §6): ``eps-v1``, a tolerance ε (1e-4 in probability units) on the uniform's
+distance to the claimed token's interval, for float32 workers; ``logit-bound-v1``, every token the
+rule picks for some logits within a stated per-logit error δ of the validator's, for workers that
+compute in bf16. Cost per
 position: one max, one exp and one chunked sum over the vocabulary (float32, no ``[V]`` float64
 temporary), then one chunk of 64 weights per draw; with top-p < 1 the sampler sorts the row and
 the check builds a mass histogram of the weights and sorts only the tokens of the nucleus's
@@ -61,13 +65,21 @@ import numpy as np
 import torch
 
 from protocol.identity import PeerId
-from protocol.runspec import MAX_NEAR_TIE_FRACTION_DEFAULT, REPLAY_EPS_DEFAULT
+from protocol.runspec import (
+    EOS_PROB_SLACK_DEFAULT,
+    MAX_NEAR_TIE_FRACTION_DEFAULT,
+    REPLAY_EPS_DEFAULT,
+    REPLAY_RULE_EPS,
+    REPLAY_RULE_LOGIT_BOUND,
+    REPLAY_RULES,
+)
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "CDF_CHUNK",
     "DEFAULT_RULE",
+    "REPLAY_RULES",
     "RULES",
     "RULE_ICDF",
     "LogprobResult",
@@ -80,6 +92,7 @@ __all__ = [
     "replay_checks",
     "sample",
     "termination_check",
+    "termination_slack",
     "uniforms",
 ]
 
@@ -112,8 +125,12 @@ DEFAULT_NUCLEUS_SLACK = 1e-3
 """Probability slack when deciding whether a claimed token lies inside the validator's nucleus."""
 DEFAULT_MIN_EOS_PROB = 0.1
 """A completion may stop with EOS only where the recomputed P(EOS) is at least this."""
-DEFAULT_EOS_PROB_SLACK = 0.01
-"""Numeric slack around the EOS floor: worker and validator may see P(EOS) differ by this much."""
+DEFAULT_EOS_PROB_SLACK = EOS_PROB_SLACK_DEFAULT
+"""Numeric slack around the EOS floor under ``eps-v1``: worker and validator may see P(EOS) differ by this
+much; a run's is ``toploc.eos_prob_slack``."""
+ROUNDING_SLACK = 2.0**-16
+"""Probability units added to every window of the ``logit-bound-v1`` replay: the check's own rounding of a CDF
+edge (≤ 7.6e-6, §5.2) and of P(EOS), so a bound holds for the exact edges, not just the rounded ones."""
 _ICDF_BLOCK_ELEMENTS = 1 << 21
 """The sampler on the CPU works on row blocks of at most this many float32 weights (8 MiB):
 larger temporaries come from fresh mmap'd pages, whose faults cost more than the arithmetic."""
@@ -460,6 +477,13 @@ class _Nucleus:
         w = self.e.gather(1, ids)
         return (w > val[:, None]) | ((w == val[:, None]) & (ids <= bid[:, None]))
 
+    def beyond(self, w: torch.Tensor, i: int, *, inclusive: bool) -> torch.Tensor:
+        """Whether weights ``w`` (``[b, Q]`` or ``[b, V]``, float) lie above the boundary of limit ``i``
+        (``≥`` when ``inclusive``): for a weight scaled by ``e^{±d}``, a token kept under *every* or
+        *some* logits within a bound (``logit-bound-v1``, ``docs/toploc.md`` §6.2); ``[b, ·]`` bool."""
+        val = self.bounds[i][0][:, None].to(w.dtype)
+        return w >= val if inclusive else w > val
+
     def kept_all(self, i: int) -> torch.Tensor:
         """``[b, V]`` bool kept set at limit ``i``."""
         val, bid = self.bounds[i]
@@ -613,11 +637,12 @@ class ReplayResult:
         margins: ``[T]`` float64 closeness to a tie of the validator's own choice: the distance
             of ``u`` to the nearer end of the chosen token's CDF interval (probability units).
         gaps: ``[T]`` float64 distance of the claimed token from being chosen: the distance of
-            ``u`` to the claimed token's CDF interval (probability units). 0 where they agree,
+            ``u`` to the claimed token's CDF interval (probability units; under ``logit-bound-v1``
+            its log-odds distance times ``T / 2``: the logit error that explains it). 0 where they agree,
             +inf where the claimed token is not kept (outside the nucleus beyond the slack, gated
             EOS, weight 0, outside the vocabulary).
-        hard_mismatches: positions whose claimed token differs with a gap > ε.
-        near_ties: positions whose claimed token differs with a gap ≤ ε.
+        hard_mismatches: positions whose claimed token differs with a gap > ε (or δ).
+        near_ties: positions whose claimed token differs with a gap ≤ ε (or δ).
         allowed_near_ties: ``ceil(max_near_tie_fraction · T)``.
         ok: no hard mismatch and ``near_ties ≤ allowed_near_ties``.
         reason: why it failed, ``""`` when ok.
@@ -639,7 +664,7 @@ class ReplayResult:
 def _icdf_replay(
     logits: torch.Tensor, safe: torch.Tensor, in_vocab: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
     temperature: float, top_p: float, nucleus_slack: float, eos_list: list[int], floors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    eps: float, overwrite: bool,
+    eps: float, overwrite: bool, widen: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The replay's rows: (recomputed, margins, gaps, log-probs), each ``[T]``.
 
@@ -653,6 +678,17 @@ def _icdf_replay(
     itself sits on the nucleus boundary or is EOS. The fallback draw is judged on the exact kept
     set, computed only in blocks that reach it.
 
+    Under ``logit-bound-v1`` (``widen`` given) the same structure holds with every tolerance
+    derived from the per-logit bound δ (``docs/toploc.md`` §6.2): the worker's logits are within δ
+    of the validator's up to a common shift, so the worker's mass of any token set ``S`` has
+    log-odds within ``d = 2δ / T`` (``widen``) of the validator's. The window of a uniform ``u``
+    is ``[σ(logit u − d), σ(logit u + d)]`` (every token whose interval meets it is a draw the
+    worker may have made), the nucleus tests scale a token's weight by ``e^{±d}`` at masses
+    ``σ(logit top_p ± d)``, the EOS floors come from the same widening (``floors``), the gap is the
+    log-odds distance of ``u`` to ``c``'s interval times ``T / 2`` (logit units, compared with δ),
+    and the fallback is judged on the bounds of ``c``'s interval over every kept set between the
+    surely and the possibly kept ones.
+
     Cost per row (:class:`_ChunkedCDF`): one max, one subtraction, one exp and one chunked sum
     over the vocabulary, in place in ``logits`` when ``overwrite`` (else in one reused float32
     block); then one 64-weight chunk per draw, one Philox block per two draws. With top-p < 1,
@@ -660,10 +696,11 @@ def _icdf_replay(
     that are not surely kept.
 
     Args:
-        floors: ``[T]`` float64 EOS floors (exact, strict = floor + slack, loose = floor − slack);
-            0 where the claimed token is EOS (no gate).
-        eps: the near-tie tolerance (probability units).
+        floors: ``[T]`` float64 EOS floors (exact, strict: EOS possibly gated below it, loose: EOS
+            surely gated below it); 0 where the claimed token is EOS (no gate).
+        eps: the near-tie tolerance (probability units; unused under ``widen``).
         overwrite: the check may use ``logits`` as its work buffer.
+        widen: ``logit-bound-v1``'s log-odds widening ``d = 2δ / T``; ``None``: ``eps-v1``.
     """
     n_tok, vocab = logits.shape
     floor_exact, floor_strict, floor_loose = floors
@@ -672,6 +709,11 @@ def _icdf_replay(
     k = ICDF_DRAWS
     rows = max(1, min(n_tok, _REPLAY_BLOCK_ELEMENTS // max(1, vocab)))
     scratch = None if overwrite and logits.dtype == torch.float32 else torch.empty((rows, vocab), dtype=torch.float32, device=dev)
+    if widen is None:
+        limits = (top_p - nucleus_slack, top_p, top_p + nucleus_slack)
+    else:
+        limits = (_widen_prob(top_p, -widen), top_p, _widen_prob(top_p, widen))
+    top = 1.0 - 2**-53
     rec, margins, gaps, lps = [], [], [], []
     for lo in range(0, n_tok, rows):
         hi = min(n_tok, lo + rows)
@@ -688,14 +730,27 @@ def _icdf_replay(
         draws, d_lo, d_hi = cdf.search(_targets(uk, total))  # [b, K]
         d_margin = torch.minimum(uk - d_lo / total[:, None], d_hi / total[:, None] - uk)  # [b, K] distance to the interval's ends
         c_lo, c_hi = (v[:, 0] / total for v in cdf.interval(c))  # [b] the claimed token's interval, probability units
-        dist = torch.clamp_min(torch.maximum(c_lo[:, None] - uk, uk - c_hi[:, None]), 0.0)  # [b, K]
+        if widen is None:
+            w_lo, w_hi = uk - eps, uk + eps  # [b, K] the window of each uniform: where noise may have put it
+            dist = torch.clamp_min(torch.maximum(c_lo[:, None] - uk, uk - c_hi[:, None]), 0.0)  # [b, K]
+        else:
+            lu = torch.logit(uk)
+            w_lo, w_hi = torch.sigmoid(lu - widen) - ROUNDING_SLACK, torch.sigmoid(lu + widen) + ROUNDING_SLACK
+            dist = _logodds_gap(uk, c_lo[:, None], c_hi[:, None]) * (temperature / 2)  # [b, K] logit units
+        w_lo, w_hi = w_lo.clamp(0.0, top), w_hi.clamp(0.0, top)
         dist = torch.where((c_hi > c_lo)[:, None], dist, math.inf)  # weight 0: never drawn
         p_eos = e[:, eos_idx].sum(dim=-1) / total if eos_idx is not None else None  # [b]
-        # kept sets at three nucleus masses: surely kept (top_p − slack), exact, possibly kept (top_p + slack)
-        nucleus = _Nucleus(e, total, (top_p - nucleus_slack, top_p, top_p + nucleus_slack)) if top_p < 1.0 else None
+        # kept sets at three nucleus masses: surely kept, exact, possibly kept
+        nucleus = _Nucleus(e, total, limits) if top_p < 1.0 else None
 
-        def kept(ids: torch.Tensor, limit: int, floor: torch.Tensor, nucleus: _Nucleus | None = nucleus, p_eos: torch.Tensor | None = p_eos) -> torch.Tensor:
-            out = nucleus.kept(ids, limit) if nucleus is not None else torch.ones_like(ids, dtype=torch.bool)
+        def kept(ids: torch.Tensor, limit: int, floor: torch.Tensor, nucleus: _Nucleus | None = nucleus, p_eos: torch.Tensor | None = p_eos,
+                 e: torch.Tensor = e) -> torch.Tensor:
+            if nucleus is None:
+                out = torch.ones_like(ids, dtype=torch.bool)
+            elif widen is None or limit == 1:
+                out = nucleus.kept(ids, limit)
+            else:  # surely kept: even at weight e^-d; possibly kept: at weight e^d
+                out = nucleus.beyond(e.gather(1, ids) * math.exp(widen if limit == 2 else -widen), limit, inclusive=limit == 2)
             if eos_idx is not None and p_eos is not None:
                 out = out & ~(torch.isin(ids, eos_idx) & (p_eos < floor)[:, None])
             return out
@@ -706,18 +761,22 @@ def _icdf_replay(
         r = draws.gather(-1, first)[:, 0]
         margin = d_margin.gather(-1, first)[:, 0]
         # a surely kept draw can only have been rejected by a noisy worker if a possibly unkept
-        # token lies within ε of its uniform (the worker's CDF put u there instead)
+        # token lies within the window of its uniform (the worker's CDF put u there instead)
         near_unkept = torch.zeros_like(kx)  # [b, K]
         if nucleus is not None:
-            unsure = _ChunkedCDF((~nucleus.kept_all(0)).to(torch.float32))  # counts of tokens not surely kept
-            a = cdf.search(_targets((uk - eps).clamp(0.0, 1.0 - 2**-53), total))[0]
-            z = cdf.search(_targets((uk + eps).clamp(0.0, 1.0 - 2**-53), total))[0]
+            sure = nucleus.kept_all(0) if widen is None else nucleus.beyond(e * math.exp(-widen), 0, inclusive=False)
+            unsure = _ChunkedCDF((~sure).to(torch.float32))  # counts of tokens not surely kept
+            a = cdf.search(_targets(w_lo, total))[0]
+            z = cdf.search(_targets(w_hi, total))[0]
             near_unkept = unsure.interval(z)[1] - unsure.interval(a)[0] > 0.5  # an unsure id in [a, z]
         if eos_idx is not None and p_eos is not None:
             e_lo, e_hi = (v / total[:, None] for v in cdf.interval(eos_idx.expand(b, -1)))  # [b, n_eos]
-            near_gated = (uk[..., None] >= e_lo[:, None, :] - eps) & (uk[..., None] <= e_hi[:, None, :] + eps)  # [b, K, n_eos]
+            near_gated = (e_lo[:, None, :] <= w_hi[..., None]) & (e_hi[:, None, :] >= w_lo[..., None])  # [b, K, n_eos]
             near_unkept |= (near_gated & (p_eos < fs)[:, None, None]).any(dim=-1)
-        may_skip = ~kept(draws, 0, fs) | ((d_margin <= eps) & near_unkept)  # [b, K]
+        if widen is None:
+            may_skip = ~kept(draws, 0, fs) | ((d_margin <= eps) & near_unkept)  # [b, K]
+        else:
+            may_skip = ~kept(draws, 0, fs) | near_unkept
         reach = torch.cumprod(torch.cat([torch.ones_like(may_skip[:, :1]), may_skip], dim=-1).to(torch.int8), dim=-1).bool()  # [b, K+1]
         possible_c = kept(c, 2, fl)[:, 0]  # [b]
         gap = torch.where(reach[:, :k] & possible_c[:, None], dist, math.inf).amin(dim=-1)
@@ -728,18 +787,87 @@ def _icdf_replay(
                 keep[:, eos_idx] &= ~(p_eos < fe)[:, None]
             fb, fcdf, best_w = _icdf_fallback(e, keep, u[:, k], eos_idx)
             r = torch.where(no_kept, fb, r)
-            ftot = fcdf.total
-            f_lo, f_hi = (v[:, 0] for v in fcdf.interval(c))
-            fgap = _interval_gap(u[:, k], f_lo, f_hi - f_lo, ftot)
-            fgap = torch.where(keep.gather(-1, c)[:, 0], fgap, math.inf)
-            # nothing kept: the most probable non-EOS token, any of them on a tie
             is_eos = torch.isin(safe[lo:hi], eos_idx) if eos_idx is not None else torch.zeros_like(no_kept)
-            fgap = torch.where(ftot <= 0, torch.where(~is_eos & (e.gather(-1, c)[:, 0] == best_w), 0.0, math.inf), fgap)
+            if widen is None:
+                ftot = fcdf.total
+                f_lo, f_hi = (v[:, 0] for v in fcdf.interval(c))
+                fgap = _interval_gap(u[:, k], f_lo, f_hi - f_lo, ftot)
+                fgap = torch.where(keep.gather(-1, c)[:, 0], fgap, math.inf)
+                # nothing kept: the most probable non-EOS token, any of them on a tie
+                fgap = torch.where(ftot <= 0, torch.where(~is_eos & (e.gather(-1, c)[:, 0] == best_w), 0.0, math.inf), fgap)
+            else:
+                fgap = _bounded_fallback_gap(e, c, u[:, k], nucleus, eos_idx, p_eos, fs, fl, widen, temperature)
+                fgap = torch.where(possible_c, fgap, math.inf)
+                # the worker may have kept nothing where nothing is surely kept: then its most probable
+                # non-EOS token, which is any non-EOS token within e^d of the validator's most probable
+                best_ok = ~is_eos & (e.gather(-1, c)[:, 0].double() * math.exp(widen) >= best_w.double())
+                fgap = torch.where(best_ok & _nothing_surely_kept(e, nucleus, eos_idx, p_eos, fs, widen), 0.0, fgap)
             gap = torch.where(reach[:, k], torch.minimum(gap, fgap), gap)
         rec.append(r)
         margins.append(margin)
         gaps.append(torch.where(in_vocab[lo:hi], gap, math.inf))
     return torch.cat(rec), torch.cat(margins), torch.cat(gaps), torch.cat(lps)
+
+
+def _widen_prob(p: float, d: float) -> float:
+    """``σ(logit p + d)`` for a probability ``p`` (0 and 1 stay)."""
+    if p <= 0.0 or p >= 1.0:
+        return min(1.0, max(0.0, p))
+    z = math.log(p) - math.log1p(-p) + d
+    return 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
+
+
+def _logodds_gap(u: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Log-odds distance of ``u`` from ``[lo − r, hi + r]`` (``r`` = :data:`ROUNDING_SLACK`), float64."""
+    lu = torch.logit(u)
+    below = torch.logit((lo - ROUNDING_SLACK).clamp(0.0, 1.0)) - lu
+    above = lu - torch.logit((hi + ROUNDING_SLACK).clamp(0.0, 1.0))
+    gap = torch.clamp_min(torch.maximum(below, above), 0.0)
+    return torch.where(gap.isnan(), 0.0, gap)  # u = 0 in an interval starting at 0
+
+
+def _bounded_sets(e: torch.Tensor, nucleus: _Nucleus | None, eos_idx: torch.Tensor | None, p_eos: torch.Tensor | None,
+                  strict: torch.Tensor, loose: torch.Tensor, widen: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logit-bound-v1``'s surely and possibly kept sets, ``[b, V]`` bool each: nucleus at weight
+    ``e^∓d``, EOS removed where it may be gated (surely kept) or where it surely is (possibly kept)."""
+    if nucleus is None:
+        sure, possible = torch.ones_like(e, dtype=torch.bool), torch.ones_like(e, dtype=torch.bool)
+    else:
+        sure = nucleus.beyond(e * math.exp(-widen), 0, inclusive=False)
+        possible = nucleus.beyond(e * math.exp(widen), 2, inclusive=True)
+    if eos_idx is not None and p_eos is not None:
+        sure[:, eos_idx] &= ~(p_eos < strict)[:, None]
+        possible[:, eos_idx] &= ~(p_eos < loose)[:, None]
+    return sure, possible
+
+
+def _nothing_surely_kept(e: torch.Tensor, nucleus: _Nucleus | None, eos_idx: torch.Tensor | None, p_eos: torch.Tensor | None,
+                         strict: torch.Tensor, widen: float) -> torch.Tensor:
+    """``[b]`` bool: no token is surely kept, so the worker's kept set may have been empty."""
+    sure, _ = _bounded_sets(e, nucleus, eos_idx, p_eos, strict, strict, widen)
+    return ~sure.any(dim=-1)
+
+
+def _bounded_fallback_gap(e: torch.Tensor, c: torch.Tensor, u: torch.Tensor, nucleus: _Nucleus | None, eos_idx: torch.Tensor | None,
+                          p_eos: torch.Tensor | None, strict: torch.Tensor, loose: torch.Tensor, widen: float, temperature: float) -> torch.Tensor:
+    """``logit-bound-v1``'s gap of the fallback draw (``u`` ``[b]``) for claimed tokens ``c`` ``[b, 1]``.
+
+    The worker's kept set ``K`` lies between the surely kept ``Ks`` and the possibly kept ``Kp``;
+    ``c``'s lower edge in ``K``'s CDF is at least ``A / (A + B)`` (``A`` the mass of ``Ks`` before
+    ``c``, ``B`` that of ``Kp`` from ``c`` on) and its upper edge at most ``(A' + w_c) / (A' + w_c + B')``
+    (``A'`` of ``Kp`` before ``c``, ``B'`` of ``Ks`` after it); the worker's logits widen both by ``d``
+    in log-odds. Returns ``[b]`` float64 logit units (+inf where ``c`` has no weight)."""
+    sure, possible = _bounded_sets(e, nucleus, eos_idx, p_eos, strict, loose, widen)
+    cs, cp = _ChunkedCDF(e.masked_fill(~sure, 0.0)), _ChunkedCDF(e.masked_fill(~possible, 0.0))
+    s_lo, s_hi = (v[:, 0] for v in cs.interval(c))
+    p_lo, _ = (v[:, 0] for v in cp.interval(c))
+    w_c = e.gather(-1, c)[:, 0].double()
+    a_min, b_max = s_lo, (cp.total - p_lo).clamp_min(0.0)
+    a_max, b_min = p_lo + w_c, (cs.total - s_hi).clamp_min(0.0)
+    f_lo = torch.where(a_min + b_max > 0, a_min / (a_min + b_max), 0.0)
+    f_hi = torch.where(a_max + b_min > 0, a_max / (a_max + b_min), 1.0)
+    gap = _logodds_gap(u, f_lo, f_hi) * (temperature / 2)
+    return torch.where(w_c > 0, gap, math.inf)
 
 
 def _interval_gap(u: torch.Tensor, lo: torch.Tensor, mass: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -766,6 +894,8 @@ def replay_check(
     rule: str = DEFAULT_RULE,
     *,
     overwrite: bool = False,
+    replay_rule: str = REPLAY_RULE_EPS,
+    logit_bound: float = 0.0,
 ) -> ReplayResult:
     """Recompute every sampled token from the validator's logits (``docs/toploc.md`` §6).
 
@@ -793,10 +923,15 @@ def replay_check(
             P(EOS) just under the floor) and also tries the floor ``min_eos_prob −
             eos_prob_slack``, since gating EOS shifts later draws; where it is EOS, the replay
             does not gate and :func:`termination_check` judges the stop.
-        eos_prob_slack: numeric slack on P(EOS) between worker and validator.
+        eos_prob_slack: numeric slack on P(EOS) between worker and validator (``eps-v1``).
         rule: the run's sampling rule (:data:`RULES`).
         overwrite: the check may use ``logits`` (float32) as its work buffer, leaving its values
             changed; saves a copy when the caller reuses the buffer anyway.
+        replay_rule: the run's replay rule (run spec ``toploc.replay_rule``, :data:`REPLAY_RULES`):
+            ``eps-v1`` uses ``eps`` and ``eos_prob_slack``; ``logit-bound-v1`` ignores both and
+            accepts a token that the rule picks for some logits within ``logit_bound`` of these
+            (up to a common shift; ``docs/toploc.md`` §6.2), its gaps in logit units.
+        logit_bound: ``logit-bound-v1``'s per-logit bound δ, nats, > 0 (``toploc.replay_logit_bound``).
 
     Returns:
         A :class:`ReplayResult`.
@@ -805,7 +940,7 @@ def replay_check(
         ValueError: bad parameters, unknown rule or shapes (the validator's own inputs).
     """
     return replay_checks(logits, [tokens], [seed], [start_position], temperature, top_p, eps, max_near_tie_fraction, nucleus_slack,
-                         eos_ids, min_eos_prob, eos_prob_slack, rule, overwrite=overwrite)[0]
+                         eos_ids, min_eos_prob, eos_prob_slack, rule, overwrite=overwrite, replay_rule=replay_rule, logit_bound=logit_bound)[0]
 
 
 def replay_checks(
@@ -824,6 +959,8 @@ def replay_checks(
     rule: str = DEFAULT_RULE,
     *,
     overwrite: bool = False,
+    replay_rule: str = REPLAY_RULE_EPS,
+    logit_bound: float = 0.0,
 ) -> list[ReplayResult]:
     """:func:`replay_check` of several completions whose logits are stacked, in one pass.
 
@@ -838,6 +975,7 @@ def replay_checks(
         seeds: each completion's sequence seed.
         start_positions: each completion's first completion position (default 0).
         overwrite: the check may use ``logits`` (float32) as its work buffer.
+        replay_rule, logit_bound: the run's replay rule and its bound, as :func:`replay_check`.
         The others: as :func:`replay_check`, the same for every completion.
 
     Returns:
@@ -848,6 +986,7 @@ def replay_checks(
     """
     _check_params(temperature, top_p)
     _check_rule(rule)
+    widen = _replay_widening(replay_rule, logit_bound, temperature)
     if eps is None:
         eps = DEFAULT_ICDF_EPS
     dev = logits.device
@@ -873,13 +1012,19 @@ def replay_checks(
     def floor_at(value: float) -> torch.Tensor:  # [R]; no gate where the claimed token is EOS
         return torch.where(claimed_eos, 0.0, value if gate_on else 0.0).to(torch.float64)
 
-    floors = (floor_at(min_eos_prob), floor_at(min_eos_prob + eos_prob_slack), floor_at(min_eos_prob - eos_prob_slack))
+    if widen is None:
+        floors = (floor_at(min_eos_prob), floor_at(min_eos_prob + eos_prob_slack), floor_at(min_eos_prob - eos_prob_slack))
+        limit, limit_name = eps, f"eps={eps}"
+    else:  # EOS possibly gated below σ(logit f + d), surely below σ(logit f − d); the check's rounding on top
+        floors = (floor_at(min_eos_prob), floor_at(_widen_prob(min_eos_prob, widen) + ROUNDING_SLACK),
+                  floor_at(_widen_prob(min_eos_prob, -widen) - ROUNDING_SLACK))
+        limit, limit_name = logit_bound, f"the logit bound {logit_bound} nats"
     recomputed, margin, gap, lps = _icdf_replay(logits, safe, in_vocab, row_seeds, positions, temperature, top_p, nucleus_slack, eos_list,
-                                                floors, eps, overwrite)
+                                                floors, eps, overwrite, widen)
     gap = torch.where(recomputed == claimed, torch.zeros_like(margin), gap.clamp_min(0.0))
     lps = torch.where(in_vocab, lps, torch.full_like(lps, math.nan))
     differs = recomputed != claimed
-    hard_rows, near_rows = differs & (gap > eps), differs & (gap <= eps)
+    hard_rows, near_rows = differs & (gap > limit), differs & (gap <= limit)
     results = []
     lo = 0
     for n, start in zip(lengths, starts, strict=True):
@@ -889,13 +1034,44 @@ def replay_checks(
         problems = []
         if hard:
             first = int(torch.nonzero(hard_rows[lo:hi])[0, 0])
-            problems.append(f"{hard} sampled tokens differ from the replay beyond eps={eps} (first at position {start + first})")
+            problems.append(f"{hard} sampled tokens differ from the replay beyond {limit_name} (first at position {start + first})")
         if near > allowed:
             problems.append(f"{near} near-tie mismatches > {allowed} allowed")
         results.append(ReplayResult(recomputed[lo:hi], margin[lo:hi], gap[lo:hi], hard, near, allowed, ok=not problems,
                                     reason="; ".join(problems), logprobs=lps[lo:hi]))
         lo = hi
     return results
+
+
+def _replay_widening(replay_rule: str, logit_bound: float, temperature: float) -> float | None:
+    """``logit-bound-v1``'s log-odds widening ``2δ / T``; ``None`` under ``eps-v1``.
+
+    Raises:
+        ValueError: an unknown replay rule, or ``logit-bound-v1`` without a finite bound > 0.
+    """
+    if replay_rule not in REPLAY_RULES:
+        raise ValueError(f"unknown replay rule {replay_rule!r}; known: {', '.join(REPLAY_RULES)}")
+    if replay_rule == REPLAY_RULE_EPS:
+        return None
+    if not (0.0 < logit_bound and math.isfinite(logit_bound)):
+        raise ValueError(f"replay rule {REPLAY_RULE_LOGIT_BOUND} needs a finite logit bound > 0, got {logit_bound}")
+    return 2.0 * logit_bound / temperature
+
+
+def termination_slack(min_eos_prob: float, temperature: float, replay_rule: str = REPLAY_RULE_EPS,
+                      eos_prob_slack: float = DEFAULT_EOS_PROB_SLACK, logit_bound: float = 0.0) -> float:
+    """How far below the EOS floor a recomputed P(EOS) may lie under the run's replay rule, for
+    :func:`termination_check`: ``eos_prob_slack`` under ``eps-v1``; under ``logit-bound-v1`` the
+    floor less the smallest P(EOS) that logits within δ of these could raise to the floor,
+    ``f − σ(logit f − 2δ / T)``, plus the check's rounding (``docs/toploc.md`` §6.2, §7).
+
+    Raises:
+        ValueError: as :func:`replay_checks` for the rule and bound.
+    """
+    widen = _replay_widening(replay_rule, logit_bound, temperature)
+    if widen is None:
+        return eos_prob_slack
+    return min_eos_prob - _widen_prob(min_eos_prob, -widen) + ROUNDING_SLACK
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,15 +80,14 @@ class Tolerances:
 
     The log-prob and replay tolerances are not here: every node of a run applies the signed run
     spec's ``toploc.logprob_max_abs`` / ``logprob_mean_abs`` (:func:`protocol.sampling.logprob_check`)
-    and ``toploc.replay_eps`` / ``max_near_tie_fraction`` (:func:`protocol.sampling.replay_checks`).
+    and the replay rule with its tolerances ``toploc.replay_rule``, ``replay_eps``, ``eos_prob_slack``,
+    ``replay_logit_bound``, ``max_near_tie_fraction`` (:func:`protocol.sampling.replay_checks`).
 
     Attributes:
         reward_tol: reported vs recomputed reward, absolute.
-        eos_prob_slack: numeric slack on P(EOS) around the run's EOS floor.
     """
 
     reward_tol: float = 1e-6
-    eos_prob_slack: float = sampling.DEFAULT_EOS_PROB_SLACK
 
 
 class SubmissionChecker:
@@ -279,20 +278,19 @@ class SubmissionChecker:
     def _sampling(self, group: list[int], seeds: list[int], logits: torch.Tensor, completions: list[list[int]], logprobs: list[list[float]]) -> None:
         """Termination by the policy, sampling replay and log-probs of consecutive rollouts ``group``
         whose logits are stacked in ``logits`` (``[Σn, V]``, this group's scratch: the replay works in it)."""
-        s = self.spec.sampling
-        eos_floor = self.spec.toploc.eos_min_prob
+        s, t = self.spec.sampling, self.spec.toploc
+        eos_floor = t.eos_min_prob
+        slack = sampling.termination_slack(eos_floor, s.temperature, t.replay_rule, t.eos_prob_slack, t.replay_logit_bound)
         end = 0
         # termination first: a stop where the policy gives EOS little probability is the specific cheat
         for j, completion in zip(group, completions, strict=True):
             end += len(completion)
-            term = sampling.termination_check(logits[end - 1], completion, [self.eos_id], s.max_tokens, s.temperature, eos_floor,
-                                              self.tol.eos_prob_slack)
+            term = sampling.termination_check(logits[end - 1], completion, [self.eos_id], s.max_tokens, s.temperature, eos_floor, slack)
             if not term.ok:
                 raise Rejection("termination", rollout=j, p_eos=_finite(term.p_eos), min_p_eos=eos_floor, detail=term.reason[:200])
-        replays = sampling.replay_checks(logits, completions, seeds, None, s.temperature, s.top_p, self.spec.toploc.replay_eps,
-                                         self.spec.toploc.max_near_tie_fraction, eos_ids=(self.eos_id,), min_eos_prob=eos_floor,
-                                         eos_prob_slack=self.tol.eos_prob_slack, rule=s.rule, overwrite=True)
-        t = self.spec.toploc
+        replays = sampling.replay_checks(logits, completions, seeds, None, s.temperature, s.top_p, t.replay_eps, t.max_near_tie_fraction,
+                                         eos_ids=(self.eos_id,), min_eos_prob=eos_floor, eos_prob_slack=t.eos_prob_slack, rule=s.rule,
+                                         overwrite=True, replay_rule=t.replay_rule, logit_bound=t.replay_logit_bound)
         for j, replay, reported in zip(group, replays, logprobs, strict=True):
             if not replay.ok:
                 raise Rejection("sampling", rollout=j, hard_mismatches=replay.hard_mismatches, near_ties=replay.near_ties,

@@ -53,6 +53,13 @@ def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       help="sampling replay tolerance, probability units (default 1e-4, for fp32 workers; docs/toploc.md §6.1)")
     init.add_argument("--max-near-tie-fraction", type=float, default=None,
                       help="near-tie mismatches allowed per completion, share of its tokens (default 0.1)")
+    init.add_argument("--replay-rule", choices=["eps-v1", "logit-bound-v1"], default=None,
+                      help="how the sampling replay tolerates numeric noise: eps-v1 (default; fp32 workers) or logit-bound-v1 "
+                           "(workers computing in bf16 against float32 validators; needs --replay-logit-bound; docs/toploc.md §6.2)")
+    init.add_argument("--replay-logit-bound", type=float, default=None,
+                      help="logit-bound-v1: the workers' largest logit error, nats (bf16: 0.75, from benchmarks/false_rejections.py)")
+    init.add_argument("--eos-prob-slack", type=float, default=None,
+                      help="eps-v1: P(EOS) of worker and validator may differ by this much at the EOS floor (default 0.01)")
     init.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     init.set_defaults(handler=_run_spec_init)
     show = ssub.add_parser("show", help="print a run spec and whether its signature holds")
@@ -88,7 +95,8 @@ def _run_spec_init(args: argparse.Namespace) -> int:
     sampling = given(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, length_penalty=args.length_penalty,
                      target_lengths=args.target_length or None, rule=args.sampling_rule)
     toploc = given(logprob_max_abs=args.logprob_max_abs, logprob_mean_abs=args.logprob_mean_abs, replay_eps=args.replay_eps,
-                   max_near_tie_fraction=args.max_near_tie_fraction)
+                   max_near_tie_fraction=args.max_near_tie_fraction, replay_rule=args.replay_rule,
+                   replay_logit_bound=args.replay_logit_bound, eos_prob_slack=args.eos_prob_slack)
     shard = given(keep_steps=args.keep_steps)  # not given: the spec keeps rl.async_level + 1 (protocol.window.fresh_steps)
     if args.piece_size is not None:
         shard["piece_size_bytes"] = args.piece_size

@@ -82,13 +82,13 @@ def test_spec_init_logprob_tolerances(tmp_path):
     cli("keygen", "--key", str(key))
     run = tmp_path / "run.toml"
     r = cli("spec", "init", "--coordinator-key", str(key), "--out", str(run), "--logprob-max-abs", "0.5", "--logprob-mean-abs", "0.05",
-            "--replay-eps", "0.05", "--max-near-tie-fraction", "0.5")
+            "--replay-eps", "0.05", "--max-near-tie-fraction", "0.5", "--eos-prob-slack", "0.02")
     assert r.returncode == 0, r.stderr
     show = cli("spec", "show", str(run))
     assert show.returncode == 0 and "logprob_max_abs = 0.5" in show.stdout and "logprob_mean_abs = 0.05" in show.stdout
-    assert "replay_eps = 0.05" in show.stdout and "max_near_tie_fraction = 0.5" in show.stdout
+    assert "replay_eps = 0.05" in show.stdout and "max_near_tie_fraction = 0.5" in show.stdout and "eos_prob_slack = 0.02" in show.stdout
     for opt in (["--logprob-max-abs", "nan"], ["--logprob-max-abs", "0"], ["--logprob-mean-abs", "0.02"], ["--replay-eps", "0"],
-                ["--max-near-tie-fraction", "2"]):
+                ["--max-near-tie-fraction", "2"], ["--replay-logit-bound", "-1"]):
         bad = cli("spec", "init", "--coordinator-key", str(key), "--out", str(tmp_path / "bad.toml"), *opt)
         assert bad.returncode == 2 and "invalid option" in bad.stderr and opt[0][2:].replace("-", "_") in bad.stderr, bad.stderr
         assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -120,3 +120,44 @@ def test_logprob_tolerances_validated():
     assert ToplocSpec(logprob_max_abs=LOGPROB_TOL_LIMIT, logprob_mean_abs=LOGPROB_TOL_LIMIT).logprob_mean_abs == LOGPROB_TOL_LIMIT
     with pytest.raises(RunSpecError, match="modified after signing"):
         parse_run_spec(text.replace("logprob_mean_abs = 0.001", "logprob_mean_abs = 0.002"))
+
+
+def test_replay_rule_is_versioned_in_the_spec():
+    """``toploc.replay_rule`` names the replay rule: an unknown one is refused naming the field; a
+    spec signed before the rule existed (no replay_rule, replay_logit_bound, eos_prob_slack lines)
+    keeps its run ID and means eps-v1 with EOS slack 0.01; logit-bound-v1 needs its bound and
+    refuses eps-v1's fields; every non-default value is another run."""
+    import hashlib
+
+    from protocol import encoding
+    from protocol.runspec import RUN_ID_DOMAIN, ToplocSpec
+
+    signed = sign_run_spec(spec(), COORD)
+    unsigned = dump_run_spec(signed)[: dump_run_spec(signed).index("[signature]")]
+    assert 'replay_rule = "eps-v1"' in unsigned and "eos_prob_slack = 0.01" in unsigned
+    with pytest.raises(RunSpecError, match=r"^run spec field toploc\.replay_rule: Input should be 'eps-v1' or 'logit-bound-v1'$"):
+        parse_run_spec(unsigned.replace('replay_rule = "eps-v1"', 'replay_rule = "logit-bound-v9"'), require_signature=False)
+    # the content as a spec before the rule was written hashes to the same run ID
+    old = signed.spec.model_dump(mode="python")
+    for name in ("replay_rule", "replay_logit_bound", "eos_prob_slack"):
+        del old["toploc"][name]
+    assert hashlib.sha256(RUN_ID_DOMAIN + encoding.packb(old)).digest() == signed.run_id
+    before = re.sub(r'(?m)^(replay_rule|replay_logit_bound|eos_prob_slack) = .*\n', "", unsigned)
+    back = parse_run_spec(before, require_signature=False).spec
+    assert back.run_id == signed.run_id and (back.toploc.replay_rule, back.toploc.eos_prob_slack) == ("eps-v1", 0.01)
+    bound = unsigned.replace('replay_rule = "eps-v1"', 'replay_rule = "logit-bound-v1"')
+    with pytest.raises(RunSpecError, match=r"^run spec field toploc: .*needs toploc\.replay_logit_bound > 0"):
+        parse_run_spec(bound, require_signature=False)
+    bf16 = parse_run_spec(bound.replace("replay_logit_bound = 0.0", "replay_logit_bound = 0.75"), require_signature=False).spec
+    assert bf16.toploc.replay_logit_bound == 0.75 and bf16.run_id != signed.run_id
+    with pytest.raises(RunSpecError, match=r"^run spec field toploc: .*belong to replay rule eps-v1"):
+        parse_run_spec(bound.replace("replay_logit_bound = 0.0", "replay_logit_bound = 0.75").replace("replay_eps = 0.0001", "replay_eps = 0.05"),
+                       require_signature=False)
+    with pytest.raises(RunSpecError, match=r"^run spec field toploc: .*belongs to replay rule logit-bound-v1"):
+        parse_run_spec(unsigned.replace("replay_logit_bound = 0.0", "replay_logit_bound = 0.75"), require_signature=False)
+    for bad in ("nan", "inf", "-0.5", "4.5"):
+        with pytest.raises(RunSpecError, match=r"^run spec field toploc\.replay_logit_bound: "):
+            parse_run_spec(bound.replace("replay_logit_bound = 0.0", f"replay_logit_bound = {bad}"), require_signature=False)
+    slack = parse_run_spec(unsigned.replace("eos_prob_slack = 0.01", "eos_prob_slack = 0.02"), require_signature=False).spec
+    assert slack.toploc.eos_prob_slack == 0.02 and slack.run_id != signed.run_id
+    assert ToplocSpec().replay_rule == "eps-v1"

@@ -500,3 +500,77 @@ def test_nucleus_bounds_equal_the_sorted_rule(scale: float) -> None:
         ids = torch.randint(0, 4096, (16, 32), generator=g)
         assert torch.equal(nucleus.kept(ids, i), ref.gather(-1, ids))
     assert bool((nucleus.kept_all(0).sum(-1) >= 1).all())
+
+
+def _within_bound_workers(fp32: torch.Tensor, h: torch.Tensor, w: torch.Tensor, delta: float, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Honest workers' logits within ``delta`` of ``fp32`` (up to a common shift): a bf16 LM head,
+    uniform noise, and the worst case for CDF edges (every id below a split point down, the rest up)."""
+    n, vocab = fp32.shape
+    split = torch.randint(0, vocab, (n, 1), generator=g)
+    sign = torch.where(torch.arange(vocab) < split, -1.0, 1.0)
+    return {
+        "bf16 head": (h.bfloat16() @ w.bfloat16().T).float(),
+        "uniform noise": fp32 + (torch.rand(n, vocab, generator=g) * 2 - 1) * delta + 3.0,
+        "worst-case edges": fp32 + 0.999 * delta * sign - 1.0,
+    }
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.8, 0.9)])
+def test_logit_bound_replay_accepts_workers_within_the_bound_and_rejects_cheats(temperature: float, top_p: float) -> None:
+    """Replay rule ``logit-bound-v1`` (docs/toploc.md §6.2): every token of a worker whose logits lie
+    within δ of the validator's (a bf16 LM head against float32, δ its measured error × 1.5; noise
+    up to δ; the worst case for CDF edges; P(EOS) around the gate's floor) is accepted, where
+    ``eps-v1`` at the old bf16 setting (ε = 0.05) rejects; a worker beyond the bound (3δ), a greedy
+    worker and one choosing the policy's runner-up are rejected."""
+    g = torch.Generator().manual_seed(7)
+    n, vocab, hidden, eos, floor = 192, 2048, 64, 1, 0.1
+    h, w = torch.randn(n, hidden, generator=g), torch.randn(vocab, hidden, generator=g) * 0.6
+    w[eos] = 0.0  # EOS's logit set per row below: P(EOS) spread around the floor
+    fp32 = h @ w.T
+    fp32[:, eos] = torch.logsumexp(torch.cat([fp32[:, :eos], fp32[:, eos + 1 :]], -1), -1) + torch.linspace(-4.5, 0.5, n)
+    bf16 = (h.bfloat16() @ w.bfloat16().T).float()
+    bf16[:, eos] = fp32[:, eos].bfloat16().float()
+    err = bf16 - fp32
+    delta = 1.5 * float(((err.amax(-1) - err.amin(-1)) / 2).max())
+    assert 0.01 < delta < 1.0
+    workers = _within_bound_workers(fp32, h, w, delta, g)
+    workers["bf16 head"] = bf16
+    seeds, pos = torch.full((n,), 11, dtype=torch.int64), torch.arange(n, dtype=torch.int64)
+    common = {"temperature": temperature, "top_p": top_p, "eos_ids": (eos,), "min_eos_prob": floor, "max_near_tie_fraction": 1.0}
+    eps_rejects = 0
+    for name, x in workers.items():
+        toks, _ = sampling.sample(x, seeds, pos, temperature, top_p, (eos,), floor)
+        res = sampling.replay_check(fp32.clone(), toks, 11, **common, replay_rule="logit-bound-v1", logit_bound=delta)
+        assert res.ok and res.hard_mismatches == 0, (name, res.reason)
+        assert float(res.gaps.max()) <= delta
+        eps_rejects += sampling.replay_check(fp32.clone(), toks, 11, **common, eps=0.05).hard_mismatches
+    assert eps_rejects > 0  # the old rule at the old bf16 setting rejected honest workers
+    p = torch.softmax(fp32.double() / temperature, -1)
+    top2 = torch.topk(p, 2).indices
+    honest = sampling.sample(fp32, seeds, pos, temperature, top_p, (eos,), floor)[0]
+    cheats = {
+        "beyond the bound": sampling.sample(fp32 + 3 * delta * torch.where(torch.arange(vocab) < vocab // 2, -1.0, 1.0), seeds, pos,
+                                            temperature, top_p, (eos,), floor)[0],
+        "greedy": top2[:, 0],
+        "runner-up": torch.where(top2[:, 0] == honest, top2[:, 1], top2[:, 0]),
+    }
+    for name, toks in cheats.items():
+        res = sampling.replay_check(fp32.clone(), toks, 11, **common, replay_rule="logit-bound-v1", logit_bound=delta)
+        assert not res.ok and res.hard_mismatches >= 3 and "logit bound" in res.reason, (name, res.hard_mismatches)
+
+
+def test_logit_bound_termination_and_unknown_replay_rules() -> None:
+    """Under ``logit-bound-v1`` the termination check's slack is the most logits within δ can move
+    P(EOS) to the floor; an unknown replay rule or a missing bound is refused."""
+    slack = sampling.termination_slack(0.1, 1.0, "logit-bound-v1", logit_bound=0.75)
+    assert slack == pytest.approx(0.1 - 1 / (1 + math.exp(math.log(9) + 1.5)), abs=2**-15)  # P(EOS) ≥ σ(logit 0.1 − 1.5) ≈ 0.024
+    assert sampling.termination_slack(0.1, 1.0, "eps-v1", eos_prob_slack=0.02) == 0.02
+    eos = 2
+    for p_eos, ok in ((0.03, True), (0.02, False)):
+        logits = torch.tensor([0.0, 0.0, math.log(2 * p_eos / (1 - p_eos))])
+        assert sampling.termination_check(logits, [5, eos], [eos], 8, min_eos_prob=0.1, eos_prob_slack=slack).ok is ok
+    logits = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="unknown replay rule"):
+        sampling.replay_check(logits, [0, 1], 1, replay_rule="logit-bound-v0")
+    with pytest.raises(ValueError, match="logit bound"):
+        sampling.replay_check(logits, [0, 1], 1, replay_rule="logit-bound-v1")

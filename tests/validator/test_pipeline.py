@@ -415,26 +415,29 @@ def test_logprob_tolerances_come_from_the_run_spec(world: World, honest_env: Env
 
 
 def test_replay_tolerances_come_from_the_run_spec(world: World, honest_env: Envelope[Submission], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sampling replay applies the signed spec's ``toploc.replay_eps`` and
-    ``max_near_tie_fraction`` (a bf16-compute run raises them; every validator of the run and the
-    coordinator's re-check must apply the same ones), not constants of the validator."""
+    """The sampling replay applies the signed spec's replay rule and tolerances (``toploc.replay_eps``,
+    ``max_near_tie_fraction``, ``eos_prob_slack``; ``replay_rule`` and ``replay_logit_bound``: a
+    bf16-compute run names logit-bound-v1; every validator of the run and the coordinator's re-check
+    must apply the same ones), not constants of the validator."""
     from protocol import sampling
 
-    seen: list[tuple[float, float]] = []
+    seen: list[tuple[Any, ...]] = []
     real = sampling.replay_checks
 
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        seen.append((args[6], args[7]))  # eps, max_near_tie_fraction (positional, as the pipeline passes them)
+    def spy(*args: Any, **kwargs: Any) -> Any:  # eps, max_near_tie_fraction positional, as the pipeline passes them
+        seen.append((args[6], args[7], kwargs["eos_prob_slack"], kwargs["replay_rule"], kwargs["logit_bound"]))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(sampling, "replay_checks", spy)
-    assert (SPEC.toploc.replay_eps, SPEC.toploc.max_near_tie_fraction) == (1e-4, 0.1)  # the defaults
-    spec = RunSpec(run=SPEC.run, data=SPEC.data, sampling=SPEC.sampling, rl=SPEC.rl,
-                   toploc=ToplocSpec(replay_eps=0.03, max_near_tie_fraction=0.4))
-    env = open_envelope(seal(WORKER, spec.run_id, honest_env.body), run_id=spec.run_id, expect=Submission)
-    result = SubmissionChecker(spec, world.tasks, world.tokenizer, lambda s: world.model, trainer_step=lambda: 0,
-                               counter_seen=lambda w, c, sid: False).check(env)
-    assert result.accepted and seen and set(seen) == {(0.03, 0.4)}
+    assert (SPEC.toploc.replay_eps, SPEC.toploc.max_near_tie_fraction, SPEC.toploc.replay_rule) == (1e-4, 0.1, "eps-v1")  # the defaults
+    for toploc_spec, want in ((ToplocSpec(replay_eps=0.03, max_near_tie_fraction=0.4, eos_prob_slack=0.02), (0.03, 0.4, 0.02, "eps-v1", 0.0)),
+                              (ToplocSpec(replay_rule="logit-bound-v1", replay_logit_bound=0.5), (1e-4, 0.1, 0.01, "logit-bound-v1", 0.5))):
+        seen.clear()
+        spec = RunSpec(run=SPEC.run, data=SPEC.data, sampling=SPEC.sampling, rl=SPEC.rl, toploc=toploc_spec)
+        env = open_envelope(seal(WORKER, spec.run_id, honest_env.body), run_id=spec.run_id, expect=Submission)
+        result = SubmissionChecker(spec, world.tasks, world.tokenizer, lambda s: world.model, trainer_step=lambda: 0,
+                                   counter_seen=lambda w, c, sid: False).check(env)
+        assert result.accepted and seen and set(seen) == {want}
 
 
 def test_oversized_packed_arrays_are_refused_before_they_are_unpacked(world: World, honest_env: Envelope[Submission],
