@@ -130,3 +130,31 @@ async def test_new_addresses_share_one_submission_rate_and_a_proven_address_keep
             for c in range(1, 4):
                 status, body = await post(http, SUBMISSIONS, submission(honest, counter=c))
                 assert status == 200, body
+
+
+async def test_a_new_worker_from_its_own_prefix_gets_in_while_fresh_keys_hold_probations_share(tmp_path: Path) -> None:
+    """Fresh keys from three /24s fill probation's share (8); a new worker from a fourth /24 is stored
+    (it displaces the heaviest prefix's newest unleased submission: ``docs/protocol.md`` "Quotas"),
+    while one more from the heaviest prefix is refused before its body is read. Old code: 507
+    ``probation_quota`` for the new worker until the junk was judged."""
+    import aiohttp
+
+    limits = IngestLimits(max_disk_files=16, max_pending_per_ip=64)
+    async with running_ingest(tmp_path, limits=limits) as ing:
+        stored: dict[str, list[str]] = {}
+        for ip, n in (("127.31.0.1", 4), ("127.32.0.1", 2), ("127.33.0.1", 2)):
+            async with aiohttp.ClientSession(base_url=ing.url, connector=aiohttp.TCPConnector(local_addr=(ip, 0))) as evil:
+                for _ in range(n):
+                    status, body = await post(evil, SUBMISSIONS, submission(NodeKey.generate()))
+                    assert status == 200, body
+                    stored.setdefault(ip, []).append(body["id"])
+        async with aiohttp.ClientSession(base_url=ing.url, connector=aiohttp.TCPConnector(local_addr=("127.31.0.1", 0))) as evil:
+            status, body = await post(evil, SUBMISSIONS, submission(NodeKey.generate()))
+            assert status == 507 and body["error"] == "probation_quota", body
+        async with aiohttp.ClientSession(base_url=ing.url, connector=aiohttp.TCPConnector(local_addr=("127.34.0.1", 0))) as new:
+            status, body = await post(new, SUBMISSIONS, submission(NodeKey.generate()))
+            assert status == 200 and body["stored"] is True, body
+            async with new.get("/status") as r:
+                assert (await r.json())["submissions"]["displaced"] == 1
+        assert ing.ledger.get(stored["127.31.0.1"][-1]).state.value == "displaced"
+        assert ing.store.counts()["pending"] == 8

@@ -64,14 +64,14 @@ def test_every_state_of_a_version_1_index_is_migrated(tmp_path):
         assert got == {"p": (State.STORED, None), "a": (State.ACCEPTED, None), "c": (State.CONSUMED, 3), "t": (State.RETIRED, 2),
                        "s": (State.RETIRED, None), "u": (State.RETIRED, None), "r": (State.REJECTED, None)}
         assert store.worker_stats() == {"w": {"pending": 1, "accepted": 5, "rejected": 1, "stale": 1, "trained": 2}}
-        assert store.counts() == {"pending": 1, "accepted": 5, "rejected": 1, "consumed": 2}
+        assert store.counts() == {"pending": 1, "accepted": 5, "rejected": 1, "consumed": 2, "displaced": 0}
         assert store.verdict_reasons() == {"ok": 1}
         assert store.leaderboard(1)[0]["rollouts_trained"] == 4
     finally:
         store.close()
     again = SubmissionStore(tmp_path, RUN)  # a second open migrates nothing
     try:
-        assert again.counts() == {"pending": 1, "accepted": 5, "rejected": 1, "consumed": 2}
+        assert again.counts() == {"pending": 1, "accepted": 5, "rejected": 1, "consumed": 2, "displaced": 0}
     finally:
         again.close()
 
@@ -80,7 +80,7 @@ def test_per_submission_queries_use_indexes_not_the_history(tmp_path):
     """EXPLAIN QUERY PLAN of what admission, group commit, the trainer and the run page ask: no table scan."""
     store = SubmissionStore(tmp_path, RUN)
     queries = [
-        ("usage", store_mod._usage_sql(2), ("w", "ip", "a", "b", "w")),
+        ("usage", store_mod._usage_sql(2), ("w", "ip", "a", "b", "w", "10.0.0.0/24")),
         ("counter_used", "SELECT 1 FROM submissions WHERE worker = ? AND counter = ? AND id != ? LIMIT 1", ("w", 1, "x")),
         ("next seq", "SELECT COALESCE(MAX(seq), 0) FROM submissions", ()),
         ("trainable", store_mod._TRAINABLE_SQL, (3,)),
@@ -89,10 +89,15 @@ def test_per_submission_queries_use_indexes_not_the_history(tmp_path):
         ("retire consumed", *store_mod._select_sql({State.CONSUMED}, consumed_below=3)),
         ("unconsume", *store_mod._select_sql({State.CONSUMED}, consumed_above=3)),
         ("ban", *store_mod._select_sql(PENDING, worker="w")),
+        ("newest stored of a prefix (displacement)", store_mod._NEWEST_STORED_SQL, ("10.0.0.0/24", 8)),
+        ("prefix standing (precheck)", store_mod._PREFIX_STANDING_SQL, ("10.0.0.0/24", "10.0.0.0/24")),
+        *((f"heaviest prefixes {i} (displacement)", sql, ("10.0.0.0/24", 9)) for i, sql in enumerate(store_mod._HEAVIEST_SQL)),
     ]
     for name, sql, args in queries:
         plan = [row[3] for row in store._db.execute("EXPLAIN QUERY PLAN " + sql, args)]
-        assert not any(step.startswith("SCAN submissions") or "TEMP B-TREE" in step for step in plan), (name, plan)
+        # (the heaviest prefixes walk their index from the top and stop at the limit)
+        assert not any(step.startswith(("SCAN submissions", "SCAN s ")) or step == "SCAN probation_prefixes"
+                       or "TEMP B-TREE" in step for step in plan), (name, plan)
     # the leaderboard walks its index in order and stops at the limit: no sort of every worker
     plan = [row[3] for row in store._db.execute("EXPLAIN QUERY PLAN SELECT worker, tokens FROM worker_stats"
                                                 " ORDER BY accepted DESC, rejected, worker LIMIT 200")]

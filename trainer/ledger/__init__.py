@@ -3,13 +3,15 @@
 ::
 
     admitted → stored → leased → judged ┬→ accepted → (fresh) → consumed → retired
-                                        └→ rejected (a cheat reproduced: its worker banned)
+             │                          └→ rejected (a cheat reproduced: its worker banned)
+             └→ displaced (probation's share full: a lighter address prefix took its place)
 
 * ``states.py`` — the state machine: :class:`State`, the named :class:`Transition` s and their
   source and target states.
 * ``ids.py`` — :data:`SubmissionId`, the one form of a submission's ID on the coordinator.
 * ``ledger.py`` — :class:`SubmissionLedger`: admission (quotas, probation), leasing, verdicts,
   the async-window and retention rules, the read models (counts, tokens, leaderboard).
+* ``prefixes.py`` — the address prefixes (/24, /48) leasing and probation's share are fair over.
 * ``leasing.py`` — the fair lease order (established workers first; round robin over address
   prefixes, addresses and keys).
 * ``ban_rule.py`` — :class:`BanRule`: which verdicts decide, when a cheat verdict bans, the

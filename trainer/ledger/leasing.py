@@ -26,33 +26,17 @@ junk cannot fill the disk quota that established workers' submissions need.
 
 from __future__ import annotations
 
-import ipaddress
 from collections import deque
 from collections.abc import Iterable
 
 from trainer.ledger.ids import SubmissionId
+from trainer.ledger.prefixes import IPV4_PREFIX, IPV6_PREFIX, prefix_key
 from trainer.ledger.store import LeaseCandidate
 
 __all__ = ["IPV4_PREFIX", "IPV6_PREFIX", "MAX_REMEMBERED_TURNS", "PROBATION_EVERY", "LeaseOrder", "prefix_key"]
 
 PROBATION_EVERY = 8
 """While both tiers have pending work, one lease slot in this many goes to workers on probation."""
-
-IPV4_PREFIX = 24
-IPV6_PREFIX = 48
-"""Address prefixes the lease order shares out first (bits)."""
-
-
-def prefix_key(address: str) -> str:
-    """The prefix an address (``protocol.addresses.address_key``: an IPv4 address or an IPv6
-    /64 network) belongs to for leasing: its IPv4 /24 or IPv6 /48; anything else unchanged."""
-    try:
-        net = ipaddress.ip_network(address, strict=False)
-    except ValueError:
-        return address
-    bits = IPV4_PREFIX if net.version == 4 else IPV6_PREFIX
-    return str(net.supernet(new_prefix=min(bits, net.prefixlen)))
-
 
 MAX_REMEMBERED_TURNS = 1 << 16
 """Most prefixes, addresses and keys whose last turn :class:`LeaseOrder` remembers (its memory bound)."""

@@ -19,7 +19,14 @@ rule (which files go when) are applied here and nowhere else on the coordinator.
 
 Retention: a rejected submission's file goes once its verdict is final (the ban rule says when);
 a consumed one's when a later step's training state is saved (a resume never needs it again);
-a pending or accepted one's when it leaves the async window; an unreadable one's at once.
+a pending or accepted one's when it leaves the async window; an unreadable one's at once; a
+displaced one's when it is displaced.
+
+Probation's share is shared out per address prefix by displacement (:meth:`SubmissionLedger.admit`,
+``docs/protocol.md`` "Quotas"): keys are free, prefixes are not, so when workers on probation hold
+their whole share, a submission from a prefix holding less of it than the heaviest prefix takes
+the place of that prefix's newest never-leased one — a prefix is only ever pushed out by one
+holding less, so many prefixes together cannot lock out one that holds little.
 """
 
 from __future__ import annotations
@@ -43,14 +50,19 @@ from trainer.ledger.bans import BanBook
 from trainer.ledger.bodies import MAX_HELD_BODY_BYTES, HeldBodies
 from trainer.ledger.ids import SubmissionId, submission_id
 from trainer.ledger.leasing import LeaseOrder
+from trainer.ledger.prefixes import prefix_key
 from trainer.ledger.schema import STALE_REASON
 from trainer.ledger.states import PENDING, State, Transition, public_state
-from trainer.ledger.store import DecidingVerdict, StoredSubmission, SubmissionStore
+from trainer.ledger.store import DecidingVerdict, ProbationView, StoredSubmission, SubmissionStore, Usage
 
 logger = logging.getLogger(__name__)
 
 BANNED_REASON = "banned"
 """The reason of a pending submission rejected because its worker was banned."""
+
+MAX_DISPLACED = 8
+"""Most submissions one admission displaces (when probation's share is full by bytes, a large
+submission may need the room of several smaller ones); past it the submission is refused."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +81,8 @@ class Quotas:
         min_free_disk_bytes: refuse submissions that would leave less free space than this.
         probation_share: the fraction of ``max_disk_files`` and ``max_disk_bytes`` that workers
             on probation (no accepted submission yet) may hold pending together, so free keys
-            can never take the room established workers' submissions need.
+            can never take the room established workers' submissions need; shared out per
+            address prefix by displacement (:meth:`SubmissionLedger.admit`).
     """
 
     max_pending_per_worker: int = 4
@@ -154,6 +167,14 @@ class SubmissionLedger:
         One call, no await: the checks see every earlier admitted submission, durable or still
         being written, and this one is counted before the next is checked.
 
+        When workers on probation hold their whole share and this one's worker is on probation,
+        it is admitted only by *displacing* (:attr:`~Transition.DISPLACE`) never-leased
+        submissions of the address prefix holding the most of the share (by files, or by bytes
+        when bytes are short), newest first, each only while that prefix holds more than this
+        one's prefix will (at most :data:`MAX_DISPLACED`); their files are deleted. A displaced
+        submission had no verdict: it counts toward no ban and no rejection, its counter stays
+        free, and the same bytes posted again are stored again.
+
         Args:
             env: the verified envelope.
             address: the address it was posted from (``protocol.addresses.address_key``).
@@ -172,7 +193,7 @@ class SubmissionLedger:
         # staged first, then the index: a submission goes staged → (both, while committing) → index
         if not self.store.storing(sid):  # the same bytes being stored now: a duplicate, answered when they are durable
             existing = self.store.get(sid)
-            if existing is not None:
+            if existing is not None and existing.state is not State.DISPLACED:  # a displaced one is stored again
                 return Admission(sid, None, public_state(existing.state))
             if self.store.counter_used(sub.worker, sub.counter, sid):
                 raise Refused("replay", f"worker {sub.worker} already submitted counter {sub.counter} in another submission")
@@ -190,24 +211,71 @@ class SubmissionLedger:
         if u.ip_pending >= q.max_pending_per_ip or u.ip_bytes + size > q.max_pending_bytes_per_ip:
             raise Refused("ip_quota", f"address {address} has {u.ip_pending} submissions ({u.ip_bytes} bytes) awaiting verdicts; retry later",
                           retry_after_s=10.0)
-        if u.disk_files >= q.max_disk_files or u.disk_bytes + size > q.max_disk_bytes:
+        over_disk = u.disk_files >= q.max_disk_files or u.disk_bytes + size > q.max_disk_bytes
+        over_share = not u.established and (u.probation_pending + 1 > q.probation_share * q.max_disk_files
+                                            or u.probation_bytes + size > q.probation_share * q.max_disk_bytes)
+        if over_share and not self._displace_for(address, u, size):
+            if over_disk:
+                raise Refused("disk_quota", f"the ingest holds {u.disk_files} submissions ({u.disk_bytes} bytes), its limit; retry later",
+                              retry_after_s=10.0)
+            raise Refused("probation_quota", f"workers with no accepted submission yet hold {u.probation_pending} submissions "
+                          f"({u.probation_bytes} bytes) awaiting verdicts, their share, and no address prefix holds more of it "
+                          f"than {prefix_key(address)} would; retry later", retry_after_s=10.0)
+        if over_disk and not over_share:
             raise Refused("disk_quota", f"the ingest holds {u.disk_files} submissions ({u.disk_bytes} bytes), its limit; retry later",
                           retry_after_s=10.0)
-        if not u.established and (u.probation_pending + 1 > q.probation_share * q.max_disk_files
-                                  or u.probation_bytes + size > q.probation_share * q.max_disk_bytes):
-            raise Refused("probation_quota", f"workers with no accepted submission yet hold {u.probation_pending} submissions "
-                          f"({u.probation_bytes} bytes) awaiting verdicts, their share; retry later", retry_after_s=10.0)
         # minus what admitted submissions are still writing: the file system does not show it yet
         free = shutil.disk_usage(self.store.dir).free - u.writing_bytes
         if free - size < q.min_free_disk_bytes:
             raise Refused("disk_full", f"only {free} bytes free on the ingest's disk; retry later", retry_after_s=30.0)
 
+    def _displace_for(self, address: str, u: Usage, size: int) -> bool:
+        """Make room in probation's share (and the disk quota) for a submission of ``size`` bytes
+        from ``address`` by displacement (see :meth:`admit`); ``False`` when no prefix holds more."""
+        q = self.quotas
+        mine = prefix_key(address)
+        need_files = max(u.probation_pending + 1 - q.probation_share * q.max_disk_files, u.disk_files + 1 - q.max_disk_files)
+        need_bytes = max(u.probation_bytes + size - q.probation_share * q.max_disk_bytes, u.disk_bytes + size - q.max_disk_bytes)
+        after = (u.prefix_pending + 1, u.prefix_bytes + size)  # what this prefix holds once this one is in
+
+        def plan(view: ProbationView) -> list[SubmissionId] | None:
+            held = {h.prefix: [h.files, h.bytes] for h in view.heaviest(mine, MAX_DISPLACED + 1)}
+            queues: dict[str, list[tuple[SubmissionId, int]]] = {}
+            victims: list[SubmissionId] = []
+            files, nbytes = need_files, need_bytes
+            while files > 0 or nbytes > 0:
+                dim = 0 if files > 0 else 1  # files first; then bytes, when a large submission needs more room
+                heaviest = max(held, key=lambda p: (held[p][dim], p), default=None)
+                if heaviest is None or held[heaviest][dim] <= after[dim] or len(victims) >= MAX_DISPLACED:
+                    return None  # nobody holds more than this prefix would: pushed out by no one heavier
+                queue = queues.setdefault(heaviest, view.newest_stored(heaviest, MAX_DISPLACED))
+                if not queue:
+                    del held[heaviest]
+                    continue
+                sid, n = queue.pop(0)
+                victims.append(sid)
+                held[heaviest][0] -= 1
+                held[heaviest][1] -= n
+                files, nbytes = files - 1, nbytes - n
+            return victims
+
+        done = self.store.displace(plan)
+        if done is None:
+            return False
+        for sid in done:
+            self.bodies.take(sid)
+        logger.info("displaced %d submissions on probation for one from %s (probation's share full)", len(done), mine)
+        return True
+
     def precheck(self, address: str) -> bool:
         """What can be refused before a body from ``address`` is read (its bytes would only be
         refused after decoding and verifying them): an address holding its whole pending quota,
         and, while workers on probation hold their whole share, an address none of whose
-        submissions was ever accepted (so a Sybil flood costs the coordinator no decoding once
-        its share is full; a new worker behind an established worker's address still gets in).
+        submissions was ever accepted unless its prefix holds less of the share than another
+        prefix (one submission more would still leave it lighter: it could displace, :meth:`admit`).
+        So a Sybil flood costs the coordinator no decoding once its share is full and evenly held,
+        a new worker from a prefix of its own still gets in, and so does one behind an established
+        worker's address.
 
         Returns:
             Whether the address is *proven* (a submission it posted was accepted).
@@ -220,12 +288,16 @@ class SubmissionLedger:
         if pending >= q.max_pending_per_ip:
             raise Refused("ip_quota", f"address {address} holds {q.max_pending_per_ip} submissions awaiting verdicts; retry later",
                           retry_after_s=10.0)
-        if not established and probation >= q.max_disk_files:  # what admission would say: the whole disk quota is taken
+        if established or probation < q.probation_share * q.max_disk_files:
+            return established
+        mine, heaviest = self.store.prefix_standing(prefix_key(address))
+        if heaviest > mine + 1:
+            return False  # it may displace: read its body (under the unproven addresses' shared rate)
+        if probation >= q.max_disk_files:  # what admission would say: the whole disk quota is taken
             raise Refused("disk_quota", f"the ingest holds {probation} submissions, its limit; retry later", retry_after_s=10.0)
-        if not established and probation >= q.probation_share * q.max_disk_files:
-            raise Refused("probation_quota", f"workers with no accepted submission yet hold {probation} submissions awaiting verdicts, "
-                          "their share, and none from this address was ever accepted; retry later", retry_after_s=10.0)
-        return established
+        raise Refused("probation_quota", f"workers with no accepted submission yet hold {probation} submissions awaiting verdicts, "
+                      f"their share, none from this address was ever accepted, and no prefix holds more of it than {prefix_key(address)}; "
+                      "retry later", retry_after_s=10.0)
 
     def stored(self, sid: SubmissionId, body: Submission) -> None:
         """``sid`` is durable: keep its verified body for the trainer (so it is not verified again).
@@ -358,7 +430,7 @@ class SubmissionLedger:
     # --- read models ----------------------------------------------------------------------------
 
     def counts(self) -> dict[str, int]:
-        """``pending`` now; ``accepted``, ``rejected``, ``consumed`` over the run."""
+        """``pending`` now; ``accepted``, ``rejected``, ``consumed`` over the run; ``displaced`` now."""
         return self.store.counts()
 
     def verdict_reasons(self) -> dict[str, int]:
@@ -366,7 +438,7 @@ class SubmissionLedger:
         return self.store.verdict_reasons()
 
     def worker_stats(self, limit: int | None = None) -> dict[str, dict[str, int]]:
-        """Per worker: its non-zero ``pending``/``accepted``/``rejected``/``stale``/``trained`` counts
+        """Per worker: its non-zero ``pending``/``accepted``/``rejected``/``stale``/``trained``/``displaced`` counts
         (``limit``: the first in the leaderboard's order only)."""
         return self.store.worker_stats(limit)
 

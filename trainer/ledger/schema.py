@@ -5,8 +5,10 @@ Tables: ``submissions`` (one row per stored submission, kept for the whole run s
 unique; ``state`` is a :class:`~trainer.ledger.states.State`), ``verdicts`` (every verdict,
 deciding or not), and the read models kept by triggers in the transaction of each change:
 ``worker_stats`` (per worker: pending and its bytes, accepted, rejected, stale, trained,
-rollouts trained, completion tokens), ``verdict_reasons``, ``probation`` (pending work of
-workers with no accepted submission), ``address_stats`` (accepted submissions per address).
+rollouts trained, completion tokens, displaced), ``verdict_reasons``, ``probation`` (pending work
+of workers with no accepted submission), ``probation_prefixes`` (the same per address prefix, with
+how much of it was never leased: what displacement weighs and may take, ``ledger.py``),
+``address_stats`` (accepted submissions per address).
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterable
 
+from trainer.ledger.prefixes import prefix_key
 from trainer.ledger.states import PENDING, State
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """``PRAGMA user_version`` of an index this code wrote. Version 1 (no version set) kept states as
 ``pending``/``accepted``/``rejected`` plus ``consumed_step`` sentinels (−1 none, −2 untrainable);
-it is migrated in place on open (:func:`_migrate_v1`)."""
+version 2 had no address prefix per submission, no ``displaced`` state and no per-prefix
+probation table. Both are migrated in place on open (:func:`_migrate_v1`, :func:`_migrate_v2`)."""
 
 STALE_REASON = "stale_policy"
 """The reason of a submission that left the async window before a verdict (``protocol.verdicts``)."""
@@ -49,7 +53,8 @@ CREATE TABLE IF NOT EXISTS submissions (
     consumed_step INTEGER,          -- the trainer step that consumed it; NULL: none
     seq INTEGER NOT NULL,
     source_ip TEXT NOT NULL DEFAULT '',  -- address it was posted from (per-address quota, lease fairness)
-    on_disk INTEGER NOT NULL DEFAULT 1   -- 0 once its file is deleted
+    on_disk INTEGER NOT NULL DEFAULT 1,  -- 0 once its file is deleted
+    prefix TEXT NOT NULL DEFAULT ''      -- source_ip's prefix (trainer.ledger.prefixes): probation's fair share
 );
 CREATE INDEX IF NOT EXISTS submissions_state ON submissions(state, seq);
 CREATE INDEX IF NOT EXISTS submissions_worker ON submissions(worker, counter);
@@ -57,6 +62,7 @@ CREATE INDEX IF NOT EXISTS submissions_worker_state ON submissions(worker, state
 CREATE INDEX IF NOT EXISTS submissions_ip_state ON submissions(source_ip, state, size_bytes);
 CREATE INDEX IF NOT EXISTS submissions_on_disk ON submissions(on_disk, size_bytes);
 CREATE INDEX IF NOT EXISTS submissions_seq ON submissions(seq);
+CREATE INDEX IF NOT EXISTS submissions_prefix_state ON submissions(prefix, state, seq);
 CREATE TABLE IF NOT EXISTS verdicts (
     id TEXT PRIMARY KEY,            -- hex SHA-256 of the verdict envelope
     submission_id TEXT NOT NULL,
@@ -76,7 +82,8 @@ CREATE TABLE IF NOT EXISTS worker_stats (
     stale INTEGER NOT NULL DEFAULT 0,
     trained INTEGER NOT NULL DEFAULT 0,
     rollouts_trained INTEGER NOT NULL DEFAULT 0,
-    tokens INTEGER NOT NULL DEFAULT 0
+    tokens INTEGER NOT NULL DEFAULT 0,
+    displaced INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS worker_stats_board ON worker_stats(accepted DESC, rejected, worker);
 CREATE TABLE IF NOT EXISTS verdict_reasons (reason TEXT PRIMARY KEY, n INTEGER NOT NULL);
@@ -87,6 +94,14 @@ CREATE TABLE IF NOT EXISTS probation (
     pending_bytes INTEGER NOT NULL
 );
 INSERT OR IGNORE INTO probation VALUES (1, 0, 0);
+CREATE TABLE IF NOT EXISTS probation_prefixes (  -- rows with pending > 0 only
+    prefix TEXT PRIMARY KEY,
+    pending INTEGER NOT NULL,        -- pending submissions of workers on probation posted from this prefix
+    pending_bytes INTEGER NOT NULL,
+    stored INTEGER NOT NULL          -- of them, never leased (state stored): what displacement may take
+);
+CREATE INDEX IF NOT EXISTS probation_prefixes_files ON probation_prefixes(pending);
+CREATE INDEX IF NOT EXISTS probation_prefixes_bytes ON probation_prefixes(pending_bytes);
 """
 
 
@@ -102,10 +117,25 @@ def _terms(r: str) -> dict[str, str]:
         "stale": f"({r}.state = '{State.REJECTED.value}' AND {r}.reason = '{STALE_REASON}')",
         "trained": trained,
         "rollouts_trained": f"{trained} * {r}.n_rollouts",
+        "displaced": f"({r}.state = '{State.DISPLACED.value}')",
     }
 
 
-_STAT_COLUMNS = ("pending", "pending_bytes", "accepted", "rejected", "stale", "trained", "rollouts_trained", "tokens")
+_STAT_COLUMNS = ("pending", "pending_bytes", "accepted", "rejected", "stale", "trained", "rollouts_trained", "displaced", "tokens")
+"""worker_stats' counted columns; ``tokens`` (last) is added on insert only."""
+
+
+def _on_probation(worker: str) -> str:
+    """SQL: ``worker`` has no accepted submission (as worker_stats says at that moment)."""
+    return f"COALESCE((SELECT accepted FROM worker_stats WHERE worker = {worker}), 0) = 0"
+
+
+def _add_to_prefix(r: str) -> str:
+    """SQL: count row ``r`` (``NEW``) in its prefix's probation holding if it is pending and its worker on probation."""
+    return (f"INSERT INTO probation_prefixes SELECT {r}.prefix, 1, {r}.size_bytes, {r}.state = '{State.STORED.value}'"
+            f" WHERE {r}.state IN {in_states(PENDING)} AND {_on_probation(f'{r}.worker')}"
+            " ON CONFLICT (prefix) DO UPDATE SET pending = pending + 1, pending_bytes = pending_bytes + excluded.pending_bytes,"
+            " stored = stored + excluded.stored;")
 
 
 def _triggers() -> str:
@@ -114,13 +144,32 @@ def _triggers() -> str:
     values = ", ".join([*(new[c] for c in _STAT_COLUMNS[:-1]), "NEW.tokens"])
     on_insert = ", ".join(f"{c} = {c} + excluded.{c}" for c in _STAT_COLUMNS)
     on_update = ", ".join(f"{c} = {c} + ({new[c]}) - ({old[c]})" for c in _STAT_COLUMNS[:-1])
+    pending = in_states(PENDING)
+    stored = f"'{State.STORED.value}'"
+    of_worker = f"FROM submissions s WHERE s.worker = NEW.worker AND s.prefix = probation_prefixes.prefix AND s.state IN {pending}"
+    # The per-prefix probation holding changes in ledger_update before worker_stats does: an accept
+    # takes its own row out while its worker is still on probation, and probation_prefix_established
+    # (fired by that worker_stats update) then takes out the worker's other pending rows.
     return f"""
 CREATE TRIGGER IF NOT EXISTS ledger_insert AFTER INSERT ON submissions BEGIN
     INSERT INTO worker_stats (worker, {cols}) VALUES (NEW.worker, {values})
     ON CONFLICT (worker) DO UPDATE SET {on_insert};
+    {_add_to_prefix("NEW")}
 END;
-CREATE TRIGGER IF NOT EXISTS ledger_update AFTER UPDATE OF state, reason, consumed_step ON submissions BEGIN
+CREATE TRIGGER IF NOT EXISTS ledger_update AFTER UPDATE OF state, reason, consumed_step, prefix ON submissions BEGIN
+    UPDATE probation_prefixes SET pending = pending - 1, pending_bytes = pending_bytes - OLD.size_bytes, stored = stored - (OLD.state = {stored})
+    WHERE prefix = OLD.prefix AND OLD.state IN {pending} AND {_on_probation("OLD.worker")};
+    {_add_to_prefix("NEW")}
+    DELETE FROM probation_prefixes WHERE prefix = OLD.prefix AND pending <= 0;
     UPDATE worker_stats SET {on_update} WHERE worker = NEW.worker;
+END;
+CREATE TRIGGER IF NOT EXISTS probation_prefix_established AFTER UPDATE OF accepted ON worker_stats
+WHEN OLD.accepted = 0 AND NEW.accepted > 0 BEGIN
+    UPDATE probation_prefixes SET pending = pending - (SELECT COUNT(*) {of_worker}),
+                                  pending_bytes = pending_bytes - (SELECT COALESCE(SUM(s.size_bytes), 0) {of_worker}),
+                                  stored = stored - (SELECT COUNT(*) {of_worker} AND s.state = {stored})
+    WHERE prefix IN (SELECT prefix FROM submissions WHERE worker = NEW.worker AND state IN {pending});
+    DELETE FROM probation_prefixes WHERE pending <= 0 AND prefix IN (SELECT prefix FROM submissions WHERE worker = NEW.worker AND state IN {pending});
 END;
 CREATE TRIGGER IF NOT EXISTS ledger_address AFTER UPDATE OF state ON submissions
 WHEN NEW.state = '{State.ACCEPTED.value}' AND OLD.state IN {in_states(PENDING)} BEGIN
@@ -166,6 +215,10 @@ def _rebuild_read_models(db: sqlite3.Connection) -> None:
     db.execute("INSERT INTO verdict_reasons SELECT reason, COUNT(*) FROM verdicts GROUP BY reason")
     db.execute("UPDATE probation SET pending = (SELECT COALESCE(SUM(pending), 0) FROM worker_stats WHERE accepted = 0),"
                " pending_bytes = (SELECT COALESCE(SUM(pending_bytes), 0) FROM worker_stats WHERE accepted = 0)")
+    db.execute("DELETE FROM probation_prefixes")
+    db.execute(f"INSERT INTO probation_prefixes SELECT s.prefix, COUNT(*), SUM(s.size_bytes), SUM(s.state = '{State.STORED.value}')"
+               f" FROM submissions s LEFT JOIN worker_stats w ON w.worker = s.worker WHERE s.state IN {in_states(PENDING)}"
+               " AND COALESCE(w.accepted, 0) = 0 GROUP BY s.prefix")
 
 
 def _migrate_v1(db: sqlite3.Connection) -> int:
@@ -201,6 +254,21 @@ def _migrate_v1(db: sqlite3.Connection) -> int:
     return cur.rowcount
 
 
+def _migrate_v2(db: sqlite3.Connection) -> None:
+    """Bring a version-2 index (or one :func:`_migrate_v1` just rewrote) to version 3: each
+    submission's address prefix, worker_stats' ``displaced`` count, and every trigger dropped (they
+    are created again, with the per-prefix probation holding; the read models are rebuilt after)."""
+    columns = {t: {row[1] for row in db.execute(f"PRAGMA table_info({t})")} for t in ("submissions", "worker_stats")}
+    if "prefix" not in columns["submissions"]:
+        db.execute("ALTER TABLE submissions ADD COLUMN prefix TEXT NOT NULL DEFAULT ''")
+    if columns["worker_stats"] and "displaced" not in columns["worker_stats"]:
+        db.execute("ALTER TABLE worker_stats ADD COLUMN displaced INTEGER NOT NULL DEFAULT 0")
+    for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'").fetchall():
+        db.execute(f"DROP TRIGGER {name}")
+    db.create_function("ledger_prefix", 1, prefix_key, deterministic=True)
+    db.execute("UPDATE submissions SET prefix = ledger_prefix(source_ip)")
+
+
 def open_schema(db: sqlite3.Connection) -> int:
     """Create the index on ``db``, or migrate one an older version wrote, in one transaction.
 
@@ -211,7 +279,10 @@ def open_schema(db: sqlite3.Connection) -> int:
     old = version < SCHEMA_VERSION and db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'submissions'").fetchone()
     db.execute("BEGIN IMMEDIATE")
     try:
-        n = _migrate_v1(db) if old else -1
+        n = _migrate_v1(db) if old and version < 2 else -1
+        if old:
+            _migrate_v2(db)
+            n = max(n, db.execute("SELECT COUNT(*) FROM submissions").fetchone()[0])
         for stmt in _split(_SCHEMA + _triggers()):
             db.execute(stmt)
         if old:

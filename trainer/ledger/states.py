@@ -9,6 +9,8 @@
                                                      ├─reject──▶ rejected   (a cheat reason reproduced: the worker is banned)
                                                      ├─expire──▶ rejected   (left the async window unjudged: stale_policy)
                                                      └─ban─────▶ rejected   (its worker was banned)
+       stored ──displace──▶ displaced ──restore──▶ stored   (probation's share full: a lighter prefix took its place;
+                                                             restored when the same bytes are posted again)
 
 * **admitted** — the ingest checked it (signature, window, counter, quotas) and counts it, while
   its file and index row are being written; it exists only in memory (``store.py``'s staging).
@@ -18,6 +20,12 @@
   window of the step being assembled (*fresh*, :mod:`protocol.window`; not a stored state).
 * **rejected** — final: a validator rejected it, it left the window unjudged, or its worker was
   banned. A cheat reason bans the worker only when reproduced (``ban_rule.py``).
+* **displaced** — a stored submission never leased, of a worker on probation, whose place in
+  probation's share of the disk quota a submission from an address prefix holding less of that
+  share took (``ledger.py``, ``docs/protocol.md`` "Quotas"); its file is gone. No verdict, no
+  evidence against its worker: it counts toward no ban and no rejection, and its counter was never
+  judged, so it stays free (the same bytes posted again are *restored* to ``stored``; another
+  submission may use the counter).
 * **consumed** — a trainer step trained on (or dropped) every group of it; its file is kept
   until a later step's state is saved, so a resume can train it again (*unconsume*).
 * **retired** — done, its file gone: consumed and superseded, left the window before a step used
@@ -43,6 +51,7 @@ class State(StrEnum):
     REJECTED = "rejected"
     CONSUMED = "consumed"
     RETIRED = "retired"
+    DISPLACED = "displaced"
 
 
 PENDING = frozenset({State.STORED, State.LEASED})
@@ -60,6 +69,8 @@ class Transition(StrEnum):
     CONSUME = "consume"
     UNCONSUME = "unconsume"
     RETIRE = "retire"
+    DISPLACE = "displace"
+    RESTORE = "restore"
 
 
 TRANSITIONS: dict[Transition, tuple[frozenset[State], State]] = {
@@ -71,14 +82,17 @@ TRANSITIONS: dict[Transition, tuple[frozenset[State], State]] = {
     Transition.CONSUME: (frozenset({State.ACCEPTED}), State.CONSUMED),
     Transition.UNCONSUME: (frozenset({State.CONSUMED}), State.ACCEPTED),
     Transition.RETIRE: (frozenset({State.ACCEPTED, State.CONSUMED}), State.RETIRED),
+    Transition.DISPLACE: (frozenset({State.STORED}), State.DISPLACED),
+    Transition.RESTORE: (frozenset({State.DISPLACED}), State.STORED),
 }
 """Each transition's source states and target state."""
 
 _PUBLIC = {State.STORED: "pending", State.LEASED: "pending", State.ACCEPTED: "accepted", State.CONSUMED: "accepted",
-           State.RETIRED: "accepted", State.REJECTED: "rejected"}
+           State.RETIRED: "accepted", State.REJECTED: "rejected", State.DISPLACED: "displaced"}
 
 
 def public_state(state: State) -> str:
-    """What the ingest's answers and ``/status`` call ``state``: ``pending``, ``accepted`` or ``rejected``
-    (the verdict's outcome; consumption is counted apart)."""
+    """What the ingest's answers and ``/status`` call ``state``: ``pending``, ``accepted``, ``rejected``
+    (the verdict's outcome; consumption is counted apart) or ``displaced`` (no verdict: its place
+    was taken; the same bytes posted again are stored again, never answered as a duplicate)."""
     return _PUBLIC[state]

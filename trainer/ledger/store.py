@@ -45,7 +45,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +57,7 @@ from protocol.errors import ProtocolError
 from protocol.identity import PeerId
 from protocol.messages import Submission
 from trainer.ledger.ids import SubmissionId
+from trainer.ledger.prefixes import prefix_key
 from trainer.ledger.schema import SCHEMA_VERSION, in_states, open_schema
 from trainer.ledger.states import PENDING, TRANSITIONS, State, Transition
 
@@ -74,6 +75,8 @@ class Usage:
             system's free space does not show them yet).
         established: the worker has an accepted submission (else it is on probation).
         probation_pending, probation_bytes: pending submissions (and bytes) of every worker on probation.
+        prefix_pending, prefix_bytes: of those, the ones posted from the address's prefix
+            (``trainer.ledger.prefixes``): its holding of probation's share.
     """
 
     worker_pending: int
@@ -86,6 +89,58 @@ class Usage:
     established: bool = False
     probation_pending: int = 0
     probation_bytes: int = 0
+    prefix_pending: int = 0
+    prefix_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class PrefixHolding:
+    """What one address prefix holds of probation's share (indexed submissions; ``probation_prefixes``).
+
+    Attributes:
+        prefix: the prefix (``trainer.ledger.prefixes.prefix_key``).
+        files, bytes: pending submissions of workers on probation posted from it, and their bytes.
+        stored: of them, never leased (what displacement may take).
+    """
+
+    prefix: str
+    files: int
+    bytes: int
+    stored: int
+
+
+class ProbationView:
+    """Reads for a displacement plan, on the store's connection while the store's lock is held
+    (``SubmissionStore.displace``): each an indexed range, never a scan of pending work."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def heaviest(self, exclude: str, k: int) -> list[PrefixHolding]:
+        """The ``k`` prefixes other than ``exclude`` holding the most files and the ``k`` holding the
+        most bytes of probation's share (those with a never-leased submission; up to 2k, no repeats)."""
+        out: dict[str, PrefixHolding] = {}
+        for sql in _HEAVIEST_SQL:
+            for r in self._db.execute(sql, (exclude, k)):
+                out[r[0]] = PrefixHolding(r[0], int(r[1]), int(r[2]), int(r[3]))
+        return list(out.values())
+
+    def newest_stored(self, prefix: str, k: int) -> list[tuple[SubmissionId, int]]:
+        """Up to ``k`` never-leased pending submissions of workers on probation from ``prefix``,
+        newest first, with their sizes in bytes."""
+        return [(SubmissionId(i), int(n)) for i, n in self._db.execute(_NEWEST_STORED_SQL, (prefix, k))]
+
+
+_HEAVIEST_SQL = tuple(f"SELECT prefix, pending, pending_bytes, stored FROM probation_prefixes WHERE stored > 0 AND prefix != ?"
+                      f" ORDER BY {col} DESC LIMIT ?" for col in ("pending", "pending_bytes"))
+_NEWEST_STORED_SQL = (f"SELECT s.id, s.size_bytes FROM submissions s WHERE s.prefix = ? AND s.state = '{State.STORED.value}'"
+                      " AND COALESCE((SELECT accepted FROM worker_stats w WHERE w.worker = s.worker), 0) = 0 ORDER BY s.seq DESC LIMIT ?")
+_PREFIX_STANDING_SQL = ("SELECT (SELECT COALESCE(MAX(pending), 0) FROM probation_prefixes WHERE prefix = ?),"
+                        " (SELECT COALESCE(MAX(pending), 0) FROM probation_prefixes WHERE stored > 0 AND prefix != ?)")
+
+
+DISPLACED_REASON = "displaced"
+"""The ``reason`` of a displaced submission (no verdict: probation's share went to a lighter prefix)."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +217,10 @@ class _Staged:
     admitted: int = 0  # admission number: a group is indexed in admission order
     committing: bool = False  # its group's transaction may already be visible (usage() then checks the index)
     written: bool = False  # its file is complete (or its write failed): the free space on disk shows it
+    prefix: str = ""  # source_ip's prefix (trainer.ledger.prefixes)
+
+    def __post_init__(self) -> None:
+        self.prefix = prefix_key(self.source_ip)
 
 
 BUSY_TIMEOUT_S = 60.0
@@ -195,6 +254,7 @@ class SubmissionStore:
         self._wake = threading.Condition(self._lock)  # the commit thread waits here for written files
         self._admitted = 0
         self._writers: ThreadPoolExecutor | None = None
+        self._unlinking: dict[str, tuple[object, Future[None]]] = {}  # displaced submissions whose file a writer thread deletes
         self._committer: threading.Thread | None = None
         self._closing = False
         self.commits = {"groups": 0, "submissions": 0, "largest_group": 0}
@@ -219,6 +279,14 @@ class SubmissionStore:
         self._stats_lock = threading.Lock()  # this connection only
         self._stats_db = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_S)
         self._stats_db.execute("PRAGMA query_only=1")
+        # Displacements (:meth:`displace`) are committed on the event loop, under the lock: with
+        # synchronous=NORMAL and no automatic checkpoint on this connection, such a commit is a WAL
+        # append without an fsync (the loop never waits for the disk here); it reaches stable storage
+        # with the WAL's next fsync (any FULL commit, a checkpoint). A power cut before that can undo
+        # one (see recover()).
+        self._displace_db = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_S)
+        self._displace_db.execute("PRAGMA synchronous=NORMAL")
+        self._displace_db.execute("PRAGMA wal_autocheckpoint=0")
         self.recover()
 
     def close(self) -> None:
@@ -236,6 +304,7 @@ class SubmissionStore:
         with self._lock:
             self._db.close()
             self._commit_db.close()
+            self._displace_db.close()
         with self._stats_lock:
             self._stats_db.close()
 
@@ -285,7 +354,8 @@ class SubmissionStore:
             if self._closing:
                 raise RuntimeError("the submission store is closed")
             earlier = self._staged.get(sid)
-            if earlier is None and self._db.execute("SELECT 1 FROM submissions WHERE id = ?", (sid,)).fetchone():
+            if earlier is None and self._db.execute(f"SELECT 1 FROM submissions WHERE id = ? AND state != '{State.DISPLACED.value}'",
+                                                    (sid,)).fetchone():
                 fut.set_result(False)
                 return fut
             if earlier is not None:  # the same bytes posted twice at once: answer when the first is durable
@@ -295,16 +365,25 @@ class SubmissionStore:
                            now_ms or int(time.time() * 1000), source_ip, env.raw, fut, self._admitted)
             self._admitted += 1
             self._staged[sid] = item
-            if self._writers is None:
-                self._writers = ThreadPoolExecutor(WRITERS, thread_name_prefix="ingest-write")
-                self._committer = threading.Thread(target=self._commit_loop, name="ingest-commit", daemon=True)
-                self._committer.start()
-            writers = self._writers
-        writers.submit(self._write, item)
+            writers = self._start_threads()
+            unlinking = self._unlinking.get(sid, (None, None))[1]  # displaced a moment ago: its old file goes before the new one is written
+        writers.submit(self._write, item, unlinking)
         return fut
 
-    def _write(self, item: _Staged) -> None:
-        """Writer thread: the file durably under its final name; the directory is flushed per group."""
+    def _start_threads(self) -> ThreadPoolExecutor:
+        """The writer pool, and the commit thread, started on first use (the caller holds the lock)."""
+        if self._writers is None:
+            self._writers = ThreadPoolExecutor(WRITERS, thread_name_prefix="ingest-write")
+            self._committer = threading.Thread(target=self._commit_loop, name="ingest-commit", daemon=True)
+            self._committer.start()
+        return self._writers
+
+    def _write(self, item: _Staged, after: Future[None] | None = None) -> None:
+        """Writer thread: the file durably under its final name; the directory is flushed per group
+        (``after``: the deletion of a displaced file of the same name, submitted to this pool
+        earlier, so already running or done)."""
+        if after is not None:
+            after.exception()  # waits; its failure is its own (logged there)
         path = self.dir / f"{item.sid}.sub"
         try:
             atomic_write(path, item.raw, sync_dir=False)
@@ -358,7 +437,11 @@ class SubmissionStore:
 
     @staticmethod
     def _insert(db: sqlite3.Connection, items: list[_Staged]) -> None:
-        """Insert index rows in one transaction on ``db``, in order (``self._db`` only under the lock)."""
+        """Insert index rows in one transaction on ``db``, in order (``self._db`` only under the lock).
+
+        A displaced submission's row (the same bytes posted again) is *restored*
+        (:attr:`~Transition.RESTORE`): stored again, with its new address and arrival; any other
+        existing row is left alone."""
         db.execute("BEGIN IMMEDIATE")
         try:
             seq = db.execute("SELECT COALESCE(MAX(seq), 0) FROM submissions").fetchone()[0]
@@ -366,10 +449,13 @@ class SubmissionStore:
             for item in items:
                 seq += 1
                 rows.append((item.sid, item.worker, item.policy_step, item.counter, item.n_rollouts, item.tokens, item.size_bytes,
-                             item.received_ms, State.STORED.value, seq, item.source_ip))
+                             item.received_ms, State.STORED.value, seq, item.source_ip, item.prefix))
             db.executemany(
-                "INSERT OR IGNORE INTO submissions (id, worker, policy_step, counter, n_rollouts, tokens, size_bytes, received_ms, state,"
-                " seq, source_ip) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO submissions (id, worker, policy_step, counter, n_rollouts, tokens, size_bytes, received_ms, state,"
+                " seq, source_ip, prefix) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (id) DO UPDATE SET state = excluded.state, reason = '', verdict_by = '', lease_until_ms = 0,"
+                " received_ms = excluded.received_ms, seq = excluded.seq, source_ip = excluded.source_ip, prefix = excluded.prefix,"
+                f" on_disk = 1 WHERE submissions.state = '{State.DISPLACED.value}'",
                 rows,
             )
             db.execute("COMMIT")
@@ -379,17 +465,23 @@ class SubmissionStore:
             raise
 
     def recover(self) -> int:
-        """Index submission files a crash left unindexed; remove stray temporary files.
+        """Index submission files a crash left unindexed (a displaced submission's file still there
+        restores it: a crash between its displacement's commit and the file's deletion, or a power
+        cut that undid the commit of its restoring); remove stray temporary files. A power cut can
+        also undo a displacement's commit after its file went: that row is stored again without a
+        file, and leaves like any unreadable pending one (a lease skips it; it expires with the
+        async window, as ``stale_policy``).
 
         Returns:
             How many files were re-indexed.
         """
         for tmp in self.dir.glob("*.tmp"):
             tmp.unlink(missing_ok=True)
+        paths = list(self.dir.glob("*.sub"))
         with self._lock:
-            known = {row[0] for row in self._db.execute("SELECT id FROM submissions")}
+            known = {row[0] for row in self._db.execute(f"SELECT id FROM submissions WHERE state != '{State.DISPLACED.value}'")}
         found: list[_Staged] = []
-        for path in sorted(self.dir.glob("*.sub"), key=lambda p: p.stat().st_mtime):
+        for path in sorted(paths, key=lambda p: p.stat().st_mtime):
             sid = SubmissionId(path.stem)
             if sid in known:
                 continue
@@ -425,12 +517,14 @@ class SubmissionStore:
         return (self.dir / f"{sid}.sub").read_bytes()
 
     def counter_used(self, worker: str, counter: int, exclude_id: SubmissionId) -> bool:
-        """Whether ``worker`` already has another stored submission with this counter (stored or being stored)."""
+        """Whether ``worker`` already has another stored submission with this counter (stored or being
+        stored); a displaced one does not count (it was never judged: its counter is free)."""
         with self._lock:
             if any(s.worker == worker and s.counter == counter and s.sid != exclude_id for s in self._staged.values()):
                 return True
             row = self._db.execute(
-                "SELECT 1 FROM submissions WHERE worker = ? AND counter = ? AND id != ? LIMIT 1", (worker, counter, exclude_id)
+                f"SELECT 1 FROM submissions WHERE worker = ? AND counter = ? AND id != ? AND state != '{State.DISPLACED.value}' LIMIT 1",
+                (worker, counter, exclude_id)
             ).fetchone()
         return row is not None
 
@@ -446,6 +540,63 @@ class SubmissionStore:
                 (source_ip, source_ip)).fetchone()
         return int(row[0]) + n, bool(row[1]), int(row[2])
 
+    def prefix_standing(self, prefix: str) -> tuple[int, int]:
+        """What ``prefix`` holds of probation's share (files being stored counted: every one,
+        whatever its worker, an over-count of at most the staged ones), and the most files another
+        prefix with a never-leased submission holds (indexed; O(1))."""
+        with self._lock:
+            n = sum(1 for s in self._staged.values() if s.prefix == prefix)
+            row = self._db.execute(_PREFIX_STANDING_SQL, (prefix, prefix)).fetchone()
+        return int(row[0]) + n, int(row[1])
+
+    def displace(self, plan: Callable[[ProbationView], list[SubmissionId] | None]) -> list[SubmissionId] | None:
+        """The :attr:`~Transition.DISPLACE` transition, planned and applied under one hold of the
+        store's lock (no lease, verdict or expiry can come between): ``plan`` reads what it needs
+        through a :class:`ProbationView` and returns the submissions to displace, or ``None``
+        (nothing is changed). Each of them still stored is displaced, its file deleted after the
+        commit; a commit without an fsync (see ``__init__``), so the event loop may call this.
+
+        Returns:
+            The displaced submissions, or ``None`` when ``plan`` said no.
+        """
+        sources, target = TRANSITIONS[Transition.DISPLACE]
+        with self._lock:
+            victims = plan(ProbationView(self._db))
+            if not victims:
+                return victims
+            done: list[SubmissionId] = []
+            db = self._displace_db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for sid in victims:
+                    cur = db.execute(f"UPDATE submissions SET state = ?, reason = ?, on_disk = 0 WHERE id = ? AND state IN {in_states(sources)}",
+                                     (target.value, DISPLACED_REASON, sid))
+                    if cur.rowcount:
+                        done.append(sid)
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+            # the files go in a writer thread (an unlink took ~1 ms on this machine's disk, on the loop);
+            # the same bytes posted again meanwhile are written after it (submit)
+            writers = self._start_threads()
+            for sid in done:
+                token = object()
+                self._unlinking[sid] = (token, writers.submit(self._unlink, sid, token))
+        return done
+
+    def _unlink(self, sid: SubmissionId, token: object) -> None:
+        """Writer thread: delete a displaced submission's file."""
+        try:
+            (self.dir / f"{sid}.sub").unlink(missing_ok=True)
+        except OSError as e:  # left for recover(): a displaced row's file restores it on the next start
+            logger.warning("could not delete displaced submission %s: %s", sid[:12], e)
+        finally:
+            with self._lock:
+                if self._unlinking.get(sid, (None,))[0] is token:
+                    del self._unlinking[sid]
+
     def usage(self, worker: str, source_ip: str) -> Usage:
         """What one worker, one address, the workers on probation and everybody hold (:class:`Usage`).
 
@@ -458,7 +609,8 @@ class SubmissionStore:
             staged = list(self._staged.values())
             # not committing: its commit has not begun (the flag is set under this lock first), so not in the index
             committing = [s.sid for s in staged if s.committing]
-            row = self._db.execute(_usage_sql(len(committing)), (worker, source_ip, *committing, worker)).fetchone()
+            prefix = prefix_key(source_ip)
+            row = self._db.execute(_usage_sql(len(committing)), (worker, source_ip, *committing, worker, prefix)).fetchone()
             if row[6]:  # committing and already in the index: counted there
                 indexed = set(row[6].split(","))
                 staged = [s for s in staged if s.sid not in indexed]
@@ -470,10 +622,12 @@ class SubmissionStore:
         w, ip, disk = (row[0], row[1]), (row[2], row[3]), (row[4], row[5])
         sw = [s.size_bytes for s in staged if s.worker == worker]
         si = [s.size_bytes for s in staged if s.source_ip == source_ip]
-        sp = [s.size_bytes for s in staged if (s.worker == worker and not established) or (s.worker != worker and s.worker not in known)]
+        sp = [s for s in staged if (s.worker == worker and not established) or (s.worker != worker and s.worker not in known)]
+        spp = [s.size_bytes for s in sp if s.prefix == prefix]
         return Usage(int(w[0]) + len(sw), int(w[1]) + sum(sw), int(ip[0]) + len(si), int(ip[1]) + sum(si),
                      int(disk[0]) + len(staged), int(disk[1]) + sum(s.size_bytes for s in staged),
-                     sum(s.size_bytes for s in staged if not s.written), established, int(row[8]) + len(sp), int(row[9]) + sum(sp))
+                     sum(s.size_bytes for s in staged if not s.written), established, int(row[8]) + len(sp),
+                     int(row[9]) + sum(s.size_bytes for s in sp), int(row[10]) + len(spp), int(row[11]) + sum(spp))
 
     def storing(self, sid: SubmissionId) -> bool:
         """Whether submission ``sid`` was submitted and is not yet committed (nor failed)."""
@@ -614,11 +768,12 @@ class SubmissionStore:
                 self._stats_db.execute("COMMIT")
 
     def counts(self) -> dict[str, int]:
-        """Submissions of the run: ``pending`` now, and ever ``accepted``, ``rejected`` and ``consumed``
-        (trained on by a step). O(workers)."""
+        """Submissions of the run: ``pending`` now, ever ``accepted``, ``rejected`` and ``consumed``
+        (trained on by a step), and ``displaced`` now (their place in probation's share taken; a
+        restored one counts as pending again). O(workers)."""
         ((row,),) = self._snapshot((("SELECT COALESCE(SUM(pending), 0), COALESCE(SUM(accepted), 0), COALESCE(SUM(rejected), 0),"
-                                    " COALESCE(SUM(trained), 0) FROM worker_stats"), ()))
-        return dict(zip(("pending", "accepted", "rejected", "consumed"), (int(x) for x in row), strict=True))
+                                    " COALESCE(SUM(trained), 0), COALESCE(SUM(displaced), 0) FROM worker_stats"), ()))
+        return dict(zip(("pending", "accepted", "rejected", "consumed", "displaced"), (int(x) for x in row), strict=True))
 
     def verdict_reasons(self) -> dict[str, int]:
         """Verdicts received, by reason (deciding or not)."""
@@ -628,9 +783,10 @@ class SubmissionStore:
     def worker_stats(self, limit: int | None = None) -> dict[str, dict[str, int]]:
         """Per worker, its non-zero counts: ``pending``, ``accepted``, ``rejected``, ``stale`` (of the
         rejected, those that left the async window unjudged: no fault of the worker's) and
-        ``trained`` (submissions a trainer step consumed). O(workers); with ``limit``, only the
+        ``trained`` (submissions a trainer step consumed), ``displaced`` (their place in probation's
+        share taken by a lighter prefix: no verdict, not rejected). O(workers); with ``limit``, only the
         ``limit`` first in the leaderboard's order (most accepted, then fewest rejected), O(limit)."""
-        keys = ("pending", "accepted", "rejected", "stale", "trained")
+        keys = ("pending", "accepted", "rejected", "stale", "trained", "displaced")
         query = f"SELECT worker, {', '.join(keys)} FROM worker_stats"
         (rows,) = self._snapshot((query, ()) if limit is None else (query + " ORDER BY accepted DESC, rejected, worker LIMIT ?", (limit,)))
         return {r[0]: {k: int(v) for k, v in zip(keys, r[1:], strict=True) if v} for r in rows}
@@ -686,18 +842,21 @@ def _select_sql(states: Iterable[State], *, worker: str | None = None, policy_be
 
 def _usage_sql(n_committing: int) -> str:
     """The one statement of :meth:`SubmissionStore.usage` (one snapshot; each index range read once):
-    parameters ``worker, source_ip``, ``n_committing`` submission IDs, ``worker``; one row ``(worker
-    count, worker bytes, address count, address bytes, files on disk, their bytes, comma-joined IDs
-    of the given ones already indexed, the worker's accepted count, probation count, probation bytes)``."""
+    parameters ``worker, source_ip``, ``n_committing`` submission IDs, ``worker``, ``prefix``; one row
+    ``(worker count, worker bytes, address count, address bytes, files on disk, their bytes,
+    comma-joined IDs of the given ones already indexed, the worker's accepted count, probation
+    count, probation bytes, the prefix's probation count, its probation bytes)``."""
     marks = ",".join("?" * n_committing) or "NULL"
     pending = in_states(PENDING)
-    return ("SELECT w.n, w.b, i.n, i.b, d.n, d.b, x.ids, e.accepted, p.pending, p.pending_bytes FROM"
+    return ("SELECT w.n, w.b, i.n, i.b, d.n, d.b, x.ids, e.accepted, p.pending, p.pending_bytes,"
+            " COALESCE(f.n, 0), COALESCE(f.b, 0) FROM"
             f" (SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS b FROM submissions WHERE worker = ? AND state IN {pending}) AS w,"
             f" (SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS b FROM submissions WHERE source_ip = ? AND state IN {pending}) AS i,"
             " (SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS b FROM submissions WHERE on_disk = 1) AS d,"
             f" (SELECT group_concat(id) AS ids FROM submissions WHERE id IN ({marks})) AS x,"
             " (SELECT COALESCE(MAX(accepted), 0) AS accepted FROM worker_stats WHERE worker = ?) AS e,"
-            " probation AS p")
+            " probation AS p"
+            " LEFT JOIN (SELECT pending AS n, pending_bytes AS b FROM probation_prefixes WHERE prefix = ?) AS f ON 1")
 
 
 def _chain_duplicate(first: Future[bool], dup: Future[bool]) -> None:
