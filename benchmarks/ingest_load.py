@@ -68,6 +68,12 @@ honest submissions gone stale, and the answers each side got; also the honest PO
 time (p50, max) and the CPU the ingest process used over the window, in cores
 (``ingest_cpu_share``: what the box left it). With ``--baseline REV`` the same
 levels run against the whole ``protocol/``, ``trainer/`` and ``node/`` of ``REV``.
+``--newcomer-after-s T``: T seconds into the window a *new* honest worker (a fresh key from an
+address prefix of its own, 127.200.0.1) starts submitting like the others; prints the seconds
+from its first POST to its first stored submission (``newcomer_admitted_s``) and to its first
+accepted one (``newcomer_accepted_s``), ``None`` when that did not happen within the window.
+``--disk-files N`` scales the ingest's disk quota (probation's share is half of it) so that a
+short run fills the share (the production 4,096 takes the flood minutes at 20 unproven/s).
 
 Run: ``python benchmarks/ingest_load.py [--submissions 1200] [--concurrency 4,16,48] [--max-tokens 32]
 [--baseline REV] [--fsync-delay-ms X] [--history N]``
@@ -515,7 +521,7 @@ def sybil_spec():  # type: ignore[no-untyped-def]
                                seed=1))
 
 
-async def serve_sybil(root: Path, step_s: float, step_submissions: int) -> None:
+async def serve_sybil(root: Path, step_s: float, step_submissions: int, disk_files: int = 0) -> None:
     """Child process of ``--sybil``: the ingest with production limits and a simulated trainer;
     prints ``PORT <n>``, then ``STEP <n>`` per trainer step, and ``WORKERS <json>`` when stdin closes."""
     from aiohttp import web
@@ -535,7 +541,8 @@ async def serve_sybil(root: Path, step_s: float, step_submissions: int) -> None:
     def recheck(raw: bytes) -> RecheckResult:  # the junk is a cheat, and the re-check reproduces it
         return RecheckResult(False, "toploc", "junk", NodeKey.from_seed(COORD_SEED).peer_id)
 
-    service, store = open_service(ingest, root, spec, trainer_step=lambda: step[0], recheck=recheck, limits=ingest.IngestLimits())
+    limits = ingest.IngestLimits(max_disk_files=disk_files) if disk_files else ingest.IngestLimits()
+    service, store = open_service(ingest, root, spec, trainer_step=lambda: step[0], recheck=recheck, limits=limits)
     app = web.Application(middlewares=[ingest.error_middleware], client_max_size=64 << 20)
     service.add_routes(app)
     running = await start_site(app, "127.0.0.1", 0)
@@ -599,11 +606,13 @@ async def sybil_level(code: Path, junk_addresses: int, args: argparse.Namespace)
     spec = sybil_spec()
     validator = NodeKey.from_seed(VALIDATOR_SEED)
     honest = [NodeKey.generate() for _ in range(args.honest)]
-    honest_ids = {k.peer_id for k in honest}
+    newcomer = NodeKey.generate()
+    honest_ids = {k.peer_id for k in honest} | {newcomer.peer_id}
     with tempfile.TemporaryDirectory(prefix="ingest-sybil-") as tmp:
         env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen([sys.executable, __file__, "--serve-sybil", tmp, "--code", str(code), "--step-s", str(args.step_s),
-                                 "--step-submissions", str(args.step_submissions)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                                 "--step-submissions", str(args.step_submissions), "--disk-files", str(args.disk_files)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         try:
             assert proc.stdout is not None and proc.stdin is not None
             line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 600)
@@ -632,26 +641,38 @@ async def sybil_level(code: Path, junk_addresses: int, args: argparse.Namespace)
             leased_at: dict[str, float] = {}
             honest_wait: list[float] = []
             honest_post: list[float] = []  # seconds from sending an honest submission to its answer
+            arrival: dict[str, float] = {}  # the newcomer's first POST, first stored, first accepted (monotonic s)
+            newcomer_codes: dict[str, int] = {}
 
             def in_window() -> bool:
                 return "start" in window and "end" not in window
 
-            async def honest_worker(key) -> None:  # type: ignore[no-untyped-def]
+            async def honest_worker(key, ip: str = "127.0.0.1", delay_s: float = 0.0) -> None:  # type: ignore[no-untyped-def]
                 counter = 0
-                async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=30)) as http:
+                is_new = key is newcomer
+                await asyncio.sleep(delay_s)
+                async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=30),
+                                                 connector=aiohttp.TCPConnector(local_addr=(ip, 0))) as http:
                     while not stop.is_set():
                         data = sybil_submission(key, counter, step[0])
                         counter += 1
                         while not stop.is_set():
                             t0 = time.monotonic()
+                            if is_new:
+                                arrival.setdefault("post", t0)
                             async with http.post("/ingest/1/submissions", data=data) as r:
                                 body = await r.json(content_type=None)
-                            if in_window():
+                            if is_new:
+                                code = str(body.get("error", r.status))
+                                newcomer_codes[code] = newcomer_codes.get(code, 0) + 1
+                                if r.status == 200:
+                                    arrival.setdefault("stored", time.monotonic())
+                            elif in_window():
                                 stats["honest_sent"] += 1
                                 honest_post.append(time.monotonic() - t0)
                                 honest_codes[str(body.get("error", r.status))] = honest_codes.get(str(body.get("error", r.status)), 0) + 1
                             if r.status == 200:
-                                if in_window():
+                                if in_window() and not is_new:
                                     stats["honest_stored"] += 1
                                 leased_at[body["id"]] = -t0  # stored at t0 (negative: not leased yet)
                                 break
@@ -681,6 +702,8 @@ async def sybil_level(code: Path, junk_addresses: int, args: argparse.Namespace)
                                                                      counter=sub.body.counter, accepted=ok, reason="ok" if ok else "toploc"))
                             async with http.post("/ingest/1/verdicts", data=v) as r:
                                 applied = (await r.json()).get("applied") if r.status == 200 else False
+                            if ok and applied and sub.body.worker == newcomer.peer_id:
+                                arrival.setdefault("accepted", time.monotonic())
                             if in_window() and applied:
                                 stats["honest_accepted" if ok else "junk_judged"] += 1
 
@@ -692,6 +715,8 @@ async def sybil_level(code: Path, junk_addresses: int, args: argparse.Namespace)
             # the junk comes from its own process (its CPU is not this process's, which plays the honest side)
             flood = subprocess.Popen([sys.executable, __file__, "--junk", url, "--code", str(code), "--junk-addresses", str(junk_addresses)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) if junk_addresses else None
+            if args.newcomer_after_s is not None:
+                tasks.append(asyncio.create_task(honest_worker(newcomer, "127.200.0.1", args.newcomer_after_s)))
             await asyncio.sleep(args.duration_s)
             window["end"] = time.monotonic()
             ingest_cpu = process_cpu_s(proc.pid) - cpu0
@@ -716,7 +741,11 @@ async def sybil_level(code: Path, junk_addresses: int, args: argparse.Namespace)
     gaps = [b - a for a, b in itertools.pairwise(marks)]
     before = [b - a for a, b in itertools.pairwise(steps) if b <= start]
     span = end - start
-    return {"junk_addresses": junk_addresses, "honest_accepted_per_s": round(stats["honest_accepted"] / span, 3),
+    newcomer_figures = {} if args.newcomer_after_s is None else {
+        "newcomer_admitted_s": round(arrival["stored"] - arrival["post"], 2) if "stored" in arrival and arrival["stored"] <= end else None,
+        "newcomer_accepted_s": round(arrival["accepted"] - arrival["post"], 2) if "accepted" in arrival and arrival["accepted"] <= end else None,
+        "newcomer_answers": newcomer_codes}
+    return {"junk_addresses": junk_addresses, **newcomer_figures, "honest_accepted_per_s": round(stats["honest_accepted"] / span, 3),
             "trainer_steps": len(marks) - 2, "step_gap_max_s": round(max(gaps), 2),
             "step_gap_median_warmup_s": round(statistics.median(before), 2) if before else None,
             "honest_lease_wait_p50_s": round(pct(honest_wait, 0.5), 2) if honest_wait else None,
@@ -841,6 +870,10 @@ def main() -> None:
     p.add_argument("--step-submissions", type=int, default=4, help="sybil mode: accepted submissions a trainer step consumes (default 4)")
     p.add_argument("--warmup-s", type=float, default=15.0, help="sybil mode: honest-only warm-up, seconds (default 15)")
     p.add_argument("--duration-s", type=float, default=60.0, help="sybil mode: measured window, seconds (default 60)")
+    p.add_argument("--newcomer-after-s", type=float, default=None,
+                   help="sybil mode: a new honest worker from a prefix of its own starts this many seconds into the window (default: none)")
+    p.add_argument("--disk-files", type=int, default=0,
+                   help="sybil mode: the ingest's disk quota in files, probation's share half of it (default 0: the production 4,096)")
     args = p.parse_args()
     if args.code:  # server child: import the ingest from this tree (a --baseline revision or this checkout)
         sys.path.insert(0, args.code)
@@ -854,7 +887,7 @@ def main() -> None:
         asyncio.run(junk_flood(args.junk, args.junk_addresses))
         return
     if args.serve_sybil:
-        asyncio.run(serve_sybil(Path(args.serve_sybil), args.step_s, args.step_submissions))
+        asyncio.run(serve_sybil(Path(args.serve_sybil), args.step_s, args.step_submissions, args.disk_files))
         return
     if args.sybil:
         asyncio.run(sybil_main(args))
