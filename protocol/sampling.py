@@ -750,7 +750,7 @@ def _icdf_replay(
             elif widen is None or limit == 1:
                 out = nucleus.kept(ids, limit)
             else:  # surely kept: even at weight e^-d; possibly kept: at weight e^d
-                out = nucleus.beyond(e.gather(1, ids) * math.exp(widen if limit == 2 else -widen), limit, inclusive=limit == 2)
+                out = nucleus.beyond(e.gather(1, ids) * _odds_scale(widen if limit == 2 else -widen), limit, inclusive=limit == 2)
             if eos_idx is not None and p_eos is not None:
                 out = out & ~(torch.isin(ids, eos_idx) & (p_eos < floor)[:, None])
             return out
@@ -764,7 +764,7 @@ def _icdf_replay(
         # token lies within the window of its uniform (the worker's CDF put u there instead)
         near_unkept = torch.zeros_like(kx)  # [b, K]
         if nucleus is not None:
-            sure = nucleus.kept_all(0) if widen is None else nucleus.beyond(e * math.exp(-widen), 0, inclusive=False)
+            sure = nucleus.kept_all(0) if widen is None else nucleus.beyond(e * _odds_scale(-widen), 0, inclusive=False)
             unsure = _ChunkedCDF((~sure).to(torch.float32))  # counts of tokens not surely kept
             a = cdf.search(_targets(w_lo, total))[0]
             z = cdf.search(_targets(w_hi, total))[0]
@@ -800,7 +800,7 @@ def _icdf_replay(
                 fgap = torch.where(possible_c, fgap, math.inf)
                 # the worker may have kept nothing where nothing is surely kept: then its most probable
                 # non-EOS token, which is any non-EOS token within e^d of the validator's most probable
-                best_ok = ~is_eos & (e.gather(-1, c)[:, 0].double() * math.exp(widen) >= best_w.double())
+                best_ok = ~is_eos & (e.gather(-1, c)[:, 0].double() * _odds_scale(widen) >= best_w.double())
                 fgap = torch.where(best_ok & _nothing_surely_kept(e, nucleus, eos_idx, p_eos, fs, widen), 0.0, fgap)
             gap = torch.where(reach[:, k], torch.minimum(gap, fgap), gap)
         rec.append(r)
@@ -815,6 +815,14 @@ def _widen_prob(p: float, d: float) -> float:
         return min(1.0, max(0.0, p))
     z = math.log(p) - math.log1p(-p) + d
     return 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
+
+
+def _odds_scale(d: float) -> float:
+    """``e^d`` for a widening ``±d`` of any size: ``2δ / T`` passes 709 (``math.exp`` overflows) at
+    a temperature the run spec allows (δ = 1, T < 0.0028; δ = 4, T < 0.0113). Clamped at ±700, which
+    scales every weight the check uses (≥ ``e^EXP_FLOOR``, float32 or float64) past any total: the
+    same comparisons as the exact factor."""
+    return math.exp(max(-700.0, min(700.0, d)))
 
 
 def _logodds_gap(u: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -833,8 +841,8 @@ def _bounded_sets(e: torch.Tensor, nucleus: _Nucleus | None, eos_idx: torch.Tens
     if nucleus is None:
         sure, possible = torch.ones_like(e, dtype=torch.bool), torch.ones_like(e, dtype=torch.bool)
     else:
-        sure = nucleus.beyond(e * math.exp(-widen), 0, inclusive=False)
-        possible = nucleus.beyond(e * math.exp(widen), 2, inclusive=True)
+        sure = nucleus.beyond(e * _odds_scale(-widen), 0, inclusive=False)
+        possible = nucleus.beyond(e * _odds_scale(widen), 2, inclusive=True)
     if eos_idx is not None and p_eos is not None:
         sure[:, eos_idx] &= ~(p_eos < strict)[:, None]
         possible[:, eos_idx] &= ~(p_eos < loose)[:, None]

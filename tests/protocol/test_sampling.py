@@ -574,3 +574,22 @@ def test_logit_bound_termination_and_unknown_replay_rules() -> None:
         sampling.replay_check(logits, [0, 1], 1, replay_rule="logit-bound-v0")
     with pytest.raises(ValueError, match="logit bound"):
         sampling.replay_check(logits, [0, 1], 1, replay_rule="logit-bound-v1")
+
+
+@pytest.mark.parametrize(("temperature", "delta", "top_p"), [(0.002, 1.0, 0.7), (0.01, 4.0, 0.95), (0.01, 4.0, 1.0)])
+def test_logit_bound_replay_at_a_low_temperature_the_run_spec_allows(temperature: float, delta: float, top_p: float) -> None:
+    """``2δ / T`` passes 709 at temperatures the run spec accepts (δ = 1, T < 0.0028; δ = 4, T < 0.0113):
+    the check's ``math.exp`` of it raised OverflowError on every submission, so a validator retried
+    each one forever and judged none. An honest worker's tokens pass; a fixed token is rejected."""
+    from protocol.runspec import SamplingSpec, ToplocSpec
+
+    SamplingSpec(temperature=temperature, top_p=top_p)  # the spec allows it
+    ToplocSpec(replay_rule="logit-bound-v1", replay_logit_bound=delta)
+    g = torch.Generator().manual_seed(3)
+    n, vocab, eos = 32, 300, 7
+    x = torch.randn(n, vocab, generator=g) * 4
+    seeds, pos = torch.full((n,), 5, dtype=torch.int64), torch.arange(n, dtype=torch.int64)
+    toks, _ = sampling.sample(x, seeds, pos, temperature, top_p, (eos,), 0.1)
+    common = {"temperature": temperature, "top_p": top_p, "eos_ids": (eos,), "min_eos_prob": 0.1, "replay_rule": "logit-bound-v1", "logit_bound": delta}
+    assert sampling.replay_check(x.clone(), toks, 5, **common).ok
+    assert not sampling.replay_check(x.clone(), [0] * n, 5, **common).ok
