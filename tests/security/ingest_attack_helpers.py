@@ -53,13 +53,26 @@ def verdict(sub: bytes, accepted: bool, reason: str, key: NodeKey = VALIDATOR, *
                                   counter=env.body.counter, accepted=accepted, reason=reason, evidence=evidence))
 
 
-def forge(key: NodeKey, type_tag: str, body: Any, ts_ms: int | None = None) -> bytes:
-    """A correctly *signed* envelope around an arbitrary body (what a hostile peer can make with a free key)."""
+def forge(key: NodeKey, type_tag: str, body: Any, ts_ms: int | None = None, *, nonce: bytes | None = None,
+          splice: dict[str, bytes] | None = None) -> bytes:
+    """A correctly *signed* envelope around an arbitrary body (what a hostile peer can make with a free key).
+
+    ``splice`` maps a placeholder string in ``body`` to the canonical msgpack bytes put in its place,
+    in the signed bytes and in the envelope: a large value encoded once (``encoding.packb`` walks
+    every element in Python: 380,000 empty maps take ≈ 0.4 s each time)."""
     import time
 
+    def pack(obj: Any) -> bytes:
+        raw = encoding.packb(obj)
+        for placeholder, value in (splice or {}).items():
+            token = encoding.packb(placeholder)
+            assert raw.count(token) == 1, placeholder
+            raw = raw.replace(token, value)
+        return raw
+
     unsigned = {"v": 1, "type": type_tag, "run": RUN, "signer": key.public_key, "ts_ms": ts_ms or int(time.time() * 1000),
-                "nonce": os.urandom(16), "body": body}
-    return encoding.packb({**unsigned, "sig": key.sign(DOMAIN + encoding.packb(unsigned))})
+                "nonce": nonce or os.urandom(16), "body": body}
+    return pack({**unsigned, "sig": key.sign(DOMAIN + pack(unsigned))})
 
 
 @dataclass

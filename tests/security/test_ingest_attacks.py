@@ -75,11 +75,15 @@ async def test_signed_flood_of_empty_maps_does_not_block_status(tmp_path: Path) 
     # 60 bodies of ≈ 380 KiB, correctly signed with free keys: containers of empty maps where the
     # schema wants rollouts. The decoder stops at the schema's array bound or the body's schema.
     keys = [NodeKey.generate() for _ in range(6)]
+    # the arrays are encoded once and spliced in: the bytes are forge()'s without the splice (checked here)
+    maps = {n: encoding.packb([{}] * n) for n in (380_000, 65_536)}
+    same = {"ts_ms": 1, "nonce": bytes(16)}
+    assert forge(keys[0], "t", {"r": "<maps>"}, splice={"<maps>": encoding.packb([{}] * 3)}, **same) == forge(keys[0], "t", {"r": [{}] * 3}, **same)
     bodies = []
     for i in range(60):
         n = 380_000 if i % 2 else 65_536  # over the array bound (C stops at once) / within it (schema stops it)
-        bodies.append(forge(keys[i % 6], "submission/1", {"counter": i, "policy_step": 0, "rollouts": [{}] * n, "tasks": [{}],
-                                                            "worker": keys[i % 6].peer_id}))
+        bodies.append(forge(keys[i % 6], "submission/1", {"counter": i, "policy_step": 0, "rollouts": "<maps>", "tasks": [{}],
+                                                            "worker": keys[i % 6].peer_id}, splice={"<maps>": maps[n]}))
     honest = NodeKey.generate()
     async with running_ingest(tmp_path) as ing, attacker_session(ing.url) as evil:
         await establish(ing, honest)  # (a new worker would share the unproven addresses' rate with the flood)
