@@ -133,3 +133,28 @@ class BoundedGossipSub(GossipSub):
     def remove_peer(self, peer_id: ID) -> None:
         self._iwant_served.pop(peer_id, None)
         super().remove_peer(peer_id)
+
+    # py-libp2p 0.8 runs, every heartbeat (1 s) and for every topic, "opportunistic grafting" and
+    # "peer replacement" (the latter not in the gossipsub spec), each scoring every mesh peer
+    # before looking for a subscribed peer outside the mesh to graft or swap in. A hub keeps every
+    # peer in its mesh (docs/gossip.md, "Mesh of a star"), so there is none, and the scoring is all
+    # they do: measured with py-spy at a relay with 500 workers attached, about a third of its idle
+    # CPU (benchmarks/gossip_results.md). Both now return at once when every subscribed peer is
+    # already in the mesh, which is what they would have concluded; otherwise they run as before.
+
+    def _every_subscriber_in_mesh(self, topic: str) -> bool:
+        """Whether no peer subscribed to ``topic`` is outside our mesh for it (O(subscribers))."""
+        if self.pubsub is None:
+            return False
+        mesh = self.mesh.get(topic, set())
+        return all(p in mesh for p in self.pubsub.peer_topics.get(topic, ()))
+
+    def _perform_opportunistic_grafting(self, topic: str, peers_to_graft: Any) -> int:
+        if self._every_subscriber_in_mesh(topic):
+            return 0
+        return super()._perform_opportunistic_grafting(topic, peers_to_graft)
+
+    async def _consider_peer_replacement(self, topic: str) -> None:
+        if self._every_subscriber_in_mesh(topic):
+            return
+        await super()._consider_peer_replacement(topic)
