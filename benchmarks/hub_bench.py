@@ -16,8 +16,13 @@ flooded on the ``workers`` topic), in one invocation:
 * once every worker is listed by the coordinator, the coordinator publishes ``--announcements``
   checkpoint announcements ``--interval-s`` (8) apart (raising its record's policy step, as the
   coordinator role does) and every worker sets its record's policy step 0.5–1.5 intervals after it
-  hears one (as the worker role does once it fetched the step); reported: delivered, publish → delivered p50 / p99 / max over (announcement, worker)
-  pairs;
+  hears one (as the worker role does once it fetched the step); reported: delivered, publish →
+  delivered p50 / p99 / max over (announcement, worker) pairs; where that time goes: coordinator
+  → relay (the relay's own hearing of each announcement), relay → worker p50 / p99, the spread of
+  the p99 over worker processes, and how late each process's trio loop (py-libp2p) and asyncio
+  loop woke over the phase (``LagProbe``: p99 / max lateness of a 50 ms sleep in ms, relay and
+  coordinator as trio p99/max/asyncio p99/max; and the seconds spent over 100 ms late, summed
+  over the worker processes);
 * then ``--idle-s`` seconds of idle: CPU of each process as CPU-seconds per wall-second
   (``psutil``; user + system, in % of one core) and RSS — relay, coordinator, and workers as the
   sum of their processes divided by the number of workers; the relay's TCP payload bytes in and
@@ -35,6 +40,11 @@ flooded on the ``workers`` topic), in one invocation:
 Machine: the relay's and coordinator's CPU figures are CPU-seconds per wall-second of their own
 process, so other load slows them but does not inflate them; latency figures do suffer from load.
 Every run prints the load average at the start and end of each level.
+
+``--worker-nice 19`` runs the simulated workers' processes at that nice value, so the relay and the
+coordinator come first for this machine's cores (what the hubs cost when they do not share their
+cores with hundreds of workers); ``--py-spy DIR`` samples the relay's and coordinator's stacks over
+the announcement phase and the idle window (collapsed stacks, one file per phase).
 
 Run: ``python benchmarks/hub_bench.py [--workers 30,120,500] [--layouts presence,split]``.
 """
@@ -100,9 +110,62 @@ async def stdin_lines() -> asyncio.Queue[str]:
     return queue
 
 
+class LagProbe:
+    """How late this process's event loops wake: a trio task (the bridge's thread, where py-libp2p
+    runs) and an asyncio task each sleep ``PROBE_S`` in a loop and record by how much each sleep
+    overran (wall-clock ns at the wake, seconds late). A loop blocked by its own work, starved of
+    the GIL by the other thread, or of a core by other processes, shows as lateness. It probes only
+    while ``active`` (the announcement phase, whose CPU figures include it): at 100 wake-ups a
+    second on two loops it cost a hub ≈ 3 % of a core, so it wakes 20 times a second, and the idle
+    figures never carry it (inactive it checks once a second)."""
+
+    PROBE_S = 0.05
+
+    def __init__(self) -> None:
+        self.samples: dict[str, list[tuple[int, float]]] = {"trio": [], "asyncio": []}
+        self.active = False
+
+    async def start(self, bridge: Any) -> None:
+        import trio
+
+        async def trio_probe(task_status: Any = None) -> None:
+            task_status.started()
+            while True:
+                if not self.active:
+                    await trio.sleep(1.0)
+                    continue
+                t = trio.current_time()
+                await trio.sleep(self.PROBE_S)
+                self.samples["trio"].append((time.time_ns(), trio.current_time() - t - self.PROBE_S))
+
+        async def asyncio_probe() -> None:
+            loop = asyncio.get_running_loop()
+            while True:
+                if not self.active:
+                    await asyncio.sleep(1.0)
+                    continue
+                t = loop.time()
+                await asyncio.sleep(self.PROBE_S)
+                self.samples["asyncio"].append((time.time_ns(), loop.time() - t - self.PROBE_S))
+
+        await bridge.start_task(trio_probe, timeout_s=30)
+        self._task = asyncio.get_running_loop().create_task(asyncio_probe())
+
+    def summary(self, from_ns: int, to_ns: int) -> dict[str, Any]:
+        """Per loop over [from_ns, to_ns]: p99 and max lateness (ms), and seconds spent > 100 ms late."""
+        out: dict[str, Any] = {}
+        for name, xs in self.samples.items():
+            lags = [lag for at, lag in xs if from_ns <= at <= to_ns]
+            if lags:
+                out[name] = {"p99_ms": round(1e3 * pct(lags, 0.99)), "max_ms": round(1e3 * max(lags)),
+                             "late_s": round(sum(lag for lag in lags if lag > 0.1), 2)}
+        return out
+
+
 async def child_hub(args: argparse.Namespace) -> None:
     """The relay (seed) or the coordinator, answering ``status`` / ``announce STEP`` / ``stop``."""
     from node.p2p import GossipNode
+    from node.p2p.bridge import make_bridge
     from protocol.identity import NodeKey
     from protocol.messages import CheckpointAnnouncement
     from protocol.runspec import load_run_spec
@@ -110,7 +173,12 @@ async def child_hub(args: argparse.Namespace) -> None:
     spec = load_run_spec(Path(args.run)).spec
     key = NodeKey.load(Path(args.key)) if args.key else NodeKey.generate()
     config = gossip_config(args, bootstrap=[args.bootstrap] if args.bootstrap else [])
-    node = await GossipNode.create(spec, key, config, role=args.child)
+    bridge = make_bridge("thread")
+    await bridge.start()
+    probe = LagProbe()
+    await probe.start(bridge)
+    node = await GossipNode.create(spec, key, config, role=args.child, bridge=bridge)
+    node.on_announcement(lambda env: emit({"hub_heard": env.body.step, "ns": time.time_ns()}))
     emit({"ready": node.addrs[0]})
     commands = await stdin_lines()
     try:
@@ -130,8 +198,13 @@ async def child_hub(args: argparse.Namespace) -> None:
                 node.set_record(policy_step=step)  # as the coordinator role does when it announces
                 await node.publish_announcement(data)
                 emit({"announced": step, "sent_ns": sent_ns})
+            elif cmd.startswith("probe "):
+                probe.active = cmd == "probe 1"
+            elif cmd.startswith("lag "):
+                emit({"lag": probe.summary(*(int(x) for x in cmd.split()[1:]))})
     finally:
         await node.stop()
+        await bridge.stop()
 
 
 async def child_workers(args: argparse.Namespace) -> None:
@@ -144,6 +217,8 @@ async def child_workers(args: argparse.Namespace) -> None:
     spec = load_run_spec(Path(args.run)).spec
     bridge = make_bridge("thread")
     await bridge.start()
+    probe = LagProbe()
+    await probe.start(bridge)
     nodes: list[Any] = []
     # Each simulated worker attaches to the relay only (target_peers 1): the relay is the hub measured, and
     # the coordinator hears them as it would through any hub (presence: the relay's roster; split: the
@@ -180,6 +255,10 @@ async def child_workers(args: argparse.Namespace) -> None:
             if cmd == "status":
                 hubs = [len(n.attached_hubs) if n.presence else len(n.peers) for n in nodes]
                 emit({"status": {"workers": len(nodes), "min_hubs": min(hubs), "mean_hubs": round(statistics.mean(hubs), 2)}})
+            elif cmd.startswith("probe "):
+                probe.active = cmd == "probe 1"
+            elif cmd.startswith("lag "):
+                emit({"lag": probe.summary(*(int(x) for x in cmd.split()[1:]))})
     finally:
         await asyncio.gather(*(n.stop() for n in nodes), return_exceptions=True)
         await bridge.stop()
@@ -243,13 +322,13 @@ class Child:
     log_dir: Path | None = None
     """Where children's stderr goes (``--log-dir``); None: discarded."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], nice: int = 0) -> None:
         err: Any = subprocess.DEVNULL
         if Child.log_dir is not None:
             Child.log_dir.mkdir(parents=True, exist_ok=True)
             err = open(Child.log_dir / f"{argv[1]}-{time.monotonic_ns()}.log", "w")  # noqa: SIM115 - the child holds it
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=err, text=True, env=env)
+                                     stderr=err, text=True, env=env, preexec_fn=(lambda: os.nice(nice)) if nice else None)
         self.lines: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -315,6 +394,16 @@ def tcp_counters(port: int) -> tuple[int, int, int]:
     return got["bytes_received"], got["bytes_acked"], got["segs_in"] + got["segs_out"]
 
 
+def py_spy(pid: int, seconds: float, out: Path) -> subprocess.Popen[bytes] | None:
+    """Sample ``pid``'s Python stacks for ``seconds`` with py-spy (``--py-spy DIR``), not stopping
+    it (``--nonblocking``), into ``out`` as collapsed stacks (one line per stack: frames;…; count)."""
+    exe = Path(sys.executable).with_name("py-spy")
+    if not exe.exists():
+        raise SystemExit(f"--py-spy: {exe} not found (pip install py-spy)")
+    return subprocess.Popen([str(exe), "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", "100",
+                             "--format", "raw", "--nonblocking", "--threads", "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def rss_mib(pid: int) -> float:
     import psutil
 
@@ -350,7 +439,7 @@ async def level(args: argparse.Namespace, workers: int, layout: str, tmp: Path) 
             group = []
             for i in range(first, min(procs, first + JOIN_PROCESSES)):
                 count = min(args.per_process, workers - i * args.per_process)
-                group.append(Child(["--child", "workers", "--count", str(count), "--bootstrap", seed, *common], env))
+                group.append(Child(["--child", "workers", "--count", str(count), "--bootstrap", seed, *common], env, nice=args.worker_nice))
             pools.extend(group)
             children.extend(group)
             for p in group:
@@ -370,8 +459,17 @@ async def level(args: argparse.Namespace, workers: int, layout: str, tmp: Path) 
 
         # announcements
         port = int(seed.split("/tcp/")[1].split("/")[0])
+        for c in (relay, coord, *pools):
+            c.send("probe 1")
+        await asyncio.sleep(1.5)  # every probe awake (they check once a second while off)
+        spies = []
+        if args.py_spy:
+            phase_s = args.announcements * args.interval_s + 3.0 + args.heartbeat_s
+            spies += [py_spy(c.proc.pid, phase_s, Path(args.py_spy) / f"{name}-{workers}-{layout}-announcing.txt")
+                      for name, c in (("relay", relay), ("coord", coord))]
         a_io, a_w = tcp_counters(port), time.monotonic()
         a_cpu = (cpu_s(relay.proc.pid), cpu_s(coord.proc.pid))
+        a_ns = time.time_ns()
         sent: dict[int, int] = {}
         for step in range(1, args.announcements + 1):
             coord.send(f"announce {step}")
@@ -385,6 +483,10 @@ async def level(args: argparse.Namespace, workers: int, layout: str, tmp: Path) 
         out["relay_announcing_out_b_s"] = round((b_io[1] - a_io[1]) / (b_w - a_w))
         lat = [(x["recv_ns"] - sent[x["step"]]) / 1e9 for p in pools for x in p.take("recv_ns") if x["step"] in sent]
         out["delivered"] = f"{len(lat)}/{workers * args.announcements}"
+        b_ns = time.time_ns()
+        for c in (relay, coord, *pools):
+            c.send("probe 0")
+        out.update(await where_the_time_went(relay, coord, pools, sent, a_ns, b_ns))
         if lat:
             out["p50_ms"], out["p99_ms"], out["max_ms"] = (round(pct(lat, q) * 1e3) for q in (0.5, 0.99, 1.0))
             out["over_1s"] = sum(x > 1.0 for x in lat)
@@ -396,6 +498,9 @@ async def level(args: argparse.Namespace, workers: int, layout: str, tmp: Path) 
         pids = {"relay": [relay.proc.pid], "coordinator": [coord.proc.pid], "workers": [p.proc.pid for p in pools]}
         c0 = {k: sum(cpu_s(p) for p in v) for k, v in pids.items()}
         io0 = tcp_counters(port)
+        if args.py_spy:
+            spies += [py_spy(c.proc.pid, args.idle_s, Path(args.py_spy) / f"{name}-{workers}-{layout}-idle.txt")
+                      for name, c in (("relay", relay), ("coord", coord))]
         w0 = time.monotonic()
         await asyncio.sleep(args.idle_s)
         wall = time.monotonic() - w0
@@ -415,6 +520,9 @@ async def level(args: argparse.Namespace, workers: int, layout: str, tmp: Path) 
         out["relay_send_drops"] = sum(v for k, v in st["send_drops"].items() if k != "messages")
         cst = await coord.status()
         out["coord_workers_listed"] = cst["by_role"].get("worker", 0)
+        for spy in spies:
+            if spy is not None:
+                spy.wait(60)
 
         if args.mint and layout == "presence" and workers == min(args.levels):
             out.update(await mint(args, spec_path, seed, relay, env))
@@ -425,6 +533,42 @@ async def level(args: argparse.Namespace, workers: int, layout: str, tmp: Path) 
             c.send("stop")
         for c in children:
             c.stop()
+
+
+async def lag_of(child: Child, from_ns: int, to_ns: int) -> dict[str, Any]:
+    n = len(child.take("lag"))
+    child.send(f"lag {from_ns} {to_ns}")
+    return (await child.wait("lag", 30, after=n))["lag"]
+
+
+async def where_the_time_went(relay: Child, coord: Child, pools: list[Child], sent: dict[int, int], a_ns: int, b_ns: int) -> dict[str, Any]:
+    """The announcement latency split at the relay, per worker process, and how late each process's
+    event loops woke over the announcement phase (:class:`LagProbe`)."""
+    out: dict[str, Any] = {}
+    heard = {x["hub_heard"]: x["ns"] for x in relay.take("hub_heard") if x["hub_heard"] in sent}
+    if heard:
+        hop1 = [(heard[s] - sent[s]) / 1e9 for s in heard]
+        hop2 = [(x["recv_ns"] - heard[x["step"]]) / 1e9 for p in pools for x in p.take("recv_ns") if x["step"] in heard]
+        out["coord_to_relay_p99_ms"] = round(1e3 * pct(hop1, 0.99))
+        if hop2:
+            out["relay_to_worker_p50_p99_ms"] = f"{round(1e3 * pct(hop2, 0.5))}/{round(1e3 * pct(hop2, 0.99))}"
+    per_proc = []
+    for p in pools:
+        v = [(x["recv_ns"] - sent[x["step"]]) / 1e9 for x in p.take("recv_ns") if x["step"] in sent]
+        if v:
+            per_proc.append(round(1e3 * pct(v, 0.99)))
+    if per_proc:
+        out["p99_per_process_ms"] = f"{min(per_proc)}-{max(per_proc)}"
+    for name, child in (("relay", relay), ("coord", coord)):
+        lag = await lag_of(child, a_ns, b_ns)
+        out[f"{name}_lag_ms"] = "/".join(f"{lag[k]['p99_ms']}/{lag[k]['max_ms']}" for k in ("trio", "asyncio") if k in lag)
+    lags = [await lag_of(p, a_ns, b_ns) for p in pools]
+    for k in ("trio", "asyncio"):
+        got = [x[k] for x in lags if k in x]
+        if got:
+            out[f"workers_{k}_lag_ms"] = f"{max(g['p99_ms'] for g in got)}/{max(g['max_ms'] for g in got)}"
+            out[f"workers_{k}_late_s"] = round(sum(g["late_s"] for g in got), 1)
+    return out
 
 
 async def mint(args: argparse.Namespace, spec_path: Path, seed: str, relay: Child, env: dict[str, str]) -> dict[str, Any]:
@@ -483,6 +627,8 @@ def main() -> None:
     p.add_argument("--idle-s", type=float, default=30.0, help="idle measurement window, seconds (default 30)")
     p.add_argument("--join-timeout-s", type=float, default=900.0, help="seconds for every worker to start and be listed (default 900)")
     p.add_argument("--mint", type=int, default=50, help="identities minted against the relay at the first level (0: skip)")
+    p.add_argument("--worker-nice", type=int, default=0, help="run the simulated workers' processes at this nice value (e.g. 19: the relay and coordinator first for the CPU; shows what the hubs cost when the machine's cores are not shared with the workers)")
+    p.add_argument("--py-spy", default="", help="sample the relay's and coordinator's stacks with py-spy over the announcement phase and the idle window into files in this folder (their CPU figures then include py-spy's sampling)")
     p.add_argument("--log-dir", default="", help="write each child's log (stderr, INFO) to a file here")
     # child processes
     p.add_argument("--child", choices=["relay", "coordinator", "workers", "mint"], help=argparse.SUPPRESS)
@@ -507,6 +653,8 @@ def main() -> None:
         asyncio.run(child_mint(args))
     else:
         Child.log_dir = Path(args.log_dir) if args.log_dir else None
+        if args.py_spy:
+            Path(args.py_spy).mkdir(parents=True, exist_ok=True)
         args.levels = [int(x) for x in args.workers.split(",") if x]
         args.layouts = [x for x in args.layouts.split(",") if x]
         if not set(args.layouts) <= set(LAYOUTS):
