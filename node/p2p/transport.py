@@ -40,8 +40,9 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer import muxer_multistream
 from libp2p.stream_muxer.mplex.mplex import MPLEX_PROTOCOL_ID, Mplex
+from libp2p.stream_muxer.yamux import yamux as py_yamux
+from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE, Yamux, YamuxStream
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 
 from protocol.addresses import address_key
 
@@ -52,6 +53,17 @@ __all__ = ["MAX_INBOUND_STREAMS", "BoundedYamux", "InboundSwarm", "PerAddressCap
 MAX_INBOUND_STREAMS = 64
 """Streams a peer may hold open on one connection (a node's peers need about four: gossipsub,
 identify, ping); the rest are reset."""
+
+STREAM_WINDOW_BYTES = DEFAULT_WINDOW_SIZE
+"""A yamux stream's receive window, bytes (256 KiB, the yamux spec's initial window), also its
+largest: py-libp2p's auto-tuning would grow a read stream's window to 16 MiB."""
+
+MAX_BUFFERED_BYTES = 8 * STREAM_WINDOW_BYTES
+"""Unread bytes all streams of one connection may hold together (2 MiB): past it the connection
+is closed. Each stream's window bounds it alone, but a peer may open :data:`MAX_INBOUND_STREAMS`
+streams and fill each while it sits in protocol negotiation, where nothing reads it for up to
+30 s: 16 MiB per connection (measured), ``max_peers`` × 16 MiB per hub. An honest peer's ~4
+streams hold at most four windows even when this node stops reading them."""
 
 
 def secure_transports(key_pair: KeyPair) -> TSecurityOptions:
@@ -119,7 +131,9 @@ class BoundedYamux(Yamux):
     It also resets inbound streams past :data:`MAX_INBOUND_STREAMS` open at once: py-libp2p took
     every one into a protocol negotiation of up to 30 s (measured: one peer held ~8,000 open streams
     and ~90 MB on a relay, and py-libp2p's process-wide limit of 10,000 inbound streams, shared with
-    honest peers, is then two such peers away).
+    honest peers, is then two such peers away), and closes a connection whose streams would hold
+    more than :data:`MAX_BUFFERED_BYTES` unread together (windows stay at
+    :data:`STREAM_WINDOW_BYTES`, so an honest peer's few streams stay well under it).
 
     Attributes:
         window_exceeded: ``(stream ID, bytes past the window)`` of the first violation, else None.
@@ -154,6 +168,13 @@ class BoundedYamux(Yamux):
             logger.warning(
                 "peer %s sent %d bytes past the yamux receive window of stream %d; closing the connection",
                 self.peer_id, excess, stream_id, extra={"peer_id": str(self.peer_id)},
+            )
+            raise trio.TooSlowError
+        held = sum(len(b) for b in self.stream_buffers.values())
+        if held + length > MAX_BUFFERED_BYTES:
+            logger.warning(
+                "peer %s would hold %d unread bytes on one connection (limit %d); closing the connection",
+                self.peer_id, held + length, MAX_BUFFERED_BYTES, extra={"peer_id": str(self.peer_id)},
             )
             raise trio.TooSlowError
         return await super()._read_data_body(length)
@@ -358,3 +379,6 @@ def install_inbound_rules(network: INetwork, cap: PerAddressCap, *, keepalive_s:
 if getattr(muxer_multistream, "Yamux", None) not in (Yamux, BoundedYamux):
     raise ImportError("libp2p.stream_muxer.muxer_multistream.Yamux is gone: re-check BoundedYamux against this py-libp2p")
 setattr(muxer_multistream, "Yamux", BoundedYamux)  # noqa: B010 - the name py-libp2p instantiates
+if not hasattr(py_yamux, "MAX_WINDOW_SIZE"):
+    raise ImportError("libp2p.stream_muxer.yamux.yamux.MAX_WINDOW_SIZE is gone: re-check MAX_BUFFERED_BYTES against this py-libp2p")
+setattr(py_yamux, "MAX_WINDOW_SIZE", STREAM_WINDOW_BYTES)  # noqa: B010 - no auto-tuning: windows stay STREAM_WINDOW_BYTES

@@ -31,7 +31,7 @@ from waiting import wait_until
 from node.p2p import GossipNode
 from node.p2p.bridge import TrioBridge
 from node.p2p.host import P2PHost, libp2p_key_pair, parse_peer_addr
-from node.p2p.transport import MAX_INBOUND_STREAMS, BoundedYamux, PerAddressCap, secure_transports
+from node.p2p.transport import MAX_BUFFERED_BYTES, MAX_INBOUND_STREAMS, STREAM_WINDOW_BYTES, BoundedYamux, PerAddressCap, secure_transports
 from protocol.envelope import seal
 from protocol.identity import NodeKey
 from protocol.messages import NodeRecord, Verdict
@@ -278,6 +278,38 @@ async def test_a_peer_opening_thousands_of_streams_holds_at_most_the_cap() -> No
             # the cap, plus the streams py-libp2p queues for acceptance (10) and the one being accepted
             assert peak <= MAX_INBOUND_STREAMS + 12, peak
             assert isinstance(relay_conn, BoundedYamux) and relay_conn.streams_refused > 0
+
+
+async def test_streams_held_in_negotiation_hold_at_most_max_buffered_bytes_per_connection() -> None:
+    """Each stream a peer opens sits in protocol negotiation, unread, for up to 30 s, and each may
+    fill its 256 KiB window: one connection held 16 MiB (64 streams), a hub ``max_peers`` × 16 MiB.
+    A relay now closes a connection whose streams would hold more than MAX_BUFFERED_BYTES unread
+    (12 streams × 256 KiB sent here); the relay held no more than that meanwhile."""
+    run = Run()
+    async with shared_bridge() as bridge, swarm(run, [("relay", None)], bridge=bridge) as (relay,):
+        assert relay._host is not None
+        async with attacker(bridge, relay) as (mallory_key, mallory):
+            relay_conn = (await bridge.run_sync(lambda: _connections(relay._host, mallory_key.peer_id), timeout_s=5))[0].muxed_conn
+
+            async def flood() -> int:
+                """DATA + SYN frames filling the windows of 12 new streams; the most the relay held unread."""
+                m = _connections(mallory, relay.peer_id)[0].muxed_conn
+                chunk, peak = b"\0" * 65_536, 0
+                try:
+                    for i in range(12):
+                        for k in range(STREAM_WINDOW_BYTES // len(chunk)):
+                            await m._write_frame(struct.pack(YAMUX_DATA_HEADER, 0, 0, 1 if k == 0 else 0, 9001 + 2 * i, len(chunk)) + chunk)
+                            await trio.lowlevel.checkpoint()
+                            peak = max(peak, sum(len(b) for b in relay_conn.stream_buffers.values()))
+                except Exception:  # noqa: BLE001 - the relay hung up
+                    pass
+                with trio.move_on_after(10):
+                    await relay_conn.event_closed.wait()
+                return peak
+
+            peak = await bridge.run(flood, timeout_s=60)
+            assert relay_conn.event_closed.is_set(), f"the relay kept the connection open, holding {peak} bytes unread"
+            assert peak <= MAX_BUFFERED_BYTES, peak
 
 
 async def test_iwant_answers_hold_each_message_once_and_at_most_three_times_per_peer() -> None:
