@@ -139,6 +139,7 @@ _REPLAY_BLOCK_ELEMENTS = 1 << 22
 block's passes stay in the last-level cache; fewer, larger tensor ops keep a loaded machine's
 thread barriers few)."""
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _M32 = 0xFFFFFFFF
 _PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
 _PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
@@ -516,7 +517,8 @@ def _icdf_weights(x: torch.Tensor, temperature: float, out: torch.Tensor | None 
     mx = x.amax(dim=-1, keepdim=True)  # [B, 1]
     e = torch.sub(x, mx) if out is None else torch.sub(x, mx, out=out)
     if temperature != 1.0:
-        e.mul_(1.0 / temperature)
+        # 1 / T past float32's largest (T < 2.9e-39, which the run spec allows) made 0 · inf = NaN at the maximum
+        e.mul_(min(1.0 / temperature, _FLOAT32_MAX))
     return e.clamp_(min=EXP_FLOOR).exp_(), mx.to(torch.float64) / temperature
 
 

@@ -576,11 +576,12 @@ def test_logit_bound_termination_and_unknown_replay_rules() -> None:
         sampling.replay_check(logits, [0, 1], 1, replay_rule="logit-bound-v1")
 
 
-@pytest.mark.parametrize(("temperature", "delta", "top_p"), [(0.002, 1.0, 0.7), (0.01, 4.0, 0.95), (0.01, 4.0, 1.0)])
+@pytest.mark.parametrize(("temperature", "delta", "top_p"), [(0.002, 1.0, 0.7), (0.01, 4.0, 0.95), (0.01, 4.0, 1.0), (1e-40, 1.0, 0.9)])
 def test_logit_bound_replay_at_a_low_temperature_the_run_spec_allows(temperature: float, delta: float, top_p: float) -> None:
     """``2δ / T`` passes 709 at temperatures the run spec accepts (δ = 1, T < 0.0028; δ = 4, T < 0.0113):
     the check's ``math.exp`` of it raised OverflowError on every submission, so a validator retried
-    each one forever and judged none. An honest worker's tokens pass; a fixed token is rejected."""
+    each one forever and judged none; below T = 2.9e-39, ``1 / T`` overflowed float32 and the sampler
+    and the check both failed on NaN weights. An honest worker's tokens pass; a fixed token is rejected."""
     from protocol.runspec import SamplingSpec, ToplocSpec
 
     SamplingSpec(temperature=temperature, top_p=top_p)  # the spec allows it
