@@ -25,7 +25,10 @@ sharing its machine). From the same run it prints:
   decode is memory-bound and the floor is far lower (goal there: validator / worker ≤ 1/20);
 * ``ratio validator / worker`` in wall and (on the CPU) process CPU seconds: wall time on a shared
   machine counts the time either side waited for a core, and the two sides suffer load differently
-  (the validator's prefill is compute-bound, the worker's decode streams the weights every step).
+  (the validator's prefill is compute-bound, the worker's decode streams the weights every step);
+* with ``--threads`` > 1, ``sampling check on N threads vs 1 thread``: each measured submission is
+  also checked with the sampling check on every thread (the pipeline's default is one thread,
+  ``SubmissionChecker(replay_threads=1)``), interleaved, so the two are compared on the same logits.
 
 Example::
 
@@ -154,34 +157,48 @@ def main() -> None:
                 model.model.norm.weight.mul_(args.peaked)
     engine = TransformersEngine(model, tok, device=args.device, max_batch=args.max_batch)
     checker = SubmissionChecker(spec, tasks, tok, lambda s: model, trainer_step=lambda: 0, counter_seen=lambda w, c, sid: False)
+    # the same pipeline with the sampling check on all the process's threads, checked on the same submissions
+    all_threads = SubmissionChecker(spec, tasks, tok, lambda s: model, trainer_step=lambda: 0, counter_seen=lambda w, c, sid: False,
+                                    replay_threads=None) if args.threads > 1 else None
 
     rows = []
     cpu = []  # (worker, validator) process CPU seconds: what each side costs, damped against other jobs' load
+    alt: list[tuple[Any, Any]] = []  # (the process's threads, one thread) results of the same submission
     with cpu_load(args.load):
-        measure(args, spec, worker, engine, tok, tasks, checker, rows, cpu)
-    report(args, model, rows, cpu)
+        measure(args, spec, worker, engine, tok, tasks, checker, rows, cpu, all_threads, alt)
+    report(args, model, rows, cpu, alt)
 
 
 def measure(args: argparse.Namespace, spec: RunSpec, worker: NodeKey, engine: TransformersEngine, tok: Any, tasks: list[Any],
-            checker: SubmissionChecker, rows: list[Any], cpu: list[tuple[float, float]]) -> None:
-    """Build and check ``repeats + 1`` submissions (the first is warm-up), appending to ``rows`` and ``cpu``."""
+            checker: SubmissionChecker, rows: list[Any], cpu: list[tuple[float, float]], all_threads: SubmissionChecker | None = None,
+            alt: list[tuple[Any, Any]] | None = None) -> None:
+    """Build and check ``repeats + 1`` submissions (the first is warm-up), appending to ``rows`` and ``cpu``;
+    with ``all_threads`` (the sampling check on every thread; ``checker``'s on one), each measured
+    submission is also checked by it (before the main check on odd counters, after on even ones) and
+    both results go to ``alt``."""
     for counter in range(args.repeats + 1):
         stats = BuildStats()
         t0, c0 = time.perf_counter(), time.process_time()
         blob = build_submission(spec, spec.run_id, worker, engine, tok, tasks, 0, counter, stats=stats)
         worker_s, worker_cpu = time.perf_counter() - t0, time.process_time() - c0
         env = open_envelope(blob, run_id=spec.run_id, expect=Submission)
+        other = all_threads.check(env) if all_threads is not None and counter % 2 else None
         c0 = time.process_time()
         result = checker.check(env)
         validator_cpu = time.process_time() - c0
+        if all_threads is not None and other is None:
+            other = all_threads.check(env)
         if not result.accepted:
             raise SystemExit(f"honest submission rejected: {result.reason} {result.evidence}")
         if counter:  # the first is warm-up
             rows.append((worker_s, stats, result, os.getloadavg()[0]))
             cpu.append((worker_cpu, validator_cpu))
+            if alt is not None and other is not None:
+                alt.append((other, result))
 
 
-def report(args: argparse.Namespace, model: torch.nn.Module, rows: list[Any], cpu: list[tuple[float, float]]) -> None:
+def report(args: argparse.Namespace, model: torch.nn.Module, rows: list[Any], cpu: list[tuple[float, float]],
+           alt: list[tuple[Any, Any]] | None = None) -> None:
     """Print the side-by-side table and the ratios."""
     n_params = sum(x.numel() for x in model.parameters())
     seqs = args.tasks * args.group
@@ -225,6 +242,15 @@ def report(args: argparse.Namespace, model: torch.nn.Module, rows: list[Any], cp
           f"{'met' if floor <= 1.25 else 'missed'})")
     print(f"floor prefill / decode: {prefill / max(w_gen, 1e-9):.4f} = 1/{w_gen / prefill:.1f} (validator / worker cannot fall below this "
           f"where both are compute-bound)")
+    if alt:  # the same submissions checked with the sampling check on every thread (the table: on one, the default), interleaved
+        def ratio_of(results: list[Any]) -> tuple[float, float, float]:
+            samp, pre = med(r.timings.get("sampling", 0.0) for r in results), max(med(r.timings.get("prefill", 0.0) for r in results), 1e-9)
+            return samp, samp / pre, med(r.seconds for r in results) / pre
+
+        (s_n, r_n, v_n), (s_1, r_1, v_1) = ratio_of([a[0] for a in alt]), ratio_of([a[1] for a in alt])
+        print(f"sampling check on {args.threads} threads vs 1 thread (same submissions, interleaved): {s_n:.3f} s vs {s_1:.3f} s "
+              f"({s_1 / max(s_n, 1e-9):.2f}x); ratio sampling check / prefill {r_n:.4f} vs {r_1:.4f}; "
+              f"validator / prefill {v_n:.4f} vs {v_1:.4f}")
 
 
 if __name__ == "__main__":

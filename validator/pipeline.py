@@ -18,11 +18,12 @@ whose rows the worker's engine commits, and the reward work :func:`protocol.rewa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +103,14 @@ class SubmissionChecker:
         counter_seen: returns whether (worker, counter) was already judged in another submission.
         tolerances: numeric tolerances.
         reward_limits: sandbox limits for code rewards.
+        replay_threads: torch intra-op threads for the sampling check (termination, replay,
+            log-probs; the prefill and LM head keep the process's); ``None``: the process's.
+            Default 1: the check is many short memory-bound passes over each position's logits,
+            and beside other CPU-bound processes every parallel op waits for a descheduled
+            thread. ``benchmarks/validator_bench.py`` checks each submission both ways (vocabulary
+            151,936, 2 threads, 4 Dec 2026): beside two CPU-bound processes the check took 7.56 s
+            on 2 threads and 1.45 s on 1 (sampling / prefill 0.48 → 0.076); on a quiet machine
+            0.20 s and 0.30 s (0.074 → 0.105, both within the 1/4 goal) (``docs/toploc.md`` §9).
     """
 
     def __init__(
@@ -115,6 +124,7 @@ class SubmissionChecker:
         counter_seen: Callable[[str, int, str], bool],
         tolerances: Tolerances | None = None,
         reward_limits: RewardLimits | None = None,
+        replay_threads: int | None = 1,
     ) -> None:
         self.spec = spec
         self.tasks = tasks
@@ -124,6 +134,7 @@ class SubmissionChecker:
         self.counter_seen = counter_seen
         self.tol = tolerances or Tolerances()
         self.reward_limits = reward_limits
+        self.replay_threads = replay_threads
         self.eos_id = int(tokenizer.eos_token_id)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id)
 
@@ -223,7 +234,9 @@ class SubmissionChecker:
             t_head = time.perf_counter()
             logits = head_logits(model, torch.cat([rows[j] for j in group]) if len(group) > 1 else rows[group[0]], buf)  # [Σn, V] float32
             head_s += time.perf_counter() - t_head
-            self._sampling(group, [sub.rollouts[j].seed for j in group], logits, [seqs[j][1] for j in group], [seqs[j][2] for j in group])
+            with _intra_op_threads(self.replay_threads):
+                self._sampling(group, [sub.rollouts[j].seed for j in group], logits, [seqs[j][1] for j in group],
+                               [seqs[j][2] for j in group])
         timings["prefill"] += head_s  # the LM head is prefill work, done group by group
         timings["sampling"] = time.perf_counter() - t - head_s
 
@@ -319,6 +332,20 @@ def _logit_groups(lengths: list[int], vocab: int) -> list[list[int]]:
             groups.append([j])
             rows = n
     return groups
+
+
+@contextlib.contextmanager
+def _intra_op_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set to ``n`` for the block (``None``: unchanged), then restored."""
+    before = torch.get_num_threads()
+    if n is None or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _finite(x: float) -> float:

@@ -459,3 +459,25 @@ def test_oversized_packed_arrays_are_refused_before_they_are_unpacked(world: Wor
         seen.clear()
         assert_rejected(world.checker().check(env), {reason})
         assert max(seen, default=0) < big, seen
+
+
+def test_the_sampling_check_runs_on_one_intra_op_thread(world: World, honest_env: Envelope[Submission], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay runs on one torch thread (its short parallel ops stall beside other CPU-bound
+    processes: docs/toploc.md §9) and the process's thread count is back afterwards."""
+    from protocol import sampling
+
+    seen: list[int] = []
+    real = sampling.replay_checks
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sampling, "replay_checks", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert world.checker().check(honest_env).accepted
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
