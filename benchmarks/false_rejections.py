@@ -140,8 +140,8 @@ def worker_copy(policy: torch.nn.Module, attn: str, dtype: torch.dtype) -> torch
 
 BF16_DEFAULTS = {"replay_logit_bound": 1.0, "max_near_tie_fraction": 0.5, "logprob_max_abs": 2.0, "logprob_mean_abs": 0.5}
 """The bf16 workers' run spec ``toploc.*`` (the float32 run uses the defaults), from this benchmark's
-bf16 rows (``docs/toploc.md`` §10): replay rule ``logit-bound-v1`` with δ = 1.0 nats, ×1.48 the
-largest honest bf16 logit error of a first run (0.674 over the 11,428 positions of 1,536 rollouts);
+bf16 rows (``docs/toploc.md`` §10): replay rule ``logit-bound-v1`` with δ = 1.0 nats (the largest
+honest bf16 logit error: 0.79 over the 83,535 positions of 10,752 rollouts, 99.9 % quantile 0.67);
 the per-token log-prob bound 2δ, the most logits within δ can move a log-prob."""
 
 

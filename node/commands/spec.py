@@ -57,7 +57,7 @@ def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       help="how the sampling replay tolerates numeric noise: eps-v1 (default; fp32 workers) or logit-bound-v1 "
                            "(workers computing in bf16 against float32 validators; needs --replay-logit-bound; docs/toploc.md §6.2)")
     init.add_argument("--replay-logit-bound", type=float, default=None,
-                      help="logit-bound-v1: the workers' largest logit error, nats (bf16: 0.75, from benchmarks/false_rejections.py)")
+                      help="logit-bound-v1: the workers' largest logit error, nats (bf16 against float32: 1.0, docs/toploc.md §10)")
     init.add_argument("--eos-prob-slack", type=float, default=None,
                       help="eps-v1: P(EOS) of worker and validator may differ by this much at the EOS floor (default 0.01)")
     init.add_argument("--force", action="store_true", help="overwrite --out if it exists")
