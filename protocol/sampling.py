@@ -726,6 +726,9 @@ def _icdf_replay(
         e, m = _icdf_weights(x, temperature, out=x if scratch is None else scratch[:b])  # [b, V] float32, [b, 1] float64
         cdf = _ChunkedCDF(e)
         total = cdf.total  # [b]
+        if not bool(torch.isfinite(total).all()):  # NaN or +inf logits: every interval is NaN, no token's gap means anything
+            row = lo + int(torch.nonzero(~torch.isfinite(total))[0, 0])
+            raise ValueError(f"the validator's logits at row {row} are not finite (NaN or +inf): no verdict can rest on them")
         lps.append(x_c / temperature - m[:, 0] - torch.log(total))
         u = uniforms(seeds[lo:hi], positions[lo:hi])  # [b, K + 1]
         uk = u[:, :k]
@@ -947,7 +950,8 @@ def replay_check(
         A :class:`ReplayResult`.
 
     Raises:
-        ValueError: bad parameters, unknown rule or shapes (the validator's own inputs).
+        ValueError: bad parameters, unknown rule or shapes, or a row of ``logits`` holding NaN or
+            +inf (the validator's own inputs: its failure, no evidence about the worker).
     """
     return replay_checks(logits, [tokens], [seed], [start_position], temperature, top_p, eps, max_near_tie_fraction, nucleus_slack,
                          eos_ids, min_eos_prob, eos_prob_slack, rule, overwrite=overwrite, replay_rule=replay_rule, logit_bound=logit_bound)[0]

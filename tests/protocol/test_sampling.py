@@ -594,3 +594,20 @@ def test_logit_bound_replay_at_a_low_temperature_the_run_spec_allows(temperature
     common = {"temperature": temperature, "top_p": top_p, "eos_ids": (eos,), "min_eos_prob": 0.1, "replay_rule": "logit-bound-v1", "logit_bound": delta}
     assert sampling.replay_check(x.clone(), toks, 5, **common).ok
     assert not sampling.replay_check(x.clone(), [0] * n, 5, **common).ok
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_replay_refuses_non_finite_validator_logits_instead_of_judging(top_p: float, bad: float) -> None:
+    """A NaN or +inf in the validator's own logits made every interval NaN: with top-p 1 each claimed
+    token became a hard mismatch (a ``sampling`` cheat verdict against an honest worker, a ban when
+    reproduced); with top-p < 1 the nucleus indexed out of bounds. The check now raises ValueError
+    naming the row: the validator's failure, no verdict."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 200, generator=g) * 3
+    seeds, pos = torch.full((6,), 9, dtype=torch.int64), torch.arange(6, dtype=torch.int64)
+    toks, _ = sampling.sample(x, seeds, pos, 1.0, top_p)
+    x[4, 17] = bad
+    for rule in ({}, {"replay_rule": "logit-bound-v1", "logit_bound": 1.0}):
+        with pytest.raises(ValueError, match="row 4 are not finite"):
+            sampling.replay_check(x.clone(), toks, 9, top_p=top_p, **rule)
