@@ -1,5 +1,6 @@
 """The main job, shortened: every role as a process, discovery, publishing through relays,
-validation, training, an adversary banned, and nothing left running afterwards."""
+validation, training, an adversary banned, a worker killed and restarted, and nothing left running
+afterwards. Two devnets (the expensive part) serve the module's three tests."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -23,15 +25,50 @@ def _nobody_listens(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-def test_short_devnet_with_adversary(tmp_path):
-    out = tmp_path / "out"
-    r = subprocess.run(
-        [sys.executable, "-m", "node", "devnet", "--steps", "3", "--workers", "1", "--relays", "2", "--validators", "1",
-         "--adversary", "inflated-reward", "--out", str(out), "--no-dashboard", "--timeout", "240"],
-        capture_output=True, text=True, timeout=300,
-    )
-    # the time budget is the devnet's own --timeout: past it the devnet fails (non-zero exit)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+@dataclass
+class MainRun:
+    """One run of the main command: its summary line's run ID and seed, its folder and its output."""
+
+    run_id: str
+    seed: str
+    out: Path
+    stdout: str
+
+
+BASE = [sys.executable, "-m", "node", "devnet", "--workers", "1", "--validators", "1", "--eval-samples", "2", "--no-dashboard"]
+ADVERSARY_RUN = ["--steps", "3", "--relays", "2", "--adversary", "inflated-reward", "--timeout", "240", "--seed", "7"]
+"""Run 1: an inflated-reward adversary beside an honest worker, two relays, the default held-out interval."""
+KILL_RUN = ["--steps", "4", "--relays", "1", "--kill-worker-at", "2", "--eval-every", "2", "--timeout", "400"]
+"""Run 2 (random seed): worker 0 SIGKILLed at step 2 and restarted on its data directory."""
+
+
+@pytest.fixture(scope="module")
+def main_runs(tmp_path_factory) -> tuple[Path, MainRun, MainRun]:
+    """The README's main command (no --out) twice in one folder, shortened by flags (``ADVERSARY_RUN``,
+    then ``KILL_RUN``), beside a chaos example's folder made first; returns that folder and both runs."""
+    from node.devnet.outdir import write_marker
+
+    cwd = tmp_path_factory.mktemp("main")
+    crash = cwd / "devnet-out" / "crash"
+    crash.mkdir(parents=True)
+    write_marker(crash, {"seed": 1})
+    (crash / "report.md").write_text("an earlier --kill-worker-at run")
+    runs = []
+    for flags in (ADVERSARY_RUN, KILL_RUN):
+        r = subprocess.run(BASE + flags, cwd=cwd, capture_output=True, text=True, timeout=460, check=False)
+        # the time budget is the devnet's own --timeout: past it the devnet fails (non-zero exit)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        m = re.search(r"^devnet completed (\d+) of \1 steps in \d+ s \(run ([0-9a-f]{16}), seed (\d+)\)$", r.stdout, re.MULTILINE)
+        assert m, r.stdout[-2000:]
+        report = re.search(r"^report: (\S+/report\.md) and", r.stdout, re.MULTILINE).group(1)
+        runs.append(MainRun(m.group(2), m.group(3), Path(report).parent, r.stdout))
+    return cwd, runs[0], runs[1]
+
+
+@pytest.mark.timeout(900)
+def test_short_devnet_with_adversary(main_runs):
+    _, run, _ = main_runs
+    out = run.out
     report = (out / "report.md").read_text()
     assert (out / "report.png").stat().st_size > 10_000
     # at least two policy steps published and fetched through the relays
@@ -69,22 +106,17 @@ def test_short_devnet_with_adversary(tmp_path):
     assert _nobody_listens(int(coord_url.rsplit(":", 1)[1]))
 
 
-@pytest.mark.timeout(600)
-def test_short_devnet_survives_a_killed_worker(tmp_path):
+@pytest.mark.timeout(900)
+def test_short_devnet_survives_a_killed_worker(main_runs):
     """--kill-worker-at with the default task set: worker 0 is SIGKILLed at step 2 and restarted on
     its data directory; the run completes its steps and keeps evaluating held-out."""
-    out = tmp_path / "out"
-    r = subprocess.run(
-        [sys.executable, "-m", "node", "devnet", "--steps", "4", "--workers", "1", "--relays", "1", "--validators", "1",
-         "--kill-worker-at", "2", "--eval-every", "2", "--eval-samples", "4", "--out", str(out), "--no-dashboard", "--timeout", "400"],
-        capture_output=True, text=True, timeout=460,
-    )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    _, _, run = main_runs
+    out = run.out
     report = (out / "report.md").read_text()
     assert "killed worker-0 at step" in report and "restarted worker-0" in report
     # the summary names the kill and the restart, and what the restarted worker did with its spool,
     # as its one "restart:" log line says (or that the spool was empty)
-    chaos = next(line for line in r.stdout.splitlines() if line.startswith("chaos: "))
+    chaos = next(line for line in run.stdout.splitlines() if line.startswith("chaos: "))
     assert re.search(r"worker-0 killed \(SIGKILL\) at step \d+ and restarted at step \d+; ", chaos), chaos
     log = (out / "logs" / "worker-0.log").read_text(errors="replace")
     restart = re.findall(r"restart: found (\d+) spooled submissions; re-sending (\d+) .*dropping (\d+) already stale", log)
@@ -102,32 +134,18 @@ def test_short_devnet_survives_a_killed_worker(tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_main_command_runs_twice_in_one_folder(tmp_path):
-    """The README's main command (no --out) twice in one folder, shortened by flags: each run gets its
-    own folder under devnet-out/ (latest points at the newest), a chaos example's folder there is
-    kept, and the summary line names the run ID and the seed (also in report.md)."""
-    from node.devnet.outdir import write_marker
-
-    crash = tmp_path / "devnet-out" / "crash"
-    crash.mkdir(parents=True)
-    write_marker(crash, {"seed": 1})
-    (crash / "report.md").write_text("an earlier --kill-worker-at run")
-    cmd = [sys.executable, "-m", "node", "devnet", "--steps", "1", "--workers", "1", "--relays", "0", "--eval-samples", "1",
-           "--no-dashboard", "--timeout", "300"]
-    seen = []
-    for extra in (["--seed", "7"], []):
-        r = subprocess.run(cmd + extra, cwd=tmp_path, capture_output=True, text=True, timeout=360, check=False)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-        m = re.search(r"^devnet completed 1 of 1 steps in \d+ s \(run ([0-9a-f]{16}), seed (\d+)\)$", r.stdout, re.MULTILINE)
-        assert m, r.stdout[-2000:]
-        report = re.search(r"^report: (\S+/report\.md) and", r.stdout, re.MULTILINE).group(1)
-        seen.append((m.group(1), m.group(2), report))
-    (run1, seed1, report1), (run2, _, report2) = seen
-    assert seed1 == "7" and run1 != run2 and report1 != report2
-    for run_id, seed, report in seen:
-        text = Path(report).read_text()
-        assert f"run ID `{run_id}" in text and f"seed **{seed}**" in text
-        assert re.search(rf"^seed = {seed}$", (Path(report).parent / "run.toml").read_text(), re.MULTILINE)
-    latest = tmp_path / "devnet-out" / "latest"
-    assert (latest / "report.md").resolve() == Path(report2).resolve()
+def test_main_command_runs_twice_in_one_folder(main_runs):
+    """The README's main command (no --out) twice in one folder: each run gets its own folder under
+    devnet-out/ (latest points at the newest), a chaos example's folder there is kept, and the
+    summary line names the run ID and the seed (also in report.md)."""
+    cwd, run1, run2 = main_runs
+    assert run1.seed == "7" and run1.run_id != run2.run_id and run1.out != run2.out
+    for run in (run1, run2):
+        assert run.out.parent == (cwd / "devnet-out").resolve()
+        text = (run.out / "report.md").read_text()
+        assert f"run ID `{run.run_id}" in text and f"seed **{run.seed}**" in text
+        assert re.search(rf"^seed = {run.seed}$", (run.out / "run.toml").read_text(), re.MULTILINE)
+    latest = cwd / "devnet-out" / "latest"
+    assert (latest / "report.md").resolve() == (run2.out / "report.md").resolve()
+    crash = cwd / "devnet-out" / "crash"
     assert (crash / "report.md").read_text() == "an earlier --kill-worker-at run"
