@@ -26,10 +26,12 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Two pytest workers (pytest-xdist), each test module on one worker (its module fixtures built once):
 # most of the slow tests wait on child processes, so two run side by side even on 2 cores
 # (≈ 610 tests on the idle 2-core machine: 5 min 17 s to 6 min 31 s, against 9 min 0 s serially).
+# Modules are handed out in tests/conftest.py's order, the longest first (--no-loadscope-reorder:
+# xdist's own order, most tests first, ran the one-test devnet modules last, one at a time).
 # TEST_WORKERS=0 runs them serially in this process.
 WORKERS=${TEST_WORKERS:-2}
 XDIST=()
-[ "$WORKERS" != 0 ] && XDIST=(-n "$WORKERS" --dist loadscope)
+[ "$WORKERS" != 0 ] && XDIST=(-n "$WORKERS" --dist loadscope --no-loadscope-reorder)
 set +e
 python -m pytest -q ${XDIST[@]+"${XDIST[@]}"} "$@"
 rc=$?

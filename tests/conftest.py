@@ -17,10 +17,23 @@ def shared_dir() -> Path:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """An integration test (several processes or nodes) is slow: never in ``pytest -m "not slow"``."""
+    """An integration test (several processes or nodes) is slow: never in ``pytest -m "not slow"``.
+
+    Then the longest modules first: those with an integration test, then those with a slow test, then
+    the rest, each group in collection order (a stable sort keeps every module's tests together and in
+    order). pytest-xdist's ``--dist loadscope`` hands out modules in this order (``scripts/test.sh``
+    passes ``--no-loadscope-reorder``; its default puts modules with many tests first, which left the
+    one-test devnet modules to the end, one worker running them alone while the other idled), so
+    the short modules fill the end of the run.
+    """
+    rank: dict[str, int] = {}
     for item in items:
         if item.get_closest_marker("integration") is not None and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
+        r = 0 if item.get_closest_marker("integration") is not None else 1 if item.get_closest_marker("slow") is not None else 2
+        module = item.nodeid.split("::", 1)[0]
+        rank[module] = min(rank.get(module, 2), r)
+    items.sort(key=lambda item: rank[item.nodeid.split("::", 1)[0]])
 
 
 @pytest.fixture
