@@ -140,7 +140,7 @@ async def test_eight_sybil_trickling_relays_never_fail_a_policy_fetch(tmp_path: 
         proc = await asyncio.to_thread(
             subprocess.Popen,
             [sys.executable, "-m", "node", "devnet", "--steps", "2", "--workers", "1", "--relays", "1", "--validators", "1",
-             "--out", str(out), "--no-dashboard", "--timeout", "600"],
+             "--eval-samples", "1", "--out", str(out), "--no-dashboard", "--timeout", "600"],
             stdout=sink, stderr=subprocess.STDOUT,
         )
     try:
