@@ -226,7 +226,10 @@ connection. One it only relayed costs nothing (``node/p2p/service.py``): minters
 relay, each within its budget there, would otherwise get the relay banned."""
 PENALTY_STALE: Penalty = 0.5
 """Points for a message outside the freshness window: an honest peer's clock can be off, or an
-overloaded peer forward late, so it takes a hundred of them to reach the default limit."""
+overloaded peer forward late, so it takes a hundred of them to reach the default limit. A stale
+one the forwarder only relayed costs nothing (``node/p2p/service.py``): a minter behind an honest
+relay times its records to be fresh at the relay and stale one hop later, a hundred of them in a
+second."""
 
 
 def penalty_for(error: ProtocolError) -> tuple[str, Penalty]:

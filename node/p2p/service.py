@@ -790,9 +790,10 @@ class GossipNode:
                 reason, points = penalty_for(e)
                 self._rejected[reason] += 1
                 logger.debug("rejected %s message from %s: %s", kind, sender, e, extra={"peer_id": sender})
-                if reason == "over_rate" and msg.from_id != forwarder.to_bytes():
+                if reason in ("over_rate", "stale") and msg.from_id != forwarder.to_bytes():
                     # relayed valid records: an honest hub forwards what each of its own peers sent within
-                    # their budgets, so Sybil minters behind it would get it banned here; dropped only
+                    # their budgets, and what was fresh when it checked it (a record timed to go stale
+                    # on the way here); Sybil minters behind it would get it banned here; dropped only
                     points = 0.0
                 if points and sender != self.peer_id and self._scores.penalize(sender, points):
                     self._scores.forget(sender)

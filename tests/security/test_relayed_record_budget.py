@@ -114,3 +114,51 @@ def test_records_relayed_by_a_hub_do_not_spend_the_budget_of_its_own_record() ->
         assert coord._scores.points(relay_key.peer_id) > 0.0 and not banned_ids
 
     trio.run(main)
+
+
+def test_records_relayed_stale_do_not_get_the_relay_banned() -> None:
+    """A minter behind an honest relay times each record to be fresh when the relay checks it (its
+    ``ts_ms`` just inside ``max_age_s``) and stale one hop later at the coordinator: each cost the
+    relay, their forwarder there, 0.5 point, and a hundred of them (within the relay's budgets) got
+    the honest relay banned. A stale record the forwarder only relayed now costs it nothing; stale
+    records it publishes itself still cost points."""
+    import time
+
+    from libp2p.peer.id import ID
+    from libp2p.pubsub.pb import rpc_pb2
+
+    from node.p2p.config import GossipConfig
+    from node.p2p.service import GossipNode
+
+    run = Run()
+    coord = GossipNode(run.spec, run.coordinator, GossipConfig(max_records_per_interval=256), role="coordinator")
+    relay_key = NodeKey.generate()
+    relay = ID.from_base58(relay_key.peer_id)
+    banned_ids: list[str] = []
+
+    class Host:
+        def ban(self, peer: str) -> None:
+            banned_ids.append(peer)
+
+        def message_id(self, msg: rpc_pb2.Message) -> bytes:
+            return bytes(msg.from_id) + bytes(msg.seqno)
+
+    validate = coord._make_validator("nodes", Host())  # type: ignore[arg-type]
+    topic = coord.topics["nodes"]
+    stale_ms = int((time.time() - coord._validator.max_age_s - 1.0) * 1000)  # just past the coordinator's window
+    n = iter(range(1 << 20))
+
+    def record(signer: NodeKey, publisher: ID) -> rpc_pb2.Message:
+        data = seal(signer, run.spec.run_id, NodeRecord(peer_id=signer.peer_id, role="relay", seq=1, version="m"), ts_ms=stale_ms)
+        return rpc_pb2.Message(from_id=publisher.to_bytes(), data=data, seqno=next(n).to_bytes(8, "big"), topicIDs=[topic])
+
+    async def main() -> None:
+        minter = ID.from_base58(NodeKey.generate().peer_id)
+        assert not any(validate(relay, record(NodeKey.generate(), minter)) for _ in range(120))  # all stale, dropped
+        assert coord._rejected["stale"] == 120
+        assert not banned_ids, "the coordinator banned the honest relay for records that went stale on the way"
+        assert coord._scores.points(relay_key.peer_id) == 0.0
+        assert not validate(relay, record(relay_key, relay))  # stale and its own: still costs it
+        assert coord._scores.points(relay_key.peer_id) > 0.0
+
+    trio.run(main)
