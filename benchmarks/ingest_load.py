@@ -75,10 +75,20 @@ accepted one (``newcomer_accepted_s``), ``None`` when that did not happen within
 ``--disk-files N`` scales the ingest's disk quota (probation's share is half of it) so that a
 short run fills the share (the production 4,096 takes the flood minutes at 20 unproven/s).
 
+``--admission``: what admission costs the event loop while probation's share is full (the
+ledger alone, in a child process per code, no HTTP): the share (half of ``--disk-files``, default
+the production 4,096) filled by fresh keys from 16 /24s, then the median and largest time of one
+call, in ms: the pre-body check (``precheck``) for an address of a flood prefix and of a new
+prefix, and ``admit`` for a flood prefix (refused) and for a new prefix (displaces, or refused by
+older code), each admission after the previous one's commit; and ``admit`` while the share still
+had room, for scale. With ``--baseline REV`` side by side with ``REV``'s ``protocol/``,
+``trainer/`` and ``node/``.
+
 Run: ``python benchmarks/ingest_load.py [--submissions 1200] [--concurrency 4,16,48] [--max-tokens 32]
 [--baseline REV] [--fsync-delay-ms X] [--history N]``
 or ``python benchmarks/ingest_load.py --relay [--relay-mib 64] [--clients 1,8,32]``
-or ``python benchmarks/ingest_load.py --sybil 0,16,66 [--duration-s 60] [--baseline REV]``.
+or ``python benchmarks/ingest_load.py --sybil 0,16,66 [--duration-s 60] [--baseline REV]``
+or ``python benchmarks/ingest_load.py --admission [--disk-files 4096] [--baseline REV]``.
 """
 
 from __future__ import annotations
@@ -758,6 +768,89 @@ async def sybil_level(code: Path, junk_addresses: int, args: argparse.Namespace)
             "junk_judged": stats["junk_judged"], "junk_answers": junk_codes, "load": f"{load0:.1f} → {os.getloadavg()[0]:.1f}"}
 
 
+def admission_child(disk_files: int) -> None:
+    """Child of ``--admission`` (the ledger of the code on ``sys.path``): prints ``ADMISSION <json>``."""
+    from protocol.envelope import open_envelope
+    from protocol.identity import NodeKey
+    from protocol.messages import Submission
+    from trainer.errors import Refused
+    from trainer.ledger import BanBook, SubmissionLedger
+    from trainer.ledger.ledger import Quotas
+
+    spec = sybil_spec()
+    root = Path(tempfile.mkdtemp(prefix="ingest-admission-"))
+    quotas = Quotas(max_disk_files=disk_files, max_pending_per_ip=1 << 20)
+    ledger = SubmissionLedger(root, spec, BanBook(root / "bans.msgpack", NodeKey.from_seed(COORD_SEED), spec.run_id), trainer_step=lambda: 0,
+                              latest_policy_step=lambda: 0, quotas=quotas)
+    share = int(quotas.probation_share * disk_files)
+    envs = [open_envelope(sybil_submission(NodeKey.generate(), 0, 0), run_id=spec.run_id, expect=Submission) for _ in range(share + 600)]
+    flood = [f"10.{i % 16}.0.{1 + (i // 16) % 250}" for i in range(share)]  # 16 /24s
+    out: dict[str, object] = {"share": share}
+
+    def ms(samples: list[float]) -> str:
+        return f"{statistics.median(samples) * 1e3:.3f} / {max(samples) * 1e3:.2f}"
+
+    def one_by_one(items: list[tuple[object, str]]) -> list[float]:  # admit each after the previous one's commit
+        spent = []
+        for env, address in items:
+            t0 = time.perf_counter()
+            try:
+                adm = ledger.admit(env, address)  # type: ignore[arg-type]
+            except Refused:
+                spent.append(time.perf_counter() - t0)
+                continue
+            spent.append(time.perf_counter() - t0)
+            if adm.durable is not None:
+                adm.durable.result()
+            time.sleep(0.005)
+        return spent
+
+    def calls(fn, n: int) -> list[float]:  # type: ignore[no-untyped-def]
+        spent = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            with contextlib.suppress(Refused):
+                fn(i)
+            spent.append(time.perf_counter() - t0)
+        return spent
+
+    room = min(100, share // 2)
+    out["admit_with_room_ms"] = ms(one_by_one(list(zip(envs[:room], flood[:room], strict=True))))
+    for f in [ledger.admit(env, a).durable for env, a in zip(envs[room:share], flood[room:], strict=True)]:
+        f.result()  # type: ignore[union-attr]
+    out["precheck_flood_prefix_ms"] = ms(calls(lambda i: ledger.precheck("10.3.0.7"), 300))
+    out["precheck_new_prefix_ms"] = ms(calls(lambda i: ledger.precheck(f"10.200.{i % 250}.1"), 300))
+    out["admit_flood_prefix_ms"] = ms(one_by_one([(env, "10.3.0.7") for env in envs[share:share + 200]]))
+    n_new = min(300, share // 2)  # each can displace: the flood's prefixes still hold more than one each after them
+    out["admit_new_prefix_ms"] = ms(one_by_one([(env, f"10.{100 + i % 150}.{i // 150}.1")
+                                                for i, env in enumerate(envs[share + 200:share + 200 + n_new])]))
+    counts = ledger.counts()
+    out["pending_after"], out["displaced"] = counts["pending"], counts.get("displaced", 0)
+    ledger.close()
+    print("ADMISSION " + json.dumps(out), flush=True)
+
+
+def admission_main(args: argparse.Namespace) -> None:
+    load0 = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="ingest-admission-code-") as tmp:
+        codes: list[tuple[str, Path]] = [("current", REPO)]
+        for i, rev in enumerate(args.baseline.split(",") if args.baseline else []):
+            base = Path(tmp) / f"baseline{i}"
+            base.mkdir()
+            codes.insert(i, (f"base {rev[:10]}", extract_baseline(rev, base, whole=True)))
+        results = []
+        for name, code in codes:
+            env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
+            run = subprocess.run([sys.executable, __file__, "--admission-child", "--code", str(code), "--disk-files", str(args.disk_files or 4096)],
+                                 env=env, capture_output=True, text=True, check=True)
+            results.append((name, json.loads(next(ln[10:] for ln in run.stdout.splitlines() if ln.startswith("ADMISSION ")))))
+    print(f"\nAdmission while probation's share ({results[0][1]['share']} files) is full, median / max ms per call "
+          f"(load {load0[0]:.1f} → {os.getloadavg()[0]:.1f})")
+    print(f"{'':28s}" + "".join(f"{name:>24s}" for name, _ in results))
+    for k in [k for k in results[0][1] if k != "share"]:
+        print(f"{k:28s}" + "".join(f"{r.get(k)!s:>24s}" for _, r in results))
+
+
 def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system, all threads) process ``pid`` has used (``/proc/PID/stat``)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -872,6 +965,8 @@ def main() -> None:
     p.add_argument("--duration-s", type=float, default=60.0, help="sybil mode: measured window, seconds (default 60)")
     p.add_argument("--newcomer-after-s", type=float, default=None,
                    help="sybil mode: a new honest worker from a prefix of its own starts this many seconds into the window (default: none)")
+    p.add_argument("--admission", action="store_true", help="admission's cost while probation's share is full (see the module docstring)")
+    p.add_argument("--admission-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--disk-files", type=int, default=0,
                    help="sybil mode: the ingest's disk quota in files, probation's share half of it (default 0: the production 4,096)")
     args = p.parse_args()
@@ -888,6 +983,12 @@ def main() -> None:
         return
     if args.serve_sybil:
         asyncio.run(serve_sybil(Path(args.serve_sybil), args.step_s, args.step_submissions, args.disk_files))
+        return
+    if args.admission_child:
+        admission_child(args.disk_files or 4096)
+        return
+    if args.admission:
+        admission_main(args)
         return
     if args.sybil:
         asyncio.run(sybil_main(args))

@@ -21,7 +21,8 @@ or per address (``docs/protocol.md`` "Leasing"):
    use; a worker's oldest pending work ages out of the async window instead.
 
 The ledger also bounds what probation may hold (``ledger.py``, ``Quotas.probation_share``), so
-junk cannot fill the disk quota that established workers' submissions need.
+junk cannot fill the disk quota that established workers' submissions need, and shares that out
+per prefix too (displacement: a prefix holding less takes the heaviest prefix's newest unleased place).
 """
 
 from __future__ import annotations
