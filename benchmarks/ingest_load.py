@@ -72,8 +72,9 @@ levels run against the whole ``protocol/``, ``trainer/`` and ``node/`` of ``REV`
 address prefix of its own, 127.200.0.1) starts submitting like the others; prints the seconds
 from its first POST to its first stored submission (``newcomer_admitted_s``) and to its first
 accepted one (``newcomer_accepted_s``), ``None`` when that did not happen within the window.
-``--disk-files N`` scales the ingest's disk quota (probation's share is half of it) so that a
-short run fills the share (the production 4,096 takes the flood minutes at 20 unproven/s).
+``--disk-files N`` and ``--probation-share F`` scale the ingest's disk quota and probation's share
+of it (production: 4,096 and 0.5) so that a short run fills the share (2,048 take the flood
+minutes at 20 unproven/s) without the disk quota itself binding.
 
 ``--admission``: what admission costs the event loop while probation's share is full (the
 ledger alone, in a child process per code, no HTTP): the share (half of ``--disk-files``, default
@@ -531,7 +532,7 @@ def sybil_spec():  # type: ignore[no-untyped-def]
                                seed=1))
 
 
-async def serve_sybil(root: Path, step_s: float, step_submissions: int, disk_files: int = 0) -> None:
+async def serve_sybil(root: Path, step_s: float, step_submissions: int, disk_files: int = 0, probation_share: float = 0.0) -> None:
     """Child process of ``--sybil``: the ingest with production limits and a simulated trainer;
     prints ``PORT <n>``, then ``STEP <n>`` per trainer step, and ``WORKERS <json>`` when stdin closes."""
     from aiohttp import web
@@ -551,7 +552,11 @@ async def serve_sybil(root: Path, step_s: float, step_submissions: int, disk_fil
     def recheck(raw: bytes) -> RecheckResult:  # the junk is a cheat, and the re-check reproduces it
         return RecheckResult(False, "toploc", "junk", NodeKey.from_seed(COORD_SEED).peer_id)
 
-    limits = ingest.IngestLimits(max_disk_files=disk_files) if disk_files else ingest.IngestLimits()
+    limits = ingest.IngestLimits()
+    if disk_files:
+        limits.max_disk_files = disk_files
+    if probation_share:
+        limits.probation_share = probation_share
     service, store = open_service(ingest, root, spec, trainer_step=lambda: step[0], recheck=recheck, limits=limits)
     app = web.Application(middlewares=[ingest.error_middleware], client_max_size=64 << 20)
     service.add_routes(app)
@@ -621,7 +626,8 @@ async def sybil_level(code: Path, junk_addresses: int, args: argparse.Namespace)
     with tempfile.TemporaryDirectory(prefix="ingest-sybil-") as tmp:
         env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen([sys.executable, __file__, "--serve-sybil", tmp, "--code", str(code), "--step-s", str(args.step_s),
-                                 "--step-submissions", str(args.step_submissions), "--disk-files", str(args.disk_files)],
+                                 "--step-submissions", str(args.step_submissions), "--disk-files", str(args.disk_files),
+                                 "--probation-share", str(args.probation_share)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         try:
             assert proc.stdout is not None and proc.stdin is not None
@@ -670,8 +676,14 @@ async def sybil_level(code: Path, junk_addresses: int, args: argparse.Namespace)
                             t0 = time.monotonic()
                             if is_new:
                                 arrival.setdefault("post", t0)
-                            async with http.post("/ingest/1/submissions", data=data) as r:
-                                body = await r.json(content_type=None)
+                            try:
+                                async with http.post("/ingest/1/submissions", data=data) as r:
+                                    body = await r.json(content_type=None)
+                            except (aiohttp.ClientError, TimeoutError, ValueError) as e:  # counted; tried again in 1 s
+                                (newcomer_codes if is_new else honest_codes)[type(e).__name__] = 1 + (
+                                    newcomer_codes if is_new else honest_codes).get(type(e).__name__, 0)
+                                await asyncio.sleep(1.0)
+                                continue
                             if is_new:
                                 code = str(body.get("error", r.status))
                                 newcomer_codes[code] = newcomer_codes.get(code, 0) + 1
@@ -965,6 +977,8 @@ def main() -> None:
     p.add_argument("--duration-s", type=float, default=60.0, help="sybil mode: measured window, seconds (default 60)")
     p.add_argument("--newcomer-after-s", type=float, default=None,
                    help="sybil mode: a new honest worker from a prefix of its own starts this many seconds into the window (default: none)")
+    p.add_argument("--probation-share", type=float, default=0.0,
+                   help="sybil mode: probation's share of the disk quota (default 0: the production 0.5)")
     p.add_argument("--admission", action="store_true", help="admission's cost while probation's share is full (see the module docstring)")
     p.add_argument("--admission-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--disk-files", type=int, default=0,
@@ -982,7 +996,7 @@ def main() -> None:
         asyncio.run(junk_flood(args.junk, args.junk_addresses))
         return
     if args.serve_sybil:
-        asyncio.run(serve_sybil(Path(args.serve_sybil), args.step_s, args.step_submissions, args.disk_files))
+        asyncio.run(serve_sybil(Path(args.serve_sybil), args.step_s, args.step_submissions, args.disk_files, args.probation_share))
         return
     if args.admission_child:
         admission_child(args.disk_files or 4096)
