@@ -105,3 +105,45 @@ def test_a_full_mesh_hub_does_not_score_its_mesh_every_heartbeat() -> None:
     router.pubsub.peer_topics[topic].add(outsider)
     router._perform_opportunistic_grafting(topic, defaultdict(list))
     assert len(scored) >= len(peers)  # runs as before when there is someone to graft
+
+
+def test_a_stopping_host_closes_its_connections_together() -> None:
+    """Each yamux close takes 0.1-0.2 s: closed one after another, a relay with 4 peers spent
+    0.7-0.8 s of its stop there and a hub with hundreds said goodbye to only the first few within
+    its close budget. Here every close waits until all of them have begun, which only closing
+    them together satisfies (one after another, the first never returns and the test fails)."""
+    import trio
+
+    from node.p2p.host import P2PHost
+
+    n = 6
+    begun: list[int] = []
+    everyone = trio.Event()
+
+    class Muxer:
+        async def close(self) -> None:
+            begun.append(1)
+            if len(begun) == n:
+                everyone.set()
+            await everyone.wait()
+
+    class Conn:
+        muxed_conn = Muxer()
+
+    class Network:
+        def __init__(self) -> None:
+            self.connections = {f"peer{i}": [Conn()] if i % 2 else Conn() for i in range(n)}  # py-libp2p has held both shapes
+
+    class Host:
+        def get_network(self) -> Network:
+            return Network()
+
+    host = object.__new__(P2PHost)
+    host.host = Host()  # type: ignore[assignment]
+
+    async def main() -> None:
+        with trio.fail_after(5):
+            await host._close_connections()
+
+    trio.run(main)
+    assert len(begun) == n
