@@ -1,7 +1,5 @@
 """`python -m node` runs the intellect-node CLI."""
 
-import sys
+from node.cli import run
 
-from node.cli import main
-
-sys.exit(main())
+run()

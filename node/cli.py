@@ -9,11 +9,12 @@ Exit codes: 0 success, 1 runtime failure, 2 bad usage or bad input (message on s
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from node import __version__
 from node.paths import default_key_path
@@ -147,6 +148,21 @@ def build_parser() -> argparse.ArgumentParser:
     for register in _COMMANDS:
         register(sub)
     return parser
+
+
+def run() -> NoReturn:
+    """The ``intellect-node`` command (and ``python -m node``): :func:`main`, then exit without the
+    interpreter's final garbage collection over every loaded module's objects.
+
+    That collection frees nothing an exiting process needs (the roles close their files, stores and
+    sockets in their own stops; logging flushes at exit, before it) and was most of a role's exit:
+    four relays stopped by SIGTERM together exited 0.8-1.3 s after it, past a supervisor's 1 s grace
+    (shared/checks/gossip_status.sh killed them), against 0.07-0.13 s with it skipped (4 Dec 2026,
+    load 2). Tests call :func:`main` in-process, which stays as it was.
+    """
+    rc = main()
+    gc.freeze()  # what is alive now is never collected: the interpreter's shutdown does not walk it
+    sys.exit(rc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
