@@ -41,7 +41,7 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer import muxer_multistream
 from libp2p.stream_muxer.mplex.mplex import MPLEX_PROTOCOL_ID, Mplex
 from libp2p.stream_muxer.yamux import yamux as py_yamux
-from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE, Yamux, YamuxStream
+from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE, HEADER_SIZE, Yamux, YamuxStream
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 
 from protocol.addresses import address_key
@@ -53,6 +53,15 @@ __all__ = ["MAX_INBOUND_STREAMS", "BoundedYamux", "InboundSwarm", "PerAddressCap
 MAX_INBOUND_STREAMS = 64
 """Streams a peer may hold open on one connection (a node's peers need about four: gossipsub,
 identify, ping); the rest are reset."""
+
+MAX_FRAMES_PER_S = 1_000
+FRAME_BURST = 20_000
+"""Yamux frames one connection may send us: :data:`MAX_FRAMES_PER_S` on average, bursts of
+:data:`FRAME_BURST` (a token bucket); past it the connection is closed. py-libp2p spends ~20 µs of
+the event loop on each frame however empty, and a peer packs ~5,400 12-byte frames (empty DATA,
+WINDOW_UPDATE of 0) into one 64 KiB noise message, one cipher call for it: 108,320 such frames kept
+a relay's loop busy for ~2 s (attacker A4, 4 Dec; HTTP/2's "empty frames flood"). An honest peer's
+frames are its messages and window updates: a few hundred a second on a hub's busiest link."""
 
 STREAM_WINDOW_BYTES = DEFAULT_WINDOW_SIZE
 """A yamux stream's receive window, bytes (256 KiB, the yamux spec's initial window), also its
@@ -120,6 +129,41 @@ class _StreamTable(dict[int, YamuxStream]):
         super().__setitem__(stream_id, stream)
 
 
+class _FrameBudget:
+    """Token bucket of yamux frames read on one connection (:data:`MAX_FRAMES_PER_S`, :data:`FRAME_BURST`)."""
+
+    def __init__(self, peer_id: Any) -> None:
+        self.peer_id = peer_id
+        self.tokens = float(FRAME_BURST)
+        self.at = trio.current_time()
+
+    def take(self) -> bool:
+        now = trio.current_time()
+        self.tokens = min(float(FRAME_BURST), self.tokens + (now - self.at) * MAX_FRAMES_PER_S)
+        self.at = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
+_read_exactly = py_yamux.read_exactly
+
+
+async def _read_exactly_counted(conn: Any, n: int, *args: Any, **kwargs: Any) -> bytes:
+    """py-libp2p's yamux ``read_exactly``, charging each frame header read on a :class:`BoundedYamux`
+    connection to its :class:`_FrameBudget` (over it: ``trio.TooSlowError``, which py-libp2p's frame
+    loop answers by closing the connection)."""
+    budget = getattr(conn, "_frame_budget", None) if n == HEADER_SIZE else None
+    if budget is not None and not budget.take():
+        logger.warning(
+            "peer %s sent more than %d yamux frames at %d/s; closing the connection",
+            budget.peer_id, FRAME_BURST, MAX_FRAMES_PER_S, extra={"peer_id": str(budget.peer_id)},
+        )
+        raise trio.TooSlowError
+    return cast(bytes, await _read_exactly(conn, n, *args, **kwargs))
+
+
 class BoundedYamux(Yamux):
     """py-libp2p's :class:`Yamux` that closes a connection whose peer exceeds a stream's receive
     window (go-yamux ``ErrRecvWindowExceeded``; yamux spec, "Flow Control").
@@ -133,7 +177,8 @@ class BoundedYamux(Yamux):
     and ~90 MB on a relay, and py-libp2p's process-wide limit of 10,000 inbound streams, shared with
     honest peers, is then two such peers away), and closes a connection whose streams would hold
     more than :data:`MAX_BUFFERED_BYTES` unread together (windows stay at
-    :data:`STREAM_WINDOW_BYTES`, so an honest peer's few streams stay well under it).
+    :data:`STREAM_WINDOW_BYTES`, so an honest peer's few streams stay well under it) or sending
+    frames faster than :data:`MAX_FRAMES_PER_S` past a burst of :data:`FRAME_BURST`.
 
     Attributes:
         window_exceeded: ``(stream ID, bytes past the window)`` of the first violation, else None.
@@ -145,6 +190,7 @@ class BoundedYamux(Yamux):
         self.streams = _StreamTable()
         self.window_exceeded: tuple[int, int] | None = None
         self.streams_refused = 0
+        self.secured_conn._frame_budget = _FrameBudget(self.peer_id)  # type: ignore[attr-defined] # read by _read_exactly_counted
 
     async def accept_stream(self) -> YamuxStream:
         """The next stream the peer opened, resetting any that would hold more than
@@ -382,3 +428,6 @@ setattr(muxer_multistream, "Yamux", BoundedYamux)  # noqa: B010 - the name py-li
 if not hasattr(py_yamux, "MAX_WINDOW_SIZE"):
     raise ImportError("libp2p.stream_muxer.yamux.yamux.MAX_WINDOW_SIZE is gone: re-check MAX_BUFFERED_BYTES against this py-libp2p")
 setattr(py_yamux, "MAX_WINDOW_SIZE", STREAM_WINDOW_BYTES)  # noqa: B010 - no auto-tuning: windows stay STREAM_WINDOW_BYTES
+if _read_exactly is _read_exactly_counted or not callable(_read_exactly):
+    raise ImportError("libp2p.stream_muxer.yamux.yamux.read_exactly: re-check MAX_FRAMES_PER_S against this py-libp2p")
+setattr(py_yamux, "read_exactly", _read_exactly_counted)  # noqa: B010 - the name py-libp2p's frame loop calls

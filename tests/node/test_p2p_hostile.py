@@ -31,7 +31,7 @@ from waiting import wait_until
 from node.p2p import GossipNode
 from node.p2p.bridge import TrioBridge
 from node.p2p.host import P2PHost, libp2p_key_pair, parse_peer_addr
-from node.p2p.transport import MAX_BUFFERED_BYTES, MAX_INBOUND_STREAMS, STREAM_WINDOW_BYTES, BoundedYamux, PerAddressCap, secure_transports
+from node.p2p.transport import FRAME_BURST, MAX_BUFFERED_BYTES, MAX_INBOUND_STREAMS, STREAM_WINDOW_BYTES, BoundedYamux, PerAddressCap, secure_transports
 from protocol.envelope import seal
 from protocol.identity import NodeKey
 from protocol.messages import NodeRecord, Verdict
@@ -310,6 +310,31 @@ async def test_streams_held_in_negotiation_hold_at_most_max_buffered_bytes_per_c
             peak = await bridge.run(flood, timeout_s=60)
             assert relay_conn.event_closed.is_set(), f"the relay kept the connection open, holding {peak} bytes unread"
             assert peak <= MAX_BUFFERED_BYTES, peak
+
+
+async def test_a_flood_of_empty_yamux_frames_is_cut_off() -> None:
+    """A peer packed ~5,400 empty 12-byte yamux frames (WINDOW_UPDATE of 0) into each 64 KiB noise
+    message: one cipher call on its side, ~20 µs of the relay's event loop per frame on ours
+    (108,320 of them kept a relay busy ~2 s). Past FRAME_BURST frames at more than
+    MAX_FRAMES_PER_S the relay closes the connection."""
+    run = Run()
+    async with shared_bridge() as bridge, swarm(run, [("relay", None)], bridge=bridge) as (relay,):
+        assert relay._host is not None
+        async with attacker(bridge, relay) as (mallory_key, mallory):
+            relay_conn = (await bridge.run_sync(lambda: _connections(relay._host, mallory_key.peer_id), timeout_s=5))[0].muxed_conn
+
+            async def flood() -> None:
+                m = _connections(mallory, relay.peer_id)[0].muxed_conn
+                sid = next(iter(m.streams))
+                packed = struct.pack(YAMUX_DATA_HEADER, 0, 1, 0, sid, 0) * 5_000  # WINDOW_UPDATE, delta 0
+                with contextlib.suppress(Exception):  # the relay hung up
+                    for _ in range(FRAME_BURST // 5_000 + 2):
+                        await m.secured_conn.write(packed)
+                with trio.move_on_after(20):
+                    await relay_conn.event_closed.wait()
+
+            await bridge.run(flood, timeout_s=60)
+            assert relay_conn.event_closed.is_set(), "the relay kept reading empty frames"
 
 
 async def test_iwant_answers_hold_each_message_once_and_at_most_three_times_per_peer() -> None:
