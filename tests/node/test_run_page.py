@@ -49,12 +49,12 @@ class LiveDevnet:
 
 @pytest.fixture
 def devnet(tmp_path) -> Iterator[LiveDevnet]:
-    """A devnet (1 worker, 1 reward-inflating adversary, 2 relays, 1 validator) running while the test looks at it.
+    """A devnet (2 workers, 1 reward-inflating adversary, 2 relays, 1 validator) running while the test looks at it.
 
     Function-scoped: the suite's autouse fixture reaps every child process after each test."""
     out = tmp_path / "out"
     log = open(out.parent / "devnet.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "node", "devnet", "--steps", str(STEPS), "--workers", "1", "--relays", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "node", "devnet", "--steps", str(STEPS), "--workers", "2", "--relays", "2",
                              "--validators", "1", "--adversary", "inflated-reward", "--eval-samples", "1", "--no-dashboard", "--out", str(out),
                              "--timeout", "850"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -63,7 +63,7 @@ def devnet(tmp_path) -> Iterator[LiveDevnet]:
                         60, "the run spec", proc).group(0)
         # every role on gossip and the first trainer step done: the page has something to show
         wait_for(lambda: (get_json(f"{url}/api/run") or {}).get("trainer", {}).get("step", 0) >= 1
-                  and len((get_json(f"{url}/api/run") or {}).get("nodes", [])) >= 6, START_TIMEOUT_S, "step 1 and all nodes", proc)
+                  and len((get_json(f"{url}/api/run") or {}).get("nodes", [])) >= 7, START_TIMEOUT_S, "step 1 and all nodes", proc)
         yield LiveDevnet(out, url, proc)
     finally:
         if proc.poll() is None:
