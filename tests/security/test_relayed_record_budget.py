@@ -71,49 +71,54 @@ async def test_minters_behind_an_honest_relay_do_not_get_it_banned() -> None:
             assert relay.peer_id in coord.peers
 
 
-def test_records_relayed_by_a_hub_do_not_spend_the_budget_of_its_own_record() -> None:
-    """A forwarder's own records and the records it relays are budgeted apart: minters behind an
-    honest relay that use up its relayed budget at the coordinator cannot get the relay's own
-    record dropped (its liveness) or charged points; its own records past their budget still are.
-    (Seen in a fresh-clone suite run at load 7: the relay expired at the coordinator.)"""
-    from libp2p.peer.id import ID
-    from libp2p.pubsub.pb import rpc_pb2
+class CoordinatorCheck:
+    """A coordinator's ``nodes`` validator, called directly (no network): what it accepts from an
+    honest relay, the points it charges the relay, and whom it bans."""
 
-    from node.p2p.config import GossipConfig
-    from node.p2p.service import GossipNode
+    def __init__(self, max_records_per_interval: int) -> None:
+        from libp2p.peer.id import ID
 
-    run = Run()
-    coord = GossipNode(run.spec, run.coordinator, GossipConfig(max_records_per_interval=4), role="coordinator")
-    relay_key = NodeKey.generate()
-    relay = ID.from_base58(relay_key.peer_id)
-    banned_ids: list[str] = []
+        from node.p2p.config import GossipConfig
+        from node.p2p.service import GossipNode
 
-    class Host:
-        def ban(self, peer: str) -> None:
-            banned_ids.append(peer)
+        self.run = Run()
+        self.coord = GossipNode(self.run.spec, self.run.coordinator, GossipConfig(max_records_per_interval=max_records_per_interval),
+                                role="coordinator")
+        self.relay_key = NodeKey.generate()
+        self.relay = ID.from_base58(self.relay_key.peer_id)
+        self.banned: list[str] = []
+        check = self
 
-        def message_id(self, msg: rpc_pb2.Message) -> bytes:
-            return bytes(msg.from_id) + bytes(msg.seqno)
+        class Host:
+            def ban(self, peer: str) -> None:
+                check.banned.append(peer)
 
-    validate = coord._make_validator("nodes", Host())  # type: ignore[arg-type]
-    topic = coord.topics["nodes"]
-    n = iter(range(1 << 20))
+            def message_id(self, msg: object) -> bytes:
+                return bytes(msg.from_id) + bytes(msg.seqno)  # type: ignore[attr-defined]
 
-    def record(signer: NodeKey, publisher: ID) -> rpc_pb2.Message:
-        data = seal(signer, run.spec.run_id, NodeRecord(peer_id=signer.peer_id, role="relay", seq=1, version="m"))
-        return rpc_pb2.Message(from_id=publisher.to_bytes(), data=data, seqno=next(n).to_bytes(8, "big"), topicIDs=[topic])
+        self._validate = self.coord._make_validator("nodes", Host())  # type: ignore[arg-type]
+        self._seqno = iter(range(1 << 20))
 
-    async def main() -> None:
-        minter = ID.from_base58(NodeKey.generate().peer_id)
-        relayed = [validate(relay, record(NodeKey.generate(), minter)) for _ in range(6)]
-        assert relayed == [True] * 4 + [False] * 2  # the relayed budget spent, the rest dropped
-        assert coord._scores.points(relay_key.peer_id) == 0.0  # relaying costs the honest relay nothing
-        assert validate(relay, record(relay_key, relay)), "the relay's own record was dropped with its relayed budget spent"
-        own = [validate(relay, record(NodeKey.generate(), relay)) for _ in range(4)]  # records it publishes itself
-        assert own == [True] * 3 + [False]
-        assert coord._scores.points(relay_key.peer_id) > 0.0 and not banned_ids
+    def record(self, signer: NodeKey, publisher: object, ts_ms: int | None = None) -> object:
+        """A node record signed by ``signer``, published (gossipsub ``from``) by peer ``publisher``."""
+        from libp2p.pubsub.pb import rpc_pb2
 
-    trio.run(main)
+        data = seal(signer, self.run.spec.run_id, NodeRecord(peer_id=signer.peer_id, role="relay", seq=1, version="m"), ts_ms=ts_ms)
+        return rpc_pb2.Message(from_id=publisher.to_bytes(), data=data, seqno=next(self._seqno).to_bytes(8, "big"),  # type: ignore[attr-defined]
+                               topicIDs=[self.coord.topics["nodes"]])
+
+    def from_relay(self, msg: object) -> bool:
+        """Whether the coordinator accepts ``msg`` forwarded by the relay."""
+        return self._validate(self.relay, msg)
+
+    def relay_points(self) -> float:
+        return self.coord._scores.points(self.relay_key.peer_id)
+
+    @staticmethod
+    def minter() -> object:
+        from libp2p.peer.id import ID
+
+        return ID.from_base58(NodeKey.generate().peer_id)
 
 
 def test_records_relayed_stale_do_not_get_the_relay_banned() -> None:
@@ -124,41 +129,36 @@ def test_records_relayed_stale_do_not_get_the_relay_banned() -> None:
     records it publishes itself still cost points."""
     import time
 
-    from libp2p.peer.id import ID
-    from libp2p.pubsub.pb import rpc_pb2
-
-    from node.p2p.config import GossipConfig
-    from node.p2p.service import GossipNode
-
-    run = Run()
-    coord = GossipNode(run.spec, run.coordinator, GossipConfig(max_records_per_interval=256), role="coordinator")
-    relay_key = NodeKey.generate()
-    relay = ID.from_base58(relay_key.peer_id)
-    banned_ids: list[str] = []
-
-    class Host:
-        def ban(self, peer: str) -> None:
-            banned_ids.append(peer)
-
-        def message_id(self, msg: rpc_pb2.Message) -> bytes:
-            return bytes(msg.from_id) + bytes(msg.seqno)
-
-    validate = coord._make_validator("nodes", Host())  # type: ignore[arg-type]
-    topic = coord.topics["nodes"]
-    stale_ms = int((time.time() - coord._validator.max_age_s - 1.0) * 1000)  # just past the coordinator's window
-    n = iter(range(1 << 20))
-
-    def record(signer: NodeKey, publisher: ID) -> rpc_pb2.Message:
-        data = seal(signer, run.spec.run_id, NodeRecord(peer_id=signer.peer_id, role="relay", seq=1, version="m"), ts_ms=stale_ms)
-        return rpc_pb2.Message(from_id=publisher.to_bytes(), data=data, seqno=next(n).to_bytes(8, "big"), topicIDs=[topic])
+    c = CoordinatorCheck(max_records_per_interval=256)
+    stale_ms = int((time.time() - c.coord._validator.max_age_s - 1.0) * 1000)  # just past the coordinator's window
 
     async def main() -> None:
-        minter = ID.from_base58(NodeKey.generate().peer_id)
-        assert not any(validate(relay, record(NodeKey.generate(), minter)) for _ in range(120))  # all stale, dropped
-        assert coord._rejected["stale"] == 120
-        assert not banned_ids, "the coordinator banned the honest relay for records that went stale on the way"
-        assert coord._scores.points(relay_key.peer_id) == 0.0
-        assert not validate(relay, record(relay_key, relay))  # stale and its own: still costs it
-        assert coord._scores.points(relay_key.peer_id) > 0.0
+        minter = c.minter()
+        assert not any(c.from_relay(c.record(NodeKey.generate(), minter, stale_ms)) for _ in range(120))  # all stale, dropped
+        assert c.coord._rejected["stale"] == 120
+        assert not c.banned, "the coordinator banned the honest relay for records that went stale on the way"
+        assert c.relay_points() == 0.0
+        assert not c.from_relay(c.record(c.relay_key, c.relay, stale_ms))  # stale and its own: still costs it
+        assert c.relay_points() > 0.0
+
+    trio.run(main)
+
+
+def test_records_relayed_by_a_hub_do_not_spend_the_budget_of_its_own_record() -> None:
+    """A forwarder's own records and the records it relays are budgeted apart: minters behind an
+    honest relay that use up its relayed budget at the coordinator cannot get the relay's own
+    record dropped (its liveness) or charged points; its own records past their budget still are.
+    (Seen in a fresh-clone suite run at load 7: the relay expired at the coordinator.)"""
+    c = CoordinatorCheck(max_records_per_interval=4)
+
+    async def main() -> None:
+        minter = c.minter()
+        relayed = [c.from_relay(c.record(NodeKey.generate(), minter)) for _ in range(6)]
+        assert relayed == [True] * 4 + [False] * 2  # the relayed budget spent, the rest dropped
+        assert c.relay_points() == 0.0  # relaying costs the honest relay nothing
+        assert c.from_relay(c.record(c.relay_key, c.relay)), "the relay's own record was dropped with its relayed budget spent"
+        own = [c.from_relay(c.record(NodeKey.generate(), c.relay)) for _ in range(4)]  # records it publishes itself
+        assert own == [True] * 3 + [False]
+        assert c.relay_points() > 0.0 and not c.banned
 
     trio.run(main)
