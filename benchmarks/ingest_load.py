@@ -407,6 +407,17 @@ def build_fsync_shim(directory: Path) -> Path:
     return lib
 
 
+def code_versions(baseline: str, tmp: Path, *, whole: bool = False) -> list[tuple[str, Path]]:
+    """The code each run uses, named: each ``--baseline`` revision (comma-separated) extracted
+    under ``tmp`` (:func:`extract_baseline`), then this checkout, ``"current"``."""
+    codes: list[tuple[str, Path]] = []
+    for i, rev in enumerate(baseline.split(",") if baseline else []):
+        base = tmp / f"baseline{i}"
+        base.mkdir()
+        codes.append((f"base {rev[:10]}", extract_baseline(rev, base, whole=whole)))
+    return [*codes, ("current", REPO)]
+
+
 def extract_baseline(rev: str, directory: Path, *, whole: bool = False) -> Path:
     """This checkout's ``protocol/``, ``trainer/`` and ``node/`` under ``directory``, with ``trainer/ingest/``
     and ``trainer/ledger/`` replaced by git revision ``rev``'s (``--baseline``): only the ingest differs.
@@ -500,11 +511,7 @@ async def main_async(args: argparse.Namespace) -> None:
           f"({args.tasks}×{args.group} rollouts, {args.prompt_tokens}+{args.max_tokens} tokens), built in {time.perf_counter() - t:.1f} s", flush=True)
     with tempfile.TemporaryDirectory(prefix="ingest-load-code-") as tmp:
         shim = build_fsync_shim(Path(tmp)) if args.fsync_delay_ms > 0 else None
-        codes: list[tuple[str, Path]] = [("current", REPO)]
-        for i, rev in enumerate(args.baseline.split(",") if args.baseline else []):
-            base = Path(tmp) / f"baseline{i}"
-            base.mkdir()
-            codes.insert(i, (f"base {rev[:10]}", extract_baseline(rev, base)))
+        codes = code_versions(args.baseline, Path(tmp))
         if shim is not None:
             print(f"every fsync/fdatasync of the ingest delayed by {args.fsync_delay_ms} ms (LD_PRELOAD shim)", flush=True)
         results = []
@@ -845,11 +852,7 @@ def admission_child(disk_files: int) -> None:
 def admission_main(args: argparse.Namespace) -> None:
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ingest-admission-code-") as tmp:
-        codes: list[tuple[str, Path]] = [("current", REPO)]
-        for i, rev in enumerate(args.baseline.split(",") if args.baseline else []):
-            base = Path(tmp) / f"baseline{i}"
-            base.mkdir()
-            codes.insert(i, (f"base {rev[:10]}", extract_baseline(rev, base, whole=True)))
+        codes = code_versions(args.baseline, Path(tmp), whole=True)
         results = []
         for name, code in codes:
             env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
@@ -919,11 +922,7 @@ async def junk_flood(url: str, addresses: int) -> None:
 async def sybil_main(args: argparse.Namespace) -> None:
     levels = [int(x) for x in args.sybil.split(",")]
     with tempfile.TemporaryDirectory(prefix="ingest-sybil-code-") as tmp:
-        codes: list[tuple[str, Path]] = [("current", REPO)]
-        for i, rev in enumerate(args.baseline.split(",") if args.baseline else []):
-            base = Path(tmp) / f"baseline{i}"
-            base.mkdir()
-            codes.insert(i, (f"base {rev[:10]}", extract_baseline(rev, base, whole=True)))
+        codes = code_versions(args.baseline, Path(tmp), whole=True)
         results = []
         for n in levels:
             for name, code in codes:
