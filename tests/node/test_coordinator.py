@@ -91,6 +91,8 @@ def test_train_kill_resume(tmp_path):
     try:
         wait_for(lambda: get_json(f"{url}/status"), 120, "the coordinator's status", proc)
         wait_for(lambda: (feed_one_step(), (get_json(f"{url}/status") or {}).get("trainer_step", 0) >= 1)[1], 120, "trainer step 1", proc)
+        # /status counts step 1 once it is trained; its state is written after its policy is published
+        wait_for(lambda: (data_dir / "state" / "latest").exists(), 120, "trainer step 1's saved state", proc)
         # one more acknowledged submission that the killed process never trains on
         feed_one_step()
         stored_before = get_json(f"{url}/status")["submissions"]
