@@ -166,7 +166,8 @@ def test_operators_guide_end_to_end(tmp_path, shared):
                     and relay_status.get("pieces_served", 0) > 0):
                 break
             assert time.monotonic() < deadline, (
-                f"run did not reach 2 trained steps used by the worker, with pieces served by the relay, in {RUN_TIMEOUT_S:.0f} s: status {json.dumps(status)[:3000]}\n"
+                f"run did not reach 2 trained steps used by the worker, with pieces served by the relay, in {RUN_TIMEOUT_S:.0f} s: "
+                f"status {json.dumps(status)[:3000]}\n"
                 f"relay {relay_status}\nworker {worker_status}\ncoordinator log:\n{log_text('coordinator')[-3000:]}")
             time.sleep(1.0)
         # the relay fetched a trained step and served pieces; the worker generated with a trained step, acknowledged
