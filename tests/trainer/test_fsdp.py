@@ -35,17 +35,19 @@ def _run_two_ranks(out: Path) -> None:
                 stderr=subprocess.STDOUT,
             )
         )
-    logs = []
+    hung = False
     try:
-        for p in procs:
-            stdout, _ = p.communicate(timeout=150)
-            logs.append(stdout.decode(errors="replace"))
+        for p, timeout_s in zip(procs, (150, 30)):
+            p.communicate(timeout=timeout_s)  # drains the pipe; the output is read again below
+    except subprocess.TimeoutExpired:
+        hung = True  # kill both and show what each printed (a rank waiting on the other says nothing more)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
+    logs = [p.communicate()[0].decode(errors="replace") for p in procs]
+    for rank, (p, log) in enumerate(zip(procs, logs)):
+        assert not hung and p.returncode == 0, f"rank {rank} (exit {p.returncode}, hung: {hung}):\n{log[-3000:]}"
 
 
 def test_two_gloo_ranks_match_one_process(tmp_path: Path) -> None:
