@@ -110,8 +110,8 @@ class RolloutBuffer:
         Raises:
             NotEnoughRolloutsError: not enough usable whole groups yet (its fields say why).
         """
-        return assemble_batch(self.fresh_records(step), step=step, async_level=self.rl.async_level, group_size=self.rl.group_size,
-                              num_groups=self.rl.batch_groups, adv_eps=self.rl.adv_eps)
+        return assemble_batch(self.fresh_records(step), step=step, group_size=self.rl.group_size, num_groups=self.rl.batch_groups,
+                              adv_eps=self.rl.adv_eps)
 
     def consume(self, batch: Batch) -> list[SubmissionId]:
         """Mark the batch's groups consumed (trained, all-zero or stale) and return the submissions

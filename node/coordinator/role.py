@@ -314,7 +314,7 @@ class Coordinator:
                 return batch
             except NotEnoughRolloutsError as e:
                 last_reason = str(e)
-                if e.zero_advantage_groups and not e.usable_groups and not e.stale_groups:
+                if e.zero_advantage_groups and not e.usable_groups:
                     probe = self.signal_probe
                     last_reason += (f"; every group so far had equal rewards: "
                                     f"{no_signal_advice(self.spec, probe.pass_rate if probe else 0.0, probe.capped_fraction if probe else 0.0)}")

@@ -26,7 +26,7 @@ RUN = SPEC.run_id
 RL = RLSpec(group_size=2, batch_groups=1, async_level=2)
 
 
-def _submission(counter: int, step: int = 0, tasks: int = 2) -> bytes:
+def _submission(counter: int, step: int = 0, tasks: int = 2, run_id: bytes = RUN) -> bytes:
     """``tasks`` groups of 2 rollouts with rewards 0 and 1 (every group has advantages)."""
     rollouts = [Rollout(task=t, sample=k, seed=k, prompt_ids=pack_u32([5, 6, 7]), completion_ids=pack_u32([8 + k, 9]),
                         logprobs=pack_f32([-1.0, -1.0]), finish="length", task_reward=float(k), reward=float(k), proofs=[])
@@ -34,7 +34,7 @@ def _submission(counter: int, step: int = 0, tasks: int = 2) -> bytes:
     body = Submission(worker=WORKER.peer_id, policy_step=step, counter=counter,
                       tasks=[SubmissionTask(task_index=t, problem_id=f"p{counter}-{t}", target_length=0) for t in range(tasks)],
                       rollouts=rollouts)
-    return seal(WORKER, RUN, body)
+    return seal(WORKER, run_id, body)
 
 
 def _store_accepted(ledger: SubmissionLedger, raw: bytes, *, hold: bool = False) -> tuple[str, Submission]:
@@ -120,6 +120,44 @@ def test_a_group_outside_the_async_window_is_not_trainable(ledger):
     _store_accepted(ledger, _submission(0, step=0))
     assert buffer.fresh_records(2)  # 2 − async level 2 = 0
     assert buffer.fresh_records(3) == []
+
+
+def test_the_ledger_offers_only_work_inside_the_async_window(tmp_path):
+    """The window ``n − k ≤ policy_step ≤ n`` is applied by the ledger's trainable view alone (batch
+    assembly trusts it): at n = 5, k = 2 accepted work of steps 3 and 5 trains, of step 2 never (even
+    accepted), of step 6 only once the trainer reaches it (after a resume from an earlier step)."""
+    ledger = _ledger(tmp_path)
+    try:
+        buffer = RolloutBuffer(ledger, RL)
+        n, k = 5, RL.async_level
+        assert ledger.async_level == k
+        ids = {p: _store_accepted(ledger, _submission(p, step=p, tasks=1))[0] for p in (n - k - 1, n - k, n, n + 1)}
+        assert {r.policy_step for r in buffer.fresh_records(n)} == {n - k, n}
+        assert [s.id for s in ledger.trainable(n)] == [ids[n - k], ids[n]]  # oldest first
+        batch = buffer.next_batch(n)
+        assert batch.staleness_histogram() == {0: 2}  # the freshest policy first
+        assert {r.policy_step for r in buffer.fresh_records(n + 1)} == {n, n + 1}  # n − k fell out, n + 1 came in
+        for later in (n, n + 1):
+            assert ids[n - k - 1] not in {s.id for s in ledger.trainable(later)}
+    finally:
+        ledger.close()
+
+
+def test_async_level_zero_trains_on_policy_only(tmp_path):
+    spec = RunSpec(run=RunInfo(coordinator=COORD.peer_id, seed=1), rl=RLSpec(group_size=2, batch_groups=1, async_level=0))
+    ledger = SubmissionLedger(tmp_path / "ingest", spec, BanBook(tmp_path / "bans.msgpack", COORD, spec.run_id), trainer_step=lambda: 0,
+                              latest_policy_step=lambda: 0)
+    try:
+        buffer = RolloutBuffer(ledger, spec.rl)
+        for p in (3, 4):
+            env = open_envelope(_submission(p, step=p, tasks=1, run_id=spec.run_id), run_id=spec.run_id, expect=Submission)
+            assert ledger.store.add(env) and ledger.store.record_verdict(f"v{p}", env.id.hex(), "validator", True, "ok")
+        assert {r.policy_step for r in buffer.fresh_records(4)} == {4}
+        assert buffer.fresh_records(5) == []
+        with pytest.raises(NotEnoughRolloutsError):
+            buffer.next_batch(5)
+    finally:
+        ledger.close()
 
 
 def test_an_unreadable_stored_submission_is_retired_once_with_a_warning(ledger, caplog):

@@ -83,7 +83,7 @@ def test_per_submission_queries_use_indexes_not_the_history(tmp_path):
         ("usage", store_mod._usage_sql(2), ("w", "ip", "a", "b", "w", "10.0.0.0/24")),
         ("counter_used", "SELECT 1 FROM submissions WHERE worker = ? AND counter = ? AND id != ? LIMIT 1", ("w", 1, "x")),
         ("next seq", "SELECT COALESCE(MAX(seq), 0) FROM submissions", ()),
-        ("trainable", store_mod._TRAINABLE_SQL, (3,)),
+        ("trainable", store_mod._TRAINABLE_SQL, (3, 5)),
         ("expire", *store_mod._select_sql(PENDING, policy_below=3)),
         ("retire stale", *store_mod._select_sql({State.ACCEPTED}, policy_below=3)),
         ("retire consumed", *store_mod._select_sql({State.CONSUMED}, consumed_below=3)),

@@ -58,7 +58,7 @@ def toy_uneven_batch(step: int) -> Batch:
         for g in range(2)
         for i, n in enumerate((20, 20, 20, 3))
     ]
-    return assemble_batch(recs, step=step, async_level=0, group_size=GROUP, num_groups=2, adv_eps=1e-4)
+    return assemble_batch(recs, step=step, group_size=GROUP, num_groups=2, adv_eps=1e-4)
 
 
 def toy_batches() -> list[Batch]:

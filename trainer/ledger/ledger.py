@@ -385,8 +385,12 @@ class SubmissionLedger:
     # --- accepted → consumed → retired (the trainable view, training thread) --------------------
 
     def trainable(self, step: int) -> list[StoredSubmission]:
-        """Accepted submissions fresh at trainer step ``step`` (inside the async window), oldest first."""
-        return self.store.trainable(oldest_fresh_step(step, self.async_level))
+        """Accepted submissions fresh at trainer step ``step``, oldest first: inside the async window
+        ``n − k ≤ policy_step ≤ n`` (:func:`protocol.window.in_window` with ``newest_step = n``). The
+        upper bound matters after a resume from an earlier step: work accepted of a policy the
+        trainer has not reached again waits until it has. Batch assembly trusts this view and does
+        not apply the window again (``trainer/batch.py``)."""
+        return self.store.trainable(oldest_fresh_step(step, self.async_level), step)
 
     def body(self, sid: SubmissionId) -> Submission:
         """The verified body of ``sid``: the one the ingest verified if still held, else read back

@@ -750,10 +750,10 @@ class SubmissionStore:
             self._db.executemany("UPDATE submissions SET on_disk = 0 WHERE id = ?", [(i,) for i in ids])
         return n
 
-    def trainable(self, min_policy_step: int) -> list[StoredSubmission]:
-        """Accepted submissions not yet consumed with policy step ≥ ``min_policy_step``, oldest first."""
+    def trainable(self, min_policy_step: int, max_policy_step: int) -> list[StoredSubmission]:
+        """Accepted submissions not yet consumed with ``min_policy_step ≤ policy_step ≤ max_policy_step``, oldest first."""
         with self._lock:
-            rows = self._db.execute(_TRAINABLE_SQL, (min_policy_step,)).fetchall()
+            rows = self._db.execute(_TRAINABLE_SQL, (min_policy_step, max_policy_step)).fetchall()
         return [_row(r) for r in rows]
 
     # --- read models (their own connection: never the store's lock) ----------------------------
@@ -825,7 +825,7 @@ class _Transaction:
             self.db.execute("ROLLBACK")
 
 
-_TRAINABLE_SQL = f"SELECT {_ROW} FROM submissions WHERE state = '{State.ACCEPTED.value}' AND policy_step >= ? ORDER BY seq"
+_TRAINABLE_SQL = f"SELECT {_ROW} FROM submissions WHERE state = '{State.ACCEPTED.value}' AND policy_step BETWEEN ? AND ? ORDER BY seq"
 
 
 def _select_sql(states: Iterable[State], *, worker: str | None = None, policy_below: int | None = None, consumed_below: int | None = None,
