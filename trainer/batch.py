@@ -39,6 +39,7 @@ from protocol.messages import Submission
 from protocol.rollout import f32_array, u32_array
 from trainer.advantages import compute_group_advantages
 from trainer.errors import BatchError, NotEnoughRolloutsError
+from trainer.ledger.ids import GroupKey
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +55,6 @@ __all__ = [
     "records_from_submission",
     "shard_sequences",
 ]
-
-GroupKey = tuple[str, int]
-"""``(task_key, group_seed)``: identity of one group."""
 
 GROUP_SEED_DOMAIN = b"intellect-node/group-seed/1\x00"
 """Domain-separation prefix of :func:`group_seed_of`."""

@@ -7,8 +7,9 @@ One trainer step (``docs/trainer.md`` §2), identical on every rank of a ``torch
     all:    trainer.train_step(batch)                           [collective]
     all:    save_checkpoint(policies/step-N) when N is due      [collective, rank 0 writes]
     rank 0: hooks.published(N, files)       (publish into the origin, announce)
-    all:    trainer.save_state(state/, hooks.position())        [collective, rank 0 writes]
-    rank 0: hooks.step_done(batch, metrics) (retire consumed submissions, log, evaluate)
+    rank 0: hooks.consumed(batch, N)        (the ledger records what step N consumed)
+    all:    trainer.save_state(state/)                          [collective, rank 0 writes]
+    rank 0: hooks.step_done(batch, metrics) (retire what earlier steps consumed, log, evaluate)
 
 Rank 0 differs only by its hooks, which serve (ingest, origin, gossip) and never run a collective.
 Ranks > 0 pass ``hooks=None``. A single process is a group of one: no flag, no broadcast.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -49,11 +50,12 @@ class StepHooks(Protocol):
     def published(self, step: int, files: list[Path]) -> None:
         """The policy of ``step`` is written to ``files`` (its directory): publish it."""
 
-    def position(self) -> dict[str, Any]:
-        """The JSON data position saved with the trainer state (e.g. the buffer's consumed groups)."""
+    def consumed(self, batch: Batch, step: int) -> None:
+        """Trainer step ``step`` trained ``batch``: record what it consumed before the step's state is
+        saved (a resume from that state never trains it again; one from an earlier state does)."""
 
     def step_done(self, batch: Batch, metrics: StepMetrics) -> None:
-        """The step's state is saved: retire what it consumed, log, evaluate."""
+        """The step's state is saved: retire what earlier steps consumed, log, evaluate."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,9 @@ def run_training(trainer: Trainer, ctx: DistContext, paths: LoopPaths, *, publis
             files = trainer.save_checkpoint(paths.policies / f"step-{step}", dtype=dtype, base_dir=paths.base)
             if hooks is not None:
                 hooks.published(step, files)
-        trainer.save_state(paths.state, hooks.position() if hooks is not None else {})
+        if hooks is not None:
+            hooks.consumed(batch, step)
+        trainer.save_state(paths.state)
         if hooks is not None:
             hooks.step_done(batch, metrics)
         done += 1

@@ -160,7 +160,7 @@ class Coordinator:
         # out-of-range token IDs are never trained; the bound validators and workers use (the config's vocab_size)
         self.buffer.vocab_size = config_int(model, "vocab_size")
         if pos is not None:
-            n = self.buffer.restore(pos, trainer.step)
+            n = await asyncio.to_thread(self.buffer.resume, trainer.step, pos)
             logger.info("resumed at step %d; %d submissions from later steps trainable again", trainer.step, n)
         self.origin = await asyncio.to_thread(
             ShardcastStore, self.data_dir / "origin", run_id=self.signed.run_id, authorities=self.spec.authorities,
@@ -252,8 +252,8 @@ class Coordinator:
 
     # --- the loop's hooks (trainer.loop.StepHooks; training thread, never a collective) ----------
 
-    def position(self) -> dict[str, Any]:
-        return self.buffer.position()
+    def consumed(self, batch: Batch, step: int) -> None:
+        self.buffer.consume(batch, step)
 
     def published(self, step: int, files: list[Path]) -> None:
         assert self.publisher is not None
@@ -264,7 +264,7 @@ class Coordinator:
     def step_done(self, batch: Batch, m: StepMetrics) -> None:
         assert self.trainer is not None
         self.busy_s += m.step_time_s
-        self.buffer.retire(self.buffer.consume(batch), self.trainer.step)
+        self.buffer.retire(self.trainer.step)
         row = {"event": "step", **m.as_dict(), "utilization": self.utilization(), "broadcast_s": self.publisher.publish_s.get(self.trainer.step) if self.publisher else None,
                "wait_s": round(self.wait_s, 3), "wall_s": round(time.monotonic() - self.started_s, 3), "verdicts": self.ledger.verdict_reasons(),
                "banned": len(self.bans.entries()), **self._step_timing(m)}

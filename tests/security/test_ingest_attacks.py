@@ -113,8 +113,10 @@ async def test_free_identities_cannot_fill_the_disk_and_files_are_deleted(tmp_pa
         ing.service.apply_verdict(verdict(submission_by_id(ing, stored[0]), False, "stale_policy"))
         ing.service.apply_verdict(verdict(submission_by_id(ing, stored[1]), True, "ok"))
         assert stored[0] not in files() and stored[1] in files()
-        ing.ledger.consumed([stored[1]], step=1)
-        ing.ledger.consumed([], step=2)  # the next step's state is saved: step 1's inputs are no longer needed
+        ing.ledger.consume(1, {}, [stored[1]])
+        ing.ledger.retire_superseded(1)  # step 1's state is saved: a resume from it may still need its inputs
+        assert stored[1] in files()
+        ing.ledger.retire_superseded(2)  # the next step's state is saved: step 1's inputs are no longer needed
         assert stored[1] not in files()
         # pending work that fell out of the async window is retired with its file
         ing.step[0] = 10

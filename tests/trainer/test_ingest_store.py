@@ -92,11 +92,13 @@ def test_per_submission_queries_use_indexes_not_the_history(tmp_path):
         ("newest stored of a prefix (displacement)", store_mod._NEWEST_STORED_SQL, ("10.0.0.0/24", 8)),
         ("prefix standing (precheck)", store_mod._PREFIX_STANDING_SQL, ("10.0.0.0/24", "10.0.0.0/24")),
         *((f"heaviest prefixes {i} (displacement)", sql, ("10.0.0.0/24", 9)) for i, sql in enumerate(store_mod._HEAVIEST_SQL)),
+        ("groups consumed after a step (resume)", "SELECT 1 FROM consumed_groups WHERE step > ?", (3,)),
+        ("groups of a retired submission (trigger)", "SELECT 1 FROM consumed_groups WHERE submission_id = ?", ("x",)),
     ]
     for name, sql, args in queries:
         plan = [row[3] for row in store._db.execute("EXPLAIN QUERY PLAN " + sql, args)]
         # (the heaviest prefixes walk their index from the top and stop at the limit)
-        assert not any(step.startswith(("SCAN submissions", "SCAN s ")) or step == "SCAN probation_prefixes"
+        assert not any(step.startswith(("SCAN submissions", "SCAN s ")) or step in ("SCAN probation_prefixes", "SCAN consumed_groups")
                        or "TEMP B-TREE" in step for step in plan), (name, plan)
     # the leaderboard walks its index in order and stops at the limit: no sort of every worker
     plan = [row[3] for row in store._db.execute("EXPLAIN QUERY PLAN SELECT worker, tokens FROM worker_stats"

@@ -10,7 +10,8 @@ rule (which files go when) are applied here and nowhere else on the coordinator.
   on a timer, never inside a request;
 * the rollout buffer (``trainer/buffer.py``, the ledger's trainable view):
   :meth:`~SubmissionLedger.trainable`, :meth:`~SubmissionLedger.body`,
-  :meth:`~SubmissionLedger.consumed`, :meth:`~SubmissionLedger.unconsume_after`,
+  :meth:`~SubmissionLedger.consume` (the groups a step consumed: the ledger is their one owner),
+  :meth:`~SubmissionLedger.retire_superseded`, :meth:`~SubmissionLedger.unconsume_after`,
   :meth:`~SubmissionLedger.retire_untrainable`;
 * status pages and the run page read the read models (:meth:`~SubmissionLedger.counts`,
   :meth:`~SubmissionLedger.worker_stats`, :meth:`~SubmissionLedger.leaderboard`, …), kept as
@@ -35,7 +36,7 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,7 @@ from protocol.window import in_window, oldest_fresh_step
 from trainer.errors import Refused
 from trainer.ledger.bans import BanBook
 from trainer.ledger.bodies import MAX_HELD_BODY_BYTES, HeldBodies
-from trainer.ledger.ids import SubmissionId, submission_id
+from trainer.ledger.ids import GroupKey, SubmissionId, submission_id
 from trainer.ledger.leasing import LeaseOrder
 from trainer.ledger.prefixes import prefix_key
 from trainer.ledger.schema import STALE_REASON
@@ -416,20 +417,38 @@ class SubmissionLedger:
         self.store.apply(Transition.RETIRE, [sid])
         self.store.delete_files([sid])
 
-    def consumed(self, ids: Iterable[SubmissionId], step: int) -> None:
-        """Trainer step ``step`` consumed every group of these (call once its training state is saved).
+    def consume(self, step: int, groups: Mapping[SubmissionId, Iterable[GroupKey]], finished: Iterable[SubmissionId]) -> list[SubmissionId]:
+        """Trainer step ``step`` consumed these GRPO groups (trained, or dropped with all-zero
+        advantages); ``finished`` are the submissions every group of which is now consumed (the
+        :attr:`~Transition.CONSUME` transition). Call it before the training state of ``step`` is
+        saved: a resume from that state never trains these groups again, a resume from an earlier
+        one forgets them (:meth:`unconsume_after`). The ledger is the one owner of what was consumed.
 
-        Submissions consumed by earlier steps are retired now and their files deleted: a resume
-        from ``step``'s saved state never makes them trainable again.
+        Returns:
+            The submissions consumed whole now.
         """
-        self.store.apply(Transition.CONSUME, ids, consumed_step=step)
+        rows = [(sid, key[0], key[1]) for sid, keys in groups.items() for key in keys]
+        return self.store.consume_groups(rows, finished, step)
+
+    def consumed_groups(self) -> set[GroupKey]:
+        """The consumed groups of submissions not yet retired (what the trainable view leaves out)."""
+        return self.store.consumed_groups()
+
+    def retire_superseded(self, step: int) -> int:
+        """The training state of ``step`` is saved: submissions consumed by earlier steps are retired
+        and their files deleted (a resume from that state never makes them trainable again).
+
+        Returns:
+            How many were retired.
+        """
         superseded = self.store.apply(Transition.RETIRE, self.store.select({State.CONSUMED}, consumed_below=step))
         self.store.delete_files(superseded)
+        return len(superseded)
 
     def unconsume_after(self, step: int) -> int:
-        """Resume from trainer step ``step``: submissions consumed by later steps (trained by a step
-        whose state was never saved) become trainable again; returns how many."""
-        return len(self.store.apply(Transition.UNCONSUME, self.store.select({State.CONSUMED}, consumed_above=step)))
+        """Resume from trainer step ``step``: groups and submissions consumed by later steps (trained
+        by a step whose state was never saved) become trainable again; returns how many submissions."""
+        return len(self.store.unconsume_after(step))
 
     # --- read models ----------------------------------------------------------------------------
 

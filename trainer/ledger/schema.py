@@ -8,7 +8,9 @@ deciding or not), and the read models kept by triggers in the transaction of eac
 rollouts trained, completion tokens, displaced), ``verdict_reasons``, ``probation`` (pending work
 of workers with no accepted submission), ``probation_prefixes`` (the same per address prefix, with
 how much of it was never leased: what displacement weighs and may take, ``ledger.py``),
-``address_stats`` (accepted submissions per address).
+``address_stats`` (accepted submissions per address); and ``consumed_groups`` (the GRPO groups a
+trainer step consumed, per submission, until the submission is retired: what the trainable view
+leaves out, and what a resume from an earlier step gives back).
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from collections.abc import Iterable
 from trainer.ledger.prefixes import prefix_key
 from trainer.ledger.states import PENDING, State
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """``PRAGMA user_version`` of an index this code wrote. Version 1 (no version set) kept states as
 ``pending``/``accepted``/``rejected`` plus ``consumed_step`` sentinels (−1 none, −2 untrainable);
 version 2 had no address prefix per submission, no ``displaced`` state and no per-prefix
-probation table. Both are migrated in place on open (:func:`_migrate_v1`, :func:`_migrate_v2`)."""
+probation table; version 3 no ``consumed_groups`` (the trainer's saved state held them). All are
+migrated in place on open (:func:`_migrate_v1`, :func:`_migrate_v2`; the new tables are created)."""
 
 STALE_REASON = "stale_policy"
 """The reason of a submission that left the async window before a verdict (``protocol.verdicts``)."""
@@ -102,6 +105,14 @@ CREATE TABLE IF NOT EXISTS probation_prefixes (  -- rows with pending > 0 only
 );
 CREATE INDEX IF NOT EXISTS probation_prefixes_files ON probation_prefixes(pending);
 CREATE INDEX IF NOT EXISTS probation_prefixes_bytes ON probation_prefixes(pending_bytes);
+CREATE TABLE IF NOT EXISTS consumed_groups (  -- rows of submissions not yet retired only
+    submission_id TEXT NOT NULL,
+    task_key TEXT NOT NULL,         -- the group's key (trainer.batch.GroupKey): task_key, group_seed
+    group_seed INTEGER NOT NULL,
+    step INTEGER NOT NULL,          -- the trainer step that consumed it; a resume from an earlier step forgets it
+    PRIMARY KEY (submission_id, task_key, group_seed)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS consumed_groups_step ON consumed_groups(step);
 """
 
 
@@ -174,6 +185,10 @@ END;
 CREATE TRIGGER IF NOT EXISTS ledger_address AFTER UPDATE OF state ON submissions
 WHEN NEW.state = '{State.ACCEPTED.value}' AND OLD.state IN {in_states(PENDING)} BEGIN
     INSERT INTO address_stats VALUES (NEW.source_ip, 1) ON CONFLICT (address) DO UPDATE SET accepted = accepted + 1;
+END;
+CREATE TRIGGER IF NOT EXISTS consumed_groups_retired AFTER UPDATE OF state ON submissions
+WHEN NEW.state = '{State.RETIRED.value}' BEGIN
+    DELETE FROM consumed_groups WHERE submission_id = NEW.id;
 END;
 CREATE TRIGGER IF NOT EXISTS ledger_verdict AFTER INSERT ON verdicts BEGIN
     INSERT INTO verdict_reasons VALUES (NEW.reason, 1) ON CONFLICT (reason) DO UPDATE SET n = n + 1;

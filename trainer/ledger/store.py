@@ -56,7 +56,7 @@ from protocol.envelope import Envelope, open_envelope
 from protocol.errors import ProtocolError
 from protocol.identity import PeerId
 from protocol.messages import Submission
-from trainer.ledger.ids import SubmissionId
+from trainer.ledger.ids import GroupKey, SubmissionId
 from trainer.ledger.prefixes import prefix_key
 from trainer.ledger.schema import SCHEMA_VERSION, in_states, open_schema
 from trainer.ledger.states import PENDING, TRANSITIONS, State, Transition
@@ -670,6 +670,12 @@ class SubmissionStore:
         Raises:
             ValueError: a verdict's transition (use :meth:`record_verdict`), or a missing ``consumed_step``.
         """
+        with self._lock, self._transaction():
+            return self._apply(transition, ids, reason=reason, consumed_step=consumed_step)
+
+    def _apply(self, transition: Transition, ids: Iterable[SubmissionId], *, reason: str | None = None,
+               consumed_step: int | None = None) -> list[SubmissionId]:
+        """:meth:`apply` inside a transaction the caller holds (with the lock)."""
         sources, target = TRANSITIONS[transition]
         sets: list[str] = ["state = ?"]
         params: list[str | int] = [target.value]
@@ -686,12 +692,41 @@ class SubmissionStore:
             sets.append("reason = ?")
             params.append(reason)
         sql = f"UPDATE submissions SET {', '.join(sets)} WHERE id = ? AND state IN {in_states(sources)}"
-        out: list[SubmissionId] = []
+        return [sid for sid in ids if self._db.execute(sql, (*params, sid)).rowcount]
+
+    def consume_groups(self, groups: Iterable[tuple[SubmissionId, str, int]], finished: Iterable[SubmissionId],
+                       step: int) -> list[SubmissionId]:
+        """Record the GRPO groups trainer step ``step`` consumed and apply :attr:`~Transition.CONSUME`
+        (``consumed_step = step``) to ``finished``, the submissions every group of which is now
+        consumed, in one transaction.
+
+        Args:
+            groups: ``(submission, task_key, group_seed)`` of each consumed group; a group already
+                recorded keeps the step that consumed it first.
+            finished: submissions to consume whole.
+            step: the consuming trainer step.
+
+        Returns:
+            The submissions consumed now (accepted ones among ``finished``).
+        """
         with self._lock, self._transaction():
-            for sid in ids:
-                if self._db.execute(sql, (*params, sid)).rowcount:
-                    out.append(sid)
-        return out
+            self._db.executemany("INSERT OR IGNORE INTO consumed_groups (submission_id, task_key, group_seed, step) VALUES (?, ?, ?, ?)",
+                                 [(sid, key, int(seed), step) for sid, key, seed in groups])
+            return self._apply(Transition.CONSUME, finished, consumed_step=step)
+
+    def consumed_groups(self) -> set[GroupKey]:
+        """Keys ``(task_key, group_seed)`` of the consumed groups of submissions not yet retired."""
+        with self._lock:
+            return {(k, int(s)) for k, s in self._db.execute("SELECT task_key, group_seed FROM consumed_groups")}
+
+    def unconsume_after(self, step: int) -> list[SubmissionId]:
+        """Forget every group consumed by a trainer step after ``step`` and apply
+        :attr:`~Transition.UNCONSUME` to the submissions those steps consumed, in one transaction;
+        returns the submissions unconsumed."""
+        sql, params = _select_sql({State.CONSUMED}, consumed_above=step)
+        with self._lock, self._transaction():
+            self._db.execute("DELETE FROM consumed_groups WHERE step > ?", (step,))
+            return self._apply(Transition.UNCONSUME, [SubmissionId(r[0]) for r in self._db.execute(sql, params).fetchall()])
 
     def select(self, states: Iterable[State], *, worker: str | None = None, policy_below: int | None = None,
                consumed_below: int | None = None, consumed_above: int | None = None, on_disk: bool | None = None) -> list[SubmissionId]:
