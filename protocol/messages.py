@@ -47,6 +47,15 @@ ShortStr = Annotated[str, StringConstraints(max_length=256)]
 Name = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
+MIN_PIECE_SIZE_BYTES = 64 * KiB
+MAX_PIECE_SIZE_BYTES = 1 << 30
+DEFAULT_PIECE_SIZE_BYTES = 16 * MiB
+"""The run spec's ``shardcast.piece_size_bytes`` unless it states one."""
+PieceSizeBytes = Annotated[int, Field(ge=MIN_PIECE_SIZE_BYTES, le=MAX_PIECE_SIZE_BYTES)]
+"""A Shardcast piece size, bytes (64 KiB … 1 GiB): the one bound of the run spec's
+``shardcast.piece_size_bytes``, a ``manifest/1``'s and a ``delta_manifest/1``'s, and of the piece
+rule that cuts files (``protocol.shardcast.build_manifest``)."""
+
 Signer = Literal["coordinator", "validator", "any"]
 
 
@@ -136,7 +145,7 @@ class Manifest(Message):
     SIGNER: ClassVar[Signer] = "coordinator"
 
     step: Step
-    piece_size_bytes: Annotated[int, Field(ge=64 * KiB, le=1 << 30)]
+    piece_size_bytes: PieceSizeBytes
     files: Annotated[list[ManifestFile], Field(min_length=1, max_length=1024, fail_fast=True)]
     checkpoint_hash: ContentIdBytes
     meta: Annotated[dict[Name, ShortStr], Field(max_length=32)] = {}
@@ -183,7 +192,7 @@ class DeltaManifest(Message):
     base_step: Step
     base_manifest_id: ContentIdBytes
     target_manifest_id: ContentIdBytes
-    piece_size_bytes: Annotated[int, Field(ge=64 * KiB, le=1 << 30)]
+    piece_size_bytes: PieceSizeBytes
     size_bytes: Annotated[int, Field(ge=1, le=1 << 50)]
     raw_size_bytes: Annotated[int, Field(ge=8, le=1 << 52)]
     pieces: Annotated[list[ContentIdBytes], Field(min_length=1, max_length=1 << 18, fail_fast=True)]

@@ -21,12 +21,12 @@ from protocol import encoding
 from protocol.envelope import Authorities
 from protocol.errors import ProtocolError, RunSpecError, SignatureError
 from protocol.identity import NodeKey, PeerId, public_key_from_peer_id, verify_signature
+from protocol.messages import DEFAULT_PIECE_SIZE_BYTES, PieceSizeBytes
 from protocol.window import fresh_steps
 
 RUN_ID_DOMAIN = b"intellect-node/run-spec/1\x00"
 SIGNATURE_DOMAIN = b"intellect-node/run-spec-signature/1\x00"
 MAX_SPEC_BYTES = 1 << 20
-MiB = 1 << 20
 REPLAY_EPS_DEFAULT = 1e-4
 """Default ``toploc.replay_eps`` (probability units): float32 workers move CDF edges by ≲ 1e-6 and the
 check's own rounding by ≤ 7.6e-6 (``docs/toploc.md`` §5.2, §6.1)."""
@@ -263,7 +263,7 @@ class RLSpec(_Section):
 class ShardcastSpec(_Section):
     """Checkpoint distribution."""
 
-    piece_size_bytes: Annotated[int, Field(ge=64 * 1024, le=1 << 30)] = 16 * MiB
+    piece_size_bytes: PieceSizeBytes = DEFAULT_PIECE_SIZE_BYTES
     keep_steps: Annotated[
         int,
         Field(ge=1, le=1024, description="newest policy steps every node holds (relays' pieces, fetched checkpoints, a validator's "
