@@ -42,6 +42,7 @@ from node.shardcast.sources import SourcePool
 from protocol.errors import ProtocolError
 from protocol.models import check_base_hash
 from protocol.runspec import RunSpec
+from protocol.step_dirs import step_dir, step_dirs
 from protocol.window import retained_steps
 
 logger = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ class PolicyFollower:
 
     def path_for(self, step: int) -> Path:
         """The directory that holds (or will hold) checkpoint ``step``."""
-        return self.root / f"step-{step}"
+        return step_dir(self.root, step)
 
     def have(self, step: int) -> bool:
         """Whether checkpoint ``step`` is held (a completed fetch: config and signed manifest in place)."""
@@ -241,7 +242,7 @@ class PolicyFollower:
 
     def _step_dirs(self) -> list[int]:
         """Steps with a ``step-N`` directory under the root (held or not), ascending."""
-        return sorted(int(p.name.split("-", 1)[1]) for p in self.root.glob("step-*") if p.name.split("-", 1)[1].isdigit())
+        return [s for s, _ in step_dirs(self.root)]
 
     def _prune(self, in_use: int) -> None:
         """Remove step directories the retention rule does not keep (blocking)."""

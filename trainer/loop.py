@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from protocol.step_dirs import step_dir
 from trainer.batch import Batch
 from trainer.distributed import DistContext, broadcast_batch
 from trainer.train import StepMetrics, Trainer
@@ -63,7 +64,7 @@ class LoopPaths:
     """Where the loop writes, the same on every rank (rank 0 writes the files).
 
     Attributes:
-        policies: ``policies/step-<N>`` model directories (the published checkpoints).
+        policies: ``policies/step-<N>`` model directories (the published checkpoints; :mod:`protocol.step_dirs`).
         state: trainer state root (``latest`` → the newest ``step-<N>``).
         base: the base model directory (its config and tokenizer files go into each policy).
     """
@@ -117,7 +118,7 @@ def run_training(trainer: Trainer, ctx: DistContext, paths: LoopPaths, *, publis
         metrics = trainer.train_step(batch)
         step = trainer.step
         if policy_due(step, publish_every):
-            files = trainer.save_checkpoint(paths.policies / f"step-{step}", dtype=dtype, base_dir=paths.base)
+            files = trainer.save_checkpoint(step_dir(paths.policies, step), dtype=dtype, base_dir=paths.base)
             if hooks is not None:
                 hooks.published(step, files)
         if hooks is not None:

@@ -388,7 +388,7 @@ class Trainer:
 
     def save_state(self, root: Path, data_position: dict[str, Any] | None = None, *, keep: int = 2) -> Path:
         """Save weights, optimizer state, step counters, RNG states and ``data_position`` under
-        ``root/step-<step>`` and point ``root/latest`` at it. Collective; rank 0 writes.
+        ``root/step-<step>`` (:mod:`protocol.step_dirs`) and point ``root/latest`` at it. Collective; rank 0 writes.
 
         Returns:
             The state directory.

@@ -46,6 +46,7 @@ from protocol.identity import NodeKey
 from protocol.messages import Verdict
 from protocol.models import config_int, load_model, load_tokenizer
 from protocol.runspec import SignedRunSpec
+from protocol.step_dirs import step_dir
 from protocol.tasks import training_split_warning
 from trainer.batch import Batch
 from trainer.buffer import RolloutBuffer
@@ -133,7 +134,7 @@ class Coordinator:
         self.metrics = MetricsLog(self.metrics_path, self.gauges)
         self.console = StepConsole()
         self.heldout = HeldOutSchedule(self.spec, self.tasks.heldout, samples=options.eval_samples, every=options.eval_every,
-                                       policy_dir=lambda step: self.data_dir / "policies" / f"step-{step}", tokenizer=lambda: self.tokenizer,
+                                       policy_dir=lambda step: step_dir(self.data_dir / "policies", step), tokenizer=lambda: self.tokenizer,
                                        log=self.metrics.write)
         self.busy_s = 0.0
         self.wait_s = 0.0  # seconds the last batch took to fill (the trainer idle, waiting for accepted rollouts)
@@ -345,7 +346,7 @@ class Coordinator:
 
     def _probe(self) -> SignalProbe:
         """The start-up learning-signal probe on the published base (``node/coordinator/probe.py``)."""
-        engine = TransformersEngine.from_dir(self.data_dir / "policies" / f"step-{self.published_step}")
+        engine = TransformersEngine.from_dir(step_dir(self.data_dir / "policies", self.published_step))
         return probe_learning_signal(self.spec, engine, self.tokenizer, self.tasks.train, n_tasks=self.options.probe_tasks)
 
     # --- the ingest's callbacks (event loop or the ban rule's thread) ----------------------------
