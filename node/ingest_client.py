@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+from node.timeouts import INGEST_REQUEST_TIMEOUT_S
 from protocol.errors import DecodeError
 from protocol.ingest_api import (
     BANS_ROUTE,
@@ -118,7 +119,7 @@ class IngestClient:
         timeout_s: per-request timeout (connect, send and read), seconds.
     """
 
-    def __init__(self, urls: list[str], *, timeout_s: float = 60.0) -> None:
+    def __init__(self, urls: list[str], *, timeout_s: float = INGEST_REQUEST_TIMEOUT_S) -> None:
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None

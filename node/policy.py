@@ -39,6 +39,7 @@ from node.shardcast.delta import fetch_step
 from node.shardcast.download import ManifestCache, make_session
 from node.shardcast.events import log_held
 from node.shardcast.sources import SourcePool
+from node.timeouts import FOLLOWER_DEADLINE_S, FOLLOWER_STALL_TIMEOUT_S
 from protocol.errors import ProtocolError
 from protocol.models import check_base_hash
 from protocol.runspec import RunSpec
@@ -101,7 +102,7 @@ class PolicyFollower:
         self.latest_step = -1
         self.last_error = ""
         self._locks: dict[int, _StepLock] = {}
-        self._cfg = DownloadConfig(stall_timeout_s=30.0, deadline_s=600.0)
+        self._cfg = DownloadConfig(stall_timeout_s=FOLLOWER_STALL_TIMEOUT_S, deadline_s=FOLLOWER_DEADLINE_S)
         self._session: Any = None
         self._manifests = ManifestCache()  # verified manifests are not downloaded/decoded again; liars not re-polled
         self._prefetch: asyncio.Task[None] | None = None

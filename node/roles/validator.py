@@ -108,7 +108,7 @@ class ValidatorNode:
         self._models: dict[int, torch.nn.Module] = {}  # loaded checkpoints, kept by protocol.window.retained_steps
         self.banned: set[str] = set()
         self._stop = asyncio.Event()
-        self.ingest = IngestClient(self.ingest_urls, timeout_s=60.0)
+        self.ingest = IngestClient(self.ingest_urls)  # node.timeouts.INGEST_REQUEST_TIMEOUT_S
         self._body_limits = submission_decode_limits(self.spec)
         self._lease_retry_after_s = 0.0
         self.state = "starting"

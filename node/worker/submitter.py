@@ -9,6 +9,7 @@ from pathlib import Path
 
 from node.ingest_client import IngestClient
 from node.retry import Backoff, FailureLog
+from node.timeouts import INGEST_REQUEST_TIMEOUT_S
 from node.worker.spool import Spool
 from protocol.ingest_api import TRANSIENT_RETRIES
 
@@ -55,7 +56,8 @@ class Submitter:
         timeout_s: per-request timeout, seconds.
     """
 
-    def __init__(self, spool: Spool, ingest_urls: list[str], *, timeout_s: float = 60.0, base_backoff_s: float = 0.5, max_backoff_s: float = 30.0) -> None:
+    def __init__(self, spool: Spool, ingest_urls: list[str], *, timeout_s: float = INGEST_REQUEST_TIMEOUT_S, base_backoff_s: float = 0.5,
+                 max_backoff_s: float = 30.0) -> None:
         self.spool = spool
         self.ingest = IngestClient(ingest_urls, timeout_s=timeout_s)
         self.ingest_urls = self.ingest.urls
