@@ -10,6 +10,7 @@ rejection, its counter free again, its file gone.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -218,5 +219,35 @@ def test_when_bytes_are_short_the_prefix_holding_the_most_bytes_is_displaced(tmp
         assert ledger.counts() == {"pending": 7, "accepted": 0, "rejected": 0, "consumed": 0, "displaced": 1}
         assert medium < big
         assert_read_model_exact(ledger)
+    finally:
+        ledger.close()
+
+
+def test_submissions_recovered_after_a_crash_keep_their_address_prefix(tmp_path: Path) -> None:
+    """A crash (or power cut) that loses index rows leaves files that ``recover`` re-indexes. Old
+    code re-indexed them with no address: all in one prefix ``""``, the heaviest, displaced first
+    whatever prefix they came from. Each file now keeps its address, so they are shared out by
+    their own prefixes: a newcomer displaces the heaviest real prefix's newest, not the newest file."""
+    ledger = open_ledger(tmp_path / "before")
+    posted = {"10.1.0": [], "10.2.0": []}
+    for prefix, n in (("10.1.0", 5), ("10.2.0", 3)):  # the share (8) full; the newest files are the light prefix's
+        for i in range(n):
+            KEYS.append(key := NodeKey.generate())
+            admit(ledger, raw := submission(key), f"{prefix}.{i + 1}")
+            posted[prefix].append(raw)
+    ledger.close()
+    lost = tmp_path / "after"
+    (lost / "submissions").mkdir(parents=True)
+    for f in sorted((tmp_path / "before" / "submissions").glob("*.sub"), key=lambda p: p.stat().st_mtime):
+        shutil.copy2(f, lost / "submissions" / f.name)  # every file, none of their index rows
+    ledger = open_ledger(lost)
+    try:
+        assert ledger.counts()["pending"] == 8
+        assert {c.address for c in ledger.store.leasable(0)} == {f"{p}.{i + 1}" for p, rs in posted.items() for i in range(len(rs))}
+        assert ledger.store.usage("nobody", "10.1.0.3").prefix_pending == 5
+        assert_read_model_exact(ledger)
+        admit(ledger, submission(NodeKey.generate()), "10.9.0.1")
+        assert ledger.get(sid_of(posted["10.1.0"][4])).state is State.DISPLACED  # old code: 10.2.0's newest
+        assert all(ledger.get(sid_of(r)).state is State.STORED for r in posted["10.2.0"])
     finally:
         ledger.close()

@@ -19,7 +19,7 @@ IPV6_PREFIX = 48
 def prefix_key(address: str) -> str:
     """The prefix an address (``protocol.addresses.address_key``: an IPv4 address or an IPv6
     /64 network) belongs to: its IPv4 /24 or IPv6 /48; anything else unchanged (``""``, the
-    address of a submission re-indexed after a crash, stays ``""``)."""
+    address of a submission an older version's file did not keep, stays ``""``)."""
     try:
         net = ipaddress.ip_network(address, strict=False)
     except ValueError:

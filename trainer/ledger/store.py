@@ -12,7 +12,8 @@ stages it there at once, so :meth:`usage` and :meth:`counter_used` count it from
 (quotas and replay protection stay exact while it is written), and the ingest acknowledges it
 only once its future resolves. :meth:`recover` re-indexes on start every file without an index
 row (a power cut's newest rows, or a crash between file and row): an acknowledged submission is
-never lost, and an unacknowledged one is at worst accepted late (at its file's time).
+never lost, and an unacknowledged one is at worst accepted late (at its file's time, under the
+address its file keeps: ``writer.file_header``).
 
 Read models: per-worker counts (pending, accepted, rejected, stale, trained, rollouts trained,
 completion tokens), verdicts by reason and the pending work of workers on probation are tables
@@ -45,7 +46,7 @@ from trainer.ledger.ids import GroupKey, SubmissionId
 from trainer.ledger.prefixes import prefix_key
 from trainer.ledger.schema import SCHEMA_VERSION, in_states, open_schema
 from trainer.ledger.states import PENDING, TRANSITIONS, State, Transition
-from trainer.ledger.writer import BUSY_TIMEOUT_S, GroupCommit, Staged, insert_rows
+from trainer.ledger.writer import BUSY_TIMEOUT_S, GroupCommit, Staged, insert_rows, read_submission_file
 
 logger = logging.getLogger(__name__)
 
@@ -319,14 +320,15 @@ class SubmissionStore:
             if sid in known:
                 continue
             try:
-                env = open_envelope(path.read_bytes(), run_id=self.run_id, expect=Submission)
+                address, raw = read_submission_file(path)
+                env = open_envelope(raw, run_id=self.run_id, expect=Submission)
             except (OSError, ProtocolError) as e:
                 logger.warning("dropping unreadable stored submission %s: %s", path.name, e)
                 path.unlink(missing_ok=True)
                 continue
             body = env.body
             found.append(Staged(sid, body.worker, body.policy_step, body.counter, len(body.rollouts), completion_tokens(body), len(env.raw),
-                                 int(path.stat().st_mtime * 1000), "", b""))
+                                 int(path.stat().st_mtime * 1000), address, b""))
         if found:
             with self._lock:
                 insert_rows(self._db, found)
@@ -347,7 +349,7 @@ class SubmissionStore:
         Raises:
             OSError: its file is gone (``FileNotFoundError``) or unreadable now.
         """
-        return (self.dir / f"{sid}.sub").read_bytes()
+        return read_submission_file(self.dir / f"{sid}.sub")[1]
 
     def counter_used(self, worker: str, counter: int, exclude_id: SubmissionId) -> bool:
         """Whether ``worker`` already has another stored submission with this counter (stored or being

@@ -8,7 +8,8 @@ The ingest acknowledges a submission only once its future resolves:
    the submission in the staging table at once, so the store's quota and replay queries count it
    from that instant, and hands it to a writer thread;
 2. a writer thread writes ``<id>.sub`` with :func:`protocol.durable.atomic_write` without the
-   directory flush (temporary file, ``fsync``, rename into place) — several files at once;
+   directory flush (temporary file, ``fsync``, rename into place) — several files at once; the
+   file holds the address it was posted from (:func:`file_header`) before the envelope;
 3. the commit thread takes every written submission waiting for it, flushes the directory
    once for all of them (the renames are durable) and inserts all their index rows in one SQLite
    transaction (WAL) on its own connection, so readers do not wait for it; only then does each
@@ -49,6 +50,45 @@ BUSY_TIMEOUT_S = 60.0
 WRITERS = 32
 """Submission files written and flushed (``fsync``) at once: concurrent flushes share the file
 system's journal commits, so a slow disk is waited for once per group, not once per file."""
+
+FILE_MAGIC = b"\xc1isa"
+"""First bytes of a submission file that starts with the address it was posted from. ``0xC1`` is
+never the first byte of msgpack, so a file an older version wrote (the bare envelope) reads as one
+with no address."""
+MAX_FILE_ADDRESS_BYTES = 255
+"""Longest address kept in a file's header (UTF-8 bytes; a longer one, no IP address, is not kept)."""
+
+
+def file_header(address: str) -> bytes:
+    """What a submission file holds before its envelope: :data:`FILE_MAGIC`, the address's length
+    (one byte) and the address (``protocol.addresses.address_key``, UTF-8). Kept so that
+    ``SubmissionStore.recover`` re-indexes a file whose index row a crash lost under its own
+    address prefix (without it, every such file shared the prefix ``""``, heavier than any other,
+    and was displaced first). ``b""`` for no address or one longer than :data:`MAX_FILE_ADDRESS_BYTES`."""
+    raw = address.encode("utf-8")
+    if not raw or len(raw) > MAX_FILE_ADDRESS_BYTES:
+        return b""
+    return FILE_MAGIC + bytes([len(raw)]) + raw
+
+
+def read_submission_file(path: Path) -> tuple[str, bytes]:
+    """The address a submission file keeps (``""``: none) and its envelope bytes (blocking).
+
+    Raises:
+        OSError: the file is gone (``FileNotFoundError``) or unreadable now.
+    """
+    with open(path, "rb") as f:
+        head = f.read(len(FILE_MAGIC) + 1)
+        if head[: len(FILE_MAGIC)] != FILE_MAGIC or len(head) <= len(FILE_MAGIC):
+            return "", head + f.read()
+        address = f.read(head[-1]).decode("utf-8", errors="replace")
+        return address, f.read()
+
+
+def _write_file(path: Path, header: bytes, raw: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(header)
+        f.write(raw)
 
 
 @dataclass
@@ -158,8 +198,9 @@ class GroupCommit:
         if after is not None:
             after.exception()  # waits; its failure is its own (logged there)
         path = self.dir / f"{item.sid}.sub"
+        header = file_header(item.source_ip)
         try:
-            atomic_write(path, item.raw, sync_dir=False)
+            atomic_write(path, (lambda p: _write_file(p, header, item.raw)) if header else item.raw, sync_dir=False)
         except Exception as e:  # noqa: BLE001 - whatever failed, the waiting request gets it as its answer
             # a failed write (EIO, ENOSPC) leaves its temporary file, counted by no quota: drop it now
             tmp_path_for(path).unlink(missing_ok=True)
