@@ -43,7 +43,7 @@ from protocol.errors import ProtocolError
 from protocol.identity import PeerId
 from protocol.messages import Submission
 from trainer.ledger.ids import GroupKey, SubmissionId
-from trainer.ledger.prefixes import prefix_key
+from trainer.ledger.prefixes import allocation_key, prefix_key
 from trainer.ledger.schema import SCHEMA_VERSION, in_states, open_schema
 from trainer.ledger.states import PENDING, TRANSITIONS, State, Transition
 from trainer.ledger.writer import BUSY_TIMEOUT_S, GroupCommit, Staged, insert_rows, read_submission_file
@@ -62,8 +62,9 @@ class Usage:
             system's free space does not show them yet).
         established: the worker has an accepted submission (else it is on probation).
         probation_pending, probation_bytes: pending submissions (and bytes) of every worker on probation.
-        prefix_pending, prefix_bytes: of those, the ones posted from the address's prefix
-            (``trainer.ledger.prefixes``): its holding of probation's share.
+        allocation_pending, allocation_bytes: of those, the ones posted from the address's
+            allocation (``trainer.ledger.prefixes``): its holding of probation's share.
+        prefix_pending, prefix_bytes: of those, the ones posted from the address's prefix.
     """
 
     worker_pending: int
@@ -76,24 +77,39 @@ class Usage:
     established: bool = False
     probation_pending: int = 0
     probation_bytes: int = 0
+    allocation_pending: int = 0
+    allocation_bytes: int = 0
     prefix_pending: int = 0
     prefix_bytes: int = 0
 
 
 @dataclass(frozen=True)
-class PrefixHolding:
-    """What one address prefix holds of probation's share (indexed submissions; ``probation_prefixes``).
+class Holding:
+    """What one address allocation or prefix holds of probation's share (indexed submissions;
+    ``probation_allocations``, ``probation_prefixes``).
 
     Attributes:
-        prefix: the prefix (``trainer.ledger.prefixes.prefix_key``).
+        key: the allocation or prefix (``trainer.ledger.prefixes``).
         files, bytes: pending submissions of workers on probation posted from it, and their bytes.
         stored: of them, never leased (what displacement may take).
     """
 
-    prefix: str
+    key: str
     files: int
     bytes: int
     stored: int
+
+
+@dataclass(frozen=True)
+class Standing:
+    """Pending submissions of workers on probation (files) that an address's allocation and prefix
+    hold, and the most another allocation holds, and another prefix of the same allocation (each
+    with a never-leased submission): what admission checks before a body is read."""
+
+    allocation: int
+    heaviest_allocation: int
+    prefix: int
+    heaviest_prefix: int
 
 
 class ProbationView:
@@ -103,13 +119,20 @@ class ProbationView:
     def __init__(self, db: sqlite3.Connection) -> None:
         self._db = db
 
-    def heaviest(self, exclude: str, k: int) -> list[PrefixHolding]:
-        """The ``k`` prefixes other than ``exclude`` holding the most files and the ``k`` holding the
-        most bytes of probation's share (those with a never-leased submission; up to 2k, no repeats)."""
-        out: dict[str, PrefixHolding] = {}
-        for sql in _HEAVIEST_SQL:
-            for r in self._db.execute(sql, (exclude, k)):
-                out[r[0]] = PrefixHolding(r[0], int(r[1]), int(r[2]), int(r[3]))
+    def heaviest_allocations(self, exclude: str, k: int) -> list[Holding]:
+        """The ``k`` allocations other than ``exclude`` holding the most files and the ``k`` holding
+        the most bytes of probation's share (those with a never-leased submission; up to 2k, no repeats)."""
+        return self._heaviest(_HEAVIEST_ALLOCATIONS_SQL, (exclude, k))
+
+    def heaviest_prefixes(self, allocation: str, exclude: str, k: int) -> list[Holding]:
+        """The same for the prefixes of ``allocation`` other than ``exclude``."""
+        return self._heaviest(_HEAVIEST_PREFIXES_SQL, (allocation, exclude, k))
+
+    def _heaviest(self, queries: tuple[str, ...], params: tuple[str | int, ...]) -> list[Holding]:
+        out: dict[str, Holding] = {}
+        for sql in queries:
+            for r in self._db.execute(sql, params):
+                out[r[0]] = Holding(r[0], int(r[1]), int(r[2]), int(r[3]))
         return list(out.values())
 
     def newest_stored(self, prefix: str, k: int) -> list[tuple[SubmissionId, int]]:
@@ -118,12 +141,16 @@ class ProbationView:
         return [(SubmissionId(i), int(n)) for i, n in self._db.execute(_NEWEST_STORED_SQL, (prefix, k))]
 
 
-_HEAVIEST_SQL = tuple(f"SELECT prefix, pending, pending_bytes, stored FROM probation_prefixes WHERE stored > 0 AND prefix != ?"
-                      f" ORDER BY {col} DESC LIMIT ?" for col in ("pending", "pending_bytes"))
+_HEAVIEST_ALLOCATIONS_SQL = tuple(f"SELECT allocation, pending, pending_bytes, stored FROM probation_allocations WHERE stored > 0"
+                                  f" AND allocation != ? ORDER BY {col} DESC LIMIT ?" for col in ("pending", "pending_bytes"))
+_HEAVIEST_PREFIXES_SQL = tuple(f"SELECT prefix, pending, pending_bytes, stored FROM probation_prefixes WHERE allocation = ? AND stored > 0"
+                               f" AND prefix != ? ORDER BY {col} DESC LIMIT ?" for col in ("pending", "pending_bytes"))
 _NEWEST_STORED_SQL = (f"SELECT s.id, s.size_bytes FROM submissions s WHERE s.prefix = ? AND s.state = '{State.STORED.value}'"
                       " AND COALESCE((SELECT accepted FROM worker_stats w WHERE w.worker = s.worker), 0) = 0 ORDER BY s.seq DESC LIMIT ?")
-_PREFIX_STANDING_SQL = ("SELECT (SELECT COALESCE(MAX(pending), 0) FROM probation_prefixes WHERE prefix = ?),"
-                        " (SELECT COALESCE(MAX(pending), 0) FROM probation_prefixes WHERE stored > 0 AND prefix != ?)")
+_STANDING_SQL = ("SELECT (SELECT COALESCE(MAX(pending), 0) FROM probation_allocations WHERE allocation = ?),"
+                 " (SELECT COALESCE(MAX(pending), 0) FROM probation_allocations WHERE stored > 0 AND allocation != ?),"
+                 " (SELECT COALESCE(MAX(pending), 0) FROM probation_prefixes WHERE prefix = ?),"
+                 " (SELECT COALESCE(MAX(pending), 0) FROM probation_prefixes WHERE allocation = ? AND stored > 0 AND prefix != ?)")
 
 
 DISPLACED_REASON = "displaced"
@@ -375,14 +402,18 @@ class SubmissionStore:
                 (source_ip, source_ip)).fetchone()
         return int(row[0]) + n, bool(row[1]), int(row[2])
 
-    def prefix_standing(self, prefix: str) -> tuple[int, int]:
-        """What ``prefix`` holds of probation's share (files being stored counted: every one,
-        whatever its worker, an over-count of at most the staged ones), and the most files another
-        prefix with a never-leased submission holds (indexed; O(1))."""
+    def standing(self, source_ip: str) -> Standing:
+        """What the allocation and the prefix of ``source_ip`` hold of probation's share (files being
+        stored counted: every one, whatever its worker, an over-count of at most the staged ones),
+        and the most files another allocation, and another prefix of the same allocation, with a
+        never-leased submission hold (indexed; O(1))."""
+        allocation, prefix = allocation_key(source_ip), prefix_key(source_ip)
         with self._lock:
-            n = sum(1 for s in self._writer.staged.values() if s.prefix == prefix)
-            row = self._db.execute(_PREFIX_STANDING_SQL, (prefix, prefix)).fetchone()
-        return int(row[0]) + n, int(row[1])
+            staged = self._writer.staged.values()
+            na = sum(1 for s in staged if s.allocation == allocation)
+            np_ = sum(1 for s in staged if s.prefix == prefix)
+            row = self._db.execute(_STANDING_SQL, (allocation, allocation, prefix, allocation, prefix)).fetchone()
+        return Standing(int(row[0]) + na, int(row[1]), int(row[2]) + np_, int(row[3]))
 
     def displace(self, plan: Callable[[ProbationView], list[SubmissionId] | None]) -> list[SubmissionId] | None:
         """The :attr:`~Transition.DISPLACE` transition, planned and applied under one hold of the
@@ -428,8 +459,8 @@ class SubmissionStore:
             staged = list(self._writer.staged.values())
             # not committing: its commit has not begun (the flag is set under this lock first), so not in the index
             committing = [s.sid for s in staged if s.committing]
-            prefix = prefix_key(source_ip)
-            row = self._db.execute(_usage_sql(len(committing)), (worker, source_ip, *committing, worker, prefix)).fetchone()
+            prefix, allocation = prefix_key(source_ip), allocation_key(source_ip)
+            row = self._db.execute(_usage_sql(len(committing)), (worker, source_ip, *committing, worker, allocation, prefix)).fetchone()
             if row[6]:  # committing and already in the index: counted there
                 indexed = set(row[6].split(","))
                 staged = [s for s in staged if s.sid not in indexed]
@@ -442,11 +473,13 @@ class SubmissionStore:
         sw = [s.size_bytes for s in staged if s.worker == worker]
         si = [s.size_bytes for s in staged if s.source_ip == source_ip]
         sp = [s for s in staged if (s.worker == worker and not established) or (s.worker != worker and s.worker not in known)]
+        spa = [s.size_bytes for s in sp if s.allocation == allocation]
         spp = [s.size_bytes for s in sp if s.prefix == prefix]
         return Usage(int(w[0]) + len(sw), int(w[1]) + sum(sw), int(ip[0]) + len(si), int(ip[1]) + sum(si),
                      int(disk[0]) + len(staged), int(disk[1]) + sum(s.size_bytes for s in staged),
                      sum(s.size_bytes for s in staged if not s.written), established, int(row[8]) + len(sp),
-                     int(row[9]) + sum(s.size_bytes for s in sp), int(row[10]) + len(spp), int(row[11]) + sum(spp))
+                     int(row[9]) + sum(s.size_bytes for s in sp), int(row[10]) + len(spa), int(row[11]) + sum(spa),
+                     int(row[12]) + len(spp), int(row[13]) + sum(spp))
 
     def storing(self, sid: SubmissionId) -> bool:
         """Whether submission ``sid`` was submitted and is not yet committed (nor failed)."""
@@ -696,20 +729,22 @@ def _select_sql(states: Iterable[State], *, worker: str | None = None, policy_be
 
 def _usage_sql(n_committing: int) -> str:
     """The one statement of :meth:`SubmissionStore.usage` (one snapshot; each index range read once):
-    parameters ``worker, source_ip``, ``n_committing`` submission IDs, ``worker``, ``prefix``; one row
-    ``(worker count, worker bytes, address count, address bytes, files on disk, their bytes,
-    comma-joined IDs of the given ones already indexed, the worker's accepted count, probation
-    count, probation bytes, the prefix's probation count, its probation bytes)``."""
+    parameters ``worker, source_ip``, ``n_committing`` submission IDs, ``worker``, ``allocation``,
+    ``prefix``; one row ``(worker count, worker bytes, address count, address bytes, files on disk,
+    their bytes, comma-joined IDs of the given ones already indexed, the worker's accepted count,
+    probation count, probation bytes, the allocation's probation count, its probation bytes, the
+    prefix's probation count, its probation bytes)``."""
     marks = ",".join("?" * n_committing) or "NULL"
     pending = in_states(PENDING)
     return ("SELECT w.n, w.b, i.n, i.b, d.n, d.b, x.ids, e.accepted, p.pending, p.pending_bytes,"
-            " COALESCE(f.n, 0), COALESCE(f.b, 0) FROM"
+            " COALESCE(a.n, 0), COALESCE(a.b, 0), COALESCE(f.n, 0), COALESCE(f.b, 0) FROM"
             f" (SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS b FROM submissions WHERE worker = ? AND state IN {pending}) AS w,"
             f" (SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS b FROM submissions WHERE source_ip = ? AND state IN {pending}) AS i,"
             " (SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS b FROM submissions WHERE on_disk = 1) AS d,"
             f" (SELECT group_concat(id) AS ids FROM submissions WHERE id IN ({marks})) AS x,"
             " (SELECT COALESCE(MAX(accepted), 0) AS accepted FROM worker_stats WHERE worker = ?) AS e,"
             " probation AS p"
+            " LEFT JOIN (SELECT pending AS n, pending_bytes AS b FROM probation_allocations WHERE allocation = ?) AS a ON 1"
             " LEFT JOIN (SELECT pending AS n, pending_bytes AS b FROM probation_prefixes WHERE prefix = ?) AS f ON 1")
 
 

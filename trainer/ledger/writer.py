@@ -39,7 +39,7 @@ from pathlib import Path
 
 from protocol.durable import atomic_write, fsync_dir, tmp_path_for
 from trainer.ledger.ids import SubmissionId
-from trainer.ledger.prefixes import prefix_key
+from trainer.ledger.prefixes import allocation_key, prefix_key
 from trainer.ledger.states import State
 
 logger = logging.getLogger(__name__)
@@ -110,9 +110,11 @@ class Staged:
     committing: bool = False  # its group's transaction may already be visible (usage() then checks the index)
     written: bool = False  # its file is complete (or its write failed): the free space on disk shows it
     prefix: str = ""  # source_ip's prefix (trainer.ledger.prefixes)
+    allocation: str = ""  # and its allocation
 
     def __post_init__(self) -> None:
         self.prefix = prefix_key(self.source_ip)
+        self.allocation = allocation_key(self.source_ip)
 
 
 class GroupCommit:
@@ -275,13 +277,13 @@ def insert_rows(db: sqlite3.Connection, items: list[Staged]) -> None:
         for item in items:
             seq += 1
             rows.append((item.sid, item.worker, item.policy_step, item.counter, item.n_rollouts, item.tokens, item.size_bytes,
-                         item.received_ms, State.STORED.value, seq, item.source_ip, item.prefix))
+                         item.received_ms, State.STORED.value, seq, item.source_ip, item.prefix, item.allocation))
         db.executemany(
             "INSERT INTO submissions (id, worker, policy_step, counter, n_rollouts, tokens, size_bytes, received_ms, state,"
-            " seq, source_ip, prefix) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " seq, source_ip, prefix, allocation) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (id) DO UPDATE SET state = excluded.state, reason = '', verdict_by = '', lease_until_ms = 0,"
             " received_ms = excluded.received_ms, seq = excluded.seq, source_ip = excluded.source_ip, prefix = excluded.prefix,"
-            f" on_disk = 1 WHERE submissions.state = '{State.DISPLACED.value}'",
+            f" allocation = excluded.allocation, on_disk = 1 WHERE submissions.state = '{State.DISPLACED.value}'",
             rows,
         )
         db.execute("COMMIT")
