@@ -52,7 +52,7 @@ from protocol.ingest_api import (
     pack_lease_answer,
 )
 from protocol.messages import LeaseRequest, Submission, Verdict
-from protocol.ratelimit import RateLimiter
+from protocol.ratelimit import FairShare, RateLimiter
 from protocol.rollout import submission_decode_limits
 from protocol.runspec import RunSpec
 from trainer.errors import Refused
@@ -62,6 +62,7 @@ from trainer.ingest.status import IngestMetrics, IngestStatus
 from trainer.ledger.ban_rule import BanRule, Recheck
 from trainer.ledger.bans import BanBook
 from trainer.ledger.ledger import SubmissionLedger
+from trainer.ledger.prefixes import allocation_key, prefix_key
 from trainer.ledger.states import public_state
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,8 @@ class IngestService:
         self._ip_limiter = RateLimiter(lim.requests_per_s * 4, lim.burst * 4)
         self._peer_limiter = RateLimiter(lim.requests_per_s, lim.burst)
         self._status_limiter = RateLimiter(lim.status_requests_per_s, lim.status_burst)
-        self._unproven_limiter = RateLimiter(lim.unproven_requests_per_s, lim.unproven_burst)  # one bucket for them all
+        # one rate for them all, shared fairly per allocation, then prefix (trainer/ledger/prefixes.py)
+        self._unproven_limiter = FairShare(lim.unproven_requests_per_s, lim.unproven_burst)
         self.budget = BodyBudget(lim.max_body_bytes_in_flight_per_ip, lim.max_body_bytes_in_flight)
         self._decode_all = asyncio.Semaphore(lim.decode_concurrency)
         self._decode_ip: dict[str, tuple[asyncio.Semaphore, int]] = {}  # address → (semaphore, users)
@@ -145,9 +147,10 @@ class IngestService:
         ip = self._ip_gate(request)
         ticket = self.budget.ticket(ip)
         try:
-            if not self.ledger.precheck(ip) and not self._unproven_limiter.allow("unproven"):  # before its body is read
-                raise Refused("rate_limited", "addresses with no accepted submission share a submission rate; retry later",
-                              retry_after_s=self._unproven_limiter.retry_after_s("unproven"))
+            if not self.ledger.precheck(ip) and not self._unproven_limiter.allow(path := (allocation_key(ip), prefix_key(ip))):
+                # before its body is read
+                raise Refused("rate_limited", f"addresses with no accepted submission share a submission rate, and {path[1]} has used "
+                              "its part of it; retry later", retry_after_s=self._unproven_limiter.retry_after_s(path))
             env = await self._receive(request, ip, ticket)
             return await self._store(env, ip, len(env.raw))
         except Refused as e:
