@@ -291,6 +291,7 @@ class Worker:
             "submissions": self.submissions,
             "acked": self.submitter.acked,
             "refused": self.submitter.refused,
+            "displaced": self.submitter.displaced,  # the ingest's count: its place taken, no verdict (docs/protocol.md "Quotas")
             "spooled": len(self.spool.pending()),
             "spool_restart": self.spool_restart,
             "tokens": self.tokens,

@@ -92,7 +92,7 @@ async def test_store_ack_duplicate_and_state(ingest):
     status, body = await post(http, SUBMISSIONS_ROUTE, sub)
     assert status == 200 and body["stored"] is True
     status, body2 = await post(http, SUBMISSIONS_ROUTE, sub)
-    assert status == 200 and body2 == {"id": body["id"], "stored": False, "duplicate": True, "state": "pending"}
+    assert status == 200 and body2 == {"id": body["id"], "stored": False, "duplicate": True, "state": "pending", "displaced": 0}
     assert coord.store.counts()["pending"] == 1
 
 

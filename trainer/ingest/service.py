@@ -5,9 +5,10 @@ Routes (``docs/protocol.md`` §8):
 =========  ==============================  =====================================================
 method     path                            what
 =========  ==============================  =====================================================
-POST       ``/ingest/1/submissions``       a ``submission/1`` envelope; 200 ``{"id", "stored"}``
+POST       ``/ingest/1/submissions``       a ``submission/1`` envelope; 200 ``{"id", "stored", "displaced"}``
 POST       ``/ingest/1/lease``             a validator's ``lease_request/1``; msgpack ``{"submissions", "trainer_step"}``
 POST       ``/ingest/1/verdicts``          a ``verdict/1`` envelope from a run validator
+GET        ``/ingest/1/submissions/{id}``  a submission's state: JSON ``{"id", "state", "reason"}``
 GET        ``/ingest/1/bans``              the coordinator-signed ``ban_list/1`` envelope
 GET        ``/status``                     JSON view of the coordinator
 GET        ``/metrics``                    Prometheus text
@@ -47,6 +48,7 @@ from protocol.ingest_api import (
     BANS_ROUTE,
     LEASE_CONTENT_TYPE,
     LEASE_ROUTE,
+    SUBMISSION_ROUTE,
     SUBMISSIONS_ROUTE,
     VERDICTS_ROUTE,
     pack_lease_answer,
@@ -61,6 +63,7 @@ from trainer.ingest.limits import IngestLimits
 from trainer.ingest.status import IngestMetrics, IngestStatus
 from trainer.ledger.ban_rule import BanRule, Recheck
 from trainer.ledger.bans import BanBook
+from trainer.ledger.ids import SubmissionId
 from trainer.ledger.ledger import SubmissionLedger
 from trainer.ledger.prefixes import allocation_key, prefix_key
 from trainer.ledger.states import public_state
@@ -112,6 +115,7 @@ class IngestService:
     def add_routes(self, app: web.Application) -> None:
         """Register the ingest routes on ``app``, and the ledger's retirement timer on its lifetime."""
         app.router.add_post(SUBMISSIONS_ROUTE, self.post_submission)
+        app.router.add_get(SUBMISSION_ROUTE, self.get_submission)
         app.router.add_post(LEASE_ROUTE, self.post_lease)
         app.router.add_post(VERDICTS_ROUTE, self.post_verdict)
         app.router.add_get(BANS_ROUTE, self.get_bans)
@@ -186,7 +190,8 @@ class IngestService:
         admission = self.ledger.admit(env, ip)  # one step of the event loop: checks and counting
         if admission.durable is None:
             self.metrics.submissions.labels("duplicate").inc()
-            return web.json_response({"id": admission.sid, "stored": False, "duplicate": True, "state": admission.state})
+            return web.json_response({"id": admission.sid, "stored": False, "duplicate": True, "state": admission.state,
+                                      "displaced": self.ledger.displaced_now(sub.worker)})
         t0 = time.perf_counter()
         # the answer waits for this submission's group commit: a 200 means it survives a crash
         try:
@@ -198,14 +203,28 @@ class IngestService:
             self.metrics.submissions.labels("duplicate").inc()
             existing = self.ledger.get(admission.sid)
             return web.json_response({"id": admission.sid, "stored": False, "duplicate": True,
-                                      "state": public_state(existing.state) if existing else "pending"})
+                                      "state": public_state(existing.state) if existing else "pending",
+                                      "displaced": self.ledger.displaced_now(sub.worker)})
         self.ledger.stored(admission.sid, sub)  # keeps the verified body for the trainer
         self.metrics.latency.observe(time.perf_counter() - t0)
         self.metrics.bytes.inc(size)
         self.metrics.submissions.labels("stored").inc()
         logger.info("stored submission %s from %s (step %d, %d rollouts)", admission.sid[:12], sub.worker, sub.policy_step,
                     len(sub.rollouts), extra={"peer_id": sub.worker, "step": sub.policy_step})
-        return web.json_response({"id": admission.sid, "stored": True})
+        # displaced ones are told here, on the worker's next answer (its client dropped them on their 200)
+        return web.json_response({"id": admission.sid, "stored": True, "displaced": self.ledger.displaced_now(sub.worker)})
+
+    async def get_submission(self, request: web.Request) -> web.Response:
+        """A submission's state (``protocol.ingest_api.SUBMISSION_ROUTE``): what a worker reads to learn
+        that one of its submissions was displaced, judged or expired."""
+        self._status_gate(request)
+        sid = request.match_info["id"]
+        if len(sid) != 64 or any(c not in "0123456789abcdef" for c in sid):
+            raise Refused("malformed", "a submission ID is 64 lower-case hex digits")
+        row = self.ledger.get(SubmissionId(sid))
+        if row is None:
+            raise Refused("unknown_submission", f"no submission {sid[:16]}… here")
+        return web.json_response({"id": sid, "state": public_state(row.state), "reason": row.reason})
 
     # --- leases and verdicts -------------------------------------------------------------------
 

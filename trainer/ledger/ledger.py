@@ -490,6 +490,10 @@ class SubmissionLedger:
         (``limit``: the first in the leaderboard's order only)."""
         return self.store.worker_stats(limit)
 
+    def displaced_now(self, worker: str) -> int:
+        """How many of ``worker``'s submissions are displaced now (what its next answer tells it)."""
+        return self.store.displaced_now(worker)
+
     def worker_count(self) -> int:
         """Workers with a submission in this run."""
         return self.store.worker_count()

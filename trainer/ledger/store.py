@@ -678,6 +678,11 @@ class SubmissionStore:
         (rows,) = self._snapshot((query, ()) if limit is None else (query + " ORDER BY accepted DESC, rejected, worker LIMIT ?", (limit,)))
         return {r[0]: {k: int(v) for k, v in zip(keys, r[1:], strict=True) if v} for r in rows}
 
+    def displaced_now(self, worker: str) -> int:
+        """How many of ``worker``'s submissions are displaced now (O(1): its read-model row)."""
+        (rows,) = self._snapshot(("SELECT displaced FROM worker_stats WHERE worker = ?", (worker,)))
+        return int(rows[0][0]) if rows else 0
+
     def worker_count(self) -> int:
         """Workers with a submission in this run."""
         (rows,) = self._snapshot(("SELECT COUNT(*) FROM worker_stats", ()))
