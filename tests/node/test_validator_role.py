@@ -277,6 +277,7 @@ async def test_models_in_memory_are_bounded_by_bytes_and_evicted_before_a_load(t
     """At a real shape one float32 model is ≈ 2 GB: the validator keeps the models of the async
     window only while their parameters fit ``MODEL_CACHE_BYTES``, and frees one before loading the next,
     its heap pages handed back to the kernel first (node/memory.py: else they sit beside the next one)."""
+    import node.policy as policy
     import node.roles.validator as role
 
     tok = embedded_tokenizer()
@@ -290,7 +291,7 @@ async def test_models_in_memory_are_bounded_by_bytes_and_evicted_before_a_load(t
     events: list[str] = []
 
     def load_model(*args, **kw):
-        held_at_load.append(len(node._models))
+        held_at_load.append(len(node.models.steps()))
         events.append("load")
         return real_load(*args, **kw)
 
@@ -298,19 +299,20 @@ async def test_models_in_memory_are_bounded_by_bytes_and_evicted_before_a_load(t
         return tmp_path / "ckpt"
 
     monkeypatch.setattr(role, "load_model", load_model)
-    monkeypatch.setattr(role, "release_free_memory", lambda: events.append("release") or True)
+    monkeypatch.setattr(policy, "release_free_memory", lambda: events.append("release") or True)
     monkeypatch.setattr(node.follower, "fetch", fetch)
     monkeypatch.setattr(node.follower, "latest_step", 10)
     try:
-        monkeypatch.setattr(role, "MODEL_CACHE_BYTES", size + size // 2)  # room for one
+        assert node.models.max_bytes == role.MODEL_CACHE_BYTES
+        node.models.max_bytes = size + size // 2  # room for one
         for step in (0, 1, 2):
             await node._prepare(step)
-        assert list(node._models) == [2] and held_at_load == [0, 0, 0]
+        assert node.models.steps() == [2] and held_at_load == [0, 0, 0]
         assert events == ["load", "release", "load", "release", "load"]
-        monkeypatch.setattr(role, "MODEL_CACHE_BYTES", 100 * size)  # room for many: the retention rule (keep_steps) bounds them
+        node.models.max_bytes = 100 * size  # room for many: the retention rule (keep_steps) bounds them
         keep = node.spec.shardcast.keep_steps
         for step in (3, 4, 5, 6):
             await node._prepare(step)
-        assert list(node._models) == list(range(7 - keep, 7)) and max(held_at_load[3:]) == keep - 1
+        assert node.models.steps() == list(range(7 - keep, 7)) and max(held_at_load[3:]) == keep - 1
     finally:
         node.ledger.close()

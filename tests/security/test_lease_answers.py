@@ -63,7 +63,7 @@ async def test_a_restarted_validator_judges_by_the_checkpoints_it_holds(tmp_path
     node = _validator(tmp_path)
     try:
         assert node.follower.latest_step == -1
-        node._models[5] = object()  # what _prepare keeps after loading the verified checkpoint of step 5
+        node.models._models[5] = object()  # what _prepare holds after loading the verified checkpoint of step 5
         for lie in (2**61, 7, -(2**61), 0):
             _answering(node, lie)
             await node._lease()
