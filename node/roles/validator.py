@@ -28,7 +28,7 @@ from protocol.messages import BanList, LeaseRequest, Submission, Verdict
 from protocol.models import load_model, load_tokenizer
 from protocol.rollout import submission_decode_limits
 from protocol.runspec import SignedRunSpec
-from validator.ledger import Ledger
+from validator.judgements import Ledger
 from validator.pipeline import CheckResult, SubmissionChecker
 from validator.spot import SpotCheckPolicy, selected
 

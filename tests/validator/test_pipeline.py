@@ -32,7 +32,7 @@ from protocol.rollout import pack_f32, pack_u32, unpack_f32, unpack_u32
 from protocol.runspec import DataSpec, RLSpec, RunInfo, RunSpec, SamplingSpec, ToplocSpec
 from protocol.tasks import Task
 from protocol.verdicts import ALL_REASONS, is_cheat
-from validator.ledger import Ledger
+from validator.judgements import Ledger
 from validator.pipeline import CheckResult, SubmissionChecker
 
 COORD = NodeKey.from_seed(b"c" * 32)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from protocol.identity import NodeKey
-from validator.ledger import Ledger
+from validator.judgements import Ledger
 from validator.spot import (
     SPOT_DOMAIN,
     SpotCheckPolicy,

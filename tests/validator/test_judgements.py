@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from validator.ledger import Ledger
+from validator.judgements import Ledger
 
 A = "12D3KooWworkerA"
 B = "12D3KooWworkerB"
