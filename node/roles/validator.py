@@ -28,7 +28,7 @@ from protocol.messages import BanList, LeaseRequest, Submission, Verdict
 from protocol.models import load_model, load_tokenizer
 from protocol.rollout import submission_decode_limits
 from protocol.runspec import SignedRunSpec
-from validator.judgements import Ledger
+from validator.judgements import Judgements
 from validator.pipeline import CheckResult, SubmissionChecker
 from validator.spot import SpotCheckPolicy, selected
 
@@ -104,7 +104,7 @@ class ValidatorNode:
         self.data_dir = Path(options.data_dir)
         self.ingest_urls = [u.rstrip("/") for u in (options.ingest_urls or self.spec.network.ingest_urls)]
         self.tasks = resolve_tasks(self.spec.data.tasks, options.data_root, self.spec.data.tasks_hash).train
-        self.ledger = Ledger(self.data_dir / "validator.sqlite")
+        self.judgements = Judgements(self.data_dir / "validator.sqlite")
         self.follower = PolicyFollower(self.spec, self.data_dir / "checkpoints", GossipSources(lambda: self.gossip, self.spec))
         self.gossip: GossipNode | None = None
         self.judged_step = -1  # the newest policy step of a submission this validator judged
@@ -155,7 +155,7 @@ class ValidatorNode:
             await self.gossip.stop()
         if self.status_server is not None:
             await self.status_server.stop()
-        self.ledger.close()
+        self.judgements.close()
 
     async def run(self) -> None:
         """Lease, judge and report until stopped."""
@@ -207,7 +207,7 @@ class ValidatorNode:
         sid = env.id.hex()
         self.state = f"checking {sid[:12]} from {sub.worker[-8:]} (step {sub.policy_step})"
         # spot check: decided now, after the ingest stored the submission, from this validator's key
-        share = self.options.spot.share(self.ledger.verified(sub.worker))
+        share = self.options.spot.share(self.judgements.verified(sub.worker))
         full = selected(self.key.sign, env.id, share)
         if sub.worker in self.banned:
             result = CheckResult(False, "banned_worker", {})
@@ -219,7 +219,7 @@ class ValidatorNode:
                 logger.warning("no checkpoint for step %d; leaving %s to a later lease", sub.policy_step, sid[:12])
                 return
             checker = SubmissionChecker(self.spec, self.tasks, self.tokenizer, self.models.get, trainer_step=self._trainer_step,
-                                        counter_seen=self.ledger.counter_seen)
+                                        counter_seen=self.judgements.counter_seen)
             try:
                 result = await asyncio.to_thread(checker.check, env, full=full)
             except (MemoryError, OSError, RuntimeError) as e:
@@ -243,7 +243,7 @@ class ValidatorNode:
             return
         if result.accepted:
             result.evidence.update({"check": "full" if full else "light", "share": round(share, 6)})
-        self.ledger.record(sub.worker, sub.counter, sid, result.reason, full=full)
+        self.judgements.record(sub.worker, sub.counter, sid, result.reason, full=full)
         self.checked += 1
         self.checked_by_depth["full" if full else "light"] += 1
         self.m_depth.labels("full" if full else "light").inc()
@@ -341,7 +341,7 @@ class ValidatorNode:
             "queue": self.queue,
             "latest_step": self.follower.latest_step,
             "judged_step": self.judged_step,
-            "reputation": self.ledger.reputation(),
+            "reputation": self.judgements.reputation(),
             "spot_checks": {"full_checks": self.options.spot.full_checks, "min_share": self.options.spot.min_share,
                             "checked": self.checked_by_depth},
         }

@@ -165,7 +165,7 @@ def test_validator_refuses_a_key_the_spec_does_not_name(tmp_path: Path) -> None:
     stranger = NodeKey.from_seed(b"s" * 32)
     with pytest.raises(ValueError, match="not a validator of this run"):
         ValidatorNode(signed, stranger, ValidatorOptions(data_dir=tmp_path, gossip=None, http_port=None))
-    ValidatorNode(signed, VALIDATOR, ValidatorOptions(data_dir=tmp_path, gossip=None, http_port=None)).ledger.close()
+    ValidatorNode(signed, VALIDATOR, ValidatorOptions(data_dir=tmp_path, gossip=None, http_port=None)).judgements.close()
 
 
 @pytest.mark.slow
@@ -212,9 +212,9 @@ async def test_spot_checks_check_a_new_worker_in_full_then_a_keyed_share(tmp_pat
                         assert not runner.done() and asyncio.get_running_loop().time() < end, node.state
                         await asyncio.sleep(0.1)
             status = node.status()
-            verified = node.ledger.verified(HONEST.peer_id)
-            with node.ledger._lock:
-                judged = [bytes.fromhex(r[0]) for r in node.ledger._db.execute("SELECT submission_id FROM judged ORDER BY rowid")]
+            verified = node.judgements.verified(HONEST.peer_id)
+            with node.judgements._lock:
+                judged = [bytes.fromhex(r[0]) for r in node.judgements._db.execute("SELECT submission_id FROM judged ORDER BY rowid")]
         finally:
             node.request_stop()
             await asyncio.wait_for(runner, timeout=30)
@@ -315,4 +315,4 @@ async def test_models_in_memory_are_bounded_by_bytes_and_evicted_before_a_load(t
             await node._prepare(step)
         assert node.models.steps() == list(range(7 - keep, 7)) and max(held_at_load[3:]) == keep - 1
     finally:
-        node.ledger.close()
+        node.judgements.close()

@@ -54,7 +54,7 @@ async def test_no_lease_answer_moves_the_window(tmp_path: Path) -> None:
             assert in_window(5, trainer_step=node._trainer_step(), async_level=1)
     finally:
         await node.ingest.close()
-        node.ledger.close()
+        node.judgements.close()
 
 
 async def test_a_restarted_validator_judges_by_the_checkpoints_it_holds(tmp_path: Path) -> None:
@@ -71,7 +71,7 @@ async def test_a_restarted_validator_judges_by_the_checkpoints_it_holds(tmp_path
             assert in_window(5, trainer_step=node._trainer_step(), async_level=1)
     finally:
         await node.ingest.close()
-        node.ledger.close()
+        node.judgements.close()
 
 
 @pytest.mark.asyncio
@@ -99,4 +99,4 @@ async def test_no_verdict_on_a_submission_whose_checkpoint_this_validator_cannot
         assert posted == [] and node.checked == 0
     finally:
         await node.follower.close()
-        node.ledger.close()
+        node.judgements.close()

@@ -32,7 +32,7 @@ from protocol.rollout import pack_f32, pack_u32, unpack_f32, unpack_u32
 from protocol.runspec import DataSpec, RLSpec, RunInfo, RunSpec, SamplingSpec, ToplocSpec
 from protocol.tasks import Task
 from protocol.verdicts import ALL_REASONS, is_cheat
-from validator.judgements import Ledger
+from validator.judgements import Judgements
 from validator.pipeline import CheckResult, SubmissionChecker
 
 COORD = NodeKey.from_seed(b"c" * 32)
@@ -177,7 +177,7 @@ def test_dishonest_worker_rejected_with_its_reason(world: World, kind: str, reas
 
 def test_replayed_counter_rejected_through_the_ledger(world: World, tmp_path: Path) -> None:
     """Counter 0 judged once (at step 1); new content under counter 0 again (at step 0) is a replay."""
-    ledger = Ledger(tmp_path / "validator.sqlite")
+    ledger = Judgements(tmp_path / "validator.sqlite")
     try:
         checker = world.checker(trainer_step=1, steps=(0, 1), counter_seen=ledger.counter_seen)
         first = honest(world, counter=0, step=1)
