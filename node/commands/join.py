@@ -10,13 +10,13 @@ from node.paths import default_data_dir, default_key_path
 
 
 def _join_relay(args: argparse.Namespace) -> int:
-    from node.roles.relay import run_relay_from_args
+    from node.relay.role import run_relay_from_args
 
     return run_relay_from_args(args)
 
 
 def _join_worker(args: argparse.Namespace) -> int:
-    from node.roles.worker import run_worker_from_args
+    from node.worker.role import run_worker_from_args
 
     return run_worker_from_args(args)
 

@@ -33,8 +33,8 @@ def _validate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _run_validate(args: argparse.Namespace) -> int:
-    from node.roles import run_until_stopped
-    from node.roles.validator import ValidatorNode, ValidatorOptions
+    from node.lifecycle import run_until_stopped
+    from node.validator.role import ValidatorNode, ValidatorOptions
     from validator.spot import SpotCheckPolicy
 
     signed = load_spec(args.run)

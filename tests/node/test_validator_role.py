@@ -22,7 +22,7 @@ from localnet import free_port
 
 from node.coordinator.recheck import CoordinatorRecheck
 from node.engine.hf import TransformersEngine
-from node.roles.validator import ValidatorNode, ValidatorOptions
+from node.validator.role import ValidatorNode, ValidatorOptions
 from node.shardcast import ShardcastServer, ShardcastStore, publish_checkpoint
 from node.worker.adversary import build_dishonest_submission
 from node.worker.rollouts import build_submission
@@ -236,7 +236,7 @@ async def test_spot_checks_check_a_new_worker_in_full_then_a_keyed_share(tmp_pat
 async def test_a_validator_out_of_resources_retries_once_then_sends_a_benign_resources_verdict(tmp_path: Path, monkeypatch) -> None:
     """Running out of memory while checking is the validator's failure: the lease is left to expire
     once (the failure may pass), then a ``resources`` verdict rejects the submission without a ban."""
-    import node.roles.validator as role
+    import node.validator.role as role
 
     calls = []
 
@@ -278,7 +278,7 @@ async def test_models_in_memory_are_bounded_by_bytes_and_evicted_before_a_load(t
     window only while their parameters fit ``MODEL_CACHE_BYTES``, and frees one before loading the next,
     its heap pages handed back to the kernel first (node/memory.py: else they sit beside the next one)."""
     import node.policy as policy
-    import node.roles.validator as role
+    import node.validator.role as role
 
     tok = embedded_tokenizer()
     model = build_model(embedded_config(len(tok)), seed=0)

@@ -273,7 +273,7 @@ async def test_restart_drops_stale_spooled_work_with_one_line(tmp_path: Path, ca
     import logging
 
     from node.devnet.config import devnet_spec
-    from node.roles.worker import Worker, WorkerOptions
+    from node.worker.role import Worker, WorkerOptions
     from protocol.identity import NodeKey
     from protocol.runspec import sign_run_spec
 
@@ -288,7 +288,7 @@ async def test_restart_drops_stale_spooled_work_with_one_line(tmp_path: Path, ca
         return 12  # the newest policy announced while the worker was down: the window is [10, 12]
 
     worker.follower.poll_latest = latest  # type: ignore[method-assign]
-    with caplog.at_level(logging.WARNING, logger="node.roles.worker"):
+    with caplog.at_level(logging.WARNING, logger="node.worker.role"):
         await worker._triage_spool()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("restart:")]
     assert len(lines) == 1, lines

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from node.roles.validator import ValidatorNode, ValidatorOptions
+from node.validator.role import ValidatorNode, ValidatorOptions
 from protocol.envelope import seal
 from protocol.identity import NodeKey
 from protocol.ingest_api import LeaseAnswer

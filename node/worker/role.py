@@ -16,7 +16,7 @@ from node.errors import FetchError
 from node.p2p import GossipConfig, GossipNode
 from node.policy import POLL_INTERVAL_S, GossipSources, PolicyFollower
 from node.retry import Backoff, FailureLog
-from node.roles import require_sandbox_for, run_until_stopped, sleep_unless, start_status_server
+from node.lifecycle import require_sandbox_for, run_until_stopped, sleep_unless, start_status_server
 from node.status_http import StatusServer
 from node.worker.rollouts import BuildStats, build_submission
 from node.worker.spool import Spool

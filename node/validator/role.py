@@ -18,7 +18,7 @@ from node.ingest_client import IngestClient, IngestUnavailable
 from node.p2p import GossipConfig, GossipNode
 from node.policy import GossipSources, HeldModels, PolicyFollower
 from node.retry import Backoff, FailureLog
-from node.roles import require_sandbox_for, sleep_unless, start_status_server
+from node.lifecycle import require_sandbox_for, sleep_unless, start_status_server
 from node.status_http import StatusServer
 from protocol.dataset import resolve_tasks
 from protocol.envelope import open_envelope, seal
