@@ -3,7 +3,7 @@
 Written once here and used by every role that must agree on it (``docs/trainer.md`` §3, the
 async-RL rule of INTELLECT-2 §2 / prime-rl's ``async_level``):
 
-* the worker (``node/roles/worker.py``) keeps generating with a held policy while it is in the window;
+* the worker (``node/worker/role.py``) keeps generating with a held policy while it is in the window;
 * on the coordinator, the submission ledger (``trainer/ledger/ledger.py``), and nothing else there,
   applies it: admission refuses (409 ``stale_policy``) what is outside it, a timer retires what
   left it, and its trainable view offers the rollout buffer and batch assembly only what is in it;

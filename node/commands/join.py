@@ -1,4 +1,4 @@
-"""`join`: run a node in one role of a run. Each role is a function in ``node/roles/``."""
+"""`join`: run a node in one role of a run. Each role is a package ``node/<role>/`` (``role.py``)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,14 @@
-"""The validator role: lease submissions from the ingest, check them, sign and publish verdicts."""
+"""The validator role: lease submissions from the ingest, check them, sign and publish verdicts.
+
+Wires its parts: the checks (:mod:`validator.pipeline`), what it judged (:mod:`validator.judgements`),
+spot-check selection (:mod:`validator.spot`), held checkpoints and models (:mod:`node.policy`), the
+ingest client (:mod:`node.ingest_client`) with :mod:`node.retry`'s pacing, and the resource-failure
+rule (:mod:`node.validator.resources`)."""
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,11 +18,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from node.errors import FetchError
 from node.ingest_client import IngestClient, IngestUnavailable
+from node.lifecycle import require_sandbox_for, sleep_unless, start_status_server
 from node.p2p import GossipConfig, GossipNode
 from node.policy import GossipSources, HeldModels, PolicyFollower
 from node.retry import Backoff, FailureLog
-from node.lifecycle import require_sandbox_for, sleep_unless, start_status_server
 from node.status_http import StatusServer
+from node.validator.resources import ResourceFailures, resource_failure
 from protocol.dataset import resolve_tasks
 from protocol.envelope import open_envelope, seal
 from protocol.errors import ProtocolError
@@ -34,13 +38,6 @@ from validator.spot import SpotCheckPolicy, selected
 
 logger = logging.getLogger(__name__)
 
-RESOURCE_ERRNOS = frozenset({errno.ENOMEM, errno.ENOSPC, errno.EMFILE, errno.ENFILE, errno.EDQUOT})
-"""``OSError`` numbers that mean this validator ran out of memory, disk or descriptors."""
-RESOURCE_RETRIES = 1
-"""Times a submission whose check ran this validator out of resources is left to a later lease
-(the failure may be passing); the next failure on it gets a ``resources`` verdict (benign)."""
-RESOURCE_FAILURES_KEPT = 1024
-"""Submissions whose resource failures are remembered (oldest forgotten first)."""
 LEASE_S = 120.0
 IDLE_POLL_S = 0.5
 LEASE_BACKOFF_MAX_S = 15.0
@@ -133,7 +130,7 @@ class ValidatorNode:
         self.status_server: StatusServer | None = None
         self._lease_backoff = Backoff(base_s=IDLE_POLL_S, max_s=LEASE_BACKOFF_MAX_S)
         self._lease_failures = FailureLog(logger, interval_s=FAILURE_LOG_INTERVAL_S)
-        self._resource_failures: OrderedDict[str, int] = OrderedDict()  # submission ID -> failed checks
+        self._resource_failures = ResourceFailures()
 
     async def start(self) -> None:
         await require_sandbox_for(self.tasks)  # code tasks only in a real sandbox: RewardError naming what to install
@@ -223,14 +220,11 @@ class ValidatorNode:
             try:
                 result = await asyncio.to_thread(checker.check, env, full=full)
             except (MemoryError, OSError, RuntimeError) as e:
-                kind = _resource_failure(e)
+                kind = resource_failure(e)
                 if kind is None:
                     raise
-                failures = self._resource_failures.pop(sid, 0) + 1
-                self._resource_failures[sid] = failures
-                while len(self._resource_failures) > RESOURCE_FAILURES_KEPT:
-                    self._resource_failures.popitem(last=False)
-                if failures <= RESOURCE_RETRIES:
+                failures, later = self._resource_failures.failed(sid)
+                if later:
                     logger.warning("ran out of resources checking %s (%s: %s); leaving it to a later lease", sid[:12], kind, str(e)[:200])
                     return
                 result = CheckResult(False, "resources", {"error": kind, "failures": failures, "detail": str(e)[:200]})
@@ -346,12 +340,3 @@ class ValidatorNode:
                             "checked": self.checked_by_depth},
         }
 
-
-def _resource_failure(e: BaseException) -> str | None:
-    """The name of the resource a check ran out of (memory, disk, descriptors), else ``None``
-    (a bug, which is no verdict's business: the lease expires)."""
-    if isinstance(e, (MemoryError, torch.OutOfMemoryError)):  # torch's (a RuntimeError): an accelerator's memory
-        return type(e).__name__
-    if isinstance(e, OSError) and e.errno in RESOURCE_ERRNOS:
-        return errno.errorcode.get(e.errno or 0, "OSError")
-    return None
