@@ -25,7 +25,6 @@ asyncio side reaches it only through :class:`node.p2p.service.GossipNode`.
 from __future__ import annotations
 
 import logging
-import os
 import random
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -49,6 +48,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.address_validation import expand_wildcard_address
 
 from node.errors import GossipError
+from node.p2p import libp2p_patches
 from node.p2p.config import GossipConfig
 from node.p2p.router import BoundedGossipSub, CountingPubsub
 from node.p2p.transport import MAX_INBOUND_STREAMS, PerAddressCap, install_inbound_rules, muxer_options, secure_transports
@@ -78,29 +78,7 @@ CLOSE_TIMEOUT_S = 1.0
 CONNECTED_CHECK_S = 2.0
 """How often a connected bootstrap peer is re-checked, seconds."""
 
-# py-libp2p's yamux sends a WINDOW_UPDATE frame after every read by default (a second noise frame
-# and syscall per gossip message received). With "0" it batches credit like go-yamux (an update
-# once half the window is consumed). Measured at 32 nodes: announcement p99 2.9-3.2 s -> 0.39 s
-# (docs/gossip.md). py-libp2p reads this variable at each read; an operator's own value wins.
-os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
-
 SyncValidator = Callable[[ID, rpc_pb2.Message], bool]
-
-
-class _PeerNoiseFilter(logging.Filter):
-    """py-libp2p logs every failed dial or torn-down connection at WARNING/ERROR; an unreachable or
-    departing peer is peer noise: demote such records to DEBUG."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.WARNING:
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-            return logger.isEnabledFor(logging.DEBUG)
-        return True
-
-
-_NOISY_LOGGERS = ("libp2p.transport.tcp.tcp", "libp2p.network.swarm")
-for _name in _NOISY_LOGGERS:
-    logging.getLogger(_name).addFilter(_PeerNoiseFilter())
 
 
 def libp2p_key_pair(key: NodeKey) -> KeyPair:
@@ -165,6 +143,8 @@ class P2PHost:
 
     Use :meth:`serve` as a trio task (``nursery.start``); the other methods are valid while it runs.
 
+    Constructing one applies the node's overrides of py-libp2p (``node/p2p/libp2p_patches.py``).
+
     Args:
         key: the node key (host identity).
         config: listen address, bootstrap and dialing settings.
@@ -172,9 +152,14 @@ class P2PHost:
             mesh keeps up to ``config.max_peers`` peers per topic instead of 12.
         keepalive_s: TCP keepalive interval of its connections, seconds (the run's heartbeat
             interval: a peer whose machine vanished is dropped within ≈ 4 of them); None: off.
+
+    Raises:
+        Libp2pMismatchError: the installed py-libp2p is not the one the overrides were written for.
+        GossipError: libp2p derived another peer ID from the key, or ``ip_limit_exempt`` is malformed.
     """
 
     def __init__(self, key: NodeKey, config: GossipConfig, *, hub: bool = False, keepalive_s: float | None = None) -> None:
+        libp2p_patches.apply()  # before anything of py-libp2p is built; once per process
         self.key = key
         self.config = config
         self.peer_id = key.peer_id
@@ -225,12 +210,6 @@ class P2PHost:
             # Peers come from verified node records and bootstrap only (docs/gossip.md).
             px_peers_count=0,
         )
-        # py-libp2p 0.8's "GRAFT flood" check (not in the gossipsub v1.1 spec) records when a peer
-        # PRUNEd *us* and then refuses that peer's GRAFT for 10 s: a node that pruned an
-        # oversubscribed mesh and later needs peers again is refused and penalized by honest
-        # peers ("GRAFT flood detected … applying penalty"), and meshes around a busy seed keep
-        # churning. The spec's prune backoff (60 s, honoured by the pruned side) stays in force.
-        self.router.graft_flood_threshold = 0.0
         self.pubsub = CountingPubsub(
             self.host,
             self.router,

@@ -1,5 +1,5 @@
 """py-libp2p's gossipsub router with IWANT answers bounded and send-queue drops counted (trio side;
-used by ``node/p2p/host.py``).
+used by ``node/p2p/host.py``; what it overrides in py-libp2p is listed in ``node/p2p/libp2p_patches.py``).
 
 py-libp2p 0.8 answers an IWANT by copying every listed message it holds into one reply, once per
 listed ID, duplicates included, as often as asked (10 IWANTs per second per peer). One IWANT of
@@ -26,7 +26,6 @@ from typing import Any
 
 import trio
 from libp2p.peer.id import ID
-from libp2p.pubsub import pubsub as _pubsub_module
 from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
@@ -56,12 +55,8 @@ class _BoundedRpcQueue(RpcQueue):
 
 
 # py-libp2p builds each peer's queue as ``RpcQueue()`` and each subscription's channel with the
-# module's SUBSCRIPTION_CHANNEL_SIZE, both looked up by name at that moment (libp2p pinned at 0.8.1;
-# fail at import if the names are gone rather than run with the 32-entry queues).
-if getattr(_pubsub_module, "RpcQueue", None) not in (RpcQueue, _BoundedRpcQueue) or not hasattr(_pubsub_module, "SUBSCRIPTION_CHANNEL_SIZE"):
-    raise ImportError("libp2p.pubsub.pubsub.RpcQueue / SUBSCRIPTION_CHANNEL_SIZE are gone: re-check node/p2p/router.py")
-setattr(_pubsub_module, "RpcQueue", _BoundedRpcQueue)  # noqa: B010 - the name py-libp2p instantiates
-setattr(_pubsub_module, "SUBSCRIPTION_CHANNEL_SIZE", DELIVERY_QUEUE_MESSAGES)  # noqa: B010 - read at each subscribe
+# module's SUBSCRIPTION_CHANNEL_SIZE, both looked up by name at that moment: node/p2p/libp2p_patches.py
+# points those names at _BoundedRpcQueue and DELIVERY_QUEUE_MESSAGES.
 
 
 class CountingPubsub(Pubsub):
@@ -88,6 +83,12 @@ class BoundedGossipSub(GossipSub):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        # py-libp2p 0.8's "GRAFT flood" check (not in the gossipsub v1.1 spec) records when a peer
+        # PRUNEd *us* and then refuses that peer's GRAFT for 10 s: a node that pruned an
+        # oversubscribed mesh and later needs peers again is refused and penalized by honest
+        # peers ("GRAFT flood detected … applying penalty"), and meshes around a busy seed keep
+        # churning. The spec's prune backoff (60 s, honoured by the pruned side) stays in force.
+        self.graft_flood_threshold = 0.0
         self._iwant_served: dict[ID, Counter[bytes]] = {}
         self.send_drops: Counter[str] = Counter()
         """Outbound RPCs dropped, by reason (``queue_full``, ``oversized``); ``messages``: the
