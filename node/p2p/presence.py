@@ -99,7 +99,7 @@ OVER_BUDGET_LIMIT = 16
 """Frames over budget after which the peer is banned (each is dropped unparsed)."""
 VIEWS_PER_INTERVAL = 2.0
 """Views a worker takes from one hub per heartbeat interval: twice what an honest hub sends (one when
-the stream opens, then at most one per interval: ``node.p2p.service.VIEW_SETTLE_INTERVALS``). Each
+the stream opens, then at most one per interval: ``node.p2p.liveness.VIEW_SETTLE_INTERVALS``). Each
 view may make a worker verify up to 256 signatures, so a peer posing as a hub must not choose how many."""
 VIEW_BURST = 4.0
 """Views a hub may send at once."""
