@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from importlib import metadata
@@ -44,7 +43,7 @@ __all__ = ["OVERRIDES", "PINNED_LIBP2P_VERSION", "Override", "adopt", "apply", "
 PINNED_LIBP2P_VERSION = "0.8.1"
 """The py-libp2p release every override below was written and tested against."""
 
-OverrideKind = Literal["module name", "method", "instance attribute", "instance class", "environment", "log filter"]
+OverrideKind = Literal["module name", "method", "instance attribute", "instance class", "log filter"]
 
 
 @dataclass(frozen=True)
@@ -57,10 +56,8 @@ class Override:
             adopted, or a logger's name).
         kind: ``module name`` (set by :func:`apply`), ``method`` (overridden by our subclass),
             ``instance attribute`` (set on each instance we build), ``instance class`` (instances
-            turned into our subclass by :func:`adopt`), ``environment`` (a default py-libp2p reads, set
-            by :func:`apply` unless the operator set it), ``log filter`` (added by :func:`apply`).
-        ours: dotted path of what replaces it (for an attribute, the value's source; for the
-            environment, ``NAME=value``).
+            turned into our subclass by :func:`adopt`), ``log filter`` (added by :func:`apply`).
+        ours: dotted path of what replaces it (for an attribute, the value's source).
         why: what py-libp2p does and why the node cannot keep it.
     """
 
@@ -117,9 +114,16 @@ OVERRIDES: tuple[Override, ...] = (
         "a property over py-libp2p's counter of credit the peer holds: negative means it sent past the window.",
     ),
     Override(
-        "libp2p.stream_muxer.yamux.yamux._yamux_release_on_read", "environment", "PY_YAMUX_RELEASE_ON_READ=0",
-        "py-libp2p's yamux sends a WINDOW_UPDATE after every read by default (a second noise frame and syscall "
-        "per message received); 0 batches credit like go-yamux. At 32 nodes: announcement p99 2.9-3.2 s -> 0.39 s.",
+        "libp2p.stream_muxer.yamux.yamux.YamuxStream._auto_tune_and_send_window_update", "method",
+        "node.p2p.transport._WindowedStream._auto_tune_and_send_window_update",
+        "a WINDOW_UPDATE went out after nearly every read however small (a second noise frame and syscalls per "
+        "message on both sides: half of a relay's frames in an announcement step); credit now goes back once half "
+        "the window is consumed, as go-yamux does (before: PY_YAMUX_RELEASE_ON_READ=0 halved them).",
+    ),
+    Override(
+        "libp2p.stream_muxer.yamux.yamux.Yamux._measure_rtt_loop", "method", "node.p2p.transport.BoundedYamux._measure_rtt_loop",
+        "a ping each way every 30 s on every connection, only to size the window auto-tuning the pinned window "
+        "turns off (67 frames/s at a hub with 500 workers); peers' pings are still answered.",
     ),
     # --- swarm: node/p2p/transport.py ----------------------------------------------------------------
     Override(
@@ -177,6 +181,19 @@ OVERRIDES: tuple[Override, ...] = (
         "libp2p.pubsub.gossipsub.GossipSub._consider_peer_replacement", "method",
         "node.p2p.router.BoundedGossipSub._consider_peer_replacement",
         "the same scoring for 'peer replacement' (not in the gossipsub spec): skipped when no subscriber is outside the mesh.",
+    ),
+    Override(
+        "libp2p.pubsub.score.PeerScorer", "instance class", "node.p2p.router._UnitDecayScorer",
+        "the router's scorer is adopted so its heartbeat skips decays by a factor of 1 (all of py-libp2p's "
+        "default parameters, ours): ~6 values per peer and topic rewritten to themselves every second.",
+    ),
+    Override(
+        "libp2p.pubsub.score.PeerScorer.on_heartbeat", "method", "node.p2p.router._UnitDecayScorer.on_heartbeat",
+        "returns at once when every decay factor is 1; otherwise decays as before.",
+    ),
+    Override(
+        "libp2p.pubsub.gossipsub.GossipSub.__init__.scorer", "instance attribute", "node.p2p.router._UnitDecayScorer",
+        "the router's scorer, adopted in BoundedGossipSub.__init__.",
     ),
     Override(
         "libp2p.pubsub.gossipsub.GossipSub.__init__.graft_flood_threshold", "instance attribute", "node.p2p.router.BoundedGossipSub",
@@ -274,9 +291,6 @@ def apply() -> None:
                 owner, name = _resolve(o.target)
                 replacement_owner, replacement_name = _resolve(o.ours)
                 setattr(owner, name, getattr(replacement_owner, replacement_name))
-            elif o.kind == "environment":
-                name, _, value = o.ours.partition("=")
-                os.environ.setdefault(name, value)  # py-libp2p reads it at each use; an operator's own value wins
             elif o.kind == "log filter":
                 logging.getLogger(o.target).addFilter(PeerNoiseFilter())
         _applied = True

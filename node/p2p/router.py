@@ -30,7 +30,10 @@ from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.pubsub.rpc_queue import RpcQueue
+from libp2p.pubsub.score import PeerScorer
 from libp2p.pubsub.utils import safe_bytes_from_hex
+
+from node.p2p.libp2p_patches import adopt
 
 __all__ = ["GOSSIP_RETRANSMISSION", "SEND_QUEUE_RPCS", "BoundedGossipSub", "CountingPubsub"]
 
@@ -73,6 +76,25 @@ class CountingPubsub(Pubsub):
                 self.delivery_drops += 1
         super().notify_subscriptions(publish_message)
 
+class _UnitDecayScorer(PeerScorer):
+    """py-libp2p's gossipsub peer scorer, whose heartbeat skips the decay when every decay factor is 1.
+
+    py-libp2p 0.8 multiplies every counter of every peer and topic by its decay factor at each
+    router heartbeat (1 s). The node runs it with py-libp2p's default parameters: every factor 1.0
+    (and every weight 0, every threshold -inf), so each heartbeat rewrote ~6 values per peer and
+    topic to themselves: at a relay with 500 workers, the largest single part of its idle CPU by
+    py-spy (26 of ~115 samples, issue 36). With a factor other than 1 it decays as before.
+    """
+
+    def on_heartbeat(self, dt_seconds: float = 1.0) -> None:
+        p = self.params
+        decays = (p.p1_time_in_mesh.decay, p.p2_first_message_deliveries.decay, p.p3_mesh_message_deliveries.decay,
+                  p.p4_invalid_messages.decay, p.p5_behavior_penalty_decay, p.p6_appl_slack_decay)
+        if all(d == 1.0 for d in decays):
+            return  # multiplying by 1 changes nothing
+        super().on_heartbeat(dt_seconds)
+
+
 GOSSIP_RETRANSMISSION = 3
 """Most times one message is sent to one peer in answer to its IWANTs (go-libp2p-pubsub's default)."""
 
@@ -89,6 +111,8 @@ class BoundedGossipSub(GossipSub):
         # peers ("GRAFT flood detected … applying penalty"), and meshes around a busy seed keep
         # churning. The spec's prune backoff (60 s, honoured by the pruned side) stays in force.
         self.graft_flood_threshold = 0.0
+        if self.scorer is not None:
+            adopt(self.scorer, PeerScorer, _UnitDecayScorer)
         self._iwant_served: dict[ID, Counter[bytes]] = {}
         self.send_drops: Counter[str] = Counter()
         """Outbound RPCs dropped, by reason (``queue_full``, ``oversized``); ``messages``: the

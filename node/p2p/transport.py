@@ -94,13 +94,35 @@ def muxer_options(muxer: str) -> TMuxerOptions:
 
 
 class _WindowedStream(YamuxStream):
-    """A py-libp2p yamux stream that notices its peer sending past the receive window.
+    """A py-libp2p yamux stream that notices its peer sending past the receive window, and returns
+    credit to the peer the way go-yamux does.
 
     py-libp2p appends a DATA frame's bytes to the stream's buffer, then lowers ``recv_window`` (the
     credit the peer still holds, bytes) by their length; a negative result means the peer sent
     more than it was granted. The excess is dropped from the buffer at once (so unread bytes never
     exceed granted credit) and the connection is marked for closing.
     """
+
+    async def _auto_tune_and_send_window_update(self, *, bytes_read: int = 0) -> None:
+        """After a read: send a WINDOW_UPDATE once the credit consumed reaches half the window
+        (go-yamux ``sendWindowUpdate``; yamux spec, "Flow Control"), never growing the window.
+
+        py-libp2p 0.8 sent one after nearly every read however small ("partial slack" below half
+        the window; ``PY_YAMUX_RELEASE_ON_READ=0`` only stopped the reads in between): a second
+        frame, with its noise encryption and syscalls on both sides, for each gossip message, view,
+        record or beat. At a relay with 24 workers, one announcement step cost 3.8 window updates
+        per worker of 7.4 frames in all (``benchmarks/gossip_results.md``, issue 36). Credit is
+        what the peer may still send, so batching it changes no byte delivered: the peer holds at
+        least half a window (128 KiB) of credit at every moment, and our messages are smaller.
+        """
+        _ = bytes_read  # the consumed credit is what the window and buffer say, not this read alone
+        async with self.window_lock:
+            buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
+            delta = STREAM_WINDOW_BYTES - (self.recv_window + buffered)
+            if delta < STREAM_WINDOW_BYTES // 2:
+                return
+            self.recv_window += delta
+        await self.send_window_update(delta, skip_lock=True)
 
     @property
     def recv_window(self) -> int:
@@ -193,6 +215,14 @@ class BoundedYamux(Yamux):
         self.window_exceeded: tuple[int, int] | None = None
         self.streams_refused = 0
         self.secured_conn._frame_budget = _FrameBudget(self.peer_id)  # type: ignore[attr-defined] # read by _read_exactly_counted
+
+    async def _measure_rtt_loop(self) -> None:
+        """No RTT pings. py-libp2p 0.8 pings every connection every 30 s from each side (a ping
+        and a pong each way: 4 noise frames per connection per 30 s, 67 a second at a hub with 500
+        workers) only to size its receive-window auto-tuning, which the pinned window turns off
+        (:data:`STREAM_WINDOW_BYTES`); a vanished peer is found by TCP keepalive
+        (:func:`set_keepalive`). Pings a peer sends are still answered (py-libp2p's frame loop)."""
+        return
 
     async def accept_stream(self) -> YamuxStream:
         """The next stream the peer opened, resetting any that would hold more than

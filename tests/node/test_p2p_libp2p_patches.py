@@ -36,12 +36,12 @@ libp2p_patches.apply()
 libp2p_patches.apply()  # once: a second call changes nothing
 assert muxer_multistream.Yamux is BoundedYamux and pubsub.RpcQueue is not RpcQueue
 assert yamux.MAX_WINDOW_SIZE == 256 * 1024 and pubsub.SUBSCRIPTION_CHANNEL_SIZE == 1024
-assert os.environ["PY_YAMUX_RELEASE_ON_READ"] == "0"
+assert "PY_YAMUX_RELEASE_ON_READ" not in os.environ  # credit is returned by our stream class instead
 assert len(logging.getLogger("libp2p.network.swarm").filters) == 1
 print("ok")
 """
     env = {k: v for k, v in os.environ.items() if k != "PY_YAMUX_RELEASE_ON_READ"}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
+    proc = subprocess.run([sys.executable, "-c", script], check=False, cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
@@ -49,9 +49,9 @@ print("ok")
 def test_every_override_names_what_it_replaces_in_the_pinned_py_libp2p() -> None:
     libp2p_patches.check()  # the installed libp2p is the pinned one, and every target is there
     targets = [o.target for o in libp2p_patches.OVERRIDES]
-    assert len(targets) == len(set((o.target, o.ours) for o in libp2p_patches.OVERRIDES))
+    assert len(targets) == len({(o.target, o.ours) for o in libp2p_patches.OVERRIDES})
     for o in libp2p_patches.OVERRIDES:
-        assert o.why and o.ours and o.kind in ("module name", "method", "instance attribute", "instance class", "environment", "log filter")
+        assert o.why and o.ours and o.kind in ("module name", "method", "instance attribute", "instance class", "log filter")
 
 
 def test_another_py_libp2p_version_is_refused_with_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -81,6 +81,7 @@ def test_an_attribute_py_libp2p_no_longer_sets_is_refused(monkeypatch: pytest.Mo
 
     def init(self: object) -> None:  # a GossipSub.__init__ that no longer sets graft_flood_threshold
         self.mesh = {}  # type: ignore[attr-defined]
+        self.scorer = None  # type: ignore[attr-defined]
 
     monkeypatch.setattr(GossipSub, "__init__", init)
     with pytest.raises(Libp2pMismatchError) as info:
