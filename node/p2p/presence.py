@@ -39,7 +39,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from node.p2p.gossip import DuplicateEnvelope, OverRate
-from node.p2p.host import P2PHost, parse_peer_addr
+from node.p2p.host import P2PHost, libp2p_id, parse_peer_addr
 from protocol.envelope import Envelope
 from protocol.errors import DecodeError, ProtocolError, SchemaError
 from protocol.identity import PeerId
@@ -790,7 +790,7 @@ class RosterFetcher:
         self.deliver(hub, roster_id, fresh, members)
 
     async def _ask(self, hub: PeerId, request: bytes, addrs: list[str]) -> bytes:
-        pid = ID.from_base58(hub)
+        pid = libp2p_id(hub)
         if not self.host.is_connected(hub):
             infos = []
             for a in addrs[:4]:
