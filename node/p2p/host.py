@@ -41,7 +41,6 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11
 from libp2p.pubsub.pb import rpc_pb2
-from libp2p.pubsub.pubsub import get_content_addressed_msg_id
 from libp2p.pubsub.subscription import TrioSubscriptionAPI
 from libp2p.rcmgr import ResourceLimits, ResourceManager, new_resource_manager
 from libp2p.rcmgr.connection_limits import ConnectionLimits
@@ -51,7 +50,7 @@ from libp2p.utils.address_validation import expand_wildcard_address
 from node.errors import GossipError
 from node.p2p import libp2p_patches
 from node.p2p.config import GossipConfig
-from node.p2p.router import BoundedGossipSub, CountingPubsub
+from node.p2p.router import BoundedGossipSub, CountingPubsub, content_message_id
 from node.p2p.transport import MAX_INBOUND_STREAMS, PerAddressCap, install_inbound_rules, muxer_options, secure_transports
 from protocol.identity import NodeKey, PeerId
 
@@ -224,7 +223,7 @@ class P2PHost:
             self.router,
             seen_ttl=SEEN_TTL_S,
             strict_signing=True,
-            msg_id_constructor=get_content_addressed_msg_id,
+            msg_id_constructor=content_message_id,
         )
         self._banned_until: dict[PeerId, float] = {}
         self._dialing: set[PeerId] = set()

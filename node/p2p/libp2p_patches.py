@@ -155,6 +155,15 @@ OVERRIDES: tuple[Override, ...] = (
         "each subscription's delivery channel held 32 messages and dropped past it silently; 1,024.",
     ),
     Override(
+        "libp2p.pubsub.pubsub.env_to_send_in_RPC", "module name", "node.p2p.router.sender_record",
+        "the host's signed peer record, attached to what pubsub sends, was rebuilt (addresses, serialization) for "
+        "every message, ~0.2-0.3 ms each; reused for a second.",
+    ),
+    Override(
+        "libp2p.pubsub.gossipsub.env_to_send_in_RPC", "module name", "node.p2p.router.sender_record",
+        "the same for every message gossipsub publishes or forwards, whether or not it has anyone to send it to.",
+    ),
+    Override(
         "libp2p.pubsub.pubsub.Pubsub.notify_subscriptions", "method", "node.p2p.router.CountingPubsub.notify_subscriptions",
         "counts the messages a full delivery channel drops (stats()['delivery_drops']).",
     ),

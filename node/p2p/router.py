@@ -21,11 +21,17 @@ for that long loses messages (counted), never the others.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import time
 from collections import Counter
 from typing import Any
 
+import multibase
 import trio
+from libp2p.encoding_config import get_default_encoding
 from libp2p.peer.id import ID
+from libp2p.peer.peerstore import env_to_send_in_RPC
 from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
@@ -35,7 +41,7 @@ from libp2p.pubsub.utils import safe_bytes_from_hex
 
 from node.p2p.libp2p_patches import adopt
 
-__all__ = ["GOSSIP_RETRANSMISSION", "SEND_QUEUE_RPCS", "BoundedGossipSub", "CountingPubsub"]
+__all__ = ["GOSSIP_RETRANSMISSION", "SEND_QUEUE_RPCS", "BoundedGossipSub", "CountingPubsub", "content_message_id", "sender_record"]
 
 SEND_QUEUE_RPCS = 512
 """RPCs queued for one peer before new ones are dropped (py-libp2p: 32). Each queued RPC is one
@@ -50,6 +56,48 @@ DELIVERY_QUEUE_MESSAGES = 1024
 """Verified messages waiting for the node's topic reader, per topic (py-libp2p: 32)."""
 
 
+SENDER_RECORD_REFRESH_S = 1.0
+"""How long a host's signed peer record, attached to every RPC it publishes, is reused before its
+listen addresses are looked at again, seconds."""
+
+
+@functools.lru_cache(maxsize=8192)
+def _encoded_digest(digest: bytes, encoding: str) -> bytes:
+    return bytes(multibase.encode(encoding, digest))
+
+
+def content_message_id(msg: rpc_pb2.Message) -> bytes:
+    """The gossipsub ID of a message: py-libp2p's content-addressed ID (the multibase encoding of the
+    SHA-256 of its data, ``get_content_addressed_msg_id``), byte for byte, with the encoding of each
+    digest computed once (the 8,192 most recent kept).
+
+    py-libp2p asks for a message's ID four to five times as it passes a node (seen cache, message
+    cache, forwarding, our topic validator and delivery), and the multibase encoding (base58 in pure
+    Python) took ≈ 100 µs each time: ≈ 0.5 ms per message at every node, for every simulated worker
+    of a hub benchmark at each announcement. The SHA-256 (≈ 1 µs per KiB) is still taken each time,
+    so the ID is always that of the bytes asked about.
+    """
+    return _encoded_digest(hashlib.sha256(msg.data).digest(), get_default_encoding())
+
+
+def sender_record(host: Any) -> tuple[bytes, bool]:
+    """py-libp2p's ``env_to_send_in_RPC``: the host's signed peer record attached to each RPC it
+    publishes, and whether it was newly made; reused for :data:`SENDER_RECORD_REFRESH_S` seconds.
+
+    py-libp2p rebuilt the host's advertised addresses (multiaddrs with the ``/p2p`` suffix) and
+    re-serialized the record for every message it published or forwarded, ≈ 0.2-0.3 ms each, at
+    every node and for each message whether or not it had anyone to forward it to. The record only
+    changes when the host's listen addresses do; one a second old is still this host's.
+    """
+    now = time.monotonic()
+    cached: tuple[bytes, float] | None = getattr(host, "_intellect_sender_record", None)
+    if cached is not None and now - cached[1] < SENDER_RECORD_REFRESH_S:
+        return cached[0], False
+    record, created = env_to_send_in_RPC(host)
+    host._intellect_sender_record = (record, now)
+    return record, created
+
+
 class _BoundedRpcQueue(RpcQueue):
     """py-libp2p's per-peer outbound queue with room for :data:`SEND_QUEUE_RPCS` RPCs."""
 
@@ -58,8 +106,9 @@ class _BoundedRpcQueue(RpcQueue):
 
 
 # py-libp2p builds each peer's queue as ``RpcQueue()`` and each subscription's channel with the
-# module's SUBSCRIPTION_CHANNEL_SIZE, both looked up by name at that moment: node/p2p/libp2p_patches.py
-# points those names at _BoundedRpcQueue and DELIVERY_QUEUE_MESSAGES.
+# module's SUBSCRIPTION_CHANNEL_SIZE, and attaches env_to_send_in_RPC(host) to what it publishes, each
+# looked up by name at that moment: node/p2p/libp2p_patches.py points those names at _BoundedRpcQueue,
+# DELIVERY_QUEUE_MESSAGES and sender_record.
 
 
 class CountingPubsub(Pubsub):

@@ -21,7 +21,8 @@ def test_importing_the_p2p_package_changes_nothing_in_py_libp2p_until_apply() ->
     script = """
 import logging, os
 import node.p2p.service, node.p2p.host, node.p2p.transport, node.p2p.router, node.p2p.topics, node.p2p.liveness
-from libp2p.pubsub import pubsub
+from libp2p.pubsub import gossipsub, pubsub
+from libp2p.peer.peerstore import env_to_send_in_RPC
 from libp2p.pubsub.rpc_queue import RpcQueue
 from libp2p.stream_muxer import muxer_multistream
 from libp2p.stream_muxer.yamux import yamux
@@ -29,12 +30,15 @@ from node.p2p import libp2p_patches
 from node.p2p.transport import BoundedYamux
 
 assert muxer_multistream.Yamux is yamux.Yamux and pubsub.RpcQueue is RpcQueue, "patched at import"
+assert gossipsub.env_to_send_in_RPC is env_to_send_in_RPC
 assert yamux.MAX_WINDOW_SIZE == 16 * 1024 * 1024 and pubsub.SUBSCRIPTION_CHANNEL_SIZE == 32
 assert "PY_YAMUX_RELEASE_ON_READ" not in os.environ
 assert not logging.getLogger("libp2p.network.swarm").filters
 libp2p_patches.apply()
 libp2p_patches.apply()  # once: a second call changes nothing
 assert muxer_multistream.Yamux is BoundedYamux and pubsub.RpcQueue is not RpcQueue
+from node.p2p.router import sender_record
+assert gossipsub.env_to_send_in_RPC is sender_record and pubsub.env_to_send_in_RPC is sender_record
 assert yamux.MAX_WINDOW_SIZE == 256 * 1024 and pubsub.SUBSCRIPTION_CHANNEL_SIZE == 1024
 assert "PY_YAMUX_RELEASE_ON_READ" not in os.environ  # credit is returned by our stream class instead
 assert len(logging.getLogger("libp2p.network.swarm").filters) == 1
