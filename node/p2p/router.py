@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import time
 from collections import Counter
 from typing import Any
@@ -125,14 +126,18 @@ class CountingPubsub(Pubsub):
                 self.delivery_drops += 1
         super().notify_subscriptions(publish_message)
 
-class _UnitDecayScorer(PeerScorer):
-    """py-libp2p's gossipsub peer scorer, whose heartbeat skips the decay when every decay factor is 1.
+class _DefaultScorer(PeerScorer):
+    """py-libp2p's gossipsub peer scorer, cheap while its parameters are inert (py-libp2p's defaults, ours).
 
-    py-libp2p 0.8 multiplies every counter of every peer and topic by its decay factor at each
-    router heartbeat (1 s). The node runs it with py-libp2p's default parameters: every factor 1.0
-    (and every weight 0, every threshold -inf), so each heartbeat rewrote ~6 values per peer and
-    topic to themselves: at a relay with 500 workers, the largest single part of its idle CPU by
-    py-spy (26 of ~115 samples, issue 36). With a factor other than 1 it decays as before.
+    The node runs it with py-libp2p's default parameters: every weight 0, every decay factor 1 and
+    every threshold -inf, so no score decides anything. Yet py-libp2p 0.8 computed them all the same:
+    at each router heartbeat (1 s) it multiplied every counter of every peer and topic by its decay
+    factor (~6 values per peer and topic rewritten to themselves: at a relay with 500 workers the
+    largest single part of its idle CPU by py-spy, 26 of ~115 samples), and for every message it
+    published it scored each peer it was about to send to against the publish threshold (≈ 3 µs a
+    peer: 1.5 ms of each announcement a hub forwards to 500 workers). Here a decay by 1 is skipped,
+    and a gate whose threshold is -inf answers at once what comparing any score with it would
+    (every score is finite: weights and counters are). Other parameters work as before.
     """
 
     def on_heartbeat(self, dt_seconds: float = 1.0) -> None:
@@ -142,6 +147,21 @@ class _UnitDecayScorer(PeerScorer):
         if all(d == 1.0 for d in decays):
             return  # multiplying by 1 changes nothing
         super().on_heartbeat(dt_seconds)
+
+    def allow_publish(self, peer: ID, topics: list[str]) -> bool:
+        if topics and self.params.publish_threshold == -math.inf:
+            return True
+        return super().allow_publish(peer, topics)
+
+    def allow_gossip(self, peer: ID, topics: list[str]) -> bool:
+        if topics and self.params.gossip_threshold == -math.inf:
+            return True
+        return super().allow_gossip(peer, topics)
+
+    def is_graylisted(self, peer: ID, topics: list[str]) -> bool:
+        if self.params.graylist_threshold == -math.inf:
+            return False
+        return super().is_graylisted(peer, topics)
 
 
 GOSSIP_RETRANSMISSION = 3
@@ -161,7 +181,7 @@ class BoundedGossipSub(GossipSub):
         # churning. The spec's prune backoff (60 s, honoured by the pruned side) stays in force.
         self.graft_flood_threshold = 0.0
         if self.scorer is not None:
-            adopt(self.scorer, PeerScorer, _UnitDecayScorer)
+            adopt(self.scorer, PeerScorer, _DefaultScorer)
         self._iwant_served: dict[ID, Counter[bytes]] = {}
         self.send_drops: Counter[str] = Counter()
         """Outbound RPCs dropped, by reason (``queue_full``, ``oversized``); ``messages``: the

@@ -261,10 +261,13 @@ async def test_a_connection_sends_no_rtt_pings_but_answers_a_peers() -> None:
             await hb.cancel()
 
 
-def test_the_router_scorer_skips_decays_by_a_factor_of_one() -> None:
+def test_the_router_scorer_with_inert_parameters_neither_decays_nor_scores() -> None:
     """py-libp2p's scorer rewrote every peer's counters each router heartbeat, multiplied by decay
     factors that are all 1 with its default parameters (ours): the largest single part of a 500-worker
-    relay's idle CPU. It now returns at once then; with a factor other than 1 it decays as before."""
+    relay's idle CPU; and it scored every peer a message was sent to against a publish threshold of
+    -inf. It now does neither with those parameters, and both as before with others."""
+    import math
+
     from libp2p.peer.id import ID
     from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11
     from libp2p.pubsub.score import ScoreParams, TopicScoreParams
@@ -285,13 +288,22 @@ def test_the_router_scorer_skips_decays_by_a_factor_of_one() -> None:
     scorer.time_in_mesh = CountingTable({p: {"t": 5.0} for p in peers})  # type: ignore[assignment]
     scorer.on_heartbeat()
     assert CountingTable.walks == 0  # old code: walked every table of every peer each heartbeat
+    scored: list[ID] = []
+    real_topic_score = scorer.topic_score
+    scorer.topic_score = lambda p, t: scored.append(p) or real_topic_score(p, t)  # type: ignore[method-assign]
+    assert all(scorer.allow_publish(p, ["t"]) and scorer.allow_gossip(p, ["t"]) and not scorer.is_graylisted(p, ["t"]) for p in peers)
+    assert scored == []  # old code: every peer scored three times
+    assert not scorer.allow_publish(peers[0], [])  # as py-libp2p: no topic, no publishing
 
-    decaying = BoundedGossipSub(protocols=[PROTOCOL_ID_V11], degree=6, degree_low=4, degree_high=200,
-                                score_params=ScoreParams(p1_time_in_mesh=TopicScoreParams(decay=0.5)))
-    assert decaying.scorer is not None
-    decaying.scorer.time_in_mesh[peers[0]]["t"] = 5.0
-    decaying.scorer.on_heartbeat()
-    assert decaying.scorer.time_in_mesh[peers[0]]["t"] == 2.5
+    strict = BoundedGossipSub(protocols=[PROTOCOL_ID_V11], degree=6, degree_low=4, degree_high=200,
+                              score_params=ScoreParams(p1_time_in_mesh=TopicScoreParams(weight=-1.0, cap=10.0, decay=0.5),
+                                                       publish_threshold=-1.0, graylist_threshold=-math.inf))
+    assert strict.scorer is not None
+    strict.scorer.time_in_mesh[peers[0]]["t"] = 5.0
+    assert not strict.scorer.allow_publish(peers[0], ["t"])  # scored: -5 < -1
+    strict.scorer.on_heartbeat()
+    assert strict.scorer.time_in_mesh[peers[0]]["t"] == 2.5  # decayed
+    assert not strict.scorer.is_graylisted(peers[0], ["t"])
 
 
 def test_a_node_at_its_target_connections_does_not_look_at_every_known_peer_each_second() -> None:
