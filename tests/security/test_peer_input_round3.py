@@ -210,7 +210,7 @@ async def test_a_dribbled_presence_frame_ends_its_attachment_and_a_huge_length_i
 
     run = Run(heartbeat_s=0.2)
     async with shared_bridge() as bridge, swarm(run, [("relay", None)], bridge=bridge) as (relay,):
-        hub = relay._presence_hub
+        hub = relay.presence.hub
         assert hub is not None
         async with raw_host(bridge) as (w_key, w):
             stream = await open_presence(bridge, w, relay)
