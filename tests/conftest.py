@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +89,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         module = item.nodeid.split("::", 1)[0]
         rank[module] = min(rank.get(module, 2), r)
     items.sort(key=lambda item: rank[item.nodeid.split("::", 1)[0]])
+
+
+@pytest.fixture
+def held_port() -> Iterator[Callable[[], int]]:
+    """Call it for each port a test must choose before its server starts: each is held for the
+    whole test by :func:`localnet.reserve_port` (the server binds it too, nobody else can)."""
+    from localnet import reserve_port
+
+    with contextlib.ExitStack() as stack:
+        yield lambda: stack.enter_context(reserve_port())
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from localnet import free_port, get_json, post
+from localnet import get_json, post
 from waiting import wait_for
 
 from node.coordinator.base import prepare_base
@@ -32,10 +32,10 @@ from protocol.runspec import DataSpec, ModelSpec, NetworkSpec, RLSpec, RunInfo, 
 pytestmark = pytest.mark.integration
 
 
-def test_train_kill_resume(tmp_path):
+def test_train_kill_resume(tmp_path, held_port):
     coord, val, worker = NodeKey.generate(), NodeKey.generate(), NodeKey.generate()
     coord.save(tmp_path / "coord.key")
-    port = free_port()
+    port = held_port()  # the signed spec names the coordinator's URL
     url = f"http://127.0.0.1:{port}"
     tasks = resolve_tasks("embedded")
     probe = RunSpec(run=RunInfo(coordinator=coord.peer_id))
@@ -120,13 +120,13 @@ def test_train_kill_resume(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_waiting_is_logged_at_the_default_level_and_sigterm_stops_without_a_final_evaluation(tmp_path):
+def test_waiting_is_logged_at_the_default_level_and_sigterm_stops_without_a_final_evaluation(tmp_path, held_port):
     """docs/operators.md §2 and §6: a wait for a batch longer than 30 s is logged with its reason at the
     default level; SIGTERM stops the coordinator at once (no final held-out evaluation, which on a CPU
     can take long), exit 0, the run page's final state written to the data directory."""
     coord, val = NodeKey.generate(), NodeKey.generate()
     coord.save(tmp_path / "coord.key")
-    port = free_port()
+    port = held_port()  # the signed spec names the coordinator's URL
     url = f"http://127.0.0.1:{port}"
     base = prepare_base(RunSpec(run=RunInfo(coordinator=coord.peer_id)), resolve_tasks("embedded"), tmp_path / "base-cache")
     spec = RunSpec(run=RunInfo(coordinator=coord.peer_id, validators=[val.peer_id], seed=3), model=ModelSpec(base=str(base)),

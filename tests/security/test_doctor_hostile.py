@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from localnet import free_port, serve_bodies
+from localnet import serve_bodies
 
 from node.cli import main
 from node.commands.doctor import budget_s, run_checks
@@ -127,14 +127,14 @@ def _by_name(checks: list) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_hostile_relays_are_fail_lines_and_doctor_finishes(tmp_path, capsys):
+def test_hostile_relays_are_fail_lines_and_doctor_finishes(tmp_path, capsys, held_port):
     with (hostile_server(dribble_body) as slow_body, hostile_server(dribble_head) as slow_head, hostile_server(deep_json) as deep,
           hostile_server(endless_body) as endless):
         relays = {"slow body": slow_body, "slow head": slow_head, "deep": deep, "endless": endless}
         # the coordinator is honest; its run page lists the relays gossip told it about
         bodies: dict[str, bytes] = {}
         with serve_bodies(bodies) as coord_url:
-            run, run_id = _spec(tmp_path, coord_url, free_port())
+            run, run_id = _spec(tmp_path, coord_url, held_port())
             bodies["/status"] = json.dumps({"run_id": run_id, "trainer_step": 3, "latest_policy_step": 3}).encode()
             bodies["/shardcast/1/held"] = json.dumps({"run_id": run_id, "held_steps": [3], "steps": [3]}).encode()
             bodies["/api/run"] = json.dumps({"nodes": [{"role": "relay", "state": "alive", "http_url": u} for u in relays.values()]}).encode()
