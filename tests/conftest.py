@@ -122,16 +122,24 @@ def code_sandbox() -> None:
 
 @pytest.fixture(autouse=True)
 def _reap_children():
-    """Fail loudly rather than leak: kill any child process a test left running."""
+    """Fail loudly rather than leak: kill any child process a test left running (with its own
+    children), except those a module fixture shares across tests (``localnet.SHARED_PROCESSES``)."""
     yield
     try:
         import psutil
     except ImportError:  # pragma: no cover
         return
-    for child in psutil.Process().children(recursive=True):
+    from localnet import SHARED_PROCESSES
+
+    for child in psutil.Process().children():
         try:
-            if any(a.endswith("_math_worker.py") for a in child.cmdline()):
-                continue  # this process's math-verify pool: long-lived by design
-            child.kill()
+            if child.pid in SHARED_PROCESSES or any(a.endswith("_math_worker.py") for a in child.cmdline()):
+                continue  # a shared devnet, or this process's math-verify pool: long-lived by design
+            tree = [*child.children(recursive=True), child]
         except psutil.Error:
-            pass
+            continue
+        for p in tree:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass

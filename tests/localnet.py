@@ -18,6 +18,11 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+SHARED_PROCESSES: set[int] = set()
+"""PIDs of child processes a module- or session-scoped fixture keeps running across its tests (a
+shared devnet): the conftest's reaper, which kills every other child after each test, spares them
+and their children. The fixture stops them itself."""
+
 
 @contextlib.contextmanager
 def reserve_port(host: str = "127.0.0.1") -> Iterator[int]:

@@ -1,6 +1,6 @@
 """`intellect-node doctor` against broken set-ups: a dead bootstrap peer, an ingest and origin of
 another run, a non-libp2p bootstrap, a tampered spec, a taken port. (The healthy case runs against
-a live devnet in test_run_page.py.)"""
+a live devnet in test_devnet.py.)"""
 
 from __future__ import annotations
 
