@@ -61,7 +61,8 @@ logger = logging.getLogger(__name__)
 WAIT_POLL_S = 0.2
 WAIT_LOG_INTERVAL_S = 30.0
 """A wait for a batch is logged (at WARNING, the default level) once it has lasted this many seconds,
-then every this many seconds with its reason; shorter waits, the normal pause between steps, are not."""
+then every this many seconds with its reason; shorter waits, the normal pause between steps, are not
+(the default of ``CoordinatorOptions.wait_log_interval_s``, ``intellect-train --wait-log-every``)."""
 
 
 @dataclass
@@ -82,6 +83,8 @@ class CoordinatorOptions:
         data_root: directory of the public task sets.
         device: torch device of the trainer.
         probe_tasks: training tasks of the start-up learning-signal probe (0: no probe; ``probe.py``).
+        wait_log_interval_s: a wait for a batch is logged at WARNING once it lasted this long, then
+            this often, seconds (:data:`WAIT_LOG_INTERVAL_S`).
     """
 
     data_dir: Path
@@ -97,6 +100,7 @@ class CoordinatorOptions:
     data_root: Path | None = None
     device: str = "cpu"
     probe_tasks: int = PROBE_TASKS
+    wait_log_interval_s: float = WAIT_LOG_INTERVAL_S
 
 
 class Coordinator:
@@ -148,7 +152,7 @@ class Coordinator:
         self.last_step: dict[str, Any] = {}
         self.signal_probe: SignalProbe | None = None
         self.wait_reason: str | None = None
-        self._wait_log = FailureLog(logger, interval_s=WAIT_LOG_INTERVAL_S)
+        self._wait_log = FailureLog(logger, interval_s=options.wait_log_interval_s)
         self._timing: dict[str, float] = {}  # monotonic marks of the current step: batch ready, policy written, published
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -321,7 +325,7 @@ class Coordinator:
                                     f"{no_signal_advice(self.spec, probe.pass_rate if probe else 0.0, probe.capped_fraction if probe else 0.0)}")
                 self.state = f"waiting for a batch: {last_reason}"
                 self.wait_reason = last_reason
-                if time.monotonic() - t0 >= WAIT_LOG_INTERVAL_S:
+                if time.monotonic() - t0 >= self.options.wait_log_interval_s:
                     self._wait_log.failed(f"waiting {time.monotonic() - t0:.0f} s for a batch for step {step + 1}: {last_reason}")
             waited = time.monotonic() - t0
             if waited > self.options.batch_timeout_s:

@@ -7,6 +7,7 @@ import http.client
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -132,10 +133,26 @@ def workers_all_banned(status: dict[str, Any], peer_ids: dict[str, str]) -> str 
     return f"every worker was banned, so no rollout can arrive: {said}"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def hold_port() -> socket.socket:
+    """A TCP port on 127.0.0.1 held for a child that must be told its port before it starts (the
+    coordinator: the signed spec names its URL and bootstrap address).
+
+    The socket is bound with ``SO_REUSEADDR`` and never listens: the child binds the same port (its
+    servers set ``SO_REUSEADDR``: ``node/http_server.py``, py-libp2p's TCP listener) while nobody else
+    can: a plain ``bind`` fails and the kernel hands the port out neither for another ``bind(0)`` nor
+    as a connection's local port. Picking a free port and closing it before the child started let
+    another process take it in between. Close the socket when the child has stopped.
+    """
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+SERVING_RE = re.compile(r" serving (http://\S+) ")
+"""A relay's start line (``node/roles/relay.py``): the URL it serves on, its bound port included."""
+STATUS_RE = re.compile(r" started; status (http://\S+)")
+"""A worker's or validator's start line (``node/roles/__init__.py``): its status URL, bound port included."""
 
 
 def get_json(url: str, timeout_s: float = 2.0) -> dict[str, Any] | None:
@@ -172,6 +189,8 @@ class Devnet:
         self.seed: int | None = options.seed
         self.run_id = ""
         self.replaced: list[str] = []
+        self._held_ports: list[socket.socket] = []  # the coordinator's two ports, held until every child stopped
+        self._url_from: dict[str, int] = {}  # node → log offset of its current process's start line (a restart appends)
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -229,7 +248,8 @@ class Devnet:
             self.links.setup()
             self.events.append(f"{time.monotonic() - self.started:.0f}s links: " + ", ".join(
                 f"{n.name} {n.ip} {n.mbit} Mb/s" for n in self.links.nodes.values()))
-        self.http_port, self.p2p_port = free_port(), free_port()
+        self._held_ports = [hold_port(), hold_port()]
+        self.http_port, self.p2p_port = (int(h.getsockname()[1]) for h in self._held_ports)
         host = self._host("coordinator")
         self.coord_url = f"http://{host}:{self.http_port}"
         bootstrap = f"/ip4/{host}/tcp/{self.p2p_port}/p2p/{coord.peer_id}"
@@ -269,48 +289,77 @@ class Devnet:
         self._wait(lambda: get_json(f"{self.coord_url}/status") is not None, 300.0, "the coordinator to come up", coord)
         print(f"run page: {self.coord_url}/", flush=True)
         self.events.append(f"{time.monotonic() - self.started:.0f}s run page at {self.coord_url}/")
-        # relays: a tree under the origin (relay i follows relay (i-1)//2, relay 0 the origin)
-        relay_urls: list[str] = []
-        for i in range(self.o.relays):
-            port = free_port()
-            upstream = self.coord_url if i == 0 else relay_urls[(i - 1) // 2]
-            relay_urls.append(f"http://{self._host(f'relay-{i}')}:{port}")
-            self.group.start(Proc(f"relay-{i}", "relay", self._cmd(f"relay-{i}", [
-                *self._bin("intellect-node"), "-v", "join", "--role", "relay", "--run", str(run), "--key", str(out / "keys" / f"relay-{i}.key"),
-                "--data-dir", str(out / f"relay-{i}"), "--http-port", str(port), "--upstream", upstream,
-                *(["--host", self._host(f"relay-{i}")] if self.links else []),
-            ]), out / "logs" / f"relay-{i}.log"))
-            self.node_urls[f"relay-{i}"] = f"{relay_urls[-1]}/shardcast/1/held"
-        for i in range(self.o.validators):
-            port = free_port()
-            self.group.start(Proc(f"validator-{i}", "validator", self._cmd(f"validator-{i}", [
-                *self._bin("intellect-node"), "-v", "validate", "--run", str(run), "--key", str(out / "keys" / f"validator-{i}.key"),
-                "--data-dir", str(out / f"validator-{i}"), "--http-port", str(port), *self._data_root(),
-            ]), out / "logs" / f"validator-{i}.log"))
-            if self.links is None:  # a status server on the namespace's loopback is out of the devnet process's reach
-                self.node_urls[f"validator-{i}"] = f"http://127.0.0.1:{port}/status"
-        names = [f"worker-{i}" for i in range(self.o.workers)] + (["adversary"] if self.o.adversary else [])
-        ports = {name: free_port() for name in names}
-        self._doctor(run, ports)
-        for name in names:
-            port = ports[name]
-            cheat = ["--adversary", self.o.adversary] if name == "adversary" and self.o.adversary else []
-            self.group.start(Proc(name, "worker", self._cmd(name, [
-                *self._bin("intellect-node"), "-v", "join", "--role", "worker", "--run", str(run), "--key", str(out / "keys" / f"{name}.key"),
-                "--data-dir", str(out / name), "--http-port", str(port), *cheat, *self._data_root(),
-            ]), out / "logs" / f"{name}.log"))
-            if self.links is None:
-                self.node_urls[name] = f"http://127.0.0.1:{port}/status"
+        # relays: a tree under the origin (relay i follows relay (i-1)//2, relay 0 the origin). Every node binds
+        # any free port (--http-port 0) and prints its URL; a relay's children start once it printed it
+        relays = [Proc(f"relay-{i}", "relay", [], out / "logs" / f"relay-{i}.log") for i in range(self.o.relays)]
 
-    def _doctor(self, run: Path, ports: dict[str, int]) -> None:
+        def start_relay(i: int) -> None:
+            upstream = self.coord_url if i == 0 else self._wait_url(relays[(i - 1) // 2], SERVING_RE)
+            relays[i].args = self._cmd(f"relay-{i}", [
+                *self._bin("intellect-node"), "-v", "join", "--role", "relay", "--run", str(run), "--key", str(out / "keys" / f"relay-{i}.key"),
+                "--data-dir", str(out / f"relay-{i}"), "--http-port", "0", "--upstream", upstream,
+                *(["--host", self._host(f"relay-{i}")] if self.links else []),
+            ])
+            self._start_node(relays[i])
+
+        if relays:
+            start_relay(0)
+        for i in range(self.o.validators):
+            self._start_node(Proc(f"validator-{i}", "validator", self._cmd(f"validator-{i}", [
+                *self._bin("intellect-node"), "-v", "validate", "--run", str(run), "--key", str(out / "keys" / f"validator-{i}.key"),
+                "--data-dir", str(out / f"validator-{i}"), "--http-port", "0", *self._data_root(),
+            ]), out / "logs" / f"validator-{i}.log"))
+        names = [f"worker-{i}" for i in range(self.o.workers)] + (["adversary"] if self.o.adversary else [])
+        self._doctor(run, names)
+        for i in range(1, self.o.relays):  # relay 0 printed its URL meanwhile (the doctor takes longer)
+            start_relay(i)
+        for name in names:
+            cheat = ["--adversary", self.o.adversary] if name == "adversary" and self.o.adversary else []
+            self._start_node(Proc(name, "worker", self._cmd(name, [
+                *self._bin("intellect-node"), "-v", "join", "--role", "worker", "--run", str(run), "--key", str(out / "keys" / f"{name}.key"),
+                "--data-dir", str(out / name), "--http-port", "0", *cheat, *self._data_root(),
+            ]), out / "logs" / f"{name}.log"))
+
+    def _start_node(self, proc: Proc) -> None:
+        """Start a relay, validator or worker; its status URL is read from its start line (:meth:`_read_urls`)."""
+        self._url_from[proc.name] = proc.log.stat().st_size if proc.log.exists() else 0
+        self.node_urls.pop(proc.name, None)
+        self.group.start(proc)
+
+    def _url(self, proc: Proc, pattern: re.Pattern[str]) -> str | None:
+        """The URL ``proc``'s current process printed in its start line, or ``None`` (not yet)."""
+        try:
+            with open(proc.log, "rb") as f:
+                f.seek(self._url_from.get(proc.name, 0))
+                m = pattern.search(f.read().decode(errors="replace"))
+        except OSError:
+            return None
+        return m.group(1) if m else None
+
+    def _wait_url(self, proc: Proc, pattern: re.Pattern[str]) -> str:
+        self._wait(lambda: self._url(proc, pattern) is not None, DISCOVERY_TIMEOUT_S, f"{proc.name} to print its URL", proc)
+        return self._url(proc, pattern) or ""
+
+    def _read_urls(self) -> None:
+        """Status URLs of the nodes that printed their start line since they (re)started. With ``--links``
+        a worker's or validator's status server is on its namespace's loopback, out of this process's reach."""
+        for p in self.group.procs:
+            if p.role == "coordinator" or p.name in self.node_urls:
+                continue
+            if p.role == "relay" and (url := self._url(p, SERVING_RE)):
+                self.node_urls[p.name] = f"{url}/shardcast/1/held"
+            elif p.role != "relay" and self.links is None and (url := self._url(p, STATUS_RE)):
+                self.node_urls[p.name] = f"{url}/status"
+
+    def _doctor(self, run: Path, names: list[str]) -> None:
         """``intellect-node doctor --role worker`` for every worker at once, each into its worker's log."""
         running = []
-        for name, port in ports.items():
+        for name in names:
             log = self.out / "logs" / f"{name}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             with open(log, "ab") as f:
                 argv = [*self._bin("intellect-node"), "doctor", "--run", str(run), "--role", "worker", "--data-dir", str(self.out / name),
-                        "--http-port", str(port), "--gossip-wait", "0"]
+                        "--http-port", "0", "--gossip-wait", "0"]
                 argv = self.links.wrap(name, argv) if self.links is not None else argv
                 running.append((name, log, subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                             env=self.group.env)))
@@ -343,6 +392,7 @@ class Devnet:
         st = get_json(f"{self.coord_url}/status")
         if st is not None:
             self.status = st
+        self._read_urls()
         for name, url in self.node_urls.items():
             s = get_json(url, timeout_s=0.5)
             if s is not None:
@@ -398,6 +448,8 @@ class Devnet:
             for sig in restore:  # a second signal must not cut the clean-up short (it is bounded: ≈ 15 s)
                 signal.signal(sig, signal.SIG_IGN)
             self.group.stop_all()
+            for held in self._held_ports:
+                held.close()
             if self.links is not None:
                 left = self.links.teardown()
                 self.events.append(f"{time.monotonic() - self.started:.0f}s links removed" + (f"; NOT removed: {left}" if left else ""))
@@ -446,6 +498,8 @@ class Devnet:
         self.events.append(f"{time.monotonic() - self.started:.0f}s killed worker-0 at step {step} (SIGKILL)")
         time.sleep(1.0)
         self.node_status.pop("worker-0", None)  # what it said before the kill is not what the restart did
+        self._url_from[victim.name] = victim.log.stat().st_size if victim.log.exists() else 0  # on a new port: read its new line
+        self.node_urls.pop(victim.name, None)
         self.group.restart(victim)
         self._tick()
         self.restarted_at = int(self.status.get("trainer_step", step) or step)

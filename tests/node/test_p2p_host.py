@@ -8,7 +8,6 @@ import socket
 from typing import Any
 
 import pytest
-from localnet import free_port
 from p2p_helpers import Run, config, shared_bridge
 from waiting import wait_until
 
@@ -37,11 +36,11 @@ def test_parse_peer_addr_rejects_addresses_without_peer() -> None:
 
 
 @pytest.mark.integration
-async def test_node_survives_a_dead_bootstrap_and_joins_when_it_appears(caplog: pytest.LogCaptureFixture) -> None:
+async def test_node_survives_a_dead_bootstrap_and_joins_when_it_appears(caplog: pytest.LogCaptureFixture, held_port) -> None:
     caplog.set_level(logging.INFO, logger="node.p2p.host")
     run = Run()
     seed_key = NodeKey.generate()
-    port = free_port()
+    port = held_port()  # dead until the seed binds it
     seed_addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{seed_key.peer_id}"
     joiner = await GossipNode.create(run.spec, NodeKey.generate(), config(bootstrap=[seed_addr, "/ip4/127.0.0.1/tcp/1"]), role="worker")
     try:

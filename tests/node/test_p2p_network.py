@@ -58,7 +58,21 @@ async def test_eight_mixed_nodes_see_each_other_with_roles() -> None:
             workers_ok = all(table(n) == infra for n, (r, _) in zip(nodes, roles) if r == "worker")
             return coord_ok and hubs_ok and workers_ok and len(attached(nodes[0])) == 4  # every worker bootstrapped from the seed
 
-        await wait_until(tables_complete, 60.0, "every table complete")  # a bound, not a speed goal: ≈ 3 s idle, 15+ s on a loaded box
+        def missing() -> str:
+            """What each table lacks or has too many of, for the failure message."""
+            out = []
+            for n, (r, _) in zip(nodes, roles):
+                want = ({k: v for k, v in expected.items() if k != n.peer_id} if r == "coordinator" else infra if r == "worker"
+                        else {**{k: v for k, v in infra.items() if k != n.peer_id}, **{w: "worker" for w in attached(n)}})
+                got = table(n)
+                if got != want:
+                    out.append(f"{r} {n.peer_id[-6:]}: lacks {sorted(set(want) - set(got))}, extra {sorted(set(got) - set(want))}")
+            return "; ".join(out) + f"; workers attached to the seed: {len(attached(nodes[0]))} of 4"
+
+        try:  # a bound, not a speed goal: ≈ 3 s idle, 15+ s on a loaded box, over 60 s once at load 11-21
+            await wait_until(tables_complete, 120.0, "every table complete")
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {missing()}") from None
         worker = nodes[4]
         assert self_subscribed(worker) == {"checkpoints", "verdicts", "bans"}  # no records on gossip at all
         assert self_subscribed(nodes[0]) == {"nodes", "checkpoints", "verdicts", "bans"}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import ClientSession, web
-from localnet import free_port
+from localnet import reserve_port
 
 from node.coordinator.recheck import CoordinatorRecheck
 from node.engine.hf import TransformersEngine
@@ -77,7 +77,13 @@ class Coordinator:
 
 @contextlib.asynccontextmanager
 async def coordinator(root: Path) -> AsyncIterator[Coordinator]:
-    port = free_port()  # the origin URL goes into the signed spec, so the port is chosen first
+    with reserve_port() as port:  # the origin URL goes into the signed spec, so the port is chosen first
+        async with _coordinator(root, port) as c:
+            yield c
+
+
+@contextlib.asynccontextmanager
+async def _coordinator(root: Path, port: int) -> AsyncIterator[Coordinator]:
     url = f"http://127.0.0.1:{port}"
     signed = make_spec(url)
     spec, run_id = signed.spec, signed.run_id

@@ -171,9 +171,10 @@ async def test_leasing_is_fair_across_workers(tmp_path: Path) -> None:
 
 
 SLOWLORIS = textwrap.dedent("""
-    import socket, sys, time
+    import selectors, socket, sys, time
     host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     socks = []
+    connecting = selectors.DefaultSelector()
     for _ in range(n):
         s = socket.socket()
         s.bind(("{ip}", 0))
@@ -183,7 +184,11 @@ SLOWLORIS = textwrap.dedent("""
         except BlockingIOError:
             pass
         socks.append(s)
-    time.sleep(0.5)
+        connecting.register(s, selectors.EVENT_WRITE)
+    end = time.monotonic() + 30
+    while connecting.get_map() and time.monotonic() < end:  # every connect answered (accepted, or refused at the cap)
+        for key, _ in connecting.select(timeout=0.5):
+            connecting.unregister(key.fileobj)
     for s in socks:  # half a request head, never finished
         try:
             s.send(b"POST /ingest/1/submissions HTTP/1.1\\r\\nHost: x\\r\\nContent-Length: 100\\r\\n")
