@@ -225,7 +225,7 @@ async def test_a_roster_counts_only_if_it_hashes_to_the_signed_id_and_holds_reco
 
             await publish_digest(1, good_id)  # answered with bytes that do not hash to it
             async def past_backoff() -> bool:  # a hub that failed is asked again after one interval (the fetcher's clock)
-                fetcher = coord._fetcher
+                fetcher = coord.presence.fetcher
                 assert fetcher is not None
                 return await bridge.run_sync(lambda: fetcher._retry_at.get(hub_key.peer_id, 0.0) <= fetcher._clock(), timeout_s=5)
 
