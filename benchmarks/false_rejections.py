@@ -225,9 +225,7 @@ def statistics_of(spec: RunSpec, model: torch.nn.Module, env: Envelope[Submissio
                 worst = max(worst, float(d.max() - d.min()) / 2)
             out.logit_err.append(worst)
         t = spec.toploc
-        rep = sampling.replay_check(logits, comp, ro.seed, 0, s.temperature, s.top_p, t.replay_eps, 1.0, eos_ids=(EOS,),
-                                    min_eos_prob=t.eos_min_prob, eos_prob_slack=t.eos_prob_slack, overwrite=True, replay_rule=t.replay_rule,
-                                    logit_bound=t.replay_logit_bound)
+        rep = sampling.replay_check(logits, comp, ro.seed, sampling.ReplayParams(temperature=s.temperature, top_p=s.top_p, eps=t.replay_eps, max_near_tie_fraction=1.0, eos_ids=(EOS,), min_eos_prob=t.eos_min_prob, eos_prob_slack=t.eos_prob_slack, replay_rule=t.replay_rule, logit_bound=t.replay_logit_bound), 0, overwrite=True)
         differs = rep.tokens.cpu() != torch.tensor(comp)
         out.gap.append(float(rep.gaps.cpu()[differs].max()) if bool(differs.any()) else 0.0)
         d = int(differs.sum())  # the rule allows ⌈share · T⌉ of T: d of them pass iff share > (d − 1) / T

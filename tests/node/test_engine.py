@@ -81,7 +81,7 @@ def test_shapes_and_logprobs_match_the_sampling_rule(engine: TransformersEngine)
         n = len(g.completion_ids)
         assert g.completion_ids.dtype == torch.int64 and g.logprobs.dtype == torch.float32
         assert g.hidden.dtype == torch.bfloat16 and g.hidden.shape == (n, 128)
-        replay = sampling.replay_check(p.logits, g.completion_ids, seed, temperature=0.7, eos_ids=(EOS,))
+        replay = sampling.replay_check(p.logits, g.completion_ids, seed, sampling.ReplayParams(temperature=0.7, eos_ids=(EOS,)))
         assert replay.ok and replay.hard_mismatches == 0 and replay.near_ties == 0
         expected = torch.log_softmax(p.logits.double() / 0.7, -1).gather(-1, g.completion_ids[:, None])[:, 0]
         torch.testing.assert_close(g.logprobs.double(), expected, atol=1e-4, rtol=0)
@@ -216,7 +216,7 @@ def test_honest_rollouts_replay_at_large_vocabulary() -> None:
             chunk = runs[lo : lo + 64]
             pre = prefill_completions(model, [prompts[i % n] for i in range(lo, lo + len(chunk))], [r[1] for r in chunk], PAD)
             for i, ((label, ids, lps), p) in enumerate(zip(chunk, pre, strict=True), start=lo):
-                replay = sampling.replay_check(p.logits, ids, seeds[i % n], temperature=temperature, top_p=top_p, eos_ids=(EOS,), min_eos_prob=0.1)
+                replay = sampling.replay_check(p.logits, ids, seeds[i % n], sampling.ReplayParams(temperature=temperature, top_p=top_p, eos_ids=(EOS,), min_eos_prob=0.1))
                 assert replay.ok, f"{label}, prompt {i % n}: {replay.reason}"
                 near, tokens = near + replay.near_ties, tokens + len(ids)
                 if lps is not None:
@@ -280,7 +280,7 @@ def test_models_the_static_decode_does_not_mirror_decode_through_transformers() 
     gens = eng.generate(prompts, seeds, SamplingParams(max_tokens=12, eos_id=EOS, min_eos_prob=1.0))
     pre = prefill_completions(model, prompts, [x.completion_ids.tolist() for x in gens], PAD)
     for x, p, seed in zip(gens, pre, seeds, strict=True):
-        assert sampling.replay_check(p.logits, x.completion_ids, seed, eos_ids=(EOS,), min_eos_prob=1.0).ok
+        assert sampling.replay_check(p.logits, x.completion_ids, seed, sampling.ReplayParams(eos_ids=(EOS,), min_eos_prob=1.0)).ok
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -313,6 +313,6 @@ def test_static_decode_on_cuda_is_accepted_by_a_cpu_validator() -> None:
     assert calls[0] > 0
     pre = prefill_completions(cpu_model, prompts, [g.completion_ids.tolist() for g in gens], PAD)
     for g, p, seed in zip(gens, pre, seeds, strict=True):
-        replay = sampling.replay_check(p.logits, g.completion_ids, seed, temperature=0.9, eos_ids=(EOS,), min_eos_prob=0.05)
+        replay = sampling.replay_check(p.logits, g.completion_ids, seed, sampling.ReplayParams(temperature=0.9, eos_ids=(EOS,), min_eos_prob=0.05))
         assert replay.ok and replay.hard_mismatches == 0, replay.reason
         assert all(r.ok for r in toploc.verify_proofs(p.hidden, toploc.build_proofs(g.hidden)))

@@ -418,14 +418,15 @@ def test_replay_tolerances_come_from_the_run_spec(world: World, honest_env: Enve
     """The sampling replay applies the signed spec's replay rule and tolerances (``toploc.replay_eps``,
     ``max_near_tie_fraction``, ``eos_prob_slack``; ``replay_rule`` and ``replay_logit_bound``: a
     bf16-compute run names logit-bound-v1; every validator of the run and the coordinator's re-check
-    must apply the same ones), not constants of the validator."""
+    must apply the same ones), not constants of the validator: one ``ReplayParams`` from the spec."""
     from protocol import sampling
 
     seen: list[tuple[Any, ...]] = []
     real = sampling.replay_checks
 
-    def spy(*args: Any, **kwargs: Any) -> Any:  # eps, max_near_tie_fraction positional, as the pipeline passes them
-        seen.append((args[6], args[7], kwargs["eos_prob_slack"], kwargs["replay_rule"], kwargs["logit_bound"]))
+    def spy(*args: Any, **kwargs: Any) -> Any:  # the run's parameters: one typed value, the fourth argument
+        p = args[3]
+        seen.append((p.eps, p.max_near_tie_fraction, p.eos_prob_slack, p.replay_rule, p.logit_bound))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(sampling, "replay_checks", spy)
