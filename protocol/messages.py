@@ -309,7 +309,9 @@ class BanEvidence(Message):
 
 
 class BanEntry(Message):
-    """One banned worker and why: the submission and the two checks that agree it cheated."""
+    """One banned worker and why: the submission and the two checks that agree it cheated; or, with
+    reason ``audit``, the coordinator's per-worker audit (one evidence entry: the test's figures,
+    naming the verdict that completed it; ``docs/toploc.md`` §11)."""
 
     peer_id: PeerIdStr
     reason: Annotated[str, StringConstraints(max_length=64)]

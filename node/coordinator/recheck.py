@@ -74,7 +74,8 @@ class CoordinatorRecheck:
         self._models: OrderedDict[int, Any] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _model(self, step: int) -> Any | None:
+    def model(self, step: int) -> Any | None:
+        """The float32 policy of ``step`` as a validator loads it (cached: :data:`MODELS_KEPT`), ``None`` if gone."""
         with self._lock:
             if step in self._models:
                 self._models.move_to_end(step)
@@ -101,7 +102,7 @@ class CoordinatorRecheck:
             return RecheckResult(True, "recheck_failed", f"stored submission unreadable: {e}"[:200], self.by)
         tok = self.tokenizer()
         step = env.body.policy_step
-        model = self._model(step) if tok is not None else None
+        model = self.model(step) if tok is not None else None
         if model is None:
             return RecheckResult(True, "unknown_checkpoint", f"no policy for step {step} to re-check with", self.by)
         checker = SubmissionChecker(self.spec, self.tasks, tok, lambda s: model if s == step else None,

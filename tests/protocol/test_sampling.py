@@ -611,3 +611,28 @@ def test_replay_refuses_non_finite_validator_logits_instead_of_judging(top_p: fl
     for rule in ({}, {"replay_rule": "logit-bound-v1", "logit_bound": 1.0}):
         with pytest.raises(ValueError, match="row 4 are not finite"):
             sampling.replay_check(x.clone(), toks, 9, sampling.ReplayParams(top_p=top_p, **rule))
+
+
+def test_logit_bound_v2_leaves_out_of_bound_and_near_ties_to_the_submission() -> None:
+    """``logit-bound-v2`` judges the same gaps as v1 but fails a completion only for a token no logits
+    within any bound pick (gap ∞): out-of-bound tokens (finite gap > δ) are counted for the caller's
+    per-submission judgment, near ties are not capped per completion; v1 rejects both."""
+    g = torch.Generator().manual_seed(5)
+    n, vocab = 24, 64
+    x = torch.randn(n, vocab, generator=g) * 2
+    seeds, pos = torch.full((n,), 3, dtype=torch.int64), torch.arange(n, dtype=torch.int64)
+    honest, _ = sampling.sample(x, seeds, pos, 1.0, 1.0)
+    top2 = torch.topk(x, 2).indices
+    runner = torch.where(top2[:, 0] == honest, top2[:, 1], top2[:, 0])  # a differing, plausible token everywhere
+    v1 = sampling.ReplayParams(replay_rule="logit-bound-v1", logit_bound=0.05, max_near_tie_fraction=0.1)
+    v2 = sampling.ReplayParams(replay_rule="logit-bound-v2", logit_bound=0.05, max_near_tie_fraction=0.1)
+    r1, r2 = (sampling.replay_check(x.clone(), runner, 3, p) for p in (v1, v2))
+    assert not r1.ok and r1.hard_mismatches > 0
+    assert r2.ok and r2.out_of_bound == r1.hard_mismatches - r1.impossible and r2.impossible == 0
+    assert r2.allowed_near_ties == n and r2.gaps.tolist() == r1.gaps.tolist()
+    differ, over = r2.gap_counts(v2.gap_edges)
+    assert differ == int((runner != r2.tokens).sum()) and over[-1] == r2.out_of_bound and over == sorted(over, reverse=True)
+    bad = runner.clone()
+    bad[5] = vocab + 3  # outside the vocabulary: impossible under any bound
+    r3 = sampling.replay_check(x.clone(), bad, 3, v2)
+    assert not r3.ok and r3.impossible == 1 and "no logits within" in r3.reason

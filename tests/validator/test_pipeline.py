@@ -482,3 +482,40 @@ def test_the_sampling_check_runs_on_one_intra_op_thread(world: World, honest_env
         assert seen and set(seen) == {1} and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_verdicts_carry_the_replay_statistics_of_the_whole_submission(world: World, honest_env: Envelope[Submission]) -> None:
+    """An accepted full check returns the statistics the audit counts: every completion token replayed,
+    every TOPLOC chunk, an honest float32 worker's tokens all the replay's; a light check has none."""
+    result = world.checker().check(honest_env)
+    assert result.accepted and result.stats is not None
+    lengths = [len(unpack_u32(ro.completion_ids)) for ro in honest_env.body.rollouts]
+    s = result.stats
+    assert s.tokens == sum(lengths) and s.chunks == sum(-(-n // SPEC.toploc.chunk_size) for n in lengths)
+    assert (s.differ, s.impossible, s.logprob_over, s.chunks_over) == (0, 0, 0, 0) and s.gap_over == [0] * 5
+    assert world.checker().check(honest_env, full=False).stats is None
+
+
+def test_logit_bound_v2_rejects_a_value_within_the_hard_factor_as_precision_beyond_it_as_a_cheat(world: World) -> None:
+    """Under ``logit-bound-v2`` a log-prob beyond its bound but within ``hard_factor`` of it is a
+    benign ``precision`` rejection carrying the statistics (one honest worker's rare numeric tail
+    never bans it; the audit counts it), beyond the factor the ``logprobs`` cheat it always was;
+    the same edit under ``logit-bound-v1`` is a cheat either way."""
+    from protocol.verdicts import BENIGN_REASONS
+
+    toploc = ToplocSpec(replay_rule="logit-bound-v2", replay_logit_bound=0.5, logprob_max_abs=0.1, logprob_mean_abs=0.1, hard_factor=2.0)
+    v2 = RunSpec(run=SPEC.run, data=SPEC.data, sampling=SPEC.sampling, rl=SPEC.rl, toploc=toploc)
+    v1 = RunSpec(run=SPEC.run, data=SPEC.data, sampling=SPEC.sampling, rl=SPEC.rl,
+                 toploc=toploc.model_copy(update={"replay_rule": "logit-bound-v1", "hard_factor": 2.0}))
+    env = honest(world, 40, spec=v2)
+    assert world.checker(spec=v2).check(env).accepted
+
+    def last(shift: float) -> Callable[[int, int], float]:
+        return lambda i, n: shift if i == n - 1 else 0.0
+
+    soft = world.checker(spec=v2).check(_logprobs_shifted(env, v2, last(0.15)))
+    assert soft.reason == "precision" and "precision" in BENIGN_REASONS and not is_cheat("precision")
+    assert soft.evidence["finding"] == "logprobs" and soft.stats is not None and soft.stats.logprob_over == 1
+    assert_rejected(world.checker(spec=v2).check(_logprobs_shifted(env, v2, last(0.25))), {"logprobs"})
+    env1 = honest(world, 40, spec=v1)
+    assert_rejected(world.checker(spec=v1).check(_logprobs_shifted(env1, v1, last(0.15))), {"logprobs"})
