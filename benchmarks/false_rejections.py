@@ -59,8 +59,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.validator_bench import make_tokenizer
+from node.devnet.config import BF16_TOPLOC
 from node.engine.base import SamplingParams
-from node.engine.hf import TransformersEngine, _seeds_tensor
+from node.engine.hf import TransformersEngine, seeds_tensor
 from node.worker.adversary import build_dishonest_submission, perturbed_model
 from node.worker.rollouts import build_submission
 from protocol import sampling, toploc
@@ -88,7 +89,7 @@ class NoCacheEngine(TransformersEngine):
 
         b, n_max = len(prompts), params.max_tokens
         seqs = [list(p) for p in prompts]
-        seed_t = _seeds_tensor(seeds, self.device)
+        seed_t = seeds_tensor(seeds, self.device)
         toks: list[list[int]] = [[] for _ in range(b)]
         lps: list[list[float]] = [[] for _ in range(b)]
         rows: list[list[torch.Tensor]] = [[] for _ in range(b)]
@@ -138,11 +139,12 @@ def worker_copy(policy: torch.nn.Module, attn: str, dtype: torch.dtype) -> torch
     return copy_
 
 
-BF16_DEFAULTS = {"replay_logit_bound": 1.0, "max_near_tie_fraction": 0.5, "logprob_max_abs": 2.0, "logprob_mean_abs": 0.5}
-"""The bf16 workers' run spec ``toploc.*`` (the float32 run uses the defaults), from this benchmark's
-bf16 rows (``docs/toploc.md`` §10): replay rule ``logit-bound-v1`` with δ = 1.0 nats (the largest
-honest bf16 logit error: 0.79 over the 83,535 positions of 10,752 rollouts, 99.9 % quantile 0.67);
-the per-token log-prob bound 2δ, the most logits within δ can move a log-prob."""
+BF16_DEFAULTS = BF16_TOPLOC
+"""The bf16 workers' run spec ``toploc.*`` (the float32 run uses the defaults): owned by
+``node.devnet.config.BF16_TOPLOC`` (the devnet's ``--worker-dtype bf16`` signs them too), chosen from
+this benchmark's bf16 rows (``docs/toploc.md`` §10): replay rule ``logit-bound-v1`` with δ = 1.0 nats
+(the largest honest bf16 logit error: 0.79 over the 83,535 positions of 10,752 rollouts, 99.9 %
+quantile 0.67); the per-token log-prob bound 2δ, the most logits within δ can move a log-prob."""
 
 
 def run_spec(args: argparse.Namespace, dtype: torch.dtype) -> RunSpec:

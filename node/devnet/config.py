@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.identity import NodeKey, PeerId
-from protocol.runspec import DataSpec, ModelSpec, NetworkSpec, RLSpec, RunInfo, RunSpec, SamplingSpec, ShardcastSpec
+from protocol.runspec import DataSpec, ModelSpec, NetworkSpec, RLSpec, RunInfo, RunSpec, SamplingSpec, ShardcastSpec, ToplocSpec
 
 EMBEDDED_SAMPLING = SamplingSpec(max_tokens=4, temperature=1.5, top_p=1.0)
 """Answers are 1–3 digits and EOS. Temperature 1.5 keeps the warm-started policy exploring (about a
@@ -39,6 +39,36 @@ PROFILE_PIECE_BYTES = 4 * 1024 * 1024
 would be ≈ 3,800 requests per full fetch)."""
 
 
+WORKER_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+"""``devnet --worker-dtype`` names → the workers' compute dtype (``join --dtype``)."""
+
+BF16_TOPLOC = {"replay_logit_bound": 1.0, "max_near_tie_fraction": 0.5, "logprob_max_abs": 2.0, "logprob_mean_abs": 0.5}
+"""The ``toploc.*`` of a run whose workers compute in bf16 against float32 validators, under replay rule
+``logit-bound-v1`` (``docs/toploc.md`` §6.2, §10; ``benchmarks/false_rejections.py`` measures them):
+δ = 1.0 nats (the largest honest bf16 logit error measured there: 0.79 over 83,535 positions of
+10,752 rollouts, 99.9 % quantile 0.67), near ties up to half of a completion (honest worst 0.33),
+per-token log-prob bound 2δ (the most logits within δ can move a log-prob) and 0.5 on the mean."""
+
+
+def precision_toploc(worker_dtype: str) -> ToplocSpec:
+    """The ``[toploc]`` section fit for workers computing in ``worker_dtype`` against float32 validators:
+    the defaults (``eps-v1``) for float32, replay rule ``logit-bound-v1`` with :data:`BF16_TOPLOC` for
+    bfloat16. The one place a devnet chooses its verification tolerances by precision.
+
+    Args:
+        worker_dtype: a key of :data:`WORKER_DTYPES` (``fp32``, ``float32``, ``bf16``, ``bfloat16``).
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    dtype = WORKER_DTYPES.get(worker_dtype)
+    if dtype is None:
+        raise ValueError(f"unknown worker dtype {worker_dtype!r}; choose one of {', '.join(WORKER_DTYPES)}")
+    if dtype == "float32":
+        return ToplocSpec()
+    return ToplocSpec(replay_rule="logit-bound-v1", **BF16_TOPLOC)
+
+
 def devnet_rl(*, embedded: bool, async_level: int | None = None, rl_overrides: dict[str, Any] | None = None,
               profile: bool = False) -> RLSpec:
     """The ``[rl]`` section of a devnet: :data:`EMBEDDED_RL`, :data:`PROFILE_RL` (``profile``) or
@@ -69,6 +99,7 @@ def devnet_spec(
     rl_overrides: dict[str, Any] | None = None,
     profile: bool = False,
     deltas: bool = True,
+    worker_dtype: str = "float32",
 ) -> RunSpec:
     """The unsigned run spec of a devnet whose coordinator serves at ``http_url``.
 
@@ -83,17 +114,29 @@ def devnet_spec(
     submission and :data:`PROFILE_PIECE_BYTES` pieces. Without ``deltas``,
     ``shardcast.max_delta_chain`` is 0: every step is published and fetched in full.
 
+    ``worker_dtype`` (a key of :data:`WORKER_DTYPES`) is what the workers compute in: the spec's
+    ``[toploc]`` is :func:`precision_toploc`'s, and with bf16 workers policies are published in
+    bf16 (``model.dtype = "bfloat16"``, as a real run publishes them: the workers' and the
+    validators' weights are then the same numbers and only the arithmetic differs; the trainer
+    computes in bf16 mixed precision over float32 masters).
+
     Raises:
         protocol.models.ModelLoadError: ``model`` is not a usable Qwen2 directory (one line naming why).
         pydantic.ValidationError: an override names no ``[rl]`` field or a value out of its bounds.
+        ValueError: an unknown ``worker_dtype``.
     """
     embedded = tasks == "embedded" and model is None
     rl = devnet_rl(embedded=embedded, async_level=async_level, rl_overrides=rl_overrides, profile=profile)
+    toploc = precision_toploc(worker_dtype)
+    model_spec = _model_spec(model)
+    if WORKER_DTYPES[worker_dtype] == "bfloat16":
+        model_spec = model_spec.model_copy(update={"dtype": "bfloat16"})
     return RunSpec(
         run=RunInfo(name="devnet", seed=seed, coordinator=coordinator.peer_id, validators=validators),
-        model=_model_spec(model),
+        model=model_spec,
         data=DataSpec(tasks=tasks, tasks_per_submission=1 if profile else 4 if tasks == "embedded" else 2),
         sampling=EMBEDDED_SAMPLING if embedded else REAL_TASKS_SAMPLING,
+        toploc=toploc,
         rl=rl,
         # keep_steps: async_level + 1 (protocol.window.fresh_steps)
         shardcast=ShardcastSpec(piece_size_bytes=PROFILE_PIECE_BYTES if profile else 256 * 1024, **({} if deltas else {"max_delta_chain": 0})),

@@ -75,6 +75,9 @@ class DevnetOptions:
         model: a local Hugging Face Qwen2 directory to train instead of the embedded model (``None``: embedded).
         rl: overrides of the run spec's ``[rl]`` fields (``--rl KEY=VALUE``; e.g. the off-policy
             correction ``is_correction``), checked like a spec file's.
+        worker_dtype: what every worker and the adversary compute in, ``float32`` or ``bfloat16``;
+            the run spec is made fit for it (``node.devnet.config.precision_toploc``).
+        steer_rate: the ``steer`` adversary's share of chances taken.
     """
 
     out: Path
@@ -98,6 +101,8 @@ class DevnetOptions:
     eval_samples: int = 16
     model: Path | None = None
     rl: dict[str, Any] = field(default_factory=dict)
+    worker_dtype: str = "float32"
+    steer_rate: float = 1.0
 
     def eval_interval(self) -> int:
         """Trainer steps between held-out evaluations: ``eval_every``, else ``ceil(steps / 6)``."""
@@ -172,6 +177,8 @@ class Devnet:
         self.seed: int | None = options.seed
         self.run_id = ""
         self.replaced: list[str] = []
+        # peer ID → (trainer step, seconds since start) when the devnet first saw it on the ban list
+        self.banned_seen: dict[str, tuple[int, float]] = {}
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -235,7 +242,7 @@ class Devnet:
         bootstrap = f"/ip4/{host}/tcp/{self.p2p_port}/p2p/{coord.peer_id}"
         spec = devnet_spec(coord, validators, tasks=self.o.tasks, http_url=self.coord_url, bootstrap=bootstrap,
                            seed=self.seed, async_level=self.o.async_level, model=self.o.model, rl_overrides=self.o.rl,
-                           profile=self.o.profile is not None, deltas=self.o.deltas)
+                           profile=self.o.profile is not None, deltas=self.o.deltas, worker_dtype=self.o.worker_dtype)
         signed = sign_run_spec(spec, coord)
         self.run_id = signed.run_id.hex()
         write_marker(self.out, {"seed": self.seed, "run_id": self.run_id, "started": round(time.time(), 3)})
@@ -294,10 +301,14 @@ class Devnet:
         self._doctor(run, ports)
         for name in names:
             port = ports[name]
-            cheat = ["--adversary", self.o.adversary] if name == "adversary" and self.o.adversary else []
+            extra = ["--adversary", self.o.adversary] if name == "adversary" and self.o.adversary else []
+            if extra and self.o.adversary == "steer":
+                extra += ["--steer-rate", f"{self.o.steer_rate:g}"]
+            if self.o.worker_dtype != "float32":
+                extra += ["--dtype", self.o.worker_dtype]
             self.group.start(Proc(name, "worker", self._cmd(name, [
                 *self._bin("intellect-node"), "-v", "join", "--role", "worker", "--run", str(run), "--key", str(out / "keys" / f"{name}.key"),
-                "--data-dir", str(out / name), "--http-port", str(port), *cheat, *self._data_root(),
+                "--data-dir", str(out / name), "--http-port", str(port), *extra, *self._data_root(),
             ]), out / "logs" / f"{name}.log"))
             if self.links is None:
                 self.node_urls[name] = f"http://127.0.0.1:{port}/status"
@@ -343,6 +354,9 @@ class Devnet:
         st = get_json(f"{self.coord_url}/status")
         if st is not None:
             self.status = st
+            for b in st.get("banned") or []:
+                if isinstance(b, dict) and isinstance(b.get("peer_id"), str) and b["peer_id"] not in self.banned_seen:
+                    self.banned_seen[b["peer_id"]] = (int(st.get("trainer_step", 0) or 0), time.monotonic() - self.started)
         for name, url in self.node_urls.items():
             s = get_json(url, timeout_s=0.5)
             if s is not None:
@@ -452,6 +466,53 @@ class Devnet:
         self.events.append(f"{time.monotonic() - self.started:.0f}s restarted worker-0 at step {self.restarted_at} (same key and data "
                            "directory): it drops spooled work the async window left behind and re-sends the rest")
 
+    def worker_outcomes(self) -> dict[str, dict[str, Any]]:
+        """Per worker process (``worker-<i>``, ``adversary``): what the coordinator made of its work.
+
+        Keys: ``peer_id``; the ledger's submission counts from ``/status`` (``accepted``, ``rejected``,
+        ``stale``, ``pending``, ``trained``: submissions a step consumed); ``rollouts_trained`` from
+        the run page's leaderboard (its final snapshot, ``coordinator/run-page/snapshot.js``; ``None``
+        when it is not there); ``banned`` (the ban reason or ``None``) and ``banned_at_step`` /
+        ``banned_after_s`` (the trainer step and run time when this devnet first saw the ban;
+        ``None`` if never); for the adversary its own ``steering`` counts when it reported them.
+        """
+        st = self.status
+        board = {row.get("peer_id"): row for row in _run_page_snapshot(self.out).get("leaderboard") or [] if isinstance(row, dict)}
+        banned = {b.get("peer_id"): str(b.get("reason", "")) for b in st.get("banned") or [] if isinstance(b, dict)}
+        out: dict[str, dict[str, Any]] = {}
+        for name, pid in sorted(self.peer_ids.items()):
+            if not name.startswith(("worker-", "adversary")):
+                continue
+            counts = (st.get("workers") or {}).get(pid) or {}
+            seen = self.banned_seen.get(pid)
+            row: dict[str, Any] = {"peer_id": pid, **{k: int(counts.get(k, 0)) for k in ("accepted", "rejected", "stale", "pending", "trained")},
+                                   "rollouts_trained": board[pid].get("rollouts_trained") if pid in board else None,
+                                   "banned": banned.get(pid), "banned_at_step": seen[0] if seen else None,
+                                   "banned_after_s": round(seen[1], 1) if seen else None}
+            steering = (self.node_status.get(name) or {}).get("steering")
+            if isinstance(steering, dict):
+                row["steering"] = steering
+            out[name] = row
+        return out
+
+    def adversary_summary(self) -> str | None:
+        """One sentence on the adversary: its accepted, rejected and trained-on work and whether and when
+        it was banned; ``None`` without ``--adversary``."""
+        if not self.o.adversary:
+            return None
+        row = self.worker_outcomes().get("adversary")
+        if row is None:
+            return None
+        rollouts = "?" if row["rollouts_trained"] is None else row["rollouts_trained"]
+        ban = (f"banned at trainer step {row['banned_at_step']} ({row['banned']})" if row["banned"] else "never banned")
+        text = (f"adversary {self.o.adversary}: {row['accepted']} submissions accepted, {row['rejected']} rejected, {row['pending']} pending, "
+                f"{row['trained']} trained on ({rollouts} rollouts); {ban}")
+        steering = row.get("steering")
+        if isinstance(steering, dict) and steering.get("rollouts"):
+            text += (f"; steered {steering.get('taken')} of {steering.get('chances')} chances over {steering.get('rollouts')} rollouts "
+                     f"({steering.get('tokens')} tokens, rate {self.o.steer_rate:g})")
+        return text
+
     def chaos_summary(self) -> str | None:
         """One sentence on the kill and restart of ``--kill-worker-at`` (``None`` without it)."""
         if self.o.kill_worker_at is None:
@@ -467,6 +528,18 @@ class Devnet:
             after = (f"of {spool.get('found')} spooled submissions it re-sent {spool.get('resent')} and dropped {spool.get('dropped_stale')} "
                      f"already outside the async window (newest policy step {spool.get('latest_step')})")
         return f"worker-0 killed (SIGKILL) at step {self.killed_at} and restarted at step {self.restarted_at}; {after}"
+
+
+def _run_page_snapshot(out: Path) -> dict[str, Any]:
+    """The coordinator's final run-page document (``coordinator/run-page/snapshot.js``, written when it
+    stops: ``window.RUN_SNAPSHOT = {…};``), ``{}`` when it is missing or unreadable."""
+    path = out / "coordinator" / "run-page" / "snapshot.js"
+    try:
+        text = path.read_text()
+        doc = json.loads(text[text.index("{") : text.rindex("}") + 1])
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 _INTERRUPTED = threading.Event()

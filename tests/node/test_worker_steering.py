@@ -1,0 +1,132 @@
+"""The steering adversary (node.worker.steering) on the shipped embedded base (0.3 M parameters).
+
+It must pass the replay of whatever spec it is given token by token (it judges each token with the
+validator's own check), steer where the spec's tolerance leaves room (bf16 spec: ``logit-bound-v1``,
+δ = 1), and be an honest worker when it takes none of its chances.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from node.coordinator.base import EMBEDDED_BASE_DIR
+from node.devnet.config import EMBEDDED_RL, EMBEDDED_SAMPLING, precision_toploc
+from node.engine.hf import TransformersEngine
+from node.worker.adversary import build_dishonest_submission
+from node.worker.rollouts import generate_rollouts
+from node.worker.steering import SteeringEngine, steer_generate
+from protocol import sampling
+from protocol.dataset import resolve_tasks
+from protocol.envelope import open_envelope
+from protocol.identity import NodeKey
+from protocol.inference import prefill_completions
+from protocol.messages import Submission
+from protocol.models import load_model, load_tokenizer
+from protocol.rollout import plan_submission, unpack_f32, unpack_u32
+from protocol.runspec import DataSpec, RunInfo, RunSpec
+
+COORD = NodeKey.from_seed(b"c" * 32)
+WORKER = NodeKey.from_seed(b"s" * 32)
+
+
+def _spec(dtype: str, max_near_tie_fraction: float | None = None) -> RunSpec:
+    """The devnet's embedded run (4 tasks × 16 samples × ≤ 4 tokens at temperature 1.5) with the toploc of ``dtype`` workers."""
+    toploc = precision_toploc(dtype)
+    if max_near_tie_fraction is not None:
+        toploc = toploc.model_copy(update={"max_near_tie_fraction": max_near_tie_fraction})
+    return RunSpec(run=RunInfo(coordinator=COORD.peer_id, seed=3), data=DataSpec(tasks_per_submission=4), sampling=EMBEDDED_SAMPLING,
+                   rl=EMBEDDED_RL, toploc=toploc)
+
+
+def _replays(spec: RunSpec, policy: torch.nn.Module, plan: list, rollouts: list) -> list[sampling.ReplayResult]:
+    """The validator's replay of every rollout (float32 prefill, the spec's rule and tolerances), with its
+    termination and log-prob checks asserted on the way."""
+    s, t = spec.sampling, spec.toploc
+    prompts = [list(p.prompt_ids) for p in plan for _ in p.seeds]
+    completions = [unpack_u32(r.completion_ids) for r in rollouts]
+    pre = prefill_completions(policy, prompts, completions, 0)
+    slack = sampling.termination_slack(t.eos_min_prob, s.temperature, t.replay_rule, t.eos_prob_slack, t.replay_logit_bound)
+    out = []
+    for r, c, p in zip(rollouts, completions, pre, strict=True):
+        assert sampling.termination_check(p.logits[-1], c, [1], s.max_tokens, s.temperature, t.eos_min_prob, slack).ok
+        rep = sampling.replay_check(p.logits, c, r.seed, 0, s.temperature, s.top_p, t.replay_eps, t.max_near_tie_fraction, eos_ids=(1,),
+                                    min_eos_prob=t.eos_min_prob, eos_prob_slack=t.eos_prob_slack, rule=s.rule, replay_rule=t.replay_rule,
+                                    logit_bound=t.replay_logit_bound)
+        assert rep.logprobs is not None
+        assert sampling.logprob_check(unpack_f32(r.logprobs), rep.logprobs, max_abs=t.logprob_max_abs, mean_abs=t.logprob_mean_abs).ok
+        out.append(rep)
+    return out
+
+
+@pytest.fixture(scope="module")
+def base() -> tuple[torch.nn.Module, object, list]:
+    torch.set_num_threads(1)
+    return load_model(EMBEDDED_BASE_DIR), load_tokenizer(EMBEDDED_BASE_DIR), resolve_tasks("embedded").train
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dtype", "max_near_tie_fraction", "steers"), [("bf16", None, True), ("bf16", 0.25, True), ("fp32", None, False)],
+                         ids=["bf16", "bf16-one-near-tie", "fp32"])
+def test_steering_passes_the_replay_of_its_spec_and_steers_where_the_bound_allows(base, dtype: str, max_near_tie_fraction: float | None,
+                                                                                  steers: bool) -> None:
+    """Every emitted token passes the per-token replay of the spec the steerer was given. Under the bf16
+    spec (δ = 1 nats) the right answer's token is often admissible: it steers, within the near-tie
+    cap (at share 0.25 one per ≤ 4-token completion), and its rollouts answer right more often than
+    the same worker's honest ones; under the float32 spec (ε = 1e-4) a float32 steerer finds next to
+    no room."""
+    policy, tok, tasks = base
+    spec = _spec(dtype, max_near_tie_fraction)
+    compute = torch.bfloat16 if dtype == "bf16" else torch.float32
+    worker = load_model(EMBEDDED_BASE_DIR, dtype=compute)
+    plans = [plan_submission(spec, tasks, tok, WORKER.peer_id, 0, counter) for counter in range(2)]
+    steered = [steer_generate(spec, policy, worker, tok, plan, 1.0, random.Random(1)) for plan in plans]
+    honest = [generate_rollouts(spec, TransformersEngine(worker, tok), tok, plan) for plan in plans]
+    taken = sum(sum(r.taken) for r in steered)
+    for plan, result in zip(plans, steered, strict=True):
+        assert sum(result.hard) == 0
+        assert all(0 <= t <= c for t, c in zip(result.taken, result.chances, strict=True))
+        for rep, near, n in zip(_replays(spec, policy, plan, result.rollouts), result.near_ties, result.tokens, strict=True):
+            assert rep.ok, rep.reason
+            assert rep.near_ties == near and near <= math.ceil(spec.toploc.max_near_tie_fraction * n)
+    reward = sum(r.task_reward for res in steered for r in res.rollouts)
+    honest_reward = sum(r.task_reward for rs in honest for r in rs)
+    if steers:
+        assert taken >= 10 and reward > honest_reward
+    else:
+        assert taken <= 2
+
+
+def test_steering_at_rate_zero_is_the_honest_worker(base) -> None:
+    """Taking none of its chances, the steerer emits exactly what the honest bf16 engine samples (the
+    same tokens and log-probs: its lock-step decode is the engine's, only the choice differs); it still
+    counts the chances it had."""
+    policy, tok, tasks = base
+    spec = _spec("bf16")
+    worker = load_model(EMBEDDED_BASE_DIR, dtype=torch.bfloat16)
+    plan = plan_submission(spec, tasks, tok, WORKER.peer_id, 0, 0)
+    result = steer_generate(spec, policy, worker, tok, plan, 0.0, random.Random(1))
+    honest = generate_rollouts(spec, TransformersEngine(worker, tok), tok, plan)
+    assert sum(result.taken) == 0 and sum(result.chances) > 0
+    for a, b in zip(result.rollouts, honest, strict=True):
+        assert a.completion_ids == b.completion_ids and a.task_reward == b.task_reward
+        assert max(abs(x - y) for x, y in zip(unpack_f32(a.logprobs), unpack_f32(b.logprobs), strict=True)) < 0.02  # prefill vs decode, bf16
+
+
+def test_steer_adversary_submission_and_engine(base) -> None:
+    """``build_dishonest_submission("steer", …)`` through a :class:`SteeringEngine` (bf16 worker, float32
+    policy) signs a valid submission and counts its steering; the rate is bounded."""
+    policy, tok, tasks = base
+    spec = _spec("bf16")
+    engine = SteeringEngine(TransformersEngine(load_model(EMBEDDED_BASE_DIR), tok, compute_dtype=torch.bfloat16), policy, 1.0, random.Random(2))
+    blob = build_dishonest_submission("steer", spec, spec.run_id, WORKER, engine, tok, tasks, 0, 0)
+    env = open_envelope(blob, run_id=spec.run_id, expect=Submission)
+    assert len(env.body.rollouts) == 64
+    assert engine.totals.rollouts == 64 and engine.totals.taken == engine.totals.chances > 0
+    with pytest.raises(ValueError, match="float32 policy"):
+        SteeringEngine(TransformersEngine(load_model(EMBEDDED_BASE_DIR), tok, compute_dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="rate"):
+        SteeringEngine(TransformersEngine(load_model(EMBEDDED_BASE_DIR), tok), rate=1.5)
