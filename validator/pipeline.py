@@ -59,6 +59,8 @@ class CheckResult:
         timings: seconds per stage.
         stats: the replay statistics of the model checks (accepted and ``precision`` verdicts of
             full checks; ``None`` otherwise), signed into the verdict for the per-worker audit.
+        extremes: with ``stats``, the largest value of each toleranced quantity the model checks
+            saw (:data:`EXTREMES`): what ``spec init --measure-precision`` sets the bounds from.
     """
 
     accepted: bool
@@ -67,16 +69,23 @@ class CheckResult:
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
     stats: ReplayStats | None = None
+    extremes: dict[str, float] = field(default_factory=dict)
+
+
+EXTREMES = ("gap", "logprob_abs", "logprob_mean_abs", "toploc_mismatches", "toploc_mant_err_mean", "toploc_mant_err_median", "eos_shortfall")
+"""The quantities :attr:`CheckResult.extremes` reports the largest of: the replay gap of a differing token
+(finite; the rule's units), the per-token and per-completion log-prob differences (nats), a TOPLOC chunk's
+mismatches and mantissa errors, and how far below the EOS floor a recomputed P(EOS) at a stop lay."""
 
 
 class Rejection(Exception):
     """Raised inside the pipeline to stop at the first failing check."""
 
-    def __init__(self, reason: str, *, stats: ReplayStats | None = None, **evidence: bool | float | str) -> None:
+    def __init__(self, reason: str, *, tally: _Tally | None = None, **evidence: bool | float | str) -> None:
         super().__init__(reason)
         self.reason = reason
         self.evidence = evidence
-        self.stats = stats
+        self.tally = tally
 
 
 @dataclass
@@ -94,6 +103,11 @@ class _Tally:
     chunks: int = 0
     chunks_over: int = 0
     soft: list[tuple[str, Evidence]] = field(default_factory=list)
+    extremes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(EXTREMES, 0.0))
+
+    def worst(self, name: str, value: float) -> None:
+        if math.isfinite(value) and value > self.extremes[name]:
+            self.extremes[name] = value
 
     def replay(self, r: sampling.ReplayResult) -> None:
         differ, over = r.gap_counts(self.edges)
@@ -102,6 +116,9 @@ class _Tally:
         self.gap_over = [a + b for a, b in zip(self.gap_over, over, strict=True)]
         self.impossible += r.impossible
         self.near_ties += r.near_ties
+        finite = r.gaps[torch.isfinite(r.gaps)]
+        if finite.numel():
+            self.worst("gap", float(finite.max()))
 
     def stats(self) -> ReplayStats:
         return ReplayStats(tokens=self.tokens, differ=self.differ, gap_over=list(self.gap_over), impossible=self.impossible,
@@ -184,14 +201,18 @@ class SubmissionChecker:
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
         try:
-            stats = self._check(env, timings, full)
+            tally = self._check(env, timings, full)
         except Rejection as r:
-            return CheckResult(False, r.reason, dict(list(r.evidence.items())[:32]), time.perf_counter() - t0, timings, r.stats)
-        return CheckResult(True, OK, {}, time.perf_counter() - t0, timings, stats)
+            tally = r.tally
+            return CheckResult(False, r.reason, dict(list(r.evidence.items())[:32]), time.perf_counter() - t0, timings,
+                               tally.stats() if tally else None, dict(tally.extremes) if tally else {})
+        if tally is None:
+            return CheckResult(True, OK, {}, time.perf_counter() - t0, timings)
+        return CheckResult(True, OK, {}, time.perf_counter() - t0, timings, tally.stats(), dict(tally.extremes))
 
     # --- the stages --------------------------------------------------------------------------
 
-    def _check(self, env: Envelope[Submission], timings: dict[str, float], full: bool = True) -> ReplayStats | None:
+    def _check(self, env: Envelope[Submission], timings: dict[str, float], full: bool = True) -> _Tally | None:
         sub = env.body
         spec = self.spec
         # policy window
@@ -229,12 +250,10 @@ class SubmissionChecker:
         timings["derive"] = time.perf_counter() - t
         tally = self._model_checks(sub, seqs, timings) if full else None
         self._rewards(sub, plan, seqs, timings)
-        if tally is None:
-            return None
-        if tally.soft:  # logit-bound-v2: values beyond a bound within the hard factor, after every hard check passed
+        if tally is not None and tally.soft:  # logit-bound-v2: values beyond a bound within the hard factor, after every hard check passed
             what, evidence = tally.soft[0]
-            raise Rejection(PRECISION, stats=tally.stats(), finding=what, findings=len(tally.soft), **evidence)
-        return tally.stats()
+            raise Rejection(PRECISION, tally=tally, finding=what, findings=len(tally.soft), **evidence)
+        return tally
 
     def _model_checks(self, sub: Submission, seqs: list[tuple[list[int], list[int], list[float]]], timings: dict[str, float]) -> _Tally:
         """The checks that need the policy: TOPLOC on the batched prefill, termination by the policy,
@@ -262,6 +281,10 @@ class SubmissionChecker:
         hf = params.hard_factor
         for j, results in enumerate(verdicts):
             tally.chunks += len(results)
+            for r in results:
+                tally.worst("toploc_mismatches", float(r.mismatches))
+                tally.worst("toploc_mant_err_mean", r.mant_err_mean)
+                tally.worst("toploc_mant_err_median", r.mant_err_median)
             for bad in (r for r in results if not r.ok):
                 tally.chunks_over += 1
                 evidence: Evidence = {"rollout": j, "chunk": bad.index, "mismatches": bad.mismatches,
@@ -355,6 +378,8 @@ class SubmissionChecker:
         for j, completion in zip(group, completions, strict=True):
             end += len(completion)
             term = sampling.termination_check(logits[end - 1], completion, [self.eos_id], s.max_tokens, s.temperature, eos_floor, slack)
+            if math.isfinite(term.p_eos):
+                tally.worst("eos_shortfall", eos_floor - term.p_eos)
             if term.ok:
                 continue
             evidence: Evidence = {"rollout": j, "p_eos": _finite(term.p_eos), "min_p_eos": eos_floor}
@@ -376,6 +401,8 @@ class SubmissionChecker:
             assert replay.logprobs is not None  # replay_checks always fills them: [n] log_softmax(logits / T)[token]
             lp = sampling.logprob_check(reported, replay.logprobs, max_abs=t.logprob_max_abs, mean_abs=t.logprob_mean_abs)
             tally.logprob_over += lp.over
+            tally.worst("logprob_abs", lp.max_abs_err)
+            tally.worst("logprob_mean_abs", lp.mean_abs_err)
             if lp.ok:
                 continue
             evidence = {"rollout": j, "position": lp.position, "max_abs_diff": _finite(lp.max_abs_err), "mean_abs_diff": _finite(lp.mean_abs_err)}

@@ -96,11 +96,9 @@ def judge_tokens(spec: RunSpec, logits: torch.Tensor, tokens: Sequence[int], see
         ValueError: mismatched lengths (as :func:`protocol.sampling.replay_checks`).
     """
     s, t = spec.sampling, spec.toploc
-    results = sampling.replay_checks(logits, [[int(x)] for x in tokens], [int(x) for x in seeds], [int(x) for x in positions],
-                                     s.temperature, s.top_p, t.replay_eps, t.max_near_tie_fraction, eos_ids=(eos_id,),
-                                     min_eos_prob=t.eos_min_prob, eos_prob_slack=t.eos_prob_slack, rule=s.rule,
-                                     replay_rule=t.replay_rule, logit_bound=t.replay_logit_bound)
-    slack = sampling.termination_slack(t.eos_min_prob, s.temperature, t.replay_rule, t.eos_prob_slack, t.replay_logit_bound)
+    params = sampling.ReplayParams.from_spec(spec, (eos_id,))
+    results = sampling.replay_checks(logits, [[int(x)] for x in tokens], [int(x) for x in seeds], params, [int(x) for x in positions])
+    slack = params.termination_slack()
     out = []
     for row, (token, r) in enumerate(zip(tokens, results, strict=True)):
         ok = r.hard_mismatches == 0
@@ -195,6 +193,7 @@ def steer_generate(
     rng = rng if rng is not None else random.Random(0)
     stats = stats if stats is not None else BuildStats()
     s, frac = spec.sampling, spec.toploc.max_near_tie_fraction
+    per_submission = sampling.ReplayParams.from_spec(spec, (int(tokenizer.eos_token_id),)).soft
     eos = int(tokenizer.eos_token_id)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     prompts = [list(p.prompt_ids) for p in plan for _ in p.seeds]
@@ -232,17 +231,25 @@ def steer_generate(
         on_honest = dict(zip(active, judged[: len(active)], strict=True))
         on_answer = dict(zip(cands, judged[len(active):], strict=True))
         emitted = list(h)
-        allowed = math.ceil(frac * (i + 1))
+        allowed = math.ceil(frac * (i + 1))  # per completion (logit-bound-v1, eps-v1)
+        # logit-bound-v2 caps near ties over the whole submission: one shared budget, this step's honest ones counted
+        room = (math.ceil(frac * (sum(len(x) for x in out) + len(active))) - sum(near)
+                - sum(int(on_honest[b].admissible and on_honest[b].differs) for b in active))
         for b in cands:
             j = on_answer[b]
-            if j.admissible and near[b] + int(j.differs) <= allowed:
+            # steering replaces b's honest token: under a shared budget its own near tie (if any) is freed
+            extra = int(j.differs) - (int(on_honest[b].admissible and on_honest[b].differs) if per_submission else 0)
+            fits = room - extra >= 0 if per_submission else near[b] + extra <= allowed
+            if j.admissible and fits:
                 chances[b] += 1
                 if rng.random() < rate:
                     taken[b] += 1
                     emitted[b] = answers[b][i]  # type: ignore[index]
+                    if per_submission:
+                        room -= extra
         for b in active:
             j = on_answer[b] if emitted[b] != h[b] else on_honest[b]
-            if j is on_honest[b] and j.differs and near[b] + 1 > allowed:  # an honest near tie over the budget: the replay's token
+            if j is on_honest[b] and j.differs and not per_submission and near[b] + 1 > allowed:  # an honest near tie over the budget
                 emitted[b], repaired[b] = j.replay_token, repaired[b] + 1
                 j = TokenJudgement(admissible=True, differs=False, gap=0.0, replay_token=j.replay_token)
             near[b] += int(j.admissible and j.differs)

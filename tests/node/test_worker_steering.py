@@ -49,13 +49,12 @@ def _replays(spec: RunSpec, policy: torch.nn.Module, plan: list, rollouts: list)
     prompts = [list(p.prompt_ids) for p in plan for _ in p.seeds]
     completions = [unpack_u32(r.completion_ids) for r in rollouts]
     pre = prefill_completions(policy, prompts, completions, 0)
-    slack = sampling.termination_slack(t.eos_min_prob, s.temperature, t.replay_rule, t.eos_prob_slack, t.replay_logit_bound)
+    params = sampling.ReplayParams.from_spec(spec, (1,))
+    slack = params.termination_slack()
     out = []
     for r, c, p in zip(rollouts, completions, pre, strict=True):
         assert sampling.termination_check(p.logits[-1], c, [1], s.max_tokens, s.temperature, t.eos_min_prob, slack).ok
-        rep = sampling.replay_check(p.logits, c, r.seed, 0, s.temperature, s.top_p, t.replay_eps, t.max_near_tie_fraction, eos_ids=(1,),
-                                    min_eos_prob=t.eos_min_prob, eos_prob_slack=t.eos_prob_slack, rule=s.rule, replay_rule=t.replay_rule,
-                                    logit_bound=t.replay_logit_bound)
+        rep = sampling.replay_check(p.logits, c, r.seed, params)
         assert rep.logprobs is not None
         assert sampling.logprob_check(unpack_f32(r.logprobs), rep.logprobs, max_abs=t.logprob_max_abs, mean_abs=t.logprob_mean_abs).ok
         out.append(rep)
