@@ -61,7 +61,7 @@ replay statistics against the calibrated honest rates; flag when it reaches 1 / 
 LOGIT_BOUND_LIMIT = 4.0
 """Upper bound on ``toploc.replay_logit_bound``, nats: beyond it any edge moves by ≥ e⁸ in odds and the replay
 no longer says anything about the tokens."""
-_HASHED_ONLY_OFF_DEFAULT = {"toploc": ("replay_rule", "replay_logit_bound", "eos_prob_slack", "worker_dtype", "hard_factor")}
+_HASHED_ONLY_OFF_DEFAULT = {"toploc": ("replay_rule", "replay_logit_bound", "eos_prob_slack", "worker_dtype", "fp32_logits", "hard_factor")}
 """Fields added after specs were signed: hashed only where they differ from their default, so a spec
 signed before them keeps its run ID and means what it meant (the ``eps-v1`` replay, EOS slack 0.01)."""
 _SECTIONS_HASHED_ONLY_OFF_DEFAULT = ("audit",)
@@ -193,6 +193,12 @@ class ToplocSpec(_Section):
         Field(description="the compute dtype of honest workers that these tolerances were measured for (`spec init --measure-precision`); "
                           "the coordinator's audit calibrates its honest baseline in it (docs/toploc.md §10–§11)"),
     ] = "float32"
+    fp32_logits: Annotated[
+        bool,
+        Field(description="workers computing in bfloat16 take their logits from the float32 LM head (the final-norm row in float32 "
+                          "times the head, as validators do): the tolerances were measured so, and honest workers must "
+                          "(docs/toploc.md §10)"),
+    ] = False
     hard_factor: Annotated[
         float,
         Field(ge=1.0, le=16.0, allow_inf_nan=False,

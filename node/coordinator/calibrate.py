@@ -40,9 +40,12 @@ from validator.pipeline import SubmissionChecker
 logger = logging.getLogger(__name__)
 
 
-def worker_engine(model_dir: Path, dtype: str, device: str = "cpu") -> TransformersEngine:
-    """The honest worker's transformers engine on ``model_dir``, computing in ``dtype`` (``float32`` or ``bfloat16``)."""
-    return TransformersEngine.from_dir(model_dir, device=device, compute_dtype=getattr(torch, dtype))
+def worker_engine(spec: RunSpec, model_dir: Path, device: str = "cpu", max_batch: int = 64) -> TransformersEngine:
+    """The honest worker's transformers engine on ``model_dir`` as the run's tolerances assume it: computing in
+    ``toploc.worker_dtype``, with float32 logits where ``toploc.fp32_logits`` says so (``node/roles/worker.py``)."""
+    dtype = spec.toploc.worker_dtype
+    return TransformersEngine.from_dir(model_dir, device=device, max_batch=max_batch, compute_dtype=getattr(torch, dtype),
+                                       fp32_head=dtype == "bfloat16" and spec.toploc.fp32_logits)
 
 
 class AuditCalibration:
@@ -121,7 +124,7 @@ class AuditCalibration:
         model = self.validator_model(step)
         if tok is None or path is None or model is None:
             return 0
-        engine = worker_engine(path, self.spec.toploc.worker_dtype, self.device)
+        engine = worker_engine(self.spec, path, self.device)
         checker = SubmissionChecker(self.spec, self.tasks, tok, lambda s: model if s == step else None,
                                     trainer_step=lambda: step, counter_seen=lambda *_: False)
         counted = 0

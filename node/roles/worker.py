@@ -121,6 +121,9 @@ class Worker:
 
     async def start(self) -> None:
         await require_sandbox_for(self.tasks)  # code tasks only in a real sandbox: RewardError naming what to install
+        if self.options.dtype == "bfloat16" and self.spec.toploc.worker_dtype == "float32":
+            logger.warning("this run's tolerances are for float32 workers (toploc.worker_dtype): computing in bfloat16, this worker's "
+                           "submissions will be rejected and may get it banned; run with --dtype float32")
         if self.options.gossip is not None:
             self.gossip = await GossipNode.create(self.spec, self.key, self.options.gossip, role="worker")
             self.gossip.on_announcement(self._on_announcement)
@@ -254,11 +257,17 @@ class Worker:
             await self._sleep(self._late_backoff.next_delay())
             return False
 
+    def fp32_head(self) -> bool:
+        """Whether the engine takes its logits from the float32 head: asked for, or a bf16 engine in a run
+        whose tolerances were measured with float32 logits (``toploc.fp32_logits``; without them an
+        honest bf16 worker's noise is larger than the run's bounds and the audit's baseline)."""
+        return self.options.fp32_head or (self.options.dtype == "bfloat16" and self.spec.toploc.fp32_logits)
+
     def _load(self, path: Path) -> None:
         if self.engine is None:
             self.tokenizer = load_tokenizer(path)
             engine = create_engine(self.options.engine, path, device=self.options.device, dtype=self.options.dtype,
-                                   fp32_head=self.options.fp32_head)
+                                   fp32_head=self.fp32_head())
             if self.options.adversary:
                 from node.worker.adversary import adversary_engine
 
