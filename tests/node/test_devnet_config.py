@@ -31,3 +31,23 @@ def test_rl_overrides_reach_the_spec() -> None:
 def test_bad_rl_overrides_are_refused_with_the_field(flags: list[str], message: str) -> None:
     with pytest.raises(CliError, match=message):
         _rl_overrides(flags, embedded=True, async_level=None)
+
+
+def test_bf16_workers_get_the_logit_bound_spec() -> None:
+    """``--worker-dtype bf16`` signs a spec a bf16 worker passes: replay rule ``logit-bound-v1`` with the bf16
+    tolerances, policies published in bf16; fp32 keeps the defaults; names are checked."""
+    from node.devnet.config import BF16_TOPLOC, precision_toploc
+    from protocol.runspec import ToplocSpec
+
+    assert precision_toploc("fp32") == precision_toploc("float32") == ToplocSpec()
+    bf16 = precision_toploc("bf16")
+    assert bf16 == precision_toploc("bfloat16")
+    assert bf16.replay_rule == "logit-bound-v1" and bf16.replay_logit_bound == BF16_TOPLOC["replay_logit_bound"] == 1.0
+    assert (bf16.max_near_tie_fraction, bf16.logprob_max_abs, bf16.logprob_mean_abs) == (0.5, 2.0, 0.5)
+    key = NodeKey.generate()
+    spec = devnet_spec(key, [], tasks="embedded", http_url="http://127.0.0.1:1", bootstrap="", seed=1, worker_dtype="bf16")
+    assert spec.toploc == bf16 and spec.model.dtype == "bfloat16"
+    plain = devnet_spec(key, [], tasks="embedded", http_url="http://127.0.0.1:1", bootstrap="", seed=1)
+    assert plain.toploc == ToplocSpec() and plain.model.dtype == "float32"
+    with pytest.raises(ValueError, match="worker dtype"):
+        precision_toploc("fp16")
