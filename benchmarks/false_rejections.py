@@ -59,7 +59,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.validator_bench import make_tokenizer
-from node.devnet.config import BF16_TOPLOC
 from node.engine.base import SamplingParams
 from node.engine.hf import TransformersEngine, seeds_tensor
 from node.worker.adversary import build_dishonest_submission, perturbed_model
@@ -139,10 +138,10 @@ def worker_copy(policy: torch.nn.Module, attn: str, dtype: torch.dtype) -> torch
     return copy_
 
 
-BF16_DEFAULTS = BF16_TOPLOC
-"""The bf16 workers' run spec ``toploc.*`` (the float32 run uses the defaults): owned by
-``node.devnet.config.BF16_TOPLOC`` (the devnet's ``--worker-dtype bf16`` signs them too), chosen from
-this benchmark's bf16 rows (``docs/toploc.md`` §10): replay rule ``logit-bound-v1`` with δ = 1.0 nats
+BF16_DEFAULTS = {"replay_logit_bound": 1.0, "max_near_tie_fraction": 0.5, "logprob_max_abs": 2.0, "logprob_mean_abs": 0.5}
+"""The bf16 workers' run spec ``toploc.*`` under replay rule ``logit-bound-v1`` (the float32 run uses the
+defaults), chosen from this benchmark's bf16 rows (``docs/toploc.md`` §10; runs measured with
+``logit-bound-v2`` set theirs with ``spec init --measure-precision``): δ = 1.0 nats
 (the largest honest bf16 logit error: 0.79 over the 83,535 positions of 10,752 rollouts, 99.9 %
 quantile 0.67); the per-token log-prob bound 2δ, the most logits within δ can move a log-prob."""
 

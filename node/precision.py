@@ -172,3 +172,39 @@ def measure_precision(spec: RunSpec, model_dir: Path, tasks: Sequence[Task], tok
     out.differ_rate = differ / max(1, out.tokens)
     out.seconds = time.perf_counter() - t0
     return out
+
+
+MEASUREMENT_VERSION = 1
+"""Bumped when what :func:`measure_precision` measures changes: cached measurements of an older version are not reused."""
+
+
+def cached_measurement(spec: RunSpec, model_dir: Path, tasks: Sequence[Task], tokenizer: Any, dtype: str, *, fp32_logits: bool,
+                       cache_dir: Path, submissions: int = 20) -> tuple[PrecisionMeasurement, bool]:
+    """:func:`measure_precision` once per machine: the result is kept under ``cache_dir`` keyed by the
+    model's bytes (:func:`protocol.models.base_hash`), the tasks, sampling and TOPLOC parameters, the
+    dtype, the logits' precision, the number of submissions, torch's version and
+    :data:`MEASUREMENT_VERSION` (the arithmetic measured is this machine's: the cache is not shared).
+
+    Returns:
+        The measurement and whether it came from the cache.
+    """
+    import hashlib
+    import json
+
+    from protocol.durable import atomic_write
+    from protocol.models import base_hash
+
+    key_doc = {"v": MEASUREMENT_VERSION, "model": base_hash(Path(model_dir)), "tasks": spec.data.model_dump(mode="json"),
+               "sampling": spec.sampling.model_dump(mode="json"), "toploc": [spec.toploc.chunk_size, spec.toploc.topk, spec.toploc.eos_min_prob],
+               "group": spec.rl.group_size, "dtype": dtype, "fp32_logits": fp32_logits, "n": submissions, "torch": torch.__version__}
+    key = hashlib.sha256(json.dumps(key_doc, sort_keys=True).encode()).hexdigest()[:24]
+    path = Path(cache_dir) / f"precision-{key}.json"
+    try:
+        doc = json.loads(path.read_text())
+        return PrecisionMeasurement(**doc), True
+    except (OSError, ValueError, TypeError):
+        pass  # not measured on this machine yet (or a damaged file: measured again)
+    m = measure_precision(spec, model_dir, tasks, tokenizer, dtype, submissions=submissions, fp32_head=fp32_logits)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps(m.__dict__, sort_keys=True).encode(), durable=False)
+    return m, False

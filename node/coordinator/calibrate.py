@@ -7,7 +7,8 @@ measured here, on the run itself: after each published policy step the coordinat
 (:func:`node.worker.rollouts.build_submission`) in the run's worker dtype
 (``toploc.worker_dtype``) under a throwaway key (its tasks derive like any worker's), checks them
 with the validators' pipeline against the float32 policy, and counts their statistics into the
-baseline. A calibration submission that is rejected is reported loudly (``/status``
+baseline; the first calibrated step makes as many more as the baseline needs before the audit may
+flag anyone (``audit.min_calibration_tokens``). A calibration submission that is rejected is reported loudly (``/status``
 ``audit.calibration``): the run's bounds do not hold for honest compute, and the operator
 re-measures them (``spec init --measure-precision``, ``docs/operators.md``).
 
@@ -38,6 +39,11 @@ from trainer.ledger.audit import WorkerAudit
 from validator.pipeline import SubmissionChecker
 
 logger = logging.getLogger(__name__)
+
+MAX_BURST_SUBMISSIONS = 256
+"""Most reference submissions one step's calibration makes while the baseline is below
+``audit.min_calibration_tokens`` (the first calibrated step fills it; a run whose completions are too
+short to reach it in this many says so in ``/status``: the audit stays not ready)."""
 
 
 def worker_engine(spec: RunSpec, model_dir: Path, device: str = "cpu", max_batch: int = 64) -> TransformersEngine:
@@ -128,7 +134,12 @@ class AuditCalibration:
         checker = SubmissionChecker(self.spec, self.tasks, tok, lambda s: model if s == step else None,
                                     trainer_step=lambda: step, counter_seen=lambda *_: False)
         counted = 0
-        for _ in range(self.spec.audit.calibration_submissions):
+        made = 0
+        # the step's share, and at first as many more as the baseline needs to flag anyone (audit.min_calibration_tokens)
+        while made < self.spec.audit.calibration_submissions or (not self.audit.ready() and made < MAX_BURST_SUBMISSIONS):
+            if self._stop:
+                break
+            made += 1
             raw = build_submission(self.spec, self.run_id, self.key, engine, tok, self.tasks, step, self.counter)
             self.counter += 1
             result = checker.check(open_envelope(raw, run_id=self.run_id, expect=Submission))

@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node.devnet.config import devnet_spec
+from node.devnet.config import WORKER_DTYPES, devnet_spec
 from node.devnet.links import Links
 from node.devnet.outdir import claim_out, write_marker
 from node.devnet.procs import Proc, ProcessGroup
 from node.devnet.profile import prepare_profile_model
 from node.devnet.timeline import MemorySampler
 from protocol.identity import NodeKey, PeerId
-from protocol.runspec import dump_run_spec, sign_run_spec
+from protocol.runspec import ToplocSpec, dump_run_spec, sign_run_spec
 
 logger = logging.getLogger(__name__)
 
@@ -240,15 +240,40 @@ class Devnet:
         host = self._host("coordinator")
         self.coord_url = f"http://{host}:{self.http_port}"
         bootstrap = f"/ip4/{host}/tcp/{self.p2p_port}/p2p/{coord.peer_id}"
-        spec = devnet_spec(coord, validators, tasks=self.o.tasks, http_url=self.coord_url, bootstrap=bootstrap,
-                           seed=self.seed, async_level=self.o.async_level, model=self.o.model, rl_overrides=self.o.rl,
-                           profile=self.o.profile is not None, deltas=self.o.deltas, worker_dtype=self.o.worker_dtype)
+        def make(measured: Any = None) -> Any:
+            return devnet_spec(coord, validators, tasks=self.o.tasks, http_url=self.coord_url, bootstrap=bootstrap,
+                               seed=self.seed, async_level=self.o.async_level, model=self.o.model, rl_overrides=self.o.rl,
+                               profile=self.o.profile is not None, deltas=self.o.deltas, worker_dtype=self.o.worker_dtype, measured=measured)
+
+        spec = make() if WORKER_DTYPES[self.o.worker_dtype] == "float32" else make(self._measure_precision(make(ToplocSpec(
+            replay_rule="logit-bound-v2", replay_logit_bound=1.0, worker_dtype="bfloat16"))))
         signed = sign_run_spec(spec, coord)
         self.run_id = signed.run_id.hex()
         write_marker(self.out, {"seed": self.seed, "run_id": self.run_id, "started": round(time.time(), 3)})
         path = self.out / "run.toml"
         path.write_text(dump_run_spec(signed))
         return path
+
+    def _measure_precision(self, draft: Any) -> Any:
+        """The bf16 tolerances of this run, measured on its base once per machine (``node/precision.py``;
+        ``spec init --measure-precision bfloat16 --fp32-logits`` does the same): the table goes to the events."""
+        from node.coordinator.base import base_cache_root, prepare_base
+        from node.precision import cached_measurement
+        from protocol.dataset import resolve_tasks
+        from protocol.models import load_tokenizer
+
+        self.events.append(f"{time.monotonic() - self.started:.0f}s measuring the bf16 workers' tolerances on the base (once per machine)")
+        tasks = resolve_tasks(draft.data.tasks, self.o.data_root, draft.data.tasks_hash)
+        work = self.out / "precision-base"
+        try:
+            base = prepare_base(draft, tasks, work)
+            m, cached = cached_measurement(draft, base, tasks.train, load_tokenizer(base), "bfloat16", fp32_logits=True,
+                                           cache_dir=base_cache_root().parent / "precision")
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        toploc = m.toploc(draft.toploc, draft.sampling.temperature)
+        self.events.append(f"{time.monotonic() - self.started:.0f}s " + ("(cached) " if cached else "") + "\n  ".join(m.lines(toploc)))
+        return toploc
 
     def _data_root(self) -> list[str]:
         return ["--data-root", str(self.o.data_root)] if self.o.data_root else []

@@ -27,15 +27,18 @@ from protocol.inference import prefill_completions
 from protocol.messages import Submission
 from protocol.models import load_model, load_tokenizer
 from protocol.rollout import plan_submission, unpack_f32, unpack_u32
-from protocol.runspec import DataSpec, RunInfo, RunSpec
+from protocol.runspec import DataSpec, RunInfo, RunSpec, ToplocSpec
 
 COORD = NodeKey.from_seed(b"c" * 32)
 WORKER = NodeKey.from_seed(b"s" * 32)
+BF16_V1 = ToplocSpec(replay_rule="logit-bound-v1", replay_logit_bound=1.0, max_near_tie_fraction=0.5, logprob_max_abs=2.0,
+                     logprob_mean_abs=0.5, worker_dtype="bfloat16")
+"""A bf16 run's tolerances under logit-bound-v1 (the steerer must adapt to whichever rule a spec names)."""
 
 
 def _spec(dtype: str, max_near_tie_fraction: float | None = None) -> RunSpec:
     """The devnet's embedded run (4 tasks × 16 samples × ≤ 4 tokens at temperature 1.5) with the toploc of ``dtype`` workers."""
-    toploc = precision_toploc(dtype)
+    toploc = precision_toploc(dtype, BF16_V1 if dtype == "bf16" else None)
     if max_near_tie_fraction is not None:
         toploc = toploc.model_copy(update={"max_near_tie_fraction": max_near_tie_fraction})
     return RunSpec(run=RunInfo(coordinator=COORD.peer_id, seed=3), data=DataSpec(tasks_per_submission=4), sampling=EMBEDDED_SAMPLING,
