@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node.coordinator.base import EMBEDDED_BASE_DIR
+from node.coordinator.calibrate import worker_engine
 from node.devnet.config import EMBEDDED_RL, EMBEDDED_SAMPLING
 from node.engine.hf import TransformersEngine
 from node.precision import measure_precision
@@ -55,7 +56,7 @@ from protocol.envelope import open_envelope
 from protocol.identity import NodeKey
 from protocol.inference import prefill_completions
 from protocol.messages import Submission
-from protocol.models import load_model, load_tokenizer
+from protocol.models import head_weight, load_model, load_tokenizer
 from protocol.rollout import plan_submission
 from protocol.runspec import AuditSpec, DataSpec, ModelSpec, RunInfo, RunSpec, ToplocSpec
 from validator.pipeline import SubmissionChecker
@@ -94,9 +95,10 @@ def checked(checker: SubmissionChecker, spec: RunSpec, raw: bytes) -> Any:
 
 
 def calibrate(spec: RunSpec, policy_dir: Path, tasks: list, tok: Any, checker: SubmissionChecker, tokens: int) -> tuple[Baseline, int]:
-    """The coordinator's calibration: honest bf16 reference submissions (batch 64) until ``tokens`` are replayed."""
+    """The coordinator's calibration (``node/coordinator/calibrate.py``'s engine): honest bf16 reference
+    submissions (batch 64) until ``tokens`` are replayed."""
     base = Baseline(spec.audit.baseline_confidence, 1 << 20)
-    engine = TransformersEngine.from_dir(policy_dir, compute_dtype=torch.bfloat16)
+    engine = worker_engine(spec, policy_dir)
     key, counter, rejected = NodeKey.generate(), 0, 0
     while base.tokens() < tokens:
         result = checked(checker, spec, build_submission(spec, spec.run_id, key, engine, tok, tasks, 0, counter))
@@ -110,7 +112,7 @@ def calibrate(spec: RunSpec, policy_dir: Path, tasks: list, tok: Any, checker: S
 def honest_workers(spec: RunSpec, policy_dir: Path, tasks: list, tok: Any, checker: SubmissionChecker, bounds: dict[str, float],
                    rollouts: int, per_worker: int) -> dict[str, Any]:
     """Honest bf16 workers (batch 1 / 8 / 64 in turn), ``per_worker`` submissions each, until ``rollouts``: their audit."""
-    engines = {b: TransformersEngine.from_dir(policy_dir, compute_dtype=torch.bfloat16, max_batch=b) for b in (1, 8, 64)}
+    engines = {b: worker_engine(spec, policy_dir, max_batch=b) for b in (1, 8, 64)}
     flagged, n_rollouts, workers, passes, tokens, worst = 0, 0, 0, 0, 0, -math.inf
     reasons: dict[str, int] = {}
     while n_rollouts < rollouts:
@@ -137,12 +139,13 @@ def steer(spec: RunSpec, policy: torch.nn.Module, policy_dir: Path, tasks: list,
           bounds: dict[str, float], rate: float, max_tokens: int, seed: int) -> Outcome:
     """A steering worker at ``rate`` until the audit flags it or it emitted ``max_tokens``."""
     worker = load_model(policy_dir).to(torch.bfloat16).eval()
+    head = head_weight(policy_dir) if spec.toploc.fp32_logits else None  # the worker's logits as the spec says honest ones are made
     key, state, out = NodeKey.generate(), AuditState(), Outcome(rate)
     rng = random.Random(seed)
     counter = 0
     while out.flagged_after is None and out.tokens < max_tokens:
         plan = plan_submission(spec, tasks, tok, key.peer_id, 0, counter)
-        steered = steer_generate(spec, policy, worker, tok, plan, rate, rng)
+        steered = steer_generate(spec, policy, worker, tok, plan, rate, rng, head_fp32=head)
         raw = seal_submission(spec.run_id, key, 0, counter, plan, steered.rollouts)
         counter += 1
         result = checked(checker, spec, raw)
@@ -221,6 +224,8 @@ def main() -> None:
     ap.add_argument("--max-steer-tokens", type=int, default=30_000, help="give up on a steerer after this many of its tokens")
     ap.add_argument("--positions", type=int, default=400, help="answer positions for the admissible-set counts")
     ap.add_argument("--quick", action="store_true", help="2,048 honest rollouts, 8 measured submissions per batch, 10,000 calibration tokens")
+    ap.add_argument("--logits", choices=["fp32", "bf16"], default="fp32",
+                    help="the bf16 workers' LM head the run's spec assumes (toploc.fp32_logits; default fp32, as the devnet's)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.quick:
@@ -244,7 +249,7 @@ def main() -> None:
         meas[head] = m
         chosen = m.toploc(base_spec.toploc, base_spec.sampling.temperature)
         print(f"\n[honest bf16 workers, {head} LM head] " + "\n".join(m.lines(chosen)))
-    measured = meas["bf16"].toploc(base_spec.toploc, base_spec.sampling.temperature)
+    measured = meas[args.logits].toploc(base_spec.toploc, base_spec.sampling.temperature)
     deltas = [None if d == "measured" else float(d) for d in args.deltas.split(",")]
     rates = [float(r) for r in args.rates.split(",")]
     rows, first_line = [], None
