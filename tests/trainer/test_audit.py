@@ -5,6 +5,8 @@ and evidence survive a restart."""
 
 from __future__ import annotations
 
+import json
+
 from protocol.audit import replay_evidence
 from protocol.envelope import open_envelope, seal
 from protocol.identity import NodeKey
@@ -94,17 +96,29 @@ def test_a_steering_worker_is_banned_by_the_audit_and_its_untrained_work_withdra
     again.ledger.close()
 
 
-def test_nothing_is_flagged_before_the_baseline_is_measured(tmp_path) -> None:
-    """Below ``audit.min_calibration_tokens`` of calibration the audit counts but never flags, however
-    the statistics look; the rule ``none`` counts nothing."""
+def test_verdicts_before_the_baseline_is_measured_are_kept_and_counted_once_it_is(tmp_path) -> None:
+    """Below ``audit.min_calibration_tokens`` of calibration the audit flags no one and bets nothing;
+    the verdicts are kept, and the worker's next verdict once the baseline is ready counts them all,
+    in order, against the bounds then (the bounds come from the coordinator's reference work, not the
+    worker's, so counting them late keeps the guarantee); the rule ``none`` counts nothing."""
     service = open_coordinator(tmp_path)
     calibrate(service, 4000)
     w = NodeKey.generate()
-    for i in range(20):
-        sub = submission(w, i)
+    subs = [submission(w, i) for i in range(21)]
+    for sub in subs:
         assert service.ledger.store.add(open_envelope(sub, run_id=RUN, expect=Submission))
+    for sub in subs[:20]:
         service.apply_verdict(verdict(sub, STEERED))
-    assert not service.ledger.bans.is_banned(w.peer_id) and not service.ban_rule.audit.ready()
+    audit = service.ban_rule.audit
+    assert not service.ledger.bans.is_banned(w.peer_id) and not audit.ready() and audit.evidence(w.peer_id) == []
+    calibrate(service, 20_000)
+    service.apply_verdict(verdict(subs[20], STEERED))
+    assert service.ledger.bans.is_banned(w.peer_id)
+    rows = audit.evidence(w.peer_id)
+    assert len(rows) == 21 and [r["seq"] for r in rows] == list(range(1, 22)) and len({json.dumps(r["bounds"]) for r in rows}) == 1
+    _, flag = replay_evidence([(ReplayStats.model_validate(r["stats"]), r["bounds"]) for r in rows], SPEC.audit.false_alarm)
+    entry = next(e for e in service.ledger.bans.entries() if e.peer_id == w.peer_id)
+    assert flag is not None and flag.detail() == entry.evidence[0].detail and flag.verdicts < 21  # flagged within the kept ones
     service.close()
     service.ledger.close()
     off = open_ingest(tmp_path / "off", RunSpec(run=SPEC.run), COORD, trainer_step=lambda: 0, latest_policy_step=lambda: 0)

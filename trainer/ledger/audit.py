@@ -91,20 +91,37 @@ class WorkerAudit:
 
     def observe(self, worker: str, stats: ReplayStats, submission_id: str, verdict_id: str) -> Flag | None:
         """Count one deciding verdict's statistics; a :class:`~protocol.audit.Flag` the first time the
-        worker's test reaches ``1 / audit.false_alarm`` (never before the baseline is :meth:`ready`)."""
+        worker's test reaches ``1 / audit.false_alarm``.
+
+        Before the baseline is :meth:`ready` a verdict is kept, not counted (its bounds would be 1:
+        no bet); the worker's kept verdicts are counted, in order, against the bounds of the first
+        verdict after it is ready. The bounds come from the coordinator's own reference work, never
+        from the worker's, so counting them late keeps the test's guarantee.
+        """
         if not self.enabled:
             return None
         with self._lock:
             if worker in self._flagged:
                 return None
-            bounds = self.baseline.bounds()
             state = self._states.setdefault(worker, AuditState())
-            state.observe(stats, bounds)
-            flag = state.flag(self.spec.false_alarm, bounds) if self.ready() else None
+            seq = state.verdicts + self._kept(worker) + 1
+            if not self.ready():
+                self._db.execute("INSERT INTO evidence (worker, seq, submission_id, verdict_id, stats, bounds) VALUES (?, ?, ?, ?, ?, '')",
+                                 (worker, seq, submission_id, verdict_id, stats.model_dump_json()))
+                return None
+            bounds = self.baseline.bounds()
+            flag: Flag | None = None
             with self._db:
                 self._db.execute("BEGIN")
+                kept = self._db.execute("SELECT seq, stats FROM evidence WHERE worker = ? AND bounds = '' ORDER BY seq", (worker,)).fetchall()
+                for kseq, kstats in kept:  # verdicts that came before the baseline was ready, in order
+                    state.observe(ReplayStats.model_validate_json(kstats), bounds)
+                    flag = flag or state.flag(self.spec.false_alarm, bounds)
+                    self._db.execute("UPDATE evidence SET bounds = ? WHERE worker = ? AND seq = ?", (json.dumps(bounds), worker, kseq))
+                state.observe(stats, bounds)
+                flag = flag or state.flag(self.spec.false_alarm, bounds)
                 self._db.execute("INSERT INTO evidence (worker, seq, submission_id, verdict_id, stats, bounds) VALUES (?, ?, ?, ?, ?, ?)",
-                                 (worker, state.verdicts, submission_id, verdict_id, stats.model_dump_json(), json.dumps(bounds)))
+                                 (worker, seq, submission_id, verdict_id, stats.model_dump_json(), json.dumps(bounds)))
                 self._db.execute("INSERT OR REPLACE INTO workers (worker, state, flagged) VALUES (?, ?, ?)",
                                  (worker, json.dumps(state.to_json()), json.dumps(flag.__dict__) if flag else ""))
             if flag is not None:
@@ -112,17 +129,22 @@ class WorkerAudit:
                 logger.warning("audit flags %s: %s", worker, flag.detail(), extra={"peer_id": worker})
             return flag
 
+    def _kept(self, worker: str) -> int:
+        (n,) = self._db.execute("SELECT COUNT(*) FROM evidence WHERE worker = ? AND bounds = ''", (worker,)).fetchone()
+        return int(n)
+
     def flagged(self, worker: str) -> Flag | None:
         """The worker's flag, if the audit raised one."""
         with self._lock:
             return self._flagged.get(worker)
 
     def evidence(self, worker: str) -> list[dict[str, Any]]:
-        """Every counted verdict of ``worker`` in order: submission and verdict IDs, the statistics and
-        the bounds they were counted against (:func:`protocol.audit.replay_evidence` recomputes the test)."""
+        """Every counted verdict of ``worker`` in the order it was counted: submission and verdict IDs,
+        the statistics and the bounds they were counted against (:func:`protocol.audit.replay_evidence`
+        recomputes the test); verdicts still kept for a baseline not yet ready are left out."""
         with self._lock:
-            rows = self._db.execute("SELECT seq, submission_id, verdict_id, stats, bounds FROM evidence WHERE worker = ? ORDER BY seq",
-                                    (worker,)).fetchall()
+            rows = self._db.execute("SELECT seq, submission_id, verdict_id, stats, bounds FROM evidence WHERE worker = ? AND bounds != '' "
+                                    "ORDER BY seq", (worker,)).fetchall()
         return [{"seq": s, "submission_id": sid, "verdict_id": vid, "stats": json.loads(st), "bounds": json.loads(b)} for s, sid, vid, st, b in rows]
 
     def status(self, limit: int = 64) -> dict[str, Any]:
