@@ -56,10 +56,8 @@ def test_a_steering_worker_is_banned_by_the_audit_and_its_untrained_work_withdra
     honest, steerer = NodeKey.generate(), NodeKey.generate()
     calibrate(service, 20_000)
     assert audit.ready()
-    counter = 0
-    for _ in range(30):  # honest work: never flagged
+    for counter in range(30):  # honest work: never flagged
         sub = submission(honest, counter)
-        counter += 1
         assert ledger.store.add(open_envelope(sub, run_id=RUN, expect=Submission))
         assert service.apply_verdict(verdict(sub, HONEST))
     assert not ledger.bans.is_banned(honest.peer_id)
