@@ -179,7 +179,7 @@ MEASUREMENT_VERSION = 1
 
 
 def cached_measurement(spec: RunSpec, model_dir: Path, tasks: Sequence[Task], tokenizer: Any, dtype: str, *, fp32_logits: bool,
-                       cache_dir: Path, submissions: int = 20) -> tuple[PrecisionMeasurement, bool]:
+                       cache_dir: Path, submissions: int = 20, batches: Sequence[int] = BATCHES) -> tuple[PrecisionMeasurement, bool]:
     """:func:`measure_precision` once per machine: the result is kept under ``cache_dir`` keyed by the
     model's bytes (:func:`protocol.models.base_hash`), the tasks, sampling and TOPLOC parameters, the
     dtype, the logits' precision, the number of submissions, torch's version and
@@ -196,7 +196,8 @@ def cached_measurement(spec: RunSpec, model_dir: Path, tasks: Sequence[Task], to
 
     key_doc = {"v": MEASUREMENT_VERSION, "model": base_hash(Path(model_dir)), "tasks": spec.data.model_dump(mode="json"),
                "sampling": spec.sampling.model_dump(mode="json"), "toploc": [spec.toploc.chunk_size, spec.toploc.topk, spec.toploc.eos_min_prob],
-               "group": spec.rl.group_size, "dtype": dtype, "fp32_logits": fp32_logits, "n": submissions, "torch": torch.__version__}
+               "group": spec.rl.group_size, "dtype": dtype, "fp32_logits": fp32_logits, "n": submissions, "batches": list(batches),
+               "torch": torch.__version__}
     key = hashlib.sha256(json.dumps(key_doc, sort_keys=True).encode()).hexdigest()[:24]
     path = Path(cache_dir) / f"precision-{key}.json"
     try:
@@ -204,7 +205,7 @@ def cached_measurement(spec: RunSpec, model_dir: Path, tasks: Sequence[Task], to
         return PrecisionMeasurement(**doc), True
     except (OSError, ValueError, TypeError):
         pass  # not measured on this machine yet (or a damaged file: measured again)
-    m = measure_precision(spec, model_dir, tasks, tokenizer, dtype, submissions=submissions, fp32_head=fp32_logits)
+    m = measure_precision(spec, model_dir, tasks, tokenizer, dtype, submissions=submissions, batches=batches, fp32_head=fp32_logits)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps(m.__dict__, sort_keys=True).encode(), durable=False)
     return m, False

@@ -120,6 +120,13 @@ class DevnetResult:
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+DEVNET_MEASURE_SUBMISSIONS = 12
+DEVNET_MEASURE_BATCHES = (8, 64)
+"""The devnet measures its bf16 tolerances on 12 honest submissions at each of decode batch 8 and 64 (its
+workers decode 64 at a time; ≈ 4,500 tokens of the embedded task; batch 1 triples the time and adds
+nothing its workers do): ``spec init --measure-precision`` measures 20 at each of 1, 8 and 64."""
+
+
 def workers_all_banned(status: dict[str, Any], peer_ids: dict[str, str]) -> str | None:
     """Why the run cannot go on when the coordinator has banned every worker the devnet started
     (the adversary aside), or ``None``. No rollout can arrive after that, so the devnet stops
@@ -268,7 +275,8 @@ class Devnet:
         try:
             base = prepare_base(draft, tasks, work)
             m, cached = cached_measurement(draft, base, tasks.train, load_tokenizer(base), "bfloat16", fp32_logits=True,
-                                           cache_dir=base_cache_root().parent / "precision")
+                                           cache_dir=base_cache_root().parent / "precision", submissions=DEVNET_MEASURE_SUBMISSIONS,
+                                           batches=DEVNET_MEASURE_BATCHES)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         toploc = m.toploc(draft.toploc, draft.sampling.temperature)
