@@ -474,10 +474,14 @@ class Devnet:
         the run page's leaderboard (its final snapshot, ``coordinator/run-page/snapshot.js``; ``None``
         when it is not there); ``banned`` (the ban reason or ``None``) and ``banned_at_step`` /
         ``banned_after_s`` (the trainer step and run time when this devnet first saw the ban;
-        ``None`` if never); for the adversary its own ``steering`` counts when it reported them.
+        ``None`` if never) and ``ban_evidence`` (the banning verdict's evidence from the run page's
+        snapshot, ``None`` when not there); for the adversary its own ``steering`` counts when it
+        reported them.
         """
         st = self.status
-        board = {row.get("peer_id"): row for row in _run_page_snapshot(self.out).get("leaderboard") or [] if isinstance(row, dict)}
+        snapshot = _run_page_snapshot(self.out)
+        board = {row.get("peer_id"): row for row in snapshot.get("leaderboard") or [] if isinstance(row, dict)}
+        evidence = {b.get("peer_id"): b.get("evidence") for b in snapshot.get("bans") or [] if isinstance(b, dict)}
         banned = {b.get("peer_id"): str(b.get("reason", "")) for b in st.get("banned") or [] if isinstance(b, dict)}
         out: dict[str, dict[str, Any]] = {}
         for name, pid in sorted(self.peer_ids.items()):
@@ -488,7 +492,8 @@ class Devnet:
             row: dict[str, Any] = {"peer_id": pid, **{k: int(counts.get(k, 0)) for k in ("accepted", "rejected", "stale", "pending", "trained")},
                                    "rollouts_trained": board[pid].get("rollouts_trained") if pid in board else None,
                                    "banned": banned.get(pid), "banned_at_step": seen[0] if seen else None,
-                                   "banned_after_s": round(seen[1], 1) if seen else None}
+                                   "banned_after_s": round(seen[1], 1) if seen else None,
+                                   "ban_evidence": evidence.get(pid) if isinstance(evidence.get(pid), dict) else None}
             steering = (self.node_status.get(name) or {}).get("steering")
             if isinstance(steering, dict):
                 row["steering"] = steering

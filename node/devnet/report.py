@@ -84,6 +84,14 @@ def workers_section(dn: Devnet) -> list[str]:
         at = "-" if w["banned_at_step"] is None else w["banned_at_step"]
         lines.append(f"| {name} | `{w['peer_id']}` | {dn.o.worker_dtype} | {w['accepted']} | {w['rejected']} ({w['stale']}) | {w['pending']} | "
                      f"{w['trained']} | {rollouts} | {w['banned'] or 'no'} | {at} |")
+    bans = [(name, w) for name, w in dn.worker_outcomes().items() if w["banned"]]
+    if bans:
+        lines += ["", "Bans, with the evidence of the verdict that caused each (the run page's final snapshot):", ""]
+        for name, w in bans:
+            ev = w.get("ban_evidence")
+            said = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in sorted(ev.items()) if k != "detail") if ev else "-"
+            detail = f" ({ev['detail']})" if ev and isinstance(ev.get("detail"), str) else ""
+            lines.append(f"- {name}: `{w['banned']}` at trainer step {w['banned_at_step'] if w['banned_at_step'] is not None else '?'}{detail}: {said}")
     if (adversary := dn.adversary_summary()) is not None:
         lines += ["", f"{adversary[0].upper()}{adversary[1:]}."]
     return lines
