@@ -469,10 +469,11 @@ class Devnet:
     def worker_outcomes(self) -> dict[str, dict[str, Any]]:
         """Per worker process (``worker-<i>``, ``adversary``): what the coordinator made of its work.
 
-        Keys: ``peer_id``; the ledger's submission counts from ``/status`` (``accepted``, ``rejected``,
-        ``stale``, ``pending``, ``trained``: submissions a step consumed); ``rollouts_trained`` from
-        the run page's leaderboard (its final snapshot, ``coordinator/run-page/snapshot.js``; ``None``
-        when it is not there); ``banned`` (the ban reason or ``None``) and ``banned_at_step`` /
+        Keys: ``peer_id``; the ledger's submission counts (``accepted``, ``rejected``, ``stale``,
+        ``pending``, ``trained``: submissions a step consumed) and ``rollouts_trained``, from the run
+        page's leaderboard in its final snapshot (``coordinator/run-page/snapshot.js``, written when
+        the coordinator stops), else from the last ``/status`` (``stale`` always; ``rollouts_trained``
+        ``None`` then); ``banned`` (the ban reason or ``None``) and ``banned_at_step`` /
         ``banned_after_s`` (the trainer step and run time when this devnet first saw the ban;
         ``None`` if never) and ``ban_evidence`` (the banning verdict's evidence from the run page's
         snapshot, ``None`` when not there); for the adversary its own ``steering`` counts when it
@@ -487,7 +488,11 @@ class Devnet:
         for name, pid in sorted(self.peer_ids.items()):
             if not name.startswith(("worker-", "adversary")):
                 continue
-            counts = (st.get("workers") or {}).get(pid) or {}
+            counts = dict((st.get("workers") or {}).get(pid) or {})
+            if pid in board:  # the final snapshot is newer than the last /status read: its counts, where it has them
+                final = board[pid]
+                counts.update({k: final[src] for k, src in (("accepted", "accepted"), ("rejected", "rejected"), ("pending", "pending"),
+                                                            ("trained", "submissions_trained")) if isinstance(final.get(src), int)})
             seen = self.banned_seen.get(pid)
             row: dict[str, Any] = {"peer_id": pid, **{k: int(counts.get(k, 0)) for k in ("accepted", "rejected", "stale", "pending", "trained")},
                                    "rollouts_trained": board[pid].get("rollouts_trained") if pid in board else None,
