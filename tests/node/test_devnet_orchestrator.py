@@ -70,7 +70,7 @@ def test_worker_outcomes_and_the_adversary_sentence(tmp_path) -> None:
     from node.devnet.report import workers_section
 
     text = "\n".join(workers_section(dn))
-    assert "| worker-0 | `12D3KooWw0` | bfloat16 | 9 | 1 (0) | 0 | 4 | 256 | sampling | 6 |" in text
+    assert "| worker-0 | `12D3KooWw0` | 9 | 1 (0) | 0 | 4 | sampling | 6 | 256 | bfloat16 |" in text
     assert "- worker-0: `sampling` at trainer step 6 (3 near-tie mismatches > 2 allowed): near_ties 3, rollout 3" in text
     said = dn.adversary_summary()
     assert said == ("adversary steer: 5 submissions accepted, 0 rejected, 0 pending, 3 trained on (192 rollouts); never banned; "
