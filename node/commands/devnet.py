@@ -229,9 +229,13 @@ def summary_lines(dn: Devnet, result: DevnetResult, md: Path, png: Path) -> list
         head = f"devnet FAILED after {result.wall_s:.0f} s at step {steps} of {dn.o.steps} ({who}): {result.reason}"
     lines = [head, f"held-out pass rate: start {start} -> end {end}{gain} ({h['points']} evaluations)",
              f"verdicts: {st.get('verdicts_by_reason')}; banned: {[b['peer_id'] for b in st.get('banned') or []]}"]
-    for peer_id, (step, _) in sorted(dn.banned_seen.items(), key=lambda kv: kv[1]):
-        name = next((n for n, p in dn.peer_ids.items() if p == peer_id), peer_id[-8:])
-        lines.append(f"ban: {name} banned at trainer step {step}")
+    outcomes = dn.worker_outcomes()
+    for name, w in sorted(outcomes.items(), key=lambda kv: (kv[1]["banned_at_step"] is None, kv[1]["banned_at_step"] or 0, kv[0])):
+        if w["banned"]:
+            ev = w.get("ban_evidence") or {}
+            detail = f": {ev['detail']}" if isinstance(ev.get("detail"), str) else ""
+            at = w["banned_at_step"] if w["banned_at_step"] is not None else "?"
+            lines.append(f"ban: {name} banned at trainer step {at} ({w['banned']}{detail})")
     if (adversary := dn.adversary_summary()) is not None:
         lines.append(adversary)
     if (chaos := dn.chaos_summary()) is not None:

@@ -502,26 +502,36 @@ class Devnet:
     def worker_outcomes(self) -> dict[str, dict[str, Any]]:
         """Per worker process (``worker-<i>``, ``adversary``): what the coordinator made of its work.
 
-        Keys: ``peer_id``; the ledger's submission counts from ``/status`` (``accepted``, ``rejected``,
-        ``stale``, ``pending``, ``trained``: submissions a step consumed); ``rollouts_trained`` from
-        the run page's leaderboard (its final snapshot, ``coordinator/run-page/snapshot.js``; ``None``
-        when it is not there); ``banned`` (the ban reason or ``None``) and ``banned_at_step`` /
+        Keys: ``peer_id``; the ledger's submission counts (``accepted``, ``rejected``, ``stale``,
+        ``pending``, ``trained``: submissions a step consumed) and ``rollouts_trained``, from the run
+        page's leaderboard in its final snapshot (``coordinator/run-page/snapshot.js``, written when
+        the coordinator stops), else from the last ``/status`` (``stale`` always; ``rollouts_trained``
+        ``None`` then); ``banned`` (the ban reason or ``None``) and ``banned_at_step`` /
         ``banned_after_s`` (the trainer step and run time when this devnet first saw the ban;
-        ``None`` if never); for the adversary its own ``steering`` counts when it reported them.
+        ``None`` if never) and ``ban_evidence`` (the banning verdict's evidence from the run page's
+        snapshot, ``None`` when not there); for the adversary its own ``steering`` counts when it
+        reported them.
         """
         st = self.status
-        board = {row.get("peer_id"): row for row in _run_page_snapshot(self.out).get("leaderboard") or [] if isinstance(row, dict)}
+        snapshot = _run_page_snapshot(self.out)
+        board = {row.get("peer_id"): row for row in snapshot.get("leaderboard") or [] if isinstance(row, dict)}
+        evidence = {b.get("peer_id"): b.get("evidence") for b in snapshot.get("bans") or [] if isinstance(b, dict)}
         banned = {b.get("peer_id"): str(b.get("reason", "")) for b in st.get("banned") or [] if isinstance(b, dict)}
         out: dict[str, dict[str, Any]] = {}
         for name, pid in sorted(self.peer_ids.items()):
             if not name.startswith(("worker-", "adversary")):
                 continue
-            counts = (st.get("workers") or {}).get(pid) or {}
+            counts = dict((st.get("workers") or {}).get(pid) or {})
+            if pid in board:  # the final snapshot is newer than the last /status read: its counts, where it has them
+                final = board[pid]
+                counts.update({k: final[src] for k, src in (("accepted", "accepted"), ("rejected", "rejected"), ("pending", "pending"),
+                                                            ("trained", "submissions_trained")) if isinstance(final.get(src), int)})
             seen = self.banned_seen.get(pid)
             row: dict[str, Any] = {"peer_id": pid, **{k: int(counts.get(k, 0)) for k in ("accepted", "rejected", "stale", "pending", "trained")},
                                    "rollouts_trained": board[pid].get("rollouts_trained") if pid in board else None,
                                    "banned": banned.get(pid), "banned_at_step": seen[0] if seen else None,
-                                   "banned_after_s": round(seen[1], 1) if seen else None}
+                                   "banned_after_s": round(seen[1], 1) if seen else None,
+                                   "ban_evidence": evidence.get(pid) if isinstance(evidence.get(pid), dict) else None}
             steering = (self.node_status.get(name) or {}).get("steering")
             if isinstance(steering, dict):
                 row["steering"] = steering

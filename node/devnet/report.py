@@ -77,13 +77,21 @@ def workers_section(dn: Devnet) -> list[str]:
     lines = ["", "## Workers", "", ("Submissions. Rejected counts include those retired as `stale_policy` (they left the async window "
              "before a verdict: no fault of the worker's), shown in brackets; trained on: submissions a trainer step consumed, and "
              "their rollouts; banned at: the trainer step when the devnet first saw the ban."), "",
-             "| node | peer ID | compute | accepted | rejected (stale) | pending | trained on | rollouts trained | banned | banned at step |",
+             "| node | peer ID | accepted | rejected (stale) | pending | trained on | banned | banned at step | rollouts trained | compute |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, w in dn.worker_outcomes().items():
         rollouts = "-" if w["rollouts_trained"] is None else w["rollouts_trained"]
         at = "-" if w["banned_at_step"] is None else w["banned_at_step"]
-        lines.append(f"| {name} | `{w['peer_id']}` | {dn.o.worker_dtype} | {w['accepted']} | {w['rejected']} ({w['stale']}) | {w['pending']} | "
-                     f"{w['trained']} | {rollouts} | {w['banned'] or 'no'} | {at} |")
+        lines.append(f"| {name} | `{w['peer_id']}` | {w['accepted']} | {w['rejected']} ({w['stale']}) | {w['pending']} | {w['trained']} | "
+                     f"{w['banned'] or 'no'} | {at} | {rollouts} | {dn.o.worker_dtype} |")
+    bans = [(name, w) for name, w in dn.worker_outcomes().items() if w["banned"]]
+    if bans:
+        lines += ["", "Bans, with the evidence of the verdict that caused each (the run page's final snapshot):", ""]
+        for name, w in bans:
+            ev = w.get("ban_evidence")
+            said = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in sorted(ev.items()) if k != "detail") if ev else "-"
+            detail = f" ({ev['detail']})" if ev and isinstance(ev.get("detail"), str) else ""
+            lines.append(f"- {name}: `{w['banned']}` at trainer step {w['banned_at_step'] if w['banned_at_step'] is not None else '?'}{detail}: {said}")
     if (adversary := dn.adversary_summary()) is not None:
         lines += ["", f"{adversary[0].upper()}{adversary[1:]}."]
     return lines

@@ -57,14 +57,23 @@ def test_worker_outcomes_and_the_adversary_sentence(tmp_path) -> None:
     dn.node_status = {"adversary": {"steering": {"rollouts": 320, "tokens": 900, "chances": 120, "taken": 61}}}
     page = tmp_path / "coordinator" / "run-page"
     page.mkdir(parents=True)
-    board = [{"peer_id": "12D3KooWadv", "rollouts_trained": 128}, {"peer_id": "12D3KooWw0", "rollouts_trained": 256}]
-    (page / "snapshot.js").write_text("window.RUN_SNAPSHOT = " + json.dumps({"leaderboard": board}) + ";\n")
+    # the final snapshot is newer than the last /status: its counts win (the adversary trained once more)
+    board = [{"peer_id": "12D3KooWadv", "accepted": 5, "rejected": 0, "pending": 0, "submissions_trained": 3, "rollouts_trained": 192},
+             {"peer_id": "12D3KooWw0", "rollouts_trained": 256}]
+    bans = [{"peer_id": "12D3KooWw0", "reason": "sampling", "evidence": {"rollout": 3, "near_ties": 3, "detail": "3 near-tie mismatches > 2 allowed"}}]
+    (page / "snapshot.js").write_text("window.RUN_SNAPSHOT = " + json.dumps({"leaderboard": board, "bans": bans}) + ";\n")
     rows = dn.worker_outcomes()
     assert set(rows) == {"worker-0", "adversary"}
     assert rows["worker-0"] | {"peer_id": "-"} == {"peer_id": "-", "accepted": 9, "rejected": 1, "stale": 0, "pending": 0, "trained": 4,
-                                                  "rollouts_trained": 256, "banned": "sampling", "banned_at_step": 6, "banned_after_s": 40.0}
+                                                  "rollouts_trained": 256, "banned": "sampling", "banned_at_step": 6, "banned_after_s": 40.0,
+                                                  "ban_evidence": bans[0]["evidence"]}
+    from node.devnet.report import workers_section
+
+    text = "\n".join(workers_section(dn))
+    assert "| worker-0 | `12D3KooWw0` | 9 | 1 (0) | 0 | 4 | sampling | 6 | 256 | bfloat16 |" in text
+    assert "- worker-0: `sampling` at trainer step 6 (3 near-tie mismatches > 2 allowed): near_ties 3, rollout 3" in text
     said = dn.adversary_summary()
-    assert said == ("adversary steer: 5 submissions accepted, 0 rejected, 1 pending, 2 trained on (128 rollouts); never banned; "
+    assert said == ("adversary steer: 5 submissions accepted, 0 rejected, 0 pending, 3 trained on (192 rollouts); never banned; "
                     "steered 61 of 120 chances over 320 rollouts (900 tokens, rate 0.5)")
     (page / "snapshot.js").write_text("garbage")  # no readable snapshot: the rollouts are unknown, not 0
     assert dn.worker_outcomes()["adversary"]["rollouts_trained"] is None
