@@ -358,8 +358,8 @@ def test_bf16_engine_generates_with_bf16_noise_and_fp32_default_is_unchanged() -
             assert g.completion_ids.dtype == torch.int64 and g.logprobs.dtype == torch.float32 and g.logprobs.shape == (n,)
             assert g.hidden.dtype == torch.bfloat16 and g.hidden.shape == (n, 128)
             assert g.finish == ("eos" if g.completion_ids[-1] == EOS else "length")
-            replay = sampling.replay_check(p.logits, g.completion_ids, seed, temperature=0.9, eos_ids=(EOS,), min_eos_prob=0.05,
-                                           max_near_tie_fraction=0.5, replay_rule="logit-bound-v1", logit_bound=1.0)
+            replay = sampling.replay_check(p.logits, g.completion_ids, seed, sampling.ReplayParams(
+                temperature=0.9, eos_ids=(EOS,), min_eos_prob=0.05, max_near_tie_fraction=0.5, replay_rule="logit-bound-v1", logit_bound=1.0))
             assert replay.ok, (name, replay.reason)
     # the head's rounding is part of the noise: the two bf16 variants do not report the same log-probs
     assert any(not torch.equal(a.logprobs, b.logprobs) for a, b in zip(runs["bf16"], runs["bf16 fp32 head"], strict=True))
