@@ -132,3 +132,60 @@ def test_steer_adversary_submission_and_engine(base) -> None:
         SteeringEngine(TransformersEngine(load_model(EMBEDDED_BASE_DIR), tok, compute_dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="rate"):
         SteeringEngine(TransformersEngine(load_model(EMBEDDED_BASE_DIR), tok), rate=1.5)
+
+
+@pytest.mark.slow
+def test_under_logit_bound_v2_the_steerer_is_accepted_per_submission_and_flagged_by_the_audit(base) -> None:
+    """The attack issue 33 describes, end to end with the real worker, pipeline and audit: under a
+    ``logit-bound-v2`` spec a full-rate steerer's submissions pass every per-submission check (no
+    single submission can tell it from bf16 noise), but the audit, calibrated the coordinator's way
+    on honest bf16 reference submissions, flags it within its first 1,000 tokens, while an honest
+    bf16 worker's statistics over as many tokens stay far from the threshold."""
+    from node.coordinator.calibrate import worker_engine
+    from node.worker.rollouts import build_submission, seal_submission
+    from protocol.audit import AuditState, Baseline
+    from protocol.models import head_weight
+    from validator.pipeline import SubmissionChecker
+
+    policy, tok, tasks = base
+    toploc = ToplocSpec(replay_rule="logit-bound-v2", replay_logit_bound=1.2, worker_dtype="bfloat16", fp32_logits=True,
+                        logprob_max_abs=2.8, logprob_mean_abs=0.95, max_mant_err_mean=17.0, max_mant_err_median=10.0,
+                        max_near_tie_fraction=0.14)  # what spec init --measure-precision bfloat16 --fp32-logits measured on this base
+    spec = RunSpec(run=RunInfo(coordinator=COORD.peer_id, seed=3), data=DataSpec(tasks_per_submission=4), sampling=EMBEDDED_SAMPLING,
+                   rl=EMBEDDED_RL, toploc=toploc)
+    checker = SubmissionChecker(spec, tasks, tok, lambda s: policy, trainer_step=lambda: 0, counter_seen=lambda *_: False)
+    reference, baseline = worker_engine(spec, EMBEDDED_BASE_DIR), Baseline(1e-6, 1)
+    cal = NodeKey.from_seed(b"k" * 32)
+    counter = 0
+    while baseline.tokens() < 3000:
+        result = checker.check(open_envelope(build_submission(spec, spec.run_id, cal, reference, tok, tasks, 0, counter),
+                                             run_id=spec.run_id, expect=Submission))
+        counter += 1
+        assert result.stats is not None
+        baseline.add(0, result.stats)
+    bounds = baseline.bounds()
+    worker = load_model(EMBEDDED_BASE_DIR, dtype=torch.bfloat16)
+    head = head_weight(EMBEDDED_BASE_DIR)
+    steerer, tokens, flag, rng = AuditState(), 0, None, random.Random(4)
+    for counter in range(6):
+        plan = plan_submission(spec, tasks, tok, WORKER.peer_id, 0, counter)
+        steered = steer_generate(spec, policy, worker, tok, plan, 1.0, rng, head_fp32=head)
+        result = checker.check(open_envelope(seal_submission(spec.run_id, WORKER, 0, counter, plan, steered.rollouts),
+                                             run_id=spec.run_id, expect=Submission))
+        assert result.accepted, (result.reason, result.evidence)  # per submission it passes
+        assert result.stats is not None and sum(steered.taken) > 0
+        steerer.observe(result.stats, bounds)
+        tokens += result.stats.tokens
+        flag = steerer.flag(1e-6, bounds)
+        if flag is not None:
+            break
+    assert flag is not None and tokens <= 1000, (tokens, steerer.log_e_value())
+    honest_key, honest, honest_tokens = NodeKey.from_seed(b"h" * 32), AuditState(), 0
+    engine = worker_engine(spec, EMBEDDED_BASE_DIR, max_batch=8)  # another batch size than the calibration's
+    for counter in range(6):
+        result = checker.check(open_envelope(build_submission(spec, spec.run_id, honest_key, engine, tok, tasks, 0, counter),
+                                             run_id=spec.run_id, expect=Submission))
+        assert result.stats is not None
+        honest.observe(result.stats, bounds)
+        honest_tokens += result.stats.tokens
+    assert honest_tokens >= tokens and honest.flag(1e-6, bounds) is None and honest.log_e_value() < math.log(1e6) / 2
