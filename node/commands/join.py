@@ -46,6 +46,11 @@ def _join(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     worker.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                         help="inference engine (vllm: optional extra 'gpu')")
     worker.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
+    worker.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="compute dtype of the model (default: float32 with transformers; vLLM: bfloat16 on cuda, float32 on cpu). "
+                             "bfloat16 needs a run spec whose toploc.replay_rule tolerates it (logit-bound-v1, docs/toploc.md §6.2)")
+    worker.add_argument("--fp32-logits", action="store_true",
+                        help="with --dtype bfloat16 (transformers): logits from the float32 LM head (the final-norm row cast to float32)")
     worker.add_argument("--data-root", default=None,
                         help="directory of the public task sets (math/, code/): required when data.tasks names one (gsm8k, gsm8k_train, …)")
     worker.add_argument("--ingest-url", action="append", default=[], metavar="URL", help="coordinator ingest URL (default: the run spec's)")
@@ -54,10 +59,21 @@ def _join(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     worker.add_argument("--adversary", choices=ADVERSARIES, default=None,
                         help="chaos testing only: cheat in this way so validators and bans can be seen working")
+    worker.add_argument("--steer-rate", type=float, default=1.0, metavar="R",
+                        help="with --adversary steer: take this share of the chances to steer (0 … 1, default 1)")
     gossip = p.add_argument_group("gossip (libp2p)")
     add_gossip_arguments(gossip, off_help="stay off gossip (follow --upstream only; nothing announced)")
     p.set_defaults(handler=_run_join)
 
 
 def _run_join(args: argparse.Namespace) -> int:
+    from node.cli import CliError
+
+    if args.role == "worker":
+        if args.fp32_logits and (args.dtype != "bfloat16" or args.engine != "transformers"):
+            raise CliError("--fp32-logits needs --dtype bfloat16 and the transformers engine")
+        if not 0.0 <= args.steer_rate <= 1.0:
+            raise CliError(f"--steer-rate {args.steer_rate}: must be in [0, 1]")
+        if args.steer_rate != 1.0 and args.adversary != "steer":
+            raise CliError("--steer-rate is for --adversary steer")
     return ROLES[args.role](args)

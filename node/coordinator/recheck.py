@@ -73,7 +73,8 @@ class CoordinatorRecheck:
         self.device = device
         self.models = HeldModels(MODELS_KEPT - 1, lambda path: load_model(path, device=self.device))
 
-    def _model(self, step: int) -> Any | None:
+    def model(self, step: int) -> Any | None:
+        """The float32 policy of ``step`` as a validator loads it (held: :data:`MODELS_KEPT`), ``None`` if gone."""
         held = self.models.get(step)
         if held is not None:
             return held
@@ -94,7 +95,7 @@ class CoordinatorRecheck:
             return RecheckResult(True, "recheck_failed", f"stored submission unreadable: {e}"[:200], self.by)
         tok = self.tokenizer()
         step = env.body.policy_step
-        model = self._model(step) if tok is not None else None
+        model = self.model(step) if tok is not None else None
         if model is None:
             return RecheckResult(True, "unknown_checkpoint", f"no policy for step {step} to re-check with", self.by)
         checker = SubmissionChecker(self.spec, self.tasks, tok, lambda s: model if s == step else None,

@@ -27,6 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from node.coordinator.base import prepare_base
+from node.coordinator.calibrate import AuditCalibration
 from node.coordinator.console import StepConsole
 from node.coordinator.evaluate import HeldOutSchedule
 from node.coordinator.gossip import CoordinatorGossip
@@ -125,6 +126,11 @@ class Coordinator:
                                   on_verdict=self._verdict_applied, status_extra=self._status_extra)
         self.ledger = self.ingest.ledger
         self.bans = self.ledger.bans
+        audit = self.ingest.ban_rule.audit
+        # the audit's honest baseline, measured on this run's own policies in the workers' dtype
+        self.calibration = AuditCalibration(self.spec, signed.run_id, self.tasks.train, lambda: self.tokenizer,
+                                            lambda step: self.publisher.policy_dir(step) if self.publisher else None, recheck.model, audit,
+                                            device=options.device) if audit is not None else None
         self.origin: ShardcastStore | None = None
         self.server: ShardcastServer | None = None
         self.run_page: RunPage | None = None
@@ -193,6 +199,8 @@ class Coordinator:
         await self.run_page.start()
         self.publisher = PolicyPublisher(self.origin, self.key, self.signed, self.data_dir / "policies", self.url, self._announce)
         await asyncio.to_thread(self.publisher.start, trainer.step, self.base_dir)
+        if self.calibration is not None:
+            self.calibration.published(self.published_step)  # the baseline from the first policy workers run
         if trainer.step == 0:
             cfg = getattr(model, "config", None)
             self.metrics.write({"event": "run", "tasks": self.spec.data.tasks, "tasks_hash": self.tasks.hash,
@@ -244,6 +252,8 @@ class Coordinator:
             await self.gossip.stop()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.calibration is not None:
+            await asyncio.to_thread(self.calibration.close)
         self.ingest.close()
         self.ledger.close()
 
@@ -265,6 +275,8 @@ class Coordinator:
         self._timing["written"] = time.monotonic()
         self.publisher.publish(step, files)
         self._timing["published"] = time.monotonic()
+        if self.calibration is not None:
+            self.calibration.published(step)
 
     def step_done(self, batch: Batch, m: StepMetrics) -> None:
         assert self.trainer is not None
@@ -391,6 +403,7 @@ class Coordinator:
             "last_step": self.last_step,
             "wait_reason": self.wait_reason,
             "signal_probe": self.signal_probe.as_dict() if self.signal_probe else None,
+            "calibration": self.calibration.status() if self.calibration is not None and self.calibration.enabled else None,
             # the probe's prediction stands until a step trains: then the run has shown it learns
             "warnings": [w for w in (self.signal_probe.warning if self.signal_probe and not self.last_step else None,) if w],
         }

@@ -248,7 +248,7 @@ class ValidatorNode:
         self.m_seconds.observe(result.seconds)
         verdict = seal(self.key, self.signed.run_id, Verdict(
             submission_id=env.id, worker=sub.worker, policy_step=sub.policy_step, counter=sub.counter,
-            accepted=result.accepted, reason=result.reason, evidence={k: v for k, v in result.evidence.items()},
+            accepted=result.accepted, reason=result.reason, evidence={k: v for k, v in result.evidence.items()}, stats=result.stats,
         ))
         log = logger.info if result.accepted else logger.warning
         log("verdict %s on %s from %s (step %d, checked in %.2f s): %s %s", "accept" if result.accepted else "reject", sid[:12], sub.worker,

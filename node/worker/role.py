@@ -53,6 +53,10 @@ class WorkerOptions:
         max_submissions: stop after this many submissions (``None``: run until stopped).
         ingest_urls: override of the run spec's ingest URLs.
         adversary: cheat on purpose (``node.worker.adversary``; devnet chaos mode), ``None`` when honest.
+        dtype: the engine's compute dtype, ``float32`` or ``bfloat16`` (``None``: the engine's default,
+            ``node.engine.create_engine``); the run spec's replay rule must tolerate it (``docs/toploc.md`` §6).
+        fp32_head: a bf16 transformers engine computes its logits with the float32 LM head.
+        steer_rate: the ``steer`` adversary's share of chances taken, in [0, 1].
     """
 
     data_dir: Path
@@ -64,6 +68,9 @@ class WorkerOptions:
     max_submissions: int | None = None
     ingest_urls: list[str] = field(default_factory=list)
     adversary: str | None = None
+    dtype: str | None = None
+    fp32_head: bool = False
+    steer_rate: float = 1.0
 
 
 class Worker:
@@ -114,6 +121,9 @@ class Worker:
 
     async def start(self) -> None:
         await require_sandbox_for(self.tasks)  # code tasks only in a real sandbox: RewardError naming what to install
+        if self.options.dtype == "bfloat16" and self.spec.toploc.worker_dtype == "float32":
+            logger.warning("this run's tolerances are for float32 workers (toploc.worker_dtype): computing in bfloat16, this worker's "
+                           "submissions will be rejected and may get it banned; run with --dtype float32")
         if self.options.gossip is not None:
             self.gossip = await GossipNode.create(self.spec, self.key, self.options.gossip, role="worker")
             self.gossip.on_announcement(self._on_announcement)
@@ -247,10 +257,22 @@ class Worker:
             await self._sleep(self._late_backoff.next_delay())
             return False
 
+    def fp32_head(self) -> bool:
+        """Whether the engine takes its logits from the float32 head: asked for, or a bf16 engine in a run
+        whose tolerances were measured with float32 logits (``toploc.fp32_logits``; without them an
+        honest bf16 worker's noise is larger than the run's bounds and the audit's baseline)."""
+        return self.options.fp32_head or (self.options.dtype == "bfloat16" and self.spec.toploc.fp32_logits)
+
     def _load(self, path: Path) -> None:
         if self.engine is None:
             self.tokenizer = load_tokenizer(path)
-            self.engine = create_engine(self.options.engine, path, device=self.options.device)
+            engine = create_engine(self.options.engine, path, device=self.options.device, dtype=self.options.dtype,
+                                   fp32_head=self.fp32_head())
+            if self.options.adversary:
+                from node.worker.adversary import adversary_engine
+
+                engine = adversary_engine(self.options.adversary, engine, path, steer_rate=self.options.steer_rate, seed=self.key.peer_id)
+            self.engine = engine
         else:
             self.engine.load_weights(path)
         logger.info("engine holds policy from %s", path)
@@ -298,7 +320,15 @@ class Worker:
             "tokens_per_s": round(self.tokens / self.generate_s, 1) if self.generate_s else 0.0,
             "verdicts": self.verdicts,
             "peers": len(self.gossip.peers) if self.gossip is not None else 0,
+            **self._adversary_status(),
         }
+
+    def _adversary_status(self) -> dict[str, Any]:
+        """``adversary`` (its kind) and, for ``steer``, ``steering`` (its running counts); nothing for an honest worker."""
+        if not self.options.adversary:
+            return {}
+        totals = getattr(self.engine, "totals", None)
+        return {"adversary": self.options.adversary, **({"steering": totals.to_json()} if totals is not None else {})}
 
 
 def _steps(steps: list[int]) -> str:
@@ -318,7 +348,7 @@ def run_worker_from_args(args: Any) -> int:
     options = WorkerOptions(
         data_dir=data_dir, engine=args.engine, device=args.device, data_root=Path(args.data_root) if args.data_root else None,
         gossip=gossip, http_port=args.http_port, max_submissions=args.max_submissions, ingest_urls=list(args.ingest_url),
-        adversary=args.adversary,
+        adversary=args.adversary, dtype=args.dtype, fp32_head=args.fp32_logits, steer_rate=args.steer_rate,
     )
 
     asyncio.run(run_until_stopped(Worker(signed, key, options), f"worker {key.peer_id}"))

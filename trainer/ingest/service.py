@@ -61,6 +61,7 @@ from trainer.errors import Refused
 from trainer.ingest.body import BodyBudget, BodyError, Ticket, read_body
 from trainer.ingest.limits import IngestLimits
 from trainer.ingest.status import IngestMetrics, IngestStatus
+from trainer.ledger.audit import WorkerAudit
 from trainer.ledger.ban_rule import BanRule, Recheck
 from trainer.ledger.bans import BanBook
 from trainer.ledger.ids import SubmissionId
@@ -383,7 +384,8 @@ def open_ingest(data_dir: Path, spec: RunSpec, key: NodeKey, *, trainer_step: Ca
     bans = BanBook(Path(data_dir) / "bans.msgpack", key, spec.run_id)
     ledger = SubmissionLedger(Path(data_dir) / "ingest", spec, bans, trainer_step=trainer_step, latest_policy_step=latest_policy_step,
                               quotas=limits.quotas)
-    rule = BanRule(ledger, recheck=recheck, max_pending_rechecks=limits.max_pending_rechecks, on_ban=on_ban)
+    audit = WorkerAudit(spec.audit, Path(data_dir) / "ingest" / "audit.sqlite")
+    rule = BanRule(ledger, recheck=recheck, max_pending_rechecks=limits.max_pending_rechecks, on_ban=on_ban, audit=audit)
     return IngestService(ledger, rule, limits=limits, on_verdict=on_verdict, status_extra=status_extra)
 
 

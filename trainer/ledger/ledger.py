@@ -61,6 +61,8 @@ from trainer.ledger.store import DecidingVerdict, ProbationView, StoredSubmissio
 logger = logging.getLogger(__name__)
 
 BANNED_REASON = "banned"
+WITHDRAWN_REASON = "withdrawn"
+"""Reason of an accepted submission rejected because its worker was banned before a step trained it."""
 """The reason of a pending submission rejected because its worker was banned."""
 
 MAX_DISPLACED = 8
@@ -385,11 +387,20 @@ class SubmissionLedger:
         """A rejection of ``sid`` is final (no re-check will read it): its file goes."""
         self.store.delete_files([sid])
 
-    def ban_pending(self, worker: str) -> int:
-        """The ban transition: reject every pending submission of a banned worker, delete their files; returns how many."""
+    def ban_pending(self, worker: str) -> tuple[int, int]:
+        """The ban transitions: reject every pending submission of a banned worker, and withdraw its
+        accepted ones no trainer step consumed yet (their remaining groups are never trained; groups
+        a step already trained stay trained); delete their files.
+
+        Returns:
+            How many were rejected and how many withdrawn.
+        """
         done = self.store.apply(Transition.BAN, self.store.select(PENDING, worker=worker), reason=BANNED_REASON)
-        self.store.delete_files(done)
-        return len(done)
+        withdrawn = self.store.apply(Transition.WITHDRAW, self.store.select({State.ACCEPTED}, worker=worker), reason=WITHDRAWN_REASON)
+        self.store.delete_files([*done, *withdrawn])
+        if withdrawn:
+            logger.warning("withdrew %d accepted, untrained submissions of banned worker %s", len(withdrawn), worker, extra={"peer_id": worker})
+        return len(done), len(withdrawn)
 
     # --- the async window ---------------------------------------------------------------------
 
