@@ -139,11 +139,11 @@ def test_replay_rule_is_versioned_in_the_spec():
         parse_run_spec(unsigned.replace('replay_rule = "eps-v1"', 'replay_rule = "logit-bound-v9"'), require_signature=False)
     # the content as a spec before the rule was written hashes to the same run ID
     old = signed.spec.model_dump(mode="python")
-    for name in ("replay_rule", "replay_logit_bound", "eos_prob_slack", "worker_dtype", "hard_factor"):
+    for name in ("replay_rule", "replay_logit_bound", "eos_prob_slack", "worker_dtype", "fp32_logits", "hard_factor"):
         del old["toploc"][name]
     del old["audit"]
     assert hashlib.sha256(RUN_ID_DOMAIN + encoding.packb(old)).digest() == signed.run_id
-    before = re.sub(r'(?m)^(replay_rule|replay_logit_bound|eos_prob_slack|worker_dtype|hard_factor) = .*\n', "", unsigned)
+    before = re.sub(r'(?m)^(replay_rule|replay_logit_bound|eos_prob_slack|worker_dtype|fp32_logits|hard_factor) = .*\n', "", unsigned)
     before = before[: before.index("[audit]")]
     back = parse_run_spec(before, require_signature=False).spec
     assert back.run_id == signed.run_id and (back.toploc.replay_rule, back.toploc.eos_prob_slack) == ("eps-v1", 0.01)
