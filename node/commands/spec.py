@@ -52,7 +52,7 @@ def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     init.add_argument("--replay-eps", type=float, default=None,
                       help="sampling replay tolerance, probability units (default 1e-4, for fp32 workers; docs/toploc.md §6.1)")
     init.add_argument("--max-near-tie-fraction", type=float, default=None,
-                      help="near-tie mismatches allowed per completion, share of its tokens (default 0.1)")
+                      help="near-tie mismatches allowed per completion (per submission under logit-bound-v2), share of its tokens (default 0.1)")
     init.add_argument("--replay-rule", choices=["eps-v1", "logit-bound-v1", "logit-bound-v2"], default=None,
                       help="how the sampling replay tolerates numeric noise: eps-v1 (default; fp32 workers), logit-bound-v1 or "
                            "logit-bound-v2 (workers computing in bf16 against float32 validators; need --replay-logit-bound; v2 judges "
@@ -71,6 +71,9 @@ def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                            "thresholds at stated margins over the worst honest values, and prints them (docs/operators.md)")
     init.add_argument("--measure-submissions", type=int, default=20, metavar="N",
                       help="with --measure-precision: honest submissions per batch size (default 20)")
+    init.add_argument("--measure-device", default="cpu", metavar="DEVICE",
+                      help="with --measure-precision: the torch device the honest submissions are generated on (default cpu; "
+                           "'cuda' on a GPU of the kind the run's workers use: their kernels are what the tolerances must cover)")
     init.add_argument("--audit", action="store_true",
                       help="run the per-worker audit (audit.rule eprocess-v1: workers whose replay statistics exceed honest compute's "
                            "are banned; the coordinator calibrates the honest baseline itself; docs/toploc.md §11)")
@@ -182,7 +185,7 @@ def _measured_toploc(spec: Any, args: argparse.Namespace) -> Any:
         base = prepare_base(spec, tasks, Path(tmp) / "base")
         print(f"measuring honest {args.measure_precision} workers on {base} ({args.measure_submissions} submissions per batch size) …")
         m = measure_precision(spec, base, tasks.train, load_tokenizer(base), args.measure_precision, submissions=args.measure_submissions,
-                              fp32_head=args.fp32_logits)
+                              fp32_head=args.fp32_logits, device=args.measure_device)
     toploc = m.toploc(spec.toploc, spec.sampling.temperature)
     print("\n".join(m.lines(toploc)))
     return toploc
