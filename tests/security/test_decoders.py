@@ -48,8 +48,8 @@ def test_signed_bodies_are_decoded_under_their_schema_limits() -> None:
     over_array = forge(w, "submission/1", {"rollouts": [{}] * 70_000, "worker": w.peer_id})
     with pytest.raises(DecodeError, match="max_array_len"):
         open_envelope(over_array, run_id=RUN, expect=Submission)
-    # a lease request body has no containers at all, a verdict no arrays
-    for tag, body in (("lease_request/1", {"limit": [1, 2]}), ("verdict/1", {"evidence": {"x": [1]}})):
+    # a lease request body has no containers at all; a verdict's only array is its replay statistics' gap counts (≤ 8)
+    for tag, body in (("lease_request/1", {"limit": [1, 2]}), ("verdict/1", {"evidence": {"x": [1] * 9}})):
         with pytest.raises(DecodeError, match="max_array_len"):
             open_envelope(forge(VALIDATOR, tag, body), run_id=RUN, authorities=SPEC.authorities)
     # nesting deeper than the schema's
