@@ -18,6 +18,7 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from protocol import encoding
+from protocol.artifacts import ARTIFACT_NAME_PATTERN
 from protocol.envelope import Authorities
 from protocol.errors import ProtocolError, RunSpecError, SignatureError
 from protocol.identity import NodeKey, PeerId, public_key_from_peer_id, verify_signature
@@ -286,8 +287,17 @@ class NetworkSpec(_Section):
     heartbeat_interval_s: Annotated[float, Field(gt=0.0, le=3600.0, description="seconds")] = 2.0
 
 
+ArtifactName = Annotated[str, Field(pattern=ARTIFACT_NAME_PATTERN)]
+ArtifactIdHex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
 class RunSpec(_Section):
-    """The whole run spec (``docs/protocol.md`` §7). Load with :func:`load_run_spec`."""
+    """The whole run spec (``docs/protocol.md`` §7). Load with :func:`load_run_spec`.
+
+    ``artifacts`` pins, by name, the content-addressed file sets every node fetches over Shardcast
+    (:mod:`protocol.artifacts`): ``tasks`` is the training task list (``protocol.dataset``). A spec
+    without any hashes exactly as one signed before the table existed (the same run ID).
+    """
 
     run: RunInfo
     model: ModelSpec = ModelSpec()
@@ -297,6 +307,13 @@ class RunSpec(_Section):
     rl: RLSpec = RLSpec()
     shardcast: ShardcastSpec = ShardcastSpec()
     network: NetworkSpec = NetworkSpec()
+    artifacts: Annotated[dict[ArtifactName, ArtifactIdHex], Field(max_length=16)] = Field(
+        default_factory=dict, description="artifact name → artifact ID (hex): file sets pinned by content (protocol.artifacts)")
+
+    def artifact_id(self, name: str) -> bytes | None:
+        """The pinned 32-byte ID of artifact ``name``, or ``None`` when the spec pins none."""
+        h = self.artifacts.get(name)
+        return bytes.fromhex(h) if h else None
 
     @model_validator(mode="before")
     @classmethod
@@ -337,6 +354,8 @@ class RunSpec(_Section):
     def canonical_bytes(self) -> bytes:
         """Canonical msgpack of the content (what the run ID hashes); the fields of :data:`_HASHED_ONLY_OFF_DEFAULT` only where set."""
         content = self.model_dump(mode="python")
+        if not content["artifacts"]:  # added after specs were signed: absent from the hash while empty
+            del content["artifacts"]
         for section, names in _HASHED_ONLY_OFF_DEFAULT.items():
             fields = type(getattr(self, section)).model_fields
             for name in names:
@@ -400,6 +419,8 @@ def sign_run_spec(spec: RunSpec, key: NodeKey) -> SignedRunSpec:
 def dump_run_spec(signed: SignedRunSpec) -> str:
     """The TOML text of a signed spec (content tables, then ``[signature]``)."""
     doc: dict[str, Any] = signed.spec.model_dump(mode="python")
+    if not doc["artifacts"]:
+        del doc["artifacts"]
     doc["signature"] = {"run_id": signed.run_id.hex(), "ed25519": signed.signature.hex()}
     header = (
         "# intellect-node run spec. Signed by the coordinator: editing any value invalidates it;\n"
