@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from protocol.errors import AddressError
-from protocol.identity import PeerId
+from protocol.identity import PEER_ID_PATTERN, PeerId
 
 SCHEME = "intellect1:"
 """Prefix and version of the address format; a later format gets another number."""
@@ -42,7 +42,7 @@ MAX_LOCATION_CHARS = 256
 PRINTED_RUN_ID_HEX = 16
 """Hex digits of the run ID a coordinator puts in the address it prints (64 bits: see the module docstring)."""
 
-_PEER = r"12D3KooW[1-9A-HJ-NP-Za-km-z]{44}"
+_PEER = PEER_ID_PATTERN
 _PEER_RE = re.compile(rf"^{_PEER}$")
 _IDENT_RE = re.compile(rf"^(?P<peer>{_PEER})(?:/(?P<run>[0-9a-f]{{16,64}}))?$")
 _MULTIADDR_RE = re.compile(rf"^/(?P<proto>ip4|ip6|dns|dns4|dns6)/(?P<host>[^/\s]{{1,253}})/tcp/(?P<port>[0-9]{{1,5}})"

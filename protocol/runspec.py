@@ -21,7 +21,7 @@ from protocol import encoding
 from protocol.artifacts import ARTIFACT_NAME_PATTERN
 from protocol.envelope import Authorities
 from protocol.errors import ProtocolError, RunSpecError, SignatureError
-from protocol.identity import NodeKey, PeerId, public_key_from_peer_id, verify_signature
+from protocol.identity import PEER_ID_PATTERN, NodeKey, PeerId, public_key_from_peer_id, verify_signature
 from protocol.window import fresh_steps
 
 RUN_ID_DOMAIN = b"intellect-node/run-spec/1\x00"
@@ -55,7 +55,7 @@ LOGPROB_TOL_LIMIT = 5.0
 """Upper bound on ``toploc.logprob_*`` tolerances, nats: beyond a factor of e⁵ ≈ 150 in probability
 a reported log-prob no longer says anything about the policy."""
 
-PeerIdField = Annotated[PeerId, Field(pattern=r"^12D3KooW[1-9A-HJ-NP-Za-km-z]{44}$")]
+PeerIdField = Annotated[PeerId, Field(pattern=f"^{PEER_ID_PATTERN}$")]
 
 
 class _Section(BaseModel):

@@ -67,8 +67,20 @@ class Engine(abc.ABC):
         """Number of token IDs the model scores."""
 
 
-def create_engine(kind: str, model_dir: Path, *, device: str = "cpu", max_batch: int = 64) -> Engine:
+def create_engine(kind: str, model_dir: Path, *, device: str = "cpu", max_batch: int = 64, gpu_memory_share: float | None = None,
+                  max_model_len: int | None = None) -> Engine:
     """The engine named ``kind`` (``transformers`` or ``vllm``) loaded from ``model_dir``.
+
+    Args:
+        kind: ``transformers`` or ``vllm``.
+        model_dir: the policy directory.
+        device: ``cpu`` or ``cuda``.
+        max_batch: most sequences decoded at once.
+        gpu_memory_share: share of the GPU's total memory the engine may take (vLLM's
+            ``gpu_memory_utilization``; the transformers engine caps torch's allocator at it);
+            ``None``: vLLM plans it from the model and the GPU (``node/engine/fit.py``), transformers
+            takes what it needs. A worker passes its plan's (:func:`node.engine.fit.plan_engine`).
+        max_model_len: prompt + completion limit, tokens (vLLM; default the model's).
 
     Raises:
         ValueError: unknown ``kind``.
@@ -77,9 +89,10 @@ def create_engine(kind: str, model_dir: Path, *, device: str = "cpu", max_batch:
     if kind == "transformers":
         from node.engine.hf import TransformersEngine
 
-        return TransformersEngine.from_dir(model_dir, device=device, max_batch=max_batch)
+        return TransformersEngine.from_dir(model_dir, device=device, max_batch=max_batch, gpu_memory_share=gpu_memory_share)
     if kind == "vllm":
         from node.engine.vllm_engine import VllmEngine
 
-        return VllmEngine.from_dir(model_dir, device=device, max_batch=max_batch)
+        return VllmEngine.from_dir(model_dir, device=device, max_batch=max_batch, gpu_memory_utilization=gpu_memory_share,
+                                   max_model_len=max_model_len)
     raise ValueError(f"unknown engine {kind!r}; choose transformers or vllm")

@@ -53,8 +53,16 @@ class TransformersEngine(Engine):
         self.static_decode = True
 
     @classmethod
-    def from_dir(cls, model_dir: Path, *, device: str = "cpu", max_batch: int = 64) -> TransformersEngine:
-        """Load model and tokenizer from a local directory (safetensors only)."""
+    def from_dir(cls, model_dir: Path, *, device: str = "cpu", max_batch: int = 64, gpu_memory_share: float | None = None) -> TransformersEngine:
+        """Load model and tokenizer from a local directory (safetensors only).
+
+        Args:
+            gpu_memory_share: on CUDA, cap torch's allocator at this share of the GPU's memory
+                (``torch.cuda.set_per_process_memory_fraction``): the engine then fails with an
+                out-of-memory error rather than take memory others use.
+        """
+        if gpu_memory_share is not None and str(device).startswith("cuda"):
+            torch.cuda.set_per_process_memory_fraction(gpu_memory_share)
         return cls(load_model(Path(model_dir), device=device), load_tokenizer(Path(model_dir)), device=device, max_batch=max_batch)
 
     @property

@@ -44,10 +44,6 @@ PIECE_WAIT_S = 5.0
 """How long a request for a piece of a step being filled is held until the piece is stored."""
 
 
-async def _spec_response(spec: bytes, content_type: str) -> web.Response:
-    return web.Response(body=spec, content_type=content_type, charset="utf-8", headers={"Cache-Control": "no-cache"})
-
-
 def _is_step(name: str) -> bool:
     """Whether a path segment names a step: 1–13 ASCII digits, at most ``_MAX_STEP`` (``str.isdigit``
     alone also takes "１" or "١", which ``int`` reads as 1)."""
@@ -124,7 +120,11 @@ class ShardcastServer:
             from protocol.run_api import SPEC_CONTENT_TYPE, SPEC_ROUTE
 
             spec = self.run_spec
-            app.router.add_get(SPEC_ROUTE, lambda request: _spec_response(spec, SPEC_CONTENT_TYPE))
+
+            async def serve_spec(request: web.Request) -> web.Response:
+                return web.Response(body=spec, content_type=SPEC_CONTENT_TYPE, charset="utf-8", headers={"Cache-Control": "no-cache"})
+
+            app.router.add_get(SPEC_ROUTE, serve_spec)
         if self.status is not None:
             from node.web.assets import RecentErrors, add_status_routes
 
