@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 DOCTOR_PROMPT_TOKENS = 512
 """Prompt length ``doctor`` plans with, tokens (it has no tokenizer; a worker measures its task list's)."""
 EMBEDDED_CONFIG = Path(__file__).resolve().parents[1] / "coordinator" / "embedded_base" / "config.json"
-"""The shipped embedded base's ``config.json`` (the devnet's model)."""
+"""The shipped embedded base's ``config.json`` (``node.coordinator.base.EMBEDDED_BASE_DIR``, which imports torch: doctor does not)."""
 
 
 def run_shape(spec: RunSpec, data_dir: Path) -> ModelShape | None:

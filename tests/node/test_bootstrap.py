@@ -3,14 +3,11 @@ a tampered spec, artifact or address is refused with one line and nothing is wri
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from aiohttp import web
+from localnet import serve_app
 
 from node.bootstrap import JoinError, open_run, run_folder
 from node.cli import main
@@ -46,32 +43,6 @@ def make_signed(tasks_file: Path, key: NodeKey = KEY, **net):
     return sign_run_spec(spec, key)
 
 
-@contextlib.contextmanager
-def serving(app_factory) -> Iterator[str]:
-    """Run an aiohttp app in a thread on 127.0.0.1 (any port); yields its base URL."""
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    box: dict = {}
-
-    async def start() -> None:
-        runner = web.AppRunner(app_factory())
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        box["runner"], box["port"] = runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        started.set()
-
-    t = threading.Thread(target=lambda: (loop.run_until_complete(start()), loop.run_forever()), daemon=True)
-    t.start()
-    assert started.wait(10)
-    try:
-        yield f"http://127.0.0.1:{box['port']}"
-    finally:
-        asyncio.run_coroutine_threadsafe(box["runner"].cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        t.join(10)
-
-
 @pytest.fixture
 def origin(tmp_path):
     """A coordinator-like origin: the signed spec and the tasks artifact on one port."""
@@ -82,7 +53,7 @@ def origin(tmp_path):
     publish_artifact(store, TASKS_ARTIFACT, tasks_artifact_files(resolve_tasks(str(tasks)).train), expected_id=signed.spec.artifact_id("tasks"))
     server = ShardcastServer(store)
     server.run_spec = dump_run_spec(signed).encode()
-    with serving(server.make_app) as url:
+    with serve_app(server.make_app) as url:
         yield signed, url, tasks
 
 
@@ -173,11 +144,11 @@ def test_tampered_address_spec_and_artifact_are_refused_and_write_nothing(origin
             return app
         return factory
 
-    with serving(spec_app(tampered)) as bad:
+    with serve_app(spec_app(tampered)) as bad:
         refused(format_run_address(KEY.peer_id, signed.run_id, [bad]), "modified after signing")
-    with serving(spec_app(foreign)) as bad:
+    with serve_app(spec_app(foreign)) as bad:
         refused(format_run_address(KEY.peer_id, None, [bad]), "served a run spec of coordinator")
-    with serving(spec_app("x" * (2 << 20))) as bad:
+    with serve_app(spec_app("x" * (2 << 20))) as bad:
         refused(format_run_address(KEY.peer_id, None, [bad]), "over the 1048576-byte limit")
 
     # the right spec, but its task list's manifest or pieces altered on the way
@@ -201,7 +172,7 @@ def test_tampered_address_spec_and_artifact_are_refused_and_write_nothing(origin
         return factory
 
     for mode, why in (("manifest", "rejected its artifact manifest"), ("piece", "cannot fetch the run's tasks artifact")):
-        with serving(artifact_app(mode)) as bad:
+        with serve_app(artifact_app(mode)) as bad:
             refused(format_run_address(KEY.peer_id, signed.run_id, [bad]), why)
 
     # the real origin still works after all that

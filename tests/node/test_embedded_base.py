@@ -4,7 +4,6 @@ on every machine, checked before use, with no warm start at run time."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 
