@@ -88,7 +88,7 @@ def build_local_model(out: Path, data_root: Path, *, hidden_size: int = 128, lay
     return out
 
 
-def _calibrate_eos(model, eos: int, rate: float) -> None:
+def _calibrate_eos(model, eos: int, rate: float) -> None:  # noqa: ANN001
     """Set ``lm_head[eos]`` = c · mean hidden direction, c found by bisection so mean p(EOS) ≈ ``rate``."""
     import torch
 

@@ -35,7 +35,7 @@ class Run:
         return self.signed.run_id
 
     @property
-    def authorities(self):
+    def authorities(self):  # noqa: ANN201
         return self.signed.spec.authorities
 
 
@@ -85,7 +85,7 @@ def make_store(run: Run, data_dir: Path, keep_steps: int | None = None) -> Shard
     )
 
 
-def publish(run: Run, store: ShardcastStore, ckpt: Path, step: int):
+def publish(run: Run, store: ShardcastStore, ckpt: Path, step: int):  # noqa: ANN201
     return publish_checkpoint(store, [ckpt], step=step, key=run.key, piece_size_bytes=run.signed.spec.shardcast.piece_size_bytes)
 
 

@@ -27,17 +27,7 @@ from protocol.identity import NodeKey
 from protocol.ingest_api import LEASE_ROUTE, SUBMISSIONS_ROUTE, VERDICTS_ROUTE
 from protocol.messages import LeaseRequest, Submission, Verdict
 from protocol.models import load_tokenizer
-from protocol.runspec import (
-    DataSpec,
-    ModelSpec,
-    NetworkSpec,
-    RLSpec,
-    RunInfo,
-    RunSpec,
-    SamplingSpec,
-    dump_run_spec,
-    sign_run_spec,
-)
+from protocol.runspec import DataSpec, ModelSpec, NetworkSpec, RLSpec, RunInfo, RunSpec, SamplingSpec, dump_run_spec, sign_run_spec
 
 pytestmark = pytest.mark.integration
 

@@ -4,6 +4,7 @@ on every machine, checked before use, with no warm start at run time."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 GUIDE = REPO / "docs" / "operators.md"
-BLOCK = re.compile(r"<!-- guide-test: (\w+)(?: (\w+))? -->\s*```bash\n(.*?)```", re.DOTALL)
+BLOCK = re.compile(r"<!-- guide-test: (\w+)(?: (\w+))? -->\s*```bash\n(.*?)```", re.S)
 ASSIGN = re.compile(r"\b([A-Z][A-Z0-9_]*)=(\S+)")
 RUN_TIMEOUT_S = 600.0
 """Longest time the whole run may take to reach its checks (the 2-core machine is shared)."""
@@ -93,7 +93,7 @@ def test_operators_guide_end_to_end(tmp_path, shared):
     work = tmp_path / "work"
     work.mkdir()
 
-    def bash(text: str, **kw):
+    def bash(text: str, **kw):  # noqa: ANN003, ANN202
         return subprocess.run(["bash", "-euo", "pipefail", "-c", prelude + "\n" + text], cwd=work, env=env, capture_output=True,
                               text=True, **kw)
 

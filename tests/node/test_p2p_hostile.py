@@ -31,15 +31,7 @@ from waiting import wait_until
 from node.p2p import GossipNode
 from node.p2p.bridge import TrioBridge
 from node.p2p.host import P2PHost, libp2p_key_pair, parse_peer_addr
-from node.p2p.transport import (
-    FRAME_BURST,
-    MAX_BUFFERED_BYTES,
-    MAX_INBOUND_STREAMS,
-    STREAM_WINDOW_BYTES,
-    BoundedYamux,
-    PerAddressCap,
-    secure_transports,
-)
+from node.p2p.transport import FRAME_BURST, MAX_BUFFERED_BYTES, MAX_INBOUND_STREAMS, STREAM_WINDOW_BYTES, BoundedYamux, PerAddressCap, secure_transports
 from protocol.envelope import seal
 from protocol.identity import NodeKey
 from protocol.messages import NodeRecord, Verdict

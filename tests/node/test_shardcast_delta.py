@@ -118,7 +118,7 @@ class _Recorder(EvilProxy):
         self.delta_pieces = delta_pieces or set()
         self.serve_delta_pieces = serve_delta_pieces  # after this many delta pieces: 404 (a relay that stalls)
 
-    async def _forward(self, request):
+    async def _forward(self, request):  # noqa: ANN001, ANN202
         from aiohttp import web
 
         self.paths.append(request.path)
@@ -159,7 +159,7 @@ async def test_forged_delta_manifest_is_evidence(origin, policies, tmp_path):
         await _step(run, [good.url], tmp_path / "c0", None, 0)
         liar = EvilProxy(good.url)
 
-        async def forward(request):
+        async def forward(request):  # noqa: ANN001, ANN202
             from aiohttp import web
 
             if "/deltas/" in request.path:
@@ -383,7 +383,7 @@ async def test_a_prefetch_waits_for_a_relay_longer_than_a_needed_fetch(origin, p
     needed fetch allows, then takes it once one does; a fetch of that step cuts the wait short.
     Before, prefetches started at the announcement gave up on relays after those seconds and loaded the
     origin: every node at once, from the one upload relays exist to spare."""
-    from node import policy
+    import node.policy as policy
     from node.policy import PolicyFollower
 
     monkeypatch.setattr(policy, "RELAY_WAIT_S", 0.2)

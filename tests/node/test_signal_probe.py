@@ -20,7 +20,7 @@ class FixedLengthEngine:
     def __init__(self, lengths: list[int]) -> None:
         self.lengths = lengths
 
-    def generate(self, prompts, seeds, params):
+    def generate(self, prompts, seeds, params):  # noqa: ANN001
         out = []
         for i, _ in enumerate(prompts):
             n = min(self.lengths[i % len(self.lengths)], params.max_tokens)
