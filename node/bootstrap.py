@@ -227,8 +227,10 @@ async def fetch_artifacts(signed: SignedRunSpec, names: Sequence[str], root: Pat
     return out
 
 
-def read_run(run: str) -> tuple[SignedRunSpec, RunAddress | None]:
+def read_run(run: str, data_dir: Path | None = None) -> tuple[SignedRunSpec, RunAddress | None]:
     """The verified spec an address or a ``run.toml`` names, written nowhere (``doctor``, ``status``).
+    With ``data_dir``, an address whose locations do not answer falls back on the spec an earlier
+    join stored there (:func:`stored_spec`).
 
     Raises:
         JoinError: as :func:`open_run` (one line).
@@ -242,7 +244,13 @@ def read_run(run: str) -> tuple[SignedRunSpec, RunAddress | None]:
         address = parse_run_address(run)
     except ProtocolError as e:
         raise JoinError(str(e)) from None
-    return asyncio.run(fetch_spec(address))[0], address
+    try:
+        return asyncio.run(fetch_spec(address))[0], address
+    except JoinError:
+        kept = stored_spec(data_dir, address) if data_dir is not None else None
+        if kept is None:
+            raise
+        return kept, address
 
 
 def open_run(run: str, data_dir: Path, *, artifacts: Sequence[str] = ()) -> JoinedRun:

@@ -48,11 +48,12 @@ def _run_status(args: argparse.Namespace) -> int:
     for addr in args.bootstrap:
         if "/p2p/" not in addr:
             raise CliError(f"--bootstrap {addr!r} must end in /p2p/<peer ID>")
+    data_dir = Path(args.data_dir) if args.data_dir else None
     try:
-        signed, address = read_run(args.address or args.run)
+        signed, address = read_run(args.address or args.run, data_dir or default_data_dir())
     except JoinError as e:
         raise CliError(str(e)) from None
-    mine = _my_work(signed, address, Path(args.data_dir) if args.data_dir else None, args.key)
+    mine = _my_work(signed, address, data_dir, args.key)
     bootstrap = list(dict.fromkeys([*args.bootstrap, *(address.bootstrap if address else ())]))
     report: dict[str, Any] = {"run_id": signed.run_id.hex()}
     if mine is not None:
