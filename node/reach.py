@@ -1,5 +1,5 @@
 """Reachability: a peer of the run dials a node back to tell it whether others can reach it
-(``docs/protocol.md`` §8.3; ``intellect-node doctor --role relay``).
+(``docs/protocol.md`` §8.2; ``intellect-node doctor --role relay``).
 
 **Server** (:class:`DialBack`, mounted on the coordinator's HTTP port): ``POST
 /run/1/reach/{service}/{port}`` connects to the requester's own address, as this server saw it

@@ -1,5 +1,5 @@
 """The run's own HTTP routes, defined once: the signed spec and the reachability dial-back (pure;
-``docs/protocol.md`` §7.2, §8.3).
+``docs/protocol.md`` §7.2, §8.2).
 
 The coordinator serves every route here on its HTTP port; a relay serves :data:`SPEC_ROUTE` too
 (its Shardcast port), so a newcomer can fetch the spec from any location of a run address

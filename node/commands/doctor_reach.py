@@ -5,8 +5,8 @@ Before the relay runs nothing listens on its ports, so doctor listens there itse
 check: a minimal Shardcast ``/held`` answer (this run's ID) on the HTTP port and the multistream
 greeting on the libp2p port, bound to the interface the relay will use (``--host``). A port that
 is already taken is taken by the running relay, presumably: then the real service is dialed.
-Port 0 (the relay's default: any free port) is checked on a free port doctor picks, and the fix
-says to choose fixed ports, since others must be told which one to dial.
+Port 0 (the relay's default: any free port) is checked on a free port doctor picks; a failure
+there says to choose a fixed port and open it.
 """
 
 from __future__ import annotations
@@ -110,9 +110,8 @@ async def _one(coord_url: str, service: str, what: str, flag: str, host: str, po
     if not answer["reachable"]:
         return Check(name, "FAIL", f"the coordinator cannot reach {where}: {answer['detail']}",
                      _fix(service, flag, host, tested, answer["address"], port != 0, public_url))
-    if port == 0:
-        return Check(name, "WARN", f"the coordinator reached {where} (a free port doctor picked)",
-                     f"choose a fixed port with {flag} and keep it open: others must know which port to dial")
+    if port == 0:  # the relay's default; others learn its port from its record, so any port that is reachable serves
+        return Check(name, "PASS", f"the coordinator reached {where} (a free port doctor picked: with {flag} fixed, check that one)")
     if service == "shardcast" and public_url:
         announced = urlsplit(public_url)
         host_differs = bool(announced.hostname) and _is_ip(announced.hostname or "") and announced.hostname != answer["address"]
@@ -137,8 +136,8 @@ def check_reachability(coord_urls: list[str], run_id: bytes, *, host: str, http_
     """Ask the first coordinator URL that answers to dial this machine back at each relay port.
 
     Returns:
-        One check per port (HTTP/Shardcast, libp2p): PASS reachable, WARN reachable on a port doctor
-        picked or announced wrongly, FAIL unreachable with the fix (which port, which address).
+        One check per port (HTTP/Shardcast, libp2p): PASS reachable, WARN reachable but announced
+        wrongly (``--public-url``), FAIL unreachable with the fix (which port, which address).
     """
     from node.commands.doctor import Check
 
