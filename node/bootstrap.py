@@ -57,6 +57,15 @@ class JoinError(NodeError):
     """Joining from an address failed; the message is one line naming what was wrong."""
 
 
+class LocationsUnavailable(JoinError):
+    """No location of the address answered yet (unreachable, or an HTTP error): a coordinator still
+    starting, or a network problem. Nothing they answered was refused."""
+
+
+SPEC_RETRY_MAX_S = 10.0
+"""While waiting for an address's locations to answer, the pause between attempts grows to this, seconds."""
+
+
 @dataclass
 class JoinedRun:
     """A run as a node opened it (:func:`open_run`).
@@ -93,6 +102,7 @@ async def fetch_spec(address: RunAddress, *, timeout_s: float = SPEC_FETCH_TIMEO
     address's run, and the URL that served it.
 
     Raises:
+        LocationsUnavailable: no location answered (each unreachable or an HTTP error).
         JoinError: the address has no HTTP location, or no location served the address's run (one
             line listing each location's reason: unreachable, oversized, not a valid signed spec,
             another coordinator, another run).
@@ -102,7 +112,7 @@ async def fetch_spec(address: RunAddress, *, timeout_s: float = SPEC_FETCH_TIMEO
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(5.0, timeout_s))
     async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as session:
         tasks = {asyncio.ensure_future(_spec_from(session, url, address)): url for url in address.http_urls}
-        problems: list[str] = []
+        problems: list[JoinError] = []
         pending = set(tasks)
         try:
             while pending:
@@ -113,12 +123,13 @@ async def fetch_spec(address: RunAddress, *, timeout_s: float = SPEC_FETCH_TIMEO
                         return t.result(), tasks[t]
                     if not isinstance(exc, JoinError):
                         raise exc
-                    problems.append(str(exc))
+                    problems.append(exc)
         finally:
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-    raise JoinError("no location of the address served its run spec: " + "; ".join(problems))
+    kind = LocationsUnavailable if all(isinstance(p, LocationsUnavailable) for p in problems) else JoinError
+    raise kind("no location of the address served its run spec: " + "; ".join(map(str, problems)))
 
 
 async def _spec_from(session: aiohttp.ClientSession, base: str, address: RunAddress) -> SignedRunSpec:
@@ -126,14 +137,14 @@ async def _spec_from(session: aiohttp.ClientSession, base: str, address: RunAddr
     try:
         async with session.get(url, allow_redirects=False) as resp:
             if resp.status != 200:
-                raise JoinError(f"{base}: answered HTTP {resp.status}")
+                raise LocationsUnavailable(f"{base}: answered HTTP {resp.status}")
             if resp.content_length is not None and resp.content_length > MAX_SPEC_BYTES:
                 raise JoinError(f"{base}: a run spec of {resp.content_length} bytes is over the {MAX_SPEC_BYTES}-byte limit")
             data = await resp.content.read(MAX_SPEC_BYTES + 1)
             if len(data) > MAX_SPEC_BYTES:
                 raise JoinError(f"{base}: the run spec is over the {MAX_SPEC_BYTES}-byte limit")
     except (TimeoutError, aiohttp.ClientError, OSError) as e:
-        raise JoinError(f"{base}: unreachable ({type(e).__name__}{': ' + str(e)[:120] if str(e) else ''})") from None
+        raise LocationsUnavailable(f"{base}: unreachable ({type(e).__name__}{': ' + str(e)[:120] if str(e) else ''})") from None
     try:
         signed = parse_run_spec(data.decode("utf-8"))
     except UnicodeDecodeError:
@@ -145,6 +156,26 @@ async def _spec_from(session: aiohttp.ClientSession, base: str, address: RunAddr
     if not address.matches_run(signed.run_id):
         raise JoinError(f"{base}: served run {signed.run_id.hex()[:16]}…, the address names run {address.run_id_prefix[:16]}…")
     return signed
+
+
+async def _fetch_spec_waiting(address: RunAddress, data_dir: Path, wait_s: float) -> tuple[SignedRunSpec, str]:
+    """:func:`fetch_spec`, asked again (1 s, 2 s, … :data:`SPEC_RETRY_MAX_S` apart) while no location
+    answers at all, for up to ``wait_s`` seconds; a node that has the run's spec stored does not wait."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + wait_s
+    pause = min(1.0, SPEC_RETRY_MAX_S)
+    said = False
+    while True:
+        try:
+            return await fetch_spec(address)
+        except LocationsUnavailable as e:
+            if loop.time() + pause > end or stored_spec(data_dir, address) is not None:
+                raise
+            if not said:
+                print(f"waiting up to {wait_s:.0f} s for the run's locations to answer: {str(e)[:300]}", flush=True)
+                said = True
+            await asyncio.sleep(pause)
+            pause = min(SPEC_RETRY_MAX_S, pause * 2)
 
 
 def stored_spec(data_dir: Path, address: RunAddress) -> SignedRunSpec | None:
@@ -253,13 +284,15 @@ def read_run(run: str, data_dir: Path | None = None) -> tuple[SignedRunSpec, Run
         return kept, address
 
 
-def open_run(run: str, data_dir: Path, *, artifacts: Sequence[str] = ()) -> JoinedRun:
+def open_run(run: str, data_dir: Path, *, artifacts: Sequence[str] = (), wait_s: float = 0.0) -> JoinedRun:
     """Open the run a command names: a run address or a ``run.toml`` path (module docstring).
 
     Args:
         run: the command's ``RUN`` argument.
         data_dir: the node's data dir (spec and artifacts of an address are kept under it).
         artifacts: the artifacts this node needs (e.g. ``("tasks",)``); fetched when the spec pins them.
+        wait_s: while no location of an address answers at all (a coordinator still starting), keep
+            asking for up to this many seconds (a refusal ends the wait at once).
 
     Returns:
         The :class:`JoinedRun`.
@@ -269,7 +302,7 @@ def open_run(run: str, data_dir: Path, *, artifacts: Sequence[str] = ()) -> Join
             or an artifact that could not be fetched (one line each; nothing written).
     """
     if looks_like_address(run):
-        return asyncio.run(_open_address(run, Path(data_dir), artifacts))
+        return asyncio.run(_open_address(run, Path(data_dir), artifacts, wait_s))
     try:
         signed = load_run_spec(Path(run))
     except RunSpecError as e:
@@ -278,13 +311,13 @@ def open_run(run: str, data_dir: Path, *, artifacts: Sequence[str] = ()) -> Join
     return JoinedRun(signed, Path(run), artifacts=held)
 
 
-async def _open_address(text: str, data_dir: Path, artifacts: Sequence[str]) -> JoinedRun:
+async def _open_address(text: str, data_dir: Path, artifacts: Sequence[str], wait_s: float = 0.0) -> JoinedRun:
     try:
         address = parse_run_address(text)
     except ProtocolError as e:
         raise JoinError(str(e)) from None
     try:
-        signed, served_by = await fetch_spec(address)
+        signed, served_by = await _fetch_spec_waiting(address, data_dir, wait_s)
         logger.info("run spec %s… from %s", signed.run_id.hex()[:16], served_by)
     except JoinError as e:
         kept = stored_spec(data_dir, address)

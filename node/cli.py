@@ -65,12 +65,21 @@ def load_spec(path: str) -> SignedRunSpec:
         raise CliError(str(e)) from None
 
 
-def add_run_argument(p: argparse.ArgumentParser) -> None:
-    """Add the positional ``ADDRESS`` and ``--run`` (one of them is required; read by :func:`open_run_arg`)."""
+JOIN_WAIT_S = 300.0
+"""How long a long-running node (``join``, ``validate``) keeps asking an address whose locations do not answer yet, seconds."""
+
+
+def add_run_argument(p: argparse.ArgumentParser, *, wait: bool = False) -> None:
+    """Add the positional ``ADDRESS`` and ``--run`` (one of them is required; read by :func:`open_run_arg`),
+    and with ``wait`` ``--join-wait`` (a node that runs until stopped waits for a coordinator still starting)."""
     p.add_argument("address", nargs="?", default=None, metavar="ADDRESS",
                    help="the run's address (intellect1:PEER_ID/RUN_ID@URL,…) as the coordinator prints it: the signed spec "
                         "and the task list are fetched and verified from it (docs/operators.md §0)")
     p.add_argument("--run", default=None, metavar="RUN", help="the signed run spec (TOML file), or the run's address, instead of ADDRESS")
+    if wait:
+        p.add_argument("--join-wait", type=float, default=JOIN_WAIT_S, metavar="S",
+                       help=f"while no location of the address answers (a coordinator still starting), keep asking for up to S "
+                            f"seconds (default {JOIN_WAIT_S:g}; 0: give up at once)")
 
 
 def open_run_arg(args: argparse.Namespace, data_dir: Path, *, artifacts: Sequence[str] = ()) -> JoinedRun:
@@ -90,7 +99,7 @@ def open_run_arg(args: argparse.Namespace, data_dir: Path, *, artifacts: Sequenc
     if bool(args.address) == bool(args.run):
         raise CliError("name the run once: its address (intellect1:…) or --run run.toml")
     try:
-        joined = open_run(args.address or args.run, data_dir, artifacts=artifacts)
+        joined = open_run(args.address or args.run, data_dir, artifacts=artifacts, wait_s=getattr(args, "join_wait", 0.0))
     except JoinError as e:
         raise CliError(str(e)) from None
     if isinstance(getattr(args, "bootstrap", None), list):

@@ -40,7 +40,7 @@ def _join(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("join", help="run a node of a run in one role (worker: generate rollouts; relay: mirror and serve checkpoints; "
                                     "validate: the same as the validate command)")
     p.add_argument("--role", required=True, choices=sorted(ROLES), help="what this node does")
-    add_run_argument(p)
+    add_run_argument(p, wait=True)
     p.add_argument("--data-dir", default=None, help=f"node data directory (default: {default_data_dir()})")
     p.add_argument("--key", default=None, help=f"node key file; created if absent (default: <data-dir>/{default_key_path().name})")
     p.add_argument("--http-port", type=int, default=0,

@@ -14,7 +14,7 @@ from validator.spot import DEFAULT_FULL_CHECKS, DEFAULT_MIN_SHARE
 @command
 def _validate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("validate", help="re-check submissions (TOPLOC, sampling, termination, tasks, rewards) and sign verdicts")
-    add_run_argument(p)
+    add_run_argument(p, wait=True)
     p.add_argument("--key", required=True, help="the validator key (its peer ID must be in the run spec)")
     p.add_argument("--data-dir", default=None, help=f"node data directory (default: {default_data_dir()})")
     p.add_argument("--http-port", type=int, default=0, help="status port for /status and /metrics (default: any)")

@@ -203,3 +203,36 @@ def test_spec_route_and_artifact_route(origin):
         assert r.read().decode() == dump_run_spec(signed) and r.headers["Content-Type"].startswith("application/toml")
     with urllib.request.urlopen(f"{url}{ROUTE_PREFIX}/held", timeout=5) as r:
         assert json.loads(r.read())["artifacts"] == [signed.spec.artifacts["tasks"]]
+
+
+def test_join_waits_for_a_coordinator_still_starting_but_not_after_a_refusal(origin, tmp_path, monkeypatch):
+    from node import bootstrap
+
+    signed, url, _ = origin
+    real = bootstrap.fetch_spec
+    calls: list[int] = []
+
+    async def not_yet(address, **kw):
+        calls.append(1)
+        if len(calls) < 3:
+            raise bootstrap.LocationsUnavailable(f"{url}: unreachable (starting)")
+        return await real(address, **kw)
+
+    monkeypatch.setattr(bootstrap, "fetch_spec", not_yet)
+    monkeypatch.setattr(bootstrap, "SPEC_RETRY_MAX_S", 0.05)
+    address = format_run_address(KEY.peer_id, signed.run_id, [url])
+    assert open_run(address, tmp_path / "a", wait_s=30).signed.run_id == signed.run_id and len(calls) == 3
+    calls.clear()
+    with pytest.raises(bootstrap.LocationsUnavailable):
+        open_run(address, tmp_path / "b", wait_s=0)  # no wait asked: the first failure ends it
+    assert empty(tmp_path / "b")
+
+    async def refused(address, **kw):
+        calls.append(1)
+        raise JoinError(f"{url}: refused the run spec it served: modified after signing")
+
+    calls.clear()
+    monkeypatch.setattr(bootstrap, "fetch_spec", refused)
+    with pytest.raises(JoinError, match="modified after signing"):
+        open_run(address, tmp_path / "c", wait_s=30)
+    assert calls == [1], "a refusal is not retried"
