@@ -35,6 +35,7 @@ from pathlib import Path
 import aiohttp
 
 from node.errors import FetchError, NodeError
+from node.retry import Backoff, first_success
 from node.shardcast.client import ARTIFACT_FILE_NAME
 from protocol.address import RunAddress, looks_like_address, parse_run_address
 from protocol.durable import atomic_write
@@ -111,23 +112,10 @@ async def fetch_spec(address: RunAddress, *, timeout_s: float = SPEC_FETCH_TIMEO
         raise JoinError("the address names no HTTP location to fetch the run spec from (add the coordinator's or a relay's http:// URL)")
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(5.0, timeout_s))
     async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as session:
-        tasks = {asyncio.ensure_future(_spec_from(session, url, address)): url for url in address.http_urls}
-        problems: list[JoinError] = []
-        pending = set(tasks)
-        try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
-                    exc = t.exception()
-                    if exc is None:
-                        return t.result(), tasks[t]
-                    if not isinstance(exc, JoinError):
-                        raise exc
-                    problems.append(exc)
-        finally:
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+        won, failed = await first_success({url: _spec_from(session, url, address) for url in address.http_urls}, (JoinError,))
+    if won is not None:
+        return won[1], won[0]
+    problems = [e for _, e in failed]
     kind = LocationsUnavailable if all(isinstance(p, LocationsUnavailable) for p in problems) else JoinError
     raise kind("no location of the address served its run spec: " + "; ".join(map(str, problems)))
 
@@ -163,19 +151,19 @@ async def _fetch_spec_waiting(address: RunAddress, data_dir: Path, wait_s: float
     answers at all, for up to ``wait_s`` seconds; a node that has the run's spec stored does not wait."""
     loop = asyncio.get_running_loop()
     end = loop.time() + wait_s
-    pause = min(1.0, SPEC_RETRY_MAX_S)
+    backoff = Backoff(base_s=min(1.0, SPEC_RETRY_MAX_S), max_s=SPEC_RETRY_MAX_S)
     said = False
     while True:
         try:
             return await fetch_spec(address)
         except LocationsUnavailable as e:
+            pause = backoff.next_delay()
             if loop.time() + pause > end or stored_spec(data_dir, address) is not None:
                 raise
             if not said:
                 print(f"waiting up to {wait_s:.0f} s for the run's locations to answer: {str(e)[:300]}", flush=True)
                 said = True
             await asyncio.sleep(pause)
-            pause = min(SPEC_RETRY_MAX_S, pause * 2)
 
 
 def stored_spec(data_dir: Path, address: RunAddress) -> SignedRunSpec | None:

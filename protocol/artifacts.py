@@ -24,7 +24,7 @@ from pydantic import Field, ValidationError, field_validator
 from protocol import encoding
 from protocol.content import ContentId
 from protocol.errors import ArtifactError, SchemaError
-from protocol.messages import KiB, ManifestFile, Message, Name, ShortStr, Signer, decode_limits
+from protocol.messages import KiB, ManifestFile, Message, Name, ShortStr, Signer, decode_limits, unique_file_names
 from protocol.shardcast import MANIFEST_FETCH_LIMIT_BYTES, PieceSink, build_manifest, check_manifest
 
 ARTIFACT_DOMAIN = b"intellect-node/artifact/1\x00"
@@ -61,10 +61,7 @@ class ArtifactManifest(Message):
     @field_validator("files")
     @classmethod
     def _unique_names(cls, files: list[ManifestFile]) -> list[ManifestFile]:
-        names = [f.name for f in files]
-        if len(set(names)) != len(names):
-            raise ValueError("file names must be unique")
-        return files
+        return unique_file_names(files)
 
 
 _LIMITS = decode_limits(ArtifactManifest)

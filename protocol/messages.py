@@ -125,6 +125,18 @@ class ManifestFile(Message):
     pieces: Annotated[list[ContentIdBytes], Field(max_length=1 << 18, fail_fast=True)]
 
 
+def unique_file_names(files: list[ManifestFile]) -> list[ManifestFile]:
+    """``files`` unchanged when no two share a name (a manifest's or an artifact's file list).
+
+    Raises:
+        ValueError: a name occurs twice.
+    """
+    names = [f.name for f in files]
+    if len(set(names)) != len(names):
+        raise ValueError("file names must be unique")
+    return files
+
+
 class Manifest(Message):
     """The coordinator-signed list of a checkpoint's pieces (Shardcast, ``docs/protocol.md`` §5).
 
@@ -145,10 +157,7 @@ class Manifest(Message):
     @field_validator("files")
     @classmethod
     def _unique_names(cls, files: list[ManifestFile]) -> list[ManifestFile]:
-        names = [f.name for f in files]
-        if len(set(names)) != len(names):
-            raise ValueError("file names must be unique")
-        return files
+        return unique_file_names(files)
 
 
 class CheckpointAnnouncement(Message):

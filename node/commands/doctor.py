@@ -178,14 +178,16 @@ def run_checks(run: Path | str, *, role: str = "worker", data_dir: Path, host: s
         signed, address = read_run(str(run))
     except JoinError as e:
         return [Check("run spec signature", "FAIL", str(e)[:300], "get the run spec again from the coordinator: it is unsigned, altered or not a run spec")]
-    spec = signed.spec
     run_id = signed.run_id.hex()
+    # the checks' view of where the run is: the spec's locations and the address's (a spec may name none: the
+    # address does); only for reading the locations (its run_id is not the run's: run_id above is)
+    spec = _with_address(signed.spec, address)
     budget = Budget(budget_s(gossip_wait_s) - LOCAL_RESERVE_S)
     checks = [Check("run spec signature", "PASS", f"run {spec.run.name} ({run_id[:16]}…) signed by coordinator {spec.run.coordinator}")]
     coord_status, clock = _check_ingest(spec, run_id, checks, timeout_s, budget)
     checks += _check_bootstrap(spec, run_id, coord_status, timeout_s, budget)
     if gossip_wait_s > 0:
-        checks.append(_check_gossip(spec, gossip_wait_s, host, budget))
+        checks.append(_check_gossip(signed.spec, gossip_wait_s, host, budget, bootstrap=list(address.bootstrap) if address else []))
     checks += _check_origins(spec, run_id, timeout_s, budget)
     checks.append(_check_relays(spec, run_id, timeout_s, budget))
     checks.append(_check_clock(clock))
@@ -208,7 +210,7 @@ def run_checks(run: Path | str, *, role: str = "worker", data_dir: Path, host: s
     if role == "relay":
         from node.commands.doctor_reach import check_reachability
 
-        coord_urls = list(dict.fromkeys([*(address.http_urls if address else ()), *spec.network.ingest_urls]))
+        coord_urls = list(spec.network.ingest_urls)
         if budget.left() < 2.0:
             checks.append(Check("reachable", "WARN", "not checked: doctor's time budget was spent on the checks above", "fix the slow checks above first"))
         else:
@@ -519,7 +521,19 @@ def _check_bootstrap(spec: RunSpec, run_id: str, coord: dict[str, Any] | None, t
         return list(pool.map(probe, addrs))
 
 
-def _check_gossip(spec: RunSpec, wait_s: float, listen_host: str, budget: Budget) -> Check:
+def _with_address(spec: RunSpec, address: Any) -> RunSpec:
+    """``spec`` with the address's HTTP locations added to its ingest and origin URLs and its multiaddrs
+    to its bootstrap peers (for reading only: the copy's content, hence its run ID, is not the run's)."""
+    if address is None:
+        return spec
+    net = spec.network
+    ingest = list(dict.fromkeys([*address.http_urls, *net.ingest_urls]))[:16]
+    origins = list(dict.fromkeys([*net.origin_urls, *address.http_urls]))[:16]
+    boot = list(dict.fromkeys([*net.bootstrap, *address.bootstrap]))[:64]
+    return spec.model_copy(update={"network": net.model_copy(update={"ingest_urls": ingest, "origin_urls": origins, "bootstrap": boot})})
+
+
+def _check_gossip(spec: RunSpec, wait_s: float, listen_host: str, budget: Budget, *, bootstrap: list[str] | None = None) -> Check:
     """Join the run's topics as a silent observer through the bootstrap peers and wait for the coordinator's heartbeat.
 
     A record is delivered only after its signature and run ID verify, so hearing the coordinator
@@ -534,8 +548,8 @@ def _check_gossip(spec: RunSpec, wait_s: float, listen_host: str, budget: Budget
     async def listen() -> tuple[int, bool, float]:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        node = await GossipNode.create(spec, NodeKey.generate(), GossipConfig(listen_host=listen_host, publish_records=False),
-                                       role="observer")
+        node = await GossipNode.create(spec, NodeKey.generate(), GossipConfig(listen_host=listen_host, publish_records=False,
+                                                                              bootstrap=bootstrap or []), role="observer")
         try:
             while loop.time() - t0 < wait_s and node.peers.coordinator() is None:
                 await asyncio.sleep(0.05)

@@ -29,6 +29,7 @@ from pathlib import Path
 import aiohttp
 
 from node.errors import FetchError, SourceError
+from node.retry import first_success
 from node.shardcast.download import (
     DownloadConfig,
     DownloadStats,
@@ -39,7 +40,7 @@ from node.shardcast.download import (
     get_manifest,
     make_session,
 )
-from node.shardcast.sources import SourcePool
+from node.shardcast.sources import SourcePool, SourceState
 from protocol.artifacts import ArtifactManifest, open_artifact
 from protocol.content import hex_id
 from protocol.durable import fsync_dir
@@ -434,32 +435,24 @@ async def resolve_artifact(session: aiohttp.ClientSession, pool: SourcePool, art
     Raises:
         FetchError: no source has it (the message lists why).
     """
-    srcs = pool.usable()
-    tasks = {asyncio.ensure_future(get_artifact_manifest(session, s.url, artifact_id, timeout_s=cfg.manifest_timeout_s, cfg=cfg)): s
-             for s in srcs}
-    problems: list[str] = []
-    pending = set(tasks)
-    try:
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
-                src = tasks[t]
-                exc = t.exception()
-                if isinstance(exc, SourceError):
-                    problems.append(str(exc))
-                    (pool.record_evidence if exc.evidence else pool.record_failure)(src, exc.reason)
-                elif exc is not None:
-                    raise exc
-                elif (res := t.result()) is None:
-                    problems.append(f"{src.url}: does not hold artifact {hex_id(artifact_id)[:16]}…")
-                else:
-                    return res
-    finally:
-        for t in pending:
-            t.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-    raise FetchError(f"no source has artifact {hex_id(artifact_id)[:16]}…: " + "; ".join(problems or ["no sources"]), pool.faulty())
+    async def ask(src: SourceState) -> tuple[ArtifactManifest, bytes]:
+        got = await get_artifact_manifest(session, src.url, artifact_id, timeout_s=cfg.manifest_timeout_s, cfg=cfg)
+        if got is None:
+            raise SourceError(src.url, "not_held", f"does not hold artifact {hex_id(artifact_id)[:16]}…")
+        return got
+
+    srcs = {s.url: s for s in pool.usable()}
+    won, failed = await first_success({url: ask(src) for url, src in srcs.items()}, (SourceError,))
+    for url, exc in failed:
+        assert isinstance(exc, SourceError)
+        if exc.evidence:
+            pool.record_evidence(srcs[url], exc.reason)
+        elif exc.reason != "not_held":
+            pool.record_failure(srcs[url], exc.reason)
+    if won is not None:
+        return won[1]
+    why = "; ".join(str(e) for _, e in failed) or "no sources"
+    raise FetchError(f"no source has artifact {hex_id(artifact_id)[:16]}…: {why}", pool.faulty())
 
 
 async def fetch_artifact(sources: Sequence[str], out_dir: Path, artifact_id: bytes, *, origins: Sequence[str] = (),

@@ -102,6 +102,12 @@ def test_newcomer_joins_from_the_address_alone(tmp_path):
         assert mine.returncode == 0, mine.stderr
         standing = json.loads(mine.stdout)["mine"]
         assert standing["accepted"] >= 1 and standing["trained"] >= 1 and standing["place"] >= 1, standing
+        # doctor from the address alone: the coordinator's URL comes from it, and it dials a would-be relay back
+        doc = subprocess.run([node_bin, "doctor", address, "--role", "relay", "--gossip-wait", "0", "--json"], cwd=worker_home / "cwd",
+                             env=_env(worker_home), check=False, capture_output=True, text=True, timeout=120)
+        checks = {c["name"]: c for c in json.loads(doc.stdout)}
+        assert checks[f"ingest {coord_url}"]["status"] == "PASS", checks
+        assert [checks[n]["status"] for n in ("reachable: HTTP (Shardcast) port", "reachable: libp2p port")] == ["PASS", "PASS"], checks
     finally:
         for p in procs.values():
             if p.poll() is None:
