@@ -89,6 +89,7 @@ def _embedded_worker(tmp_path: Path):
     return worker, EMBEDDED_BASE_DIR
 
 
+@pytest.mark.slow  # imports the worker role (torch, transformers, libp2p): seconds on a loaded machine
 def test_worker_sizes_itself_or_refuses_in_one_line(tmp_path, monkeypatch, capsys):
     import node.machine
     from node.roles.worker import MachineTooSmall

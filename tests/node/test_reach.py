@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from localnet import free_port, serve_app
+from waiting import wait_until
 
 from node.cli import main
 from node.commands.doctor_reach import _fix, check_reachability, stand_in
@@ -28,12 +29,16 @@ def coordinator_app(**limits) -> web.Application:
 
 @contextlib.asynccontextmanager
 async def coordinator(**limits):
-    runner = web.AppRunner(coordinator_app(**limits), shutdown_timeout=0.1)
+    """A server with the dial-back route only; yields ``(URL, its DialBack)``."""
+    app = web.Application()
+    dial = DialBack(RUN_ID, **limits)
+    dial.add_routes(app)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", dial  # type: ignore[union-attr]
     finally:
         await runner.cleanup()
 
@@ -50,7 +55,7 @@ async def raw_server(handler):
 
 
 async def test_dial_back_reports_what_it_found_within_its_bounds():
-    async with coordinator(timeout_s=0.5, burst=100) as url:
+    async with coordinator(timeout_s=0.3, burst=100) as (url, _):
         async with stand_in("shardcast", "127.0.0.1", 0, RUN_ID) as port:
             ok = await request_dialback(url, "shardcast", port)
         assert ok["reachable"] and ok["address"] == "127.0.0.1" and "this run" in ok["detail"]
@@ -82,11 +87,11 @@ async def test_dial_back_reports_what_it_found_within_its_bounds():
             async with raw_server(handler) as port:
                 t0 = time.monotonic()
                 got = await request_dialback(url, service, port)
-                assert not got["reachable"] and time.monotonic() - t0 < 3.0, (service, got)
+                assert not got["reachable"] and time.monotonic() - t0 < 2.0, (service, got)
 
 
 async def test_dial_back_is_no_reflector():
-    async with coordinator(burst=2, rate_per_s=0.01) as url, stand_in("libp2p", "127.0.0.1", 0, RUN_ID) as port, \
+    async with coordinator(burst=2, rate_per_s=0.01) as (url, _), stand_in("libp2p", "127.0.0.1", 0, RUN_ID) as port, \
             aiohttp.ClientSession() as s:
         # no way to name another host: a forwarded-for header is not believed
         async with s.post(url + reach_path("libp2p", port), headers={"X-Forwarded-For": "192.0.2.1"}) as r:
@@ -95,18 +100,18 @@ async def test_dial_back_is_no_reflector():
             assert r.status == 200
         async with s.post(url + reach_path("libp2p", port)) as r:
             assert r.status == 429 and int(r.headers["Retry-After"]) >= 1, "rate-limited per address"
-    async with coordinator(burst=100) as url, aiohttp.ClientSession() as s:
+    async with coordinator(burst=100) as (url, _), aiohttp.ClientSession() as s:
         for bad in ("/run/1/reach/ssh/22", "/run/1/reach/libp2p/0", "/run/1/reach/libp2p/65536", "/run/1/reach/libp2p/%EF%BC%98%EF%BC%90"):
             async with s.post(url + bad) as r:
                 assert r.status == 400, bad
-    async with coordinator(max_concurrent=1, timeout_s=1.0) as url:
+    async with coordinator(max_concurrent=1, timeout_s=0.5) as (url, dial):
 
         async def tarpit(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             await asyncio.sleep(5)
 
         async with raw_server(tarpit) as port, aiohttp.ClientSession() as s:
             first = asyncio.ensure_future(s.post(url + reach_path("libp2p", port)))
-            await asyncio.sleep(0.2)
+            await wait_until(lambda: dial.running == 1, what="the first dial-back running")
             async with s.post(url + reach_path("libp2p", port)) as r:
                 assert r.status == 503, "dial-backs beyond the bound are refused, not queued"
             (await first).close()
