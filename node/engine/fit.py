@@ -16,9 +16,11 @@ Memory model, bytes (every term an upper estimate):
   sequence of the batch at its full length;
 * per sequence beyond the cache: float32 logits and the sampling rule's temporaries over the
   vocabulary (3 × V × 4), and the committed bf16 final-norm rows (completion × H × 2);
+* prefill activations, 4 H + 2 I values per token prefilled at once: vLLM prefills in chunks of
+  at most :data:`VLLM_PREFILL_TOKENS` tokens (a fixed cost); the transformers engine prefills the
+  whole batch at once (a cost per sequence, its prompt's tokens);
 * fixed: :data:`GPU_RESERVE_BYTES` on a GPU (CUDA context, cuBLAS workspace, allocator slack)
-  or :data:`CPU_RESERVE_BYTES` on the host (interpreter, tokenizer, reward sandbox), plus the
-  prefill's activations for :data:`PREFILL_TOKENS` tokens at a time (4 H + 2 I values each).
+  or :data:`CPU_RESERVE_BYTES` on the host (interpreter, tokenizer, reward sandbox).
 
 A GPU's budget is the share the engine may take of its total memory (vLLM's
 ``gpu_memory_utilization``), never more than what is free now minus :data:`GPU_HEADROOM_FRACTION`
@@ -36,9 +38,8 @@ from typing import Any, Literal
 GiB = 1 << 30
 GPU_RESERVE_BYTES = 1 * GiB
 CPU_RESERVE_BYTES = 1 * GiB
-PREFILL_TOKENS = 2048
-"""Prompt tokens prefilled at once (vLLM's chunked prefill budget is larger; the activations of 2,048
-tokens bound a transformers prefill of a batch of short prompts)."""
+VLLM_PREFILL_TOKENS = 8192
+"""Tokens vLLM prefills at once (its chunked-prefill budget, ``max_num_batched_tokens``, is at most this by default)."""
 MAX_GPU_SHARE = 0.92
 """Largest share of a GPU's memory the engine is given (vLLM's own default is 0.9)."""
 GPU_HEADROOM_FRACTION = 0.03
@@ -206,9 +207,11 @@ def _costs(shape: ModelShape, work: Workload, engine: EngineKind, device: Device
     b = _dtype_bytes(engine, device)
     weights = shape.parameters() * b
     reserve = GPU_RESERVE_BYTES if device == "cuda" else CPU_RESERVE_BYTES
-    prefill = PREFILL_TOKENS * (4 * shape.hidden + 2 * shape.intermediate) * b
+    per_token = (4 * shape.hidden + 2 * shape.intermediate) * b  # activations of one prefilled token
     per_seq = work.sequence_tokens * shape.kv_bytes_per_token(b) + 3 * shape.vocab * 4 + work.completion_tokens * shape.hidden * 2
-    return weights, reserve + prefill, per_seq
+    if engine == "vllm":
+        return weights, reserve + VLLM_PREFILL_TOKENS * per_token, per_seq
+    return weights, reserve, per_seq + work.prompt_tokens * per_token
 
 
 def needed_bytes(shape: ModelShape, work: Workload, engine: EngineKind, device: Device, batch: int = MIN_BATCH) -> int:

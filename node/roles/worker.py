@@ -259,8 +259,10 @@ class Worker:
         if self.engine is None:
             self.tokenizer = load_tokenizer(path)
             self.plan = self._fit(path)
+            # vLLM pre-allocates its share, so it gets the plan's; torch's allocator is capped only at a share the operator set
+            share = self.plan.memory_share if self.options.engine == "vllm" else self.options.gpu_memory_share
             self.engine = create_engine(self.options.engine, path, device=self.options.device, max_batch=self.plan.max_batch,
-                                        gpu_memory_share=self.plan.memory_share, max_model_len=self.plan.max_model_len)
+                                        gpu_memory_share=share, max_model_len=self.plan.max_model_len)
         else:
             self.engine.load_weights(path)
         logger.info("engine holds policy from %s", path)
