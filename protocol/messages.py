@@ -26,6 +26,7 @@ type                              signed by    read by
 
 from __future__ import annotations
 
+import itertools
 import types
 import typing
 from typing import Annotated, Any, ClassVar, Literal
@@ -47,6 +48,15 @@ PeerIdStr = Annotated[PeerId, StringConstraints(min_length=46, max_length=60, pa
 ShortStr = Annotated[str, StringConstraints(max_length=256)]
 Name = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+MIN_PIECE_SIZE_BYTES = 64 * KiB
+MAX_PIECE_SIZE_BYTES = 1 << 30
+DEFAULT_PIECE_SIZE_BYTES = 16 * MiB
+"""The run spec's ``shardcast.piece_size_bytes`` unless it states one."""
+PieceSizeBytes = Annotated[int, Field(ge=MIN_PIECE_SIZE_BYTES, le=MAX_PIECE_SIZE_BYTES)]
+"""A Shardcast piece size, bytes (64 KiB … 1 GiB): the one bound of the run spec's
+``shardcast.piece_size_bytes``, a ``manifest/1``'s and a ``delta_manifest/1``'s, and of the piece
+rule that cuts files (``protocol.shardcast.build_manifest``)."""
 
 Signer = Literal["coordinator", "validator", "any"]
 
@@ -149,7 +159,7 @@ class Manifest(Message):
     SIGNER: ClassVar[Signer] = "coordinator"
 
     step: Step
-    piece_size_bytes: Annotated[int, Field(ge=64 * KiB, le=1 << 30)]
+    piece_size_bytes: PieceSizeBytes
     files: Annotated[list[ManifestFile], Field(min_length=1, max_length=1024, fail_fast=True)]
     checkpoint_hash: ContentIdBytes
     meta: Annotated[dict[Name, ShortStr], Field(max_length=32)] = {}
@@ -193,7 +203,7 @@ class DeltaManifest(Message):
     base_step: Step
     base_manifest_id: ContentIdBytes
     target_manifest_id: ContentIdBytes
-    piece_size_bytes: Annotated[int, Field(ge=64 * KiB, le=1 << 30)]
+    piece_size_bytes: PieceSizeBytes
     size_bytes: Annotated[int, Field(ge=1, le=1 << 50)]
     raw_size_bytes: Annotated[int, Field(ge=8, le=1 << 52)]
     pieces: Annotated[list[ContentIdBytes], Field(min_length=1, max_length=1 << 18, fail_fast=True)]
@@ -254,8 +264,41 @@ class Submission(Message):
 VerdictValue = bool | int | FiniteFloat | ShortStr
 
 
+class ReplayStats(Message):
+    """What the model checks of one submission saw, token by token, in counts: the evidence the
+    coordinator's per-worker audit accumulates (``docs/toploc.md`` §11, ``protocol.audit``).
+
+    Counts are over every rollout the validator checked in full: ``gap_over[i]`` counts the tokens
+    that differ from the validator's replay with a gap beyond ``GAP_EDGE_FRACTIONS[i]`` of the
+    replay rule's tolerance (``protocol.sampling.ReplayParams.gap_edges``; the last is the tolerance
+    itself: the out-of-bound tokens), so the list is non-increasing and each entry ≤ ``differ``.
+    """
+
+    tokens: Count  # completion tokens replayed
+    differ: Count  # of them, claimed ≠ the validator's choice
+    gap_over: Annotated[list[Count], Field(max_length=8, fail_fast=True)] = []  # differing with gap > edge i
+    impossible: Count = 0  # claimed tokens no logits within any bound pick (gap +inf)
+    logprob_over: Count = 0  # tokens whose |reported − recomputed| log-prob exceeds toploc.logprob_max_abs
+    chunks: Count = 0  # TOPLOC chunks checked
+    chunks_over: Count = 0  # chunks beyond the TOPLOC thresholds
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ReplayStats:
+        over = self.gap_over
+        if self.differ > self.tokens or self.impossible > self.differ or self.logprob_over > self.tokens or self.chunks_over > self.chunks:
+            raise ValueError("replay stats: a count exceeds what it counts within")
+        if any(a < b for a, b in itertools.pairwise(over)) or (over and over[0] > self.differ):
+            raise ValueError("replay stats: gap_over must be non-increasing and ≤ differ")
+        return self
+
+
 class Verdict(Message):
-    """A validator's signed judgement of one submission (``reason`` is ``"ok"`` when accepted)."""
+    """A validator's signed judgement of one submission (``reason`` is ``"ok"`` when accepted).
+
+    ``stats`` (when the validator ran the model checks) are the replay statistics of the whole
+    submission: on an accepted verdict and on a ``precision`` rejection they are what the
+    coordinator's audit counts (``docs/toploc.md`` §11).
+    """
 
     TYPE: ClassVar[str] = "verdict/1"
     MAX_BYTES: ClassVar[int] = 64 * KiB
@@ -268,6 +311,7 @@ class Verdict(Message):
     accepted: bool
     reason: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")]
     evidence: Annotated[dict[Name, VerdictValue], Field(max_length=64)] = {}
+    stats: ReplayStats | None = None
 
 
 class BanEvidence(Message):
@@ -284,7 +328,9 @@ class BanEvidence(Message):
 
 
 class BanEntry(Message):
-    """One banned worker and why: the submission and the two checks that agree it cheated."""
+    """One banned worker and why: the submission and the two checks that agree it cheated; or, with
+    reason ``audit``, the coordinator's per-worker audit (one evidence entry: the test's figures,
+    naming the verdict that completed it; ``docs/toploc.md`` §11)."""
 
     peer_id: PeerIdStr
     reason: Annotated[str, StringConstraints(max_length=64)]

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from protocol.content import ContentId
 from protocol.envelope import Authorities, Envelope, open_envelope
 from protocol.errors import SchemaError
-from protocol.messages import Manifest, ManifestFile
+from protocol.messages import DEFAULT_PIECE_SIZE_BYTES, MAX_PIECE_SIZE_BYTES, MIN_PIECE_SIZE_BYTES, Manifest, ManifestFile
 
 PieceId = NewType("PieceId", bytes)
 """32-byte SHA-256 content ID of one piece."""
@@ -36,9 +36,6 @@ PieceId = NewType("PieceId", bytes)
 ROUTE_PREFIX = "/shardcast/1"
 """Versioned prefix of every Shardcast HTTP route (``docs/shardcast.md``)."""
 
-DEFAULT_PIECE_SIZE_BYTES = 16 << 20
-MIN_PIECE_SIZE_BYTES = 64 << 10
-MAX_PIECE_SIZE_BYTES = 1 << 30
 READ_CHUNK_BYTES = 1 << 20
 """Streams are read in chunks of at most this many bytes, so memory stays flat."""
 MANIFEST_FETCH_LIMIT_BYTES = 4 << 20

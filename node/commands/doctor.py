@@ -741,9 +741,13 @@ def _check_sandbox(tasks: str, role: str) -> Check:
 
 
 def _check_port(host: str, port: int, what: str, flag: str) -> Check:
+    """Whether ``host:port`` can be bound as the node binds it: with ``SO_REUSEADDR``, as
+    ``node/http_server.py`` and py-libp2p's TCP listener do. Without it a port whose last server
+    just stopped (its connections in TIME_WAIT) failed here although the node would bind it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
             got = s.getsockname()[1]
     except OSError as e:

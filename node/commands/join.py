@@ -1,4 +1,4 @@
-"""`join`: run a node in one role of a run. Each role is a function in ``node/roles/``."""
+"""`join`: run a node in one role of a run. Each role is a package ``node/<role>/`` (``role.py``)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from node.paths import default_data_dir, default_key_path
 
 
 def _join_relay(args: argparse.Namespace) -> int:
-    from node.roles.relay import run_relay_from_args
+    from node.relay.role import run_relay_from_args
 
     return run_relay_from_args(args)
 
 
 def _join_worker(args: argparse.Namespace) -> int:
-    from node.roles.worker import run_worker_from_args
+    from node.worker.role import run_worker_from_args
 
     return run_worker_from_args(args)
 
@@ -63,6 +63,11 @@ def _join(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                              "default: chosen from the model's shape and the GPU's free memory, and printed at start")
     worker.add_argument("--max-batch", type=int, default=None, metavar="N",
                         help="most sequences generated at once (default: chosen to fit the machine, and printed at start)")
+    worker.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="compute dtype of the model (default: float32 with transformers; vLLM: bfloat16 on cuda, float32 on cpu). "
+                             "bfloat16 needs a run spec whose toploc.replay_rule tolerates it (logit-bound-v1, docs/toploc.md §6.2)")
+    worker.add_argument("--fp32-logits", action="store_true",
+                        help="with --dtype bfloat16 (transformers): logits from the float32 LM head (the final-norm row cast to float32)")
     worker.add_argument("--data-root", default=None,
                         help="directory of the public task sets (math/, code/); without it the task list is fetched as the run's "
                              "tasks artifact (pinned in the spec), or read from the spec's path")
@@ -72,6 +77,8 @@ def _join(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     worker.add_argument("--adversary", choices=ADVERSARIES, default=None,
                         help="chaos testing only: cheat in this way so validators and bans can be seen working")
+    worker.add_argument("--steer-rate", type=float, default=1.0, metavar="R",
+                        help="with --adversary steer: take this share of the chances to steer (0 … 1, default 1)")
     from validator.spot import DEFAULT_FULL_CHECKS, DEFAULT_MIN_SHARE
 
     validate = p.add_argument_group("validate (the validate command's flags; --key must hold a validator key the spec names)")
@@ -85,9 +92,16 @@ def _join(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _run_join(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from node.cli import open_run_arg
+    from node.cli import CliError, open_run_arg
     from protocol.artifacts import TASKS_ARTIFACT
 
+    if args.role == "worker":
+        if args.fp32_logits and (args.dtype != "bfloat16" or args.engine != "transformers"):
+            raise CliError("--fp32-logits needs --dtype bfloat16 and the transformers engine")
+        if not 0.0 <= args.steer_rate <= 1.0:
+            raise CliError(f"--steer-rate {args.steer_rate}: must be in [0, 1]")
+        if args.steer_rate != 1.0 and args.adversary != "steer":
+            raise CliError("--steer-rate is for --adversary steer")
     # the run first (spec and task list fetched and verified): a refusal comes before the role's heavy imports and writes nothing
     scores = args.role in ("worker", "validate") and not args.data_root
     open_run_arg(args, Path(args.data_dir) if args.data_dir else default_data_dir(), artifacts=(TASKS_ARTIFACT,) if scores else ())

@@ -54,12 +54,36 @@ def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     init.add_argument("--replay-eps", type=float, default=None,
                       help="sampling replay tolerance, probability units (default 1e-4, for fp32 workers; docs/toploc.md §6.1)")
     init.add_argument("--max-near-tie-fraction", type=float, default=None,
-                      help="near-tie mismatches allowed per completion, share of its tokens (default 0.1)")
-    init.add_argument("--replay-rule", choices=["eps-v1", "logit-bound-v1"], default=None,
-                      help="how the sampling replay tolerates numeric noise: eps-v1 (default; fp32 workers) or logit-bound-v1 "
-                           "(workers computing in bf16 against float32 validators; needs --replay-logit-bound; docs/toploc.md §6.2)")
+                      help="near-tie mismatches allowed per completion (per submission under logit-bound-v2), share of its tokens (default 0.1)")
+    init.add_argument("--replay-rule", choices=["eps-v1", "logit-bound-v1", "logit-bound-v2"], default=None,
+                      help="how the sampling replay tolerates numeric noise: eps-v1 (default; fp32 workers), logit-bound-v1 or "
+                           "logit-bound-v2 (workers computing in bf16 against float32 validators; need --replay-logit-bound; v2 judges "
+                           "near ties per submission and values within --hard-factor of a bound as benign 'precision'; docs/toploc.md §6)")
     init.add_argument("--replay-logit-bound", type=float, default=None,
-                      help="logit-bound-v1: the workers' largest logit error, nats (bf16 against float32: 1.0, docs/toploc.md §10)")
+                      help="the logit rules' bound δ, nats: measure it with --measure-precision (docs/toploc.md §10)")
+    init.add_argument("--worker-dtype", choices=["float32", "bfloat16"], default=None,
+                      help="the honest workers' compute dtype the tolerances are for (default float32)")
+    init.add_argument("--fp32-logits", action="store_true",
+                      help="bf16 workers take their logits from the float32 LM head (the tolerances assume it; docs/toploc.md §10)")
+    init.add_argument("--hard-factor", type=float, default=None,
+                      help="logit-bound-v2: values within this multiple of a bound are benign 'precision', beyond it cheats (default 2)")
+    init.add_argument("--measure-precision", choices=["float32", "bfloat16"], default=None, metavar="DTYPE",
+                      help="measure the tolerances on the base: honest DTYPE submissions (decode batch 1, 8, 64) checked by the "
+                           "validators' pipeline; writes replay rule logit-bound-v2 with δ, log-prob bounds, near-tie share and TOPLOC "
+                           "thresholds at stated margins over the worst honest values, and prints them (docs/operators.md)")
+    init.add_argument("--measure-submissions", type=int, default=20, metavar="N",
+                      help="with --measure-precision: honest submissions per batch size (default 20)")
+    init.add_argument("--measure-device", default="cpu", metavar="DEVICE",
+                      help="with --measure-precision: the torch device the honest submissions are generated on (default cpu; "
+                           "'cuda' on a GPU of the kind the run's workers use: their kernels are what the tolerances must cover)")
+    init.add_argument("--audit", action="store_true",
+                      help="run the per-worker audit (audit.rule eprocess-v1: workers whose replay statistics exceed honest compute's "
+                           "are banned; the coordinator calibrates the honest baseline itself; docs/toploc.md §11)")
+    init.add_argument("--audit-false-alarm", type=float, default=None, help="with --audit: an honest worker's chance of a flag (default 1e-6)")
+    init.add_argument("--calibration-submissions", type=int, default=None,
+                      help="with --audit: honest reference submissions the coordinator checks per published step (default 2)")
+    init.add_argument("--min-calibration-tokens", type=int, default=None,
+                      help="with --audit: no flag before the baseline holds this many replayed tokens (default 2000)")
     init.add_argument("--eos-prob-slack", type=float, default=None,
                       help="eps-v1: P(EOS) of worker and validator may differ by this much at the EOS floor (default 0.01)")
     init.add_argument("--force", action="store_true", help="overwrite --out if it exists")
@@ -109,7 +133,12 @@ def _run_spec_init(args: argparse.Namespace) -> int:
                      target_lengths=args.target_length or None, rule=args.sampling_rule)
     toploc = given(logprob_max_abs=args.logprob_max_abs, logprob_mean_abs=args.logprob_mean_abs, replay_eps=args.replay_eps,
                    max_near_tie_fraction=args.max_near_tie_fraction, replay_rule=args.replay_rule,
-                   replay_logit_bound=args.replay_logit_bound, eos_prob_slack=args.eos_prob_slack)
+                   replay_logit_bound=args.replay_logit_bound, eos_prob_slack=args.eos_prob_slack, worker_dtype=args.worker_dtype,
+                   hard_factor=args.hard_factor, fp32_logits=args.fp32_logits or None)
+    if not args.audit and any(v is not None for v in (args.audit_false_alarm, args.calibration_submissions, args.min_calibration_tokens)):
+        raise CliError("--audit-false-alarm, --calibration-submissions and --min-calibration-tokens need --audit")
+    audit = given(false_alarm=args.audit_false_alarm, calibration_submissions=args.calibration_submissions,
+                  min_calibration_tokens=args.min_calibration_tokens) | ({"rule": "eprocess-v1"} if args.audit else {})
     shard = given(keep_steps=args.keep_steps)  # not given: the spec keeps rl.async_level + 1 (protocol.window.fresh_steps)
     if args.piece_size is not None:
         shard["piece_size_bytes"] = args.piece_size
@@ -128,8 +157,12 @@ def _run_spec_init(args: argparse.Namespace) -> int:
             rl=rs.RLSpec(**rl),
             shardcast=rs.ShardcastSpec(**shard),
             network=rs.NetworkSpec(bootstrap=args.bootstrap, ingest_urls=args.ingest_url, origin_urls=args.origin_url),
+            audit=rs.AuditSpec(**audit),
             artifacts=artifacts,
         )
+        if args.measure_precision is not None:
+            spec = spec.model_copy(update={"toploc": _measured_toploc(spec, args)})
+            spec = rs.RunSpec.model_validate(spec.model_dump())  # the whole spec checked again with the measured section
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(map(str, err["loc"]))
@@ -145,6 +178,33 @@ def _run_spec_init(args: argparse.Namespace) -> int:
     if (address := spec_address(signed, [])) is not None:
         print(f"run address: {address}")
     return 0
+
+
+def _measured_toploc(spec: Any, args: argparse.Namespace) -> Any:
+    """``[toploc]`` from :func:`node.precision.measure_precision` on the run's base (prints the table)."""
+    import tempfile
+
+    import torch
+
+    from node.coordinator.base import prepare_base
+    from node.precision import measure_precision
+    from protocol.dataset import resolve_tasks
+    from protocol.models import load_tokenizer
+
+    if args.measure_submissions < 1:
+        raise CliError("--measure-submissions must be ≥ 1")
+    if args.fp32_logits and args.measure_precision != "bfloat16":
+        raise CliError("--fp32-logits is for --measure-precision bfloat16")
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    tasks = resolve_tasks(spec.data.tasks, Path(args.data_root) if args.data_root else None, spec.data.tasks_hash)
+    with tempfile.TemporaryDirectory() as tmp:
+        base = prepare_base(spec, tasks, Path(tmp) / "base")
+        print(f"measuring honest {args.measure_precision} workers on {base} ({args.measure_submissions} submissions per batch size) …")
+        m = measure_precision(spec, base, tasks.train, load_tokenizer(base), args.measure_precision, submissions=args.measure_submissions,
+                              fp32_head=args.fp32_logits, device=args.measure_device)
+    toploc = m.toploc(spec.toploc, spec.sampling.temperature)
+    print("\n".join(m.lines(toploc)))
+    return toploc
 
 
 def _describe_base(path: Path, hidden_size: int | None) -> dict[str, object]:

@@ -41,8 +41,8 @@ def run_validate(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     joined = open_run_arg(args, data_dir, artifacts=() if args.data_root else (TASKS_ARTIFACT,))  # before the heavy imports
     signed = joined.signed
-    from node.roles import run_until_stopped
-    from node.roles.validator import ValidatorNode, ValidatorOptions
+    from node.lifecycle import run_until_stopped
+    from node.validator.role import ValidatorNode, ValidatorOptions
     from validator.spot import SpotCheckPolicy
 
     if not signed.spec.is_validator(key.peer_id):

@@ -10,8 +10,9 @@ the worker and ``doctor`` call :func:`plan_engine`; tests pass made-up numbers.
 
 Memory model, bytes (every term an upper estimate):
 
-* weights: parameters × the engine's compute dtype (vLLM bfloat16 on CUDA; the transformers
-  engine float32 everywhere, as validators compute);
+* weights: parameters × the engine's compute dtype (``join --dtype``; by default vLLM bfloat16 on
+  CUDA, the transformers engine float32 everywhere, as validators compute), plus a float32 copy of
+  the LM head for a bfloat16 engine with fp32 logits;
 * KV cache: 2 (K and V) × layers × KV heads × head dim × dtype bytes per token, for every
   sequence of the batch at its full length;
 * per sequence beyond the cache: float32 logits and the sampling rule's temporaries over the
@@ -198,14 +199,19 @@ def gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.0f} MiB"
 
 
-def _dtype_bytes(engine: EngineKind, device: Device) -> int:
+def _dtype_bytes(engine: EngineKind, device: Device, dtype: str | None = None) -> int:
+    """Bytes per value of the engine's compute dtype: ``dtype`` (``join --dtype``) where given, else the
+    engine's default (``node.engine.create_engine``: vLLM bfloat16 on CUDA, float32 otherwise)."""
+    if dtype is not None:
+        return 2 if dtype == "bfloat16" else 4
     return 2 if engine == "vllm" and device == "cuda" else 4
 
 
-def _costs(shape: ModelShape, work: Workload, engine: EngineKind, device: Device) -> tuple[int, int, int]:
+def _costs(shape: ModelShape, work: Workload, engine: EngineKind, device: Device, dtype: str | None = None,
+           fp32_head: bool = False) -> tuple[int, int, int]:
     """``(weights, fixed other, per sequence)`` bytes of the memory model (module docstring)."""
-    b = _dtype_bytes(engine, device)
-    weights = shape.parameters() * b
+    b = _dtype_bytes(engine, device, dtype)
+    weights = shape.parameters() * b + (shape.vocab * shape.hidden * 4 if fp32_head and b != 4 else 0)
     reserve = GPU_RESERVE_BYTES if device == "cuda" else CPU_RESERVE_BYTES
     per_token = (4 * shape.hidden + 2 * shape.intermediate) * b  # activations of one prefilled token
     per_seq = work.sequence_tokens * shape.kv_bytes_per_token(b) + 3 * shape.vocab * 4 + work.completion_tokens * shape.hidden * 2
@@ -214,14 +220,16 @@ def _costs(shape: ModelShape, work: Workload, engine: EngineKind, device: Device
     return weights, reserve, per_seq + work.prompt_tokens * per_token
 
 
-def needed_bytes(shape: ModelShape, work: Workload, engine: EngineKind, device: Device, batch: int = MIN_BATCH) -> int:
-    """Memory a plan with ``batch`` sequences needs, bytes."""
-    weights, fixed, per_seq = _costs(shape, work, engine, device)
+def needed_bytes(shape: ModelShape, work: Workload, engine: EngineKind, device: Device, batch: int = MIN_BATCH,
+                 dtype: str | None = None) -> int:
+    """Memory a plan with ``batch`` sequences needs, bytes (``dtype``: as :func:`plan_engine`'s)."""
+    weights, fixed, per_seq = _costs(shape, work, engine, device, dtype)
     return weights + fixed + batch * per_seq
 
 
 def plan_engine(shape: ModelShape, machine: Machine, work: Workload, *, engine: EngineKind = "transformers", device: Device = "cpu",
-                memory_share: float | None = None, max_batch: int | None = None) -> EnginePlan:
+                memory_share: float | None = None, max_batch: int | None = None, dtype: str | None = None,
+                fp32_head: bool = False) -> EnginePlan:
     """Choose the engine's memory share, batch and sequence limit for this machine.
 
     Args:
@@ -231,6 +239,9 @@ def plan_engine(shape: ModelShape, machine: Machine, work: Workload, *, engine: 
         engine, device: the engine and where it runs (``cuda`` needs ``machine.has_gpu``).
         memory_share: the operator's share of the GPU (``--gpu-memory-share``); ``None``: chosen.
         max_batch: the operator's batch cap (``--max-batch``); ``None``: chosen.
+        dtype: the engine's compute dtype, ``float32`` or ``bfloat16`` (``join --dtype``); ``None``: the
+            engine's default (vLLM bfloat16 on CUDA, float32 otherwise).
+        fp32_head: a bfloat16 engine also holds a float32 copy of the LM head (``join --fp32-logits``).
 
     Returns:
         The :class:`EnginePlan` (``fits`` False with a reason when even one sequence does not fit).
@@ -243,8 +254,8 @@ def plan_engine(shape: ModelShape, machine: Machine, work: Workload, *, engine: 
     if memory_share is not None and not 0.0 < memory_share <= 1.0:
         raise ValueError(f"GPU memory share must be in (0, 1], got {memory_share}")
     seq_len = work.sequence_tokens
-    weights, fixed, per_seq = _costs(shape, work, engine, device)
-    kv_seq = seq_len * shape.kv_bytes_per_token(_dtype_bytes(engine, device))
+    weights, fixed, per_seq = _costs(shape, work, engine, device, dtype, fp32_head)
+    kv_seq = seq_len * shape.kv_bytes_per_token(_dtype_bytes(engine, device, dtype))
     cap = max(MIN_BATCH, min(MAX_BATCH_GPU if device == "cuda" else MAX_BATCH_CPU, work.sequences, max_batch or work.sequences))
     share: float | None = None
     if device == "cuda":

@@ -232,9 +232,10 @@ def _rpc_load_weights(self: Any, model_dir: str) -> int:
     return count
 
 
-def default_memory_share(model_dir: Path, max_batch: int, max_model_len: int | None) -> float:
+def default_memory_share(model_dir: Path, max_batch: int, max_model_len: int | None, dtype: str | None = None) -> float:
     """The GPU memory share for ``max_batch`` sequences of ``max_model_len`` tokens (default
-    :data:`DEFAULT_MODEL_LEN`) of the model in ``model_dir`` on this GPU now (``node/engine/fit.py``).
+    :data:`DEFAULT_MODEL_LEN`) of the model in ``model_dir``, computing in ``dtype`` (default bfloat16),
+    on this GPU now (``node/engine/fit.py``).
 
     Raises:
         RuntimeError: the model does not fit this GPU (naming the smallest machine that can).
@@ -246,7 +247,7 @@ def default_memory_share(model_dir: Path, max_batch: int, max_model_len: int | N
 
     shape = ModelShape.from_config(json.loads((Path(model_dir) / "config.json").read_text()), name=str(model_dir))
     work = Workload(sequences=max_batch, prompt_tokens=min(max_model_len or DEFAULT_MODEL_LEN, shape.max_positions), completion_tokens=0)
-    plan = plan_engine(shape, probe_machine(use_torch=True), work, engine="vllm", device="cuda")
+    plan = plan_engine(shape, probe_machine(use_torch=True), work, engine="vllm", device="cuda", dtype=dtype)
     if not plan.fits or plan.memory_share is None:
         raise RuntimeError(f"{plan.reason}; the smallest machine that can: {smallest_machine(shape, work)}")
     return plan.memory_share
@@ -303,7 +304,7 @@ class VllmEngine(Engine):
             "logits_processors": [processor_class()],
         }
         if gpu_memory_utilization is None:
-            gpu_memory_utilization = default_memory_share(model_dir, max_batch, max_model_len) if device == "cuda" else CPU_BACKEND_SHARE
+            gpu_memory_utilization = default_memory_share(model_dir, max_batch, max_model_len, dtype) if device == "cuda" else CPU_BACKEND_SHARE
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len

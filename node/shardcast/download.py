@@ -31,6 +31,15 @@ import aiohttp
 
 from node.errors import BadPieceError, FetchError, SourceError
 from node.shardcast.sources import SourcePool, SourceState
+from node.timeouts import (
+    CONNECT_TIMEOUT_S,
+    DOWNLOAD_DEADLINE_S,
+    HELD_TIMEOUT_S,
+    MANIFEST_TIMEOUT_S,
+    PIECE_BODY_GRACE_S,
+    READ_TIMEOUT_S,
+    STALL_TIMEOUT_S,
+)
 from protocol.artifacts import MAX_ARTIFACT_MANIFEST_BYTES, ArtifactManifest, open_artifact
 from protocol.content import hex_id
 from protocol.envelope import Authorities, Envelope
@@ -52,7 +61,7 @@ WRITE_BATCH_BYTES = 2 << 20
 
 @dataclass(frozen=True)
 class DownloadConfig:
-    """Limits and timeouts of a download.
+    """Limits and timeouts of a download (the timeouts' defaults: :mod:`node.timeouts`).
 
     Attributes:
         max_concurrency: pieces downloaded at once from relay candidates (memory ≈ this × 1 MiB);
@@ -62,8 +71,8 @@ class DownloadConfig:
         connect_timeout_s: TCP connect timeout, seconds (never includes waiting for the pool).
         read_timeout_s: longest silence while waiting for or reading a response, seconds.
         min_rate_bps: slowest accepted transfer, bytes/second; a piece's body must arrive within
-            ``size / min_rate_bps + 5`` seconds of its response headers (from a relay, also within
-            half the stall timeout).
+            ``size / min_rate_bps`` + :data:`~node.timeouts.PIECE_BODY_GRACE_S` seconds of its
+            response headers (from a relay, also within half the stall timeout).
         rate_window_s: a piece request is measured over windows of this many seconds from its
             response headers on; a relay's request that delivers less than the rate floor in a
             window is cut off (cooled down, its piece moved to a proven source), seconds.
@@ -87,21 +96,21 @@ class DownloadConfig:
     max_concurrency: int = 8
     max_in_flight_per_source: int = 4
     max_candidates: int = 8
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 15.0
+    connect_timeout_s: float = CONNECT_TIMEOUT_S
+    read_timeout_s: float = READ_TIMEOUT_S
     min_rate_bps: float = 256 * 1024
     rate_window_s: float = 2.0
     rate_floor_bps: float = 64 * 1024
     slow_fraction: float = 1 / 8
-    manifest_timeout_s: float = 15.0
-    held_timeout_s: float = 3.0
+    manifest_timeout_s: float = MANIFEST_TIMEOUT_S
+    held_timeout_s: float = HELD_TIMEOUT_S
     max_manifest_bytes: int = DEFAULT_MAX_MANIFEST_BYTES
     latest_grace_s: float = 1.0
     hedge_after_s: float = 0.5
     exploration: float = 0.1
     missing_retry_s: float = 0.5
-    stall_timeout_s: float = 60.0
-    deadline_s: float = 3600.0
+    stall_timeout_s: float = STALL_TIMEOUT_S
+    deadline_s: float = DOWNLOAD_DEADLINE_S
 
 
 class PieceWriter(Protocol):
@@ -460,10 +469,11 @@ async def _settled(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def body_deadline_s(piece: PieceRef, cfg: DownloadConfig, *, origin: bool) -> float:
-    """Seconds a piece's body may take after its response headers: ``size / min_rate_bps + 5``;
+    """Seconds a piece's body may take after its response headers: ``size / min_rate_bps`` +
+    :data:`~node.timeouts.PIECE_BODY_GRACE_S`;
     from a relay also at most half of ``stall_timeout_s`` (so a relay's request always ends, and
     its piece moves on, before the download could stall)."""
-    s = piece.size_bytes / cfg.min_rate_bps + 5.0
+    s = piece.size_bytes / cfg.min_rate_bps + PIECE_BODY_GRACE_S
     return s if origin else min(s, cfg.stall_timeout_s / 2)
 
 

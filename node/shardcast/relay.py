@@ -42,6 +42,7 @@ from node.shardcast.events import log_held
 from node.shardcast.server import ShardcastServer
 from node.shardcast.sources import SourcePool, normalise_url
 from node.shardcast.store import PieceWriter, ShardcastStore
+from node.timeouts import RELAY_STALL_TIMEOUT_S
 from protocol.errors import ProtocolError
 from protocol.identity import PeerId
 from protocol.shardcast import PieceRef
@@ -77,7 +78,7 @@ class RelayConfig:
     origins: tuple[str, ...] = ()
     poll_interval_s: float = 0.2
     upstream_ban_s: float = 600.0
-    download: DownloadConfig = field(default_factory=lambda: DownloadConfig(stall_timeout_s=120.0))
+    download: DownloadConfig = field(default_factory=lambda: DownloadConfig(stall_timeout_s=RELAY_STALL_TIMEOUT_S))
     peer_id: PeerId | None = None
     artifacts: tuple[bytes, ...] = ()
 

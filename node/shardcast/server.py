@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 MSGPACK_TYPE = "application/x-msgpack"
 _HEX_ID = re.compile(r"^[0-9a-f]{64}$")
 _MAX_STEP = 2**40
+_ZERO_SUFFIX = re.compile(r"^\s*bytes\s*=\s*-\s*0+\s*$", re.IGNORECASE)
+"""A ``Range`` of one suffix range of length 0 (``bytes=-0``)."""
 IMMUTABLE = "public, max-age=31536000, immutable"
 PIECE_WAIT_S = 5.0
 """How long a request for a piece of a step being filled is held until the piece is stored."""
@@ -215,5 +217,9 @@ class ShardcastServer:
         path = self.store.piece_path(piece_id)
         if not path.is_file() and not (self.piece_wait_s > 0 and await self._wait_for_piece(piece_id, path)):
             raise web.HTTPNotFound(text="piece not held\n")
+        if _ZERO_SUFFIX.match(request.headers.get("Range", "")):
+            # RFC 9110 §14.1.1: a suffix range of length 0 selects no byte, so it is unsatisfiable (416);
+            # aiohttp reads "-0" as "from byte 0" and answered 206 with the whole piece
+            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{path.stat().st_size}"})
         self.pieces_served += 1
         return web.FileResponse(path, headers={"Cache-Control": IMMUTABLE, "Content-Type": "application/octet-stream"})

@@ -61,6 +61,20 @@ def test_gpu_plan_chooses_share_batch_and_sequence_limit():
     assert (mine.memory_share, mine.max_batch) == (0.5, 8)
 
 
+def test_plan_counts_the_compute_dtype():
+    """``join --dtype`` changes the engine's memory: a bf16 transformers engine holds half the float32 weights and cache
+    (plus a float32 head with ``--fp32-logits``), a float32 vLLM engine on CUDA twice its bf16 default."""
+    shape = SHAPES["qwen2.5-7b"]
+    fp32 = plan_engine(shape, H100, WORK, engine="transformers", device="cuda")
+    bf16 = plan_engine(shape, H100, WORK, engine="transformers", device="cuda", dtype="bfloat16")
+    assert (fp32.weights_bytes, bf16.weights_bytes) == (shape.parameters() * 4, shape.parameters() * 2)
+    assert bf16.kv_bytes * 2 == fp32.kv_bytes * bf16.max_batch // fp32.max_batch
+    head = plan_engine(shape, H100, WORK, engine="transformers", device="cuda", dtype="bfloat16", fp32_head=True)
+    assert head.weights_bytes == bf16.weights_bytes + shape.vocab * shape.hidden * 4
+    vllm32 = plan_engine(shape, H100, WORK, engine="vllm", device="cuda", dtype="float32")
+    assert vllm32.weights_bytes == shape.parameters() * 4 == 2 * plan_engine(shape, H100, WORK, engine="vllm", device="cuda").weights_bytes
+
+
 def test_too_small_refuses_naming_the_smallest_machine():
     no = plan_engine(SHAPES["qwen2.5-32b"], RTX4090, WORK, engine="vllm", device="cuda")
     assert not no.fits and no.max_batch == 0 and re.search(r"needs 6\d\.\d\d GiB", no.reason) and "RTX 4090" in no.reason
@@ -78,7 +92,7 @@ def test_too_small_refuses_naming_the_smallest_machine():
 
 def _embedded_worker(tmp_path: Path):
     from node.coordinator.base import EMBEDDED_BASE_DIR
-    from node.roles.worker import Worker, WorkerOptions
+    from node.worker.role import Worker, WorkerOptions
     from protocol.identity import NodeKey
     from protocol.models import load_tokenizer
     from protocol.runspec import RunInfo, RunSpec, sign_run_spec
@@ -93,7 +107,7 @@ def _embedded_worker(tmp_path: Path):
 @pytest.mark.slow  # imports the worker role (torch, transformers, libp2p): seconds on a loaded machine
 def test_worker_sizes_itself_or_refuses_in_one_line(tmp_path, monkeypatch, capsys):
     import node.machine
-    from node.roles.worker import MachineTooSmall
+    from node.worker.role import MachineTooSmall
 
     worker, base = _embedded_worker(tmp_path)
     monkeypatch.setattr(node.machine, "probe_machine", lambda **kw: Machine(host_available_bytes=8 * GiB))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from local_model import build_local_model
-from localnet import free_port, get_json
+from localnet import get_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -75,14 +75,14 @@ def test_guide_blocks_are_found_and_complete():
     assert torchrun, "torchrun needs '--' between the module and its arguments"
 
 
-def test_operators_guide_end_to_end(tmp_path, shared):
+def test_operators_guide_end_to_end(tmp_path, shared, held_port):
     data_root = shared / "data"
     t0 = time.monotonic()
     model = build_local_model(tmp_path / "my-qwen2", data_root)
     timings: dict[str, float] = {"build_model_s": round(time.monotonic() - t0, 1)}
     blocks = guide_blocks()
     settings = blocks[0][2]
-    ports = {name: str(free_port()) for name in ("COORD_HTTP", "COORD_P2P", "RELAY_HTTP", "RELAY_P2P", "WORKER_HTTP", "VAL_HTTP")}
+    ports = {name: str(held_port()) for name in ("COORD_HTTP", "COORD_P2P", "RELAY_HTTP", "RELAY_P2P", "WORKER_HTTP", "VAL_HTTP")}
     values = {"COORD_HOST": "127.0.0.1", "RELAY_HOST": "127.0.0.1", "LISTEN": "127.0.0.1", "DATA_ROOT": str(data_root),
               "MODEL": str(model), "DEVICE": "cpu", "MAX_TOKENS": "16", "EVAL_SAMPLES": "1",
               "RUN_ADDRESS": "unknown-until-spec-init", **ports}

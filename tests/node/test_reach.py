@@ -10,7 +10,7 @@ import time
 import aiohttp
 import pytest
 from aiohttp import web
-from localnet import free_port, serve_app
+from localnet import serve_app
 from waiting import wait_until
 
 from node.cli import main
@@ -54,7 +54,7 @@ async def raw_server(handler):
             await asyncio.wait_for(server.wait_closed(), 1.0)
 
 
-async def test_dial_back_reports_what_it_found_within_its_bounds():
+async def test_dial_back_reports_what_it_found_within_its_bounds(held_port):
     async with coordinator(timeout_s=0.3, burst=100) as (url, _):
         async with stand_in("shardcast", "127.0.0.1", 0, RUN_ID) as port:
             ok = await request_dialback(url, "shardcast", port)
@@ -66,7 +66,7 @@ async def test_dial_back_reports_what_it_found_within_its_bounds():
             assert (await request_dialback(url, "libp2p", port))["reachable"]
             wrong = await request_dialback(url, "shardcast", port)  # a libp2p port is no Shardcast server
         assert not wrong["reachable"]
-        closed = free_port()
+        closed = held_port()  # held, never listening: a connection to it is refused
         refused = await request_dialback(url, "libp2p", closed)
         assert not refused["reachable"] and "refused" in refused["detail"]
 
@@ -117,11 +117,11 @@ async def test_dial_back_is_no_reflector():
             (await first).close()
 
 
-def test_doctor_relay_reachability_both_ways(tmp_path):
+def test_doctor_relay_reachability_both_ways(tmp_path, held_port):
     """Reachable: doctor listens on the relay's ports and the coordinator reaches them. Blocked: the relay would listen on
     127.0.0.2 only, the coordinator dials the address it sees (127.0.0.1): FAIL, and the fix names the port and flag."""
     with serve_app(lambda: coordinator_app(burst=100)) as url:
-        http_port, p2p_port = free_port(), free_port()
+        http_port, p2p_port = held_port(), held_port()
         ok = check_reachability([url], RUN_ID, host="127.0.0.1", http_port=http_port, p2p_port=p2p_port, public_url="", timeout_s=10)
         assert [c.status for c in ok] == ["PASS", "PASS"], ok
         assert f"127.0.0.1:{http_port}" in ok[0].detail and f"127.0.0.1:{p2p_port}" in ok[1].detail
@@ -144,7 +144,7 @@ def test_fix_names_port_address_and_flags():
 
 
 @pytest.mark.slow
-def test_doctor_command_prints_the_fix(tmp_path, capsys):
+def test_doctor_command_prints_the_fix(tmp_path, capsys, held_port):
     """The command end to end against a spec whose ingest URL is the dial-back server."""
     from protocol.identity import NodeKey
     from protocol.runspec import NetworkSpec, RunInfo, RunSpec, dump_run_spec, sign_run_spec
@@ -154,7 +154,7 @@ def test_doctor_command_prints_the_fix(tmp_path, capsys):
         signed = sign_run_spec(RunSpec(run=RunInfo(coordinator=key.peer_id), network=NetworkSpec(ingest_urls=[url])), key)
         run = tmp_path / "run.toml"
         run.write_text(dump_run_spec(signed))
-        port = free_port()
+        port = held_port()
         rc = main(["doctor", "--run", str(run), "--role", "relay", "--host", "127.0.0.2", "--http-port", str(port),
                    "--gossip-wait", "0", "--timeout", "1"])
     out = capsys.readouterr().out

@@ -5,9 +5,10 @@ Routes (``docs/protocol.md`` §8):
 =========  ==============================  =====================================================
 method     path                            what
 =========  ==============================  =====================================================
-POST       ``/ingest/1/submissions``       a ``submission/1`` envelope; 200 ``{"id", "stored"}``
+POST       ``/ingest/1/submissions``       a ``submission/1`` envelope; 200 ``{"id", "stored", "displaced"}``
 POST       ``/ingest/1/lease``             a validator's ``lease_request/1``; msgpack ``{"submissions", "trainer_step"}``
 POST       ``/ingest/1/verdicts``          a ``verdict/1`` envelope from a run validator
+GET        ``/ingest/1/submissions/{id}``  a submission's state: JSON ``{"id", "state", "reason"}``
 GET        ``/ingest/1/bans``              the coordinator-signed ``ban_list/1`` envelope
 GET        ``/ingest/1/workers/{peer}``    the coordinator-signed ``worker_standing/1`` of one worker
 GET        ``/status``                     JSON view of the coordinator
@@ -49,22 +50,26 @@ from protocol.ingest_api import (
     BANS_ROUTE,
     LEASE_CONTENT_TYPE,
     LEASE_ROUTE,
+    SUBMISSION_ROUTE,
     SUBMISSIONS_ROUTE,
     VERDICTS_ROUTE,
     WORKER_ROUTE,
     pack_lease_answer,
 )
 from protocol.messages import LeaseRequest, Submission, Verdict, WorkerStanding
-from protocol.ratelimit import RateLimiter
+from protocol.ratelimit import FairShare, RateLimiter
 from protocol.rollout import submission_decode_limits
 from protocol.runspec import RunSpec
 from trainer.errors import Refused
 from trainer.ingest.body import BodyBudget, BodyError, Ticket, read_body
 from trainer.ingest.limits import IngestLimits
 from trainer.ingest.status import IngestMetrics, IngestStatus
+from trainer.ledger.audit import WorkerAudit
 from trainer.ledger.ban_rule import BanRule, Recheck
 from trainer.ledger.bans import BanBook
+from trainer.ledger.ids import SubmissionId
 from trainer.ledger.ledger import SubmissionLedger
+from trainer.ledger.prefixes import allocation_key, prefix_key
 from trainer.ledger.states import public_state
 
 logger = logging.getLogger(__name__)
@@ -108,7 +113,8 @@ class IngestService:
         self._ip_limiter = RateLimiter(lim.requests_per_s * 4, lim.burst * 4)
         self._peer_limiter = RateLimiter(lim.requests_per_s, lim.burst)
         self._status_limiter = RateLimiter(lim.status_requests_per_s, lim.status_burst)
-        self._unproven_limiter = RateLimiter(lim.unproven_requests_per_s, lim.unproven_burst)  # one bucket for them all
+        # one rate for them all, shared fairly per allocation, then prefix (trainer/ledger/prefixes.py)
+        self._unproven_limiter = FairShare(lim.unproven_requests_per_s, lim.unproven_burst)
         self.budget = BodyBudget(lim.max_body_bytes_in_flight_per_ip, lim.max_body_bytes_in_flight)
         self._decode_all = asyncio.Semaphore(lim.decode_concurrency)
         self._decode_ip: dict[str, tuple[asyncio.Semaphore, int]] = {}  # address → (semaphore, users)
@@ -118,6 +124,7 @@ class IngestService:
     def add_routes(self, app: web.Application) -> None:
         """Register the ingest routes on ``app``, and the ledger's retirement timer on its lifetime."""
         app.router.add_post(SUBMISSIONS_ROUTE, self.post_submission)
+        app.router.add_get(SUBMISSION_ROUTE, self.get_submission)
         app.router.add_post(LEASE_ROUTE, self.post_lease)
         app.router.add_post(VERDICTS_ROUTE, self.post_verdict)
         app.router.add_get(BANS_ROUTE, self.get_bans)
@@ -155,9 +162,10 @@ class IngestService:
         ip = self._ip_gate(request)
         ticket = self.budget.ticket(ip)
         try:
-            if not self.ledger.precheck(ip) and not self._unproven_limiter.allow("unproven"):  # before its body is read
-                raise Refused("rate_limited", "addresses with no accepted submission share a submission rate; retry later",
-                              retry_after_s=self._unproven_limiter.retry_after_s("unproven"))
+            if not self.ledger.precheck(ip) and not self._unproven_limiter.allow(path := (allocation_key(ip), prefix_key(ip))):
+                # before its body is read
+                raise Refused("rate_limited", f"addresses with no accepted submission share a submission rate, and {path[1]} has used "
+                              "its part of it; retry later", retry_after_s=self._unproven_limiter.retry_after_s(path))
             env = await self._receive(request, ip, ticket)
             return await self._store(env, ip, len(env.raw))
         except Refused as e:
@@ -193,7 +201,8 @@ class IngestService:
         admission = self.ledger.admit(env, ip)  # one step of the event loop: checks and counting
         if admission.durable is None:
             self.metrics.submissions.labels("duplicate").inc()
-            return web.json_response({"id": admission.sid, "stored": False, "duplicate": True, "state": admission.state})
+            return web.json_response({"id": admission.sid, "stored": False, "duplicate": True, "state": admission.state,
+                                      "displaced": self.ledger.displaced_now(sub.worker)})
         t0 = time.perf_counter()
         # the answer waits for this submission's group commit: a 200 means it survives a crash
         try:
@@ -205,14 +214,28 @@ class IngestService:
             self.metrics.submissions.labels("duplicate").inc()
             existing = self.ledger.get(admission.sid)
             return web.json_response({"id": admission.sid, "stored": False, "duplicate": True,
-                                      "state": public_state(existing.state) if existing else "pending"})
+                                      "state": public_state(existing.state) if existing else "pending",
+                                      "displaced": self.ledger.displaced_now(sub.worker)})
         self.ledger.stored(admission.sid, sub)  # keeps the verified body for the trainer
         self.metrics.latency.observe(time.perf_counter() - t0)
         self.metrics.bytes.inc(size)
         self.metrics.submissions.labels("stored").inc()
         logger.info("stored submission %s from %s (step %d, %d rollouts)", admission.sid[:12], sub.worker, sub.policy_step,
                     len(sub.rollouts), extra={"peer_id": sub.worker, "step": sub.policy_step})
-        return web.json_response({"id": admission.sid, "stored": True})
+        # displaced ones are told here, on the worker's next answer (its client dropped them on their 200)
+        return web.json_response({"id": admission.sid, "stored": True, "displaced": self.ledger.displaced_now(sub.worker)})
+
+    async def get_submission(self, request: web.Request) -> web.Response:
+        """A submission's state (``protocol.ingest_api.SUBMISSION_ROUTE``): what a worker reads to learn
+        that one of its submissions was displaced, judged or expired."""
+        self._status_gate(request)
+        sid = request.match_info["id"]
+        if len(sid) != 64 or any(c not in "0123456789abcdef" for c in sid):
+            raise Refused("malformed", "a submission ID is 64 lower-case hex digits")
+        row = self.ledger.get(SubmissionId(sid))
+        if row is None:
+            raise Refused("unknown_submission", f"no submission {sid[:16]}… here")
+        return web.json_response({"id": sid, "state": public_state(row.state), "reason": row.reason})
 
     # --- leases and verdicts -------------------------------------------------------------------
 
@@ -383,7 +406,8 @@ def open_ingest(data_dir: Path, spec: RunSpec, key: NodeKey, *, trainer_step: Ca
     bans = BanBook(Path(data_dir) / "bans.msgpack", key, spec.run_id)
     ledger = SubmissionLedger(Path(data_dir) / "ingest", spec, bans, trainer_step=trainer_step, latest_policy_step=latest_policy_step,
                               quotas=limits.quotas)
-    rule = BanRule(ledger, recheck=recheck, max_pending_rechecks=limits.max_pending_rechecks, on_ban=on_ban)
+    audit = WorkerAudit(spec.audit, Path(data_dir) / "ingest" / "audit.sqlite")
+    rule = BanRule(ledger, recheck=recheck, max_pending_rechecks=limits.max_pending_rechecks, on_ban=on_ban, audit=audit)
     return IngestService(ledger, rule, limits=limits, on_verdict=on_verdict, status_extra=status_extra, key=key)
 
 

@@ -14,10 +14,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from node.engine import Engine, create_engine
 from node.engine.fit import EnginePlan, ModelShape, Workload, plan_engine, smallest_machine
 from node.errors import FetchError, NodeError
+from node.lifecycle import require_sandbox_for, run_until_stopped, sleep_unless, start_status_server
 from node.p2p import GossipConfig, GossipNode
 from node.policy import POLL_INTERVAL_S, GossipSources, PolicyFollower
 from node.retry import Backoff, FailureLog
-from node.roles import require_sandbox_for, run_until_stopped, sleep_unless, start_status_server
 from node.status_http import StatusServer
 from node.worker.rollouts import BuildStats, build_submission
 from node.worker.spool import Spool
@@ -57,6 +57,10 @@ class WorkerOptions:
         max_submissions: stop after this many submissions (``None``: run until stopped).
         ingest_urls: override of the run spec's ingest URLs.
         adversary: cheat on purpose (``node.worker.adversary``; devnet chaos mode), ``None`` when honest.
+        dtype: the engine's compute dtype, ``float32`` or ``bfloat16`` (``None``: the engine's default,
+            ``node.engine.create_engine``); the run spec's replay rule must tolerate it (``docs/toploc.md`` §6).
+        fp32_head: a bf16 transformers engine computes its logits with the float32 LM head.
+        steer_rate: the ``steer`` adversary's share of chances taken, in [0, 1].
     """
 
     data_dir: Path
@@ -71,6 +75,9 @@ class WorkerOptions:
     max_submissions: int | None = None
     ingest_urls: list[str] = field(default_factory=list)
     adversary: str | None = None
+    dtype: str | None = None
+    fp32_head: bool = False
+    steer_rate: float = 1.0
 
 
 class Worker:
@@ -122,6 +129,9 @@ class Worker:
 
     async def start(self) -> None:
         await require_sandbox_for(self.tasks)  # code tasks only in a real sandbox: RewardError naming what to install
+        if self.options.dtype == "bfloat16" and self.spec.toploc.worker_dtype == "float32":
+            logger.warning("this run's tolerances are for float32 workers (toploc.worker_dtype): computing in bfloat16, this worker's "
+                           "submissions will be rejected and may get it banned; run with --dtype float32")
         if self.options.gossip is not None:
             self.gossip = await GossipNode.create(self.spec, self.key, self.options.gossip, role="worker")
             self.gossip.on_announcement(self._on_announcement)
@@ -255,14 +265,26 @@ class Worker:
             await self._sleep(self._late_backoff.next_delay())
             return False
 
+    def fp32_head(self) -> bool:
+        """Whether the engine takes its logits from the float32 head: asked for, or a bf16 engine in a run
+        whose tolerances were measured with float32 logits (``toploc.fp32_logits``; without them an
+        honest bf16 worker's noise is larger than the run's bounds and the audit's baseline)."""
+        return self.options.fp32_head or (self.options.dtype == "bfloat16" and self.spec.toploc.fp32_logits)
+
     def _load(self, path: Path) -> None:
         if self.engine is None:
             self.tokenizer = load_tokenizer(path)
             self.plan = self._fit(path)
             # vLLM pre-allocates its share, so it gets the plan's; torch's allocator is capped only at a share the operator set
             share = self.plan.memory_share if self.options.engine == "vllm" else self.options.gpu_memory_share
-            self.engine = create_engine(self.options.engine, path, device=self.options.device, max_batch=self.plan.max_batch,
-                                        gpu_memory_share=share, max_model_len=self.plan.max_model_len)
+            engine = create_engine(self.options.engine, path, device=self.options.device, dtype=self.options.dtype,
+                                   fp32_head=self.fp32_head(), max_batch=self.plan.max_batch, gpu_memory_share=share,
+                                   max_model_len=self.plan.max_model_len)
+            if self.options.adversary:
+                from node.worker.adversary import adversary_engine
+
+                engine = adversary_engine(self.options.adversary, engine, path, steer_rate=self.options.steer_rate, seed=self.key.peer_id)
+            self.engine = engine
         else:
             self.engine.load_weights(path)
         logger.info("engine holds policy from %s", path)
@@ -283,7 +305,8 @@ class Worker:
                         completion_tokens=self.spec.sampling.max_tokens)
         device = "cuda" if self.options.device == "cuda" else "cpu"
         plan = plan_engine(shape, probe_machine(use_torch=True), work, engine="vllm" if self.options.engine == "vllm" else "transformers",
-                           device=device, memory_share=self.options.gpu_memory_share, max_batch=self.options.max_batch)
+                           device=device, memory_share=self.options.gpu_memory_share, max_batch=self.options.max_batch,
+                           dtype=self.options.dtype, fp32_head=self.fp32_head())
         if not plan.fits:
             raise MachineTooSmall(f"this machine cannot run the run's model: {plan.reason}; the smallest machine that can: "
                                   f"{smallest_machine(shape, work)}")
@@ -327,6 +350,7 @@ class Worker:
             "submissions": self.submissions,
             "acked": self.submitter.acked,
             "refused": self.submitter.refused,
+            "displaced": self.submitter.displaced,  # the ingest's count: its place taken, no verdict (docs/protocol.md "Quotas")
             "spooled": len(self.spool.pending()),
             "spool_restart": self.spool_restart,
             "tokens": self.tokens,
@@ -334,7 +358,15 @@ class Worker:
             "verdicts": self.verdicts,
             "peers": len(self.gossip.peers) if self.gossip is not None else 0,
             "engine_plan": self.plan.line() if self.plan is not None else None,
+            **self._adversary_status(),
         }
+
+    def _adversary_status(self) -> dict[str, Any]:
+        """``adversary`` (its kind) and, for ``steer``, ``steering`` (its running counts); nothing for an honest worker."""
+        if not self.options.adversary:
+            return {}
+        totals = getattr(self.engine, "totals", None)
+        return {"adversary": self.options.adversary, **({"steering": totals.to_json()} if totals is not None else {})}
 
 
 class MachineTooSmall(NodeError):
@@ -389,6 +421,7 @@ def run_worker_from_args(args: Any) -> int:
         data_dir=data_dir, engine=args.engine, device=device, data_root=Path(args.data_root) if args.data_root else None,
         artifacts=joined.artifacts, gpu_memory_share=args.gpu_memory_share, max_batch=args.max_batch,
         gossip=gossip, http_port=args.http_port, max_submissions=args.max_submissions, ingest_urls=ingest, adversary=args.adversary,
+        dtype=args.dtype, fp32_head=args.fp32_logits, steer_rate=args.steer_rate,
     )
     try:
         asyncio.run(run_until_stopped(Worker(signed, key, options), f"worker {key.peer_id}"))
