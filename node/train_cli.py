@@ -130,6 +130,11 @@ async def _run(signed: SignedRunSpec, key: NodeKey, options: CoordinatorOptions,
         await coord.start()
         addrs = " ".join(coord.gossip.addrs) if coord.gossip else "(gossip off)"
         print(f"coordinator {key.peer_id} serving {coord.url}; gossip {addrs}", flush=True)
+        if options.host in ("0.0.0.0", "::") and not options.public_url:
+            print("warning: serving on all interfaces without --public-url: the run address names "
+                  f"{coord.url}, which other machines cannot reach; pass --public-url http://HOST:PORT", file=sys.stderr, flush=True)
+        # contributors join with this one string (docs/operators.md §0): intellect-node join --role worker ADDRESS
+        print(f"run address: {coord.run_address()}", flush=True)
         await coord.run()
     except TrainerError as e:
         print(f"error: {e}", file=sys.stderr)

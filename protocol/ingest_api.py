@@ -63,6 +63,15 @@ VERDICTS_ROUTE: Final = f"{PREFIX}/verdicts"
 """``POST`` a ``verdict/1`` envelope of a run validator; 200 JSON ``{"applied": bool}``."""
 BANS_ROUTE: Final = f"{PREFIX}/bans"
 """``GET`` the coordinator-signed ``ban_list/1`` envelope."""
+WORKER_ROUTE: Final = f"{PREFIX}/workers/{{peer_id}}"
+"""``GET`` the coordinator-signed ``worker_standing/1`` envelope of one worker (``protocol.messages.WorkerStanding``):
+its submissions accepted, rejected by reason, trained on, and its leaderboard place. 400 for a
+malformed peer ID; rate-limited like ``/status`` (429 ``rate_limited``)."""
+
+
+def worker_path(peer_id: str) -> str:
+    """The path of one worker's standing (:data:`WORKER_ROUTE`)."""
+    return WORKER_ROUTE.format(peer_id=peer_id)
 
 LEASE_CONTENT_TYPE: Final = "application/msgpack"
 

@@ -20,6 +20,7 @@ type                              signed by    read by
 ``verdict/1``                     validators   coordinator ingest, workers (HTTP, gossip)
 ``ban_list/1``                    coordinator  everyone (gossip, HTTP)
 ``lease_request/1``               validators   coordinator ingest (HTTP)
+``worker_standing/1``             coordinator  the worker it describes (HTTP, ``intellect-node status``)
 ================================ ============ ===========================================
 """
 
@@ -134,6 +135,18 @@ class ManifestFile(Message):
     pieces: Annotated[list[ContentIdBytes], Field(max_length=1 << 18, fail_fast=True)]
 
 
+def unique_file_names(files: list[ManifestFile]) -> list[ManifestFile]:
+    """``files`` unchanged when no two share a name (a manifest's or an artifact's file list).
+
+    Raises:
+        ValueError: a name occurs twice.
+    """
+    names = [f.name for f in files]
+    if len(set(names)) != len(names):
+        raise ValueError("file names must be unique")
+    return files
+
+
 class Manifest(Message):
     """The coordinator-signed list of a checkpoint's pieces (Shardcast, ``docs/protocol.md`` §5).
 
@@ -154,10 +167,7 @@ class Manifest(Message):
     @field_validator("files")
     @classmethod
     def _unique_names(cls, files: list[ManifestFile]) -> list[ManifestFile]:
-        names = [f.name for f in files]
-        if len(set(names)) != len(names):
-            raise ValueError("file names must be unique")
-        return files
+        return unique_file_names(files)
 
 
 class CheckpointAnnouncement(Message):
@@ -356,9 +366,46 @@ class LeaseRequest(Message):
     lease_s: Annotated[float, Field(gt=0.0, le=3600.0, allow_inf_nan=False)]
 
 
+ReasonStr = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")]
+
+
+class WorkerStanding(Message):
+    """The coordinator's signed account of one worker's work in the run (``GET /ingest/1/workers/{peer_id}``).
+
+    Counts are of the worker's submissions as the coordinator's ledger holds them: ``pending``
+    (stored, not yet judged), ``accepted`` (a validator accepted it), ``rejected`` (by a verdict, or
+    unjudged: ``stale_policy`` when it left the async window first, ``banned``), with
+    ``rejected_by_reason`` splitting them, ``stale`` (of the rejected, those that went stale: no
+    fault of the worker's), ``trained`` (submissions a trainer step trained on) and
+    ``rollouts_trained``, ``displaced`` (set aside for a newer worker of a lighter address prefix;
+    no verdict). ``place`` is its rank on the run's leaderboard (most accepted, then fewest rejected,
+    then peer ID; 1 is first, 0 when it has no submission) among ``workers``. The envelope's
+    timestamp says when it was true; ``trainer_step`` the coordinator's step then.
+    """
+
+    TYPE: ClassVar[str] = "worker_standing/1"
+    MAX_BYTES: ClassVar[int] = 16 * KiB
+    SIGNER: ClassVar[Signer] = "coordinator"
+
+    worker: PeerIdStr
+    trainer_step: Step
+    pending: Count
+    accepted: Count
+    rejected: Count
+    stale: Count
+    trained: Count
+    rollouts_trained: Count
+    displaced: Count
+    rejected_by_reason: Annotated[dict[ReasonStr, Count], Field(max_length=64)] = {}
+    place: Count
+    workers: Count
+    banned: bool = False
+    ban_reason: Annotated[str, StringConstraints(max_length=64)] = ""
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (NodeRecord, Manifest, CheckpointAnnouncement, DeltaManifest, Submission, Verdict, BanList, LeaseRequest)
+    for cls in (NodeRecord, Manifest, CheckpointAnnouncement, DeltaManifest, Submission, Verdict, BanList, LeaseRequest, WorkerStanding)
 }
 """Every message type a node accepts, by type tag."""
 

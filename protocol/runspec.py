@@ -18,9 +18,10 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from protocol import encoding
+from protocol.artifacts import ARTIFACT_NAME_PATTERN
 from protocol.envelope import Authorities
 from protocol.errors import ProtocolError, RunSpecError, SignatureError
-from protocol.identity import NodeKey, PeerId, public_key_from_peer_id, verify_signature
+from protocol.identity import PEER_ID_PATTERN, NodeKey, PeerId, public_key_from_peer_id, verify_signature
 from protocol.messages import DEFAULT_PIECE_SIZE_BYTES, PieceSizeBytes
 from protocol.window import fresh_steps
 
@@ -64,14 +65,14 @@ no longer says anything about the tokens."""
 _HASHED_ONLY_OFF_DEFAULT = {"toploc": ("replay_rule", "replay_logit_bound", "eos_prob_slack", "worker_dtype", "fp32_logits", "hard_factor")}
 """Fields added after specs were signed: hashed only where they differ from their default, so a spec
 signed before them keeps its run ID and means what it meant (the ``eps-v1`` replay, EOS slack 0.01)."""
-_SECTIONS_HASHED_ONLY_OFF_DEFAULT = ("audit",)
+_SECTIONS_HASHED_ONLY_OFF_DEFAULT = ("audit", "artifacts")
 """Sections added after specs were signed: hashed only where some field differs from its default (a spec
-without them keeps its run ID and runs no audit)."""
+without them keeps its run ID, runs no audit and pins no artifacts)."""
 LOGPROB_TOL_LIMIT = 5.0
 """Upper bound on ``toploc.logprob_*`` tolerances, nats: beyond a factor of e⁵ ≈ 150 in probability
 a reported log-prob no longer says anything about the policy."""
 
-PeerIdField = Annotated[PeerId, Field(pattern=r"^12D3KooW[1-9A-HJ-NP-Za-km-z]{44}$")]
+PeerIdField = Annotated[PeerId, Field(pattern=f"^{PEER_ID_PATTERN}$")]
 
 
 class _Section(BaseModel):
@@ -352,8 +353,17 @@ class AuditSpec(_Section):
         int, Field(ge=0, le=1 << 30, description="no worker is flagged before the baseline holds this many replayed tokens")] = 2000
 
 
+ArtifactName = Annotated[str, Field(pattern=ARTIFACT_NAME_PATTERN)]
+ArtifactIdHex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
 class RunSpec(_Section):
-    """The whole run spec (``docs/protocol.md`` §7). Load with :func:`load_run_spec`."""
+    """The whole run spec (``docs/protocol.md`` §7). Load with :func:`load_run_spec`.
+
+    ``artifacts`` pins, by name, the content-addressed file sets every node fetches over Shardcast
+    (:mod:`protocol.artifacts`): ``tasks`` is the training task list (``protocol.dataset``). A spec
+    without any hashes exactly as one signed before the table existed (the same run ID).
+    """
 
     run: RunInfo
     model: ModelSpec = ModelSpec()
@@ -364,6 +374,13 @@ class RunSpec(_Section):
     shardcast: ShardcastSpec = ShardcastSpec()
     network: NetworkSpec = NetworkSpec()
     audit: AuditSpec = AuditSpec()
+    artifacts: Annotated[dict[ArtifactName, ArtifactIdHex], Field(max_length=16)] = Field(
+        default_factory=dict, description="artifact name → artifact ID (hex): file sets pinned by content (protocol.artifacts)")
+
+    def artifact_id(self, name: str) -> bytes | None:
+        """The pinned 32-byte ID of artifact ``name``, or ``None`` when the spec pins none."""
+        h = self.artifacts.get(name)
+        return bytes.fromhex(h) if h else None
 
     @model_validator(mode="before")
     @classmethod
@@ -402,7 +419,8 @@ class RunSpec(_Section):
         return self
 
     def canonical_bytes(self) -> bytes:
-        """Canonical msgpack of the content (what the run ID hashes); the fields of :data:`_HASHED_ONLY_OFF_DEFAULT` only where set."""
+        """Canonical msgpack of the content (what the run ID hashes); the fields of :data:`_HASHED_ONLY_OFF_DEFAULT` and the sections
+        of :data:`_SECTIONS_HASHED_ONLY_OFF_DEFAULT` only where set."""
         content = self.model_dump(mode="python")
         for section, names in _HASHED_ONLY_OFF_DEFAULT.items():
             fields = type(getattr(self, section)).model_fields
@@ -470,6 +488,8 @@ def sign_run_spec(spec: RunSpec, key: NodeKey) -> SignedRunSpec:
 def dump_run_spec(signed: SignedRunSpec) -> str:
     """The TOML text of a signed spec (content tables, then ``[signature]``)."""
     doc: dict[str, Any] = signed.spec.model_dump(mode="python")
+    if not doc["artifacts"]:
+        del doc["artifacts"]
     doc["signature"] = {"run_id": signed.run_id.hex(), "ed25519": signed.signature.hex()}
     header = (
         "# intellect-node run spec. Signed by the coordinator: editing any value invalidates it;\n"

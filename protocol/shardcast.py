@@ -44,6 +44,17 @@ MANIFEST_FETCH_LIMIT_BYTES = 4 << 20
 ``Manifest.MAX_BYTES`` because fetchers read manifests from anyone (issue #12)."""
 
 
+class PieceListing(Protocol):
+    """What the piece rule reads of a manifest: a checkpoint's :class:`~protocol.messages.Manifest`
+    or an artifact's :class:`~protocol.artifacts.ArtifactManifest`."""
+
+    @property
+    def piece_size_bytes(self) -> int: ...
+
+    @property
+    def files(self) -> Sequence[ManifestFile]: ...
+
+
 @dataclass(frozen=True)
 class PieceRef:
     """Where one piece of a manifest lives.
@@ -79,7 +90,7 @@ def piece_spans(size_bytes: int, piece_size_bytes: int) -> Iterator[tuple[int, i
         yield start, min(piece_size_bytes, size_bytes - start)
 
 
-def iter_pieces(manifest: Manifest) -> Iterator[PieceRef]:
+def iter_pieces(manifest: PieceListing) -> Iterator[PieceRef]:
     """Every piece of ``manifest`` in file order, with its position and length.
 
     Raises:
@@ -93,12 +104,12 @@ def iter_pieces(manifest: Manifest) -> Iterator[PieceRef]:
             yield PieceRef(fi, f.name, i, offset, length, PieceId(pid))
 
 
-def total_size_bytes(manifest: Manifest) -> int:
+def total_size_bytes(manifest: PieceListing) -> int:
     """Sum of the file sizes of ``manifest``, in bytes."""
     return sum(f.size_bytes for f in manifest.files)
 
 
-def check_manifest(manifest: Manifest) -> None:
+def check_manifest(manifest: PieceListing) -> None:
     """Rules a schema-valid manifest must also follow before anyone acts on it.
 
     Every file's piece count follows the piece rule, and no file name starts with ``.`` (which

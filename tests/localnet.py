@@ -6,13 +6,14 @@ Importable from every test directory (pytest puts ``tests/``, the directory of t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TypeVar
 
@@ -91,3 +92,35 @@ def serve_bodies(bodies: dict[str, bytes]) -> Iterator[str]:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+@contextlib.contextmanager
+def serve_app(app_factory: Callable[[], Any], host: str = "127.0.0.1") -> Iterator[str]:
+    """An aiohttp application (``app_factory()``, built on the server's own event loop) served in a
+    thread on ``host`` (any port); yields its base URL, stops on exit. For tests that are not
+    themselves async (a blocking command under test runs its own event loop)."""
+    from aiohttp import web
+
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    box: dict[str, Any] = {}
+
+    async def start() -> None:
+        runner = web.AppRunner(app_factory(), shutdown_timeout=0.5)
+        await runner.setup()
+        site = web.TCPSite(runner, host, 0)
+        await site.start()
+        box["runner"], box["port"] = runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        started.set()
+
+    thread = threading.Thread(target=lambda: (loop.run_until_complete(start()), loop.run_forever()), daemon=True)
+    thread.start()
+    if not started.wait(10):
+        raise RuntimeError("the test server did not start within 10 s")
+    try:
+        yield f"http://{host}:{box['port']}"
+    finally:
+        asyncio.run_coroutine_threadsafe(box["runner"].cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

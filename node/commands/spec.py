@@ -12,7 +12,7 @@ from node.cli import CliError, command, load_key, load_spec
 @command
 def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("spec", help="create or inspect a signed run spec")
-    ssub = p.add_subparsers(dest="spec_cmd", required=True, metavar="{init,show}")
+    ssub = p.add_subparsers(dest="spec_cmd", required=True, metavar="{init,show,address}")
     init = ssub.add_parser("init", help="write a run spec signed by the coordinator key")
     init.add_argument("--coordinator-key", required=True, help="the coordinator's key file")
     init.add_argument("--out", required=True, help="path of the TOML file to write")
@@ -28,7 +28,9 @@ def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     init.add_argument("--origin-url", action="append", default=[], metavar="URL", help="Shardcast origin URL (repeatable)")
     init.add_argument("--tasks", default=None, help="task set: embedded, a public set — gsm8k (test split), gsm8k_train (train split), math500 (test), "
                       "math_train (train), humaneval, mbpp — or a JSONL/Parquet file in the INTELLECT-2 schema")
-    init.add_argument("--data-root", default=None, help="where the public sets are; given, the task list's hash is pinned in the spec")
+    init.add_argument("--data-root", default=None,
+                      help="where the public sets are; given (or with a task file path), the task list is pinned in the spec: its "
+                           "hash (data.tasks_hash) and the tasks artifact contributors fetch instead of task files (artifacts.tasks)")
     init.add_argument("--tasks-per-submission", type=int, default=None, help="tasks per worker submission (default 2)")
     init.add_argument("--model-base", default=None, help="'embedded' (default) or a local Qwen2 directory (config, safetensors, tokenizer): "
                       "its dtype and hidden size are read from it and its files pinned by model.base_hash")
@@ -86,9 +88,16 @@ def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       help="eps-v1: P(EOS) of worker and validator may differ by this much at the EOS floor (default 0.01)")
     init.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     init.set_defaults(handler=_run_spec_init)
-    show = ssub.add_parser("show", help="print a run spec and whether its signature holds")
+    show = ssub.add_parser("show", help="print a run spec, whether its signature holds, and its address")
     show.add_argument("path")
     show.set_defaults(handler=_run_spec_show)
+    addr = ssub.add_parser("address", help="print the run's address (intellect1:…): the one string contributors join with")
+    addr.add_argument("path", help="the signed run spec")
+    addr.add_argument("--url", action="append", default=[], metavar="URL",
+                      help="HTTP location serving the spec (the coordinator's public URL or a relay's; default: the spec's origin "
+                           "and ingest URLs)")
+    addr.add_argument("--full-run-id", action="store_true", help="put the whole run ID in the address, not its first 16 hex digits")
+    addr.set_defaults(handler=_run_spec_address)
 
 
 def _run_spec_init(args: argparse.Namespace) -> int:
@@ -109,10 +118,14 @@ def _run_spec_init(args: argparse.Namespace) -> int:
     rl = given(async_level=args.async_level, group_size=args.group_size, learning_rate=args.learning_rate,
                batch_groups=args.batch_groups, old_logprobs=args.old_logprobs)
     data = given(tasks=args.tasks, tasks_per_submission=args.tasks_per_submission)
-    if args.tasks is not None and args.tasks != "embedded" and args.data_root is not None:
-        from protocol.dataset import resolve_tasks
+    artifacts: dict[str, str] = {}
+    if args.tasks is not None and args.tasks != "embedded" and (args.data_root is not None or Path(args.tasks).exists()):
+        from protocol.artifacts import TASKS_ARTIFACT
+        from protocol.dataset import resolve_tasks, tasks_artifact_id
 
-        data["tasks_hash"] = resolve_tasks(args.tasks, Path(args.data_root)).hash
+        run_tasks = resolve_tasks(args.tasks, Path(args.data_root) if args.data_root else None)
+        data["tasks_hash"] = run_tasks.hash
+        artifacts[TASKS_ARTIFACT] = tasks_artifact_id(run_tasks.train).hex()  # workers and validators fetch it: no task files to copy
     model = given(base=args.model_base, hidden_size=args.hidden_size)
     if args.model_base is not None and args.model_base != "embedded":
         model.update(_describe_base(Path(args.model_base), args.hidden_size))
@@ -145,6 +158,7 @@ def _run_spec_init(args: argparse.Namespace) -> int:
             shardcast=rs.ShardcastSpec(**shard),
             network=rs.NetworkSpec(bootstrap=args.bootstrap, ingest_urls=args.ingest_url, origin_urls=args.origin_url),
             audit=rs.AuditSpec(**audit),
+            artifacts=artifacts,
         )
         if args.measure_precision is not None:
             spec = spec.model_copy(update={"toploc": _measured_toploc(spec, args)})
@@ -161,6 +175,8 @@ def _run_spec_init(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, rs.dump_run_spec(signed).encode())
     print(f"run spec written to {out}; run ID {signed.run_id.hex()}")
+    if (address := spec_address(signed, [])) is not None:
+        print(f"run address: {address}")
     return 0
 
 
@@ -220,4 +236,33 @@ def _run_spec_show(args: argparse.Namespace) -> int:
     signed = load_spec(args.path)
     print(dump_run_spec(signed), end="")
     print(f"# signature: valid (coordinator {signed.spec.run.coordinator}); run ID {signed.run_id.hex()}")
+    if (address := spec_address(signed, [])) is not None:
+        print(f"# run address: {address}")
+    return 0
+
+
+def spec_address(signed: Any, urls: list[str], *, full_run_id: bool = False) -> str | None:
+    """The run's address from its spec: ``urls`` (else the spec's origin and ingest URLs) and its
+    bootstrap multiaddrs; ``None`` when the spec names no location at all."""
+    from protocol.address import format_run_address
+
+    net = signed.spec.network
+    http = urls or list(dict.fromkeys([*net.origin_urls, *net.ingest_urls]))
+    if not http and not net.bootstrap:
+        return None
+    return format_run_address(signed.spec.run.coordinator, signed.run_id, http, net.bootstrap[:8],
+                              run_id_hex=signed.run_id.hex() if full_run_id else None)
+
+
+def _run_spec_address(args: argparse.Namespace) -> int:
+    from protocol.errors import AddressError
+
+    signed = load_spec(args.path)
+    try:
+        address = spec_address(signed, args.url, full_run_id=args.full_run_id)
+    except AddressError as e:
+        raise CliError(str(e)) from None
+    if address is None:
+        raise CliError("the spec names no origin, ingest or bootstrap location: pass --url http://COORDINATOR:PORT")
+    print(address)
     return 0

@@ -48,7 +48,7 @@ short to reach it in this many says so in ``/status``: the audit stays not ready
 
 def worker_engine(spec: RunSpec, model_dir: Path, device: str = "cpu", max_batch: int = 64) -> TransformersEngine:
     """The honest worker's transformers engine on ``model_dir`` as the run's tolerances assume it: computing in
-    ``toploc.worker_dtype``, with float32 logits where ``toploc.fp32_logits`` says so (``node/roles/worker.py``)."""
+    ``toploc.worker_dtype``, with float32 logits where ``toploc.fp32_logits`` says so (``node/worker/role.py``)."""
     dtype = spec.toploc.worker_dtype
     return TransformersEngine.from_dir(model_dir, device=device, max_batch=max_batch, compute_dtype=getattr(torch, dtype),
                                        fp32_head=dtype == "bfloat16" and spec.toploc.fp32_logits)

@@ -36,17 +36,22 @@ from node.coordinator.probe import PROBE_TASKS, SignalProbe, no_signal_advice, p
 from node.coordinator.publish import PolicyPublisher
 from node.coordinator.recheck import CoordinatorRecheck
 from node.engine.hf import TransformersEngine
+from node.errors import ShardcastError
 from node.http_server import start_site
 from node.p2p import GossipConfig
+from node.reach import DialBack
 from node.retry import FailureLog
 from node.shardcast import ShardcastServer, ShardcastStore
+from node.shardcast.publish import publish_artifact
 from node.web.runpage import RunPage
-from protocol.dataset import resolve_tasks
+from protocol.address import format_run_address
+from protocol.artifacts import TASKS_ARTIFACT
+from protocol.dataset import resolve_tasks, tasks_artifact_files
 from protocol.envelope import Envelope
 from protocol.identity import NodeKey
 from protocol.messages import Verdict
 from protocol.models import config_int, load_model, load_tokenizer
-from protocol.runspec import SignedRunSpec
+from protocol.runspec import SignedRunSpec, dump_run_spec
 from protocol.step_dirs import step_dir
 from protocol.tasks import training_split_warning
 from trainer.batch import Batch
@@ -164,6 +169,11 @@ class Coordinator:
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self.origin = await asyncio.to_thread(
+            ShardcastStore, self.data_dir / "origin", run_id=self.signed.run_id, authorities=self.spec.authorities,
+            keep_steps=self.spec.shardcast.keep_steps,
+        )
+        await asyncio.to_thread(self._publish_artifacts)  # before the model: files that are not the pinned ones refuse at once
         self.state = "preparing the base model"
         trainer, base, self.tokenizer, pos = await asyncio.to_thread(build_trainer, self.signed, self.tasks, self.data_dir, self.ctx,
                                                                      resume=self.options.resume)
@@ -173,15 +183,13 @@ class Coordinator:
         if pos is not None:
             n = await asyncio.to_thread(self.buffer.resume, trainer.step, pos)
             logger.info("resumed at step %d; %d submissions from later steps trainable again", trainer.step, n)
-        self.origin = await asyncio.to_thread(
-            ShardcastStore, self.data_dir / "origin", run_id=self.signed.run_id, authorities=self.spec.authorities,
-            keep_steps=self.spec.shardcast.keep_steps,
-        )
-        # one HTTP port: Shardcast origin routes + ingest + status/metrics
+        # one HTTP port: Shardcast origin routes + ingest + status/metrics + the signed spec (a run address's newcomers read it)
         self.server = ShardcastServer(self.origin, host=self.options.host, port=self.options.port, peer_id=self.key.peer_id)
+        self.server.run_spec = dump_run_spec(self.signed).encode()
         app = self.server.make_app()
         app.middlewares.append(error_middleware)
         self.ingest.add_routes(app)
+        DialBack(self.signed.run_id).add_routes(app)  # doctor --role relay: "can others reach me?" (node/reach.py: its bounds)
         self.run_page = RunPage(self.signed, self.ledger, status=self.ingest.status, metrics_path=self.metrics_path,
                                 peer_id=self.key.peer_id, archive_dir=self.data_dir / "run-page")  # final state kept at stop
         self.run_page.add_routes(app)  # GET / (the run page) and GET /api/run
@@ -224,6 +232,29 @@ class Coordinator:
             self.state = "evaluating the initial policy on held-out tasks"
             await asyncio.to_thread(self.heldout.initial, self.published_step)
         self.started_s = time.monotonic()
+
+    def _publish_artifacts(self) -> None:
+        """Serve the artifacts the spec pins from the origin (``docs/shardcast.md`` §10): the training
+        task list as the ``tasks`` artifact, built from this coordinator's task files.
+
+        Raises:
+            TrainerError: the files here make another artifact than the spec pins (one line naming both).
+        """
+        assert self.origin is not None
+        expected = self.spec.artifact_id(TASKS_ARTIFACT)
+        if expected is None:
+            return
+        try:
+            publish_artifact(self.origin, TASKS_ARTIFACT, tasks_artifact_files(self.tasks.train), expected_id=expected)
+        except ShardcastError as e:
+            raise TrainerError(str(e)) from None
+
+    def run_address(self) -> str:
+        """The run's address (``protocol.address``): this coordinator's peer ID, the run ID's prefix, its
+        public HTTP URL and its libp2p addresses (loopback ones only when it has no other)."""
+        boot = list(self.gossip.node.addrs) if self.gossip is not None else []
+        routable = [a for a in boot if not a.startswith(("/ip4/127.", "/ip6/::1/"))]
+        return format_run_address(self.key.peer_id, self.signed.run_id, [self.url], (routable or boot)[:8])
 
     async def run(self) -> None:
         """Train until ``max_steps`` or a stop request; raises :class:`TrainerError` on a batch timeout."""
@@ -392,6 +423,7 @@ class Coordinator:
         return {
             "role": "coordinator",
             "peer_id": self.key.peer_id,
+            "run_address": self.run_address() if self.url else None,
             "state": self.state,
             "published_step": self.published_step,
             "utilization": self.utilization(),

@@ -162,9 +162,9 @@ def hold_port() -> socket.socket:
 
 
 SERVING_RE = re.compile(r" serving (http://\S+) ")
-"""A relay's start line (``node/roles/relay.py``): the URL it serves on, its bound port included."""
+"""A relay's start line (``node/relay/role.py``): the URL it serves on, its bound port included."""
 STATUS_RE = re.compile(r" started; status (http://\S+)")
-"""A worker's or validator's start line (``node/roles/__init__.py``): its status URL, bound port included."""
+"""A worker's or validator's start line (``node/lifecycle.py``): its status URL, bound port included."""
 
 
 def get_json(url: str, timeout_s: float = 2.0) -> dict[str, Any] | None:

@@ -78,9 +78,17 @@ class TransformersEngine(Engine):
 
     @classmethod
     def from_dir(cls, model_dir: Path, *, device: str = "cpu", max_batch: int = 64, compute_dtype: torch.dtype = torch.float32,
-                 fp32_head: bool = False) -> TransformersEngine:
+                 fp32_head: bool = False, gpu_memory_share: float | None = None) -> TransformersEngine:
         """Load model and tokenizer from a local directory (safetensors only), in ``compute_dtype``
-        (the checkpoint's tensors cast one at a time; with ``fp32_head`` the head is read again as float32)."""
+        (the checkpoint's tensors cast one at a time; with ``fp32_head`` the head is read again as float32).
+
+        Args:
+            gpu_memory_share: on CUDA, cap torch's allocator at this share of the GPU's memory
+                (``torch.cuda.set_per_process_memory_fraction``): the engine then fails with an
+                out-of-memory error rather than take memory others use.
+        """
+        if gpu_memory_share is not None and str(device).startswith("cuda"):
+            torch.cuda.set_per_process_memory_fraction(gpu_memory_share)
         model = load_model(Path(model_dir), dtype=compute_dtype, device=device)
         eng = cls(model, load_tokenizer(Path(model_dir)), device=device, max_batch=max_batch, compute_dtype=compute_dtype)
         if fp32_head:

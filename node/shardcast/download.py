@@ -40,6 +40,7 @@ from node.timeouts import (
     READ_TIMEOUT_S,
     STALL_TIMEOUT_S,
 )
+from protocol.artifacts import MAX_ARTIFACT_MANIFEST_BYTES, ArtifactManifest, open_artifact
 from protocol.content import hex_id
 from protocol.envelope import Authorities, Envelope
 from protocol.errors import ProtocolError
@@ -166,6 +167,10 @@ def piece_url(source: str, piece_id: bytes) -> str:
 
 def manifest_url(source: str, step: int | None) -> str:
     return f"{source}{ROUTE_PREFIX}/manifests/{'latest' if step is None else step}"
+
+
+def artifact_url(source: str, artifact_id: bytes) -> str:
+    return f"{source}{ROUTE_PREFIX}/artifacts/{hex_id(artifact_id)}"
 
 
 def held_url(source: str) -> str:
@@ -368,6 +373,43 @@ async def get_manifest(
         cache.decoded += 1
         cache.add(source, step, env)
     return env
+
+
+async def get_artifact_manifest(session: aiohttp.ClientSession, source: str, artifact_id: bytes, *, timeout_s: float,
+                                cfg: DownloadConfig | None = None) -> tuple[ArtifactManifest, bytes] | None:
+    """Ask ``source`` for the manifest of artifact ``artifact_id`` and check it against that ID.
+
+    Read with a hard cap (:data:`protocol.artifacts.MAX_ARTIFACT_MANIFEST_BYTES`) and a
+    whole-request deadline; the bytes must hash to the pinned ID before they are decoded
+    (:func:`protocol.artifacts.open_artifact`, off the event loop).
+
+    Returns:
+        ``(manifest, its bytes)``, or ``None`` when the source does not hold it (404).
+
+    Raises:
+        SourceError: transport failure or bad status; with ``evidence=True`` when the bytes are over
+            the limit or are not the pinned artifact.
+    """
+    cfg = cfg or DownloadConfig()
+    body_s = MAX_ARTIFACT_MANIFEST_BYTES / cfg.min_rate_bps + timeout_s
+    try:
+        async with asyncio.timeout(cfg.connect_timeout_s + timeout_s + body_s) as deadline, session.get(
+            artifact_url(source, artifact_id), timeout=request_timeout(cfg, timeout_s)
+        ) as resp:
+            if resp.status == 404:
+                return None
+            if resp.status != 200:
+                raise SourceError(source, f"http_{resp.status}", f"artifact request answered HTTP {resp.status}")
+            raw = await _read_bounded(resp, source, MAX_ARTIFACT_MANIFEST_BYTES, body_s)
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        if deadline.expired():
+            raise SourceError(source, "slow", f"artifact request not answered within {cfg.connect_timeout_s + timeout_s + body_s:.0f} s") from None
+        raise SourceError(source, "unreachable", f"artifact request failed: {type(e).__name__}: {e}") from e
+    try:
+        manifest = await asyncio.to_thread(open_artifact, raw, artifact_id)
+    except ProtocolError as e:
+        raise SourceError(source, "bad_artifact", f"rejected its artifact manifest: {e}", evidence=True) from e
+    return manifest, raw
 
 
 async def get_held(

@@ -6,6 +6,8 @@ Routes (``docs/shardcast.md``)::
     GET       /shardcast/1/manifests/latest   the newest stored manifest (raw envelope bytes)
     GET       /shardcast/1/manifests/{step}   the manifest of one step
     GET|HEAD  /shardcast/1/pieces/{id}        one piece (64 hex digits); HTTP Range supported
+    GET       /shardcast/1/artifacts/{id}     the bytes of an artifact manifest (ID: 64 hex digits)
+    GET       /run/1/spec                     the signed run spec (TOML), when :attr:`ShardcastServer.run_spec` is set
 
 Pieces are served with ``sendfile`` from their files as soon as they are stored (cut-through:
 a relay serves a verified piece of a step it is still filling). A request for a piece that a
@@ -62,6 +64,8 @@ class ShardcastServer:
     Attributes:
         pieces_served: piece responses with status 200 or 206 started so far.
         status: if set before :meth:`start`, ``GET /status`` answers its JSON (a relay's status).
+        run_spec: if set before :meth:`start`, ``GET /run/1/spec`` answers these bytes (the signed
+            spec's TOML, ``protocol.run_api.SPEC_ROUTE``): a newcomer can fetch it from this node.
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class ShardcastServer:
         self.piece_wait_s = piece_wait_s
         self.pieces_served = 0
         self.status: Callable[[], dict[str, Any]] | None = None
+        self.run_spec: bytes | None = None
         self._runner: web.AppRunner | None = None
         self._waiters: dict[bytes, list[asyncio.Future[None]]] = {}
 
@@ -112,6 +117,16 @@ class ShardcastServer:
         app.router.add_get(f"{ROUTE_PREFIX}/manifests/{{step}}", self._manifest)
         app.router.add_get(f"{ROUTE_PREFIX}/deltas/{{step}}", self._delta)
         app.router.add_get(f"{ROUTE_PREFIX}/pieces/{{piece_id}}", self._piece)  # GET also answers HEAD
+        app.router.add_get(f"{ROUTE_PREFIX}/artifacts/{{artifact_id}}", self._artifact)
+        if self.run_spec is not None:
+            from protocol.run_api import SPEC_CONTENT_TYPE, SPEC_ROUTE
+
+            spec = self.run_spec
+
+            async def serve_spec(request: web.Request) -> web.Response:
+                return web.Response(body=spec, content_type=SPEC_CONTENT_TYPE, charset="utf-8", headers={"Cache-Control": "no-cache"})
+
+            app.router.add_get(SPEC_ROUTE, serve_spec)
         if self.status is not None:
             from node.web.assets import RecentErrors, add_status_routes
 
@@ -140,6 +155,15 @@ class ShardcastServer:
 
         return http_url(self.host, self.port)
 
+    async def _artifact(self, request: web.Request) -> web.Response:
+        name = request.match_info["artifact_id"]
+        if not _HEX_ID.match(name):
+            raise web.HTTPBadRequest(text="artifact ID must be 64 lower-case hex digits")
+        held = self.store.artifact(bytes.fromhex(name))
+        if held is None:
+            raise web.HTTPNotFound(text="artifact not held")
+        return web.Response(body=held[1], content_type=MSGPACK_TYPE, headers={"Cache-Control": IMMUTABLE, "ETag": f'"{name}"'})
+
     async def _held(self, request: web.Request) -> web.Response:
         steps = self.store.steps()
         doc = {
@@ -149,6 +173,7 @@ class ShardcastServer:
             "steps": steps[-512:],
             "latest": steps[-1] if steps else None,
             "deltas": self.store.delta_steps()[-512:],
+            "artifacts": [a.hex() for a in self.store.artifact_ids()[:16] if self.store.artifact_complete(a)],
         }
         return web.Response(text=json.dumps(doc), content_type="application/json", headers={"Cache-Control": "no-cache"})
 

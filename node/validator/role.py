@@ -24,7 +24,7 @@ from node.policy import GossipSources, HeldModels, PolicyFollower
 from node.retry import Backoff, FailureLog
 from node.status_http import StatusServer
 from node.validator.resources import ResourceFailures, resource_failure
-from protocol.dataset import resolve_tasks
+from protocol.dataset import run_tasks
 from protocol.envelope import open_envelope, seal
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
@@ -64,6 +64,7 @@ class ValidatorOptions:
     Attributes:
         data_dir: node data directory (checkpoints, ledger).
         data_root: directory of the public task sets, for named ``data.tasks``.
+        artifacts: fetched artifacts of the run (name → folder): ``tasks`` replaces ``data_root``.
         gossip: gossip settings (``None``: off).
         http_port: status port (``None``: no status server).
         spot: which submissions are checked in full (reputation-weighted spot checks,
@@ -76,6 +77,7 @@ class ValidatorOptions:
 
     data_dir: Path
     data_root: Path | None = None
+    artifacts: dict[str, Path] = field(default_factory=dict)
     gossip: GossipConfig | None = field(default_factory=GossipConfig)
     http_port: int | None = 0
     spot: SpotCheckPolicy = field(default_factory=SpotCheckPolicy)
@@ -100,7 +102,7 @@ class ValidatorNode:
         self.options = options
         self.data_dir = Path(options.data_dir)
         self.ingest_urls = [u.rstrip("/") for u in (options.ingest_urls or self.spec.network.ingest_urls)]
-        self.tasks = resolve_tasks(self.spec.data.tasks, options.data_root, self.spec.data.tasks_hash).train
+        self.tasks = run_tasks(self.spec.data.tasks, options.data_root, self.spec.data.tasks_hash, options.artifacts).train
         self.judgements = Judgements(self.data_dir / "validator.sqlite")
         self.follower = PolicyFollower(self.spec, self.data_dir / "checkpoints", GossipSources(lambda: self.gossip, self.spec))
         self.gossip: GossipNode | None = None

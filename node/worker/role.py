@@ -12,16 +12,17 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from node.engine import Engine, create_engine
-from node.errors import FetchError
+from node.engine.fit import EnginePlan, ModelShape, Workload, plan_engine, smallest_machine
+from node.errors import FetchError, NodeError
+from node.lifecycle import require_sandbox_for, run_until_stopped, sleep_unless, start_status_server
 from node.p2p import GossipConfig, GossipNode
 from node.policy import POLL_INTERVAL_S, GossipSources, PolicyFollower
 from node.retry import Backoff, FailureLog
-from node.lifecycle import require_sandbox_for, run_until_stopped, sleep_unless, start_status_server
 from node.status_http import StatusServer
 from node.worker.rollouts import BuildStats, build_submission
 from node.worker.spool import Spool
 from node.worker.submitter import Submitter
-from protocol.dataset import resolve_tasks
+from protocol.dataset import run_tasks
 from protocol.envelope import Envelope
 from protocol.identity import NodeKey
 from protocol.messages import Verdict
@@ -48,6 +49,9 @@ class WorkerOptions:
         engine: ``transformers`` or ``vllm``.
         device: ``cpu`` or ``cuda``.
         data_root: directory of the public task sets, for named ``data.tasks``.
+        artifacts: fetched artifacts of the run (name → folder): ``tasks`` replaces ``data_root``.
+        gpu_memory_share: the engine's share of the GPU (``--gpu-memory-share``); ``None``: planned.
+        max_batch: most sequences decoded at once (``--max-batch``); ``None``: planned.
         gossip: gossip settings (``None``: static sources only, from the run spec).
         http_port: status port (``None``: no status server).
         max_submissions: stop after this many submissions (``None``: run until stopped).
@@ -63,6 +67,9 @@ class WorkerOptions:
     engine: str = "transformers"
     device: str = "cpu"
     data_root: Path | None = None
+    artifacts: dict[str, Path] = field(default_factory=dict)
+    gpu_memory_share: float | None = None
+    max_batch: int | None = None
     gossip: GossipConfig | None = field(default_factory=GossipConfig)
     http_port: int | None = 0
     max_submissions: int | None = None
@@ -94,7 +101,8 @@ class Worker:
         self.submitter = Submitter(self.spool, options.ingest_urls or list(self.spec.network.ingest_urls), max_backoff_s=5.0)
         self.engine: Engine | None = None
         self.tokenizer: Any = None
-        self.tasks = resolve_tasks(self.spec.data.tasks, options.data_root, self.spec.data.tasks_hash).train
+        self.tasks = run_tasks(self.spec.data.tasks, options.data_root, self.spec.data.tasks_hash, options.artifacts).train
+        self.plan: EnginePlan | None = None
         self.policy_step = -1
         self.state = "starting"
         self.submissions = 0
@@ -266,8 +274,12 @@ class Worker:
     def _load(self, path: Path) -> None:
         if self.engine is None:
             self.tokenizer = load_tokenizer(path)
+            self.plan = self._fit(path)
+            # vLLM pre-allocates its share, so it gets the plan's; torch's allocator is capped only at a share the operator set
+            share = self.plan.memory_share if self.options.engine == "vllm" else self.options.gpu_memory_share
             engine = create_engine(self.options.engine, path, device=self.options.device, dtype=self.options.dtype,
-                                   fp32_head=self.fp32_head())
+                                   fp32_head=self.fp32_head(), max_batch=self.plan.max_batch, gpu_memory_share=share,
+                                   max_model_len=self.plan.max_model_len)
             if self.options.adversary:
                 from node.worker.adversary import adversary_engine
 
@@ -276,6 +288,31 @@ class Worker:
         else:
             self.engine.load_weights(path)
         logger.info("engine holds policy from %s", path)
+
+    def _fit(self, path: Path) -> EnginePlan:
+        """Size the engine for this machine (``node/engine/fit.py``) and say what was chosen.
+
+        Raises:
+            MachineTooSmall: the model and one sequence do not fit (naming the smallest machine that can).
+        """
+        import json
+
+        from node.machine import probe_machine
+
+        shape = ModelShape.from_config(json.loads((path / "config.json").read_text()), name=self.spec.model.base)
+        work = Workload(sequences=self.spec.data.tasks_per_submission * self.spec.rl.group_size,
+                        prompt_tokens=longest_prompt_tokens(self.tokenizer, self.tasks, self.spec),
+                        completion_tokens=self.spec.sampling.max_tokens)
+        device = "cuda" if self.options.device == "cuda" else "cpu"
+        plan = plan_engine(shape, probe_machine(use_torch=True), work, engine="vllm" if self.options.engine == "vllm" else "transformers",
+                           device=device, memory_share=self.options.gpu_memory_share, max_batch=self.options.max_batch,
+                           dtype=self.options.dtype, fp32_head=self.fp32_head())
+        if not plan.fits:
+            raise MachineTooSmall(f"this machine cannot run the run's model: {plan.reason}; the smallest machine that can: "
+                                  f"{smallest_machine(shape, work)}")
+        print(f"worker fits the machine: {plan.line()}", flush=True)
+        logger.info("engine plan: %s", plan.line())
+        return plan
 
     def _on_announcement(self, env: Envelope[Any]) -> None:
         self.follower.note_step(env.body.step)
@@ -320,6 +357,7 @@ class Worker:
             "tokens_per_s": round(self.tokens / self.generate_s, 1) if self.generate_s else 0.0,
             "verdicts": self.verdicts,
             "peers": len(self.gossip.peers) if self.gossip is not None else 0,
+            "engine_plan": self.plan.line() if self.plan is not None else None,
             **self._adversary_status(),
         }
 
@@ -331,25 +369,65 @@ class Worker:
         return {"adversary": self.options.adversary, **({"steering": totals.to_json()} if totals is not None else {})}
 
 
+class MachineTooSmall(NodeError):
+    """The run's model does not fit this machine (the message names the smallest machine that can)."""
+
+
+PROMPT_MARGIN_TOKENS = 16
+"""Added to the longest measured prompt: the length-control line and template vary by a few tokens."""
+PROMPTS_MEASURED = 64
+"""Prompts tokenized to bound the longest (the longest by characters; tokens follow characters closely)."""
+
+
+def longest_prompt_tokens(tokenizer: Any, tasks: list[Any], spec: Any) -> int:
+    """An upper estimate of the longest prompt a worker will encode, tokens: the exact encoding
+    (:func:`protocol.rollout.encode_prompt`, with the longest target length) of the
+    :data:`PROMPTS_MEASURED` longest prompts by characters, plus :data:`PROMPT_MARGIN_TOKENS`."""
+    from protocol.rollout import encode_prompt
+
+    target = max(spec.sampling.target_lengths, default=None)
+    longest = sorted(tasks, key=lambda t: len(t.prompt), reverse=True)[:PROMPTS_MEASURED]
+    return max((len(encode_prompt(tokenizer, t, target)) for t in longest), default=0) + PROMPT_MARGIN_TOKENS
+
+
 def _steps(steps: list[int]) -> str:
     """``9, 10`` or ``none``; ``-1`` (an unreadable file) as ``unreadable``."""
     return ", ".join("unreadable" if s < 0 else str(s) for s in steps) or "none"
 
 
 def run_worker_from_args(args: Any) -> int:
-    """``join --role worker``: load spec and key, run a :class:`Worker` until SIGINT/SIGTERM."""
-    from node.cli import gossip_config, load_key, load_spec
+    """``join --role worker``: open the run (address or spec), load the key, run a :class:`Worker`
+    until SIGINT/SIGTERM. Exit 1 with one line when the model does not fit this machine."""
+    from node.cli import CliError, gossip_config, load_key, open_run_arg
     from node.paths import default_data_dir
+    from protocol.artifacts import TASKS_ARTIFACT
 
-    signed = load_spec(args.run)
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    if args.gpu_memory_share is not None and not 0.0 < args.gpu_memory_share <= 0.95:
+        raise CliError("--gpu-memory-share must be in (0, 0.95]")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise CliError("--max-batch must be at least 1")
+    joined = open_run_arg(args, data_dir, artifacts=() if args.data_root else (TASKS_ARTIFACT,))  # before anything is written
+    signed = joined.signed
     key = load_key(args.key, str(data_dir), create=True)
     gossip = gossip_config(args)
-    options = WorkerOptions(
-        data_dir=data_dir, engine=args.engine, device=args.device, data_root=Path(args.data_root) if args.data_root else None,
-        gossip=gossip, http_port=args.http_port, max_submissions=args.max_submissions, ingest_urls=list(args.ingest_url),
-        adversary=args.adversary, dtype=args.dtype, fp32_head=args.fp32_logits, steer_rate=args.steer_rate,
-    )
+    device = args.device
+    if device == "auto":
+        import torch
 
-    asyncio.run(run_until_stopped(Worker(signed, key, options), f"worker {key.peer_id}"))
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    ingest = list(args.ingest_url) or ([] if signed.spec.network.ingest_urls else joined.http_urls)
+    options = WorkerOptions(
+        data_dir=data_dir, engine=args.engine, device=device, data_root=Path(args.data_root) if args.data_root else None,
+        artifacts=joined.artifacts, gpu_memory_share=args.gpu_memory_share, max_batch=args.max_batch,
+        gossip=gossip, http_port=args.http_port, max_submissions=args.max_submissions, ingest_urls=ingest, adversary=args.adversary,
+        dtype=args.dtype, fp32_head=args.fp32_logits, steer_rate=args.steer_rate,
+    )
+    try:
+        asyncio.run(run_until_stopped(Worker(signed, key, options), f"worker {key.peer_id}"))
+    except MachineTooSmall as e:
+        import sys
+
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0

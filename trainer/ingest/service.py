@@ -10,6 +10,7 @@ POST       ``/ingest/1/lease``             a validator's ``lease_request/1``; ms
 POST       ``/ingest/1/verdicts``          a ``verdict/1`` envelope from a run validator
 GET        ``/ingest/1/submissions/{id}``  a submission's state: JSON ``{"id", "state", "reason"}``
 GET        ``/ingest/1/bans``              the coordinator-signed ``ban_list/1`` envelope
+GET        ``/ingest/1/workers/{peer}``    the coordinator-signed ``worker_standing/1`` of one worker
 GET        ``/status``                     JSON view of the coordinator
 GET        ``/metrics``                    Prometheus text
 =========  ==============================  =====================================================
@@ -29,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import sqlite3
 import time
 from collections import OrderedDict
@@ -41,9 +43,9 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from protocol.addresses import address_key
-from protocol.envelope import Envelope, open_envelope
+from protocol.envelope import Envelope, open_envelope, seal
 from protocol.errors import ProtocolError
-from protocol.identity import NodeKey
+from protocol.identity import PEER_ID_PATTERN, NodeKey
 from protocol.ingest_api import (
     BANS_ROUTE,
     LEASE_CONTENT_TYPE,
@@ -51,9 +53,10 @@ from protocol.ingest_api import (
     SUBMISSION_ROUTE,
     SUBMISSIONS_ROUTE,
     VERDICTS_ROUTE,
+    WORKER_ROUTE,
     pack_lease_answer,
 )
-from protocol.messages import LeaseRequest, Submission, Verdict
+from protocol.messages import LeaseRequest, Submission, Verdict, WorkerStanding
 from protocol.ratelimit import FairShare, RateLimiter
 from protocol.rollout import submission_decode_limits
 from protocol.runspec import RunSpec
@@ -71,6 +74,7 @@ from trainer.ledger.states import public_state
 
 logger = logging.getLogger(__name__)
 
+_PEER_ID = re.compile(f"^{PEER_ID_PATTERN}$")
 RETIRE_EVERY_S = 5.0
 """How often the ledger drops pending or accepted work that fell out of the async window, seconds."""
 
@@ -85,11 +89,15 @@ class IngestService:
         on_verdict: called with a verdict envelope (verified) after it decided a submission, and
             whether it still needs gossiping (``False`` when it arrived on gossip).
         status_extra: callable adding fields to ``/status``.
+        key: the coordinator's key, which signs each worker's standing (``None``: no
+            ``/ingest/1/workers/{peer_id}`` route).
     """
 
     def __init__(self, ledger: SubmissionLedger, ban_rule: BanRule, *, limits: IngestLimits | None = None,
-                 on_verdict: Callable[[Envelope[Verdict], bool], None] | None = None, status_extra: Callable[[], dict[str, Any]] | None = None) -> None:
+                 on_verdict: Callable[[Envelope[Verdict], bool], None] | None = None, status_extra: Callable[[], dict[str, Any]] | None = None,
+                 key: NodeKey | None = None) -> None:
         self.ledger = ledger
+        self.key = key
         self.ban_rule = ban_rule
         self.run_id = ledger.run_id
         self.authorities = ledger.spec.authorities
@@ -120,6 +128,8 @@ class IngestService:
         app.router.add_post(LEASE_ROUTE, self.post_lease)
         app.router.add_post(VERDICTS_ROUTE, self.post_verdict)
         app.router.add_get(BANS_ROUTE, self.get_bans)
+        if self.key is not None:
+            app.router.add_get(WORKER_ROUTE, self.get_worker)
         app.router.add_get("/status", self.get_status)
         app.router.add_get("/metrics", self.get_metrics)
         app.cleanup_ctx.append(self._retirement)
@@ -305,6 +315,18 @@ class IngestService:
     async def get_bans(self, request: web.Request) -> web.Response:
         return web.Response(body=self.ledger.bans.envelope, content_type="application/msgpack")
 
+    async def get_worker(self, request: web.Request) -> web.Response:
+        """One worker's standing, signed (``protocol.ingest_api.WORKER_ROUTE``): what ``intellect-node status`` shows a contributor."""
+        self._status_gate(request)
+        peer = request.match_info["peer_id"]
+        if not _PEER_ID.match(peer):
+            raise Refused("malformed", "not a peer ID (12D3KooW… and 44 base58 characters)")
+        async with self._status_slot:
+            doc = await asyncio.to_thread(self.ledger.worker_standing, peer)
+        assert self.key is not None
+        body = WorkerStanding(worker=peer, trainer_step=max(0, self.ledger.trainer_step()), **doc)
+        return web.Response(body=seal(self.key, self.run_id, body), content_type="application/msgpack")
+
     # --- status --------------------------------------------------------------------------------
 
     async def get_status(self, request: web.Request) -> web.Response:
@@ -386,7 +408,7 @@ def open_ingest(data_dir: Path, spec: RunSpec, key: NodeKey, *, trainer_step: Ca
                               quotas=limits.quotas)
     audit = WorkerAudit(spec.audit, Path(data_dir) / "ingest" / "audit.sqlite")
     rule = BanRule(ledger, recheck=recheck, max_pending_rechecks=limits.max_pending_rechecks, on_ban=on_ban, audit=audit)
-    return IngestService(ledger, rule, limits=limits, on_verdict=on_verdict, status_extra=status_extra)
+    return IngestService(ledger, rule, limits=limits, on_verdict=on_verdict, status_extra=status_extra, key=key)
 
 
 @web.middleware

@@ -509,6 +509,13 @@ class SubmissionLedger:
         """Workers with a submission in this run."""
         return self.store.worker_count()
 
+    def worker_standing(self, worker: str) -> dict[str, Any]:
+        """One worker's counts, rejections by reason, leaderboard place and the number of workers
+        (:meth:`~trainer.ledger.store.SubmissionStore.worker_standing`), and whether it is banned."""
+        out = self.store.worker_standing(worker)
+        ban = next((e for e in self.bans.entries() if e.peer_id == worker), None)
+        return {**out, "banned": ban is not None, "ban_reason": ban.reason[:64] if ban is not None else ""}
+
     def leaderboard(self, limit: int) -> list[dict[str, Any]]:
         """The ``limit`` workers with the most accepted submissions, with their tokens and trained rollouts."""
         return self.store.leaderboard(limit)

@@ -678,6 +678,24 @@ class SubmissionStore:
         (rows,) = self._snapshot((query, ()) if limit is None else (query + " ORDER BY accepted DESC, rejected, worker LIMIT ?", (limit,)))
         return {r[0]: {k: int(v) for k, v in zip(keys, r[1:], strict=True) if v} for r in rows}
 
+    def worker_standing(self, worker: str) -> dict[str, Any]:
+        """One worker's counts (``worker_stats``' columns, zero when it has no submission), its
+        rejections by reason (``rejected_by_reason``), its ``place`` in the leaderboard's order (1 is
+        first; 0 without a submission) and ``workers`` (all with a submission), from one snapshot.
+        O(its rejected submissions + the workers ranked at or above it)."""
+        keys = ("pending", "accepted", "rejected", "stale", "trained", "rollouts_trained", "displaced")
+        (row,) = self._snapshot((f"SELECT {', '.join(keys)} FROM worker_stats WHERE worker = ?", (worker,)))
+        counts = dict(zip(keys, (int(x) for x in row[0]), strict=True)) if row else dict.fromkeys(keys, 0)
+        a, r = counts["accepted"], counts["rejected"]
+        ahead, total, reasons = self._snapshot(
+            ("SELECT COUNT(*) FROM worker_stats WHERE accepted > ? OR (accepted = ? AND (rejected < ? OR (rejected = ? AND worker < ?)))",
+             (a, a, r, r, worker)),
+            ("SELECT COUNT(*) FROM worker_stats", ()),
+            (f"SELECT reason, COUNT(*) FROM submissions WHERE worker = ? AND state = '{State.REJECTED.value}' GROUP BY reason", (worker,)),
+        )
+        return {**counts, "place": int(ahead[0][0]) + 1 if row else 0, "workers": int(total[0][0]),
+                "rejected_by_reason": {str(k or "unknown"): int(n) for k, n in reasons}}
+
     def displaced_now(self, worker: str) -> int:
         """How many of ``worker``'s submissions are displaced now (O(1): its read-model row)."""
         (rows,) = self._snapshot(("SELECT displaced FROM worker_stats WHERE worker = ?", (worker,)))
