@@ -352,24 +352,30 @@ class Coordinator:
         t0 = time.monotonic()
         last_reason = ""
         while not self._stop.is_set():
-            try:
-                batch = self.buffer.next_batch(step)
-                self.wait_s = time.monotonic() - t0
-                self._timing = {"batch": time.monotonic()}
-                self.state = f"training step {step + 1}"  # not the last wait's reason, which would stay up all run
-                self.wait_reason = None
-                self._wait_log.recovered(f"batch for step {step} filled")
-                return batch
-            except NotEnoughRolloutsError as e:
-                last_reason = str(e)
-                if e.zero_advantage_groups and not e.usable_groups:
-                    probe = self.signal_probe
-                    last_reason += (f"; every group so far had equal rewards: "
-                                    f"{no_signal_advice(self.spec, probe.pass_rate if probe else 0.0, probe.capped_fraction if probe else 0.0)}")
-                self.state = f"waiting for a batch: {last_reason}"
-                self.wait_reason = last_reason
-                if time.monotonic() - t0 >= self.options.wait_log_interval_s:
-                    self._wait_log.failed(f"waiting {time.monotonic() - t0:.0f} s for a batch for step {step + 1}: {last_reason}")
+            held = self._audit_hold()
+            if held is not None:
+                last_reason = held
+                self.state = f"waiting for a batch: {held}"
+                self.wait_reason = held
+            else:
+                try:
+                    batch = self.buffer.next_batch(step)
+                    self.wait_s = time.monotonic() - t0
+                    self._timing = {"batch": time.monotonic()}
+                    self.state = f"training step {step + 1}"  # not the last wait's reason, which would stay up all run
+                    self.wait_reason = None
+                    self._wait_log.recovered(f"batch for step {step} filled")
+                    return batch
+                except NotEnoughRolloutsError as e:
+                    last_reason = str(e)
+                    if e.zero_advantage_groups and not e.usable_groups:
+                        probe = self.signal_probe
+                        last_reason += (f"; every group so far had equal rewards: "
+                                        f"{no_signal_advice(self.spec, probe.pass_rate if probe else 0.0, probe.capped_fraction if probe else 0.0)}")
+                    self.state = f"waiting for a batch: {last_reason}"
+                    self.wait_reason = last_reason
+            if time.monotonic() - t0 >= self.options.wait_log_interval_s:
+                self._wait_log.failed(f"waiting {time.monotonic() - t0:.0f} s for a batch for step {step + 1}: {last_reason}")
             waited = time.monotonic() - t0
             if waited > self.options.batch_timeout_s:
                 self.error = f"no batch for step {step} after {waited:.0f} s: {last_reason}"
@@ -377,6 +383,22 @@ class Coordinator:
                 logger.error(self.error)
                 return None
             self._stop.wait(WAIT_POLL_S)
+        return None
+
+    def _audit_hold(self) -> str | None:
+        """Why no step may train yet because of the per-worker audit (``docs/toploc.md`` §11), or ``None``.
+
+        Until the audit's honest baseline is ready, verdicts are kept, not counted, so nothing may be
+        trained: a worker whose work all arrived before the baseline would otherwise be trained on
+        before its test could run. Once ready, the kept verdicts are counted and every worker they
+        convict is banned (its accepted work withdrawn) before the batch is assembled."""
+        audit = self.ingest.ban_rule.audit if self.ingest is not None else None
+        if audit is None or not audit.enabled:
+            return None
+        if not audit.ready():
+            return (f"the audit's honest baseline holds {audit.baseline.tokens():,} of the {audit.spec.min_calibration_tokens:,} "
+                    "reference tokens it needs before any step may train (the coordinator is generating them)")
+        self.ingest.ban_rule.audit_catch_up()
         return None
 
     @property

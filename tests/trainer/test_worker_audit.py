@@ -123,3 +123,35 @@ def test_verdicts_before_the_baseline_is_measured_are_kept_and_counted_once_it_i
     assert off.ban_rule.audit.observe(w.peer_id, STEERED, "00", "00") is None and off.status()["audit"] is None
     off.close()
     off.ledger.close()
+
+
+def test_a_worker_whose_work_all_came_before_the_baseline_is_judged_before_any_step_trains(tmp_path) -> None:
+    """The red team's case: every verdict of a steerer arrived while the baseline was not ready (kept,
+    not counted) and it sends nothing more. ``audit_catch_up`` (the coordinator calls it before every
+    batch, and trains nothing before the baseline is ready) counts the kept verdicts once it is: the
+    steerer is banned and its accepted work withdrawn, an honest worker's kept work stays accepted."""
+    service = open_coordinator(tmp_path)
+    ledger, audit = service.ledger, service.ban_rule.audit
+    steerer, honest = NodeKey.generate(), NodeKey.generate()
+    held: dict[str, list[str]] = {steerer.peer_id: [], honest.peer_id: []}
+    for key, stats in ((steerer, STEERED), (honest, HONEST)):
+        for i in range(10):
+            sub = submission(key, i)
+            env = open_envelope(sub, run_id=RUN, expect=Submission)
+            assert ledger.store.add(env)
+            held[key.peer_id].append(env.id.hex())
+            service.apply_verdict(verdict(sub, stats))
+    assert service.ban_rule.audit_catch_up() == 0  # not ready: nothing counted, nobody banned
+    assert not ledger.bans.is_banned(steerer.peer_id) and {ledger.get(s).state for s in held[steerer.peer_id]} == {State.ACCEPTED}
+    calibrate(service, 20_000)
+    assert audit.ready()
+    assert service.ban_rule.audit_catch_up() == 1
+    assert ledger.bans.is_banned(steerer.peer_id) and not ledger.bans.is_banned(honest.peer_id)
+    entry = next(e for e in ledger.bans.entries() if e.peer_id == steerer.peer_id)
+    assert entry.reason == AUDIT_BAN_REASON and "e-value" in entry.evidence[0].detail
+    assert {ledger.get(s).state for s in held[steerer.peer_id]} == {State.REJECTED}  # withdrawn before any step
+    assert {ledger.get(s).state for s in held[honest.peer_id]} == {State.ACCEPTED}
+    assert len(audit.evidence(honest.peer_id)) == 10 and audit.evidence(steerer.peer_id)
+    assert service.ban_rule.audit_catch_up() == 0  # counted once
+    service.close()
+    ledger.close()

@@ -129,6 +129,45 @@ class WorkerAudit:
                 logger.warning("audit flags %s: %s", worker, flag.detail(), extra={"peer_id": worker})
             return flag
 
+    def count_kept(self) -> list[tuple[str, Flag, str, str]]:
+        """Once the baseline is :meth:`ready`, count every worker's kept verdicts now, in order, against
+        the current bounds (as :meth:`observe` would on the worker's next verdict), so that a worker
+        whose whole work arrived before the baseline is judged before any of it is trained on.
+
+        Returns:
+            ``(worker, flag, submission_id, verdict_id)`` of each worker this flags (the IDs of the
+            verdict that completed the test); empty before the baseline is ready or with nothing kept.
+        """
+        if not self.enabled or not self.ready():
+            return []
+        out: list[tuple[str, Flag, str, str]] = []
+        with self._lock:
+            bounds = self.baseline.bounds()
+            workers = [w for (w,) in self._db.execute("SELECT DISTINCT worker FROM evidence WHERE bounds = ''").fetchall()]
+            for worker in workers:
+                if worker in self._flagged:
+                    continue
+                state = self._states.setdefault(worker, AuditState())
+                flag: Flag | None = None
+                last = ("", "")
+                with self._db:
+                    self._db.execute("BEGIN")
+                    kept = self._db.execute("SELECT seq, stats, submission_id, verdict_id FROM evidence WHERE worker = ? AND bounds = '' "
+                                            "ORDER BY seq", (worker,)).fetchall()
+                    for kseq, kstats, sid, vid in kept:
+                        state.observe(ReplayStats.model_validate_json(kstats), bounds)
+                        if flag is None:
+                            flag = state.flag(self.spec.false_alarm, bounds)
+                            last = (sid, vid)
+                        self._db.execute("UPDATE evidence SET bounds = ? WHERE worker = ? AND seq = ?", (json.dumps(bounds), worker, kseq))
+                    self._db.execute("INSERT OR REPLACE INTO workers (worker, state, flagged) VALUES (?, ?, ?)",
+                                     (worker, json.dumps(state.to_json()), json.dumps(flag.__dict__) if flag else ""))
+                if flag is not None:
+                    self._flagged[worker] = flag
+                    logger.warning("audit flags %s: %s", worker, flag.detail(), extra={"peer_id": worker})
+                    out.append((worker, flag, *last))
+        return out
+
     def _kept(self, worker: str) -> int:
         (n,) = self._db.execute("SELECT COUNT(*) FROM evidence WHERE worker = ? AND bounds = ''", (worker,)).fetchone()
         return int(n)

@@ -218,6 +218,19 @@ class BanRule:
                            decision.reason, sid[:12], result.reason, extra={"peer_id": stored.worker})
         self.ledger.release(sid)
 
+    def audit_catch_up(self) -> int:
+        """Count the verdicts the audit kept while its baseline was not ready (``WorkerAudit.count_kept``)
+        and ban each worker that flags: called before every batch, so no step trains work whose worker
+        the kept verdicts already convict. Returns the workers banned."""
+        if self.audit is None:
+            return 0
+        banned = 0
+        for worker, flag, sid, verdict_id in self.audit.count_kept():
+            if not self.bans.is_banned(worker):
+                self._ban_audited(worker, SubmissionId(sid), bytes.fromhex(verdict_id), flag.detail())
+                banned += 1
+        return banned
+
     def _ban_audited(self, worker: str, sid: SubmissionId, verdict_id: bytes, detail: str) -> None:
         """Ban on the audit's flag: the evidence is the coordinator's test over all the worker's
         verdicts (``WorkerAudit.evidence``), named by the verdict that completed it."""
