@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node.devnet.config import devnet_spec
+from node.devnet.config import devnet_env, devnet_spec
 from node.devnet.links import Links
 from node.devnet.outdir import claim_out, write_marker
 from node.devnet.procs import Proc, ProcessGroup
@@ -75,6 +75,9 @@ class DevnetOptions:
         model: a local Hugging Face Qwen2 directory to train instead of the embedded model (``None``: embedded).
         rl: overrides of the run spec's ``[rl]`` fields (``--rl KEY=VALUE``; e.g. the off-policy
             correction ``is_correction``), checked like a spec file's.
+        env: the run's own environment (``--env``: ``reasoning_gym:NAME``, ``verifiers:MODULE`` or a
+            ``.py`` file; ``protocol.envs``), opened here once to pin its hash; ``None``: ``tasks``.
+        env_args: its ``env.args`` (``--env-arg KEY=VALUE``).
     """
 
     out: Path
@@ -98,6 +101,8 @@ class DevnetOptions:
     eval_samples: int = 16
     model: Path | None = None
     rl: dict[str, Any] = field(default_factory=dict)
+    env: str | None = None
+    env_args: dict[str, Any] = field(default_factory=dict)
 
     def eval_interval(self) -> int:
         """Trainer steps between held-out evaluations: ``eval_every``, else ``ceil(steps / 6)``."""
@@ -233,9 +238,15 @@ class Devnet:
         host = self._host("coordinator")
         self.coord_url = f"http://{host}:{self.http_port}"
         bootstrap = f"/ip4/{host}/tcp/{self.p2p_port}/p2p/{coord.peer_id}"
+        env_kw: dict[str, Any] = {}
+        if self.o.env is not None:
+            self.events.append(f"{time.monotonic() - self.started:.0f}s opening environment {self.o.env} (its sandbox) to pin it")
+            section, tasks_hash, max_tokens = devnet_env(self.o.env, self.o.env_args)
+            env_kw = {"env": section, "tasks_hash": tasks_hash, "env_max_tokens": max_tokens}
+            self.events.append(f"{time.monotonic() - self.started:.0f}s environment hash {section.hash[:16]}…, tasks {tasks_hash[:16]}…")
         spec = devnet_spec(coord, validators, tasks=self.o.tasks, http_url=self.coord_url, bootstrap=bootstrap,
                            seed=self.seed, async_level=self.o.async_level, model=self.o.model, rl_overrides=self.o.rl,
-                           profile=self.o.profile is not None, deltas=self.o.deltas)
+                           profile=self.o.profile is not None, deltas=self.o.deltas, **env_kw)
         signed = sign_run_spec(spec, coord)
         self.run_id = signed.run_id.hex()
         write_marker(self.out, {"seed": self.seed, "run_id": self.run_id, "started": round(time.time(), 3)})

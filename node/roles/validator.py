@@ -21,7 +21,7 @@ from node.policy import GossipSources, PolicyFollower
 from node.retry import Backoff, FailureLog
 from node.roles import require_sandbox_for, sleep_unless, start_status_server
 from node.status_http import StatusServer
-from protocol.dataset import resolve_tasks
+from protocol.dataset import resolve_run_tasks
 from protocol.envelope import open_envelope, seal
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
@@ -99,7 +99,7 @@ class ValidatorNode:
         self.options = options
         self.data_dir = Path(options.data_dir)
         self.ingest_urls = [u.rstrip("/") for u in (options.ingest_urls or self.spec.network.ingest_urls)]
-        self.tasks = resolve_tasks(self.spec.data.tasks, options.data_root, self.spec.data.tasks_hash).train
+        self.tasks = resolve_run_tasks(self.spec, options.data_root).train
         self.ledger = Ledger(self.data_dir / "validator.sqlite")
         self.follower = PolicyFollower(self.spec, self.data_dir / "checkpoints", GossipSources(lambda: self.gossip, self.spec))
         self.gossip: GossipNode | None = None
