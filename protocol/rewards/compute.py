@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from protocol.rewards.base import RewardError, RewardLimits, RewardResult
 from protocol.rewards.code import code_reward
@@ -12,7 +13,7 @@ from protocol.tasks import ENV_TASK_TYPE, Task, TaskError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["compute_reward"]
+__all__ = ["compute_reward", "compute_rewards"]
 
 
 def compute_reward(
@@ -72,3 +73,39 @@ def compute_reward(
     reward = length_penalty(task_reward, completion_len_tokens, target_length, lam)
     logger.debug("reward %s: r_task=%.1f r=%.4f (%s)", task.problem_id, task_reward, reward, detail)
     return RewardResult(task_reward=task_reward, reward=reward, detail=detail, limit_hit=limit_hit, outcome=outcome, env_fault=env_fault)
+
+
+def compute_rewards(items: Sequence[tuple[Task, str, int, int | None]], lam: float, limits: RewardLimits | None = None) -> list[RewardResult]:
+    """:func:`compute_reward` of many completions, the same results: environment tasks are scored
+    in batches (:meth:`protocol.envs.Environment.score_many`, one sandbox call per 256), every
+    other task one by one.
+
+    Args:
+        items: ``(task, completion_text, completion_len_tokens, target_length)`` per completion.
+        lam: λ of the length penalty.
+        limits: resource bounds; defaults when ``None``.
+
+    Returns:
+        One result per item, in order.
+
+    Raises:
+        RewardError: as :func:`compute_reward`.
+    """
+    from protocol.envs.sandboxed import environment_for  # starts processes: only for environment tasks
+
+    out: list[RewardResult | None] = [None] * len(items)
+    by_env: dict[str, list[int]] = {}
+    for i, (task, text, n, target) in enumerate(items):
+        if task.task_type == ENV_TASK_TYPE:
+            try:
+                by_env.setdefault(task.environment_row[0], []).append(i)
+            except TaskError as e:
+                raise RewardError(f"task {task.problem_id} cannot be scored: {e}") from e
+        else:
+            out[i] = compute_reward(task, text, n, target, lam, limits)
+    for instance, idx in by_env.items():
+        scores = environment_for(instance).score_many([(items[i][0].environment_row[1], items[i][1]) for i in idx])
+        for i, s in zip(idx, scores, strict=True):
+            task, _, n, target = items[i]
+            out[i] = RewardResult(task_reward=s.value, reward=length_penalty(s.value, n, target, lam), detail=s.detail, env_fault=s.fault)
+    return [r for r in out if r is not None]

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from protocol.envs import EnvError, EnvFile, environment_hash, environment_source, open_environment, parse_env_ref
+from protocol.envs import EnvError, EnvFile, EnvLimits, environment_hash, environment_source, open_environment, parse_env_ref
 from protocol.envs.sandboxed import instance_id
 from protocol.envs.tasks import env_tasks
-from protocol.rewards import RewardError, compute_reward
+from protocol.rewards import RewardError, compute_reward, compute_rewards
 from protocol.rewards.sandbox import sandbox_status
 from protocol.tasks import Task, TaskError, dataset_hash, load_tasks
 
@@ -157,6 +157,42 @@ def test_plain_file_generator_end_to_end_through_compute_reward(tmp_path):
         assert (wrong.task_reward, wrong.reward, wrong.env_fault) == (0.0, pytest.approx(-0.06), None)  # the length penalty as ever
         again = open_environment(str(tmp_path / "add.py"), seed=3, train_size=40, heldout_size=10)
         assert again is env and dataset_hash(again.tasks.train) == dataset_hash(train)  # deterministic, opened once per process
+    finally:
+        env.close()
+
+
+@needs_sandbox
+def test_batches_score_as_one_by_one_and_blame_the_right_completion(tmp_path):
+    path = write(tmp_path / "picky.py", """
+        import random, time
+
+        CALLS = []
+
+        def generate(seed, count):
+            return [{"prompt": f"p{i}", "n": i} for i in range(count)]
+
+        def score(task, completion):
+            CALLS.append(completion)  # state kept between calls would make a batch differ from one by one
+            if len(CALLS) > 1:
+                return 0.5
+            if completion == "boom":
+                raise KeyError("boom")
+            if completion == "slow":
+                time.sleep(60)
+            return round(random.random(), 6) if completion == "rand" else float(completion == str(task["n"]))
+        """)
+    env = open_environment(str(path), train_size=8, heldout_size=0, limits=EnvLimits(score_wall_s=2.0, pool=1))
+    try:
+        rows = [t.environment_row[1] for t in env.tasks.train]
+        items = [(rows[i % 8], c) for i, c in enumerate(["0", "1", "x", "rand", "boom", "5", "rand", "7"] * 3)]
+        batch = env.score_many(items)
+        assert batch == [env.score(r, c) for r, c in items]
+        assert [s.fault for s in batch[:8]] == [None, None, None, None, "crash", None, None, None]
+        tasks = [env.tasks.train[i % 8] for i in range(len(items))]
+        assert compute_rewards([(t, c, 1, None) for t, (_, c) in zip(tasks, items)], 0.0) == \
+            [compute_reward(t, c, 1, None, 0.0) for t, (_, c) in zip(tasks, items)]
+        slow = env.score_many([(rows[0], "0"), (rows[1], "slow"), (rows[2], "2")])  # the batch runs over: scored one by one
+        assert [s.fault for s in slow] == [None, "wall", None] and slow[2].value == 1.0
     finally:
         env.close()
 
