@@ -149,6 +149,7 @@ def test_plain_file_generator_end_to_end_through_compute_reward(tmp_path):
         train = env.tasks.train
         assert len(train) == 40 and train[0].prompt.endswith("=") and train[0].problem_id == "add-3-0"
         assert all(t.prompt not in {x.prompt for x in train} for t in env.tasks.heldout)
+        assert env.tasks.heldout and all(t.problem_id.startswith(f"add-{3 + 2**32}-") for t in env.tasks.heldout)  # its own seed range
         assert env.id == instance_id(env.hash, str(tmp_path / "add.py"), {})
         _, row = train[0].environment_row
         right = compute_reward(train[0], row["answer"], 2, None, 0.0)

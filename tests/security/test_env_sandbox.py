@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from protocol.envs import EnvLimits, open_environment
-from protocol.rewards import compute_reward
+from protocol.rewards import compute_reward, compute_rewards
 from protocol.rewards.sandbox import sandbox_status
 from protocol.verdicts import BENIGN_REASONS, is_cheat
 from validator.rewards import judge_reward
@@ -210,3 +210,36 @@ def test_closing_an_environment_leaves_no_sandbox_behind(tmp_path):
     finally:
         env.close()
     assert sandbox_pids(env.source.entry) == []
+
+
+@pytest.mark.slow
+def test_hostile_items_in_a_workers_batch_land_on_their_own_completions(tmp_path):
+    # a worker scores its completions in batches (compute_rewards): the same faults, on the same items, as one by one
+    marker = f"3600.{secrets.randbelow(10**8):08d}"
+    env = hostile(tmp_path, f'''
+    if completion == "sleep":
+        time.sleep(3600)
+    if completion == "allocate":
+        x = bytearray(8 * 1024**3)
+    if completion == "fork":
+        import subprocess
+        subprocess.Popen(["/bin/sleep", "{marker}"])
+        return 0.5
+    if completion == "print":
+        for _ in range(1024):
+            sys.stdout.write("x" * (1 << 20))
+    return 0.0
+    ''')
+    try:
+        task, _ = one(env)
+        completions = ["ok", "sleep", "ok", "allocate", "fork", "ok", "print", "ok", "wrong"]
+        t0 = time.monotonic()
+        batch = compute_rewards([(task, c, 2, None) for c in completions], 0.0)
+        assert time.monotonic() - t0 < 120
+        faults = [(r.task_reward, r.env_fault) for r in batch]
+        assert faults == [(1.0, None), (0.0, "wall"), (1.0, None), (0.0, "memory"), (0.5, None), (1.0, None), (0.0, "output"), (1.0, None),
+                          (0.0, None)], [r.detail for r in batch]
+        assert sandbox_pids(marker) == []
+        assert [judged(task, c, 1.0) for c in ("sleep", "allocate", "print")] == ["environment"] * 3  # never the worker's fault
+    finally:
+        env.close()
