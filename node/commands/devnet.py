@@ -154,6 +154,13 @@ def _run_devnet(args: argparse.Namespace) -> int:
     rl = _rl_overrides(args.rl, embedded=tasks == "embedded" and model is None and not profile, async_level=args.async_level,
                        profile=profile)
     env_arguments = env_arg_values(args.env_arg)
+    if env_name is not None and not env_arguments and model is None:
+        from node.devnet.config import embedded_env_args
+
+        if (preset := embedded_env_args(env_name)) is not None:
+            env_arguments = preset
+            print(f"{env_name} on the embedded model: at its default difficulty the tiny model solves none, so the devnet uses "
+                  f"env.args = {preset} (pass any --env-arg to set your own)", flush=True)
     from protocol.tasks import training_split_warning
 
     if (split_warning := training_split_warning(tasks)) is not None:

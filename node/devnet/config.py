@@ -41,6 +41,30 @@ ENV_MAX_TOKENS_RANGE = (4, 64)
 """A devnet's environment samples up to its longest reference completion + EOS tokens, within this range."""
 
 
+EMBEDDED_ENV_PRESETS: dict[str, dict[str, Any]] = {
+    "reasoning_gym:basic_arithmetic": {
+        "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "max_digits": 2, "operators": ["+"], "allow_parentheses": False,
+                             "allow_negation": False},
+        "template": "{metadata[expression]}=",
+        "answer": "text",
+    },
+}
+"""``env.args`` the devnet gives a reasoning-gym dataset on the embedded model when no ``--env-arg``
+is passed: at its default difficulty (up to 6 terms of up to 4 digits with + - * /, a prose prompt) the 0.3 M-parameter
+model solves none, so every group has equal rewards and no step can be trained (measured 7 Dec 2026:
+step 0 waited with 1 of 16 usable groups after 219 all-zero ones). The preset is the embedded task's
+shape: sums of two numbers of up to two digits (reasoning-gym draws up to 10**digits: 100 occurs), ``a + b=``, answered with the number (with one
+digit, 121 prompts in all: a 2,000-task training set holds every one, and no held-out task is left)."""
+
+
+def embedded_env_args(name: str) -> dict[str, Any] | None:
+    """The devnet's :data:`EMBEDDED_ENV_PRESETS` entry for ``name`` (a deep copy), or ``None``."""
+    import copy
+
+    preset = EMBEDDED_ENV_PRESETS.get(name)
+    return copy.deepcopy(preset) if preset is not None else None
+
+
 def env_sampling(max_tokens: int) -> SamplingSpec:
     """Sampling of a devnet's environment on the embedded model: :data:`EMBEDDED_SAMPLING` (temperature
     1.5, no length prompt) with room for the longest reference completion and EOS."""

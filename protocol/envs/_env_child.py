@@ -51,6 +51,7 @@ import signal
 import site
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 _SPEC_PATH = "/job/spec.json"
@@ -296,84 +297,17 @@ def _score_one(env: Any, row: dict[str, Any], completion: str) -> dict[str, Any]
     return {"score": float(value), "detail": ""}
 
 
-def _score_isolated(env: Any, row: dict[str, Any], completion: str, wall_s: float, harness: int) -> dict[str, Any]:
-    """:func:`_score_one` in its own fork of the batch's process, as a ``score`` call runs in its own
-    fork of the harness: every item sees the environment as loaded (nothing an earlier item changed
-    in its globals), its own CPU limit and ``wall_s``, and whatever it left running is killed before
-    the next item. So a batch scores exactly as one call per item would (a worker scores in batches,
-    a validator re-checks one by one)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        try:
-            data = json.dumps(_score_one(env, row, completion), allow_nan=False).encode("utf-8", "surrogatepass")
-        except BaseException as e:  # noqa: BLE001 - the environment's failure is an answer
-            data = json.dumps({"fault": "crash", "detail": f"{type(e).__name__}: {e}"[:300]}).encode("utf-8", "replace")
-        try:
-            _write_all(w, data + b"\n")
-        finally:
-            os._exit(0)
-    os.close(w)
-    buf = bytearray()
-    deadline = time.monotonic() + wall_s
-    fault: dict[str, Any] | None = None
-    try:
-        while b"\n" not in buf:  # read to the answer's end, not to EOF: a process it left may hold the pipe
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([r], [], [], left)[0]:
-                fault = {"fault": "wall", "detail": f"ran over {wall_s:g} s"}
-                break
-            chunk = os.read(r, 1 << 16)
-            if not chunk:
-                break
-            buf += chunk
-            if len(buf) > 1 << 16:
-                fault = {"fault": "output", "detail": "answer over 65536 bytes"}
-                break
-    finally:
-        os.close(r)
-    if fault is not None or b"\n" in buf:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    _, status = os.waitpid(pid, 0)
-    _sweep(harness)
-    if fault is not None:
-        return fault
-    if os.WIFSIGNALED(status) and b"\n" not in buf:
-        sig = os.WTERMSIG(status)
-        return {"fault": "cpu" if sig in (signal.SIGXCPU, signal.SIGKILL) else "crash", "detail": f"killed by signal {sig}"}
-    try:
-        answer = json.loads(bytes(buf))
-    except ValueError:
-        return {"fault": "crash", "detail": "the call ended without an answer"}
-    return answer if isinstance(answer, dict) else {"fault": "crash", "detail": "malformed answer"}
-
-
-def _call_in_fork(env: Any, req: dict[str, Any], lim: dict[str, Any], record_fd: int) -> dict[str, Any]:
-    """Run one request in a fork (see the module docstring); the answer or a fault."""
-    wall_s, max_bytes, cpu = float(req["wall_s"]), int(req["max_bytes"]), int(lim["cpu_time_s"])
+def _in_fork(work: Callable[[], dict[str, Any]], wall_s: float, max_bytes: int, keep: tuple[int, ...] = ()) -> dict[str, Any]:
+    """``work()`` in a fork of this process; its answer, or a fault. Waits at most ``wall_s`` for
+    the answer line (then SIGKILL), reads at most ``max_bytes``, and then kills every process of the
+    sandbox but pid 1, this one and ``keep`` (whatever the call left running). The answer ends at its
+    newline, not at EOF: a process the call left may hold the pipe open."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the call's own process
         os.close(r)
         try:
-            os.close(record_fd)
-            if req["op"] == "describe":
-                resource.setrlimit(resource.RLIMIT_CPU, (int(req["wall_s"]) + 1,) * 2)
-            else:
-                resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-            if req["op"] == "describe":
-                _seed({"train": req["train"], "heldout": req["heldout"]})
-                answer: dict[str, Any] = {"items": env.describe(req["train"], req["heldout"])}
-            elif req["op"] == "score_many":
-                harness, item_wall_s = os.getppid(), float(req["item_wall_s"])
-                answer = {"scores": [_score_isolated(env, item["row"], item["completion"], item_wall_s, harness) for item in req["items"]]}
-            else:
-                answer = _score_one(env, req["row"], req["completion"])
-            data = json.dumps(answer, allow_nan=False).encode("utf-8", "surrogatepass")
+            data = json.dumps(work(), allow_nan=False).encode("utf-8", "surrogatepass")
         except MemoryError:
             data = b'{"fault": "memory", "detail": "MemoryError"}'
         except OSError as e:
@@ -382,7 +316,7 @@ def _call_in_fork(env: Any, req: dict[str, Any], lim: dict[str, Any], record_fd:
         except BaseException as e:  # noqa: BLE001 - the environment's failure is an answer
             data = json.dumps({"fault": "crash", "detail": f"{type(e).__name__}: {e}"[:300]}).encode("utf-8", "replace")
         try:
-            _write_all(w, data)
+            _write_all(w, data + b"\n")  # JSON holds no raw newline
         finally:
             os._exit(0)
     os.close(w)
@@ -390,7 +324,7 @@ def _call_in_fork(env: Any, req: dict[str, Any], lim: dict[str, Any], record_fd:
     deadline = time.monotonic() + wall_s
     fault: tuple[str, str] | None = None
     try:
-        while True:
+        while b"\n" not in buf:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([r], [], [], left)[0]:
                 fault = ("wall", f"ran over {wall_s:g} s")
@@ -404,21 +338,47 @@ def _call_in_fork(env: Any, req: dict[str, Any], lim: dict[str, Any], record_fd:
                 break
     finally:
         os.close(r)
-    if fault is not None:
-        os.kill(pid, signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)  # its answer ended (it wrote and exits) or it was killed
-    _sweep()
+    done = fault is None and b"\n" in buf
+    try:
+        os.kill(pid, signal.SIGKILL)  # it exits once it has answered; an answer cut short or late ends here
+    except ProcessLookupError:
+        pass
+    _, status = os.waitpid(pid, 0)
+    _sweep(*keep)
     if fault is not None:
         return {"fault": fault[0], "detail": fault[1]}
-    if os.WIFSIGNALED(status) and not buf:
+    if not done and not buf and os.WIFSIGNALED(status):  # it died before answering (RLIMIT_CPU: SIGXCPU, then SIGKILL)
         sig = os.WTERMSIG(status)
-        kind = "cpu" if sig in (signal.SIGXCPU, signal.SIGKILL) else "crash"
-        return {"fault": kind, "detail": f"killed by signal {sig}"}
+        return {"fault": "cpu" if sig in (signal.SIGXCPU, signal.SIGKILL) else "crash", "detail": f"killed by signal {sig}"}
     try:
         answer = json.loads(bytes(buf))
     except ValueError:
         return {"fault": "crash", "detail": "the call ended without an answer"}
     return answer if isinstance(answer, dict) else {"fault": "crash", "detail": "malformed answer"}
+
+
+def _call_in_fork(env: Any, req: dict[str, Any], lim: dict[str, Any], record_fd: int) -> dict[str, Any]:
+    """Run one request in a fork (see the module docstring); the answer or a fault."""
+    cpu = int(lim["cpu_time_s"])
+
+    def work() -> dict[str, Any]:
+        os.close(record_fd)
+        if req["op"] == "describe":
+            resource.setrlimit(resource.RLIMIT_CPU, (int(req["wall_s"]) + 1,) * 2)
+            _seed({"train": req["train"], "heldout": req["heldout"]})
+            return {"items": env.describe(req["train"], req["heldout"])}
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        if req["op"] == "score_many":
+            # each item in its own fork, as a ``score`` call runs in its own fork of the harness: it sees
+            # the environment as loaded (nothing an earlier item changed in its globals), has its own CPU
+            # limit and wall, and what it left running is killed before the next; so a batch scores exactly
+            # as one call per item would (a worker scores in batches, a validator re-checks one by one)
+            harness, item_wall_s = os.getppid(), float(req["item_wall_s"])
+            return {"scores": [_in_fork(lambda item=item: _score_one(env, item["row"], item["completion"]), item_wall_s, 1 << 16, (harness,))
+                               for item in req["items"]]}
+        return _score_one(env, req["row"], req["completion"])
+
+    return _in_fork(work, float(req["wall_s"]), int(req["max_bytes"]))
 
 
 def _main() -> None:

@@ -69,3 +69,22 @@ def test_env_flags_are_checked(tmp_path):
                        (["--env", "x.py", "--tasks", "gsm8k"], "leave out --tasks")):
         r = cli("devnet", "--out", "dn", *args, cwd=tmp_path)
         assert r.returncode == 2 and want in r.stderr, r.stderr
+
+
+def test_the_devnets_reasoning_gym_preset_is_the_embedded_tasks_shape():
+    # `devnet --env reasoning_gym:basic_arithmetic` with no --env-arg: the tiny model solves none at the default difficulty
+    from node.devnet.config import EMBEDDED_ENV_PRESETS, devnet_env, embedded_env_args
+
+    args = embedded_env_args("reasoning_gym:basic_arithmetic")
+    assert args == EMBEDDED_ENV_PRESETS["reasoning_gym:basic_arithmetic"] and args is not EMBEDDED_ENV_PRESETS["reasoning_gym:basic_arithmetic"]
+    assert embedded_env_args("reasoning_gym:chain_sum") is None
+    section, _, tokens = devnet_env("reasoning_gym:basic_arithmetic", args)
+    assert section.args == args and tokens <= 4  # answers of at most three digits, plus EOS
+    from protocol.envs import open_environment
+
+    env = open_environment(section.name, args=section.args, seed=section.seed, train_size=section.train_size, heldout_size=section.heldout_size)
+    try:
+        assert all(re.fullmatch(r"\d{1,3} \+ \d{1,3}=", t.prompt) for t in env.tasks.train + env.tasks.heldout)
+        assert env.tasks.heldout  # reasoning-gym's own held-out seed range, minus prompts a training task has
+    finally:
+        env.close()
