@@ -243,3 +243,19 @@ def test_hostile_items_in_a_workers_batch_land_on_their_own_completions(tmp_path
         assert [judged(task, c, 1.0) for c in ("sleep", "allocate", "print")] == ["environment"] * 3  # never the worker's fault
     finally:
         env.close()
+
+
+def test_a_process_left_holding_the_answer_pipe_does_not_stall_the_call(tmp_path):
+    env = hostile(tmp_path, '''
+    if os.fork() == 0:  # a child that keeps every descriptor, the answer pipe too (exec would close it: O_CLOEXEC)
+        time.sleep(3600)
+        os._exit(0)
+    return 0.5
+    ''')
+    try:
+        task, row = one(env)
+        first = env.score(row, "daemon")  # answered when it answered, not as "wall" at its wall limit
+        assert (first.value, first.fault) == (0.5, None)
+        assert [(r.task_reward, r.env_fault) for r in compute_rewards([(task, "daemon", 2, None)] * 2, 0.0)] == [(0.5, None)] * 2
+    finally:
+        env.close()
