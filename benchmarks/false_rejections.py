@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.validator_bench import make_tokenizer
 from node.engine.base import SamplingParams
-from node.engine.hf import TransformersEngine, _seeds_tensor
+from node.engine.hf import TransformersEngine, seeds_tensor
 from node.worker.adversary import build_dishonest_submission, perturbed_model
 from node.worker.rollouts import build_submission
 from protocol import sampling, toploc
@@ -88,7 +88,7 @@ class NoCacheEngine(TransformersEngine):
 
         b, n_max = len(prompts), params.max_tokens
         seqs = [list(p) for p in prompts]
-        seed_t = _seeds_tensor(seeds, self.device)
+        seed_t = seeds_tensor(seeds, self.device)
         toks: list[list[int]] = [[] for _ in range(b)]
         lps: list[list[float]] = [[] for _ in range(b)]
         rows: list[list[torch.Tensor]] = [[] for _ in range(b)]
@@ -139,10 +139,11 @@ def worker_copy(policy: torch.nn.Module, attn: str, dtype: torch.dtype) -> torch
 
 
 BF16_DEFAULTS = {"replay_logit_bound": 1.0, "max_near_tie_fraction": 0.5, "logprob_max_abs": 2.0, "logprob_mean_abs": 0.5}
-"""The bf16 workers' run spec ``toploc.*`` (the float32 run uses the defaults), from this benchmark's
-bf16 rows (``docs/toploc.md`` §10): replay rule ``logit-bound-v1`` with δ = 1.0 nats (the largest
-honest bf16 logit error: 0.79 over the 83,535 positions of 10,752 rollouts, 99.9 % quantile 0.67);
-the per-token log-prob bound 2δ, the most logits within δ can move a log-prob."""
+"""The bf16 workers' run spec ``toploc.*`` under replay rule ``logit-bound-v1`` (the float32 run uses the
+defaults), chosen from this benchmark's bf16 rows (``docs/toploc.md`` §10; runs measured with
+``logit-bound-v2`` set theirs with ``spec init --measure-precision``): δ = 1.0 nats
+(the largest honest bf16 logit error: 0.79 over the 83,535 positions of 10,752 rollouts, 99.9 %
+quantile 0.67); the per-token log-prob bound 2δ, the most logits within δ can move a log-prob."""
 
 
 def run_spec(args: argparse.Namespace, dtype: torch.dtype) -> RunSpec:
@@ -225,9 +226,7 @@ def statistics_of(spec: RunSpec, model: torch.nn.Module, env: Envelope[Submissio
                 worst = max(worst, float(d.max() - d.min()) / 2)
             out.logit_err.append(worst)
         t = spec.toploc
-        rep = sampling.replay_check(logits, comp, ro.seed, 0, s.temperature, s.top_p, t.replay_eps, 1.0, eos_ids=(EOS,),
-                                    min_eos_prob=t.eos_min_prob, eos_prob_slack=t.eos_prob_slack, overwrite=True, replay_rule=t.replay_rule,
-                                    logit_bound=t.replay_logit_bound)
+        rep = sampling.replay_check(logits, comp, ro.seed, sampling.ReplayParams(temperature=s.temperature, top_p=s.top_p, eps=t.replay_eps, max_near_tie_fraction=1.0, eos_ids=(EOS,), min_eos_prob=t.eos_min_prob, eos_prob_slack=t.eos_prob_slack, replay_rule=t.replay_rule, logit_bound=t.replay_logit_bound), 0, overwrite=True)
         differs = rep.tokens.cpu() != torch.tensor(comp)
         out.gap.append(float(rep.gaps.cpu()[differs].max()) if bool(differs.any()) else 0.0)
         d = int(differs.sum())  # the rule allows ⌈share · T⌉ of T: d of them pass iff share > (d − 1) / T

@@ -43,8 +43,9 @@ Every run prints the load average at the start and end of each level.
 
 ``--worker-nice 19`` runs the simulated workers' processes at that nice value, so the relay and the
 coordinator come first for this machine's cores (what the hubs cost when they do not share their
-cores with hundreds of workers); ``--py-spy DIR`` samples the relay's and coordinator's stacks over
-the announcement phase and the idle window (collapsed stacks, one file per phase).
+cores with hundreds of workers); ``--py-spy DIR`` samples the stacks of the relay, the coordinator
+and the first worker process over the announcement phase and the idle window (collapsed stacks,
+one file per process and phase).
 
 Run: ``python benchmarks/hub_bench.py [--workers 30,120,500] [--layouts presence,split]``.
 """
@@ -396,12 +397,15 @@ def tcp_counters(port: int) -> tuple[int, int, int]:
 
 def py_spy(pid: int, seconds: float, out: Path) -> subprocess.Popen[bytes] | None:
     """Sample ``pid``'s Python stacks for ``seconds`` with py-spy (``--py-spy DIR``), not stopping
-    it (``--nonblocking``), into ``out`` as collapsed stacks (one line per stack: frames;…; count)."""
+    it (``--nonblocking``), into ``out`` as collapsed stacks (one line per stack: frames;…; count).
+    Only the thread holding the GIL is sampled (``--gil``): a hub runs py-libp2p's trio thread
+    beside its asyncio thread, and a thread waiting for the GIL would otherwise be counted where it
+    happened to stop, as if it ran there."""
     exe = Path(sys.executable).with_name("py-spy")
     if not exe.exists():
         raise SystemExit(f"--py-spy: {exe} not found (pip install py-spy)")
     return subprocess.Popen([str(exe), "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", "100",
-                             "--format", "raw", "--nonblocking", "--threads", "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--format", "raw", "--nonblocking", "--threads", "--gil", "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def rss_mib(pid: int) -> float:
@@ -466,7 +470,7 @@ async def level(args: argparse.Namespace, workers: int, layout: str, tmp: Path) 
         if args.py_spy:
             phase_s = args.announcements * args.interval_s + 3.0 + args.heartbeat_s
             spies += [py_spy(c.proc.pid, phase_s, Path(args.py_spy) / f"{name}-{workers}-{layout}-announcing.txt")
-                      for name, c in (("relay", relay), ("coord", coord))]
+                      for name, c in (("relay", relay), ("coord", coord), ("workers0", pools[0]))]
         a_io, a_w = tcp_counters(port), time.monotonic()
         a_cpu = (cpu_s(relay.proc.pid), cpu_s(coord.proc.pid))
         a_ns = time.time_ns()
@@ -500,7 +504,7 @@ async def level(args: argparse.Namespace, workers: int, layout: str, tmp: Path) 
         io0 = tcp_counters(port)
         if args.py_spy:
             spies += [py_spy(c.proc.pid, args.idle_s, Path(args.py_spy) / f"{name}-{workers}-{layout}-idle.txt")
-                      for name, c in (("relay", relay), ("coord", coord))]
+                      for name, c in (("relay", relay), ("coord", coord), ("workers0", pools[0]))]
         w0 = time.monotonic()
         await asyncio.sleep(args.idle_s)
         wall = time.monotonic() - w0
@@ -628,7 +632,7 @@ def main() -> None:
     p.add_argument("--join-timeout-s", type=float, default=900.0, help="seconds for every worker to start and be listed (default 900)")
     p.add_argument("--mint", type=int, default=50, help="identities minted against the relay at the first level (0: skip)")
     p.add_argument("--worker-nice", type=int, default=0, help="run the simulated workers' processes at this nice value (e.g. 19: the relay and coordinator first for the CPU; shows what the hubs cost when the machine's cores are not shared with the workers)")
-    p.add_argument("--py-spy", default="", help="sample the relay's and coordinator's stacks with py-spy over the announcement phase and the idle window into files in this folder (their CPU figures then include py-spy's sampling)")
+    p.add_argument("--py-spy", default="", help="sample the stacks of the relay, the coordinator and the first worker process with py-spy over the announcement phase and the idle window into files in this folder (their CPU figures then include py-spy's sampling)")
     p.add_argument("--log-dir", default="", help="write each child's log (stderr, INFO) to a file here")
     # child processes
     p.add_argument("--child", choices=["relay", "coordinator", "workers", "mint"], help=argparse.SUPPRESS)

@@ -579,8 +579,9 @@ async def serve_sybil(root: Path, step_s: float, step_submissions: int, disk_fil
         if len(ready) < step_submissions:
             return False
         ids = [r.id for r in sorted(ready, key=lambda r: -r.policy_step)[:step_submissions]]
-        if hasattr(store, "consumed"):
-            store.consumed(ids, n + 1)
+        if hasattr(store, "retire_superseded"):  # the ledger
+            store.consume(n + 1, {}, ids)
+            store.retire_superseded(n + 1)
         else:
             store.mark_consumed(ids, n + 1)
         step[0] = n + 1

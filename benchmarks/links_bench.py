@@ -118,15 +118,16 @@ def build_policies(root: Path, data_root: Path, layers: int | None) -> tuple[Pat
 
     from node.devnet.profile import prepare_profile_model
     from protocol.models import copy_model, load_model
+    from protocol.step_dirs import step_dir
     from trainer.synthetic import synthetic_batch
     from trainer.train import Trainer, TrainerConfig
 
     base = prepare_profile_model("qwen2.5-0.5b", data_root, layers=layers)
-    a = root / "step-0"
+    a = step_dir(root, 0)
     copy_model(base, a)
     trainer = Trainer(load_model(base), TrainerConfig(learning_rate=3e-7, micro_batch_tokens=512))
     trainer.train_step(synthetic_batch(1, 0))
-    b = root / "step-1"
+    b = step_dir(root, 1)
     trainer.save_checkpoint(b, dtype=torch.bfloat16, base_dir=base)
     return a, b
 
@@ -233,7 +234,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="links-bench-"))
     try:
         if args.policies:
-            steps = sorted((p for p in Path(args.policies).iterdir() if p.name.startswith("step-")), key=lambda p: int(p.name.split("-")[1]))
+            from protocol.step_dirs import step_dirs
+
+            steps = [p for _, p in step_dirs(Path(args.policies))]
             if len(steps) < 2:
                 print(f"error: {args.policies} holds fewer than two step-N folders", file=sys.stderr)
                 return 2

@@ -2,7 +2,9 @@
 
 Each subcommand parses its flags here and imports its heavy code (torch, transformers, libp2p,
 aiohttp) only when it runs, so ``intellect-node --help`` is instant. Every command that takes
-``--run`` loads the run spec through :func:`load_spec`, which refuses unsigned or tampered specs.
+``--run`` loads the run spec through :func:`load_spec`, which refuses unsigned or tampered specs;
+the commands a contributor runs (``join``, ``validate``, ``doctor``, ``status``) also take the
+run's address instead (:func:`add_run_argument`, :func:`open_run_arg`; ``node/bootstrap.py``).
 Exit codes: 0 success, 1 runtime failure, 2 bad usage or bad input (message on stderr).
 """
 
@@ -20,6 +22,7 @@ from node import __version__
 from node.paths import default_key_path
 
 if TYPE_CHECKING:
+    from node.bootstrap import JoinedRun
     from node.p2p import GossipConfig
     from protocol.identity import NodeKey
     from protocol.runspec import SignedRunSpec
@@ -60,6 +63,49 @@ def load_spec(path: str) -> SignedRunSpec:
         return load_run_spec(Path(path))
     except RunSpecError as e:
         raise CliError(str(e)) from None
+
+
+JOIN_WAIT_S = 300.0
+"""How long a long-running node (``join``, ``validate``) keeps asking an address whose locations do not answer yet, seconds."""
+
+
+def add_run_argument(p: argparse.ArgumentParser, *, wait: bool = False) -> None:
+    """Add the positional ``ADDRESS`` and ``--run`` (one of them is required; read by :func:`open_run_arg`),
+    and with ``wait`` ``--join-wait`` (a node that runs until stopped waits for a coordinator still starting)."""
+    p.add_argument("address", nargs="?", default=None, metavar="ADDRESS",
+                   help="the run's address (intellect1:PEER_ID/RUN_ID@URL,…) as the coordinator prints it: the signed spec "
+                        "and the task list are fetched and verified from it (docs/operators.md §0)")
+    p.add_argument("--run", default=None, metavar="RUN", help="the signed run spec (TOML file), or the run's address, instead of ADDRESS")
+    if wait:
+        p.add_argument("--join-wait", type=float, default=JOIN_WAIT_S, metavar="S",
+                       help=f"while no location of the address answers (a coordinator still starting), keep asking for up to S "
+                            f"seconds (default {JOIN_WAIT_S:g}; 0: give up at once)")
+
+
+def open_run_arg(args: argparse.Namespace, data_dir: Path, *, artifacts: Sequence[str] = ()) -> JoinedRun:
+    """The run of ``ADDRESS`` or ``--run`` (:func:`node.bootstrap.open_run`), with the address's
+    bootstrap peers added to ``args.bootstrap`` when the command has that flag. Opened once per
+    command (kept as ``args.joined``): a command opens it before importing its heavy modules, so a
+    refusal is printed at once.
+
+    Raises:
+        CliError: neither or both given, or the run could not be opened (one line: a malformed or
+            foreign address, a spec that does not verify, an artifact that is not the pinned one).
+    """
+    from node.bootstrap import JoinError, open_run
+
+    if getattr(args, "joined", None) is not None:
+        return args.joined  # type: ignore[no-any-return]
+    if bool(args.address) == bool(args.run):
+        raise CliError("name the run once: its address (intellect1:…) or --run run.toml")
+    try:
+        joined = open_run(args.address or args.run, data_dir, artifacts=artifacts, wait_s=getattr(args, "join_wait", 0.0))
+    except JoinError as e:
+        raise CliError(str(e)) from None
+    if isinstance(getattr(args, "bootstrap", None), list):
+        args.bootstrap = list(dict.fromkeys([*args.bootstrap, *joined.bootstrap]))
+    args.joined = joined
+    return joined
 
 
 def load_key(path: str | None, data_dir: str | None = None, *, create: bool = False) -> NodeKey:

@@ -65,6 +65,28 @@ class GossipError(NodeError):
     """The libp2p/gossip layer failed (host start, bridge, publish)."""
 
 
+class Libp2pMismatchError(GossipError):
+    """The installed py-libp2p is not the one the node's overrides of it were written against
+    (``node/p2p/libp2p_patches.py``): another version, or a name an override replaces is gone.
+
+    Attributes:
+        installed: the installed ``libp2p`` version (``"none"``: not installed).
+        pinned: the version the overrides were written against.
+        missing: dotted paths of what an override replaces or extends and the installed libp2p lacks.
+    """
+
+    def __init__(self, installed: str, pinned: str, missing: list[str]) -> None:
+        self.installed = installed
+        self.pinned = pinned
+        self.missing = missing
+        if installed != pinned:
+            what = f"libp2p {installed} is installed, but the node's overrides of py-libp2p were written against {pinned}"
+        else:
+            what = f"libp2p {installed} lacks what the node overrides: {', '.join(missing[:4])}{' …' if len(missing) > 4 else ''}"
+        super().__init__(f"{what}; install libp2p=={pinned} (pyproject.toml pins it), or re-check each entry of "
+                         f"node/p2p/libp2p_patches.py against the new version before moving the pin")
+
+
 class BridgeError(GossipError):
     """The asyncio↔trio bridge is not running, or did not start or stop in time."""
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+from node.timeouts import INGEST_REQUEST_TIMEOUT_S
 from protocol.errors import DecodeError
 from protocol.ingest_api import (
     BANS_ROUTE,
@@ -29,6 +30,7 @@ from protocol.ingest_api import (
     LeaseAnswerReader,
     disposition,
     lease_answer_max_bytes,
+    submission_path,
 )
 from protocol.messages import BanList
 
@@ -118,7 +120,7 @@ class IngestClient:
         timeout_s: per-request timeout (connect, send and read), seconds.
     """
 
-    def __init__(self, urls: list[str], *, timeout_s: float = 60.0) -> None:
+    def __init__(self, urls: list[str], *, timeout_s: float = INGEST_REQUEST_TIMEOUT_S) -> None:
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None
@@ -177,6 +179,13 @@ class IngestClient:
             unreachable answer with URL ``""`` when no URL is configured.
         """
         settled, answers = await self._first("POST", SUBMISSIONS_ROUTE, envelope, settle_on_final=True)
+        return settled or (answers[-1] if answers else IngestAnswer("", 0, None, "no ingest URL"))
+
+    async def submission_state(self, submission_id: str) -> IngestAnswer:
+        """``GET`` a submission's state (``protocol.ingest_api.SUBMISSION_ROUTE``) from the first ingest
+        that knows it (its ``json``: ``{"id", "state", "reason"}``) or says it does not (404
+        ``unknown_submission``, final); else the last URL's answer."""
+        settled, answers = await self._first("GET", submission_path(submission_id), None, settle_on_final=True)
         return settled or (answers[-1] if answers else IngestAnswer("", 0, None, "no ingest URL"))
 
     async def post_verdict(self, envelope: bytes) -> IngestAnswer:

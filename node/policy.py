@@ -1,4 +1,5 @@
-"""A node's held checkpoints: the one owner of the policy steps a worker or validator holds.
+"""A node's held checkpoints: the one owner of the policy steps a worker or validator holds, on
+disk (:class:`PolicyFollower`) and as loaded models (:class:`HeldModels`).
 
 :class:`PolicyFollower` learns new steps from gossip (and polling) and holds fetched checkpoints
 in ``root/step-N`` (the files plus ``.shardcast-manifest``, the coordinator-signed manifest
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,15 +35,18 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from node.errors import FetchError, NodeError
+from node.memory import release_free_memory
 from node.shardcast import DownloadConfig
 from node.shardcast.client import MANIFEST_FILE_NAME, resolve_manifest
 from node.shardcast.delta import fetch_step
 from node.shardcast.download import ManifestCache, make_session
 from node.shardcast.events import log_held
 from node.shardcast.sources import SourcePool
+from node.timeouts import FOLLOWER_DEADLINE_S, FOLLOWER_STALL_TIMEOUT_S
 from protocol.errors import ProtocolError
 from protocol.models import check_base_hash
 from protocol.runspec import RunSpec
+from protocol.step_dirs import step_dir, step_dirs
 from protocol.window import retained_steps
 
 logger = logging.getLogger(__name__)
@@ -100,7 +105,7 @@ class PolicyFollower:
         self.latest_step = -1
         self.last_error = ""
         self._locks: dict[int, _StepLock] = {}
-        self._cfg = DownloadConfig(stall_timeout_s=30.0, deadline_s=600.0)
+        self._cfg = DownloadConfig(stall_timeout_s=FOLLOWER_STALL_TIMEOUT_S, deadline_s=FOLLOWER_DEADLINE_S)
         self._session: Any = None
         self._manifests = ManifestCache()  # verified manifests are not downloaded/decoded again; liars not re-polled
         self._prefetch: asyncio.Task[None] | None = None
@@ -164,7 +169,7 @@ class PolicyFollower:
 
     def path_for(self, step: int) -> Path:
         """The directory that holds (or will hold) checkpoint ``step``."""
-        return self.root / f"step-{step}"
+        return step_dir(self.root, step)
 
     def have(self, step: int) -> bool:
         """Whether checkpoint ``step`` is held (a completed fetch: config and signed manifest in place)."""
@@ -241,7 +246,7 @@ class PolicyFollower:
 
     def _step_dirs(self) -> list[int]:
         """Steps with a ``step-N`` directory under the root (held or not), ascending."""
-        return sorted(int(p.name.split("-", 1)[1]) for p in self.root.glob("step-*") if p.name.split("-", 1)[1].isdigit())
+        return [s for s, _ in step_dirs(self.root)]
 
     def _prune(self, in_use: int) -> None:
         """Remove step directories the retention rule does not keep (blocking)."""
@@ -250,6 +255,77 @@ class PolicyFollower:
         for s in steps:
             if s not in keep:
                 shutil.rmtree(self.path_for(s), ignore_errors=True)
+
+
+class HeldModels:
+    """The policy models a node holds in memory, loaded from held checkpoints: the one in-memory
+    holder beside :class:`PolicyFollower` (which holds their directories).
+
+    Kept by the retention rule (:func:`protocol.window.retained_steps` with ``keep_steps``: the
+    newest, plus the step in use) and, of those, only as many as fit ``max_bytes`` of parameters
+    (judged by a loaded one; the model in use always): the validator's models (a float32 model of
+    the 0.5B shape is ≈ 2 GB) and the coordinator's ban re-check. Models the rule drops are freed
+    before the next one is loaded, their heap pages handed back to the kernel
+    (:func:`node.memory.release_free_memory`), so no more than that many are ever in memory at once.
+
+    Thread-safe; :meth:`hold` blocks (the caller runs it in a thread).
+
+    Args:
+        keep_steps: the newest steps kept (the run spec's ``shardcast.keep_steps``).
+        load: loads a model from a checkpoint directory (blocking).
+        max_bytes: parameter bytes kept in memory (``None``: no bound but the rule's).
+    """
+
+    def __init__(self, keep_steps: int, load: Callable[[Path], Any], *, max_bytes: int | None = None) -> None:
+        self.keep_steps = keep_steps
+        self.max_bytes = max_bytes
+        self._load = load
+        self._models: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def steps(self) -> list[int]:
+        """The steps held, ascending."""
+        with self._lock:
+            return sorted(self._models)
+
+    def get(self, step: int) -> Any | None:
+        """The model of ``step`` if held."""
+        with self._lock:
+            return self._models.get(step)
+
+    def __contains__(self, step: object) -> bool:
+        with self._lock:
+            return step in self._models
+
+    def _fitting(self) -> int:
+        """How many models fit :attr:`max_bytes` (at least one: the model in use), judged by a held
+        one (before any is held, or with no bound: no bound)."""
+        if self.max_bytes is None or not self._models:
+            return 1 << 20
+        size = sum(p.numel() * p.element_size() for p in next(iter(self._models.values())).parameters())
+        return max(1, self.max_bytes // max(1, size))
+
+    def hold(self, step: int, path: Path) -> Any:
+        """The model of ``step``, loaded from ``path`` unless held (blocking). Before a load, the
+        models the retention rule and :attr:`max_bytes` leave out are freed.
+
+        Raises:
+            whatever ``load`` raises (nothing is held then).
+        """
+        with self._lock:
+            if step in self._models:
+                return self._models[step]
+            kept = retained_steps([*self._models, step], self.keep_steps, in_use=step)
+            others = sorted((s for s in kept if s != step), reverse=True)[: self._fitting() - 1]
+            dropped = [s for s in self._models if s not in others]
+            for s in dropped:
+                del self._models[s]
+        if dropped:  # the dropped models' heap pages back to the kernel, or they sit beside the next one (node/memory.py)
+            release_free_memory()
+        model = self._load(path)
+        with self._lock:
+            self._models[step] = model
+        return model
 
 
 class GossipSources:

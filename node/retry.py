@@ -2,15 +2,21 @@
 
 :class:`Backoff` spaces attempts exponentially with jitter (so many nodes that lost the same
 coordinator do not retry in lockstep); :class:`FailureLog` logs a repeated failure once per
-interval with a count instead of once per attempt, and says when it recovered.
+interval with a count instead of once per attempt, and says when it recovered;
+:func:`first_success` asks several sources at once and takes the first answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
+
+K = TypeVar("K")
+T = TypeVar("T")
 
 
 class Backoff:
@@ -98,3 +104,36 @@ class FailureLog:
     @property
     def failing(self) -> bool:
         return self._streak > 0
+
+
+async def first_success(attempts: Mapping[K, Awaitable[T]], expected: tuple[type[BaseException], ...]) -> tuple[tuple[K, T] | None,
+                                                                                                               list[tuple[K, BaseException]]]:
+    """Run ``attempts`` at once (one per source); the first that returns wins and the others are
+    cancelled (without penalty: they were only slower).
+
+    Args:
+        attempts: source → the awaitable asking it.
+        expected: failures that mean "this source did not give it" (collected); any other is raised.
+
+    Returns:
+        ``((source, result) or None when every attempt failed, [(source, failure), …] of those that failed first)``.
+    """
+    tasks = {asyncio.ensure_future(a): k for k, a in attempts.items()}
+    failures: list[tuple[K, BaseException]] = []
+    pending = set(tasks)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                exc = t.exception()
+                if exc is None:
+                    return (tasks[t], t.result()), failures
+                if not isinstance(exc, expected):
+                    raise exc
+                failures.append((tasks[t], exc))
+    finally:
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+    return None, failures

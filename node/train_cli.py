@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_gossip_arguments(p, off_help="stay off gossip (workers must use the run spec's URLs)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many trainer steps")
     p.add_argument("--batch-timeout", type=float, default=600.0, help="seconds without a full batch before giving up (default 600)")
+    p.add_argument("--wait-log-every", type=float, default=None, metavar="SECONDS",
+                   help="log a wait for a batch at WARNING once it lasted this long, then this often (default 30)")
     p.add_argument("--eval-samples", type=int, default=8, help="samples per held-out task in evaluations (0: none)")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (default: start and end only)")
     p.add_argument("--data-root", default=None,
@@ -70,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         gossip = gossip_config(args)
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.wait_log_every is not None and not args.wait_log_every > 0:
+        print(f"error: --wait-log-every {args.wait_log_every}: must be a number of seconds > 0", file=sys.stderr)
         return 2
     if key.peer_id != signed.spec.run.coordinator:
         print(f"error: {args.key} holds {key.peer_id}, not the run's coordinator {signed.spec.run.coordinator}", file=sys.stderr)
@@ -102,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         data_dir=data_dir, host=args.host, port=args.http_port, public_url=args.public_url, gossip=gossip, max_steps=args.max_steps,
         resume=args.resume, batch_timeout_s=args.batch_timeout, eval_samples=args.eval_samples, eval_every=args.eval_every,
         data_root=Path(args.data_root) if args.data_root else None, device=args.device, probe_tasks=args.probe_tasks,
+        **({} if args.wait_log_every is None else {"wait_log_interval_s": args.wait_log_every}),
     )
     from protocol.errors import ProtocolError
 
@@ -124,6 +130,11 @@ async def _run(signed: SignedRunSpec, key: NodeKey, options: CoordinatorOptions,
         await coord.start()
         addrs = " ".join(coord.gossip.addrs) if coord.gossip else "(gossip off)"
         print(f"coordinator {key.peer_id} serving {coord.url}; gossip {addrs}", flush=True)
+        if options.host in ("0.0.0.0", "::") and not options.public_url:
+            print("warning: serving on all interfaces without --public-url: the run address names "
+                  f"{coord.url}, which other machines cannot reach; pass --public-url http://HOST:PORT", file=sys.stderr, flush=True)
+        # contributors join with this one string (docs/operators.md §0): intellect-node join --role worker ADDRESS
+        print(f"run address: {coord.run_address()}", flush=True)
         await coord.run()
     except TrainerError as e:
         print(f"error: {e}", file=sys.stderr)

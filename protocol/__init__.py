@@ -26,6 +26,7 @@ Read files or start processes (named so):
 * ``tasks.files``, ``dataset`` — task files and the public sets under a caller's data root.
 * ``models``    — policy models and tokenizers: the one builder, loader and writer of a model directory.
 * ``durable``   — the one atomic, durable file write.
+* ``step_dirs`` — the one layout of per-step directories (``<root>/step-<N>``: policies, training states, held checkpoints).
 * ``rewards``   — the reward functions; ``rewards.sandbox`` and ``rewards.verifier`` start processes.
 * ``envs.files`` reads an environment's files; ``envs.sandboxed`` runs its third-party code in the sandbox.
 * ``dataset``   — also opens the run's environment (:func:`~protocol.dataset.resolve_run_tasks`).

@@ -11,23 +11,33 @@ different files refuses to start instead of deriving different tasks.
 ``data.tasks = "environment"``: the run's own environment (the spec's ``[env]``, :mod:`protocol.envs`)
 generates or reads its tasks in its sandbox; :func:`resolve_run_tasks` opens it (checking
 ``env.hash``) and, like any task list, checks ``data.tasks_hash``.
+A node that has no task files gets the training list as the run's ``tasks`` artifact
+(:mod:`protocol.artifacts`): one file, :data:`TASKS_FILE`, the canonical lines of the training
+tasks (:func:`protocol.tasks.canonical_task_line`), so its SHA-256 is ``data.tasks_hash`` itself.
+The coordinator builds it from its files (:func:`tasks_artifact_files`); a worker or validator reads the
+fetched copy (:func:`run_tasks`). The held-out tasks are not in it: no worker is ever given them.
 """
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
+from protocol.artifacts import TASKS_ARTIFACT, build_artifact
+from protocol.content import ContentId
 from protocol.embedded import embedded_tasks, split_heldout
 from protocol.runspec import ENV_TASKS, RunSpec
-from protocol.tasks import CONVERTER_NAMES, Task, TaskError, convert, dataset_hash, load_tasks, task_set_help
+from protocol.tasks import CONVERTER_NAMES, Task, TaskError, canonical_task_line, convert, dataset_hash, load_tasks, task_set_help
 
 if TYPE_CHECKING:
     from protocol.envs.sandboxed import Environment, EnvLimits
 
 HELDOUT_EVERY_EMBEDDED = 10
 HELDOUT_EVERY_PUBLIC = 50
+TASKS_FILE = "tasks.jsonl"
+"""The one file of the ``tasks`` artifact: the training tasks' canonical JSON lines, in order."""
 
 
 @dataclass(frozen=True)
@@ -81,13 +91,16 @@ def resolve_tasks(ref: str, data_root: Path | None = None, expected_hash: str = 
     return RunTasks(train=train, heldout=heldout, hash=h)
 
 
-def resolve_run_tasks(spec: RunSpec, data_root: Path | None = None, env_limits: EnvLimits | None = None) -> RunTasks:
-    """The run's tasks, from its ``[env]`` when it names an environment, else :func:`resolve_tasks`.
+def resolve_run_tasks(spec: RunSpec, data_root: Path | None = None, env_limits: EnvLimits | None = None,
+                      artifacts: dict[str, Path] | None = None) -> RunTasks:
+    """The run's tasks, from its ``[env]`` when it names an environment, else :func:`run_tasks`
+    (the fetched ``tasks`` artifact when ``artifacts`` holds one, else :func:`resolve_tasks`).
 
     Args:
         spec: the run spec (``data.tasks``, ``data.tasks_hash``, ``[env]``).
         data_root: directory holding the public sets, for names.
         env_limits: bounds of the environment's code (defaults when ``None``).
+        artifacts: fetched artifacts, name → directory of its files (a joining worker or validator).
 
     Raises:
         TaskError: as :func:`resolve_tasks`; for an environment (``protocol.envs.EnvError``, a
@@ -97,7 +110,7 @@ def resolve_run_tasks(spec: RunSpec, data_root: Path | None = None, env_limits: 
         protocol.rewards.RewardError: no bubblewrap sandbox on this host.
     """
     if not spec.env.name:
-        return resolve_tasks(spec.data.tasks, data_root, spec.data.tasks_hash)
+        return run_tasks(spec.data.tasks, data_root, spec.data.tasks_hash, artifacts)
     from protocol.envs.sandboxed import open_environment
 
     e = spec.env
@@ -109,3 +122,38 @@ def resolve_run_tasks(spec: RunSpec, data_root: Path | None = None, env_limits: 
         raise TaskError(f"environment {e.name!r} lists training tasks that hash to {h[:16]}…, the run spec pins {spec.data.tasks_hash[:16]}…: "
                         "its task generator is not deterministic, or its data differs")
     return RunTasks(train=train, heldout=heldout, hash=h, environment=env)
+def tasks_artifact_files(train: list[Task]) -> list[tuple[str, BinaryIO]]:
+    """The files of the ``tasks`` artifact of a training list: :data:`TASKS_FILE` holding its
+    canonical lines, in order (what :func:`protocol.artifacts.build_artifact` and the origin's
+    ``node.shardcast.publish_artifact`` cut into pieces).
+
+    Args:
+        train: the run's training tasks, in order (``RunTasks.train``).
+    """
+    return [(TASKS_FILE, io.BytesIO(b"".join(canonical_task_line(t) for t in train)))]
+
+
+def tasks_artifact_id(train: list[Task]) -> ContentId:
+    """The artifact ID of a training list's ``tasks`` artifact: what ``spec init`` pins as ``artifacts.tasks``."""
+    return build_artifact(TASKS_ARTIFACT, tasks_artifact_files(train))[2]
+
+
+def run_tasks(ref: str, data_root: Path | None, expected_hash: str, artifacts: dict[str, Path] | None = None) -> RunTasks:
+    """The run's tasks as a worker or validator holds them: from the fetched ``tasks`` artifact when
+    there is one (``artifacts``: name → directory of its files), else from ``data.tasks`` and the data
+    root (:func:`resolve_tasks`).
+
+    From the artifact, ``heldout`` is empty (the coordinator alone evaluates) and the list must hash
+    to ``expected_hash`` (``data.tasks_hash``) when the spec pins one.
+
+    Raises:
+        TaskError: an unreadable or invalid task file, or one that does not hash to ``expected_hash``.
+    """
+    folder = (artifacts or {}).get(TASKS_ARTIFACT)
+    if folder is None:
+        return resolve_tasks(ref, data_root, expected_hash)
+    train = load_tasks(Path(folder) / TASKS_FILE)
+    h = dataset_hash(train)
+    if expected_hash and h != expected_hash:
+        raise TaskError(f"the tasks artifact in {folder} hashes to {h[:16]}…, the run spec pins {expected_hash[:16]}…")
+    return RunTasks(train=train, heldout=[], hash=h)

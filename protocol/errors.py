@@ -43,3 +43,12 @@ class KeyFileError(ProtocolError):
 
 class RunSpecError(ProtocolError):
     """A run spec that is malformed, unsigned, tampered with or inconsistent."""
+
+
+class AddressError(ProtocolError):
+    """A run address that is malformed, or whose spec is not the one it names (``protocol.address``)."""
+
+
+class ArtifactError(ProtocolError):
+    """An artifact manifest whose bytes are not the ones the run spec pins, or that breaks the piece rule
+    (``protocol.artifacts``)."""

@@ -25,6 +25,8 @@ PeerId = NewType("PeerId", str)
 :attr:`NodeKey.peer_id`, verified envelopes and message fields (``protocol.messages.PeerIdStr``,
 checked by pattern) hold. A plain ``str`` becomes one by :func:`public_key_from_peer_id` or a schema."""
 
+PEER_ID_PATTERN = r"12D3KooW[1-9A-HJ-NP-Za-km-z]{44}"
+"""An ed25519 peer ID's text (identity multihash of the protobuf key, base58btc): a regex without anchors."""
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 # libp2p PublicKey protobuf: field 1 (varint) = 1 (Ed25519), field 2 (bytes) = 32-byte key.

@@ -36,7 +36,25 @@ from protocol.messages import Submission
 PREFIX: Final = "/ingest/1"
 """Versioned prefix of every ingest route."""
 SUBMISSIONS_ROUTE: Final = f"{PREFIX}/submissions"
-"""``POST`` a ``submission/1`` envelope; 200 JSON ``{"id", "stored"}`` (``"duplicate", "state"`` when already stored)."""
+"""``POST`` a ``submission/1`` envelope; 200 JSON ``{"id", "stored", "displaced"}`` (``"duplicate", "state"`` when
+already stored). ``displaced`` is how many of the signing worker's submissions are *displaced* now:
+stored, then their place in the share of workers with no accepted submission went to a lighter
+address allocation or prefix, so they get no verdict and are never trained on (no penalty either;
+the same bytes posted again are stored again). A client that sees it rise has been displaced, and
+may ask :data:`SUBMISSION_ROUTE` which ones."""
+SUBMISSION_ROUTE: Final = f"{PREFIX}/submissions/{{id}}"
+"""``GET`` one submission's state by its ID (64 lower-case hex digits): 200 JSON ``{"id", "state",
+"reason"}`` with ``state`` one of :data:`SUBMISSION_STATES` and ``reason`` the deciding verdict's
+reason (``"stale_policy"``, ``"banned"``, ``"displaced"``; ``""`` while pending); 404
+``unknown_submission``. Public like ``/status`` and rate-limited as it is (IDs are unguessable)."""
+SUBMISSION_STATES: Final = ("pending", "accepted", "rejected", "displaced")
+"""What the ingest calls a submission's state (``trainer.ledger.states.public_state``)."""
+
+
+def submission_path(submission_id: str) -> str:
+    """The path of :data:`SUBMISSION_ROUTE` for a submission ID (hex)."""
+    return SUBMISSION_ROUTE.replace("{id}", submission_id)
+
 LEASE_ROUTE: Final = f"{PREFIX}/lease"
 """``POST`` a validator's ``lease_request/1``; 200 msgpack ``{"submissions": [bin…], "trainer_step": int}``
 (:func:`pack_lease_answer`): at most the request's ``limit`` pending submissions, each leased for its
@@ -45,6 +63,15 @@ VERDICTS_ROUTE: Final = f"{PREFIX}/verdicts"
 """``POST`` a ``verdict/1`` envelope of a run validator; 200 JSON ``{"applied": bool}``."""
 BANS_ROUTE: Final = f"{PREFIX}/bans"
 """``GET`` the coordinator-signed ``ban_list/1`` envelope."""
+WORKER_ROUTE: Final = f"{PREFIX}/workers/{{peer_id}}"
+"""``GET`` the coordinator-signed ``worker_standing/1`` envelope of one worker (``protocol.messages.WorkerStanding``):
+its submissions accepted, rejected by reason, trained on, and its leaderboard place. 400 for a
+malformed peer ID; rate-limited like ``/status`` (429 ``rate_limited``)."""
+
+
+def worker_path(peer_id: str) -> str:
+    """The path of one worker's standing (:data:`WORKER_ROUTE`)."""
+    return WORKER_ROUTE.format(peer_id=peer_id)
 
 LEASE_CONTENT_TYPE: Final = "application/msgpack"
 
@@ -81,6 +108,7 @@ ERROR_CODES: Final[dict[str, tuple[int, Kind]]] = {
     "disk_quota": (507, "retry"),
     "disk_full": (507, "retry"),
     "storage_failed": (503, "retry"),  # the ingest could not write or commit it (disk error): nothing stored
+    "unknown_submission": (404, "final"),  # GET of a submission's state: no such submission
 }
 """Every error code the ingest answers with: its HTTP status and what a client does with it."""
 

@@ -20,11 +20,13 @@ type                              signed by    read by
 ``verdict/1``                     validators   coordinator ingest, workers (HTTP, gossip)
 ``ban_list/1``                    coordinator  everyone (gossip, HTTP)
 ``lease_request/1``               validators   coordinator ingest (HTTP)
+``worker_standing/1``             coordinator  the worker it describes (HTTP, ``intellect-node status``)
 ================================ ============ ===========================================
 """
 
 from __future__ import annotations
 
+import itertools
 import types
 import typing
 from typing import Annotated, Any, ClassVar, Literal
@@ -46,6 +48,15 @@ PeerIdStr = Annotated[PeerId, StringConstraints(min_length=46, max_length=60, pa
 ShortStr = Annotated[str, StringConstraints(max_length=256)]
 Name = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+MIN_PIECE_SIZE_BYTES = 64 * KiB
+MAX_PIECE_SIZE_BYTES = 1 << 30
+DEFAULT_PIECE_SIZE_BYTES = 16 * MiB
+"""The run spec's ``shardcast.piece_size_bytes`` unless it states one."""
+PieceSizeBytes = Annotated[int, Field(ge=MIN_PIECE_SIZE_BYTES, le=MAX_PIECE_SIZE_BYTES)]
+"""A Shardcast piece size, bytes (64 KiB … 1 GiB): the one bound of the run spec's
+``shardcast.piece_size_bytes``, a ``manifest/1``'s and a ``delta_manifest/1``'s, and of the piece
+rule that cuts files (``protocol.shardcast.build_manifest``)."""
 
 Signer = Literal["coordinator", "validator", "any"]
 
@@ -124,6 +135,18 @@ class ManifestFile(Message):
     pieces: Annotated[list[ContentIdBytes], Field(max_length=1 << 18, fail_fast=True)]
 
 
+def unique_file_names(files: list[ManifestFile]) -> list[ManifestFile]:
+    """``files`` unchanged when no two share a name (a manifest's or an artifact's file list).
+
+    Raises:
+        ValueError: a name occurs twice.
+    """
+    names = [f.name for f in files]
+    if len(set(names)) != len(names):
+        raise ValueError("file names must be unique")
+    return files
+
+
 class Manifest(Message):
     """The coordinator-signed list of a checkpoint's pieces (Shardcast, ``docs/protocol.md`` §5).
 
@@ -136,7 +159,7 @@ class Manifest(Message):
     SIGNER: ClassVar[Signer] = "coordinator"
 
     step: Step
-    piece_size_bytes: Annotated[int, Field(ge=64 * KiB, le=1 << 30)]
+    piece_size_bytes: PieceSizeBytes
     files: Annotated[list[ManifestFile], Field(min_length=1, max_length=1024, fail_fast=True)]
     checkpoint_hash: ContentIdBytes
     meta: Annotated[dict[Name, ShortStr], Field(max_length=32)] = {}
@@ -144,10 +167,7 @@ class Manifest(Message):
     @field_validator("files")
     @classmethod
     def _unique_names(cls, files: list[ManifestFile]) -> list[ManifestFile]:
-        names = [f.name for f in files]
-        if len(set(names)) != len(names):
-            raise ValueError("file names must be unique")
-        return files
+        return unique_file_names(files)
 
 
 class CheckpointAnnouncement(Message):
@@ -183,7 +203,7 @@ class DeltaManifest(Message):
     base_step: Step
     base_manifest_id: ContentIdBytes
     target_manifest_id: ContentIdBytes
-    piece_size_bytes: Annotated[int, Field(ge=64 * KiB, le=1 << 30)]
+    piece_size_bytes: PieceSizeBytes
     size_bytes: Annotated[int, Field(ge=1, le=1 << 50)]
     raw_size_bytes: Annotated[int, Field(ge=8, le=1 << 52)]
     pieces: Annotated[list[ContentIdBytes], Field(min_length=1, max_length=1 << 18, fail_fast=True)]
@@ -244,8 +264,41 @@ class Submission(Message):
 VerdictValue = bool | int | FiniteFloat | ShortStr
 
 
+class ReplayStats(Message):
+    """What the model checks of one submission saw, token by token, in counts: the evidence the
+    coordinator's per-worker audit accumulates (``docs/toploc.md`` §11, ``protocol.audit``).
+
+    Counts are over every rollout the validator checked in full: ``gap_over[i]`` counts the tokens
+    that differ from the validator's replay with a gap beyond ``GAP_EDGE_FRACTIONS[i]`` of the
+    replay rule's tolerance (``protocol.sampling.ReplayParams.gap_edges``; the last is the tolerance
+    itself: the out-of-bound tokens), so the list is non-increasing and each entry ≤ ``differ``.
+    """
+
+    tokens: Count  # completion tokens replayed
+    differ: Count  # of them, claimed ≠ the validator's choice
+    gap_over: Annotated[list[Count], Field(max_length=8, fail_fast=True)] = []  # differing with gap > edge i
+    impossible: Count = 0  # claimed tokens no logits within any bound pick (gap +inf)
+    logprob_over: Count = 0  # tokens whose |reported − recomputed| log-prob exceeds toploc.logprob_max_abs
+    chunks: Count = 0  # TOPLOC chunks checked
+    chunks_over: Count = 0  # chunks beyond the TOPLOC thresholds
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ReplayStats:
+        over = self.gap_over
+        if self.differ > self.tokens or self.impossible > self.differ or self.logprob_over > self.tokens or self.chunks_over > self.chunks:
+            raise ValueError("replay stats: a count exceeds what it counts within")
+        if any(a < b for a, b in itertools.pairwise(over)) or (over and over[0] > self.differ):
+            raise ValueError("replay stats: gap_over must be non-increasing and ≤ differ")
+        return self
+
+
 class Verdict(Message):
-    """A validator's signed judgement of one submission (``reason`` is ``"ok"`` when accepted)."""
+    """A validator's signed judgement of one submission (``reason`` is ``"ok"`` when accepted).
+
+    ``stats`` (when the validator ran the model checks) are the replay statistics of the whole
+    submission: on an accepted verdict and on a ``precision`` rejection they are what the
+    coordinator's audit counts (``docs/toploc.md`` §11).
+    """
 
     TYPE: ClassVar[str] = "verdict/1"
     MAX_BYTES: ClassVar[int] = 64 * KiB
@@ -258,6 +311,7 @@ class Verdict(Message):
     accepted: bool
     reason: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")]
     evidence: Annotated[dict[Name, VerdictValue], Field(max_length=64)] = {}
+    stats: ReplayStats | None = None
 
 
 class BanEvidence(Message):
@@ -274,7 +328,9 @@ class BanEvidence(Message):
 
 
 class BanEntry(Message):
-    """One banned worker and why: the submission and the two checks that agree it cheated."""
+    """One banned worker and why: the submission and the two checks that agree it cheated; or, with
+    reason ``audit``, the coordinator's per-worker audit (one evidence entry: the test's figures,
+    naming the verdict that completed it; ``docs/toploc.md`` §11)."""
 
     peer_id: PeerIdStr
     reason: Annotated[str, StringConstraints(max_length=64)]
@@ -310,9 +366,46 @@ class LeaseRequest(Message):
     lease_s: Annotated[float, Field(gt=0.0, le=3600.0, allow_inf_nan=False)]
 
 
+ReasonStr = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")]
+
+
+class WorkerStanding(Message):
+    """The coordinator's signed account of one worker's work in the run (``GET /ingest/1/workers/{peer_id}``).
+
+    Counts are of the worker's submissions as the coordinator's ledger holds them: ``pending``
+    (stored, not yet judged), ``accepted`` (a validator accepted it), ``rejected`` (by a verdict, or
+    unjudged: ``stale_policy`` when it left the async window first, ``banned``), with
+    ``rejected_by_reason`` splitting them, ``stale`` (of the rejected, those that went stale: no
+    fault of the worker's), ``trained`` (submissions a trainer step trained on) and
+    ``rollouts_trained``, ``displaced`` (set aside for a newer worker of a lighter address prefix;
+    no verdict). ``place`` is its rank on the run's leaderboard (most accepted, then fewest rejected,
+    then peer ID; 1 is first, 0 when it has no submission) among ``workers``. The envelope's
+    timestamp says when it was true; ``trainer_step`` the coordinator's step then.
+    """
+
+    TYPE: ClassVar[str] = "worker_standing/1"
+    MAX_BYTES: ClassVar[int] = 16 * KiB
+    SIGNER: ClassVar[Signer] = "coordinator"
+
+    worker: PeerIdStr
+    trainer_step: Step
+    pending: Count
+    accepted: Count
+    rejected: Count
+    stale: Count
+    trained: Count
+    rollouts_trained: Count
+    displaced: Count
+    rejected_by_reason: Annotated[dict[ReasonStr, Count], Field(max_length=64)] = {}
+    place: Count
+    workers: Count
+    banned: bool = False
+    ban_reason: Annotated[str, StringConstraints(max_length=64)] = ""
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (NodeRecord, Manifest, CheckpointAnnouncement, DeltaManifest, Submission, Verdict, BanList, LeaseRequest)
+    for cls in (NodeRecord, Manifest, CheckpointAnnouncement, DeltaManifest, Submission, Verdict, BanList, LeaseRequest, WorkerStanding)
 }
 """Every message type a node accepts, by type tag."""
 

@@ -337,6 +337,35 @@ def copy_weights(model: Any, model_dir: Path) -> None:
         raise ModelLoadError(f"weights do not match the model: missing {missing[:3]}")
 
 
+def head_weight(model_dir: Path, *, device: str = "cpu") -> torch.Tensor:
+    """The LM head of ``model_dir`` as float32 (``lm_head.weight``, or the input embedding where the
+    config ties them): read alone from its safetensors file, exactly what :func:`load_model` gives a
+    validator's float32 head. A bf16 worker's "fp32 logits" (``node.engine.hf``) use it.
+
+    Returns:
+        ``[V, H]`` float32 on ``device``.
+
+    Raises:
+        ModelLoadError: no config, no safetensors weights, or neither tensor in them.
+    """
+    from safetensors import safe_open
+
+    config = read_config(Path(model_dir))
+    names = ("model.embed_tokens.weight",) if config.get("tie_word_embeddings") else (TIED_HEAD, "model.embed_tokens.weight")
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir} has no .safetensors weights")
+    for name in names:
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt", device=device) as st:
+                    if name in st.keys():  # noqa: SIM118 - safe_open has keys(), not __contains__
+                        return st.get_tensor(name).to(torch.float32)
+            except Exception as e:  # safetensors raises SafetensorError / OSError on corrupt files
+                raise ModelLoadError(f"cannot read weights {f}: {e}") from e
+    raise ModelLoadError(f"{model_dir} holds no LM head ({' or '.join(names)})")
+
+
 def load_state_dict(model: Any, state: dict[str, torch.Tensor], *, strict: bool = True) -> None:
     """Copy ``state`` into ``model`` in place (also onto a meta-device model), re-tying embeddings.
 

@@ -18,15 +18,16 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
 
 from protocol import encoding
+from protocol.artifacts import ARTIFACT_NAME_PATTERN
 from protocol.envelope import Authorities
 from protocol.errors import ProtocolError, RunSpecError, SignatureError
-from protocol.identity import NodeKey, PeerId, public_key_from_peer_id, verify_signature
+from protocol.identity import PEER_ID_PATTERN, NodeKey, PeerId, public_key_from_peer_id, verify_signature
+from protocol.messages import DEFAULT_PIECE_SIZE_BYTES, PieceSizeBytes
 from protocol.window import fresh_steps
 
 RUN_ID_DOMAIN = b"intellect-node/run-spec/1\x00"
 SIGNATURE_DOMAIN = b"intellect-node/run-spec-signature/1\x00"
 MAX_SPEC_BYTES = 1 << 20
-MiB = 1 << 20
 REPLAY_EPS_DEFAULT = 1e-4
 """Default ``toploc.replay_eps`` (probability units): float32 workers move CDF edges by ≲ 1e-6 and the
 check's own rounding by ≤ 7.6e-6 (``docs/toploc.md`` §5.2, §6.1)."""
@@ -42,24 +43,41 @@ REPLAY_RULE_LOGIT_BOUND = "logit-bound-v1"
 """Replay rule: a token passes where it is the rule's token for *some* logits within ``toploc.replay_logit_bound``
 nats of the validator's, up to a common shift (every CDF edge and P(EOS) bounded in log-odds;
 ``docs/toploc.md`` §6.2): for workers that compute in another dtype than the validator (bf16)."""
-REPLAY_RULES = (REPLAY_RULE_EPS, REPLAY_RULE_LOGIT_BOUND)
+REPLAY_RULE_LOGIT_BOUND_V2 = "logit-bound-v2"
+"""Replay rule: ``logit-bound-v1``'s per-token window, with the near-tie share judged over a whole submission
+and *soft* findings (a finite gap beyond δ, a log-prob or TOPLOC value beyond its bound but within
+``toploc.hard_factor`` of it) rejected as ``precision`` (benign: an honest worker's rare numeric tail,
+counted by the per-worker audit, never a ban by itself) instead of as cheats (``docs/toploc.md`` §6.3)."""
+REPLAY_RULES = (REPLAY_RULE_EPS, REPLAY_RULE_LOGIT_BOUND, REPLAY_RULE_LOGIT_BOUND_V2)
 """Every replay rule a run spec may name; a spec naming another is refused when parsed."""
+LOGIT_BOUND_RULES = (REPLAY_RULE_LOGIT_BOUND, REPLAY_RULE_LOGIT_BOUND_V2)
+"""The replay rules whose tolerance is the per-logit bound ``toploc.replay_logit_bound`` (δ, nats)."""
+HARD_FACTOR_DEFAULT = 2.0
+"""Default ``toploc.hard_factor`` of ``logit-bound-v2``: a value beyond its bound is a cheat only beyond twice it."""
+AUDIT_RULE_NONE = "none"
+AUDIT_RULE_EPROCESS = "eprocess-v1"
+"""Audit rule: per worker, a mixture of likelihood-ratio test martingales over the counts of its verdicts'
+replay statistics against the calibrated honest rates; flag when it reaches 1 / ``audit.false_alarm``
+(Ville's inequality bounds an honest worker's chance of ever being flagged by it; ``docs/toploc.md`` §11)."""
 LOGIT_BOUND_LIMIT = 4.0
 """Upper bound on ``toploc.replay_logit_bound``, nats: beyond it any edge moves by ≥ e⁸ in odds and the replay
 no longer says anything about the tokens."""
-_HASHED_ONLY_OFF_DEFAULT = {"toploc": ("replay_rule", "replay_logit_bound", "eos_prob_slack")}
+_HASHED_ONLY_OFF_DEFAULT = {"toploc": ("replay_rule", "replay_logit_bound", "eos_prob_slack", "worker_dtype", "fp32_logits", "hard_factor")}
 """Fields added after specs were signed: hashed only where they differ from their default, so a spec
 signed before them keeps its run ID and means what it meant (the ``eps-v1`` replay, EOS slack 0.01)."""
-_SECTIONS_HASHED_ONLY_OFF_DEFAULT = ("env",)
-"""Sections added after specs were signed: hashed (and written) only where they differ from their
-default, so a spec without them keeps its run ID (``[env]``: no environment of its own)."""
+_SECTIONS_HASHED_ONLY_OFF_DEFAULT = ("audit", "artifacts", "env")
+"""Sections added after specs were signed: hashed only where some field differs from its default, so a
+spec without them keeps its run ID (it runs no audit, pins no artifacts, has no environment of its own)."""
+_SECTIONS_WRITTEN_ONLY_OFF_DEFAULT = ("artifacts", "env")
+"""Sections a spec file holds only where off their default (a run without artifacts or its own environment shows no
+``[artifacts]`` or ``[env]``)."""
 ENV_TASKS = "environment"
 """``data.tasks`` of a run whose tasks come from its ``[env]`` (:class:`EnvSpec`)."""
 LOGPROB_TOL_LIMIT = 5.0
 """Upper bound on ``toploc.logprob_*`` tolerances, nats: beyond a factor of e⁵ ≈ 150 in probability
 a reported log-prob no longer says anything about the policy."""
 
-PeerIdField = Annotated[PeerId, Field(pattern=r"^12D3KooW[1-9A-HJ-NP-Za-km-z]{44}$")]
+PeerIdField = Annotated[PeerId, Field(pattern=f"^{PEER_ID_PATTERN}$")]
 
 
 class _Section(BaseModel):
@@ -205,9 +223,10 @@ class ToplocSpec(_Section):
               description="sampling replay: such near-tie mismatches allowed per completion, share of its tokens (rounded up)"),
     ] = MAX_NEAR_TIE_FRACTION_DEFAULT
     replay_rule: Annotated[
-        Literal["eps-v1", "logit-bound-v1"],
-        Field(description="how the sampling replay tolerates numeric noise: eps-v1 (replay_eps, eos_prob_slack; float32 workers) "
-                          "or logit-bound-v1 (replay_logit_bound; workers in another dtype) (docs/toploc.md §6)"),
+        Literal["eps-v1", "logit-bound-v1", "logit-bound-v2"],
+        Field(description="how the sampling replay tolerates numeric noise: eps-v1 (replay_eps, eos_prob_slack; float32 workers), "
+                          "logit-bound-v1 (replay_logit_bound; workers in another dtype) or logit-bound-v2 (v1's window, near ties "
+                          "per submission, soft findings up to hard_factor benign) (docs/toploc.md §6)"),
     ] = "eps-v1"
     replay_logit_bound: Annotated[
         float,
@@ -220,6 +239,23 @@ class ToplocSpec(_Section):
         Field(ge=0.0, le=0.5, allow_inf_nan=False,
               description="eps-v1: P(EOS) of worker and validator may differ by this much around eos_min_prob (docs/toploc.md §6.1)"),
     ] = EOS_PROB_SLACK_DEFAULT
+    worker_dtype: Annotated[
+        Literal["float32", "bfloat16"],
+        Field(description="the compute dtype of honest workers that these tolerances were measured for (`spec init --measure-precision`); "
+                          "the coordinator's audit calibrates its honest baseline in it (docs/toploc.md §10–§11)"),
+    ] = "float32"
+    fp32_logits: Annotated[
+        bool,
+        Field(description="workers computing in bfloat16 take their logits from the float32 LM head (the final-norm row in float32 "
+                          "times the head, as validators do): the tolerances were measured so, and honest workers must "
+                          "(docs/toploc.md §10)"),
+    ] = False
+    hard_factor: Annotated[
+        float,
+        Field(ge=1.0, le=16.0, allow_inf_nan=False,
+              description="logit-bound-v2: a log-prob, TOPLOC or EOS value beyond its bound but within this multiple of it is a "
+                          "benign `precision` rejection (counted by the audit), beyond it a cheat (docs/toploc.md §6.3)"),
+    ] = HARD_FACTOR_DEFAULT
 
     @model_validator(mode="after")
     def _logprob_tolerances(self) -> ToplocSpec:
@@ -228,14 +264,16 @@ class ToplocSpec(_Section):
                 f"toploc.logprob_mean_abs {self.logprob_mean_abs} exceeds toploc.logprob_max_abs {self.logprob_max_abs}: "
                 "a mean of per-token differences never exceeds their maximum, so that bound would never apply"
             )
-        if self.replay_rule == REPLAY_RULE_LOGIT_BOUND:
+        if self.replay_rule in LOGIT_BOUND_RULES:
             if self.replay_logit_bound <= 0.0:
-                raise ValueError("toploc.replay_rule logit-bound-v1 needs toploc.replay_logit_bound > 0 (nats)")
+                raise ValueError(f"toploc.replay_rule {self.replay_rule} needs toploc.replay_logit_bound > 0 (nats)")
             if self.replay_eps != REPLAY_EPS_DEFAULT or self.eos_prob_slack != EOS_PROB_SLACK_DEFAULT:
                 raise ValueError("toploc.replay_eps and toploc.eos_prob_slack belong to replay rule eps-v1; "
-                                 "under logit-bound-v1 leave them unset (the logit bound sets both)")
+                                 f"under {self.replay_rule} leave them unset (the logit bound sets both)")
         elif self.replay_logit_bound != 0.0:
-            raise ValueError("toploc.replay_logit_bound belongs to replay rule logit-bound-v1; set toploc.replay_rule too")
+            raise ValueError("toploc.replay_logit_bound belongs to the logit-bound replay rules; set toploc.replay_rule too")
+        if self.hard_factor != HARD_FACTOR_DEFAULT and self.replay_rule != REPLAY_RULE_LOGIT_BOUND_V2:
+            raise ValueError("toploc.hard_factor belongs to replay rule logit-bound-v2; set toploc.replay_rule too")
         return self
 
 
@@ -313,7 +351,7 @@ class RLSpec(_Section):
 class ShardcastSpec(_Section):
     """Checkpoint distribution."""
 
-    piece_size_bytes: Annotated[int, Field(ge=64 * 1024, le=1 << 30)] = 16 * MiB
+    piece_size_bytes: PieceSizeBytes = DEFAULT_PIECE_SIZE_BYTES
     keep_steps: Annotated[
         int,
         Field(ge=1, le=1024, description="newest policy steps every node holds (relays' pieces, fetched checkpoints, a validator's "
@@ -336,8 +374,46 @@ class NetworkSpec(_Section):
     heartbeat_interval_s: Annotated[float, Field(gt=0.0, le=3600.0, description="seconds")] = 2.0
 
 
+class AuditSpec(_Section):
+    """The per-worker cumulative audit of replay statistics (``docs/toploc.md`` §11; :mod:`protocol.audit`).
+
+    One submission cannot tell a worker that steers its tokens within the replay's window from bf16
+    noise; many can. With ``rule = "eprocess-v1"`` the coordinator keeps, per worker, the counts of
+    the replay statistics its validators sign into each deciding verdict (tokens replayed, tokens
+    that differ from the validator's choice, their gaps beyond fixed fractions of the bound,
+    log-probs and TOPLOC chunks beyond their bounds), tests them sequentially against the honest
+    rates it measures itself on reference submissions generated in ``toploc.worker_dtype``
+    (calibration), and bans a worker whose test reaches ``1 / false_alarm``: its not-yet-trained
+    work is withdrawn. ``rule = "none"`` (the default, and every spec signed before this section
+    existed): no audit.
+    """
+
+    rule: Annotated[Literal["none", "eprocess-v1"], Field(description="the audit: none, or eprocess-v1 (docs/toploc.md §11)")] = "none"
+    false_alarm: Annotated[
+        float, Field(gt=0.0, le=0.01, allow_inf_nan=False,
+                     description="largest chance that an honest worker is ever flagged over the run (given a sound baseline)")] = 1e-6
+    baseline_confidence: Annotated[
+        float, Field(gt=0.0, le=0.01, allow_inf_nan=False,
+                     description="chance that a calibrated honest rate is below the true one (one-sided Clopper-Pearson level)")] = 1e-6
+    calibration_submissions: Annotated[
+        int, Field(ge=0, le=64, description="reference submissions the coordinator generates and checks honestly per new policy step")] = 2
+    calibration_window_steps: Annotated[
+        int, Field(ge=1, le=1 << 16, description="the baseline pools the calibrations of this many newest policy steps")] = 16
+    min_calibration_tokens: Annotated[
+        int, Field(ge=0, le=1 << 30, description="no worker is flagged before the baseline holds this many replayed tokens")] = 2000
+
+
+ArtifactName = Annotated[str, Field(pattern=ARTIFACT_NAME_PATTERN)]
+ArtifactIdHex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
 class RunSpec(_Section):
-    """The whole run spec (``docs/protocol.md`` §7). Load with :func:`load_run_spec`."""
+    """The whole run spec (``docs/protocol.md`` §7). Load with :func:`load_run_spec`.
+
+    ``artifacts`` pins, by name, the content-addressed file sets every node fetches over Shardcast
+    (:mod:`protocol.artifacts`): ``tasks`` is the training task list (``protocol.dataset``). A spec
+    without any hashes exactly as one signed before the table existed (the same run ID).
+    """
 
     run: RunInfo
     model: ModelSpec = ModelSpec()
@@ -348,6 +424,14 @@ class RunSpec(_Section):
     shardcast: ShardcastSpec = ShardcastSpec()
     network: NetworkSpec = NetworkSpec()
     env: EnvSpec = EnvSpec()
+    audit: AuditSpec = AuditSpec()
+    artifacts: Annotated[dict[ArtifactName, ArtifactIdHex], Field(max_length=16)] = Field(
+        default_factory=dict, description="artifact name → artifact ID (hex): file sets pinned by content (protocol.artifacts)")
+
+    def artifact_id(self, name: str) -> bytes | None:
+        """The pinned 32-byte ID of artifact ``name``, or ``None`` when the spec pins none."""
+        h = self.artifacts.get(name)
+        return bytes.fromhex(h) if h else None
 
     @model_validator(mode="before")
     @classmethod
@@ -391,14 +475,14 @@ class RunSpec(_Section):
         """Canonical msgpack of the content (what the run ID hashes); the fields of :data:`_HASHED_ONLY_OFF_DEFAULT` and the
         sections of :data:`_SECTIONS_HASHED_ONLY_OFF_DEFAULT` only where off their default."""
         content = self.model_dump(mode="python")
-        for section_name in _SECTIONS_HASHED_ONLY_OFF_DEFAULT:
-            if getattr(self, section_name) == type(getattr(self, section_name))():
-                del content[section_name]
         for section, names in _HASHED_ONLY_OFF_DEFAULT.items():
             fields = type(getattr(self, section)).model_fields
             for name in names:
                 if content[section][name] == fields[name].default:
                     del content[section][name]
+        for section in _SECTIONS_HASHED_ONLY_OFF_DEFAULT:
+            if getattr(self, section) == type(getattr(self, section))():
+                del content[section]
         return encoding.packb(content)
 
     @property
@@ -457,7 +541,7 @@ def sign_run_spec(spec: RunSpec, key: NodeKey) -> SignedRunSpec:
 def dump_run_spec(signed: SignedRunSpec) -> str:
     """The TOML text of a signed spec (content tables, then ``[signature]``)."""
     doc: dict[str, Any] = signed.spec.model_dump(mode="python")
-    for section_name in _SECTIONS_HASHED_ONLY_OFF_DEFAULT:
+    for section_name in _SECTIONS_WRITTEN_ONLY_OFF_DEFAULT:
         if getattr(signed.spec, section_name) == type(getattr(signed.spec, section_name))():
             del doc[section_name]
     doc["signature"] = {"run_id": signed.run_id.hex(), "ed25519": signed.signature.hex()}

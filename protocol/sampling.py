@@ -67,11 +67,13 @@ import torch
 from protocol.identity import PeerId
 from protocol.runspec import (
     EOS_PROB_SLACK_DEFAULT,
+    HARD_FACTOR_DEFAULT,
     MAX_NEAR_TIE_FRACTION_DEFAULT,
     REPLAY_EPS_DEFAULT,
     REPLAY_RULE_EPS,
-    REPLAY_RULE_LOGIT_BOUND,
+    REPLAY_RULE_LOGIT_BOUND_V2,
     REPLAY_RULES,
+    RunSpec,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,10 +81,12 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CDF_CHUNK",
     "DEFAULT_RULE",
+    "GAP_EDGE_FRACTIONS",
     "REPLAY_RULES",
     "RULES",
     "RULE_ICDF",
     "LogprobResult",
+    "ReplayParams",
     "ReplayResult",
     "TerminationResult",
     "derive_sequence_seed",
@@ -320,6 +324,113 @@ def _check_params(temperature: float, top_p: float) -> None:
 def _check_rule(rule: str) -> None:
     if rule not in RULES:
         raise ValueError(f"unknown sampling rule {rule!r}; known: {', '.join(RULES)}")
+
+
+def _replay_widening(replay_rule: str, logit_bound: float, temperature: float) -> float | None:
+    """The logit rules' log-odds widening ``2δ / T``; ``None`` under ``eps-v1``.
+
+    Raises:
+        ValueError: an unknown replay rule, or a logit rule without a finite bound > 0.
+    """
+    if replay_rule not in REPLAY_RULES:
+        raise ValueError(f"unknown replay rule {replay_rule!r}; known: {', '.join(REPLAY_RULES)}")
+    if replay_rule == REPLAY_RULE_EPS:
+        return None
+    if not (0.0 < logit_bound and math.isfinite(logit_bound)):
+        raise ValueError(f"replay rule {replay_rule} needs a finite logit bound > 0, got {logit_bound}")
+    return 2.0 * logit_bound / temperature
+
+
+GAP_EDGE_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
+"""The replay statistics count differing tokens whose gap exceeds each of these fractions of the
+rule's tolerance (ε or δ; :attr:`ReplayParams.gap_edges`): the bins the per-worker audit tests
+(``docs/toploc.md`` §11). Fixed per replay rule, so every validator of a run bins alike."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayParams:
+    """How one run samples and replays: the sampler's parameters and the replay rule with its
+    tolerances, all from the signed run spec (:meth:`from_spec`), so the worker's engine, every
+    validator and the coordinator's re-check apply the same ones (``docs/toploc.md`` §5–§7).
+
+    Attributes:
+        temperature: > 0 (``sampling.temperature``).
+        top_p: in ``(0, 1]`` (``sampling.top_p``).
+        eos_ids: token ids that end a completion.
+        min_eos_prob: the EOS gate's floor (``toploc.eos_min_prob``; 0: no gate).
+        rule: the sampling rule (``sampling.rule``, :data:`RULES`).
+        replay_rule: ``toploc.replay_rule`` (:data:`REPLAY_RULES`).
+        eps: ``eps-v1``'s near-tie tolerance, probability units (``toploc.replay_eps``).
+        eos_prob_slack: ``eps-v1``'s P(EOS) slack, probability units (``toploc.eos_prob_slack``).
+        logit_bound: the logit rules' per-logit bound δ, nats (``toploc.replay_logit_bound``).
+        max_near_tie_fraction: near ties allowed, as a share of a completion's tokens (per
+            submission under ``logit-bound-v2``; ``toploc.max_near_tie_fraction``).
+        hard_factor: ``logit-bound-v2``: soft findings up to this multiple of a bound are benign
+            (``toploc.hard_factor``).
+        nucleus_slack: probability slack at the nucleus boundary (the check's, not the spec's).
+
+    Raises:
+        ValueError: on construction, a parameter out of range or an unknown rule.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    eos_ids: tuple[int, ...] = ()
+    min_eos_prob: float = 0.0
+    rule: str = DEFAULT_RULE
+    replay_rule: str = REPLAY_RULE_EPS
+    eps: float = REPLAY_EPS_DEFAULT
+    eos_prob_slack: float = EOS_PROB_SLACK_DEFAULT
+    logit_bound: float = 0.0
+    max_near_tie_fraction: float = MAX_NEAR_TIE_FRACTION_DEFAULT
+    hard_factor: float = HARD_FACTOR_DEFAULT
+    nucleus_slack: float = DEFAULT_NUCLEUS_SLACK
+
+    def __post_init__(self) -> None:
+        _check_params(self.temperature, self.top_p)
+        _check_rule(self.rule)
+        object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
+        _replay_widening(self.replay_rule, self.logit_bound, self.temperature)  # raises on an unknown rule or a bad bound
+        if not (self.eps > 0.0 and math.isfinite(self.eps)):
+            raise ValueError(f"replay eps must be a finite number > 0, got {self.eps}")
+        if not 1.0 <= self.hard_factor < math.inf:
+            raise ValueError(f"hard_factor must be ≥ 1 and finite, got {self.hard_factor}")
+
+    @classmethod
+    def from_spec(cls, spec: RunSpec, eos_ids: Sequence[int]) -> ReplayParams:
+        """The run's parameters; ``eos_ids`` from its tokenizer."""
+        s, t = spec.sampling, spec.toploc
+        return cls(temperature=s.temperature, top_p=s.top_p, eos_ids=tuple(eos_ids), min_eos_prob=t.eos_min_prob, rule=s.rule,
+                   replay_rule=t.replay_rule, eps=t.replay_eps, eos_prob_slack=t.eos_prob_slack, logit_bound=t.replay_logit_bound,
+                   max_near_tie_fraction=t.max_near_tie_fraction, hard_factor=t.hard_factor)
+
+    @property
+    def widen(self) -> float | None:
+        """The logit rules' log-odds widening ``2δ / T``; ``None`` under ``eps-v1``."""
+        return _replay_widening(self.replay_rule, self.logit_bound, self.temperature)
+
+    @property
+    def limit(self) -> float:
+        """The gap beyond which a differing token is out of bound: ε (probability units) or δ (nats)."""
+        return self.eps if self.replay_rule == REPLAY_RULE_EPS else self.logit_bound
+
+    @property
+    def gap_edges(self) -> tuple[float, ...]:
+        """The replay statistics' gap thresholds: :data:`GAP_EDGE_FRACTIONS` of :attr:`limit`."""
+        return tuple(f * self.limit for f in GAP_EDGE_FRACTIONS)
+
+    @property
+    def soft(self) -> bool:
+        """Whether findings beyond a bound but within :attr:`hard_factor` of it are benign
+        (``logit-bound-v2``) and near ties are judged per submission, not per completion."""
+        return self.replay_rule == REPLAY_RULE_LOGIT_BOUND_V2
+
+    def termination_slack(self, *, hard: bool = False) -> float:
+        """How far below the EOS floor a recomputed P(EOS) may lie (:func:`termination_slack`); with
+        ``hard`` under ``logit-bound-v2``, the slack of a bound :attr:`hard_factor` times δ (beyond it
+        an early stop is a cheat, within it a benign ``precision`` finding)."""
+        bound = self.logit_bound * (self.hard_factor if hard and self.soft else 1.0)
+        return termination_slack(self.min_eos_prob, self.temperature, self.replay_rule, self.eos_prob_slack, bound)
 
 
 class _ChunkedCDF:
@@ -639,17 +750,24 @@ class ReplayResult:
         margins: ``[T]`` float64 closeness to a tie of the validator's own choice: the distance
             of ``u`` to the nearer end of the chosen token's CDF interval (probability units).
         gaps: ``[T]`` float64 distance of the claimed token from being chosen: the distance of
-            ``u`` to the claimed token's CDF interval (probability units; under ``logit-bound-v1``
+            ``u`` to the claimed token's CDF interval (probability units; under the logit rules
             its log-odds distance times ``T / 2``: the logit error that explains it). 0 where they agree,
             +inf where the claimed token is not kept (outside the nucleus beyond the slack, gated
             EOS, weight 0, outside the vocabulary).
-        hard_mismatches: positions whose claimed token differs with a gap > ε (or δ).
+        hard_mismatches: positions whose claimed token differs with a gap > ε (or δ): the
+            out-of-bound ones and the impossible ones.
         near_ties: positions whose claimed token differs with a gap ≤ ε (or δ).
-        allowed_near_ties: ``ceil(max_near_tie_fraction · T)``.
-        ok: no hard mismatch and ``near_ties ≤ allowed_near_ties``.
+        allowed_near_ties: ``ceil(max_near_tie_fraction · T)``; under ``logit-bound-v2`` T (the
+            share is judged per submission, by the caller).
+        ok: no hard mismatch and ``near_ties ≤ allowed_near_ties``; under ``logit-bound-v2``: no
+            impossible token (out-of-bound ones and the near-tie share are the caller's to judge,
+            over the whole submission).
         reason: why it failed, ``""`` when ok.
         logprobs: ``[T]`` float64 ``log_softmax(logits / temperature)[claimed]`` from the
             validator's logits (NaN for ids outside the vocabulary), for :func:`logprob_check`.
+        impossible: positions whose claimed token has gap +inf (no logits within any bound pick it).
+        out_of_bound: positions whose claimed token differs with a finite gap > ε (or δ).
+        differs: ``[T]`` bool, where the claimed token differs from :attr:`tokens`.
     """
 
     tokens: torch.Tensor
@@ -661,6 +779,15 @@ class ReplayResult:
     ok: bool
     reason: str = ""
     logprobs: torch.Tensor | None = None
+    impossible: int = 0
+    out_of_bound: int = 0
+    differs: torch.Tensor | None = None
+
+    def gap_counts(self, edges: Sequence[float]) -> tuple[int, list[int]]:
+        """Tokens that differ from the validator's choice, and of them those whose gap exceeds each
+        of ``edges`` (:attr:`ReplayParams.gap_edges`): the per-completion replay statistics."""
+        differs = self.differs if self.differs is not None else self.gaps > 0
+        return int(differs.sum()), [int((differs & (self.gaps > e)).sum()) for e in edges]
 
 
 def _icdf_replay(
@@ -895,86 +1022,54 @@ def replay_check(
     logits: torch.Tensor,
     tokens: torch.Tensor | Sequence[int],
     seed: int,
+    params: ReplayParams = ReplayParams(),
     start_position: int = 0,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    eps: float | None = None,
-    max_near_tie_fraction: float = DEFAULT_MAX_NEAR_TIE_FRACTION,
-    nucleus_slack: float = DEFAULT_NUCLEUS_SLACK,
-    eos_ids: Sequence[int] = (),
-    min_eos_prob: float = 0.0,
-    eos_prob_slack: float = DEFAULT_EOS_PROB_SLACK,
-    rule: str = DEFAULT_RULE,
     *,
     overwrite: bool = False,
-    replay_rule: str = REPLAY_RULE_EPS,
-    logit_bound: float = 0.0,
 ) -> ReplayResult:
     """Recompute every sampled token from the validator's logits (``docs/toploc.md`` §6).
 
     Position ``i`` uses completion position ``start_position + i``. A claimed token that differs
-    from the recomputed one is a *near tie* if its gap (see :class:`ReplayResult`) is ``≤ eps``
-    (numeric noise between the worker's and the validator's forward passes can flip such
-    tokens) and a *hard mismatch* otherwise; so is a claimed token outside the validator's
-    nucleus by more than ``nucleus_slack`` of probability mass. Work per position is linear in
-    the vocabulary with a small constant (a max, an exp and a chunked sum in float32, no sort
-    unless top-p < 1), in row blocks of tensor ops; one Philox block per two draws.
+    from the recomputed one is a *near tie* if its gap (see :class:`ReplayResult`) is within the
+    replay rule's tolerance (numeric noise between the worker's and the validator's forward passes
+    can flip such tokens) and a *hard mismatch* otherwise; so is a claimed token outside the
+    validator's nucleus by more than ``params.nucleus_slack`` of probability mass. Work per
+    position is linear in the vocabulary with a small constant (a max, an exp and a chunked sum in
+    float32, no sort unless top-p < 1), in row blocks of tensor ops; one Philox block per two draws.
+
+    The replay rule (run spec ``toploc.replay_rule``, :attr:`ReplayParams.replay_rule`): ``eps-v1``
+    uses ``eps`` and ``eos_prob_slack``; ``logit-bound-v1`` and ``-v2`` ignore both and accept a
+    token that the rule picks for some logits within ``logit_bound`` of these (up to a common shift;
+    §6.2), their gaps in logit units; ``-v2`` leaves the near-tie share and out-of-bound tokens
+    to the caller, who judges them per submission (§6.3).
 
     Args:
         logits: ``[T, V]`` the validator's logits at the committed rows (row i produced token i).
         tokens: ``[T]`` the worker's claimed tokens (untrusted; ids ≥ V are hard mismatches).
         seed: the completion's sequence seed.
+        params: the run's sampling parameters and replay rule (:meth:`ReplayParams.from_spec`).
         start_position: completion position of ``tokens[0]``.
-        temperature: > 0, from the run spec.
-        top_p: in ``(0, 1]``, from the run spec.
-        eps: near-tie tolerance, probability units; ``None``: :data:`DEFAULT_ICDF_EPS`.
-        max_near_tie_fraction: tolerated share of near ties.
-        nucleus_slack: probability slack for the nucleus boundary.
-        eos_ids: token ids that end a completion.
-        min_eos_prob: the sampler's EOS floor (0: no gate). Where the claimed token is not EOS,
-            the replay gates EOS below ``min_eos_prob + eos_prob_slack`` (the worker may have seen
-            P(EOS) just under the floor) and also tries the floor ``min_eos_prob −
-            eos_prob_slack``, since gating EOS shifts later draws; where it is EOS, the replay
-            does not gate and :func:`termination_check` judges the stop.
-        eos_prob_slack: numeric slack on P(EOS) between worker and validator (``eps-v1``).
-        rule: the run's sampling rule (:data:`RULES`).
         overwrite: the check may use ``logits`` (float32) as its work buffer, leaving its values
             changed; saves a copy when the caller reuses the buffer anyway.
-        replay_rule: the run's replay rule (run spec ``toploc.replay_rule``, :data:`REPLAY_RULES`):
-            ``eps-v1`` uses ``eps`` and ``eos_prob_slack``; ``logit-bound-v1`` ignores both and
-            accepts a token that the rule picks for some logits within ``logit_bound`` of these
-            (up to a common shift; ``docs/toploc.md`` §6.2), its gaps in logit units.
-        logit_bound: ``logit-bound-v1``'s per-logit bound δ, nats, > 0 (``toploc.replay_logit_bound``).
 
     Returns:
         A :class:`ReplayResult`.
 
     Raises:
-        ValueError: bad parameters, unknown rule or shapes, or a row of ``logits`` holding NaN or
-            +inf (the validator's own inputs: its failure, no evidence about the worker).
+        ValueError: bad shapes, or a row of ``logits`` holding NaN or +inf (the validator's own
+            inputs: its failure, no evidence about the worker).
     """
-    return replay_checks(logits, [tokens], [seed], [start_position], temperature, top_p, eps, max_near_tie_fraction, nucleus_slack,
-                         eos_ids, min_eos_prob, eos_prob_slack, rule, overwrite=overwrite, replay_rule=replay_rule, logit_bound=logit_bound)[0]
+    return replay_checks(logits, [tokens], [seed], params, [start_position], overwrite=overwrite)[0]
 
 
 def replay_checks(
     logits: torch.Tensor,
     completions: Sequence[torch.Tensor | Sequence[int]],
     seeds: Sequence[int],
+    params: ReplayParams = ReplayParams(),
     start_positions: Sequence[int] | None = None,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    eps: float | None = None,
-    max_near_tie_fraction: float = DEFAULT_MAX_NEAR_TIE_FRACTION,
-    nucleus_slack: float = DEFAULT_NUCLEUS_SLACK,
-    eos_ids: Sequence[int] = (),
-    min_eos_prob: float = 0.0,
-    eos_prob_slack: float = DEFAULT_EOS_PROB_SLACK,
-    rule: str = DEFAULT_RULE,
     *,
     overwrite: bool = False,
-    replay_rule: str = REPLAY_RULE_EPS,
-    logit_bound: float = 0.0,
 ) -> list[ReplayResult]:
     """:func:`replay_check` of several completions whose logits are stacked, in one pass.
 
@@ -987,22 +1082,18 @@ def replay_checks(
             ``len(completions[i])`` rows).
         completions: the claimed tokens of each completion (untrusted), each non-empty.
         seeds: each completion's sequence seed.
+        params: as :func:`replay_check`, the same for every completion.
         start_positions: each completion's first completion position (default 0).
         overwrite: the check may use ``logits`` (float32) as its work buffer.
-        replay_rule, logit_bound: the run's replay rule and its bound, as :func:`replay_check`.
-        The others: as :func:`replay_check`, the same for every completion.
 
     Returns:
         One :class:`ReplayResult` per completion, in order.
 
     Raises:
-        ValueError: bad parameters, unknown rule or shapes (the validator's own inputs).
+        ValueError: bad shapes, or non-finite validator logits (the validator's own inputs).
     """
-    _check_params(temperature, top_p)
-    _check_rule(rule)
-    widen = _replay_widening(replay_rule, logit_bound, temperature)
-    if eps is None:
-        eps = DEFAULT_ICDF_EPS
+    widen = params.widen
+    eps = params.eps
     dev = logits.device
     parts = [torch.as_tensor(t, dtype=torch.int64).reshape(-1) for t in completions]
     lengths = [int(t.numel()) for t in parts]
@@ -1019,57 +1110,51 @@ def replay_checks(
     first_row = torch.cumsum(counts, 0) - counts  # [n] row of each completion's first token
     positions = (torch.arange(claimed.numel(), device=dev) - torch.repeat_interleave(first_row, counts)
                  + torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64, device=dev), counts))  # [R]
-    eos_list = [int(e) for e in eos_ids if 0 <= int(e) < vocab]
+    eos_list = [e for e in params.eos_ids if 0 <= e < vocab]
     claimed_eos = torch.isin(claimed, torch.tensor(eos_list, dtype=torch.int64, device=dev)) if eos_list else torch.zeros_like(claimed, dtype=torch.bool)
+    min_eos_prob = params.min_eos_prob
     gate_on = min_eos_prob > 0
 
     def floor_at(value: float) -> torch.Tensor:  # [R]; no gate where the claimed token is EOS
         return torch.where(claimed_eos, 0.0, value if gate_on else 0.0).to(torch.float64)
 
     if widen is None:
-        floors = (floor_at(min_eos_prob), floor_at(min_eos_prob + eos_prob_slack), floor_at(min_eos_prob - eos_prob_slack))
+        slack = params.eos_prob_slack
+        floors = (floor_at(min_eos_prob), floor_at(min_eos_prob + slack), floor_at(min_eos_prob - slack))
         limit, limit_name = eps, f"eps={eps}"
     else:  # EOS possibly gated below σ(logit f + d), surely below σ(logit f − d); the check's rounding on top
         floors = (floor_at(min_eos_prob), floor_at(_widen_prob(min_eos_prob, widen) + ROUNDING_SLACK),
                   floor_at(_widen_prob(min_eos_prob, -widen) - ROUNDING_SLACK))
-        limit, limit_name = logit_bound, f"the logit bound {logit_bound} nats"
-    recomputed, margin, gap, lps = _icdf_replay(logits, safe, in_vocab, row_seeds, positions, temperature, top_p, nucleus_slack, eos_list,
-                                                floors, eps, overwrite, widen)
+        limit, limit_name = params.logit_bound, f"the logit bound {params.logit_bound} nats"
+    recomputed, margin, gap, lps = _icdf_replay(logits, safe, in_vocab, row_seeds, positions, params.temperature, params.top_p,
+                                                params.nucleus_slack, eos_list, floors, eps, overwrite, widen)
     gap = torch.where(recomputed == claimed, torch.zeros_like(margin), gap.clamp_min(0.0))
     lps = torch.where(in_vocab, lps, torch.full_like(lps, math.nan))
     differs = recomputed != claimed
     hard_rows, near_rows = differs & (gap > limit), differs & (gap <= limit)
+    inf_rows = torch.isinf(gap)
     results = []
     lo = 0
     for n, start in zip(lengths, starts, strict=True):
         hi = lo + n
-        hard, near = int(hard_rows[lo:hi].sum()), int(near_rows[lo:hi].sum())
-        allowed = math.ceil(max_near_tie_fraction * n)
+        hard, near, impossible = int(hard_rows[lo:hi].sum()), int(near_rows[lo:hi].sum()), int(inf_rows[lo:hi].sum())
+        allowed = n if params.soft else math.ceil(params.max_near_tie_fraction * n)
         problems = []
-        if hard:
-            first = int(torch.nonzero(hard_rows[lo:hi])[0, 0])
-            problems.append(f"{hard} sampled tokens differ from the replay beyond {limit_name} (first at position {start + first})")
-        if near > allowed:
-            problems.append(f"{near} near-tie mismatches > {allowed} allowed")
+        if params.soft:
+            if impossible:
+                first = int(torch.nonzero(inf_rows[lo:hi])[0, 0])
+                problems.append(f"{impossible} sampled tokens that no logits within {limit_name} pick (first at position {start + first})")
+        else:
+            if hard:
+                first = int(torch.nonzero(hard_rows[lo:hi])[0, 0])
+                problems.append(f"{hard} sampled tokens differ from the replay beyond {limit_name} (first at position {start + first})")
+            if near > allowed:
+                problems.append(f"{near} near-tie mismatches > {allowed} allowed")
         results.append(ReplayResult(recomputed[lo:hi], margin[lo:hi], gap[lo:hi], hard, near, allowed, ok=not problems,
-                                    reason="; ".join(problems), logprobs=lps[lo:hi]))
+                                    reason="; ".join(problems), logprobs=lps[lo:hi], impossible=impossible,
+                                    out_of_bound=hard - impossible, differs=differs[lo:hi]))
         lo = hi
     return results
-
-
-def _replay_widening(replay_rule: str, logit_bound: float, temperature: float) -> float | None:
-    """``logit-bound-v1``'s log-odds widening ``2δ / T``; ``None`` under ``eps-v1``.
-
-    Raises:
-        ValueError: an unknown replay rule, or ``logit-bound-v1`` without a finite bound > 0.
-    """
-    if replay_rule not in REPLAY_RULES:
-        raise ValueError(f"unknown replay rule {replay_rule!r}; known: {', '.join(REPLAY_RULES)}")
-    if replay_rule == REPLAY_RULE_EPS:
-        return None
-    if not (0.0 < logit_bound and math.isfinite(logit_bound)):
-        raise ValueError(f"replay rule {REPLAY_RULE_LOGIT_BOUND} needs a finite logit bound > 0, got {logit_bound}")
-    return 2.0 * logit_bound / temperature
 
 
 def termination_slack(min_eos_prob: float, temperature: float, replay_rule: str = REPLAY_RULE_EPS,
@@ -1165,6 +1250,8 @@ class LogprobResult:
         position: completion position of the largest difference (the first non-finite one; 0
             when the counts differ).
         reason: why it failed, ``""`` when ok.
+        over: tokens whose difference exceeds ``max_abs`` (all of them when a value is not finite
+            or the counts differ).
     """
 
     ok: bool
@@ -1172,6 +1259,7 @@ class LogprobResult:
     mean_abs_err: float
     position: int = 0
     reason: str = ""
+    over: int = 0
 
 
 def logprob_check(
@@ -1201,12 +1289,12 @@ def logprob_check(
     rep = torch.as_tensor(reported, dtype=torch.float64).reshape(-1)
     ref = recomputed.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
     if rep.numel() != ref.numel() or rep.numel() == 0:
-        return LogprobResult(False, math.inf, math.inf, 0, f"{rep.numel()} log-probs reported for {ref.numel()} tokens")
+        return LogprobResult(False, math.inf, math.inf, 0, f"{rep.numel()} log-probs reported for {ref.numel()} tokens", ref.numel())
     err = (rep - ref).abs()
     finite = torch.isfinite(err)
     if not bool(finite.all()):
         at = int((~finite).nonzero()[0, 0])
-        return LogprobResult(False, math.inf, math.inf, at, f"non-finite log-prob at position {at}")
+        return LogprobResult(False, math.inf, math.inf, at, f"non-finite log-prob at position {at}", ref.numel())
     at = int(err.argmax())
     worst, mean = float(err[at]), float(err.mean())
     problems = []
@@ -1214,4 +1302,4 @@ def logprob_check(
         problems.append(f"max |Δ logprob| {worst:.4g} at position {at} > {max_abs}")
     if mean > mean_abs:
         problems.append(f"mean |Δ logprob| {mean:.4g} > {mean_abs}")
-    return LogprobResult(not problems, worst, mean, at, "; ".join(problems))
+    return LogprobResult(not problems, worst, mean, at, "; ".join(problems), int((err > max_abs).sum()))

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from protocol.content import ContentId
 from protocol.envelope import Authorities, Envelope, open_envelope
 from protocol.errors import SchemaError
-from protocol.messages import Manifest, ManifestFile
+from protocol.messages import DEFAULT_PIECE_SIZE_BYTES, MAX_PIECE_SIZE_BYTES, MIN_PIECE_SIZE_BYTES, Manifest, ManifestFile
 
 PieceId = NewType("PieceId", bytes)
 """32-byte SHA-256 content ID of one piece."""
@@ -36,15 +36,23 @@ PieceId = NewType("PieceId", bytes)
 ROUTE_PREFIX = "/shardcast/1"
 """Versioned prefix of every Shardcast HTTP route (``docs/shardcast.md``)."""
 
-DEFAULT_PIECE_SIZE_BYTES = 16 << 20
-MIN_PIECE_SIZE_BYTES = 64 << 10
-MAX_PIECE_SIZE_BYTES = 1 << 30
 READ_CHUNK_BYTES = 1 << 20
 """Streams are read in chunks of at most this many bytes, so memory stays flat."""
 MANIFEST_FETCH_LIMIT_BYTES = 4 << 20
 """Largest manifest envelope a fetcher reads by default, bytes (≈ 120 000 pieces: 1.9 TB at
 16 MiB pieces); a publisher refuses to sign a larger one (use larger pieces). Tighter than
 ``Manifest.MAX_BYTES`` because fetchers read manifests from anyone (issue #12)."""
+
+
+class PieceListing(Protocol):
+    """What the piece rule reads of a manifest: a checkpoint's :class:`~protocol.messages.Manifest`
+    or an artifact's :class:`~protocol.artifacts.ArtifactManifest`."""
+
+    @property
+    def piece_size_bytes(self) -> int: ...
+
+    @property
+    def files(self) -> Sequence[ManifestFile]: ...
 
 
 @dataclass(frozen=True)
@@ -82,7 +90,7 @@ def piece_spans(size_bytes: int, piece_size_bytes: int) -> Iterator[tuple[int, i
         yield start, min(piece_size_bytes, size_bytes - start)
 
 
-def iter_pieces(manifest: Manifest) -> Iterator[PieceRef]:
+def iter_pieces(manifest: PieceListing) -> Iterator[PieceRef]:
     """Every piece of ``manifest`` in file order, with its position and length.
 
     Raises:
@@ -96,12 +104,12 @@ def iter_pieces(manifest: Manifest) -> Iterator[PieceRef]:
             yield PieceRef(fi, f.name, i, offset, length, PieceId(pid))
 
 
-def total_size_bytes(manifest: Manifest) -> int:
+def total_size_bytes(manifest: PieceListing) -> int:
     """Sum of the file sizes of ``manifest``, in bytes."""
     return sum(f.size_bytes for f in manifest.files)
 
 
-def check_manifest(manifest: Manifest) -> None:
+def check_manifest(manifest: PieceListing) -> None:
     """Rules a schema-valid manifest must also follow before anyone acts on it.
 
     Every file's piece count follows the piece rule, and no file name starts with ``.`` (which

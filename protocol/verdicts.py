@@ -19,6 +19,8 @@ from __future__ import annotations
 from typing import Final
 
 OK: Final = "ok"
+PRECISION: Final = "precision"
+"""Benign reason under replay rule ``logit-bound-v2``: a value beyond its bound but within the hard factor."""
 
 CHEAT_REASONS: Final[frozenset[str]] = frozenset(
     {
@@ -44,8 +46,14 @@ BENIGN_REASONS: Final[frozenset[str]] = frozenset(
         "nondeterministic",  # the reward disagreed but re-runs did not reproduce it (validator/rewards.py)
         "environment",  # the run's environment's own reward code crashed, hit a limit or did not reproduce (protocol.envs)
         "resources",  # the validator ran out of memory, disk or descriptors while checking
+        "precision",  # logit-bound-v2: a value beyond its bound within the hard factor (an honest worker's rare numeric tail; the audit counts it)
     }
 )
+
+AUDIT_BAN_REASON: Final = "audit"
+"""The ban reason of a worker the per-worker audit flagged (``protocol.audit``, ``docs/toploc.md`` §11):
+its replay statistics, over many verdicts, are beyond what honest compute produces at the run's
+false-alarm rate. Not a verdict reason: no single submission shows it."""
 
 ALL_REASONS: Final[frozenset[str]] = CHEAT_REASONS | BENIGN_REASONS | {OK}
 

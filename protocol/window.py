@@ -3,11 +3,11 @@
 Written once here and used by every role that must agree on it (``docs/trainer.md`` §3, the
 async-RL rule of INTELLECT-2 §2 / prime-rl's ``async_level``):
 
-* the worker (``node/roles/worker.py``) keeps generating with a held policy while it is in the window;
-* the ingest (``trainer/ingest/service.py``) refuses (409 ``stale_policy``) and retires submissions outside it;
-* the validator pipeline (``validator/pipeline.py``) rejects them with ``stale_policy``;
-* batch assembly (``trainer/batch.py``) and the coordinator's buffer (``node/coordinator/role.py``)
-  train only groups all of whose rollouts are in it.
+* the worker (``node/worker/role.py``) keeps generating with a held policy while it is in the window;
+* on the coordinator, the submission ledger (``trainer/ledger/ledger.py``), and nothing else there,
+  applies it: admission refuses (409 ``stale_policy``) what is outside it, a timer retires what
+  left it, and its trainable view offers the rollout buffer and batch assembly only what is in it;
+* the validator pipeline (``validator/pipeline.py``) rejects them with ``stale_policy``.
 
 **Trainer step** has one meaning everywhere: ``n``, the number of optimizer steps the coordinator
 has completed, which is also the policy step of the weights it now holds (published as step ``n``

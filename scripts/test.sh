@@ -32,10 +32,14 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 WORKERS=${TEST_WORKERS:-2}
 XDIST=()
 [ "$WORKERS" != 0 ] && XDIST=(-n "$WORKERS" --dist loadscope --no-loadscope-reorder)
+# Every run leaves its per-test durations: the 25 slowest printed, all of them in test-durations/ (git ignores it):
+# <UTC time>.tsv per test (setup/call/teardown seconds, outcome, worker, start), .modules.tsv per module.
+DURATIONS="test-durations/$(date -u +%Y%m%dT%H%M%SZ).tsv"
 set +e
-python -m pytest -q ${XDIST[@]+"${XDIST[@]}"} "$@"
+python -m pytest -q ${XDIST[@]+"${XDIST[@]}"} --durations=25 --durations-file "$DURATIONS" "$@"
 rc=$?
 set -e
+echo "per-test durations: $DURATIONS (per module: ${DURATIONS%.tsv}.modules.tsv)"
 # pytest exits 5 when no test ran: that is a failure here, never a silent pass.
 [ "$rc" = 5 ] && { echo "no tests ran: failing"; exit 1; }
 exit "$rc"

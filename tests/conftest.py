@@ -1,9 +1,14 @@
-"""Shared fixtures: shared-data location, child-process reaping, single-threaded torch."""
+"""Shared fixtures: shared-data location, child-process reaping, single-threaded torch; the
+``--durations-file`` option (every test's seconds, written by ``scripts/test.sh`` on every run)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +19,56 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def shared_dir() -> Path:
     """``$INTELLECT_SHARED`` or ``<repo>/../shared`` (public task sets and reference vectors)."""
     return Path(os.environ.get("INTELLECT_SHARED", REPO.parent / "shared"))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--durations-file", default=None, metavar="PATH",
+                     help="write every test's setup, call and teardown seconds, outcome, pytest-xdist worker and start time "
+                          "to PATH (tab-separated, slowest first) and each module's total to PATH with .modules.tsv")
+
+
+class DurationsFile:
+    """Collects every test's phase durations (on the controller under pytest-xdist: workers forward
+    their reports) and writes them at the end of the session, also when tests failed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows: dict[str, dict[str, Any]] = {}
+        self.started = time.time()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        row = self.rows.setdefault(report.nodeid, {"setup": 0.0, "call": 0.0, "teardown": 0.0, "outcome": "passed",
+                                                   "worker": getattr(getattr(report, "node", None), "gateway", None),
+                                                   "start": getattr(report, "start", None)})
+        row[report.when] = report.duration
+        if report.failed:
+            row["outcome"] = "failed" if report.when == "call" else f"error in {report.when}"
+        elif report.skipped and row["outcome"] == "passed":
+            row["outcome"] = "skipped"
+
+    def pytest_sessionfinish(self) -> None:
+        def total(row: dict[str, Any]) -> float:
+            return row["setup"] + row["call"] + row["teardown"]
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lines = ["seconds\tsetup_s\tcall_s\tteardown_s\toutcome\tworker\tstart_s\ttest"]
+        modules: dict[str, list[float]] = {}
+        for nodeid, row in sorted(self.rows.items(), key=lambda kv: -total(kv[1])):
+            worker = getattr(row["worker"], "id", "") or "-"
+            start = f"{row['start'] - self.started:.1f}" if row["start"] else "-"
+            lines.append(f"{total(row):.2f}\t{row['setup']:.2f}\t{row['call']:.2f}\t{row['teardown']:.2f}\t{row['outcome']}\t{worker}\t{start}\t{nodeid}")
+            m = modules.setdefault(nodeid.split("::", 1)[0], [0.0, 0])
+            m[0] += total(row)
+            m[1] += 1
+        self.path.write_text("\n".join(lines) + "\n")
+        self.path.with_name(self.path.name.removesuffix(".tsv") + ".modules.tsv").write_text(
+            "seconds\ttests\tmodule\n" + "".join(f"{s:.1f}\t{n}\t{m}\n" for m, (s, n) in sorted(modules.items(), key=lambda kv: -kv[1][0])))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = config.getoption("--durations-file")
+    if path and not hasattr(config, "workerinput"):  # the controller (or a run without xdist) writes the file
+        config.pluginmanager.register(DurationsFile(Path(path)), "durations-file")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -37,6 +92,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture
+def held_port() -> Iterator[Callable[[], int]]:
+    """Call it for each port a test must choose before its server starts: each is held for the
+    whole test by :func:`localnet.reserve_port` (the server binds it too, nobody else can)."""
+    from localnet import reserve_port
+
+    with contextlib.ExitStack() as stack:
+        yield lambda: stack.enter_context(reserve_port())
+
+
+@pytest.fixture
 def shared() -> Path:
     d = shared_dir()
     if not d.is_dir():
@@ -57,16 +122,24 @@ def code_sandbox() -> None:
 
 @pytest.fixture(autouse=True)
 def _reap_children():
-    """Fail loudly rather than leak: kill any child process a test left running."""
+    """Fail loudly rather than leak: kill any child process a test left running (with its own
+    children), except those a module fixture shares across tests (``localnet.SHARED_PROCESSES``)."""
     yield
     try:
         import psutil
     except ImportError:  # pragma: no cover
         return
-    for child in psutil.Process().children(recursive=True):
+    from localnet import SHARED_PROCESSES
+
+    for child in psutil.Process().children():
         try:
-            if any(a.endswith("_math_worker.py") for a in child.cmdline()):
-                continue  # this process's math-verify pool: long-lived by design
-            child.kill()
+            if child.pid in SHARED_PROCESSES or any(a.endswith("_math_worker.py") for a in child.cmdline()):
+                continue  # a shared devnet, or this process's math-verify pool: long-lived by design
+            tree = [*child.children(recursive=True), child]
         except psutil.Error:
-            pass
+            continue
+        for p in tree:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass

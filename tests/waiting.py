@@ -9,9 +9,10 @@ Importable from every test directory (pytest puts ``tests/``, the directory of t
 from __future__ import annotations
 
 import asyncio
+import inspect
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -20,21 +21,26 @@ DEFAULT_TIMEOUT_S = 30.0
 """How long a wait lasts unless the test says, seconds (generous: the machine may be loaded)."""
 
 
-async def wait_until(cond: Callable[[], T], timeout_s: float = DEFAULT_TIMEOUT_S, what: str = "condition", *,
+async def wait_until(cond: Callable[[], T | Awaitable[T]], timeout_s: float = DEFAULT_TIMEOUT_S, what: str = "condition", *,
                      interval_s: float = 0.05) -> T:
     """Call ``cond`` every ``interval_s`` seconds (yielding to the event loop) until it returns
-    something true, and return that.
+    something true, and return that. ``cond`` may be a coroutine function (a status read, a call
+    into the trio bridge): its result is awaited.
 
     Raises:
         AssertionError: ``timeout_s`` seconds passed; the message names ``what``.
     """
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
-    while not (got := cond()):
+    while True:
+        got = cond()
+        if inspect.isawaitable(got):
+            got = await got
+        if got:
+            return got  # type: ignore[return-value]
         if loop.time() > end:
             raise AssertionError(f"{what} not met within {timeout_s} s")
         await asyncio.sleep(interval_s)
-    return got
 
 
 def wait_for(cond: Callable[[], T], timeout_s: float = DEFAULT_TIMEOUT_S, what: str = "condition",

@@ -1,5 +1,5 @@
-"""From accepted rollouts to packed micro-batches: records, the staleness window, grouping,
-advantages, sharding over ranks and sequence packing.
+"""From accepted rollouts to packed micro-batches: records, grouping, advantages, sharding over
+ranks and sequence packing.
 
 Pipeline of one trainer step ``n`` (``docs/trainer.md`` §3–§5)::
 
@@ -9,9 +9,11 @@ Pipeline of one trainer step ``n`` (``docs/trainer.md`` §3–§5)::
     pack_sequences(seqs, micro_batch_tokens)    MicroBatch rows: several sequences per row
 
 Rules:
-    * **Staleness**: step ``n`` trains only on groups whose every rollout has
-      ``policy_step ≥ n − async_level`` (and ``≤ n``): :mod:`protocol.window`, the one rule. A rollout from ``n − async_level − 1`` is
-      never trained on, even if a validator accepted it.
+    * **Freshness is not decided here**: the records come from the submission ledger's trainable
+      view (``trainer/buffer.py`` over :meth:`trainer.ledger.ledger.SubmissionLedger.trainable`), which
+      applies the async window (:mod:`protocol.window`, ``n − async_level ≤ policy_step ≤ n``) and
+      is the one place on the coordinator that does; a group is one submission's answer to one task,
+      so all its rollouts share one policy step.
     * **Grouping**: by ``(task_key, group_seed)``, never by position (see ``advantages.py``).
     * **Whole groups only**: a group must hold exactly ``group_size`` rollouts; a group with all-zero
       advantages is dropped whole.
@@ -35,9 +37,9 @@ import torch
 
 from protocol.messages import Submission
 from protocol.rollout import f32_array, u32_array
-from protocol.window import oldest_fresh_step
 from trainer.advantages import compute_group_advantages
 from trainer.errors import BatchError, NotEnoughRolloutsError
+from trainer.ledger.ids import GroupKey
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +55,6 @@ __all__ = [
     "records_from_submission",
     "shard_sequences",
 ]
-
-GroupKey = tuple[str, int]
-"""``(task_key, group_seed)``: identity of one group."""
 
 GROUP_SEED_DOMAIN = b"intellect-node/group-seed/1\x00"
 """Domain-separation prefix of :func:`group_seed_of`."""
@@ -207,10 +206,9 @@ class Batch:
         step: the trainer step it was assembled for.
         sequences: every rollout of the selected groups, grouped (a group's rows are contiguous).
         group_keys: the selected groups, in selection order.
-        stale_groups: groups dropped because a rollout is older than ``step − async_level``.
-        zero_advantage_groups: fresh groups dropped because every advantage was zero.
-        incomplete_groups: groups skipped this time (wrong size, or a policy step from the future).
-        reward_mean: mean reward over the fresh groups examined (selected + zero-advantage).
+        zero_advantage_groups: groups dropped because every advantage was zero.
+        incomplete_groups: groups skipped this time (not ``group_size`` rollouts).
+        reward_mean: mean reward over the groups examined (selected + zero-advantage).
         pass_rate: fraction of those rollouts with ``task_reward == 1``.
         completion_len_mean: their mean completion length in tokens.
         group_submissions: examined group → IDs of the submissions its rollouts came from.
@@ -219,7 +217,6 @@ class Batch:
     step: int
     sequences: list[TrainSequence]
     group_keys: list[GroupKey]
-    stale_groups: list[GroupKey] = field(default_factory=list)
     zero_advantage_groups: list[GroupKey] = field(default_factory=list)
     incomplete_groups: list[GroupKey] = field(default_factory=list)
     reward_mean: float = 0.0
@@ -229,8 +226,8 @@ class Batch:
 
     @property
     def consumed_groups(self) -> list[GroupKey]:
-        """Groups the store may retire after this step: trained, all-zero, or too stale to ever train."""
-        return self.group_keys + self.zero_advantage_groups + self.stale_groups
+        """Groups this step consumed (the ledger records them): trained, or all-zero (never trainable)."""
+        return self.group_keys + self.zero_advantage_groups
 
     @property
     def consumed_submission_ids(self) -> list[str]:
@@ -276,21 +273,20 @@ def assemble_batch(
     records: Iterable[RolloutRecord],
     *,
     step: int,
-    async_level: int,
     group_size: int,
     num_groups: int,
     adv_eps: float,
     allow_partial: bool = False,
 ) -> Batch:
-    """Select whole, fresh, informative groups for trainer step ``step``.
+    """Select whole, informative groups for trainer step ``step``.
 
-    Groups are examined in order of their first record (the caller passes records oldest first, so
-    the oldest still-fresh data trains first); examination stops once ``num_groups`` are selected.
+    Groups are examined in order of their first record (the caller's order: the rollout buffer
+    passes the freshest policy first); examination stops once ``num_groups`` are selected.
 
     Args:
-        records: accepted rollouts, any order (interleaved groups are fine).
+        records: accepted rollouts fresh at ``step`` (the ledger's trainable view applied the async
+            window), any order (interleaved groups are fine).
         step: trainer step ``n`` about to run (= the policy step of the current weights).
-        async_level: k; a group trains only if every rollout has ``n − k ≤ policy_step ≤ n``.
         group_size: rollouts per group; other sizes are skipped.
         num_groups: groups the step needs.
         adv_eps: ε of the advantage normalisation.
@@ -312,14 +308,6 @@ def assemble_batch(
         if len(batch.group_keys) >= num_groups:
             break
         batch.group_submissions[key] = frozenset(r.submission_id for r in rows)
-        steps = [r.policy_step for r in rows]
-        if min(steps) < oldest_fresh_step(step, async_level):
-            batch.stale_groups.append(key)
-            continue
-        if max(steps) > step:  # in_window's upper bound: a policy the trainer has not reached yet
-            logger.warning("group %s has policy step %d > trainer step %d; skipped", key, max(steps), step)
-            batch.incomplete_groups.append(key)
-            continue
         if len(rows) != group_size:
             logger.debug("group %s has %d rollouts, expected %d; skipped", key, len(rows), group_size)
             batch.incomplete_groups.append(key)
@@ -339,7 +327,6 @@ def assemble_batch(
             step=step,
             needed_groups=num_groups,
             usable_groups=usable,
-            stale_groups=len(batch.stale_groups),
             zero_advantage_groups=len(batch.zero_advantage_groups),
             incomplete_groups=len(batch.incomplete_groups),
         )
@@ -348,10 +335,9 @@ def assemble_batch(
         batch.pass_rate = float(np.mean([r.task_reward == 1.0 for r in examined]))
         batch.completion_len_mean = float(np.mean([r.completion_ids.size for r in examined]))
     logger.debug(
-        "step %d batch: %d groups, %d stale, %d zero-advantage, %d skipped",
+        "step %d batch: %d groups, %d zero-advantage, %d skipped",
         step,
         usable,
-        len(batch.stale_groups),
         len(batch.zero_advantage_groups),
         len(batch.incomplete_groups),
     )

@@ -1,32 +1,36 @@
 """The rollout buffer: the submission ledger's trainable view (``trainer/ledger/``, ``docs/trainer.md`` §3).
 
-The ledger owns a submission's state; the buffer turns what it calls *fresh* — accepted, inside
-the async window of the step being assembled (the ledger applies :mod:`protocol.window`) — into
-rollout records grouped for GRPO, and remembers which groups a trainer step consumed:
+The ledger owns a submission's state, and which of its GRPO groups a trainer step consumed; the
+buffer turns what it calls *fresh* — accepted, inside the async window of the step being
+assembled (the ledger applies :mod:`protocol.window`) — into rollout records grouped for GRPO,
+leaving out the groups the ledger says were consumed:
 
 * a submission's records are decoded once from the body the ingest verified
   (:meth:`~trainer.ledger.ledger.SubmissionLedger.body`; read back from disk only if no longer
   held, e.g. after a restart);
-* a trainer step consumes groups (trained, all-zero advantages, stale); a submission is
-  *consumed* in the ledger once every one of its groups is, when the step's state is saved
-  (:meth:`RolloutBuffer.retire`); until then its remaining groups stay trainable;
+* a trainer step consumes groups (trained, or all-zero advantages): :meth:`RolloutBuffer.consume`
+  records them in the ledger before the step's state is saved, and a submission every group of
+  which is consumed is *consumed* there; :meth:`RolloutBuffer.retire` retires what earlier steps
+  consumed once the state is saved; a resume forgets what later steps consumed
+  (:meth:`RolloutBuffer.resume`);
 * an accepted submission that can never be trained (file gone, bytes that no longer decode,
   token IDs out of the vocabulary) is retired untrained with a warning.
 
-The consumed-but-not-retired groups are the buffer's only state; they are saved with the trainer
-state (:meth:`position`) and restored on resume (:meth:`restore`).
+The buffer holds no state of its own beyond the decoded records (a cache): nothing of it is saved
+with the trainer state.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from protocol.errors import ProtocolError
 from protocol.runspec import RLSpec
-from trainer.batch import Batch, GroupKey, RolloutRecord, assemble_batch, records_from_submission
+from trainer.batch import Batch, RolloutRecord, assemble_batch, records_from_submission
 from trainer.errors import BatchError, TrainerError
-from trainer.ledger.ids import SubmissionId
+from trainer.ledger.ids import GroupKey, SubmissionId
 from trainer.ledger.ledger import SubmissionLedger
 
 logger = logging.getLogger(__name__)
@@ -45,8 +49,7 @@ class RolloutBuffer:
     def __init__(self, ledger: SubmissionLedger, rl: RLSpec) -> None:
         self.ledger = ledger
         self.rl = rl
-        self._records: dict[SubmissionId, list[RolloutRecord]] = {}  # submission ID → its rollouts, decoded once
-        self._consumed: set[GroupKey] = set()  # consumed groups of submissions not yet retired
+        self._records: dict[SubmissionId, list[RolloutRecord]] = {}  # submission ID → its rollouts, decoded once (a cache)
         self._unread: dict[SubmissionId, str] = {}  # live submissions a passing failure kept from being read → the error
         self.vocab_size: int | None = None
         """Rows of the policy's embedding, set by the coordinator once the model is built: a
@@ -71,6 +74,7 @@ class RolloutBuffer:
         for sid in [sid for sid in self._records if sid not in live]:
             del self._records[sid]  # left the window (the ingest retires it as stale) or retired: never trainable again
         self._unread = {sid: e for sid, e in self._unread.items() if sid in live}
+        consumed = self.ledger.consumed_groups()
         out: list[RolloutRecord] = []
         for stored in subs:
             recs = self._records.get(stored.id)
@@ -88,7 +92,7 @@ class RolloutBuffer:
                     continue
                 self._records[stored.id] = recs
                 self._unread.pop(stored.id, None)
-            out.extend(r for r in recs if r.group_key not in self._consumed)
+            out.extend(r for r in recs if r.group_key not in consumed)
         return out
 
     def _checked(self, recs: list[RolloutRecord]) -> list[RolloutRecord]:
@@ -110,37 +114,56 @@ class RolloutBuffer:
         Raises:
             NotEnoughRolloutsError: not enough usable whole groups yet (its fields say why).
         """
-        return assemble_batch(self.fresh_records(step), step=step, async_level=self.rl.async_level, group_size=self.rl.group_size,
-                              num_groups=self.rl.batch_groups, adv_eps=self.rl.adv_eps)
+        return assemble_batch(self.fresh_records(step), step=step, group_size=self.rl.group_size, num_groups=self.rl.batch_groups,
+                              adv_eps=self.rl.adv_eps)
 
-    def consume(self, batch: Batch) -> list[SubmissionId]:
-        """Mark the batch's groups consumed (trained, all-zero or stale) and return the submissions
-        now retired: every group of theirs is consumed. Call :meth:`retire` with them once the
-        trainer state that records this step is saved."""
-        self._consumed.update(batch.consumed_groups)
-        ids = [SubmissionId(sid) for sid in batch.consumed_submission_ids]
-        done = [sid for sid in ids if all(r.group_key in self._consumed for r in self._records.get(sid, []))]
-        for sid in done:
-            self._consumed.difference_update(r.group_key for r in self._records.get(sid, []))
-        return done
+    def consume(self, batch: Batch, step: int) -> list[SubmissionId]:
+        """Record in the ledger that trainer step ``step`` consumed the batch's groups (trained or
+        all-zero); call it before the state of ``step`` is saved. A submission every group of which
+        is now consumed is consumed whole, and its records are dropped.
 
-    def retire(self, submission_ids: list[SubmissionId], step: int) -> None:
-        """Record in the ledger that trainer step ``step`` consumed these submissions; forget their rollouts."""
-        self.ledger.consumed(submission_ids, step)
-        for sid in submission_ids:
+        Returns:
+            The submissions consumed whole now.
+        """
+        return self._consume(step, batch.consumed_groups, batch.group_submissions)
+
+    def _consume(self, step: int, keys: Iterable[GroupKey], sources: Mapping[GroupKey, Iterable[str]]) -> list[SubmissionId]:
+        keys = set(keys)
+        consumed = self.ledger.consumed_groups() | keys
+        groups: dict[SubmissionId, list[GroupKey]] = {}
+        for key in keys:
+            for sid in sources.get(key, ()):
+                groups.setdefault(SubmissionId(sid), []).append(key)
+        finished = [sid for sid in groups if all(r.group_key in consumed for r in self._records.get(sid, []))]
+        done = self.ledger.consume(step, groups, finished)
+        for sid in finished:
             self._records.pop(sid, None)
             self.ledger.forget_body(sid)
+        return done
 
-    def position(self) -> dict[str, Any]:
-        """What the trainer state must save for a resume: consumed groups of unretired submissions."""
-        return {"consumed_groups": sorted([list(k) for k in self._consumed])}
+    def retire(self, step: int) -> int:
+        """The state of trainer step ``step`` is saved: the ledger retires what earlier steps consumed
+        (their files go); returns how many."""
+        return self.ledger.retire_superseded(step)
 
-    def restore(self, position: dict[str, Any], step: int) -> int:
-        """Resume at trainer step ``step`` from a saved :meth:`position`: submissions retired by later
+    def resume(self, step: int, legacy_position: Mapping[str, Any] | None = None) -> int:
+        """Resume at trainer step ``step`` (the state loaded): groups and submissions consumed by later
         steps (trained by a step whose state was never saved) become trainable again.
+
+        Args:
+            step: the loaded state's trainer step.
+            legacy_position: the ``data_position`` of a state an older version saved, whose
+                ``consumed_groups`` (consumed groups of unretired submissions, then kept there and
+                not in the ledger) are recorded in the ledger as consumed by ``step``.
 
         Returns:
             How many submissions became trainable again.
         """
-        self._consumed = {(str(k), int(s)) for k, s in position.get("consumed_groups", [])}
-        return self.ledger.unconsume_after(step)
+        n = self.ledger.unconsume_after(step)
+        legacy = {(str(k), int(s)) for k, s in (legacy_position or {}).get("consumed_groups", [])}
+        if legacy:
+            self.fresh_records(step)  # decodes every trainable submission: which one each group is of
+            sources = {r.group_key: [sid] for sid, recs in self._records.items() for r in recs if r.group_key in legacy}
+            self._consume(step, sources, sources)
+            logger.info("recorded %d consumed groups from the saved state of step %d in the ledger", len(sources), step)
+        return n

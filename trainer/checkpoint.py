@@ -17,10 +17,12 @@ Policy checkpoint (``save_policy``): the full weights gathered on rank 0 and wri
 
 Step 0 is the base directory itself (``write_base_policy``: ``protocol.models.copy_model``), file for file.
 
-Training state (``save_training_state``), one directory per trainer step under a root::
+Training state (``save_training_state``), one directory per trainer step under a root, named by
+the one step-directory rule (:mod:`protocol.step_dirs`, as the policies are; states saved before
+it was shared are named ``step-00000012`` and still found)::
 
     <root>/latest                  text: name of the newest complete state directory
-    <root>/step-00000012/
+    <root>/step-12/
         config.json, model.safetensors    as above, float32 master weights
         optimizer.safetensors             "state/<param fqn>/<exp_avg|exp_avg_sq|step>"
         rng.safetensors                   "cpu/<rank>" (and "cuda/<rank>") generator states
@@ -54,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from protocol.durable import atomic_write, fsync_dir
 from protocol.models import TIED_HEAD, WEIGHTS_FILE, copy_model, save_model
+from protocol.step_dirs import step_dir, step_dirs
 from trainer.distributed import DistContext
 from trainer.errors import StateError
 
@@ -169,7 +172,7 @@ def save_training_state(
     Args:
         model: the (possibly sharded) policy.
         optimizer: its optimizer.
-        root: state root; ``root/step-<step:08d>`` is created and ``root/latest`` points at it.
+        root: state root; ``root/step-<step>`` is created and ``root/latest`` points at it.
         ctx: the distributed context.
         step: trainer steps completed.
         optimizer_steps: optimizer steps completed (drives the learning-rate schedule).
@@ -183,7 +186,7 @@ def save_training_state(
         StateError: ``data_position`` is not JSON-serialisable.
     """
     root = Path(root)
-    final = root / f"step-{step:08d}"
+    final = step_dir(root, step)
     model_state = _full_model_state(model)
     optim_state: Any = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     rng = _rng_states(ctx)
@@ -193,7 +196,7 @@ def save_training_state(
         except (TypeError, ValueError) as e:
             raise StateError(f"data_position is not JSON-serialisable: {e}", str(root)) from e
         root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".tmp-step-{step:08d}"
+        tmp = root / f".tmp-{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         files = save_model(model, None, tmp, state=model_state, dtype=torch.float32)
         tensors = {
@@ -221,7 +224,7 @@ def save_training_state(
         os.replace(tmp, final)
         fsync_dir(root)
         atomic_write(root / LATEST_FILE, lambda p: p.write_text(final.name + "\n"))
-        olds = sorted(d for d in root.glob("step-*") if d.is_dir() and d.name != final.name)
+        olds = [d for _, d in step_dirs(root) if d.name != final.name]  # ascending step
         for d in olds[: max(0, len(olds) - (keep - 1))]:
             shutil.rmtree(d, ignore_errors=True)
         logger.info("saved training state at step %d to %s", step, final)

@@ -122,7 +122,6 @@ def broadcast_batch(batch: Batch | None, ctx: DistContext) -> Batch:
         header = {
             "step": batch.step,
             "group_keys": [list(k) for k in batch.group_keys],
-            "stale_groups": [list(k) for k in batch.stale_groups],
             "zero_advantage_groups": [list(k) for k in batch.zero_advantage_groups],
             "incomplete_groups": [list(k) for k in batch.incomplete_groups],
             "reward_mean": batch.reward_mean,
@@ -181,7 +180,6 @@ def broadcast_batch(batch: Batch | None, ctx: DistContext) -> Batch:
         step=header["step"],
         sequences=seqs,
         group_keys=keys("group_keys"),
-        stale_groups=keys("stale_groups"),
         zero_advantage_groups=keys("zero_advantage_groups"),
         incomplete_groups=keys("incomplete_groups"),
         reward_mean=header["reward_mean"],

@@ -30,7 +30,6 @@ class NotEnoughRolloutsError(BatchError):
         step: the trainer step the batch was for.
         needed_groups: whole groups the step needs.
         usable_groups: groups that passed every filter.
-        stale_groups: groups dropped because a rollout's policy step < step − async_level.
         zero_advantage_groups: groups dropped because every advantage was zero.
         incomplete_groups: groups skipped because they hold fewer (or more) than group_size rollouts.
     """
@@ -41,19 +40,17 @@ class NotEnoughRolloutsError(BatchError):
         step: int,
         needed_groups: int,
         usable_groups: int,
-        stale_groups: int,
         zero_advantage_groups: int,
         incomplete_groups: int,
     ) -> None:
         super().__init__(
             f"step {step}: {usable_groups}/{needed_groups} usable groups "
-            f"(not counted: {stale_groups} stale, {zero_advantage_groups} all-zero advantage, {incomplete_groups} incomplete); "
+            f"(not counted: {zero_advantage_groups} all-zero advantage, {incomplete_groups} incomplete); "
             "wait for more accepted submissions"
         )
         self.step = step
         self.needed_groups = needed_groups
         self.usable_groups = usable_groups
-        self.stale_groups = stale_groups
         self.zero_advantage_groups = zero_advantage_groups
         self.incomplete_groups = incomplete_groups
 

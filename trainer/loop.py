@@ -7,8 +7,9 @@ One trainer step (``docs/trainer.md`` §2), identical on every rank of a ``torch
     all:    trainer.train_step(batch)                           [collective]
     all:    save_checkpoint(policies/step-N) when N is due      [collective, rank 0 writes]
     rank 0: hooks.published(N, files)       (publish into the origin, announce)
-    all:    trainer.save_state(state/, hooks.position())        [collective, rank 0 writes]
-    rank 0: hooks.step_done(batch, metrics) (retire consumed submissions, log, evaluate)
+    rank 0: hooks.consumed(batch, N)        (the ledger records what step N consumed)
+    all:    trainer.save_state(state/)                          [collective, rank 0 writes]
+    rank 0: hooks.step_done(batch, metrics) (retire what earlier steps consumed, log, evaluate)
 
 Rank 0 differs only by its hooks, which serve (ingest, origin, gossip) and never run a collective.
 Ranks > 0 pass ``hooks=None``. A single process is a group of one: no flag, no broadcast.
@@ -19,11 +20,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from protocol.step_dirs import step_dir
 from trainer.batch import Batch
 from trainer.distributed import DistContext, broadcast_batch
 from trainer.train import StepMetrics, Trainer
@@ -49,11 +51,12 @@ class StepHooks(Protocol):
     def published(self, step: int, files: list[Path]) -> None:
         """The policy of ``step`` is written to ``files`` (its directory): publish it."""
 
-    def position(self) -> dict[str, Any]:
-        """The JSON data position saved with the trainer state (e.g. the buffer's consumed groups)."""
+    def consumed(self, batch: Batch, step: int) -> None:
+        """Trainer step ``step`` trained ``batch``: record what it consumed before the step's state is
+        saved (a resume from that state never trains it again; one from an earlier state does)."""
 
     def step_done(self, batch: Batch, metrics: StepMetrics) -> None:
-        """The step's state is saved: retire what it consumed, log, evaluate."""
+        """The step's state is saved: retire what earlier steps consumed, log, evaluate."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ class LoopPaths:
     """Where the loop writes, the same on every rank (rank 0 writes the files).
 
     Attributes:
-        policies: ``policies/step-<N>`` model directories (the published checkpoints).
+        policies: ``policies/step-<N>`` model directories (the published checkpoints; :mod:`protocol.step_dirs`).
         state: trainer state root (``latest`` → the newest ``step-<N>``).
         base: the base model directory (its config and tokenizer files go into each policy).
     """
@@ -115,10 +118,12 @@ def run_training(trainer: Trainer, ctx: DistContext, paths: LoopPaths, *, publis
         metrics = trainer.train_step(batch)
         step = trainer.step
         if policy_due(step, publish_every):
-            files = trainer.save_checkpoint(paths.policies / f"step-{step}", dtype=dtype, base_dir=paths.base)
+            files = trainer.save_checkpoint(step_dir(paths.policies, step), dtype=dtype, base_dir=paths.base)
             if hooks is not None:
                 hooks.published(step, files)
-        trainer.save_state(paths.state, hooks.position() if hooks is not None else {})
+        if hooks is not None:
+            hooks.consumed(batch, step)
+        trainer.save_state(paths.state)
         if hooks is not None:
             hooks.step_done(batch, metrics)
         done += 1

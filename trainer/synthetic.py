@@ -43,4 +43,4 @@ def synthetic_records(seed: int, step: int, n_groups: int = 4, group: int = GROU
 
 
 def synthetic_batch(seed: int, step: int) -> Batch:
-    return assemble_batch(synthetic_records(seed, step), step=step, async_level=1, group_size=GROUP, num_groups=4, adv_eps=1e-4)
+    return assemble_batch(synthetic_records(seed, step), step=step, group_size=GROUP, num_groups=4, adv_eps=1e-4)

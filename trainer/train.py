@@ -129,7 +129,6 @@ class StepMetrics:
         num_groups: groups trained.
         num_rollouts: rollouts trained.
         zero_advantage_groups: groups filtered out by online filtering.
-        stale_groups: groups too old to train.
         staleness: ``step − policy_step`` → rollouts, for the trained rollouts.
         mismatch_kl: mean over loss tokens of the k3 estimate of KL(behavior ‖ trainer),
             ``exp(d) − d − 1`` with ``d = log π_trainer − log π_behavior``: how far the trainer's
@@ -163,7 +162,6 @@ class StepMetrics:
     num_groups: int
     num_rollouts: int
     zero_advantage_groups: int
-    stale_groups: int
     staleness: dict[int, int]
     mismatch_kl: float = 0.0
     is_ratio_mean: float = 1.0
@@ -345,7 +343,6 @@ class Trainer:
             num_groups=len(batch.group_keys),
             num_rollouts=len(batch.sequences),
             zero_advantage_groups=len(batch.zero_advantage_groups),
-            stale_groups=len(batch.stale_groups),
             staleness=batch.staleness_histogram(),
             mismatch_kl=means["mismatch_kl"],
             is_ratio_mean=means["is_ratio_mean"],
@@ -391,7 +388,7 @@ class Trainer:
 
     def save_state(self, root: Path, data_position: dict[str, Any] | None = None, *, keep: int = 2) -> Path:
         """Save weights, optimizer state, step counters, RNG states and ``data_position`` under
-        ``root/step-<step>`` and point ``root/latest`` at it. Collective; rank 0 writes.
+        ``root/step-<step>`` (:mod:`protocol.step_dirs`) and point ``root/latest`` at it. Collective; rank 0 writes.
 
         Returns:
             The state directory.

@@ -33,13 +33,13 @@ import torch
 from protocol import sampling, toploc
 from protocol.envelope import Envelope
 from protocol.inference import completion_rows, head_logits, logits_buffer
-from protocol.messages import Submission
+from protocol.messages import ReplayStats, Submission
 from protocol.models import config_int
 from protocol.rewards import RewardError, RewardLimits, compute_reward
 from protocol.rollout import completion_text, plan_submission, unpack_f32, unpack_u32
 from protocol.runspec import RunSpec
 from protocol.tasks import ENV_TASK_TYPE, Task
-from protocol.verdicts import OK
+from protocol.verdicts import OK, PRECISION
 from protocol.window import in_window
 from validator.rewards import judge_reward
 
@@ -58,6 +58,10 @@ class CheckResult:
         evidence: what was seen (rollout index, chunk, numbers), at most a few dozen entries.
         seconds: wall time spent, seconds.
         timings: seconds per stage.
+        stats: the replay statistics of the model checks (accepted and ``precision`` verdicts of
+            full checks; ``None`` otherwise), signed into the verdict for the per-worker audit.
+        extremes: with ``stats``, the largest value of each toleranced quantity the model checks
+            saw (:data:`EXTREMES`): what ``spec init --measure-precision`` sets the bounds from.
     """
 
     accepted: bool
@@ -65,15 +69,61 @@ class CheckResult:
     evidence: Evidence = field(default_factory=dict)
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
+    stats: ReplayStats | None = None
+    extremes: dict[str, float] = field(default_factory=dict)
+
+
+EXTREMES = ("gap", "logprob_abs", "logprob_mean_abs", "toploc_mismatches", "toploc_mant_err_mean", "toploc_mant_err_median", "eos_shortfall")
+"""The quantities :attr:`CheckResult.extremes` reports the largest of: the replay gap of a differing token
+(finite; the rule's units), the per-token and per-completion log-prob differences (nats), a TOPLOC chunk's
+mismatches and mantissa errors, and how far below the EOS floor a recomputed P(EOS) at a stop lay."""
 
 
 class Rejection(Exception):
     """Raised inside the pipeline to stop at the first failing check."""
 
-    def __init__(self, reason: str, **evidence: bool | float | str) -> None:
+    def __init__(self, reason: str, *, tally: _Tally | None = None, **evidence: bool | float | str) -> None:
         super().__init__(reason)
         self.reason = reason
         self.evidence = evidence
+        self.tally = tally
+
+
+@dataclass
+class _Tally:
+    """The replay statistics of one submission as the model checks go, and its soft findings:
+    values beyond a bound but within the hard factor under ``logit-bound-v2`` (``docs/toploc.md`` §6.3)."""
+
+    edges: tuple[float, ...]
+    tokens: int = 0
+    differ: int = 0
+    gap_over: list[int] = field(default_factory=lambda: [0] * len(sampling.GAP_EDGE_FRACTIONS))
+    impossible: int = 0
+    near_ties: int = 0
+    logprob_over: int = 0
+    chunks: int = 0
+    chunks_over: int = 0
+    soft: list[tuple[str, Evidence]] = field(default_factory=list)
+    extremes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(EXTREMES, 0.0))
+
+    def worst(self, name: str, value: float) -> None:
+        if math.isfinite(value) and value > self.extremes[name]:
+            self.extremes[name] = value
+
+    def replay(self, r: sampling.ReplayResult) -> None:
+        differ, over = r.gap_counts(self.edges)
+        self.tokens += int(r.tokens.numel())
+        self.differ += differ
+        self.gap_over = [a + b for a, b in zip(self.gap_over, over, strict=True)]
+        self.impossible += r.impossible
+        self.near_ties += r.near_ties
+        finite = r.gaps[torch.isfinite(r.gaps)]
+        if finite.numel():
+            self.worst("gap", float(finite.max()))
+
+    def stats(self) -> ReplayStats:
+        return ReplayStats(tokens=self.tokens, differ=self.differ, gap_over=list(self.gap_over), impossible=self.impossible,
+                           logprob_over=self.logprob_over, chunks=self.chunks, chunks_over=self.chunks_over)
 
 
 @dataclass(frozen=True)
@@ -152,14 +202,18 @@ class SubmissionChecker:
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
         try:
-            self._check(env, timings, full)
+            tally = self._check(env, timings, full)
         except Rejection as r:
-            return CheckResult(False, r.reason, dict(list(r.evidence.items())[:32]), time.perf_counter() - t0, timings)
-        return CheckResult(True, OK, {}, time.perf_counter() - t0, timings)
+            tally = r.tally
+            return CheckResult(False, r.reason, dict(list(r.evidence.items())[:32]), time.perf_counter() - t0, timings,
+                               tally.stats() if tally else None, dict(tally.extremes) if tally else {})
+        if tally is None:
+            return CheckResult(True, OK, {}, time.perf_counter() - t0, timings)
+        return CheckResult(True, OK, {}, time.perf_counter() - t0, timings, tally.stats(), dict(tally.extremes))
 
     # --- the stages --------------------------------------------------------------------------
 
-    def _check(self, env: Envelope[Submission], timings: dict[str, float], full: bool = True) -> None:
+    def _check(self, env: Envelope[Submission], timings: dict[str, float], full: bool = True) -> _Tally | None:
         sub = env.body
         spec = self.spec
         # policy window
@@ -195,14 +249,19 @@ class SubmissionChecker:
                 raise Rejection("task_mismatch", rollout=j, detail="prompt tokens are not the derived prompt")
             seqs.append(self._bounds(j, ro, prompt))
         timings["derive"] = time.perf_counter() - t
-        if full:
-            self._model_checks(sub, seqs, timings)
+        tally = self._model_checks(sub, seqs, timings) if full else None
         self._rewards(sub, plan, seqs, timings)
+        if tally is not None and tally.soft:  # logit-bound-v2: values beyond a bound within the hard factor, after every hard check passed
+            what, evidence = tally.soft[0]
+            raise Rejection(PRECISION, tally=tally, finding=what, findings=len(tally.soft), **evidence)
+        return tally
 
-    def _model_checks(self, sub: Submission, seqs: list[tuple[list[int], list[int], list[float]]], timings: dict[str, float]) -> None:
+    def _model_checks(self, sub: Submission, seqs: list[tuple[list[int], list[int], list[float]]], timings: dict[str, float]) -> _Tally:
         """The checks that need the policy: TOPLOC on the batched prefill, termination by the policy,
-        sampling replay and log-probs."""
+        sampling replay and log-probs; returns the submission's replay statistics and soft findings."""
         spec = self.spec
+        params = sampling.ReplayParams.from_spec(spec, (self.eos_id,))
+        tally = _Tally(params.gap_edges)
         model = self.model_for_step(sub.policy_step)
         if model is None:
             raise Rejection("unknown_checkpoint", policy_step=sub.policy_step)
@@ -214,16 +273,28 @@ class SubmissionChecker:
         rows = completion_rows(model, [s[0] for s in seqs], [s[1] for s in seqs], self.pad_id)  # [n, H] per rollout
         timings["prefill"] = time.perf_counter() - t
         t = time.perf_counter()
+        tl = spec.toploc
         verdicts = toploc.verify_proofs_many(  # every rollout's chunks at once
-            [row.to(torch.bfloat16) for row in rows], [list(ro.proofs) for ro in sub.rollouts], chunk_size=spec.toploc.chunk_size,
-            topk=spec.toploc.topk, max_mismatches=spec.toploc.max_mismatches, max_mant_err_mean=spec.toploc.max_mant_err_mean,
-            max_mant_err_median=spec.toploc.max_mant_err_median,
+            [row.to(torch.bfloat16) for row in rows], [list(ro.proofs) for ro in sub.rollouts], chunk_size=tl.chunk_size,
+            topk=tl.topk, max_mismatches=tl.max_mismatches, max_mant_err_mean=tl.max_mant_err_mean,
+            max_mant_err_median=tl.max_mant_err_median,
         )
+        hf = params.hard_factor
         for j, results in enumerate(verdicts):
-            bad = next((r for r in results if not r.ok), None)
-            if bad is not None:
-                raise Rejection("toploc", rollout=j, chunk=bad.index, mismatches=bad.mismatches,
-                                mant_err_mean=_finite(bad.mant_err_mean), mant_err_median=_finite(bad.mant_err_median), detail=bad.reason[:200])
+            tally.chunks += len(results)
+            for r in results:
+                tally.worst("toploc_mismatches", float(r.mismatches))
+                tally.worst("toploc_mant_err_mean", r.mant_err_mean)
+                tally.worst("toploc_mant_err_median", r.mant_err_median)
+            for bad in (r for r in results if not r.ok):
+                tally.chunks_over += 1
+                evidence: Evidence = {"rollout": j, "chunk": bad.index, "mismatches": bad.mismatches,
+                                      "mant_err_mean": _finite(bad.mant_err_mean), "mant_err_median": _finite(bad.mant_err_median)}
+                soft = (params.soft and bad.mismatches <= min(tl.topk, hf * tl.max_mismatches)
+                        and bad.mant_err_mean <= hf * tl.max_mant_err_mean and bad.mant_err_median <= hf * tl.max_mant_err_median)
+                if not soft:
+                    raise Rejection("toploc", **evidence, detail=bad.reason[:200])
+                tally.soft.append(("toploc", evidence))
         timings["toploc"] = time.perf_counter() - t
         t = time.perf_counter()
         # the logits (the prefill's LM head) of a few consecutive rollouts at a time go into one reused
@@ -236,10 +307,15 @@ class SubmissionChecker:
             logits = head_logits(model, torch.cat([rows[j] for j in group]) if len(group) > 1 else rows[group[0]], buf)  # [Σn, V] float32
             head_s += time.perf_counter() - t_head
             with _intra_op_threads(self.replay_threads):
-                self._sampling(group, [sub.rollouts[j].seed for j in group], logits, [seqs[j][1] for j in group],
+                self._sampling(params, tally, group, [sub.rollouts[j].seed for j in group], logits, [seqs[j][1] for j in group],
                                [seqs[j][2] for j in group])
         timings["prefill"] += head_s  # the LM head is prefill work, done group by group
         timings["sampling"] = time.perf_counter() - t - head_s
+        if params.soft:  # logit-bound-v2 judges the near-tie share over the whole submission
+            allowed = math.ceil(params.max_near_tie_fraction * tally.tokens)
+            if tally.near_ties > allowed:
+                tally.soft.append(("near_ties", {"near_ties": tally.near_ties, "allowed": allowed, "tokens": tally.tokens}))
+        return tally
 
     def _rewards(self, sub: Submission, plan: Any, seqs: list[tuple[list[int], list[int], list[float]]], timings: dict[str, float]) -> None:
         spec = self.spec
@@ -290,31 +366,52 @@ class SubmissionChecker:
             raise Rejection("termination", rollout=j, length=n, detail="finish=length needs max_tokens tokens and no EOS")
         return prompt, completion, logprobs
 
-    def _sampling(self, group: list[int], seeds: list[int], logits: torch.Tensor, completions: list[list[int]], logprobs: list[list[float]]) -> None:
+    def _sampling(self, params: sampling.ReplayParams, tally: _Tally, group: list[int], seeds: list[int], logits: torch.Tensor,
+                  completions: list[list[int]], logprobs: list[list[float]]) -> None:
         """Termination by the policy, sampling replay and log-probs of consecutive rollouts ``group``
-        whose logits are stacked in ``logits`` (``[Σn, V]``, this group's scratch: the replay works in it)."""
+        whose logits are stacked in ``logits`` (``[Σn, V]``, this group's scratch: the replay works in it);
+        counts into ``tally``. Under ``logit-bound-v2`` a value beyond its bound but within the hard
+        factor is a soft finding (``docs/toploc.md`` §6.3), beyond it the cheat it always was."""
         s, t = self.spec.sampling, self.spec.toploc
         eos_floor = t.eos_min_prob
-        slack = sampling.termination_slack(eos_floor, s.temperature, t.replay_rule, t.eos_prob_slack, t.replay_logit_bound)
+        slack = params.termination_slack()
         end = 0
         # termination first: a stop where the policy gives EOS little probability is the specific cheat
         for j, completion in zip(group, completions, strict=True):
             end += len(completion)
             term = sampling.termination_check(logits[end - 1], completion, [self.eos_id], s.max_tokens, s.temperature, eos_floor, slack)
-            if not term.ok:
-                raise Rejection("termination", rollout=j, p_eos=_finite(term.p_eos), min_p_eos=eos_floor, detail=term.reason[:200])
-        replays = sampling.replay_checks(logits, completions, seeds, None, s.temperature, s.top_p, t.replay_eps, t.max_near_tie_fraction,
-                                         eos_ids=(self.eos_id,), min_eos_prob=eos_floor, eos_prob_slack=t.eos_prob_slack, rule=s.rule,
-                                         overwrite=True, replay_rule=t.replay_rule, logit_bound=t.replay_logit_bound)
+            if math.isfinite(term.p_eos):
+                tally.worst("eos_shortfall", eos_floor - term.p_eos)
+            if term.ok:
+                continue
+            evidence: Evidence = {"rollout": j, "p_eos": _finite(term.p_eos), "min_p_eos": eos_floor}
+            if params.soft and math.isfinite(term.p_eos) and sampling.termination_check(
+                    logits[end - 1], completion, [self.eos_id], s.max_tokens, s.temperature, eos_floor, params.termination_slack(hard=True)).ok:
+                tally.soft.append(("termination", evidence))
+                continue
+            raise Rejection("termination", **evidence, detail=term.reason[:200])
+        replays = sampling.replay_checks(logits, completions, seeds, params, overwrite=True)
+        hf = params.hard_factor
         for j, replay, reported in zip(group, replays, logprobs, strict=True):
+            tally.replay(replay)
             if not replay.ok:
                 raise Rejection("sampling", rollout=j, hard_mismatches=replay.hard_mismatches, near_ties=replay.near_ties,
                                 detail=replay.reason[:200])
+            if params.soft and replay.out_of_bound:
+                tally.soft.append(("sampling", {"rollout": j, "out_of_bound": replay.out_of_bound,
+                                                "max_gap": _finite(float(replay.gaps[torch.isfinite(replay.gaps)].max()))}))
             assert replay.logprobs is not None  # replay_checks always fills them: [n] log_softmax(logits / T)[token]
             lp = sampling.logprob_check(reported, replay.logprobs, max_abs=t.logprob_max_abs, mean_abs=t.logprob_mean_abs)
-            if not lp.ok:
-                raise Rejection("logprobs", rollout=j, position=lp.position, max_abs_diff=_finite(lp.max_abs_err),
-                                mean_abs_diff=_finite(lp.mean_abs_err), detail=lp.reason[:200])
+            tally.logprob_over += lp.over
+            tally.worst("logprob_abs", lp.max_abs_err)
+            tally.worst("logprob_mean_abs", lp.mean_abs_err)
+            if lp.ok:
+                continue
+            evidence = {"rollout": j, "position": lp.position, "max_abs_diff": _finite(lp.max_abs_err), "mean_abs_diff": _finite(lp.mean_abs_err)}
+            if params.soft and lp.max_abs_err <= hf * t.logprob_max_abs and lp.mean_abs_err <= hf * t.logprob_mean_abs:
+                tally.soft.append(("logprobs", evidence))
+                continue
+            raise Rejection("logprobs", **evidence, detail=lp.reason[:200])
 
 
 _LOGIT_GROUP_ELEMENTS = 1 << 22

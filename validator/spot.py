@@ -78,7 +78,7 @@ def next_verified(verified: int, reason: str, full: bool) -> int:
     """A worker's verified count after one more verdict on it: +1 for an accept after a full check,
     0 after a doubt, unchanged otherwise (an accept after a light check verifies no model work; a
     benign rejection says nothing about the worker). The validator's ledger applies this once per
-    judged submission (:meth:`validator.ledger.Ledger.record`)."""
+    judged submission (:meth:`validator.judgements.Judgements.record`)."""
     if is_doubt(reason):
         return 0
     return verified + 1 if reason == OK and full else verified

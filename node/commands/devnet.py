@@ -43,6 +43,12 @@ def _devnet(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="an env.args value, dotted keys into tables: --env-arg basic_arithmetic.max_terms=2 --env-arg answer=text "
                         "(repeatable; values as TOML reads them, a bare word is a string)")
     p.add_argument("--adversary", choices=ADVERSARIES, default=None, help="add one dishonest worker of this kind")
+    p.add_argument("--steer-rate", type=float, default=None, metavar="R",
+                   help="with --adversary steer: the share of its chances the steering worker takes (0 … 1, default 1)")
+    p.add_argument("--worker-dtype", choices=["fp32", "float32", "bf16", "bfloat16"], default="fp32",
+                   help="what every worker (and the adversary) computes in (default fp32). bf16 signs a spec fit for bf16 "
+                        "workers (toploc.replay_rule logit-bound-v1 with the bf16 tolerances, policies published in bf16; "
+                        "node/devnet/config.py precision_toploc, docs/devnet.md § Precision)")
     p.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP", help="SIGKILL worker-0 at this trainer step, then restart it")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="folder for logs, data and the report: missing, empty, or a previous devnet's (replaced; devnet outputs "
@@ -110,6 +116,7 @@ def _rl_overrides(items: list[str], *, embedded: bool, async_level: int | None, 
 
 
 def _run_devnet(args: argparse.Namespace) -> int:
+    from node.devnet.config import WORKER_DTYPES
     from node.devnet.orchestrator import Devnet, DevnetOptions
     from node.devnet.outdir import OutDirError, check_out, new_default_out
     from node.devnet.report import write_report
@@ -130,6 +137,8 @@ def _run_devnet(args: argparse.Namespace) -> int:
         raise CliError("--profile-layers N needs --profile and N ≥ 1")
     if profile and args.model:
         raise CliError("--profile builds its own model; leave out --model")
+    if args.steer_rate is not None and (args.adversary != "steer" or not 0.0 <= args.steer_rate <= 1.0):
+        raise CliError("--steer-rate R needs --adversary steer and 0 ≤ R ≤ 1")
     model = Path(args.model).resolve() if args.model else None
     if model is not None and not model.exists():
         raise CliError(f"--model {args.model}: no such directory ({model}); pass the folder of a local Hugging Face Qwen2 model "
@@ -185,7 +194,8 @@ def _run_devnet(args: argparse.Namespace) -> int:
                             dashboard=not args.no_dashboard and sys.stdout.isatty(), timeout_s=timeout, seed=args.seed,
                             async_level=args.async_level, eval_every=args.eval_every, eval_samples=eval_samples, model=model,
                             rl=rl, profile=args.profile, profile_layers=args.profile_layers, links=args.links, deltas=not args.no_deltas,
-                            env=env_name, env_args=env_arguments)
+                            env=env_name, env_args=env_arguments,
+                            worker_dtype=WORKER_DTYPES[args.worker_dtype], steer_rate=1.0 if args.steer_rate is None else args.steer_rate)
     live = None
     last_print = [0.0]
 
@@ -249,6 +259,15 @@ def summary_lines(dn: Devnet, result: DevnetResult, md: Path, png: Path) -> list
         head = f"devnet FAILED after {result.wall_s:.0f} s at step {steps} of {dn.o.steps} ({who}): {result.reason}"
     lines = [head, f"held-out pass rate: start {start} -> end {end}{gain} ({h['points']} evaluations)",
              f"verdicts: {st.get('verdicts_by_reason')}; banned: {[b['peer_id'] for b in st.get('banned') or []]}"]
+    outcomes = dn.worker_outcomes()
+    for name, w in sorted(outcomes.items(), key=lambda kv: (kv[1]["banned_at_step"] is None, kv[1]["banned_at_step"] or 0, kv[0])):
+        if w["banned"]:
+            ev = w.get("ban_evidence") or {}
+            detail = f": {ev['detail']}" if isinstance(ev.get("detail"), str) else ""
+            at = w["banned_at_step"] if w["banned_at_step"] is not None else "?"
+            lines.append(f"ban: {name} banned at trainer step {at} ({w['banned']}{detail})")
+    if (adversary := dn.adversary_summary()) is not None:
+        lines.append(adversary)
     if (chaos := dn.chaos_summary()) is not None:
         lines.append(f"chaos: {chaos}")
     lines.append(f"report: {md} and {png}; logs in {dn.out / 'logs'}/; rerun with --seed {dn.seed}")

@@ -28,8 +28,9 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from node.cli import CliError, command
+from node.cli import CliError, add_run_argument, command
 from node.paths import default_data_dir
+from node.reach import speaks_libp2p
 from node.terminal import printable
 
 if TYPE_CHECKING:
@@ -80,12 +81,13 @@ class Check:
 @command
 def _doctor(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("doctor", help="check this machine and the run's services before joining (PASS/WARN/FAIL, a fix for each)")
-    p.add_argument("--run", required=True, help="the signed run spec (TOML)")
+    add_run_argument(p)
     p.add_argument("--role", choices=ROLES, default="worker", help="what this node will do (default worker)")
     p.add_argument("--data-dir", default=None, help=f"node data directory, for the free-disk check (default: {default_data_dir()})")
     p.add_argument("--host", default="127.0.0.1", help="interface the node will listen on (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, default=0, help="HTTP/status port the node will bind (default 0: any)")
     p.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port the node will bind (default 0: any)")
+    p.add_argument("--public-url", default="", help="relay: the URL it will announce (checked against the address the coordinator sees)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S", help=f"per network check, seconds (default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--gossip-wait", type=float, default=DEFAULT_GOSSIP_WAIT_S, metavar="S",
                    help=f"join the run's gossip as a silent observer for up to S seconds to hear the coordinator's signed heartbeat "
@@ -126,53 +128,66 @@ def _run_doctor(args: argparse.Namespace) -> int:
         if not 0 <= getattr(args, name) <= 65535:
             raise CliError(f"--{name.replace('_', '-')} must be 0…65535")
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    if bool(args.address) == bool(args.run):
+        raise CliError("name the run once: its address (intellect1:…) or --run run.toml")
+    run = args.address or args.run
+    tables: list[str] = []
     if args.role == "coordinator":
-        checks = coordinator_checks(Path(args.run), data_dir=data_dir, data_root=Path(args.data_root) if args.data_root else None,
+        checks = coordinator_checks(Path(run), data_dir=data_dir, data_root=Path(args.data_root) if args.data_root else None,
                                     key=Path(args.key) if args.key else None, host=args.host, http_port=args.http_port,
                                     p2p_port=args.p2p_port)
     else:
-        checks = run_checks(Path(args.run), role=args.role, data_dir=data_dir, host=args.host, http_port=args.http_port,
-                            p2p_port=args.p2p_port, timeout_s=args.timeout, gossip_wait_s=args.gossip_wait)
+        checks = run_checks(run, role=args.role, data_dir=data_dir, host=args.host, http_port=args.http_port,
+                            p2p_port=args.p2p_port, timeout_s=args.timeout, gossip_wait_s=args.gossip_wait, public_url=args.public_url,
+                            tables=tables)
     if args.json:
         print(json.dumps([asdict(c) for c in checks], indent=2))
     else:
         for c in checks:
             print(c.line())
+        for table in tables:
+            print(table)
         n = {s: sum(c.status == s for c in checks) for s in ("PASS", "WARN", "FAIL")}
         print(f"doctor ({args.role}): {n['PASS']} passed, {n['WARN']} warnings, {n['FAIL']} failed")
     return 1 if any(c.status == "FAIL" for c in checks) else 0
 
 
-def run_checks(run: Path, *, role: str = "worker", data_dir: Path, host: str = "127.0.0.1", http_port: int = 0, p2p_port: int = 0,
-               timeout_s: float = DEFAULT_TIMEOUT_S, gossip_wait_s: float = 0.0) -> list[Check]:
+def run_checks(run: Path | str, *, role: str = "worker", data_dir: Path, host: str = "127.0.0.1", http_port: int = 0, p2p_port: int = 0,
+               timeout_s: float = DEFAULT_TIMEOUT_S, gossip_wait_s: float = 0.0, public_url: str = "",
+               tables: list[str] | None = None) -> list[Check]:
     """All checks for ``role`` against the run spec at ``run``, in report order, within :func:`budget_s` seconds.
 
     Args:
-        run: the signed run spec file.
+        run: the signed run spec file, or the run's address (its spec fetched and verified, written nowhere).
         role: ``worker``, ``relay`` or ``validate``.
         data_dir: where checkpoints will be kept (its file system's free space is checked).
         host, http_port, p2p_port: what the node will bind (0: any free port).
         timeout_s: per network request (whole request: connect, head and body), seconds.
         gossip_wait_s: longest wait on gossip for the coordinator's signed heartbeat, seconds (0: no gossip check).
+        public_url: a relay's ``--public-url`` (checked against the address the coordinator sees).
+        tables: receives the text tables to print under the checks (the machine-fit table of a worker or validator).
 
     Returns:
-        The checks; a spec that does not verify ends the list after its FAIL.
+        The checks; a spec that does not verify ends the list after its FAIL. A relay's end with the
+        coordinator's dial-back of its ports (``doctor_reach.py``); a worker's and validator's with the
+        machine fit (``doctor_fit.py``).
     """
-    from protocol.errors import RunSpecError
-    from protocol.runspec import load_run_spec
+    from node.bootstrap import JoinError, read_run
 
     try:
-        signed = load_run_spec(run)
-    except RunSpecError as e:
+        signed, address = read_run(str(run))
+    except JoinError as e:
         return [Check("run spec signature", "FAIL", str(e)[:300], "get the run spec again from the coordinator: it is unsigned, altered or not a run spec")]
-    spec = signed.spec
     run_id = signed.run_id.hex()
+    # the checks' view of where the run is: the spec's locations and the address's (a spec may name none: the
+    # address does); only for reading the locations (its run_id is not the run's: run_id above is)
+    spec = _with_address(signed.spec, address)
     budget = Budget(budget_s(gossip_wait_s) - LOCAL_RESERVE_S)
     checks = [Check("run spec signature", "PASS", f"run {spec.run.name} ({run_id[:16]}…) signed by coordinator {spec.run.coordinator}")]
     coord_status, clock = _check_ingest(spec, run_id, checks, timeout_s, budget)
     checks += _check_bootstrap(spec, run_id, coord_status, timeout_s, budget)
     if gossip_wait_s > 0:
-        checks.append(_check_gossip(spec, gossip_wait_s, host, budget))
+        checks.append(_check_gossip(signed.spec, gossip_wait_s, host, budget, bootstrap=list(address.bootstrap) if address else []))
     checks += _check_origins(spec, run_id, timeout_s, budget)
     checks.append(_check_relays(spec, run_id, timeout_s, budget))
     checks.append(_check_clock(clock))
@@ -180,12 +195,29 @@ def run_checks(run: Path, *, role: str = "worker", data_dir: Path, host: str = "
     checks.append(_check_disk(data_dir, model_bytes, spec.shardcast.keep_steps))
     checks.append(_check_memory(model_bytes, role))
     checks.append(_check_gpu(model_bytes, role))
+    if role != "relay":
+        from node.commands.doctor_fit import check_fit
+        from node.machine import probe_machine
+
+        fit, table = check_fit(spec, data_dir, probe_machine(use_torch=False))
+        checks.append(fit)
+        if tables is not None:
+            tables.append(table)
     checks.append(_check_sandbox(spec.data.tasks, role))
     if spec.env.name and role != "relay":
         checks.append(_check_environment(spec))
     checks.append(_check_port(host, http_port, "HTTP/status port", "--http-port"))
     if role != "relay" or p2p_port:
         checks.append(_check_port(host, p2p_port, "libp2p port", "--p2p-port"))
+    if role == "relay":
+        from node.commands.doctor_reach import check_reachability
+
+        coord_urls = list(spec.network.ingest_urls)
+        if budget.left() < 2.0:
+            checks.append(Check("reachable", "WARN", "not checked: doctor's time budget was spent on the checks above", "fix the slow checks above first"))
+        else:
+            checks += check_reachability(coord_urls, signed.run_id, host=host, http_port=http_port, p2p_port=p2p_port,
+                                         public_url=public_url, timeout_s=budget.left() / 2)
     return checks
 
 
@@ -472,32 +504,6 @@ def _parse_multiaddr(addr: str) -> tuple[str, int, str] | None:
     return None
 
 
-MULTISTREAM = b"/multistream/1.0.0\n"
-
-
-def _speaks_libp2p(host: str, port: int, timeout_s: float) -> bool:
-    """Connect and do the first multistream-select exchange (the opening of every libp2p TCP connection),
-    all within ``timeout_s`` seconds (a peer dribbling its answer byte by byte cannot stretch it).
-
-    Raises:
-        OSError: not reachable.
-    """
-    end = time.monotonic() + timeout_s
-    with socket.create_connection((host, port), timeout=timeout_s) as s:
-        s.sendall(bytes([len(MULTISTREAM)]) + MULTISTREAM)
-        got = b""
-        try:
-            while len(got) < 1 + len(MULTISTREAM) and (left := end - time.monotonic()) > 0:
-                s.settimeout(left)
-                chunk = s.recv(64)
-                if not chunk:
-                    break
-                got += chunk
-        except TimeoutError:
-            pass
-        return got[1:1 + len(MULTISTREAM)] == MULTISTREAM
-
-
 def _check_bootstrap(spec: RunSpec, run_id: str, coord: dict[str, Any] | None, timeout_s: float, budget: Budget) -> list[Check]:
     if not spec.network.bootstrap:
         return [Check("bootstrap", "WARN", "the run spec lists no bootstrap peer", "pass --bootstrap MULTIADDR to join (ask the coordinator for one)")]
@@ -513,7 +519,7 @@ def _check_bootstrap(spec: RunSpec, run_id: str, coord: dict[str, Any] | None, t
         if deadline <= 0:
             return Check(name, "WARN", "not checked: doctor's time budget was spent on the checks above", "fix the slow checks above first")
         try:
-            libp2p = _speaks_libp2p(host, port, deadline)
+            libp2p = speaks_libp2p(host, port, deadline)
         except OSError as e:
             return Check(name, "FAIL", f"unreachable: {_why(e)}", "the peer is down or blocked: pass --bootstrap with a live peer, or check the firewall")
         if not libp2p:
@@ -530,7 +536,19 @@ def _check_bootstrap(spec: RunSpec, run_id: str, coord: dict[str, Any] | None, t
         return list(pool.map(probe, addrs))
 
 
-def _check_gossip(spec: RunSpec, wait_s: float, listen_host: str, budget: Budget) -> Check:
+def _with_address(spec: RunSpec, address: Any) -> RunSpec:
+    """``spec`` with the address's HTTP locations added to its ingest and origin URLs and its multiaddrs
+    to its bootstrap peers (for reading only: the copy's content, hence its run ID, is not the run's)."""
+    if address is None:
+        return spec
+    net = spec.network
+    ingest = list(dict.fromkeys([*address.http_urls, *net.ingest_urls]))[:16]
+    origins = list(dict.fromkeys([*net.origin_urls, *address.http_urls]))[:16]
+    boot = list(dict.fromkeys([*net.bootstrap, *address.bootstrap]))[:64]
+    return spec.model_copy(update={"network": net.model_copy(update={"ingest_urls": ingest, "origin_urls": origins, "bootstrap": boot})})
+
+
+def _check_gossip(spec: RunSpec, wait_s: float, listen_host: str, budget: Budget, *, bootstrap: list[str] | None = None) -> Check:
     """Join the run's topics as a silent observer through the bootstrap peers and wait for the coordinator's heartbeat.
 
     A record is delivered only after its signature and run ID verify, so hearing the coordinator
@@ -545,8 +563,8 @@ def _check_gossip(spec: RunSpec, wait_s: float, listen_host: str, budget: Budget
     async def listen() -> tuple[int, bool, float]:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        node = await GossipNode.create(spec, NodeKey.generate(), GossipConfig(listen_host=listen_host, publish_records=False),
-                                       role="observer")
+        node = await GossipNode.create(spec, NodeKey.generate(), GossipConfig(listen_host=listen_host, publish_records=False,
+                                                                              bootstrap=bootstrap or []), role="observer")
         try:
             while loop.time() - t0 < wait_s and node.peers.coordinator() is None:
                 await asyncio.sleep(0.05)
@@ -657,9 +675,11 @@ def estimate_model_bytes(spec: RunSpec) -> int | None:
         base = Path(spec.model.base)
         files = list(base.glob("*.safetensors")) if base.is_dir() else []
         return sum(f.stat().st_size for f in files) if files else None
-    h, layers, vocab = spec.model.hidden_size, 2, 99  # protocol.models.embedded_config: 2 layers; 3 special + 96 character tokens
-    per_layer = (h * h + h) + 2 * (h * h // 2 + h // 2) + h * h + 3 * h * 2 * h + 2 * h  # q, k+v (2 KV heads of 4), o, MLP, norms
-    params = vocab * h + layers * per_layer + h  # tied embeddings
+    from node.commands.doctor_fit import run_shape
+
+    shape = run_shape(spec, Path("."))  # the embedded base's shape (its shipped config.json at this hidden size)
+    assert shape is not None
+    params = shape.parameters()
     return params * (2 if spec.model.dtype == "bfloat16" else 4)
 
 
@@ -701,22 +721,18 @@ def _check_memory(model_bytes: int | None, role: str) -> Check:
 
 
 def _check_gpu(model_bytes: int | None, role: str) -> Check:
-    smi = shutil.which("nvidia-smi")
+    from node.machine import nvidia_smi_gpus
+
     if role == "relay":
         return Check("GPU memory", "PASS", "relays need no GPU")
-    if smi is None:
-        return Check("GPU memory", "PASS", "no CUDA GPU found (nvidia-smi absent): the CPU engine will be used")
     try:
-        out = subprocess.run([smi, "--query-gpu=name,memory.free,memory.total", "--format=csv,noheader,nounits"], capture_output=True,
-                             text=True, timeout=LOCAL_RESERVE_S, check=True).stdout.strip().splitlines()
+        gpus = nvidia_smi_gpus(LOCAL_RESERVE_S)
     except (OSError, subprocess.SubprocessError) as e:
         return Check("GPU memory", "WARN", f"nvidia-smi failed: {e}", "check the NVIDIA driver (nvidia-smi should list the GPU)")
-    if not out:
+    if not gpus:
+        if shutil.which("nvidia-smi") is None:
+            return Check("GPU memory", "PASS", "no CUDA GPU found (nvidia-smi absent): the CPU engine will be used")
         return Check("GPU memory", "WARN", "nvidia-smi lists no GPU", "check the NVIDIA driver")
-    gpus = []
-    for line in out:
-        name, free_mib, total_mib = (x.strip() for x in line.rsplit(",", 2))
-        gpus.append((name, float(free_mib) * (1 << 20), float(total_mib) * (1 << 20)))
     best = max(gpus, key=lambda g: g[1])
     detail = f"{len(gpus)} GPU(s); most free: {best[0]} {_mib(best[1])} of {_mib(best[2])}"
     if model_bytes is not None and best[1] < MEMORY_FACTOR * model_bytes:
@@ -755,9 +771,13 @@ def _check_environment(spec: RunSpec) -> Check:
 
 
 def _check_port(host: str, port: int, what: str, flag: str) -> Check:
+    """Whether ``host:port`` can be bound as the node binds it: with ``SO_REUSEADDR``, as
+    ``node/http_server.py`` and py-libp2p's TCP listener do. Without it a port whose last server
+    just stopped (its connections in TIME_WAIT) failed here although the node would bind it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
             got = s.getsockname()[1]
     except OSError as e:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from node.cli import CliError, command, load_key, load_spec
 from node.paths import default_data_dir
+from node.timeouts import DOWNLOAD_DEADLINE_S
 
 if TYPE_CHECKING:
     from node.shardcast.download import DownloadConfig
@@ -83,7 +84,7 @@ def _fetch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--source", action="append", default=[], metavar="URL", help="origin or relay base URL (repeatable; default: the run spec's origin_urls)")
     p.add_argument("--out", required=True, help="directory to create with the checkpoint files")
     p.add_argument("--concurrency", type=int, default=8, help="pieces downloaded at once (default 8)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds (default 3600)")
+    p.add_argument("--timeout", type=float, default=DOWNLOAD_DEADLINE_S, help=f"give up after this many seconds (default {DOWNLOAD_DEADLINE_S:.0f})")
     p.add_argument("--held", default=None, metavar="DIR",
                    help="a directory holding an earlier step (from an earlier fetch): reach --step by signed deltas from it "
                         "when the sources have them, else fetch in full (docs/shardcast.md §9)")

@@ -12,7 +12,7 @@ from node.cli import CliError, command, load_key, load_spec
 @command
 def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("spec", help="create or inspect a signed run spec")
-    ssub = p.add_subparsers(dest="spec_cmd", required=True, metavar="{init,show}")
+    ssub = p.add_subparsers(dest="spec_cmd", required=True, metavar="{init,show,address}")
     init = ssub.add_parser("init", help="write a run spec signed by the coordinator key")
     init.add_argument("--coordinator-key", required=True, help="the coordinator's key file")
     init.add_argument("--out", required=True, help="path of the TOML file to write")
@@ -28,7 +28,9 @@ def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     init.add_argument("--origin-url", action="append", default=[], metavar="URL", help="Shardcast origin URL (repeatable)")
     init.add_argument("--tasks", default=None, help="task set: embedded, a public set — gsm8k (test split), gsm8k_train (train split), math500 (test), "
                       "math_train (train), humaneval, mbpp — or a JSONL/Parquet file in the INTELLECT-2 schema")
-    init.add_argument("--data-root", default=None, help="where the public sets are; given, the task list's hash is pinned in the spec")
+    init.add_argument("--data-root", default=None,
+                      help="where the public sets are; given (or with a task file path), the task list is pinned in the spec: its "
+                           "hash (data.tasks_hash) and the tasks artifact contributors fetch instead of task files (artifacts.tasks)")
     init.add_argument("--tasks-per-submission", type=int, default=None, help="tasks per worker submission (default 2)")
     init.add_argument("--env", default=None, metavar="NAME",
                       help="the run's own environment instead of --tasks: reasoning_gym:NAME[=WEIGHT][,NAME...], verifiers:MODULE or a "
@@ -61,19 +63,50 @@ def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     init.add_argument("--replay-eps", type=float, default=None,
                       help="sampling replay tolerance, probability units (default 1e-4, for fp32 workers; docs/toploc.md §6.1)")
     init.add_argument("--max-near-tie-fraction", type=float, default=None,
-                      help="near-tie mismatches allowed per completion, share of its tokens (default 0.1)")
-    init.add_argument("--replay-rule", choices=["eps-v1", "logit-bound-v1"], default=None,
-                      help="how the sampling replay tolerates numeric noise: eps-v1 (default; fp32 workers) or logit-bound-v1 "
-                           "(workers computing in bf16 against float32 validators; needs --replay-logit-bound; docs/toploc.md §6.2)")
+                      help="near-tie mismatches allowed per completion (per submission under logit-bound-v2), share of its tokens (default 0.1)")
+    init.add_argument("--replay-rule", choices=["eps-v1", "logit-bound-v1", "logit-bound-v2"], default=None,
+                      help="how the sampling replay tolerates numeric noise: eps-v1 (default; fp32 workers), logit-bound-v1 or "
+                           "logit-bound-v2 (workers computing in bf16 against float32 validators; need --replay-logit-bound; v2 judges "
+                           "near ties per submission and values within --hard-factor of a bound as benign 'precision'; docs/toploc.md §6)")
     init.add_argument("--replay-logit-bound", type=float, default=None,
-                      help="logit-bound-v1: the workers' largest logit error, nats (bf16 against float32: 1.0, docs/toploc.md §10)")
+                      help="the logit rules' bound δ, nats: measure it with --measure-precision (docs/toploc.md §10)")
+    init.add_argument("--worker-dtype", choices=["float32", "bfloat16"], default=None,
+                      help="the honest workers' compute dtype the tolerances are for (default float32)")
+    init.add_argument("--fp32-logits", action="store_true",
+                      help="bf16 workers take their logits from the float32 LM head (the tolerances assume it; docs/toploc.md §10)")
+    init.add_argument("--hard-factor", type=float, default=None,
+                      help="logit-bound-v2: values within this multiple of a bound are benign 'precision', beyond it cheats (default 2)")
+    init.add_argument("--measure-precision", choices=["float32", "bfloat16"], default=None, metavar="DTYPE",
+                      help="measure the tolerances on the base: honest DTYPE submissions (decode batch 1, 8, 64) checked by the "
+                           "validators' pipeline; writes replay rule logit-bound-v2 with δ, log-prob bounds, near-tie share and TOPLOC "
+                           "thresholds at stated margins over the worst honest values, and prints them (docs/operators.md)")
+    init.add_argument("--measure-submissions", type=int, default=20, metavar="N",
+                      help="with --measure-precision: honest submissions per batch size (default 20)")
+    init.add_argument("--measure-device", default="cpu", metavar="DEVICE",
+                      help="with --measure-precision: the torch device the honest submissions are generated on (default cpu; "
+                           "'cuda' on a GPU of the kind the run's workers use: their kernels are what the tolerances must cover)")
+    init.add_argument("--audit", action="store_true",
+                      help="run the per-worker audit (audit.rule eprocess-v1: workers whose replay statistics exceed honest compute's "
+                           "are banned; the coordinator calibrates the honest baseline itself; docs/toploc.md §11)")
+    init.add_argument("--audit-false-alarm", type=float, default=None, help="with --audit: an honest worker's chance of a flag (default 1e-6)")
+    init.add_argument("--calibration-submissions", type=int, default=None,
+                      help="with --audit: honest reference submissions the coordinator checks per published step (default 2)")
+    init.add_argument("--min-calibration-tokens", type=int, default=None,
+                      help="with --audit: no flag before the baseline holds this many replayed tokens (default 2000)")
     init.add_argument("--eos-prob-slack", type=float, default=None,
                       help="eps-v1: P(EOS) of worker and validator may differ by this much at the EOS floor (default 0.01)")
     init.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     init.set_defaults(handler=_run_spec_init)
-    show = ssub.add_parser("show", help="print a run spec and whether its signature holds")
+    show = ssub.add_parser("show", help="print a run spec, whether its signature holds, and its address")
     show.add_argument("path")
     show.set_defaults(handler=_run_spec_show)
+    addr = ssub.add_parser("address", help="print the run's address (intellect1:…): the one string contributors join with")
+    addr.add_argument("path", help="the signed run spec")
+    addr.add_argument("--url", action="append", default=[], metavar="URL",
+                      help="HTTP location serving the spec (the coordinator's public URL or a relay's; default: the spec's origin "
+                           "and ingest URLs)")
+    addr.add_argument("--full-run-id", action="store_true", help="put the whole run ID in the address, not its first 16 hex digits")
+    addr.set_defaults(handler=_run_spec_address)
 
 
 def _run_spec_init(args: argparse.Namespace) -> int:
@@ -102,10 +135,14 @@ def _run_spec_init(args: argparse.Namespace) -> int:
         data["tasks"], data["tasks_hash"] = rs.ENV_TASKS, env.pop("tasks_hash")
     elif args.env_arg or args.env_seed is not None or args.env_train_size is not None or args.env_heldout_size is not None:
         raise CliError("--env-arg, --env-seed, --env-train-size and --env-heldout-size need --env")
-    if args.tasks is not None and args.tasks != "embedded" and args.data_root is not None:
-        from protocol.dataset import resolve_tasks
+    artifacts: dict[str, str] = {}  # an environment's tasks come from the environment every scoring node holds: no tasks artifact
+    if args.tasks is not None and args.tasks != "embedded" and (args.data_root is not None or Path(args.tasks).exists()):
+        from protocol.artifacts import TASKS_ARTIFACT
+        from protocol.dataset import resolve_tasks, tasks_artifact_id
 
-        data["tasks_hash"] = resolve_tasks(args.tasks, Path(args.data_root)).hash
+        run_tasks = resolve_tasks(args.tasks, Path(args.data_root) if args.data_root else None)
+        data["tasks_hash"] = run_tasks.hash
+        artifacts[TASKS_ARTIFACT] = tasks_artifact_id(run_tasks.train).hex()  # workers and validators fetch it: no task files to copy
     model = given(base=args.model_base, hidden_size=args.hidden_size)
     if args.model_base is not None and args.model_base != "embedded":
         model.update(_describe_base(Path(args.model_base), args.hidden_size))
@@ -113,7 +150,12 @@ def _run_spec_init(args: argparse.Namespace) -> int:
                      target_lengths=args.target_length or None, rule=args.sampling_rule)
     toploc = given(logprob_max_abs=args.logprob_max_abs, logprob_mean_abs=args.logprob_mean_abs, replay_eps=args.replay_eps,
                    max_near_tie_fraction=args.max_near_tie_fraction, replay_rule=args.replay_rule,
-                   replay_logit_bound=args.replay_logit_bound, eos_prob_slack=args.eos_prob_slack)
+                   replay_logit_bound=args.replay_logit_bound, eos_prob_slack=args.eos_prob_slack, worker_dtype=args.worker_dtype,
+                   hard_factor=args.hard_factor, fp32_logits=args.fp32_logits or None)
+    if not args.audit and any(v is not None for v in (args.audit_false_alarm, args.calibration_submissions, args.min_calibration_tokens)):
+        raise CliError("--audit-false-alarm, --calibration-submissions and --min-calibration-tokens need --audit")
+    audit = given(false_alarm=args.audit_false_alarm, calibration_submissions=args.calibration_submissions,
+                  min_calibration_tokens=args.min_calibration_tokens) | ({"rule": "eprocess-v1"} if args.audit else {})
     shard = given(keep_steps=args.keep_steps)  # not given: the spec keeps rl.async_level + 1 (protocol.window.fresh_steps)
     if args.piece_size is not None:
         shard["piece_size_bytes"] = args.piece_size
@@ -133,7 +175,12 @@ def _run_spec_init(args: argparse.Namespace) -> int:
             shardcast=rs.ShardcastSpec(**shard),
             network=rs.NetworkSpec(bootstrap=args.bootstrap, ingest_urls=args.ingest_url, origin_urls=args.origin_url),
             env=rs.EnvSpec(**env),
+            audit=rs.AuditSpec(**audit),
+            artifacts=artifacts,
         )
+        if args.measure_precision is not None:
+            spec = spec.model_copy(update={"toploc": _measured_toploc(spec, args)})
+            spec = rs.RunSpec.model_validate(spec.model_dump())  # the whole spec checked again with the measured section
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(map(str, err["loc"]))
@@ -146,6 +193,8 @@ def _run_spec_init(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, rs.dump_run_spec(signed).encode())
     print(f"run spec written to {out}; run ID {signed.run_id.hex()}")
+    if (address := spec_address(signed, [])) is not None:
+        print(f"run address: {address}")
     return 0
 
 
@@ -173,6 +222,33 @@ def _pin_environment(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         env.close()
     return fields
+
+
+def _measured_toploc(spec: Any, args: argparse.Namespace) -> Any:
+    """``[toploc]`` from :func:`node.precision.measure_precision` on the run's base (prints the table)."""
+    import tempfile
+
+    import torch
+
+    from node.coordinator.base import prepare_base
+    from node.precision import measure_precision
+    from protocol.dataset import resolve_run_tasks
+    from protocol.models import load_tokenizer
+
+    if args.measure_submissions < 1:
+        raise CliError("--measure-submissions must be ≥ 1")
+    if args.fp32_logits and args.measure_precision != "bfloat16":
+        raise CliError("--fp32-logits is for --measure-precision bfloat16")
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    tasks = resolve_run_tasks(spec, Path(args.data_root) if args.data_root else None)  # the run's own environment too (--env)
+    with tempfile.TemporaryDirectory() as tmp:
+        base = prepare_base(spec, tasks, Path(tmp) / "base")
+        print(f"measuring honest {args.measure_precision} workers on {base} ({args.measure_submissions} submissions per batch size) …")
+        m = measure_precision(spec, base, tasks.train, load_tokenizer(base), args.measure_precision, submissions=args.measure_submissions,
+                              fp32_head=args.fp32_logits, device=args.measure_device)
+    toploc = m.toploc(spec.toploc, spec.sampling.temperature)
+    print("\n".join(m.lines(toploc)))
+    return toploc
 
 
 def _describe_base(path: Path, hidden_size: int | None) -> dict[str, object]:
@@ -204,4 +280,33 @@ def _run_spec_show(args: argparse.Namespace) -> int:
     signed = load_spec(args.path)
     print(dump_run_spec(signed), end="")
     print(f"# signature: valid (coordinator {signed.spec.run.coordinator}); run ID {signed.run_id.hex()}")
+    if (address := spec_address(signed, [])) is not None:
+        print(f"# run address: {address}")
+    return 0
+
+
+def spec_address(signed: Any, urls: list[str], *, full_run_id: bool = False) -> str | None:
+    """The run's address from its spec: ``urls`` (else the spec's origin and ingest URLs) and its
+    bootstrap multiaddrs; ``None`` when the spec names no location at all."""
+    from protocol.address import format_run_address
+
+    net = signed.spec.network
+    http = urls or list(dict.fromkeys([*net.origin_urls, *net.ingest_urls]))
+    if not http and not net.bootstrap:
+        return None
+    return format_run_address(signed.spec.run.coordinator, signed.run_id, http, net.bootstrap[:8],
+                              run_id_hex=signed.run_id.hex() if full_run_id else None)
+
+
+def _run_spec_address(args: argparse.Namespace) -> int:
+    from protocol.errors import AddressError
+
+    signed = load_spec(args.path)
+    try:
+        address = spec_address(signed, args.url, full_run_id=args.full_run_id)
+    except AddressError as e:
+        raise CliError(str(e)) from None
+    if address is None:
+        raise CliError("the spec names no origin, ingest or bootstrap location: pass --url http://COORDINATOR:PORT")
+    print(address)
     return 0

@@ -1,4 +1,5 @@
-"""`status`: join the run's gossip briefly as a silent observer and print the peer table."""
+"""`status`: this node's own work in the run (from the coordinator's signed account), and the run's live
+peers (joining its gossip briefly as a silent observer)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 import sys
 from typing import Any
 
-from node.cli import CliError, command, load_spec
+from node.cli import CliError, add_run_argument, command
+from node.paths import default_data_dir, default_key_path
 
 DEFAULT_WAIT_S = 10.0
 QUIET_HEARTBEATS = 1.5
@@ -19,8 +21,13 @@ MIN_HEARTBEATS = 2.5
 
 @command
 def _status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("status", help="join the run's gossip as an observer and print its live peers and latest step")
-    p.add_argument("--run", required=True, help="the signed run spec (TOML)")
+    p = sub.add_parser("status", help="this node's accepted, rejected and trained submissions and leaderboard place (signed by the "
+                                      "coordinator), and the run's live peers and latest step")
+    add_run_argument(p)
+    p.add_argument("--data-dir", default=None, help=f"node data directory, where its key is (default: {default_data_dir()})")
+    p.add_argument("--key", default=None, help=f"this node's key (default: <data-dir>/{default_key_path().name}); "
+                                                "its work is shown when the key exists")
+    p.add_argument("--mine", action="store_true", help="only this node's work: do not join gossip for the peer table")
     p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help="bootstrap peer, added to the spec's (repeatable)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--wait", type=float, default=DEFAULT_WAIT_S, metavar="S", help=f"longest time to collect records, seconds (default {DEFAULT_WAIT_S:g})")
@@ -30,24 +37,128 @@ def _status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _run_status(args: argparse.Namespace) -> int:
     import asyncio
+    from pathlib import Path
 
-    signed = load_spec(args.run)
+    from node.bootstrap import JoinError, read_run
+
     if not 0 < args.wait <= 3600:
         raise CliError("--wait must be between 0 and 3600 seconds")
-    if not args.bootstrap and not signed.spec.network.bootstrap:
-        raise CliError("no bootstrap peer: pass --bootstrap MULTIADDR or set network.bootstrap in the run spec")
+    if bool(args.address) == bool(args.run):
+        raise CliError("name the run once: its address (intellect1:…) or --run run.toml")
     for addr in args.bootstrap:
         if "/p2p/" not in addr:
             raise CliError(f"--bootstrap {addr!r} must end in /p2p/<peer ID>")
-    report = asyncio.run(_collect(signed.spec, args.bootstrap, args.wait, args.listen_host))
+    data_dir = Path(args.data_dir) if args.data_dir else None
+    try:
+        signed, address = read_run(args.address or args.run, data_dir or default_data_dir())
+    except JoinError as e:
+        raise CliError(str(e)) from None
+    mine = _my_work(signed, address, data_dir, args.key)
+    if args.mine and mine is None:
+        raise CliError(f"--mine: this machine has no node key at {default_key_path(data_dir)} (it has not joined a run; or pass --key)")
+    bootstrap = list(dict.fromkeys([*args.bootstrap, *(address.bootstrap if address else ())]))
+    report: dict[str, Any] = {"run_id": signed.run_id.hex()}
+    if mine is not None:
+        report["mine"] = mine
+    if not args.mine:
+        if not bootstrap and not signed.spec.network.bootstrap:
+            if mine is None:
+                raise CliError("no bootstrap peer: pass --bootstrap MULTIADDR or set network.bootstrap in the run spec")
+        else:
+            report.update(asyncio.run(_collect(signed.spec, bootstrap, args.wait, args.listen_host)))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        _print_table(report)
-    if not report["peers"]:
+        if mine is not None:
+            _print_mine(mine)
+        if "peers" in report:
+            _print_table(report)
+    if "peers" in report and not report["peers"]:
         print(f"no node records heard within {args.wait:g} s (are the bootstrap peers up?)", file=sys.stderr)
         return 1
+    if mine is not None and "error" in mine and (args.mine or args.key):  # asked for: its failure is the command's
+        return 1
     return 0
+
+
+def _my_work(signed: Any, address: Any, data_dir: Any, key_path: str | None) -> dict[str, Any] | None:
+    """This node's standing as the coordinator signed it (``None`` when this machine has no key)."""
+    import asyncio
+    from pathlib import Path
+
+    from node.cli import load_key
+
+    path = Path(key_path) if key_path else default_key_path(data_dir)
+    if not path.exists() and key_path is None:
+        return None
+    key = load_key(str(path))
+    urls = list(dict.fromkeys([*(address.http_urls if address else ()), *signed.spec.network.ingest_urls]))
+    try:
+        return asyncio.run(fetch_standing(urls, signed, key.peer_id))
+    except OSError as e:
+        return {"peer_id": key.peer_id, "error": str(e)}
+
+
+STANDING_TIMEOUT_S = 10.0
+STANDING_MAX_AGE_S = 600.0
+"""A signed standing older than this is refused (a replay of an old one), seconds."""
+"""Whole-request deadline of one standing request, seconds."""
+
+
+async def fetch_standing(urls: list[str], signed: Any, peer_id: str) -> dict[str, Any]:
+    """Ask the coordinator's URLs in turn for ``peer_id``'s ``worker_standing/1`` and verify it: signed
+    by the run's coordinator key, of this run, about this peer. Returns its fields (and ``signed_at_ms``).
+
+    Raises:
+        OSError: no URL, or none answered with a valid signed standing (one line with the reasons).
+    """
+    import aiohttp
+
+    from protocol.envelope import open_envelope
+    from protocol.errors import ProtocolError
+    from protocol.ingest_api import worker_path
+    from protocol.messages import WorkerStanding
+
+    if not urls:
+        raise OSError("the run spec names no ingest URL to ask (join with the run's address)")
+    problems = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=STANDING_TIMEOUT_S)) as session:
+        for url in urls[:4]:
+            try:
+                async with session.get(f"{url.rstrip('/')}{worker_path(peer_id)}", allow_redirects=False) as r:
+                    raw = await r.content.read(WorkerStanding.MAX_BYTES + 1)
+                    status = r.status
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
+                problems.append(f"{url}: unreachable ({type(e).__name__})")
+                continue
+            if status != 200:
+                problems.append(f"{url}: HTTP {status}")
+                continue
+            try:
+                env = open_envelope(raw, run_id=signed.run_id, expect=WorkerStanding, authorities=signed.spec.authorities,
+                                    max_age_s=STANDING_MAX_AGE_S)
+            except ProtocolError as e:
+                problems.append(f"{url}: not a standing signed by this run's coordinator ({str(e)[:120]})")
+                continue
+            if env.body.worker != peer_id:
+                problems.append(f"{url}: a standing of another worker")
+                continue
+            return {"peer_id": peer_id, **env.body.model_dump(exclude={"worker"}), "signed_at_ms": env.ts_ms}
+    raise OSError("no coordinator URL gave this node's signed standing: " + "; ".join(problems))
+
+
+def _print_mine(mine: dict[str, Any]) -> None:
+    from node.terminal import printable
+
+    if "error" in mine:
+        print(f"this node {mine['peer_id']}: {printable(mine['error'])}", file=sys.stderr)
+        return
+    reasons = ", ".join(f"{printable(k)} {v}" for k, v in sorted(mine["rejected_by_reason"].items(), key=lambda kv: -kv[1])) or "none"
+    place = f"{mine['place']} of {mine['workers']}" if mine["place"] else f"— (no submission yet; {mine['workers']} workers)"
+    print(f"this node {mine['peer_id']} (signed by the coordinator at trainer step {mine['trainer_step']}):")
+    print(f"  accepted {mine['accepted']}, rejected {mine['rejected']} ({reasons}), pending {mine['pending']}, "
+          f"trained on {mine['trained']} submissions ({mine['rollouts_trained']} rollouts), displaced {mine['displaced']}")
+    print(f"  leaderboard place {place}" + (f"; BANNED: {printable(mine['ban_reason'])}" if mine["banned"] else ""))
 
 
 async def _collect(spec: Any, bootstrap: list[str], wait_s: float, listen_host: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from protocol.envelope import seal
 from protocol.identity import NodeKey
 from protocol.messages import CheckpointAnnouncement
 from protocol.runspec import SignedRunSpec
+from protocol.step_dirs import step_dir, step_dirs
 from protocol.window import retained_steps
 from trainer.checkpoint import write_base_policy
 from trainer.errors import TrainerError
@@ -71,7 +72,7 @@ class PolicyPublisher:
         if held:
             self.publish(max(held), [])
         elif step == 0 and base_dir is not None:
-            out = self.policies_dir / "step-0"
+            out = step_dir(self.policies_dir, 0)
             shutil.rmtree(out, ignore_errors=True)
             self.publish(0, write_base_policy(base_dir, out))
         else:
@@ -103,14 +104,14 @@ class PolicyPublisher:
 
     def policy_dir(self, step: int) -> Path | None:
         """The written policy of ``step`` (for the ban re-check and evaluation), if still kept."""
-        path = self.policies_dir / f"step-{step}"
+        path = step_dir(self.policies_dir, step)
         return path if (path / "config.json").is_file() else None
 
     def _prune(self, step: int) -> None:
         """Remove written policies outside the retention rule (:func:`protocol.window.retained_steps`)
         with ``shardcast.keep_steps`` + :data:`RECHECK_GRACE_STEPS`; ``step`` is always kept."""
-        dirs = {int(p.name.split("-", 1)[1]): p for p in self.policies_dir.glob("step-*") if p.name.split("-", 1)[1].isdigit()}
-        keep = retained_steps(dirs, self.spec.shardcast.keep_steps + RECHECK_GRACE_STEPS, in_use=step)
-        for s, p in dirs.items():
+        dirs = step_dirs(self.policies_dir)
+        keep = retained_steps((s for s, _ in dirs), self.spec.shardcast.keep_steps + RECHECK_GRACE_STEPS, in_use=step)
+        for s, p in dirs:
             if s not in keep:
                 shutil.rmtree(p, ignore_errors=True)

@@ -14,12 +14,11 @@ re-check judges the submission as of its own policy step and never calls it a re
 from __future__ import annotations
 
 import logging
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from node.policy import HeldModels
 from protocol.envelope import open_envelope
 from protocol.errors import ProtocolError
 from protocol.identity import PeerId
@@ -34,7 +33,8 @@ from validator.pipeline import SubmissionChecker
 logger = logging.getLogger(__name__)
 
 MODELS_KEPT = 2
-"""Policies kept loaded between re-checks (re-checks of one adversary hit the same steps)."""
+"""Policies kept loaded between re-checks (re-checks of one adversary hit the same steps): the
+newest one re-checked and the one in use (:class:`node.policy.HeldModels`, ``keep_steps`` 1)."""
 
 
 class CoordinatorRecheck:
@@ -71,27 +71,21 @@ class CoordinatorRecheck:
         self.by = by
         self.reward_limits = reward_limits
         self.device = device
-        self._models: OrderedDict[int, Any] = OrderedDict()
-        self._lock = threading.Lock()
+        self.models = HeldModels(MODELS_KEPT - 1, lambda path: load_model(path, device=self.device))
 
-    def _model(self, step: int) -> Any | None:
-        with self._lock:
-            if step in self._models:
-                self._models.move_to_end(step)
-                return self._models[step]
+    def model(self, step: int) -> Any | None:
+        """The float32 policy of ``step`` as a validator loads it (held: :data:`MODELS_KEPT`), ``None`` if gone."""
+        held = self.models.get(step)
+        if held is not None:
+            return held
         path = self.policy_dir(step)
         if path is None:
             return None
         try:
-            model = load_model(path, device=self.device)
+            return self.models.hold(step, path)
         except ModelLoadError as e:
             logger.warning("re-check cannot load policy step %d: %s", step, e)
             return None
-        with self._lock:
-            self._models[step] = model
-            while len(self._models) > MODELS_KEPT:
-                self._models.popitem(last=False)
-        return model
 
     def __call__(self, raw: bytes) -> RecheckResult:
         """Re-run every check on ``raw``; a missing policy or tokenizer is a benign outcome, never a cheat."""
@@ -101,7 +95,7 @@ class CoordinatorRecheck:
             return RecheckResult(True, "recheck_failed", f"stored submission unreadable: {e}"[:200], self.by)
         tok = self.tokenizer()
         step = env.body.policy_step
-        model = self._model(step) if tok is not None else None
+        model = self.model(step) if tok is not None else None
         if model is None:
             return RecheckResult(True, "unknown_checkpoint", f"no policy for step {step} to re-check with", self.by)
         checker = SubmissionChecker(self.spec, self.tasks, tok, lambda s: model if s == step else None,

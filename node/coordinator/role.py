@@ -27,6 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from node.coordinator.base import prepare_base
+from node.coordinator.calibrate import AuditCalibration
 from node.coordinator.console import StepConsole
 from node.coordinator.evaluate import HeldOutSchedule
 from node.coordinator.gossip import CoordinatorGossip
@@ -35,17 +36,23 @@ from node.coordinator.probe import PROBE_TASKS, SignalProbe, no_signal_advice, p
 from node.coordinator.publish import PolicyPublisher
 from node.coordinator.recheck import CoordinatorRecheck
 from node.engine.hf import TransformersEngine
+from node.errors import ShardcastError
 from node.http_server import start_site
 from node.p2p import GossipConfig
+from node.reach import DialBack
 from node.retry import FailureLog
 from node.shardcast import ShardcastServer, ShardcastStore
+from node.shardcast.publish import publish_artifact
 from node.web.runpage import RunPage
-from protocol.dataset import resolve_run_tasks
+from protocol.address import format_run_address
+from protocol.artifacts import TASKS_ARTIFACT
+from protocol.dataset import resolve_run_tasks, tasks_artifact_files
 from protocol.envelope import Envelope
 from protocol.identity import NodeKey
 from protocol.messages import Verdict
 from protocol.models import config_int, load_model, load_tokenizer
-from protocol.runspec import SignedRunSpec
+from protocol.runspec import SignedRunSpec, dump_run_spec
+from protocol.step_dirs import step_dir
 from protocol.tasks import training_split_warning
 from trainer.batch import Batch
 from trainer.buffer import RolloutBuffer
@@ -60,7 +67,8 @@ logger = logging.getLogger(__name__)
 WAIT_POLL_S = 0.2
 WAIT_LOG_INTERVAL_S = 30.0
 """A wait for a batch is logged (at WARNING, the default level) once it has lasted this many seconds,
-then every this many seconds with its reason; shorter waits, the normal pause between steps, are not."""
+then every this many seconds with its reason; shorter waits, the normal pause between steps, are not
+(the default of ``CoordinatorOptions.wait_log_interval_s``, ``intellect-train --wait-log-every``)."""
 
 
 @dataclass
@@ -81,6 +89,8 @@ class CoordinatorOptions:
         data_root: directory of the public task sets.
         device: torch device of the trainer.
         probe_tasks: training tasks of the start-up learning-signal probe (0: no probe; ``probe.py``).
+        wait_log_interval_s: a wait for a batch is logged at WARNING once it lasted this long, then
+            this often, seconds (:data:`WAIT_LOG_INTERVAL_S`).
     """
 
     data_dir: Path
@@ -96,6 +106,7 @@ class CoordinatorOptions:
     data_root: Path | None = None
     device: str = "cpu"
     probe_tasks: int = PROBE_TASKS
+    wait_log_interval_s: float = WAIT_LOG_INTERVAL_S
 
 
 class Coordinator:
@@ -120,6 +131,11 @@ class Coordinator:
                                   on_verdict=self._verdict_applied, status_extra=self._status_extra)
         self.ledger = self.ingest.ledger
         self.bans = self.ledger.bans
+        audit = self.ingest.ban_rule.audit
+        # the audit's honest baseline, measured on this run's own policies in the workers' dtype
+        self.calibration = AuditCalibration(self.spec, signed.run_id, self.tasks.train, lambda: self.tokenizer,
+                                            lambda step: self.publisher.policy_dir(step) if self.publisher else None, recheck.model, audit,
+                                            device=options.device) if audit is not None else None
         self.origin: ShardcastStore | None = None
         self.server: ShardcastServer | None = None
         self.run_page: RunPage | None = None
@@ -133,7 +149,7 @@ class Coordinator:
         self.metrics = MetricsLog(self.metrics_path, self.gauges)
         self.console = StepConsole()
         self.heldout = HeldOutSchedule(self.spec, self.tasks.heldout, samples=options.eval_samples, every=options.eval_every,
-                                       policy_dir=lambda step: self.data_dir / "policies" / f"step-{step}", tokenizer=lambda: self.tokenizer,
+                                       policy_dir=lambda step: step_dir(self.data_dir / "policies", step), tokenizer=lambda: self.tokenizer,
                                        log=self.metrics.write)
         self.busy_s = 0.0
         self.wait_s = 0.0  # seconds the last batch took to fill (the trainer idle, waiting for accepted rollouts)
@@ -147,12 +163,17 @@ class Coordinator:
         self.last_step: dict[str, Any] = {}
         self.signal_probe: SignalProbe | None = None
         self.wait_reason: str | None = None
-        self._wait_log = FailureLog(logger, interval_s=WAIT_LOG_INTERVAL_S)
+        self._wait_log = FailureLog(logger, interval_s=options.wait_log_interval_s)
         self._timing: dict[str, float] = {}  # monotonic marks of the current step: batch ready, policy written, published
 
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self.origin = await asyncio.to_thread(
+            ShardcastStore, self.data_dir / "origin", run_id=self.signed.run_id, authorities=self.spec.authorities,
+            keep_steps=self.spec.shardcast.keep_steps,
+        )
+        await asyncio.to_thread(self._publish_artifacts)  # before the model: files that are not the pinned ones refuse at once
         self.state = "preparing the base model"
         trainer, base, self.tokenizer, pos = await asyncio.to_thread(build_trainer, self.signed, self.tasks, self.data_dir, self.ctx,
                                                                      resume=self.options.resume)
@@ -160,17 +181,15 @@ class Coordinator:
         # out-of-range token IDs are never trained; the bound validators and workers use (the config's vocab_size)
         self.buffer.vocab_size = config_int(model, "vocab_size")
         if pos is not None:
-            n = self.buffer.restore(pos, trainer.step)
+            n = await asyncio.to_thread(self.buffer.resume, trainer.step, pos)
             logger.info("resumed at step %d; %d submissions from later steps trainable again", trainer.step, n)
-        self.origin = await asyncio.to_thread(
-            ShardcastStore, self.data_dir / "origin", run_id=self.signed.run_id, authorities=self.spec.authorities,
-            keep_steps=self.spec.shardcast.keep_steps,
-        )
-        # one HTTP port: Shardcast origin routes + ingest + status/metrics
+        # one HTTP port: Shardcast origin routes + ingest + status/metrics + the signed spec (a run address's newcomers read it)
         self.server = ShardcastServer(self.origin, host=self.options.host, port=self.options.port, peer_id=self.key.peer_id)
+        self.server.run_spec = dump_run_spec(self.signed).encode()
         app = self.server.make_app()
         app.middlewares.append(error_middleware)
         self.ingest.add_routes(app)
+        DialBack(self.signed.run_id).add_routes(app)  # doctor --role relay: "can others reach me?" (node/reach.py: its bounds)
         self.run_page = RunPage(self.signed, self.ledger, status=self.ingest.status, metrics_path=self.metrics_path,
                                 peer_id=self.key.peer_id, archive_dir=self.data_dir / "run-page")  # final state kept at stop
         self.run_page.add_routes(app)  # GET / (the run page) and GET /api/run
@@ -188,6 +207,8 @@ class Coordinator:
         await self.run_page.start()
         self.publisher = PolicyPublisher(self.origin, self.key, self.signed, self.data_dir / "policies", self.url, self._announce)
         await asyncio.to_thread(self.publisher.start, trainer.step, self.base_dir)
+        if self.calibration is not None:
+            self.calibration.published(self.published_step)  # the baseline from the first policy workers run
         if trainer.step == 0:
             cfg = getattr(model, "config", None)
             self.metrics.write({"event": "run", "tasks": self.spec.data.tasks, "tasks_hash": self.tasks.hash,
@@ -211,6 +232,29 @@ class Coordinator:
             self.state = "evaluating the initial policy on held-out tasks"
             await asyncio.to_thread(self.heldout.initial, self.published_step)
         self.started_s = time.monotonic()
+
+    def _publish_artifacts(self) -> None:
+        """Serve the artifacts the spec pins from the origin (``docs/shardcast.md`` §10): the training
+        task list as the ``tasks`` artifact, built from this coordinator's task files.
+
+        Raises:
+            TrainerError: the files here make another artifact than the spec pins (one line naming both).
+        """
+        assert self.origin is not None
+        expected = self.spec.artifact_id(TASKS_ARTIFACT)
+        if expected is None:
+            return
+        try:
+            publish_artifact(self.origin, TASKS_ARTIFACT, tasks_artifact_files(self.tasks.train), expected_id=expected)
+        except ShardcastError as e:
+            raise TrainerError(str(e)) from None
+
+    def run_address(self) -> str:
+        """The run's address (``protocol.address``): this coordinator's peer ID, the run ID's prefix, its
+        public HTTP URL and its libp2p addresses (loopback ones only when it has no other)."""
+        boot = list(self.gossip.node.addrs) if self.gossip is not None else []
+        routable = [a for a in boot if not a.startswith(("/ip4/127.", "/ip6/::1/"))]
+        return format_run_address(self.key.peer_id, self.signed.run_id, [self.url], (routable or boot)[:8])
 
     async def run(self) -> None:
         """Train until ``max_steps`` or a stop request; raises :class:`TrainerError` on a batch timeout."""
@@ -239,6 +283,8 @@ class Coordinator:
             await self.gossip.stop()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.calibration is not None:
+            await asyncio.to_thread(self.calibration.close)
         self.ingest.close()
         self.ledger.close()
 
@@ -252,19 +298,21 @@ class Coordinator:
 
     # --- the loop's hooks (trainer.loop.StepHooks; training thread, never a collective) ----------
 
-    def position(self) -> dict[str, Any]:
-        return self.buffer.position()
+    def consumed(self, batch: Batch, step: int) -> None:
+        self.buffer.consume(batch, step)
 
     def published(self, step: int, files: list[Path]) -> None:
         assert self.publisher is not None
         self._timing["written"] = time.monotonic()
         self.publisher.publish(step, files)
         self._timing["published"] = time.monotonic()
+        if self.calibration is not None:
+            self.calibration.published(step)
 
     def step_done(self, batch: Batch, m: StepMetrics) -> None:
         assert self.trainer is not None
         self.busy_s += m.step_time_s
-        self.buffer.retire(self.buffer.consume(batch), self.trainer.step)
+        self.buffer.retire(self.trainer.step)
         row = {"event": "step", **m.as_dict(), "utilization": self.utilization(), "broadcast_s": self.publisher.publish_s.get(self.trainer.step) if self.publisher else None,
                "wait_s": round(self.wait_s, 3), "wall_s": round(time.monotonic() - self.started_s, 3), "verdicts": self.ledger.verdict_reasons(),
                "banned": len(self.bans.entries()), **self._step_timing(m)}
@@ -314,13 +362,13 @@ class Coordinator:
                 return batch
             except NotEnoughRolloutsError as e:
                 last_reason = str(e)
-                if e.zero_advantage_groups and not e.usable_groups and not e.stale_groups:
+                if e.zero_advantage_groups and not e.usable_groups:
                     probe = self.signal_probe
                     last_reason += (f"; every group so far had equal rewards: "
                                     f"{no_signal_advice(self.spec, probe.pass_rate if probe else 0.0, probe.capped_fraction if probe else 0.0)}")
                 self.state = f"waiting for a batch: {last_reason}"
                 self.wait_reason = last_reason
-                if time.monotonic() - t0 >= WAIT_LOG_INTERVAL_S:
+                if time.monotonic() - t0 >= self.options.wait_log_interval_s:
                     self._wait_log.failed(f"waiting {time.monotonic() - t0:.0f} s for a batch for step {step + 1}: {last_reason}")
             waited = time.monotonic() - t0
             if waited > self.options.batch_timeout_s:
@@ -345,7 +393,7 @@ class Coordinator:
 
     def _probe(self) -> SignalProbe:
         """The start-up learning-signal probe on the published base (``node/coordinator/probe.py``)."""
-        engine = TransformersEngine.from_dir(self.data_dir / "policies" / f"step-{self.published_step}")
+        engine = TransformersEngine.from_dir(step_dir(self.data_dir / "policies", self.published_step))
         return probe_learning_signal(self.spec, engine, self.tokenizer, self.tasks.train, n_tasks=self.options.probe_tasks)
 
     # --- the ingest's callbacks (event loop or the ban rule's thread) ----------------------------
@@ -375,6 +423,7 @@ class Coordinator:
         return {
             "role": "coordinator",
             "peer_id": self.key.peer_id,
+            "run_address": self.run_address() if self.url else None,
             "state": self.state,
             "published_step": self.published_step,
             "utilization": self.utilization(),
@@ -386,6 +435,7 @@ class Coordinator:
             "last_step": self.last_step,
             "wait_reason": self.wait_reason,
             "signal_probe": self.signal_probe.as_dict() if self.signal_probe else None,
+            "calibration": self.calibration.status() if self.calibration is not None and self.calibration.enabled else None,
             # the probe's prediction stands until a step trains: then the run has shown it learns
             "warnings": [w for w in (self.signal_probe.warning if self.signal_probe and not self.last_step else None,) if w],
         }

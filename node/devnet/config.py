@@ -8,6 +8,7 @@ from typing import Any
 from protocol.identity import NodeKey, PeerId
 from protocol.runspec import (
     ENV_TASKS,
+    AuditSpec,
     DataSpec,
     EnvSpec,
     ModelSpec,
@@ -17,6 +18,7 @@ from protocol.runspec import (
     RunSpec,
     SamplingSpec,
     ShardcastSpec,
+    ToplocSpec,
 )
 
 EMBEDDED_SAMPLING = SamplingSpec(max_tokens=4, temperature=1.5, top_p=1.0)
@@ -114,6 +116,38 @@ PROFILE_PIECE_BYTES = 4 * 1024 * 1024
 would be ≈ 3,800 requests per full fetch)."""
 
 
+WORKER_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+"""``devnet --worker-dtype`` names → the workers' compute dtype (``join --dtype``)."""
+
+DEVNET_AUDIT = AuditSpec(rule="eprocess-v1", calibration_submissions=4, min_calibration_tokens=10_000)
+"""The per-worker audit of a devnet whose workers compute in bf16 (``docs/toploc.md`` §11): the coordinator
+checks 4 honest reference submissions per published step (≈ 760 tokens of the embedded task) and flags
+no one before its baseline holds 10,000 replayed tokens (a burst of reference submissions at step 0)."""
+
+
+def precision_toploc(worker_dtype: str, measured: ToplocSpec | None = None) -> ToplocSpec:
+    """The ``[toploc]`` section fit for workers computing in ``worker_dtype`` against float32 validators:
+    the defaults (``eps-v1``) for float32; for bfloat16 the ``logit-bound-v2`` section measured on the
+    run's base (:func:`node.precision.cached_measurement` → :meth:`~node.precision.PrecisionMeasurement.toploc`).
+    The one place a devnet chooses its verification tolerances by precision.
+
+    Args:
+        worker_dtype: a key of :data:`WORKER_DTYPES` (``fp32``, ``float32``, ``bf16``, ``bfloat16``).
+        measured: the measured section (required for bfloat16).
+
+    Raises:
+        ValueError: an unknown dtype name, or bfloat16 without a measurement.
+    """
+    dtype = WORKER_DTYPES.get(worker_dtype)
+    if dtype is None:
+        raise ValueError(f"unknown worker dtype {worker_dtype!r}; choose one of {', '.join(WORKER_DTYPES)}")
+    if dtype == "float32":
+        return ToplocSpec()
+    if measured is None or measured.worker_dtype != dtype:
+        raise ValueError("bfloat16 workers need tolerances measured on the run's base (node.precision.cached_measurement)")
+    return measured
+
+
 def devnet_rl(*, embedded: bool, async_level: int | None = None, rl_overrides: dict[str, Any] | None = None,
               profile: bool = False) -> RLSpec:
     """The ``[rl]`` section of a devnet: :data:`EMBEDDED_RL`, :data:`PROFILE_RL` (``profile``) or
@@ -147,6 +181,8 @@ def devnet_spec(
     env: EnvSpec | None = None,
     tasks_hash: str = "",
     env_max_tokens: int = ENV_MAX_TOKENS_RANGE[1],
+    worker_dtype: str = "float32",
+    measured: ToplocSpec | None = None,
 ) -> RunSpec:
     """The unsigned run spec of a devnet whose coordinator serves at ``http_url``.
 
@@ -164,26 +200,41 @@ def devnet_spec(
     ``tasks_hash`` pinned), trained like the embedded tasks on the embedded model
     (:func:`env_sampling` with ``env_max_tokens``).
 
+    ``worker_dtype`` (a key of :data:`WORKER_DTYPES`) is what the workers compute in: the spec's
+    ``[toploc]`` is :func:`precision_toploc`'s (``measured`` on the base for bf16), bf16 runs get the
+    per-worker audit :data:`DEVNET_AUDIT`, and with bf16 workers policies are published in
+    bf16 (``model.dtype = "bfloat16"``, as a real run publishes them: the workers' and the
+    validators' weights are then the same numbers and only the arithmetic differs; the trainer
+    computes in bf16 mixed precision over float32 masters).
+
     Raises:
         protocol.models.ModelLoadError: ``model`` is not a usable Qwen2 directory (one line naming why).
         pydantic.ValidationError: an override names no ``[rl]`` field or a value out of its bounds.
+        ValueError: an unknown ``worker_dtype``.
     """
     if env is not None:
         tasks = ENV_TASKS
     embedded = tasks in ("embedded", ENV_TASKS) and model is None
     rl = devnet_rl(embedded=embedded, async_level=async_level, rl_overrides=rl_overrides, profile=profile)
     sampling = (env_sampling(env_max_tokens) if env is not None else EMBEDDED_SAMPLING) if embedded else REAL_TASKS_SAMPLING
+    toploc = precision_toploc(worker_dtype, measured)
+    model_spec = _model_spec(model)
+    bf16 = WORKER_DTYPES[worker_dtype] == "bfloat16"
+    if bf16:
+        model_spec = model_spec.model_copy(update={"dtype": "bfloat16"})
     return RunSpec(
         run=RunInfo(name="devnet", seed=seed, coordinator=coordinator.peer_id, validators=validators),
-        model=_model_spec(model),
+        model=model_spec,
         data=DataSpec(tasks=tasks, tasks_hash=tasks_hash if env is not None else "",
                       tasks_per_submission=1 if profile else 4 if tasks in ("embedded", ENV_TASKS) else 2),
         env=env if env is not None else EnvSpec(),
         sampling=sampling,
+        toploc=toploc,
         rl=rl,
         # keep_steps: async_level + 1 (protocol.window.fresh_steps)
         shardcast=ShardcastSpec(piece_size_bytes=PROFILE_PIECE_BYTES if profile else 256 * 1024, **({} if deltas else {"max_delta_chain": 0})),
         network=NetworkSpec(bootstrap=[bootstrap], ingest_urls=[http_url], origin_urls=[http_url], heartbeat_interval_s=heartbeat_interval_s),
+        audit=DEVNET_AUDIT if bf16 else AuditSpec(),
     )
 
 

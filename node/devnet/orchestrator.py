@@ -7,6 +7,7 @@ import http.client
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -22,14 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node.devnet.config import devnet_env, devnet_spec
+from node.devnet.config import WORKER_DTYPES, devnet_env, devnet_spec
 from node.devnet.links import Links
 from node.devnet.outdir import claim_out, write_marker
 from node.devnet.procs import Proc, ProcessGroup
 from node.devnet.profile import prepare_profile_model
 from node.devnet.timeline import MemorySampler
 from protocol.identity import NodeKey, PeerId
-from protocol.runspec import dump_run_spec, sign_run_spec
+from protocol.runspec import ToplocSpec, dump_run_spec, sign_run_spec
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,9 @@ class DevnetOptions:
         env: the run's own environment (``--env``: ``reasoning_gym:NAME``, ``verifiers:MODULE`` or a
             ``.py`` file; ``protocol.envs``), opened here once to pin its hash; ``None``: ``tasks``.
         env_args: its ``env.args`` (``--env-arg KEY=VALUE``).
+        worker_dtype: what every worker and the adversary compute in, ``float32`` or ``bfloat16``;
+            the run spec is made fit for it (``node.devnet.config.precision_toploc``).
+        steer_rate: the ``steer`` adversary's share of chances taken.
     """
 
     out: Path
@@ -103,6 +107,8 @@ class DevnetOptions:
     rl: dict[str, Any] = field(default_factory=dict)
     env: str | None = None
     env_args: dict[str, Any] = field(default_factory=dict)
+    worker_dtype: str = "float32"
+    steer_rate: float = 1.0
 
     def eval_interval(self) -> int:
         """Trainer steps between held-out evaluations: ``eval_every``, else ``ceil(steps / 6)``."""
@@ -118,6 +124,13 @@ class DevnetResult:
     reason: str
     coordinator: dict[str, Any] = field(default_factory=dict)
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+DEVNET_MEASURE_SUBMISSIONS = 12
+DEVNET_MEASURE_BATCHES = (8, 64)
+"""The devnet measures its bf16 tolerances on 12 honest submissions at each of decode batch 8 and 64 (its
+workers decode 64 at a time; ≈ 4,500 tokens of the embedded task; batch 1 triples the time and adds
+nothing its workers do): ``spec init --measure-precision`` measures 20 at each of 1, 8 and 64."""
 
 
 def workers_all_banned(status: dict[str, Any], peer_ids: dict[str, str]) -> str | None:
@@ -137,10 +150,26 @@ def workers_all_banned(status: dict[str, Any], peer_ids: dict[str, str]) -> str 
     return f"every worker was banned, so no rollout can arrive: {said}"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def hold_port() -> socket.socket:
+    """A TCP port on 127.0.0.1 held for a child that must be told its port before it starts (the
+    coordinator: the signed spec names its URL and bootstrap address).
+
+    The socket is bound with ``SO_REUSEADDR`` and never listens: the child binds the same port (its
+    servers set ``SO_REUSEADDR``: ``node/http_server.py``, py-libp2p's TCP listener) while nobody else
+    can: a plain ``bind`` fails and the kernel hands the port out neither for another ``bind(0)`` nor
+    as a connection's local port. Picking a free port and closing it before the child started let
+    another process take it in between. Close the socket when the child has stopped.
+    """
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+SERVING_RE = re.compile(r" serving (http://\S+) ")
+"""A relay's start line (``node/relay/role.py``): the URL it serves on, its bound port included."""
+STATUS_RE = re.compile(r" started; status (http://\S+)")
+"""A worker's or validator's start line (``node/lifecycle.py``): its status URL, bound port included."""
 
 
 def get_json(url: str, timeout_s: float = 2.0) -> dict[str, Any] | None:
@@ -177,6 +206,10 @@ class Devnet:
         self.seed: int | None = options.seed
         self.run_id = ""
         self.replaced: list[str] = []
+        self._held_ports: list[socket.socket] = []  # the coordinator's two ports, held until every child stopped
+        self._url_from: dict[str, int] = {}  # node → log offset of its current process's start line (a restart appends)
+        # peer ID → (trainer step, seconds since start) when the devnet first saw it on the ban list
+        self.banned_seen: dict[str, tuple[int, float]] = {}
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -234,7 +267,8 @@ class Devnet:
             self.links.setup()
             self.events.append(f"{time.monotonic() - self.started:.0f}s links: " + ", ".join(
                 f"{n.name} {n.ip} {n.mbit} Mb/s" for n in self.links.nodes.values()))
-        self.http_port, self.p2p_port = free_port(), free_port()
+        self._held_ports = [hold_port(), hold_port()]
+        self.http_port, self.p2p_port = (int(h.getsockname()[1]) for h in self._held_ports)
         host = self._host("coordinator")
         self.coord_url = f"http://{host}:{self.http_port}"
         bootstrap = f"/ip4/{host}/tcp/{self.p2p_port}/p2p/{coord.peer_id}"
@@ -244,15 +278,43 @@ class Devnet:
             section, tasks_hash, max_tokens = devnet_env(self.o.env, self.o.env_args)
             env_kw = {"env": section, "tasks_hash": tasks_hash, "env_max_tokens": max_tokens}
             self.events.append(f"{time.monotonic() - self.started:.0f}s environment hash {section.hash[:16]}…, tasks {tasks_hash[:16]}…")
-        spec = devnet_spec(coord, validators, tasks=self.o.tasks, http_url=self.coord_url, bootstrap=bootstrap,
-                           seed=self.seed, async_level=self.o.async_level, model=self.o.model, rl_overrides=self.o.rl,
-                           profile=self.o.profile is not None, deltas=self.o.deltas, **env_kw)
+
+        def make(measured: Any = None) -> Any:
+            return devnet_spec(coord, validators, tasks=self.o.tasks, http_url=self.coord_url, bootstrap=bootstrap,
+                               seed=self.seed, async_level=self.o.async_level, model=self.o.model, rl_overrides=self.o.rl,
+                               profile=self.o.profile is not None, deltas=self.o.deltas, worker_dtype=self.o.worker_dtype, measured=measured,
+                               **env_kw)
+
+        spec = make() if WORKER_DTYPES[self.o.worker_dtype] == "float32" else make(self._measure_precision(make(ToplocSpec(
+            replay_rule="logit-bound-v2", replay_logit_bound=1.0, worker_dtype="bfloat16"))))
         signed = sign_run_spec(spec, coord)
         self.run_id = signed.run_id.hex()
         write_marker(self.out, {"seed": self.seed, "run_id": self.run_id, "started": round(time.time(), 3)})
         path = self.out / "run.toml"
         path.write_text(dump_run_spec(signed))
         return path
+
+    def _measure_precision(self, draft: Any) -> Any:
+        """The bf16 tolerances of this run, measured on its base once per machine (``node/precision.py``;
+        ``spec init --measure-precision bfloat16 --fp32-logits`` does the same): the table goes to the events."""
+        from node.coordinator.base import base_cache_root, prepare_base
+        from node.precision import cached_measurement
+        from protocol.dataset import resolve_run_tasks
+        from protocol.models import load_tokenizer
+
+        self.events.append(f"{time.monotonic() - self.started:.0f}s measuring the bf16 workers' tolerances on the base (once per machine)")
+        tasks = resolve_run_tasks(draft, self.o.data_root)  # the run's own environment too (--env)
+        work = self.out / "precision-base"
+        try:
+            base = prepare_base(draft, tasks, work)
+            m, cached = cached_measurement(draft, base, tasks.train, load_tokenizer(base), "bfloat16", fp32_logits=True,
+                                           cache_dir=base_cache_root().parent / "precision", submissions=DEVNET_MEASURE_SUBMISSIONS,
+                                           batches=DEVNET_MEASURE_BATCHES)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        toploc = m.toploc(draft.toploc, draft.sampling.temperature)
+        self.events.append(f"{time.monotonic() - self.started:.0f}s " + ("(cached) " if cached else "") + "\n  ".join(m.lines(toploc)))
+        return toploc
 
     def _data_root(self) -> list[str]:
         return ["--data-root", str(self.o.data_root)] if self.o.data_root else []
@@ -280,48 +342,81 @@ class Devnet:
         self._wait(lambda: get_json(f"{self.coord_url}/status") is not None, 300.0, "the coordinator to come up", coord)
         print(f"run page: {self.coord_url}/", flush=True)
         self.events.append(f"{time.monotonic() - self.started:.0f}s run page at {self.coord_url}/")
-        # relays: a tree under the origin (relay i follows relay (i-1)//2, relay 0 the origin)
-        relay_urls: list[str] = []
-        for i in range(self.o.relays):
-            port = free_port()
-            upstream = self.coord_url if i == 0 else relay_urls[(i - 1) // 2]
-            relay_urls.append(f"http://{self._host(f'relay-{i}')}:{port}")
-            self.group.start(Proc(f"relay-{i}", "relay", self._cmd(f"relay-{i}", [
-                *self._bin("intellect-node"), "-v", "join", "--role", "relay", "--run", str(run), "--key", str(out / "keys" / f"relay-{i}.key"),
-                "--data-dir", str(out / f"relay-{i}"), "--http-port", str(port), "--upstream", upstream,
-                *(["--host", self._host(f"relay-{i}")] if self.links else []),
-            ]), out / "logs" / f"relay-{i}.log"))
-            self.node_urls[f"relay-{i}"] = f"{relay_urls[-1]}/shardcast/1/held"
-        for i in range(self.o.validators):
-            port = free_port()
-            self.group.start(Proc(f"validator-{i}", "validator", self._cmd(f"validator-{i}", [
-                *self._bin("intellect-node"), "-v", "validate", "--run", str(run), "--key", str(out / "keys" / f"validator-{i}.key"),
-                "--data-dir", str(out / f"validator-{i}"), "--http-port", str(port), *self._data_root(),
-            ]), out / "logs" / f"validator-{i}.log"))
-            if self.links is None:  # a status server on the namespace's loopback is out of the devnet process's reach
-                self.node_urls[f"validator-{i}"] = f"http://127.0.0.1:{port}/status"
-        names = [f"worker-{i}" for i in range(self.o.workers)] + (["adversary"] if self.o.adversary else [])
-        ports = {name: free_port() for name in names}
-        self._doctor(run, ports)
-        for name in names:
-            port = ports[name]
-            cheat = ["--adversary", self.o.adversary] if name == "adversary" and self.o.adversary else []
-            self.group.start(Proc(name, "worker", self._cmd(name, [
-                *self._bin("intellect-node"), "-v", "join", "--role", "worker", "--run", str(run), "--key", str(out / "keys" / f"{name}.key"),
-                "--data-dir", str(out / name), "--http-port", str(port), *cheat, *self._data_root(),
-            ]), out / "logs" / f"{name}.log"))
-            if self.links is None:
-                self.node_urls[name] = f"http://127.0.0.1:{port}/status"
+        # relays: a tree under the origin (relay i follows relay (i-1)//2, relay 0 the origin). Every node binds
+        # any free port (--http-port 0) and prints its URL; a relay's children start once it printed it
+        relays = [Proc(f"relay-{i}", "relay", [], out / "logs" / f"relay-{i}.log") for i in range(self.o.relays)]
 
-    def _doctor(self, run: Path, ports: dict[str, int]) -> None:
+        def start_relay(i: int) -> None:
+            upstream = self.coord_url if i == 0 else self._wait_url(relays[(i - 1) // 2], SERVING_RE)
+            relays[i].args = self._cmd(f"relay-{i}", [
+                *self._bin("intellect-node"), "-v", "join", "--role", "relay", "--run", str(run), "--key", str(out / "keys" / f"relay-{i}.key"),
+                "--data-dir", str(out / f"relay-{i}"), "--http-port", "0", "--upstream", upstream,
+                *(["--host", self._host(f"relay-{i}")] if self.links else []),
+            ])
+            self._start_node(relays[i])
+
+        if relays:
+            start_relay(0)
+        for i in range(self.o.validators):
+            self._start_node(Proc(f"validator-{i}", "validator", self._cmd(f"validator-{i}", [
+                *self._bin("intellect-node"), "-v", "validate", "--run", str(run), "--key", str(out / "keys" / f"validator-{i}.key"),
+                "--data-dir", str(out / f"validator-{i}"), "--http-port", "0", *self._data_root(),
+            ]), out / "logs" / f"validator-{i}.log"))
+        names = [f"worker-{i}" for i in range(self.o.workers)] + (["adversary"] if self.o.adversary else [])
+        self._doctor(run, names)
+        for i in range(1, self.o.relays):  # relay 0 printed its URL meanwhile (the doctor takes longer)
+            start_relay(i)
+        for name in names:
+            extra = ["--adversary", self.o.adversary] if name == "adversary" and self.o.adversary else []
+            if extra and self.o.adversary == "steer":
+                extra += ["--steer-rate", f"{self.o.steer_rate:g}"]
+            if self.o.worker_dtype != "float32":
+                extra += ["--dtype", self.o.worker_dtype]
+            self._start_node(Proc(name, "worker", self._cmd(name, [
+                *self._bin("intellect-node"), "-v", "join", "--role", "worker", "--run", str(run), "--key", str(out / "keys" / f"{name}.key"),
+                "--data-dir", str(out / name), "--http-port", "0", *extra, *self._data_root(),
+            ]), out / "logs" / f"{name}.log"))
+
+    def _start_node(self, proc: Proc) -> None:
+        """Start a relay, validator or worker; its status URL is read from its start line (:meth:`_read_urls`)."""
+        self._url_from[proc.name] = proc.log.stat().st_size if proc.log.exists() else 0
+        self.node_urls.pop(proc.name, None)
+        self.group.start(proc)
+
+    def _url(self, proc: Proc, pattern: re.Pattern[str]) -> str | None:
+        """The URL ``proc``'s current process printed in its start line, or ``None`` (not yet)."""
+        try:
+            with open(proc.log, "rb") as f:
+                f.seek(self._url_from.get(proc.name, 0))
+                m = pattern.search(f.read().decode(errors="replace"))
+        except OSError:
+            return None
+        return m.group(1) if m else None
+
+    def _wait_url(self, proc: Proc, pattern: re.Pattern[str]) -> str:
+        self._wait(lambda: self._url(proc, pattern) is not None, DISCOVERY_TIMEOUT_S, f"{proc.name} to print its URL", proc)
+        return self._url(proc, pattern) or ""
+
+    def _read_urls(self) -> None:
+        """Status URLs of the nodes that printed their start line since they (re)started. With ``--links``
+        a worker's or validator's status server is on its namespace's loopback, out of this process's reach."""
+        for p in self.group.procs:
+            if p.role == "coordinator" or p.name in self.node_urls:
+                continue
+            if p.role == "relay" and (url := self._url(p, SERVING_RE)):
+                self.node_urls[p.name] = f"{url}/shardcast/1/held"
+            elif p.role != "relay" and self.links is None and (url := self._url(p, STATUS_RE)):
+                self.node_urls[p.name] = f"{url}/status"
+
+    def _doctor(self, run: Path, names: list[str]) -> None:
         """``intellect-node doctor --role worker`` for every worker at once, each into its worker's log."""
         running = []
-        for name, port in ports.items():
+        for name in names:
             log = self.out / "logs" / f"{name}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             with open(log, "ab") as f:
                 argv = [*self._bin("intellect-node"), "doctor", "--run", str(run), "--role", "worker", "--data-dir", str(self.out / name),
-                        "--http-port", str(port), "--gossip-wait", "0"]
+                        "--http-port", "0", "--gossip-wait", "0"]
                 argv = self.links.wrap(name, argv) if self.links is not None else argv
                 running.append((name, log, subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                             env=self.group.env)))
@@ -354,6 +449,10 @@ class Devnet:
         st = get_json(f"{self.coord_url}/status")
         if st is not None:
             self.status = st
+            for b in st.get("banned") or []:
+                if isinstance(b, dict) and isinstance(b.get("peer_id"), str) and b["peer_id"] not in self.banned_seen:
+                    self.banned_seen[b["peer_id"]] = (int(st.get("trainer_step", 0) or 0), time.monotonic() - self.started)
+        self._read_urls()
         for name, url in self.node_urls.items():
             s = get_json(url, timeout_s=0.5)
             if s is not None:
@@ -409,6 +508,8 @@ class Devnet:
             for sig in restore:  # a second signal must not cut the clean-up short (it is bounded: ≈ 15 s)
                 signal.signal(sig, signal.SIG_IGN)
             self.group.stop_all()
+            for held in self._held_ports:
+                held.close()
             if self.links is not None:
                 left = self.links.teardown()
                 self.events.append(f"{time.monotonic() - self.started:.0f}s links removed" + (f"; NOT removed: {left}" if left else ""))
@@ -457,11 +558,70 @@ class Devnet:
         self.events.append(f"{time.monotonic() - self.started:.0f}s killed worker-0 at step {step} (SIGKILL)")
         time.sleep(1.0)
         self.node_status.pop("worker-0", None)  # what it said before the kill is not what the restart did
+        self._url_from[victim.name] = victim.log.stat().st_size if victim.log.exists() else 0  # on a new port: read its new line
+        self.node_urls.pop(victim.name, None)
         self.group.restart(victim)
         self._tick()
         self.restarted_at = int(self.status.get("trainer_step", step) or step)
         self.events.append(f"{time.monotonic() - self.started:.0f}s restarted worker-0 at step {self.restarted_at} (same key and data "
                            "directory): it drops spooled work the async window left behind and re-sends the rest")
+
+    def worker_outcomes(self) -> dict[str, dict[str, Any]]:
+        """Per worker process (``worker-<i>``, ``adversary``): what the coordinator made of its work.
+
+        Keys: ``peer_id``; the ledger's submission counts (``accepted``, ``rejected``, ``stale``,
+        ``pending``, ``trained``: submissions a step consumed) and ``rollouts_trained``, from the run
+        page's leaderboard in its final snapshot (``coordinator/run-page/snapshot.js``, written when
+        the coordinator stops), else from the last ``/status`` (``stale`` always; ``rollouts_trained``
+        ``None`` then); ``banned`` (the ban reason or ``None``) and ``banned_at_step`` /
+        ``banned_after_s`` (the trainer step and run time when this devnet first saw the ban;
+        ``None`` if never) and ``ban_evidence`` (the banning verdict's evidence from the run page's
+        snapshot, ``None`` when not there); for the adversary its own ``steering`` counts when it
+        reported them.
+        """
+        st = self.status
+        snapshot = _run_page_snapshot(self.out)
+        board = {row.get("peer_id"): row for row in snapshot.get("leaderboard") or [] if isinstance(row, dict)}
+        evidence = {b.get("peer_id"): b.get("evidence") for b in snapshot.get("bans") or [] if isinstance(b, dict)}
+        banned = {b.get("peer_id"): str(b.get("reason", "")) for b in st.get("banned") or [] if isinstance(b, dict)}
+        out: dict[str, dict[str, Any]] = {}
+        for name, pid in sorted(self.peer_ids.items()):
+            if not name.startswith(("worker-", "adversary")):
+                continue
+            counts = dict((st.get("workers") or {}).get(pid) or {})
+            if pid in board:  # the final snapshot is newer than the last /status read: its counts, where it has them
+                final = board[pid]
+                counts.update({k: final[src] for k, src in (("accepted", "accepted"), ("rejected", "rejected"), ("pending", "pending"),
+                                                            ("trained", "submissions_trained")) if isinstance(final.get(src), int)})
+            seen = self.banned_seen.get(pid)
+            row: dict[str, Any] = {"peer_id": pid, **{k: int(counts.get(k, 0)) for k in ("accepted", "rejected", "stale", "pending", "trained")},
+                                   "rollouts_trained": board[pid].get("rollouts_trained") if pid in board else None,
+                                   "banned": banned.get(pid), "banned_at_step": seen[0] if seen else None,
+                                   "banned_after_s": round(seen[1], 1) if seen else None,
+                                   "ban_evidence": evidence.get(pid) if isinstance(evidence.get(pid), dict) else None}
+            steering = (self.node_status.get(name) or {}).get("steering")
+            if isinstance(steering, dict):
+                row["steering"] = steering
+            out[name] = row
+        return out
+
+    def adversary_summary(self) -> str | None:
+        """One sentence on the adversary: its accepted, rejected and trained-on work and whether and when
+        it was banned; ``None`` without ``--adversary``."""
+        if not self.o.adversary:
+            return None
+        row = self.worker_outcomes().get("adversary")
+        if row is None:
+            return None
+        rollouts = "?" if row["rollouts_trained"] is None else row["rollouts_trained"]
+        ban = (f"banned at trainer step {row['banned_at_step']} ({row['banned']})" if row["banned"] else "never banned")
+        text = (f"adversary {self.o.adversary}: {row['accepted']} submissions accepted, {row['rejected']} rejected, {row['pending']} pending, "
+                f"{row['trained']} trained on ({rollouts} rollouts); {ban}")
+        steering = row.get("steering")
+        if isinstance(steering, dict) and steering.get("rollouts"):
+            text += (f"; steered {steering.get('taken')} of {steering.get('chances')} chances over {steering.get('rollouts')} rollouts "
+                     f"({steering.get('tokens')} tokens, rate {self.o.steer_rate:g})")
+        return text
 
     def chaos_summary(self) -> str | None:
         """One sentence on the kill and restart of ``--kill-worker-at`` (``None`` without it)."""
@@ -478,6 +638,18 @@ class Devnet:
             after = (f"of {spool.get('found')} spooled submissions it re-sent {spool.get('resent')} and dropped {spool.get('dropped_stale')} "
                      f"already outside the async window (newest policy step {spool.get('latest_step')})")
         return f"worker-0 killed (SIGKILL) at step {self.killed_at} and restarted at step {self.restarted_at}; {after}"
+
+
+def _run_page_snapshot(out: Path) -> dict[str, Any]:
+    """The coordinator's final run-page document (``coordinator/run-page/snapshot.js``, written when it
+    stops: ``window.RUN_SNAPSHOT = {…};``), ``{}`` when it is missing or unreadable."""
+    path = out / "coordinator" / "run-page" / "snapshot.js"
+    try:
+        text = path.read_text()
+        doc = json.loads(text[text.index("{") : text.rindex("}") + 1])
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 _INTERRUPTED = threading.Event()

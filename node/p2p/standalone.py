@@ -39,14 +39,14 @@ async def _main(args: argparse.Namespace) -> None:
     )
     node = await GossipNode.create(spec, NodeKey.load(Path(args.key)), config, role=args.role, http_url=args.http_url)
     if args.drop_announcements:  # a node that loses every announcement (benchmark of the record path)
-        real_check = node._validator.check
+        real_check = node.gate.envelopes.check
 
         def drop(kind: str, data: bytes, *, remember: bool = True) -> object:
             if kind == "checkpoints":
                 raise DuplicateEnvelope("dropped on purpose")
             return real_check(kind, data, remember=remember)  # type: ignore[arg-type]
 
-        node._validator.check = drop  # type: ignore[method-assign,assignment]
+        node.gate.envelopes.check = drop  # type: ignore[method-assign,assignment]
     await serve_until_signalled(node, log_announcements=args.log_announcements)
 
 

@@ -14,9 +14,9 @@ buffered anyway. A stream nobody reads (the gossipsub stream a node opens to a p
 written) then grows without bound: 64 MiB sent in 0.7 s sat in a relay's memory. go-yamux closes
 the session on that (``ErrRecvWindowExceeded``); :class:`BoundedYamux` does the same. See
 ``docs/gossip.md``, "Transport rules". py-libp2p builds every yamux connection as
-``muxer_multistream.Yamux(...)`` whatever class the muxer options name, so importing this module
-points that name at :class:`BoundedYamux` for the whole process (libp2p is pinned at 0.8.1; the
-import fails if that name is gone, rather than run without the window rule).
+``muxer_multistream.Yamux(...)`` whatever class the muxer options name, and looks up a few other
+names of its yamux module at each use: ``node/p2p/libp2p_patches.py`` points them at what is here
+(once per process, for the pinned py-libp2p only) and lists every such override with its reason.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ from libp2p.custom_types import TMuxerOptions, TProtocol, TSecurityOptions
 from libp2p.network.swarm import Swarm
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
-from libp2p.stream_muxer import muxer_multistream
 from libp2p.stream_muxer.mplex.mplex import MPLEX_PROTOCOL_ID, Mplex
 from libp2p.stream_muxer.yamux import yamux as py_yamux
 from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE, HEADER_SIZE, Yamux, YamuxStream
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 
+from node.p2p.libp2p_patches import adopt
 from protocol.addresses import address_key
 
 logger = logging.getLogger(__name__)
@@ -94,13 +94,35 @@ def muxer_options(muxer: str) -> TMuxerOptions:
 
 
 class _WindowedStream(YamuxStream):
-    """A py-libp2p yamux stream that notices its peer sending past the receive window.
+    """A py-libp2p yamux stream that notices its peer sending past the receive window, and returns
+    credit to the peer the way go-yamux does.
 
     py-libp2p appends a DATA frame's bytes to the stream's buffer, then lowers ``recv_window`` (the
     credit the peer still holds, bytes) by their length; a negative result means the peer sent
     more than it was granted. The excess is dropped from the buffer at once (so unread bytes never
     exceed granted credit) and the connection is marked for closing.
     """
+
+    async def _auto_tune_and_send_window_update(self, *, bytes_read: int = 0) -> None:
+        """After a read: send a WINDOW_UPDATE once the credit consumed reaches half the window
+        (go-yamux ``sendWindowUpdate``; yamux spec, "Flow Control"), never growing the window.
+
+        py-libp2p 0.8 sent one after nearly every read however small ("partial slack" below half
+        the window; ``PY_YAMUX_RELEASE_ON_READ=0`` only stopped the reads in between): a second
+        frame, with its noise encryption and syscalls on both sides, for each gossip message, view,
+        record or beat. At a relay with 24 workers, one announcement step cost 3.8 window updates
+        per worker of 7.4 frames in all (``benchmarks/gossip_results.md``, issue 36). Credit is
+        what the peer may still send, so batching it changes no byte delivered: the peer holds at
+        least half a window (128 KiB) of credit at every moment, and our messages are smaller.
+        """
+        _ = bytes_read  # the consumed credit is what the window and buffer say, not this read alone
+        async with self.window_lock:
+            buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
+            delta = STREAM_WINDOW_BYTES - (self.recv_window + buffered)
+            if delta < STREAM_WINDOW_BYTES // 2:
+                return
+            self.recv_window += delta
+        await self.send_window_update(delta, skip_lock=True)
 
     @property
     def recv_window(self) -> int:
@@ -125,7 +147,7 @@ class _StreamTable(dict[int, YamuxStream]):
 
     def __setitem__(self, stream_id: int, stream: YamuxStream) -> None:
         if type(stream) is YamuxStream:
-            stream.__class__ = _WindowedStream
+            adopt(stream, YamuxStream, _WindowedStream)
         super().__setitem__(stream_id, stream)
 
 
@@ -148,12 +170,14 @@ class _FrameBudget:
 
 
 _read_exactly = py_yamux.read_exactly
+"""py-libp2p's own ``read_exactly`` (``node/p2p/libp2p_patches.py`` points the module's name at
+:func:`_read_exactly_counted`, which calls this one)."""
 
 
 async def _read_exactly_counted(conn: Any, n: int, *args: Any, **kwargs: Any) -> bytes:
     """py-libp2p's yamux ``read_exactly``, charging each frame header read on a :class:`BoundedYamux`
     connection to its :class:`_FrameBudget` (over it: ``trio.TooSlowError``, which py-libp2p's frame
-    loop answers by closing the connection)."""
+    loop answers by closing the connection). Installed by ``node/p2p/libp2p_patches.py``."""
     budget = getattr(conn, "_frame_budget", None) if n == HEADER_SIZE else None
     if budget is not None and not budget.take():
         logger.warning(
@@ -191,6 +215,14 @@ class BoundedYamux(Yamux):
         self.window_exceeded: tuple[int, int] | None = None
         self.streams_refused = 0
         self.secured_conn._frame_budget = _FrameBudget(self.peer_id)  # type: ignore[attr-defined] # read by _read_exactly_counted
+
+    async def _measure_rtt_loop(self) -> None:
+        """No RTT pings. py-libp2p 0.8 pings every connection every 30 s from each side (a ping
+        and a pong each way: 4 noise frames per connection per 30 s, 67 a second at a hub with 500
+        workers) only to size its receive-window auto-tuning, which the pinned window turns off
+        (:data:`STREAM_WINDOW_BYTES`); a vanished peer is found by TCP keepalive
+        (:func:`set_keepalive`). Pings a peer sends are still answered (py-libp2p's frame loop)."""
+        return
 
     async def accept_stream(self) -> YamuxStream:
         """The next stream the peer opened, resetting any that would hold more than
@@ -415,19 +447,6 @@ def install_inbound_rules(network: INetwork, cap: PerAddressCap, *, keepalive_s:
     Raises:
         TypeError: ``network`` is not exactly py-libp2p's :class:`Swarm`.
     """
-    if type(network) is not Swarm:
-        raise TypeError(f"expected py-libp2p's Swarm, got {type(network).__name__}")
-    network.__class__ = InboundSwarm
-    cast(InboundSwarm, network).address_cap = cap
-    cast(InboundSwarm, network).keepalive_s = keepalive_s
-
-
-if getattr(muxer_multistream, "Yamux", None) not in (Yamux, BoundedYamux):
-    raise ImportError("libp2p.stream_muxer.muxer_multistream.Yamux is gone: re-check BoundedYamux against this py-libp2p")
-setattr(muxer_multistream, "Yamux", BoundedYamux)  # noqa: B010 - the name py-libp2p instantiates
-if not hasattr(py_yamux, "MAX_WINDOW_SIZE"):
-    raise ImportError("libp2p.stream_muxer.yamux.yamux.MAX_WINDOW_SIZE is gone: re-check MAX_BUFFERED_BYTES against this py-libp2p")
-setattr(py_yamux, "MAX_WINDOW_SIZE", STREAM_WINDOW_BYTES)  # noqa: B010 - no auto-tuning: windows stay STREAM_WINDOW_BYTES
-if _read_exactly is _read_exactly_counted or not callable(_read_exactly):
-    raise ImportError("libp2p.stream_muxer.yamux.yamux.read_exactly: re-check MAX_FRAMES_PER_S against this py-libp2p")
-setattr(py_yamux, "read_exactly", _read_exactly_counted)  # noqa: B010 - the name py-libp2p's frame loop calls
+    swarm = adopt(network, Swarm, InboundSwarm)
+    swarm.address_cap = cap
+    swarm.keepalive_s = keepalive_s

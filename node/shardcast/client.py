@@ -18,6 +18,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import shutil
 import sys
 import time
 from collections import defaultdict
@@ -28,14 +29,25 @@ from pathlib import Path
 import aiohttp
 
 from node.errors import FetchError, SourceError
-from node.shardcast.download import DownloadConfig, InPlaceWriter, ManifestCache, PieceDownloader, get_manifest, make_session
-from node.shardcast.sources import SourcePool
+from node.retry import first_success
+from node.shardcast.download import (
+    DownloadConfig,
+    DownloadStats,
+    InPlaceWriter,
+    ManifestCache,
+    PieceDownloader,
+    get_artifact_manifest,
+    get_manifest,
+    make_session,
+)
+from node.shardcast.sources import SourcePool, SourceState
+from protocol.artifacts import ArtifactManifest, open_artifact
 from protocol.content import hex_id
 from protocol.durable import fsync_dir
 from protocol.envelope import Authorities, Envelope, open_envelope
 from protocol.errors import ProtocolError
 from protocol.messages import Manifest
-from protocol.shardcast import READ_CHUNK_BYTES, PieceRef, iter_pieces, total_size_bytes
+from protocol.shardcast import READ_CHUNK_BYTES, PieceListing, PieceRef, iter_pieces, total_size_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +177,7 @@ def _read_existing(out_dir: Path, run_id: bytes, authorities: Authorities) -> En
         return None
 
 
-def _verified_on_disk(staging: Path, manifest: Manifest) -> set[tuple[int, int]]:
+def _verified_on_disk(staging: Path, manifest: PieceListing) -> set[tuple[int, int]]:
     """``(file_index, piece index)`` of the pieces already correct in the staging files (blocking)."""
     ok: set[tuple[int, int]] = set()
     handles = {}
@@ -195,7 +207,7 @@ def _verified_on_disk(staging: Path, manifest: Manifest) -> set[tuple[int, int]]
     return ok
 
 
-def _open_staging(staging: Path, manifest: Manifest) -> list[int]:
+def _open_staging(staging: Path, manifest: PieceListing) -> list[int]:
     staging.mkdir(parents=True, exist_ok=True)
     fds = []
     for f in manifest.files:
@@ -206,20 +218,21 @@ def _open_staging(staging: Path, manifest: Manifest) -> list[int]:
     return fds
 
 
-def _finish(staging: Path, out_dir: Path, fds: list[int], env: Envelope[Manifest]) -> None:
-    """Flush the files, then move the staging directory into place (blocking).
+def _finish(staging: Path, out_dir: Path, fds: list[int], listing: PieceListing, raw: bytes, manifest_name: str) -> None:
+    """Flush the files, write the manifest bytes as ``manifest_name``, then move the staging
+    directory into place (blocking).
 
     The whole-checkpoint hash is not recomputed: every piece was verified against its ID in the
-    coordinator-signed manifest and the pieces tile each file exactly (the piece rule), so the
-    bytes on disk are the signed checkpoint; re-reading them would only double the disk work.
+    coordinator-signed (or spec-pinned) manifest and the pieces tile each file exactly (the piece
+    rule), so the bytes on disk are the signed checkpoint; re-reading them would only double the disk work.
     """
-    for fd, f in zip(fds, env.body.files, strict=True):
+    for fd, f in zip(fds, listing.files, strict=True):
         if os.fstat(fd).st_size != f.size_bytes:
             raise FetchError(f"staging file {f.name} has the wrong size (staging dir {staging} kept)")
         os.fdatasync(fd)
-    mpath = staging / MANIFEST_FILE_NAME
+    mpath = staging / manifest_name
     with open(mpath, "wb") as mf:
-        mf.write(env.raw)
+        mf.write(raw)
         mf.flush()
         os.fsync(mf.fileno())
     if out_dir.exists():
@@ -315,31 +328,8 @@ async def fetch_checkpoint(
             if not out_dir.is_dir() or any(out_dir.iterdir()):
                 raise FetchError(f"{out_dir} exists and holds something else; choose another --out or remove it")
         staging = out_dir.parent / f".{out_dir.name}.{hex_id(m.checkpoint_hash)[:16]}.partial"
-        resumed = await asyncio.to_thread(_verified_on_disk, staging, m) if staging.exists() else set()
-        fds = await asyncio.to_thread(_open_staging, staging, m)
-        try:
-            refs = list(iter_pieces(m))
-            pending: dict[bytes, list[PieceRef]] = defaultdict(list)
-            for r in refs:
-                if (r.file_index, r.index) not in resumed:
-                    pending[r.piece_id].append(r)
-            resumed_bytes = sum(r.size_bytes for r in refs if (r.file_index, r.index) in resumed)
-            if resumed:
-                logger.info("resuming step %d: %d pieces already verified on disk", m.step, len(resumed), extra={"step": m.step})
-            bar = _Progress(sys.stderr.isatty() if progress is None else progress, total_size_bytes(m), resumed_bytes, f"step {m.step}")
-            downloader = PieceDownloader(sess, pool, cfg, on_bytes=bar.advance)
-
-            async def open_writer(piece: PieceRef) -> InPlaceWriter:
-                return InPlaceWriter(fds, pending[piece.piece_id])
-
-            try:
-                stats = await downloader.run([rs[0] for rs in pending.values()], open_writer)
-            finally:
-                bar.close()
-            await asyncio.to_thread(_finish, staging, out_dir, fds, env)
-        finally:
-            for fd in fds:
-                os.close(fd)
+        stats, resumed_bytes, resumed = await _download_files(sess, pool, cfg, m, out_dir, staging, env.raw, MANIFEST_FILE_NAME,
+                                                              f"step {m.step}", progress)
         result = FetchResult(
             step=m.step,
             manifest=env,
@@ -348,7 +338,7 @@ async def fetch_checkpoint(
             bytes_downloaded=stats.bytes,
             bytes_resumed=resumed_bytes,
             pieces_downloaded=stats.pieces,
-            pieces_resumed=len(resumed),
+            pieces_resumed=resumed,
             wasted_bytes=stats.wasted_bytes,
             elapsed_s=time.monotonic() - t0,
             faulty_sources=pool.faulty(),
@@ -363,6 +353,157 @@ async def fetch_checkpoint(
             extra={"step": m.step},
         )
         return result
+    finally:
+        if own_session:
+            await sess.close()
+
+
+async def _download_files(sess: aiohttp.ClientSession, pool: SourcePool, cfg: DownloadConfig, listing: PieceListing, out_dir: Path,
+                          staging: Path, raw: bytes, manifest_name: str, label: str, progress: bool | None) -> tuple[DownloadStats, int, int]:
+    """Download every piece of ``listing`` into ``staging`` (resuming verified ones), then move it to
+    ``out_dir`` with the manifest bytes ``raw`` as ``manifest_name``.
+
+    Returns:
+        ``(download stats, bytes found verified on disk, pieces found verified on disk)``.
+    """
+    resumed = await asyncio.to_thread(_verified_on_disk, staging, listing) if staging.exists() else set()
+    fds = await asyncio.to_thread(_open_staging, staging, listing)
+    try:
+        refs = list(iter_pieces(listing))
+        pending: dict[bytes, list[PieceRef]] = defaultdict(list)
+        for r in refs:
+            if (r.file_index, r.index) not in resumed:
+                pending[r.piece_id].append(r)
+        resumed_bytes = sum(r.size_bytes for r in refs if (r.file_index, r.index) in resumed)
+        if resumed:
+            logger.info("resuming %s: %d pieces already verified on disk", label, len(resumed))
+        bar = _Progress(sys.stderr.isatty() if progress is None else progress, total_size_bytes(listing), resumed_bytes, label)
+        downloader = PieceDownloader(sess, pool, cfg, on_bytes=bar.advance)
+
+        async def open_writer(piece: PieceRef) -> InPlaceWriter:
+            return InPlaceWriter(fds, pending[piece.piece_id])
+
+        try:
+            stats = await downloader.run([rs[0] for rs in pending.values()], open_writer)
+        finally:
+            bar.close()
+        await asyncio.to_thread(_finish, staging, out_dir, fds, listing, raw, manifest_name)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return stats, resumed_bytes, len(resumed)
+
+
+ARTIFACT_FILE_NAME = ".artifact-manifest"
+"""The artifact manifest's bytes, written next to an artifact's files in a fetched directory."""
+
+
+@dataclass
+class ArtifactFetch:
+    """Outcome of :func:`fetch_artifact`.
+
+    Attributes:
+        artifact_id: the pinned 32-byte ID.
+        manifest: the verified manifest.
+        out_dir: the directory holding its files (and :data:`ARTIFACT_FILE_NAME`).
+        bytes_downloaded: verified piece bytes received in this call.
+        faulty_sources: sources caught serving bad data, with the reason.
+        elapsed_s: wall time, seconds.
+    """
+
+    artifact_id: bytes
+    manifest: ArtifactManifest
+    out_dir: Path
+    bytes_downloaded: int = 0
+    faulty_sources: dict[str, str] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+
+def held_artifact(out_dir: Path, artifact_id: bytes) -> ArtifactManifest | None:
+    """The manifest of the artifact ``out_dir`` holds, if it is ``artifact_id`` (blocking), else ``None``."""
+    try:
+        return open_artifact((Path(out_dir) / ARTIFACT_FILE_NAME).read_bytes(), artifact_id)
+    except (OSError, ProtocolError):
+        return None
+
+
+async def resolve_artifact(session: aiohttp.ClientSession, pool: SourcePool, artifact_id: bytes,
+                           cfg: DownloadConfig) -> tuple[ArtifactManifest, bytes]:
+    """Ask every usable source for the artifact's manifest at once; the first that hashes to
+    ``artifact_id`` wins (the others are cancelled). A source that answers other bytes is evidence.
+
+    Raises:
+        FetchError: no source has it (the message lists why).
+    """
+    async def ask(src: SourceState) -> tuple[ArtifactManifest, bytes]:
+        got = await get_artifact_manifest(session, src.url, artifact_id, timeout_s=cfg.manifest_timeout_s, cfg=cfg)
+        if got is None:
+            raise SourceError(src.url, "not_held", f"does not hold artifact {hex_id(artifact_id)[:16]}…")
+        return got
+
+    srcs = {s.url: s for s in pool.usable()}
+    won, failed = await first_success({url: ask(src) for url, src in srcs.items()}, (SourceError,))
+    for url, exc in failed:
+        assert isinstance(exc, SourceError)
+        if exc.evidence:
+            pool.record_evidence(srcs[url], exc.reason)
+        elif exc.reason != "not_held":
+            pool.record_failure(srcs[url], exc.reason)
+    if won is not None:
+        return won[1]
+    why = "; ".join(str(e) for _, e in failed) or "no sources"
+    raise FetchError(f"no source has artifact {hex_id(artifact_id)[:16]}…: {why}", pool.faulty())
+
+
+async def fetch_artifact(sources: Sequence[str], out_dir: Path, artifact_id: bytes, *, origins: Sequence[str] = (),
+                         config: DownloadConfig | None = None, progress: bool | None = None,
+                         session: aiohttp.ClientSession | None = None, keep_partial: bool = True) -> ArtifactFetch:
+    """Download an artifact pinned by the run spec into ``out_dir`` (``docs/shardcast.md`` §10).
+
+    The same verified, parallel, resumable download as :func:`fetch_checkpoint`; the manifest is
+    trusted because its bytes hash to ``artifact_id`` (:func:`protocol.artifacts.open_artifact`).
+
+    Args:
+        sources: base URLs of relays and origins (at most ``config.max_candidates`` relays used).
+        out_dir: the directory to create (files plus :data:`ARTIFACT_FILE_NAME`); one that already
+            holds this artifact is returned as it is.
+        artifact_id: the 32-byte ID from the run spec's ``[artifacts]``.
+        origins: which of them are origins (reserved slots).
+        config: limits and timeouts; progress: a progress bar (default: on a terminal).
+        session: an HTTP session to reuse.
+        keep_partial: keep the staging directory of a failed download for the next call; ``False``
+            removes it, so a failed fetch leaves nothing behind.
+
+    Raises:
+        FetchError: no source has a manifest hashing to ``artifact_id``, every source faulty,
+            stalled, deadline passed, or ``out_dir`` holds something else.
+    """
+    cfg = config or DownloadConfig()
+    out_dir = Path(out_dir)
+    t0 = time.monotonic()
+    if (have := await asyncio.to_thread(held_artifact, out_dir, artifact_id)) is not None:
+        return ArtifactFetch(artifact_id, have, out_dir, elapsed_s=time.monotonic() - t0)
+    pool = SourcePool(sources, origins=origins, exploration=cfg.exploration, max_in_flight_per_source=cfg.max_in_flight_per_source,
+                      max_candidates=cfg.max_candidates)
+    if not pool.urls:
+        raise FetchError("no sources given")
+    own_session = session is None
+    sess = session or make_session(cfg)
+    staging = out_dir.parent / f".{out_dir.name}.{hex_id(artifact_id)[:16]}.partial"
+    try:
+        manifest, raw = await resolve_artifact(sess, pool, artifact_id, cfg)
+        if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+            raise FetchError(f"{out_dir} exists and holds something else; remove it")
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            stats, _, _ = await _download_files(sess, pool, cfg, manifest, out_dir, staging, raw, ARTIFACT_FILE_NAME,
+                                                f"artifact {manifest.name}", progress)
+        except BaseException:
+            if not keep_partial:
+                await asyncio.to_thread(shutil.rmtree, staging, True)
+            raise
+        logger.info("fetched artifact %s %s… into %s: %d bytes", manifest.name, hex_id(artifact_id)[:16], out_dir, stats.bytes)
+        return ArtifactFetch(artifact_id, manifest, out_dir, stats.bytes, pool.faulty(), time.monotonic() - t0)
     finally:
         if own_session:
             await sess.close()

@@ -31,6 +31,16 @@ import aiohttp
 
 from node.errors import BadPieceError, FetchError, SourceError
 from node.shardcast.sources import SourcePool, SourceState
+from node.timeouts import (
+    CONNECT_TIMEOUT_S,
+    DOWNLOAD_DEADLINE_S,
+    HELD_TIMEOUT_S,
+    MANIFEST_TIMEOUT_S,
+    PIECE_BODY_GRACE_S,
+    READ_TIMEOUT_S,
+    STALL_TIMEOUT_S,
+)
+from protocol.artifacts import MAX_ARTIFACT_MANIFEST_BYTES, ArtifactManifest, open_artifact
 from protocol.content import hex_id
 from protocol.envelope import Authorities, Envelope
 from protocol.errors import ProtocolError
@@ -51,7 +61,7 @@ WRITE_BATCH_BYTES = 2 << 20
 
 @dataclass(frozen=True)
 class DownloadConfig:
-    """Limits and timeouts of a download.
+    """Limits and timeouts of a download (the timeouts' defaults: :mod:`node.timeouts`).
 
     Attributes:
         max_concurrency: pieces downloaded at once from relay candidates (memory ≈ this × 1 MiB);
@@ -61,8 +71,8 @@ class DownloadConfig:
         connect_timeout_s: TCP connect timeout, seconds (never includes waiting for the pool).
         read_timeout_s: longest silence while waiting for or reading a response, seconds.
         min_rate_bps: slowest accepted transfer, bytes/second; a piece's body must arrive within
-            ``size / min_rate_bps + 5`` seconds of its response headers (from a relay, also within
-            half the stall timeout).
+            ``size / min_rate_bps`` + :data:`~node.timeouts.PIECE_BODY_GRACE_S` seconds of its
+            response headers (from a relay, also within half the stall timeout).
         rate_window_s: a piece request is measured over windows of this many seconds from its
             response headers on; a relay's request that delivers less than the rate floor in a
             window is cut off (cooled down, its piece moved to a proven source), seconds.
@@ -86,21 +96,21 @@ class DownloadConfig:
     max_concurrency: int = 8
     max_in_flight_per_source: int = 4
     max_candidates: int = 8
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 15.0
+    connect_timeout_s: float = CONNECT_TIMEOUT_S
+    read_timeout_s: float = READ_TIMEOUT_S
     min_rate_bps: float = 256 * 1024
     rate_window_s: float = 2.0
     rate_floor_bps: float = 64 * 1024
     slow_fraction: float = 1 / 8
-    manifest_timeout_s: float = 15.0
-    held_timeout_s: float = 3.0
+    manifest_timeout_s: float = MANIFEST_TIMEOUT_S
+    held_timeout_s: float = HELD_TIMEOUT_S
     max_manifest_bytes: int = DEFAULT_MAX_MANIFEST_BYTES
     latest_grace_s: float = 1.0
     hedge_after_s: float = 0.5
     exploration: float = 0.1
     missing_retry_s: float = 0.5
-    stall_timeout_s: float = 60.0
-    deadline_s: float = 3600.0
+    stall_timeout_s: float = STALL_TIMEOUT_S
+    deadline_s: float = DOWNLOAD_DEADLINE_S
 
 
 class PieceWriter(Protocol):
@@ -157,6 +167,10 @@ def piece_url(source: str, piece_id: bytes) -> str:
 
 def manifest_url(source: str, step: int | None) -> str:
     return f"{source}{ROUTE_PREFIX}/manifests/{'latest' if step is None else step}"
+
+
+def artifact_url(source: str, artifact_id: bytes) -> str:
+    return f"{source}{ROUTE_PREFIX}/artifacts/{hex_id(artifact_id)}"
 
 
 def held_url(source: str) -> str:
@@ -361,6 +375,43 @@ async def get_manifest(
     return env
 
 
+async def get_artifact_manifest(session: aiohttp.ClientSession, source: str, artifact_id: bytes, *, timeout_s: float,
+                                cfg: DownloadConfig | None = None) -> tuple[ArtifactManifest, bytes] | None:
+    """Ask ``source`` for the manifest of artifact ``artifact_id`` and check it against that ID.
+
+    Read with a hard cap (:data:`protocol.artifacts.MAX_ARTIFACT_MANIFEST_BYTES`) and a
+    whole-request deadline; the bytes must hash to the pinned ID before they are decoded
+    (:func:`protocol.artifacts.open_artifact`, off the event loop).
+
+    Returns:
+        ``(manifest, its bytes)``, or ``None`` when the source does not hold it (404).
+
+    Raises:
+        SourceError: transport failure or bad status; with ``evidence=True`` when the bytes are over
+            the limit or are not the pinned artifact.
+    """
+    cfg = cfg or DownloadConfig()
+    body_s = MAX_ARTIFACT_MANIFEST_BYTES / cfg.min_rate_bps + timeout_s
+    try:
+        async with asyncio.timeout(cfg.connect_timeout_s + timeout_s + body_s) as deadline, session.get(
+            artifact_url(source, artifact_id), timeout=request_timeout(cfg, timeout_s)
+        ) as resp:
+            if resp.status == 404:
+                return None
+            if resp.status != 200:
+                raise SourceError(source, f"http_{resp.status}", f"artifact request answered HTTP {resp.status}")
+            raw = await _read_bounded(resp, source, MAX_ARTIFACT_MANIFEST_BYTES, body_s)
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        if deadline.expired():
+            raise SourceError(source, "slow", f"artifact request not answered within {cfg.connect_timeout_s + timeout_s + body_s:.0f} s") from None
+        raise SourceError(source, "unreachable", f"artifact request failed: {type(e).__name__}: {e}") from e
+    try:
+        manifest = await asyncio.to_thread(open_artifact, raw, artifact_id)
+    except ProtocolError as e:
+        raise SourceError(source, "bad_artifact", f"rejected its artifact manifest: {e}", evidence=True) from e
+    return manifest, raw
+
+
 async def get_held(
     session: aiohttp.ClientSession, source: str, *, timeout_s: float, cfg: DownloadConfig | None = None
 ) -> tuple[list[int], list[int]]:
@@ -418,10 +469,11 @@ async def _settled(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def body_deadline_s(piece: PieceRef, cfg: DownloadConfig, *, origin: bool) -> float:
-    """Seconds a piece's body may take after its response headers: ``size / min_rate_bps + 5``;
+    """Seconds a piece's body may take after its response headers: ``size / min_rate_bps`` +
+    :data:`~node.timeouts.PIECE_BODY_GRACE_S`;
     from a relay also at most half of ``stall_timeout_s`` (so a relay's request always ends, and
     its piece moves on, before the download could stall)."""
-    s = piece.size_bytes / cfg.min_rate_bps + 5.0
+    s = piece.size_bytes / cfg.min_rate_bps + PIECE_BODY_GRACE_S
     return s if origin else min(s, cfg.stall_timeout_s / 2)
 
 

@@ -12,9 +12,12 @@ import logging
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import BinaryIO
 
 from node.errors import ShardcastError
 from node.shardcast.store import ShardcastStore
+from protocol.artifacts import ARTIFACT_PIECE_SIZE_BYTES, ArtifactManifest, build_artifact
+from protocol.content import ContentId
 from protocol.envelope import Envelope, seal
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
@@ -133,3 +136,44 @@ def publish_checkpoint(
     if prune:
         store.prune()
     return env
+
+
+def publish_artifact(store: ShardcastStore, name: str, files: Sequence[tuple[str, BinaryIO]], *, expected_id: bytes | None = None,
+                     piece_size_bytes: int = ARTIFACT_PIECE_SIZE_BYTES,
+                     meta: Mapping[str, str] | None = None) -> tuple[ArtifactManifest, ContentId]:
+    """Cut an artifact's files into pieces in ``store`` and store its manifest (``docs/shardcast.md`` §10).
+
+    Blocking; the same streaming pass as a checkpoint's (memory stays flat). An artifact needs no
+    signature: the run spec pins its ID (``[artifacts]``), so serving it is publishing it.
+
+    Args:
+        store: the origin's store.
+        name: the artifact's name (``tasks``, ``environment``).
+        files: ``(file name, stream)`` in order.
+        expected_id: the ID the run spec pins; when these files make another artifact its manifest
+            is not stored (the pieces already cut stay in the store, listed by nothing).
+        piece_size_bytes: the piece size (default :data:`protocol.artifacts.ARTIFACT_PIECE_SIZE_BYTES`).
+        meta: small string annotations.
+
+    Returns:
+        ``(manifest, artifact ID)``.
+
+    Raises:
+        ShardcastError: unreadable files, a schema error, or files that are not the pinned artifact
+            (one line naming both IDs).
+    """
+    sink = store.sink()
+    try:
+        manifest, raw, aid = build_artifact(name, files, piece_size_bytes=piece_size_bytes, meta=meta, sink=sink)
+    except OSError as e:
+        raise ShardcastError(f"cannot read artifact file: {e}") from e
+    except (ValueError, ProtocolError) as e:
+        raise ShardcastError(f"cannot publish artifact {name!r}: {e}") from e
+    finally:
+        sink.close()
+    if expected_id is not None and aid != expected_id:
+        raise ShardcastError(f"artifact {name!r} built here is {aid.hex()[:16]}…, the run spec pins {bytes(expected_id).hex()[:16]}…: "
+                             "different files")
+    store.add_artifact(raw, aid)
+    logger.info("published artifact %s %s… (%d bytes)", name, aid.hex()[:16], sum(f.size_bytes for f in manifest.files))
+    return manifest, aid

@@ -6,7 +6,9 @@ the store's manifest directory every ``poll_interval_s``). With upstreams it pol
 (verified against the coordinator key before they are stored), and fills each step with
 parallel, verified piece downloads from all upstreams. Each piece is served as soon as it is
 stored (cut-through), while :meth:`Relay.held_steps` — what heartbeats announce — lists only
-complete steps. After each completed step the store's retention removes older steps.
+complete steps. After each completed step the store's retention removes older steps. The
+artifacts the run spec pins (``RelayConfig.artifacts``: the task list, ``docs/shardcast.md`` §10)
+are mirrored the same way, once, and kept: their manifests are checked against the pinned IDs.
 
 Upstreams can change at run time (:meth:`Relay.set_upstreams`), e.g. from gossip.
 
@@ -40,11 +42,15 @@ from node.shardcast.events import log_held
 from node.shardcast.server import ShardcastServer
 from node.shardcast.sources import SourcePool, normalise_url
 from node.shardcast.store import PieceWriter, ShardcastStore
+from node.timeouts import RELAY_STALL_TIMEOUT_S
 from protocol.errors import ProtocolError
 from protocol.identity import PeerId
 from protocol.shardcast import PieceRef
 
 logger = logging.getLogger(__name__)
+
+ARTIFACT_RETRY_S = 5.0
+"""After a failed attempt to mirror an artifact, the next one waits this long, seconds."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ class RelayConfig:
         upstream_ban_s: how long evidence bans an upstream, seconds.
         download: limits and timeouts of piece downloads (``deadline_s`` bounds one attempt at a step).
         peer_id: this node's peer ID, reported by ``/held``.
+        artifacts: IDs of the artifacts to mirror (the run spec's ``[artifacts]``), 32 bytes each.
     """
 
     host: str = "127.0.0.1"
@@ -71,8 +78,9 @@ class RelayConfig:
     origins: tuple[str, ...] = ()
     poll_interval_s: float = 0.2
     upstream_ban_s: float = 600.0
-    download: DownloadConfig = field(default_factory=lambda: DownloadConfig(stall_timeout_s=120.0))
+    download: DownloadConfig = field(default_factory=lambda: DownloadConfig(stall_timeout_s=RELAY_STALL_TIMEOUT_S))
     peer_id: PeerId | None = None
+    artifacts: tuple[bytes, ...] = ()
 
 
 def _origins_among(urls: Iterable[str], origins: Iterable[str]) -> list[str]:
@@ -114,6 +122,8 @@ class Relay:
         self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None
         self._syncs: dict[int, asyncio.Task[None]] = {}
+        self._artifact_syncs: dict[bytes, asyncio.Task[None]] = {}
+        self._artifact_retry_at: dict[bytes, float] = {}  # artifact ID → monotonic time of the next attempt after a failure
         self._loop_task: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         self._wake = asyncio.Event()
@@ -167,12 +177,14 @@ class Relay:
     async def stop(self) -> None:
         """Stop syncing and serving; safe to call more than once."""
         self._stopped.set()
-        tasks = [t for t in [self._loop_task, *self._syncs.values(), *self._held_tasks.values()] if t is not None]
+        tasks = [t for t in [self._loop_task, *self._syncs.values(), *self._held_tasks.values(), *self._artifact_syncs.values()]
+                 if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._syncs.clear()
         self._held_tasks.clear()
+        self._artifact_syncs.clear()
         self._loop_task = None
         await self.server.stop()
         if self._session is not None:
@@ -203,7 +215,41 @@ class Relay:
         for step in self.store.steps():
             if not self.store.is_complete(step) and step not in self._syncs:
                 self._syncs[step] = asyncio.create_task(self._sync(step), name=f"shardcast-sync-{step}")
+        if self.pool.urls:
+            for aid in self.config.artifacts:
+                if aid not in self._artifact_syncs and not self.store.artifact_complete(aid) \
+                        and time.monotonic() >= self._artifact_retry_at.get(aid, 0.0):
+                    self._artifact_syncs[aid] = asyncio.create_task(self._sync_artifact(aid), name=f"shardcast-artifact-{aid.hex()[:8]}")
         await self._prune()
+
+    async def _sync_artifact(self, artifact_id: bytes) -> None:
+        """Mirror one pinned artifact from the upstreams (one attempt; the next poll retries a failed one)."""
+        assert self._session is not None
+        from node.shardcast.client import resolve_artifact
+
+        try:
+            if self.store.artifact(artifact_id) is None:
+                _, raw = await resolve_artifact(self._session, self.pool, artifact_id, self.config.download)
+                await asyncio.to_thread(self.store.add_artifact, raw, artifact_id)
+            missing = await asyncio.to_thread(self.store.missing_artifact_pieces, artifact_id)
+            if missing:
+                downloader = PieceDownloader(self._session, self.pool, self.config.download, semaphore=self._sem,
+                                             on_piece=lambda p: self.server.piece_stored(p.piece_id))
+
+                async def open_writer(piece: PieceRef) -> PieceWriter:
+                    return await asyncio.to_thread(self.store.piece_writer, piece.piece_id, piece.size_bytes)
+
+                await downloader.run(missing, open_writer)
+            if await asyncio.to_thread(self.store.check_artifact, artifact_id):
+                logger.info("artifact %s… held", artifact_id.hex()[:16])
+        except (FetchError, ProtocolError) as e:
+            logger.info("mirroring artifact %s… stopped: %s", artifact_id.hex()[:16], e)
+            self._artifact_retry_at[artifact_id] = time.monotonic() + ARTIFACT_RETRY_S
+        except Exception:
+            logger.exception("mirroring artifact %s… failed", artifact_id.hex()[:16])
+            self._artifact_retry_at[artifact_id] = time.monotonic() + ARTIFACT_RETRY_S
+        finally:
+            self._artifact_syncs.pop(artifact_id, None)
 
     async def _poll_held(self) -> tuple[dict[int, list[str]], list[int]]:
         """Start a ``/held`` request per usable upstream that has none running; wait at most one

@@ -6,6 +6,8 @@ Routes (``docs/shardcast.md``)::
     GET       /shardcast/1/manifests/latest   the newest stored manifest (raw envelope bytes)
     GET       /shardcast/1/manifests/{step}   the manifest of one step
     GET|HEAD  /shardcast/1/pieces/{id}        one piece (64 hex digits); HTTP Range supported
+    GET       /shardcast/1/artifacts/{id}     the bytes of an artifact manifest (ID: 64 hex digits)
+    GET       /run/1/spec                     the signed run spec (TOML), when :attr:`ShardcastServer.run_spec` is set
 
 Pieces are served with ``sendfile`` from their files as soon as they are stored (cut-through:
 a relay serves a verified piece of a step it is still filling). A request for a piece that a
@@ -37,6 +39,8 @@ logger = logging.getLogger(__name__)
 MSGPACK_TYPE = "application/x-msgpack"
 _HEX_ID = re.compile(r"^[0-9a-f]{64}$")
 _MAX_STEP = 2**40
+_ZERO_SUFFIX = re.compile(r"^\s*bytes\s*=\s*-\s*0+\s*$", re.IGNORECASE)
+"""A ``Range`` of one suffix range of length 0 (``bytes=-0``)."""
 IMMUTABLE = "public, max-age=31536000, immutable"
 PIECE_WAIT_S = 5.0
 """How long a request for a piece of a step being filled is held until the piece is stored."""
@@ -60,6 +64,8 @@ class ShardcastServer:
     Attributes:
         pieces_served: piece responses with status 200 or 206 started so far.
         status: if set before :meth:`start`, ``GET /status`` answers its JSON (a relay's status).
+        run_spec: if set before :meth:`start`, ``GET /run/1/spec`` answers these bytes (the signed
+            spec's TOML, ``protocol.run_api.SPEC_ROUTE``): a newcomer can fetch it from this node.
     """
 
     def __init__(
@@ -72,6 +78,7 @@ class ShardcastServer:
         self.piece_wait_s = piece_wait_s
         self.pieces_served = 0
         self.status: Callable[[], dict[str, Any]] | None = None
+        self.run_spec: bytes | None = None
         self._runner: web.AppRunner | None = None
         self._waiters: dict[bytes, list[asyncio.Future[None]]] = {}
 
@@ -110,6 +117,16 @@ class ShardcastServer:
         app.router.add_get(f"{ROUTE_PREFIX}/manifests/{{step}}", self._manifest)
         app.router.add_get(f"{ROUTE_PREFIX}/deltas/{{step}}", self._delta)
         app.router.add_get(f"{ROUTE_PREFIX}/pieces/{{piece_id}}", self._piece)  # GET also answers HEAD
+        app.router.add_get(f"{ROUTE_PREFIX}/artifacts/{{artifact_id}}", self._artifact)
+        if self.run_spec is not None:
+            from protocol.run_api import SPEC_CONTENT_TYPE, SPEC_ROUTE
+
+            spec = self.run_spec
+
+            async def serve_spec(request: web.Request) -> web.Response:
+                return web.Response(body=spec, content_type=SPEC_CONTENT_TYPE, charset="utf-8", headers={"Cache-Control": "no-cache"})
+
+            app.router.add_get(SPEC_ROUTE, serve_spec)
         if self.status is not None:
             from node.web.assets import RecentErrors, add_status_routes
 
@@ -138,6 +155,15 @@ class ShardcastServer:
 
         return http_url(self.host, self.port)
 
+    async def _artifact(self, request: web.Request) -> web.Response:
+        name = request.match_info["artifact_id"]
+        if not _HEX_ID.match(name):
+            raise web.HTTPBadRequest(text="artifact ID must be 64 lower-case hex digits")
+        held = self.store.artifact(bytes.fromhex(name))
+        if held is None:
+            raise web.HTTPNotFound(text="artifact not held")
+        return web.Response(body=held[1], content_type=MSGPACK_TYPE, headers={"Cache-Control": IMMUTABLE, "ETag": f'"{name}"'})
+
     async def _held(self, request: web.Request) -> web.Response:
         steps = self.store.steps()
         doc = {
@@ -147,6 +173,7 @@ class ShardcastServer:
             "steps": steps[-512:],
             "latest": steps[-1] if steps else None,
             "deltas": self.store.delta_steps()[-512:],
+            "artifacts": [a.hex() for a in self.store.artifact_ids()[:16] if self.store.artifact_complete(a)],
         }
         return web.Response(text=json.dumps(doc), content_type="application/json", headers={"Cache-Control": "no-cache"})
 
@@ -190,5 +217,9 @@ class ShardcastServer:
         path = self.store.piece_path(piece_id)
         if not path.is_file() and not (self.piece_wait_s > 0 and await self._wait_for_piece(piece_id, path)):
             raise web.HTTPNotFound(text="piece not held\n")
+        if _ZERO_SUFFIX.match(request.headers.get("Range", "")):
+            # RFC 9110 §14.1.1: a suffix range of length 0 selects no byte, so it is unsatisfiable (416);
+            # aiohttp reads "-0" as "from byte 0" and answered 206 with the whole piece
+            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{path.stat().st_size}"})
         self.pieces_served += 1
         return web.FileResponse(path, headers={"Cache-Control": IMMUTABLE, "Content-Type": "application/octet-stream"})

@@ -4,6 +4,7 @@ Layout under ``<data_dir>/shardcast/<run ID hex>/``::
 
     manifests/<step>.manifest   exact envelope bytes of the coordinator-signed manifest
     deltas/<step>.delta         exact envelope bytes of the coordinator-signed delta into <step>
+    artifacts/<ID hex>.artifact exact bytes of an artifact manifest, hashing to its ID (``protocol.artifacts``)
     pieces/<hh>/<piece ID hex>  one file per verified piece (``hh``: first two hex digits)
     tmp/                        files being written; renamed into place when complete
 
@@ -20,7 +21,7 @@ pieces unflushed) re-hashes every piece file and deletes those that do not hash 
 so the store never serves a piece whose bytes are not its ID. Manifests are flushed one by one. A step is *complete* (held) when
 every piece its manifest lists is present. Retention (:func:`protocol.window.retained_steps`) keeps the newest ``keep_steps`` complete
 steps plus any newer step still being filled, and deletes only pieces that no kept manifest
-lists, so a fetch of a kept step is never disturbed (a reader with an open file keeps its data
+(of a step, a delta or an artifact: artifacts are pinned by the run spec and never pruned) lists, so a fetch of a kept step is never disturbed (a reader with an open file keeps its data
 on POSIX even if a file is unlinked).
 
 The store is synchronous and thread-safe; async callers run its disk work through
@@ -39,6 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from node.errors import StoreError
+from protocol.artifacts import ArtifactManifest, open_artifact
 from protocol.content import hex_id
 from protocol.delta import iter_delta_pieces, open_delta_manifest
 from protocol.durable import atomic_write, fsync_dir
@@ -205,6 +207,10 @@ class ShardcastStore:
         self._piece_dir = self.root / "pieces"
         self._tmp_dir = self.root / "tmp"
         self._delta_dir = self.root / "deltas"
+        self._artifact_dir = self.root / "artifacts"
+        self._artifacts: dict[bytes, tuple[ArtifactManifest, bytes]] = {}  # ID → (manifest, its bytes)
+        self._artifact_piece_sets: dict[bytes, frozenset[bytes]] = {}
+        self._artifacts_complete: set[bytes] = set()
         self._lock = threading.Lock()
         self._deltas: dict[int, Envelope[DeltaManifest]] = {}  # by target step (docs/shardcast.md §9)
         self._delta_piece_sets: dict[int, frozenset[bytes]] = {}
@@ -220,12 +226,13 @@ class ShardcastStore:
         self._marker: Path | None = None
         self._fsync_pool: ThreadPoolExecutor | None = None
         try:
-            for d in (self._manifest_dir, self._piece_dir, self._tmp_dir, self._delta_dir):
+            for d in (self._manifest_dir, self._piece_dir, self._tmp_dir, self._delta_dir, self._artifact_dir):
                 d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise StoreError(f"cannot create the Shardcast store at {self.root}: {e.strerror}") from e
         self._clean_tmp()
         self._recover()
+        self._load_artifacts()
         self.refresh()
 
     # --- paths ------------------------------------------------------------------------------
@@ -525,7 +532,7 @@ class ShardcastStore:
         with self._lock:
             return any(piece_id in ids for step, ids in self._piece_sets.items() if step not in self._complete) or any(
                 piece_id in ids for step, ids in self._delta_piece_sets.items() if step not in self._complete
-            )
+            ) or any(piece_id in ids for aid, ids in self._artifact_piece_sets.items() if aid not in self._artifacts_complete)
 
     def missing_pieces(self, step: int) -> list[PieceRef]:
         """Pieces of ``step``'s manifest not in the store, in manifest order (blocking: one stat each)."""
@@ -559,6 +566,79 @@ class ShardcastStore:
         if newly:
             logger.info("step %d complete", step, extra={"step": step})
         return done
+
+    # --- artifacts (docs/shardcast.md §10) -----------------------------------------------------
+
+    def _artifact_path(self, artifact_id: bytes) -> Path:
+        return self._artifact_dir / f"{hex_id(artifact_id)}.artifact"
+
+    def _load_artifacts(self) -> None:
+        """Read the artifact manifests on disk; one that does not hash to its file name is deleted."""
+        for p in sorted(self._artifact_dir.glob("*.artifact")):
+            name = p.name[: -len(".artifact")]
+            try:
+                aid = bytes.fromhex(name)
+                manifest = open_artifact(p.read_bytes(), aid)
+            except Exception as e:  # noqa: BLE001 - a bad file on disk must not stop the node
+                logger.warning("removing unreadable artifact manifest %s: %s", p, e)
+                p.unlink(missing_ok=True)
+                continue
+            self._remember_artifact(aid, manifest, p.read_bytes())
+
+    def _remember_artifact(self, artifact_id: bytes, manifest: ArtifactManifest, raw: bytes) -> None:
+        with self._lock:
+            self._artifacts[artifact_id] = (manifest, raw)
+            self._artifact_piece_sets[artifact_id] = frozenset(p.piece_id for p in iter_pieces(manifest))
+        self.check_artifact(artifact_id)
+
+    def add_artifact(self, raw: bytes, artifact_id: bytes) -> ArtifactManifest:
+        """Verify artifact manifest bytes against the pinned ``artifact_id`` and store them (blocking).
+
+        Raises:
+            ProtocolError: ``ArtifactError`` (bytes that do not hash to the ID) or a decode/schema
+                error from :func:`protocol.artifacts.open_artifact`; nothing is stored.
+        """
+        manifest = open_artifact(raw, artifact_id)
+        with self._lock:
+            if artifact_id in self._artifacts:
+                return self._artifacts[artifact_id][0]
+        atomic_write(self._artifact_path(artifact_id), raw, tmp=self.tmp_path(b"artifact"), durable=self.fsync, sync_dir=False)
+        self._remember_artifact(artifact_id, manifest, raw)
+        logger.info("stored artifact %s %s… (%d files)", manifest.name, hex_id(artifact_id)[:16], len(manifest.files))
+        return manifest
+
+    def artifact(self, artifact_id: bytes) -> tuple[ArtifactManifest, bytes] | None:
+        """The stored artifact manifest with ID ``artifact_id`` and its exact bytes, or ``None``."""
+        with self._lock:
+            return self._artifacts.get(artifact_id)
+
+    def artifact_ids(self) -> list[bytes]:
+        """IDs of the stored artifact manifests (complete or being filled)."""
+        with self._lock:
+            return sorted(self._artifacts)
+
+    def missing_artifact_pieces(self, artifact_id: bytes) -> list[PieceRef]:
+        """Pieces of the artifact not in the store, in manifest order (blocking)."""
+        held = self.artifact(artifact_id)
+        if held is None:
+            raise StoreError(f"no artifact {hex_id(artifact_id)[:16]}…")
+        return [p for p in iter_pieces(held[0]) if not self.has_piece(p.piece_id)]
+
+    def check_artifact(self, artifact_id: bytes) -> bool:
+        """Re-check whether every piece of the artifact is present, and record it (blocking)."""
+        held = self.artifact(artifact_id)
+        if held is None:
+            return False
+        done = all(self.has_piece(p.piece_id) for p in iter_pieces(held[0]))
+        if done:
+            self.sync()
+            with self._lock:
+                self._artifacts_complete.add(artifact_id)
+        return done
+
+    def artifact_complete(self, artifact_id: bytes) -> bool:
+        with self._lock:
+            return artifact_id in self._artifacts_complete
 
     # --- retention --------------------------------------------------------------------------
 
@@ -604,6 +684,7 @@ class ShardcastStore:
                 self._delta_path(env_d.body.step).unlink(missing_ok=True)
             still_used: set[bytes] = {p.piece_id for env in self._manifests.values() for p in iter_pieces(env.body)}
             still_used |= {pid for ids in self._delta_piece_sets.values() for pid in ids}
+            still_used |= {pid for ids in self._artifact_piece_sets.values() for pid in ids}
         for step, env in dropped.items():
             for p in iter_pieces(env.body):
                 if p.piece_id not in still_used:

@@ -12,6 +12,9 @@ honest node never uses this module.
 * ``replay`` — re-uses submission counter 0 for new content: caught by the replay check.
 * ``fake-eos`` — cuts every completion short with EOS at the position where the policy gives EOS
   the least probability (proofs and log-probs from an honest prefill): caught by the termination check.
+* ``steer`` — samples honestly but emits the right answer's next token wherever the validator's
+  replay would accept it (:mod:`node.worker.steering`): every check passes one submission at a
+  time; only statistics over many of its tokens can tell it from numeric noise (issue 33).
 
 :func:`perturbed_model` makes the "slightly different model" a worker might run instead of the
 policy (the validator's tests and ``benchmarks/logprob_tolerance.py`` measure how it is caught).
@@ -20,8 +23,10 @@ policy (the validator's tests and ``benchmarks/logprob_tolerance.py`` measure ho
 from __future__ import annotations
 
 import copy
+import random
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +35,7 @@ from node.engine.base import Engine, Generation, SamplingParams
 from node.engine.hf import TransformersEngine
 from node.worker import ADVERSARIES
 from node.worker.rollouts import BuildStats, generate_rollouts, seal_submission
+from node.worker.steering import SteeringEngine
 from protocol import toploc
 from protocol.identity import NodeKey
 from protocol.inference import prefill_completions
@@ -98,6 +104,10 @@ def build_dishonest_submission(
 ) -> bytes:
     """A signed submission that breaks the rule ``kind`` names (one of :data:`ADVERSARIES`).
 
+    ``steer`` steers with the engine's rate and RNG when it is a :class:`SteeringEngine`
+    (:func:`adversary_engine`); a float32 transformers engine is wrapped for this one submission
+    (rate 1.0, its own model as the validator's float32 policy).
+
     Raises:
         ValueError: unknown ``kind``, or an engine this cheat cannot wrap.
     """
@@ -109,6 +119,12 @@ def build_dishonest_submission(
     if kind == "cherry-pick":
         easiest = min(range(len(tasks)), key=lambda i: len(tasks[i].prompt))
         plan = [replace(p, task_index=easiest, task=tasks[easiest]) for p in plan]
+    if kind == "steer":
+        if not isinstance(engine, (SteeringEngine, TransformersEngine)):
+            raise ValueError("steer needs the transformers engine")
+        steering = engine if isinstance(engine, SteeringEngine) else SteeringEngine(engine)
+        steered = steering.steer(spec, tokenizer, plan, None, stats)
+        return seal_submission(run_id, key, policy_step, counter, plan, steered.rollouts)
     eng = engine
     if kind == "other-model":
         if not isinstance(engine, TransformersEngine):
@@ -125,6 +141,21 @@ def build_dishonest_submission(
     elif kind == "fake-eos":
         rollouts = [_fake_eos(spec, engine, tokenizer, plan, r) for r in rollouts]
     return seal_submission(run_id, key, policy_step, counter, plan, rollouts)
+
+
+def adversary_engine(kind: str | None, engine: Engine, model_dir: Path, *, steer_rate: float = 1.0, seed: str = "") -> Engine:
+    """The engine a worker of adversary ``kind`` generates with: for ``steer`` a :class:`SteeringEngine`
+    around ``engine`` (a float32 policy loaded from ``model_dir`` beside a bf16 one; its RNG seeded
+    with ``seed``, e.g. the worker's peer ID), else ``engine`` itself.
+
+    Raises:
+        ValueError: ``steer`` on an engine other than transformers, or a rate outside [0, 1].
+    """
+    if kind != "steer":
+        return engine
+    if not isinstance(engine, TransformersEngine):
+        raise ValueError("steer needs the transformers engine")  # noqa: TRY004 - documented: ValueError for an engine a cheat cannot wrap
+    return SteeringEngine.from_dir(engine, model_dir, steer_rate, random.Random(f"steer/{seed}"))
 
 
 def _fake_eos(spec: RunSpec, engine: Engine, tokenizer: Any, plan: Sequence[PlannedTask], r: Any) -> Any:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from node.engine.base import Engine, SamplingParams
+from node.engine.base import Engine, Generation, SamplingParams
 from protocol import toploc
 from protocol.envelope import seal
 from protocol.identity import NodeKey
@@ -67,6 +67,35 @@ def generate_rollouts(
     t0 = time.perf_counter()
     gens = engine.generate(prompts, seeds, sampling_params(spec, eos_id))
     stats.generate_s += time.perf_counter() - t0
+    return prove_and_score(spec, tokenizer, plan, gens, reward_limits, stats)
+
+
+def prove_and_score(
+    spec: RunSpec,
+    tokenizer: Any,
+    plan: Sequence[PlannedTask],
+    gens: Sequence[Generation],
+    reward_limits: RewardLimits | None = None,
+    stats: BuildStats | None = None,
+) -> list[Rollout]:
+    """The rollouts of ``gens`` (one per planned sample, task-major): TOPLOC proofs of their committed
+    rows, rewards of their completions.
+
+    Args:
+        spec: the run spec (TOPLOC chunk size and top-k, length penalty).
+        tokenizer: the policy's tokenizer (completion text for the reward).
+        plan: the planned tasks.
+        gens: ``len(plan) × group_size`` generations in plan order.
+        reward_limits: sandbox limits for code rewards.
+        stats: filled with proof and reward timings, tokens and task rewards if given.
+
+    Raises:
+        ValueError: not one generation per planned sample.
+    """
+    stats = stats if stats is not None else BuildStats()
+    eos_id = int(tokenizer.eos_token_id)
+    if len(gens) != sum(len(p.seeds) for p in plan):
+        raise ValueError(f"{len(gens)} generations for {sum(len(p.seeds) for p in plan)} planned samples")
     owners = [p for p in plan for _ in p.seeds]
     ids_all = [g.completion_ids.tolist() for g in gens]
     t1 = time.perf_counter()

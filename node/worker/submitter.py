@@ -9,6 +9,7 @@ from pathlib import Path
 
 from node.ingest_client import IngestClient
 from node.retry import Backoff, FailureLog
+from node.timeouts import INGEST_REQUEST_TIMEOUT_S
 from node.worker.spool import Spool
 from protocol.ingest_api import TRANSIENT_RETRIES
 
@@ -55,7 +56,8 @@ class Submitter:
         timeout_s: per-request timeout, seconds.
     """
 
-    def __init__(self, spool: Spool, ingest_urls: list[str], *, timeout_s: float = 60.0, base_backoff_s: float = 0.5, max_backoff_s: float = 30.0) -> None:
+    def __init__(self, spool: Spool, ingest_urls: list[str], *, timeout_s: float = INGEST_REQUEST_TIMEOUT_S, base_backoff_s: float = 0.5,
+                 max_backoff_s: float = 30.0) -> None:
         self.spool = spool
         self.ingest = IngestClient(ingest_urls, timeout_s=timeout_s)
         self.ingest_urls = self.ingest.urls
@@ -63,6 +65,9 @@ class Submitter:
         self.base_backoff_s = base_backoff_s
         self.max_backoff_s = max_backoff_s
         self.acked = 0
+        self.displaced = 0
+        """How many of this worker's submissions the ingest said were displaced, as of its last answer
+        (``protocol.ingest_api.SUBMISSIONS_ROUTE``: no verdict, never trained, no penalty)."""
         self.refused: dict[str, int] = {}
         self.banned = False
         self._transient: dict[str, int] = {}  # spool file name → transient failures so far
@@ -78,6 +83,7 @@ class Submitter:
         data = await asyncio.to_thread(path.read_bytes)
         a = await self.ingest.post_submission(data)
         if a.ok:
+            self._note_displaced(a.json)
             self.acked += 1
             self._transient.pop(path.name, None)
             self.spool.remove(path)
@@ -94,6 +100,18 @@ class Submitter:
             self._transient[path.name] = self._transient.get(path.name, 0) + 1
         detail = f"{a.url}: {a.detail}" if a.status == 0 and a.url else a.detail[:300]
         return SubmitOutcome(path, a.status, False, detail, a.code, a.retry_after_s)
+
+    def _note_displaced(self, answer: object) -> None:
+        """Take the ingest's count of this worker's displaced submissions from a 200 answer; say so
+        when it rose (an ingest that does not send it leaves the count as it was)."""
+        n = answer.get("displaced") if isinstance(answer, dict) else None
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            return
+        if n > self.displaced:
+            logger.warning("the ingest displaced %d more of this worker's submissions (%d now): workers with no accepted "
+                           "submission yet hold their whole share of the coordinator's disk and a lighter address allocation or "
+                           "prefix took their place; they get no verdict and no penalty, and are not trained on", n - self.displaced, n)
+        self.displaced = n
 
     async def drain(self, deadline_s: float | None = None) -> int:
         """Send everything in the spool, retrying with backoff; returns how many left the spool.

@@ -8,12 +8,19 @@ The untrained model would sample EOS about once in 32k tokens, so every completi
 the length limit and GRPO groups would have no reward spread. The EOS row of ``lm_head`` is set
 to :data:`EOS_ROW_SCALE` × a random unit vector: the EOS logit then follows the final hidden
 state, EOS is likely at a fraction of positions, and completion lengths vary within a group.
+
+The trained tokenizer is kept per vocabulary size and corpus in the machine's cache
+(:func:`node.coordinator.base.base_cache_root`, ``$INTELLECT_CACHE``): the suite builds this
+model in several tests, and the BPE training (6-8 s on a loaded 2-core machine) is the same each time.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 VOCAB_SIZE = 32768
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -24,13 +31,43 @@ CHAT_TEMPLATE = (
 EOS_ROW_SCALE = 12.0
 
 
+CORPUS = ("gsm8k_train.jsonl", "gsm8k_test.jsonl", "math500_test.jsonl", "deepscaler_train_math.json")
+"""The tokenizer's training text: these public task sets under ``data_root/math``."""
+
+
 def _corpus(data_root: Path) -> list[str]:
     texts: list[str] = []
-    for name in ("gsm8k_train.jsonl", "gsm8k_test.jsonl", "math500_test.jsonl"):
+    for name in CORPUS[:3]:
         for line in (data_root / "math" / name).read_text().splitlines():
             texts.append(" ".join(str(v) for v in json.loads(line).values()))
-    texts += [" ".join(str(v) for v in row.values()) for row in json.loads((data_root / "math" / "deepscaler_train_math.json").read_text())]
+    texts += [" ".join(str(v) for v in row.values()) for row in json.loads((data_root / "math" / CORPUS[3]).read_text())]
     return texts
+
+
+def trained_tokenizer(data_root: Path, vocab_size: int) -> Any:  # a tokenizers.Tokenizer
+    """The byte-level BPE tokenizer of ``vocab_size`` ids trained on :data:`CORPUS`, from the cache
+    when an earlier test (or process) trained it; written there by rename, so a reader never sees half a file."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from node.coordinator.base import base_cache_root
+
+    digest = hashlib.sha256(json.dumps([vocab_size, SPECIALS]).encode())
+    for name in CORPUS:
+        digest.update((data_root / "math" / name).read_bytes())
+    cached = base_cache_root().parent / "test-tokenizers" / f"bpe-{vocab_size}-{digest.hexdigest()[:16]}.json"
+    if cached.is_file():
+        return Tokenizer.from_file(str(cached))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(Path(data_root)), trainer)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
+    tok.save(str(tmp))
+    tmp.replace(cached)
+    return tok
 
 
 def build_local_model(out: Path, data_root: Path, *, hidden_size: int = 128, layers: int = 2, seed: int = 0,
@@ -57,15 +94,9 @@ def build_local_model(out: Path, data_root: Path, *, hidden_size: int = 128, lay
         ``chat_template.jinja``.
     """
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_corpus(Path(data_root)), trainer)
+    tok = trained_tokenizer(Path(data_root), vocab_size)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
     eos, pad = fast.convert_tokens_to_ids("<|im_end|>"), fast.convert_tokens_to_ids("<|endoftext|>")
     config = Qwen2Config(

@@ -4,8 +4,8 @@
 gossip node, both on ``IP``; prints ``READY <http port> <multiaddr>``.
 ``--role worker --host IP --coordinator URL --bootstrap MADDR``: a worker gossip node, and a
 submitter that posts ``--count`` signed submissions (one every ``--every-s`` seconds), each
-retried until the ingest acknowledges it; prints ``ACK <id>`` per acknowledgement, ``DONE``
-after the last.
+retried until the ingest acknowledges it; prints ``ACK <id>`` per acknowledgement, ``FAIL <id>``
+per attempt that got no answer, ``DONE`` after the last.
 
 Both print ``PEERS <n> <peer ID>…`` whenever their live peer table changes. Both stop on
 SIGTERM. The run spec is derived from a fixed seed, so both processes share it. The ingest's
@@ -107,7 +107,7 @@ async def worker(args: argparse.Namespace, stop: asyncio.Event) -> None:
                                 print(f"ACK {sid}", flush=True)
                                 break
                     except (aiohttp.ClientError, TimeoutError):
-                        pass
+                        print(f"FAIL {sid}", flush=True)
                     await asyncio.sleep(0.5)
                 await asyncio.sleep(args.every_s)
             if not stop.is_set():

@@ -104,7 +104,8 @@ class EvilProxy:
 
     Modes: ``ok``, ``corrupt`` (flip one byte), ``oversize`` (append bytes, honest Content-Length
     of the longer body), ``oversize_chunked`` (append bytes, no Content-Length), ``truncate``
-    (declare the right length, send half, drop the connection), ``garbage_manifest``,
+    (declare the right length, send half, drop the connection), ``garbage_manifest`` (a manifest's or
+    artifact manifest's bytes replaced),
     ``huge_manifest`` (declares 1 GiB). ``delay_s`` sleeps between 16 KiB chunks (throttle).
 
     Attributes:
@@ -164,7 +165,7 @@ class EvilProxy:
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         assert self._session is not None
         is_piece = "/pieces/" in request.path
-        is_manifest = "/manifests/" in request.path
+        is_manifest = "/manifests/" in request.path or "/artifacts/" in request.path
         if is_manifest and self.mode == "garbage_manifest":
             return web.Response(body=os.urandom(300))
         if is_manifest and self.mode == "huge_manifest":

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from localnet import free_port, get_json, post
+from localnet import get_json, post
 from waiting import wait_for
 
 from node.coordinator.base import prepare_base
@@ -32,10 +32,10 @@ from protocol.runspec import DataSpec, ModelSpec, NetworkSpec, RLSpec, RunInfo, 
 pytestmark = pytest.mark.integration
 
 
-def test_train_kill_resume(tmp_path):
+def test_train_kill_resume(tmp_path, held_port):
     coord, val, worker = NodeKey.generate(), NodeKey.generate(), NodeKey.generate()
     coord.save(tmp_path / "coord.key")
-    port = free_port()
+    port = held_port()  # the signed spec names the coordinator's URL
     url = f"http://127.0.0.1:{port}"
     tasks = resolve_tasks("embedded")
     probe = RunSpec(run=RunInfo(coordinator=coord.peer_id))
@@ -120,13 +120,19 @@ def test_train_kill_resume(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_waiting_is_logged_at_the_default_level_and_sigterm_stops_without_a_final_evaluation(tmp_path):
-    """docs/operators.md §2 and §6: a wait for a batch longer than 30 s is logged with its reason at the
-    default level; SIGTERM stops the coordinator at once (no final held-out evaluation, which on a CPU
-    can take long), exit 0, the run page's final state written to the data directory."""
+def test_waiting_is_logged_at_the_default_level_and_sigterm_stops_without_a_final_evaluation(tmp_path, held_port):
+    """docs/operators.md §2 and §6: a wait for a batch longer than its logging interval (30 s by default;
+    1 s here, ``--wait-log-every``) is logged with its reason at the default level; SIGTERM stops the
+    coordinator at once (no final held-out evaluation, which on a CPU can take long), exit 0, the run
+    page's final state written to the data directory."""
+    from node.coordinator.role import WAIT_LOG_INTERVAL_S, CoordinatorOptions
+    from node.train_cli import build_parser
+
+    assert CoordinatorOptions(data_dir=tmp_path).wait_log_interval_s == WAIT_LOG_INTERVAL_S == 30.0  # the default: 30 s
+    assert build_parser().parse_args(["--run", "r", "--key", "k"]).wait_log_every is None  # the CLI keeps it
     coord, val = NodeKey.generate(), NodeKey.generate()
     coord.save(tmp_path / "coord.key")
-    port = free_port()
+    port = held_port()  # the signed spec names the coordinator's URL
     url = f"http://127.0.0.1:{port}"
     base = prepare_base(RunSpec(run=RunInfo(coordinator=coord.peer_id)), resolve_tasks("embedded"), tmp_path / "base-cache")
     spec = RunSpec(run=RunInfo(coordinator=coord.peer_id, validators=[val.peer_id], seed=3), model=ModelSpec(base=str(base)),
@@ -138,7 +144,7 @@ def test_waiting_is_logged_at_the_default_level_and_sigterm_stops_without_a_fina
     with open(log_path, "ab") as log:  # no -v: the default log level
         proc = subprocess.Popen([sys.executable, "-m", "node.train_cli", "--run", str(run), "--key", str(tmp_path / "coord.key"),
                                  "--data-dir", str(data_dir), "--http-port", str(port), "--no-gossip", "--eval-samples", "1",
-                                 "--probe-tasks", "0"], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                                 "--probe-tasks", "0", "--wait-log-every", "1"], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
                                 start_new_session=True)
     try:
         wait_for(lambda: "for a batch for step 1" in log_path.read_text(errors="replace"), 300, "the batch-wait line", proc)

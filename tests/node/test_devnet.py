@@ -1,22 +1,51 @@
 """The main job, shortened: every role as a process, discovery, publishing through relays,
-validation, training, an adversary banned, a worker killed and restarted, and nothing left running
-afterwards. Two devnets (the expensive part) serve the module's three tests."""
+validation, training, an adversary banned, a worker killed and restarted, the run page and node
+pages in a browser and ``doctor`` against the live run, and nothing left running afterwards.
+
+One devnet (the expensive part) serves every test that only watches a run: the README's main
+command (no ``--out``) with two honest workers, a reward-inflating adversary, two relays and a
+validator, worker 0 SIGKILLed at step 2 and restarted (``MAIN_RUN``). While it runs, the first test
+looks at it from outside; the others read what it left. A second, minimal run of the main command in
+the same folder (``SECOND_RUN``, started once the first has its folder, beside it) gives the folder
+its second run.
+The tests run in file order, on one pytest-xdist worker (``--dist loadscope``: a module is the unit).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
+from browser_checks import LiveDevnet, check_doctor, check_node_pages, check_run_page, start_browser
+from localnet import SHARED_PROCESSES, get_json
+from waiting import wait_for
 
 pytestmark = pytest.mark.integration
+
+BASE = [sys.executable, "-m", "node", "devnet", "--validators", "1", "--eval-samples", "1", "--no-dashboard"]
+STEPS = 30
+"""Steps of the main run: enough that it still trains when the first test has looked at it (that look
+took 13 steps' time at load 18 on 2 cores: doctor, then the browser), with held-out evaluations at the
+default interval, ceil(30 / 6) = 5."""
+EVAL_EVERY = -(-STEPS // 6)
+KILL_AT = 2
+MAIN_RUN = ["--steps", str(STEPS), "--workers", "2", "--relays", "2", "--adversary", "inflated-reward", "--kill-worker-at", str(KILL_AT),
+            "--seed", "7", "--timeout", "600"]
+"""The watched run: two honest workers, an inflated-reward adversary, two relays; worker 0 SIGKILLed at step 2 and restarted on its data directory."""
+SECOND_RUN = ["--steps", "1", "--workers", "1", "--relays", "0", "--timeout", "400"]
+"""The main command again in the same folder (random seed): its own folder, ``latest`` pointing at it."""
+LIVE_TIMEOUT_S = 300.0
 
 
 def _nobody_listens(port: int) -> bool:
@@ -35,34 +64,116 @@ class MainRun:
     stdout: str
 
 
-BASE = [sys.executable, "-m", "node", "devnet", "--workers", "1", "--validators", "1", "--eval-samples", "2", "--no-dashboard"]
-ADVERSARY_RUN = ["--steps", "3", "--relays", "2", "--adversary", "inflated-reward", "--timeout", "240", "--seed", "7"]
-"""Run 1: an inflated-reward adversary beside an honest worker, two relays, the default held-out interval."""
-KILL_RUN = ["--steps", "4", "--relays", "1", "--kill-worker-at", "2", "--eval-every", "2", "--timeout", "400"]
-"""Run 2 (random seed): worker 0 SIGKILLed at step 2 and restarted on its data directory."""
+class Runs:
+    """The module's two runs of the main command in one folder ``cwd``: started, watched, finished."""
+
+    def __init__(self, cwd: Path) -> None:
+        self.cwd = cwd
+        self.procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+
+    def start(self, flags: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
+        console = self.cwd.parent / f"console-{len(self.procs)}.txt"
+        with console.open("wb") as sink:
+            proc = subprocess.Popen(BASE + flags, cwd=self.cwd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=dict(os.environ, OMP_NUM_THREADS="1"))
+        SHARED_PROCESSES.add(proc.pid)  # it outlives the test that started it (the reaper spares it)
+        self.procs.append((proc, console))
+        return proc, console
+
+    def finish(self, i: int, timeout_s: float) -> MainRun:
+        """Wait for run ``i`` to exit (its own ``--timeout`` bounds it) and read its summary line."""
+        proc, console = self.procs[i]
+        proc.wait(timeout=timeout_s)
+        stdout = console.read_text(errors="replace")
+        # the time budget is the devnet's own --timeout: past it the devnet fails (non-zero exit)
+        assert proc.returncode == 0, stdout[-4000:]
+        m = re.search(r"^devnet completed (\d+) of \1 steps in \d+ s \(run ([0-9a-f]{16}), seed (\d+)\)$", stdout, re.MULTILINE)
+        assert m, stdout[-2000:]
+        report = re.search(r"^report: (\S+/report\.md) and", stdout, re.MULTILINE).group(1)
+        return MainRun(m.group(2), m.group(3), Path(report).parent, stdout)
+
+    def stop_all(self) -> None:
+        for proc, _ in self.procs:
+            SHARED_PROCESSES.discard(proc.pid)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)  # the devnet stops every child it started
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
 
 
 @pytest.fixture(scope="module")
-def main_runs(tmp_path_factory) -> tuple[Path, MainRun, MainRun]:
-    """The README's main command (no --out) twice in one folder, shortened by flags (``ADVERSARY_RUN``,
-    then ``KILL_RUN``), beside a chaos example's folder made first; returns that folder and both runs."""
+def runs(tmp_path_factory) -> Iterator[Runs]:
+    """A chaos example's folder made first in ``devnet-out/``, then the main run started there."""
     from node.devnet.outdir import write_marker
 
-    cwd = tmp_path_factory.mktemp("main")
+    cwd = tmp_path_factory.mktemp("main") / "cwd"
     crash = cwd / "devnet-out" / "crash"
     crash.mkdir(parents=True)
     write_marker(crash, {"seed": 1})
     (crash / "report.md").write_text("an earlier --kill-worker-at run")
-    runs = []
-    for flags in (ADVERSARY_RUN, KILL_RUN):
-        r = subprocess.run(BASE + flags, cwd=cwd, capture_output=True, text=True, timeout=460, check=False)
-        # the time budget is the devnet's own --timeout: past it the devnet fails (non-zero exit)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-        m = re.search(r"^devnet completed (\d+) of \1 steps in \d+ s \(run ([0-9a-f]{16}), seed (\d+)\)$", r.stdout, re.MULTILINE)
-        assert m, r.stdout[-2000:]
-        report = re.search(r"^report: (\S+/report\.md) and", r.stdout, re.MULTILINE).group(1)
-        runs.append(MainRun(m.group(2), m.group(3), Path(report).parent, r.stdout))
-    return cwd, runs[0], runs[1]
+    r = Runs(cwd)
+    try:
+        r.start(MAIN_RUN)
+        yield r
+    finally:
+        r.stop_all()
+
+
+@pytest.fixture(scope="module")
+def live(runs: Runs) -> LiveDevnet:
+    """The main run once it has its folder and spec (then the second run starts: its folder is the
+    newest), every role on gossip and the first step trained."""
+    proc, console = runs.procs[0]
+    latest = runs.cwd / "devnet-out" / "latest"
+    spec = wait_for(lambda: (latest / "run.toml").is_file() and re.search(r"http://127\.0\.0\.1:\d+", (latest / "run.toml").read_text()),
+                    120, "the main run's spec", proc)
+    out, url = latest.resolve(), spec.group(0)
+    runs.start(SECOND_RUN)
+
+    def ready() -> bool:
+        doc = get_json(f"{url}/api/run") or {}
+        return doc.get("trainer", {}).get("step", 0) >= 1 and len(doc.get("nodes", [])) >= 7
+
+    wait_for(ready, LIVE_TIMEOUT_S, f"step 1 and all nodes (console: {console})", proc)
+    return LiveDevnet(out, url, proc)
+
+
+@pytest.fixture(scope="module")
+def main_runs(runs: Runs, live: LiveDevnet) -> tuple[Path, MainRun, MainRun]:
+    """Both runs finished: the folder and each run's summary."""
+    main = runs.finish(0, 900)
+    assert main.out == live.out
+    return runs.cwd, main, runs.finish(1, 600)
+
+
+@pytest.mark.timeout(900)
+def test_live_devnet_doctor_node_pages_and_run_page(live: LiveDevnet, tmp_path: Path) -> None:
+    """While the run trains: doctor all PASS, then (worker 0 back from its kill) the node pages and the
+    run page in headless Chromium (skipped with the reason when no browser is installed)."""
+    t0 = time.monotonic()
+
+    def step() -> int:
+        return (get_json(f"{live.url}/status") or {}).get("trainer_step", -1)
+
+    def restarted() -> bool:
+        return (live.out / "logs" / "worker-0.log").read_text(errors="replace").count("started; status") >= 2
+
+    print(f"live checks start at step {step()}")
+    check_doctor(live, tmp_path)
+    print(f"{time.monotonic() - t0:.0f}s doctor done at step {step()}")
+    wait_for(restarted, LIVE_TIMEOUT_S, "worker-0 restarted after its kill", live.proc)
+    browser = start_browser()
+    try:
+        check_node_pages(live, browser)
+        print(f"{time.monotonic() - t0:.0f}s node pages done at step {step()}")
+        check_run_page(live, browser)
+        print(f"{time.monotonic() - t0:.0f}s run page done at step {step()}")
+    finally:
+        browser.quit()
+    assert live.proc.poll() is None, f"the run ended while it was looked at (at step {STEPS}): raise STEPS"
 
 
 @pytest.mark.timeout(900)
@@ -71,10 +182,10 @@ def test_short_devnet_with_adversary(main_runs):
     out = run.out
     report = (out / "report.md").read_text()
     assert (out / "report.png").stat().st_size > 10_000
-    # at least two policy steps published and fetched through the relays
+    # the policy steps published and fetched through the relays
     rows = [json.loads(line) for line in (out / "coordinator" / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if row.get("event") == "step"]
-    assert len(steps) == 3
+    assert len(steps) == STEPS
     spec = (out / "run.toml").read_text()
     coord_url = re.search(r"ingest_urls = \[\s*\"(http://127.0.0.1:\d+)\"", spec).group(1)
     relay_urls = {u for name in ("relay-0", "relay-1") for u in re.findall(r"serving (http://127\.0\.0\.1:\d+)", (out / "logs" / f"{name}.log").read_text())}
@@ -82,9 +193,9 @@ def test_short_devnet_with_adversary(main_runs):
     assert any(int(step) >= 1 for step, _ in fetches), fetches
     # workers prefer relays that hold the step over the origin: later steps came through relays
     assert any(url in srcs for _, srcs in fetches for url in relay_urls), (fetches, relay_urls, coord_url)
-    # held-out evaluation at the start, after every step (default interval ceil(3 / 6) = 1) and not twice at the end
+    # held-out evaluation at the start, at the default interval ceil(30 / 6) = 5 and at the end, not twice there
     evals = [row for row in rows if row.get("event") == "eval"]
-    assert [e["step"] for e in evals] == [0, 1, 2, 3]
+    assert [e["step"] for e in evals] == [*range(0, STEPS, EVAL_EVERY), STEPS]
     assert all(e["heldout_ci_low"] <= e["heldout_pass_rate"] <= e["heldout_ci_high"] and len(e["passes"]) == e["problems"] for e in evals)
     assert "held-out gain: **" in report and "## Held-out evaluations" in report
     # off-policy statistics per step; the first step trains on fresh rollouts of the same weights
@@ -96,13 +207,14 @@ def test_short_devnet_with_adversary(main_runs):
     cells = [c.strip() for c in adv_line.split("|")]
     assert cells[6] == "0", adv_line  # trained on
     assert cells[7] == "reward", adv_line  # banned for the inflated reward
-    worker_line = next(line for line in report.splitlines() if line.startswith("| worker-0 |"))
-    assert int(worker_line.split("|")[6]) > 0  # the honest worker's rollouts were trained on
+    for name in ("worker-0", "worker-1"):
+        worker_line = next(line for line in report.splitlines() if line.startswith(f"| {name} |"))
+        assert int(worker_line.split("|")[6]) > 0  # the honest workers' rollouts were trained on
     # nothing left: no process mentions the out dir, the coordinator's port is free again
-    end = time.monotonic() + 10.0
-    while (left := [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]) and time.monotonic() < end:
-        time.sleep(0.1)  # exiting children may take a moment to be reaped
-    assert left == []
+    def left() -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+
+    wait_for(lambda: not left(), 10.0, f"the run's processes to be reaped: {left()}")  # exiting children may take a moment
     assert _nobody_listens(int(coord_url.rsplit(":", 1)[1]))
 
 
@@ -110,7 +222,7 @@ def test_short_devnet_with_adversary(main_runs):
 def test_short_devnet_survives_a_killed_worker(main_runs):
     """--kill-worker-at with the default task set: worker 0 is SIGKILLed at step 2 and restarted on
     its data directory; the run completes its steps and keeps evaluating held-out."""
-    _, _, run = main_runs
+    _, run, _ = main_runs
     out = run.out
     report = (out / "report.md").read_text()
     assert "killed worker-0 at step" in report and "restarted worker-0" in report
@@ -127,8 +239,8 @@ def test_short_devnet_survives_a_killed_worker(main_runs):
         assert "its spool was empty" in chaos, chaos
     assert "## Crash and restart" in report
     rows = [json.loads(line) for line in (out / "coordinator" / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows if row.get("event") == "step"] == [1, 2, 3, 4]
-    assert [row["step"] for row in rows if row.get("event") == "eval"] == [0, 2, 4]
+    assert [row["step"] for row in rows if row.get("event") == "step"] == list(range(1, STEPS + 1))
+    assert [row["step"] for row in rows if row.get("event") == "eval"] == [*range(0, STEPS, EVAL_EVERY), STEPS]
     worker_line = next(line for line in report.splitlines() if line.startswith("| worker-0 |"))
     assert int(worker_line.split("|")[6]) > 0
 

@@ -31,3 +31,25 @@ def test_rl_overrides_reach_the_spec() -> None:
 def test_bad_rl_overrides_are_refused_with_the_field(flags: list[str], message: str) -> None:
     with pytest.raises(CliError, match=message):
         _rl_overrides(flags, embedded=True, async_level=None)
+
+
+def test_bf16_workers_get_the_measured_spec_and_the_audit() -> None:
+    """``--worker-dtype bf16`` signs the tolerances measured on the base (replay rule ``logit-bound-v2``),
+    the per-worker audit and bf16 policies; fp32 keeps the defaults and no audit; a bf16 run without a
+    measurement and unknown names are refused."""
+    from node.devnet.config import DEVNET_AUDIT, precision_toploc
+    from protocol.runspec import AuditSpec, ToplocSpec
+
+    measured = ToplocSpec(replay_rule="logit-bound-v2", replay_logit_bound=1.3, worker_dtype="bfloat16", fp32_logits=True,
+                          logprob_max_abs=1.5, logprob_mean_abs=0.5)
+    assert precision_toploc("fp32") == precision_toploc("float32") == ToplocSpec()
+    assert precision_toploc("bf16", measured) == precision_toploc("bfloat16", measured) == measured
+    key = NodeKey.generate()
+    spec = devnet_spec(key, [], tasks="embedded", http_url="http://127.0.0.1:1", bootstrap="", seed=1, worker_dtype="bf16", measured=measured)
+    assert spec.toploc == measured and spec.model.dtype == "bfloat16" and spec.audit == DEVNET_AUDIT and spec.audit.rule == "eprocess-v1"
+    plain = devnet_spec(key, [], tasks="embedded", http_url="http://127.0.0.1:1", bootstrap="", seed=1)
+    assert plain.toploc == ToplocSpec() and plain.model.dtype == "float32" and plain.audit == AuditSpec()
+    with pytest.raises(ValueError, match="measured"):
+        precision_toploc("bf16")
+    with pytest.raises(ValueError, match="worker dtype"):
+        precision_toploc("fp16")

@@ -82,7 +82,7 @@ def test_report_has_heldout_band_gain_and_off_policy(tmp_path):
     # stands in for node.devnet.orchestrator.Devnet: the attributes and the one method write_report reads
     dn = SimpleNamespace(out=tmp_path, o=DevnetOptions(out=tmp_path, steps=2), peer_ids={}, coord_url="http://127.0.0.1:1", events=[],
                          run_id="c0ffee" * 8, seed=1234, chaos_summary=lambda: None, memory=MemorySampler(), group=SimpleNamespace(procs=[]),
-                         links=None)
+                         links=None, worker_outcomes=dict, adversary_summary=lambda: None)
     result = SimpleNamespace(ok=True, reason="completed", wall_s=10.0, coordinator={"verdicts_by_reason": {"ok": 3}})
     md, png = write_report(dn, result)  # type: ignore[arg-type]
     text = md.read_text()

@@ -7,14 +7,14 @@ import os
 from node.devnet.timeline import MemorySampler, read_node_log, rss_budget_bytes, step_timeline, trainer_state_bytes
 
 WORKER_LOG = """\
-10:00:01 INFO    node.roles.worker: submission 0 at step 0: 128 tokens in 4.00 s, mean task reward 0.00
-10:00:05 INFO    node.roles.worker: submission 1 at step 0: 64 tokens in 6.00 s, mean task reward 0.00
+10:00:01 INFO    node.worker.role: submission 0 at step 0: 128 tokens in 4.00 s, mean task reward 0.00
+10:00:05 INFO    node.worker.role: submission 1 at step 0: 64 tokens in 6.00 s, mean task reward 0.00
 10:00:09 INFO    node.policy: holds policy step 1 via delta: 2000 bytes in 1.500 s (apply 0.700 s) at 1000.500
 10:00:09 INFO    node.policy: holds policy step 1 via full: 9000 bytes in 9.000 s (apply 0.000 s) at 1009.000
 """
 VALIDATOR_LOG = """\
-10:00:03 INFO    node.roles.validator: verdict accept on 0123456789ab from 12D3KooWx (step 0, checked in 2.50 s): ok {}
-10:00:07 WARNING node.roles.validator: verdict reject on ba9876543210 from 12D3KooWy (step 0, checked in 1.50 s): tampered {}
+10:00:03 INFO    node.validator.role: verdict accept on 0123456789ab from 12D3KooWx (step 0, checked in 2.50 s): ok {}
+10:00:07 WARNING node.validator.role: verdict reject on ba9876543210 from 12D3KooWy (step 0, checked in 1.50 s): tampered {}
 10:00:10 INFO    node.policy: holds policy step 1 via delta: 2000 bytes in 2.000 s (apply 1.000 s) at 1002.250
 """
 

@@ -1,6 +1,6 @@
 """`intellect-node doctor` against broken set-ups: a dead bootstrap peer, an ingest and origin of
 another run, a non-libp2p bootstrap, a tampered spec, a taken port. (The healthy case runs against
-a live devnet in test_run_page.py.)"""
+a live devnet in test_devnet.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from localnet import free_port, serve_bodies
+from localnet import serve_bodies
 
 from node.cli import main
 from node.commands.doctor import estimate_model_bytes, run_checks
@@ -40,8 +40,8 @@ def _by_name(checks: list) -> dict[str, object]:
 
 
 @pytest.mark.slow
-def test_dead_bootstrap_and_wrong_run_ingest_fail(tmp_path, other_run_server, capsys):
-    dead = free_port()  # nobody listens here
+def test_dead_bootstrap_and_wrong_run_ingest_fail(tmp_path, other_run_server, capsys, held_port):
+    dead = held_port()  # nobody listens here (or can)
     run = _write_spec(tmp_path, http_url=other_run_server, bootstrap=f"/ip4/127.0.0.1/tcp/{dead}/p2p/{NodeKey.generate().peer_id}")
     checks = run_checks(run, role="worker", data_dir=tmp_path / "data", timeout_s=2.0)
     by = _by_name(checks)
@@ -109,7 +109,7 @@ def test_gpu_memory_from_nvidia_smi(tmp_path, monkeypatch):
     assert short.status == "WARN" and "--device cpu" in short.fix, short
 
 
-def test_coordinator_role(tmp_path, shared, capsys):
+def test_coordinator_role(tmp_path, shared, capsys, held_port):
     """doctor --role coordinator: the key the spec names, validator keys in the spec, task files against
     tasks_hash (and a warning for a test split), ports read from the spec."""
     from node.commands.doctor import coordinator_checks
@@ -118,7 +118,7 @@ def test_coordinator_role(tmp_path, shared, capsys):
     key.save(tmp_path / "coord.key")
     other = NodeKey.generate()
     other.save(tmp_path / "other.key")
-    http, p2p = free_port(), free_port()
+    http, p2p = held_port(), held_port()  # the spec's ports: bindable by the coordinator (and doctor's check), by nobody else
 
     def spec(tmp: str, validators: list[str], tasks: str) -> Path:
         path = tmp_path / tmp
@@ -149,7 +149,8 @@ def test_coordinator_role(tmp_path, shared, capsys):
     by = _by_name(coordinator_checks(good, data_dir=tmp_path, data_root=tmp_path / "data"))
     assert by["task"].status == "FAIL" and "pins" in by["task"].detail
     assert by["coordinator"].status == "WARN"  # no --key given
-    with socket.socket() as s:
+    with socket.socket() as s:  # the coordinator's HTTP port taken by a listener
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # beside the test's own hold on it
         s.bind(("127.0.0.1", http))
         s.listen()
         rc = main(["doctor", "--run", str(good), "--role", "coordinator", "--data-root", str(shared / "data"), "--data-dir", str(tmp_path)])
@@ -175,3 +176,21 @@ def test_coordinator_base_check_says_where_the_embedded_base_comes_from(tmp_path
     monkeypatch.setattr(base, "EMBEDDED_BASE_HASH", "0" * 64)
     check = _check_base(default)
     assert check.status == "FAIL" and "expected 0000000000000000" in check.detail and "reinstall" in check.detail, check
+
+
+def test_port_whose_server_just_stopped_passes() -> None:
+    """A port whose last server stopped a moment ago (its end of a connection in TIME_WAIT) is one the node
+    binds (with SO_REUSEADDR, as node/http_server.py and py-libp2p do): doctor passes it (it failed it)."""
+    from node.commands.doctor import _check_port
+
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            conn, _ = listener.accept()
+            conn.close()  # the server's end closes first: TIME_WAIT on the server's port
+            client.recv(1)
+    check = _check_port("127.0.0.1", port, "HTTP/status port", "--http-port")
+    assert check.status == "PASS", check

@@ -81,7 +81,7 @@ def test_shapes_and_logprobs_match_the_sampling_rule(engine: TransformersEngine)
         n = len(g.completion_ids)
         assert g.completion_ids.dtype == torch.int64 and g.logprobs.dtype == torch.float32
         assert g.hidden.dtype == torch.bfloat16 and g.hidden.shape == (n, 128)
-        replay = sampling.replay_check(p.logits, g.completion_ids, seed, temperature=0.7, eos_ids=(EOS,))
+        replay = sampling.replay_check(p.logits, g.completion_ids, seed, sampling.ReplayParams(temperature=0.7, eos_ids=(EOS,)))
         assert replay.ok and replay.hard_mismatches == 0 and replay.near_ties == 0
         expected = torch.log_softmax(p.logits.double() / 0.7, -1).gather(-1, g.completion_ids[:, None])[:, 0]
         torch.testing.assert_close(g.logprobs.double(), expected, atol=1e-4, rtol=0)
@@ -216,7 +216,7 @@ def test_honest_rollouts_replay_at_large_vocabulary() -> None:
             chunk = runs[lo : lo + 64]
             pre = prefill_completions(model, [prompts[i % n] for i in range(lo, lo + len(chunk))], [r[1] for r in chunk], PAD)
             for i, ((label, ids, lps), p) in enumerate(zip(chunk, pre, strict=True), start=lo):
-                replay = sampling.replay_check(p.logits, ids, seeds[i % n], temperature=temperature, top_p=top_p, eos_ids=(EOS,), min_eos_prob=0.1)
+                replay = sampling.replay_check(p.logits, ids, seeds[i % n], sampling.ReplayParams(temperature=temperature, top_p=top_p, eos_ids=(EOS,), min_eos_prob=0.1))
                 assert replay.ok, f"{label}, prompt {i % n}: {replay.reason}"
                 near, tokens = near + replay.near_ties, tokens + len(ids)
                 if lps is not None:
@@ -280,7 +280,7 @@ def test_models_the_static_decode_does_not_mirror_decode_through_transformers() 
     gens = eng.generate(prompts, seeds, SamplingParams(max_tokens=12, eos_id=EOS, min_eos_prob=1.0))
     pre = prefill_completions(model, prompts, [x.completion_ids.tolist() for x in gens], PAD)
     for x, p, seed in zip(gens, pre, seeds, strict=True):
-        assert sampling.replay_check(p.logits, x.completion_ids, seed, eos_ids=(EOS,), min_eos_prob=1.0).ok
+        assert sampling.replay_check(p.logits, x.completion_ids, seed, sampling.ReplayParams(eos_ids=(EOS,), min_eos_prob=1.0)).ok
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -313,6 +313,75 @@ def test_static_decode_on_cuda_is_accepted_by_a_cpu_validator() -> None:
     assert calls[0] > 0
     pre = prefill_completions(cpu_model, prompts, [g.completion_ids.tolist() for g in gens], PAD)
     for g, p, seed in zip(gens, pre, seeds, strict=True):
-        replay = sampling.replay_check(p.logits, g.completion_ids, seed, temperature=0.9, eos_ids=(EOS,), min_eos_prob=0.05)
+        replay = sampling.replay_check(p.logits, g.completion_ids, seed, sampling.ReplayParams(temperature=0.9, eos_ids=(EOS,), min_eos_prob=0.05))
         assert replay.ok and replay.hard_mismatches == 0, replay.reason
         assert all(r.ok for r in toploc.verify_proofs(p.hidden, toploc.build_proofs(g.hidden)))
+
+
+# --- compute dtype: bf16 workers (issue 33) -------------------------------------------------------
+
+
+def _reported_logprob_error(gens: list, model: torch.nn.Module, prompts: list[list[int]], temperature: float) -> list[float]:
+    """Per completion, the largest |reported − float32-recomputed| sampling log-prob, nats."""
+    pre = prefill_completions(model, prompts, [g.completion_ids.tolist() for g in gens], PAD)
+    out = []
+    for g, p in zip(gens, pre, strict=True):
+        ref = torch.log_softmax(p.logits.double() / temperature, -1).gather(-1, g.completion_ids[:, None])[:, 0]
+        out.append(float((g.logprobs.double() - ref).abs().max()))
+    return out
+
+
+def test_bf16_engine_generates_with_bf16_noise_and_fp32_default_is_unchanged() -> None:
+    """A bf16 engine (weights, forward and KV cache in bf16, sampler fed float32 logits) generates
+    completions of the right shapes and dtypes; its log-probs differ from the float32 policy's by
+    bf16 noise (not bit-identical, far below the bf16 spec's 2-nat bound) and its tokens replay
+    under ``logit-bound-v1``; the default engine stays float32 and exact."""
+    import copy
+
+    model = _model(0, eos_row=True)
+    prompts, seeds = _prompts(), _seeds()
+    params = SamplingParams(max_tokens=24, temperature=0.9, eos_id=EOS, min_eos_prob=0.05)
+    fp32 = TransformersEngine(copy.deepcopy(model), embedded_tokenizer())
+    bf16 = TransformersEngine(copy.deepcopy(model), embedded_tokenizer(), compute_dtype=torch.bfloat16)
+    head = TransformersEngine(copy.deepcopy(model), embedded_tokenizer(), compute_dtype=torch.bfloat16, fp32_head=True)
+    assert fp32.compute_dtype == torch.float32 and all(p.dtype == torch.float32 for p in fp32.model.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in bf16.model.parameters())
+    assert head.head_fp32 is not None and head.head_fp32.dtype == torch.float32
+    runs = {name: eng.generate(prompts, seeds, params) for name, eng in (("fp32", fp32), ("bf16", bf16), ("bf16 fp32 head", head))}
+    errors = {name: _reported_logprob_error(gens, model, prompts, 0.9) for name, gens in runs.items()}
+    assert max(errors["fp32"]) < 1e-4  # the default: the validator's arithmetic
+    for name in ("bf16", "bf16 fp32 head"):
+        assert 1e-4 < max(errors[name]) < 0.5, (name, errors[name])  # bf16 noise, not bit-identical, far inside δ
+        pre = prefill_completions(model, prompts, [g.completion_ids.tolist() for g in runs[name]], PAD)
+        for g, p, seed in zip(runs[name], pre, seeds, strict=True):
+            n = len(g.completion_ids)
+            assert g.completion_ids.dtype == torch.int64 and g.logprobs.dtype == torch.float32 and g.logprobs.shape == (n,)
+            assert g.hidden.dtype == torch.bfloat16 and g.hidden.shape == (n, 128)
+            assert g.finish == ("eos" if g.completion_ids[-1] == EOS else "length")
+            replay = sampling.replay_check(p.logits, g.completion_ids, seed, sampling.ReplayParams(
+                temperature=0.9, eos_ids=(EOS,), min_eos_prob=0.05, max_near_tie_fraction=0.5, replay_rule="logit-bound-v1", logit_bound=1.0))
+            assert replay.ok, (name, replay.reason)
+    # the head's rounding is part of the noise: the two bf16 variants do not report the same log-probs
+    assert any(not torch.equal(a.logprobs, b.logprobs) for a, b in zip(runs["bf16"], runs["bf16 fp32 head"], strict=True))
+
+
+def test_bf16_engine_from_dir_keeps_its_dtype_across_weight_swaps(tmp_path: Path) -> None:
+    """``create_engine(dtype="bfloat16", fp32_head=True)`` loads a float32 checkpoint into bf16 with a
+    float32 head, and a hot swap gives what a fresh engine on the new weights gives."""
+    tok = embedded_tokenizer()
+    save_model(_model(0), tok, tmp_path / "a")
+    save_model(_model(1), tok, tmp_path / "b")
+    prompts, seeds = _prompts(6), _seeds(6)
+    params = SamplingParams(max_tokens=12, eos_id=EOS)
+    eng = create_engine("transformers", tmp_path / "a", dtype="bfloat16", fp32_head=True)
+    assert isinstance(eng, TransformersEngine) and eng.head_fp32 is not None
+    eng.load_weights(tmp_path / "b")
+    assert all(p.dtype == torch.bfloat16 for p in eng.model.parameters())
+    assert torch.equal(eng.head_fp32, _model(1).lm_head.weight.detach())  # the checkpoint's float32 head, not a bf16 one
+    fresh = create_engine("transformers", tmp_path / "b", dtype="bfloat16", fp32_head=True)
+    for x, y in zip(eng.generate(prompts, seeds, params), fresh.generate(prompts, seeds, params), strict=True):
+        assert torch.equal(x.completion_ids, y.completion_ids) and torch.equal(x.logprobs, y.logprobs) and torch.equal(x.hidden, y.hidden)
+    with pytest.raises(ValueError, match="fp32_head"):
+        create_engine("transformers", tmp_path / "a", fp32_head=True)
+    with pytest.raises(ValueError, match="compute dtype"):
+        create_engine("transformers", tmp_path / "a", dtype="float16")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from local_model import build_local_model
-from localnet import free_port, get_json
+from localnet import get_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -67,22 +67,25 @@ def test_guide_blocks_are_found_and_complete():
     for flag in ("--data-root", "--model-base", "--public-url"):
         assert flag in text
     for _, name, t in guide_blocks():
-        if name in ("coordinator", "worker", "validator"):
-            assert '--data-root "$DATA_ROOT"' in t, f"{name} needs the task files"
+        if name == "coordinator":
+            assert '--data-root "$DATA_ROOT"' in t, "the coordinator needs the task files"
+        if name in ("relay", "worker", "validator"):  # contributors start from the run address alone (issue 35)
+            assert '"$RUN_ADDRESS"' in t and "--data-root" not in t and "--run" not in t, name
     torchrun = re.search(r"torchrun [^\n]*-m node\.train_cli -- --run", GUIDE.read_text())
     assert torchrun, "torchrun needs '--' between the module and its arguments"
 
 
-def test_operators_guide_end_to_end(tmp_path, shared):
+def test_operators_guide_end_to_end(tmp_path, shared, held_port):
     data_root = shared / "data"
     t0 = time.monotonic()
     model = build_local_model(tmp_path / "my-qwen2", data_root)
     timings: dict[str, float] = {"build_model_s": round(time.monotonic() - t0, 1)}
     blocks = guide_blocks()
     settings = blocks[0][2]
-    ports = {name: str(free_port()) for name in ("COORD_HTTP", "COORD_P2P", "RELAY_HTTP", "RELAY_P2P", "WORKER_HTTP", "VAL_HTTP")}
+    ports = {name: str(held_port()) for name in ("COORD_HTTP", "COORD_P2P", "RELAY_HTTP", "RELAY_P2P", "WORKER_HTTP", "VAL_HTTP")}
     values = {"COORD_HOST": "127.0.0.1", "RELAY_HOST": "127.0.0.1", "LISTEN": "127.0.0.1", "DATA_ROOT": str(data_root),
-              "MODEL": str(model), "DEVICE": "cpu", "MAX_TOKENS": "16", "EVAL_SAMPLES": "1", **ports}
+              "MODEL": str(model), "DEVICE": "cpu", "MAX_TOKENS": "16", "EVAL_SAMPLES": "1",
+              "RUN_ADDRESS": "unknown-until-spec-init", **ports}
     names = {m.group(1) for m in ASSIGN.finditer(settings)}
     assert names == set(values), f"settings the test does not set: {names - set(values)}"
     prelude = with_values(settings, values)
@@ -110,6 +113,9 @@ def test_operators_guide_end_to_end(tmp_path, shared):
                     (work / "val.id").write_text(r.stdout.split()[0])
                 if "spec init" in text:
                     assert "bfloat16" in r.stdout and "base_hash" in r.stdout, r.stdout
+                    # the guide says to hand contributors the address it printed: paste it, as a contributor would
+                    values["RUN_ADDRESS"] = re.search(r"^(intellect1:\S+)$", r.stdout, re.MULTILINE).group(1)
+                    prelude = with_values(settings, values)
             elif kind == "serve":
                 logs[name] = work / f"{name}.log"
                 with open(logs[name], "w") as log:

@@ -420,7 +420,7 @@ async def test_a_message_listing_extra_topics_is_rejected_before_routing() -> No
             one = record(2)  # control, after it on the same stream
             await bridge.run(mallory.publish, topic, one, timeout_s=10)
             await wait_until(lambda: one in delivered, 30.0)
-            await wait_until(lambda: (relay._rejected.get("malformed", 0)) >= 1, 30.0)  # judged, not lost in transit
+            await wait_until(lambda: (relay.gate.rejected.get("malformed", 0)) >= 1, 30.0)  # judged, not lost in transit
             assert many not in delivered
             assert max(routed) == 1, routed
 

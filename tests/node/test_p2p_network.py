@@ -47,7 +47,7 @@ async def test_eight_mixed_nodes_see_each_other_with_roles() -> None:
             return {p.peer_id: p.role for p in n.peers}
 
         def attached(n: GossipNode) -> set[str]:
-            return set(n._vouchers.members(n.peer_id))
+            return set(n.presence.vouchers.members(n.peer_id))  # type: ignore[union-attr]
 
         def tables_complete() -> bool:
             # the coordinator sees everyone (its own workers and the hubs' rosters); every hub sees
@@ -58,7 +58,21 @@ async def test_eight_mixed_nodes_see_each_other_with_roles() -> None:
             workers_ok = all(table(n) == infra for n, (r, _) in zip(nodes, roles) if r == "worker")
             return coord_ok and hubs_ok and workers_ok and len(attached(nodes[0])) == 4  # every worker bootstrapped from the seed
 
-        await wait_until(tables_complete, 60.0, "every table complete")  # a bound, not a speed goal: ≈ 3 s idle, 15+ s on a loaded box
+        def missing() -> str:
+            """What each table lacks or has too many of, for the failure message."""
+            out = []
+            for n, (r, _) in zip(nodes, roles):
+                want = ({k: v for k, v in expected.items() if k != n.peer_id} if r == "coordinator" else infra if r == "worker"
+                        else {**{k: v for k, v in infra.items() if k != n.peer_id}, **{w: "worker" for w in attached(n)}})
+                got = table(n)
+                if got != want:
+                    out.append(f"{r} {n.peer_id[-6:]}: lacks {sorted(set(want) - set(got))}, extra {sorted(set(got) - set(want))}")
+            return "; ".join(out) + f"; workers attached to the seed: {len(attached(nodes[0]))} of 4"
+
+        try:  # a bound, not a speed goal: ≈ 3 s idle, 15+ s on a loaded box, over 60 s once at load 11-21
+            await wait_until(tables_complete, 120.0, "every table complete")
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {missing()}") from None
         worker = nodes[4]
         assert self_subscribed(worker) == {"checkpoints", "verdicts", "bans"}  # no records on gossip at all
         assert self_subscribed(nodes[0]) == {"nodes", "checkpoints", "verdicts", "bans"}
@@ -96,14 +110,14 @@ async def test_a_node_that_misses_an_announcement_learns_the_step_from_the_coord
     async with shared_bridge() as bridge, swarm(run, roles, bridge=bridge) as nodes:
         relay, coord, worker = nodes
         await wait_until(lambda: worker.peers.coordinator() is not None and len(relay.peers) == 2, 10.0)
-        real_check = worker._validator.check
+        real_check = worker.gate.envelopes.check
 
         def drop_announcements(kind: str, data: bytes, *, remember: bool = True) -> Any:  # this node loses every announcement
             if kind == "checkpoints":
                 raise DuplicateEnvelope("dropped by the test")
             return real_check(kind, data, remember=remember)  # type: ignore[arg-type]
 
-        worker._validator.check = drop_announcements  # type: ignore[method-assign]
+        worker.gate.envelopes.check = drop_announcements  # type: ignore[method-assign]
         heard: list[int] = []
         learned: list[int] = []
         relay_heard: list[int] = []
@@ -114,7 +128,7 @@ async def test_a_node_that_misses_an_announcement_learns_the_step_from_the_coord
         await coord.publish_announcement(coord.seal(announcement(9)))
         await wait_until(lambda: relay_heard == [9], 10.0)  # the announcement did go out
         await wait_until(lambda: learned == [9], 3 * HEARTBEAT_S + 5.0)  # the worker learned it from the signed record
-        await wait_until(lambda: worker._rejected.get("duplicate", 0) >= 1, 5.0)  # the announcement reached it and was dropped here
+        await wait_until(lambda: worker.gate.rejected.get("duplicate", 0) >= 1, 5.0)  # the announcement reached it and was dropped here
         assert heard == [] and worker.peers.latest_step() == 9  # so no handler saw it: the step came from the record
 
 

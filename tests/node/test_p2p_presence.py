@@ -140,7 +140,7 @@ async def test_a_forged_or_replayed_record_is_refused_before_it_is_counted() -> 
                          ts_ms=int(time.time() * 1000) - 3_600_000)
             await bridge.run(stream.write, frame(RECORD, stale), timeout_s=5)
             await bridge.run(stream.write, frame(BEAT), timeout_s=5)  # the event the test waits for: read after the three
-            await wait_until(lambda: relay._presence_hub.counters["beats"] >= 1, 10.0)  # type: ignore[union-attr]
+            await wait_until(lambda: relay.presence.hub.counters["beats"] >= 1, 10.0)  # type: ignore[union-attr]
             assert relay.peers.get(w_key.peer_id).policy_step == 2  # type: ignore[union-attr]
             assert await counter(relay, "records") == 1 and await counter(relay, "records_replayed") == 2
             assert await counter(relay, "records_stale") == 1
@@ -221,16 +221,21 @@ async def test_a_roster_counts_only_if_it_hashes_to_the_signed_id_and_holds_reco
                 await bridge.run(hub.publish, coord.topics["nodes"], seal(hub_key, run.spec.run_id, rec), timeout_s=5)
 
             def fetches(kind: str) -> int:
-                return int(coord._fetcher.counters[kind])  # type: ignore[union-attr]
+                return int(coord.presence.fetcher.counters[kind])  # type: ignore[union-attr]
 
             await publish_digest(1, good_id)  # answered with bytes that do not hash to it
+            async def past_backoff() -> bool:  # a hub that failed is asked again after one interval (the fetcher's clock)
+                fetcher = coord.presence.fetcher
+                assert fetcher is not None
+                return await bridge.run_sync(lambda: fetcher._retry_at.get(hub_key.peer_id, 0.0) <= fetcher._clock(), timeout_s=5)
+
             await wait_until(lambda: fetches("failed") >= 1, 10.0)
-            await asyncio.sleep(run.spec.network.heartbeat_interval_s)  # a hub that failed is asked again after one interval
+            await wait_until(past_backoff, 10.0, "the failed hub's back-off over")
             await publish_digest(2, bad_entry_id)  # hashes right, but its record is not signed by its worker
             await wait_until(lambda: fetches("failed") >= 2, 10.0)
             assert honest.peer_id not in coord.peers and victim.peer_id not in coord.peers
             answers[good_id] = good  # control: the real roster is taken
-            await asyncio.sleep(run.spec.network.heartbeat_interval_s)  # past the retry back-off
+            await wait_until(past_backoff, 10.0, "the failed hub's back-off over")
             await publish_digest(3, good_id)
             await wait_until(lambda: honest.peer_id in coord.peers, 10.0)
             assert fetches("fetched") == 1 and victim.peer_id not in coord.peers
@@ -239,7 +244,7 @@ async def test_a_roster_counts_only_if_it_hashes_to_the_signed_id_and_holds_reco
                             NodeRecord(peer_id=hub_key.peer_id, role="relay", seq=4, version="t", workers=1, roster=bad_entry_id).model_dump(),
                             corrupt_sig=True)
             await bridge.run(hub.publish, coord.topics["nodes"], bad_sig, timeout_s=5)
-            await wait_until(lambda: coord._rejected.get("bad_signer", 0) >= 1, 10.0)
+            await wait_until(lambda: coord.gate.rejected.get("bad_signer", 0) >= 1, 10.0)
             assert fetches("failed") == 2
 
 
@@ -255,12 +260,12 @@ async def test_a_worker_that_changes_its_record_costs_the_coordinator_that_recor
         try:
             await wait_until(lambda: all(w.peer_id in coord.peers and w.peer_id in relay.peers for w in workers), 30.0,
                              "every worker listed by the coordinator")
-            fetcher = coord._fetcher
+            fetcher = coord.presence.fetcher
             assert fetcher is not None
-            await wait_until(lambda: relay.peer_id in fetcher._have and fetcher._have[relay.peer_id] == relay._presence_hub.roster()[1],  # type: ignore[union-attr]
+            await wait_until(lambda: relay.peer_id in fetcher._have and fetcher._have[relay.peer_id] == relay.presence.hub.roster()[1],  # type: ignore[union-attr]
                              10.0, "the coordinator holding the relay's current roster")
             before = dict(fetcher.counters)
-            roster_data, _ = relay._presence_hub._rosters[fetcher._have[relay.peer_id]]  # type: ignore[union-attr]
+            roster_data, _ = relay.presence.hub._rosters[fetcher._have[relay.peer_id]]  # type: ignore[union-attr]
             workers[0].set_record(policy_step=7)
             await wait_until(lambda: getattr(coord.peers.get(workers[0].peer_id), "policy_step", None) == 7, 10.0,
                              "the new policy step seen by the coordinator")
@@ -304,8 +309,10 @@ async def test_node_records_minted_past_a_forwarders_budget_are_dropped_unverifi
         fake = {k.peer_id for k in minted}
         allowed = budget * (1 + lasted / hb)  # one burst, then the refill while it lasted
         assert len(fake & set(took)) <= allowed, (len(fake & set(took)), allowed)
-        assert relay._rejected["over_rate"] >= 20, dict(relay._rejected)  # dropped before their signature was checked
-        await asyncio.sleep(1.0)
+        assert relay.gate.rejected["over_rate"] >= 20, dict(relay.gate.rejected)  # dropped before their signature was checked
+        # the relay's own next record reaches the coordinator on the stream every forward of the flood took before it
+        mark = heard.count(relay.peer_id)
+        await wait_until(lambda: heard.count(relay.peer_id) > mark, 10 * hb + 10.0, "a later record of the relay at the coordinator")
         assert fake & set(heard) <= fake & set(took)  # the coordinator heard only what the relay let through
         assert len(fake & set(took)) < len(minted) // 2
 

@@ -12,7 +12,7 @@ from shardcast_fixtures import make_run, make_store, publish, write_checkpoint
 from waiting import wait_until
 
 from node.commands.status import latest_step
-from node.roles.relay import relay_status
+from node.relay.role import relay_status
 from node.shardcast.relay import Relay, RelayConfig
 
 

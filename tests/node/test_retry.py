@@ -44,7 +44,7 @@ async def test_validator_backs_off_and_logs_once_while_no_ingest_answers(tmp_pat
     exited: now its lease retries wait longer each time (jittered doubling) and log once."""
     import socket
 
-    from node.roles.validator import IDLE_POLL_S, LEASE_BACKOFF_MAX_S, ValidatorNode, ValidatorOptions
+    from node.validator.role import IDLE_POLL_S, LEASE_BACKOFF_MAX_S, ValidatorNode, ValidatorOptions
     from protocol.identity import NodeKey
     from protocol.runspec import NetworkSpec, RunInfo, RunSpec, sign_run_spec
 
@@ -63,7 +63,7 @@ async def test_validator_backs_off_and_logs_once_while_no_ingest_answers(tmp_pat
             node.request_stop()
 
     node._sleep = record_sleep  # type: ignore[method-assign]
-    caplog.set_level(logging.INFO, logger="node.roles.validator")
+    caplog.set_level(logging.INFO, logger="node.validator.role")
     await node.start()
     try:
         await node.run()

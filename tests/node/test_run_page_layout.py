@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_run_page import _browser
+from browser_checks import start_browser
 
 from node.devnet.config import devnet_spec
 from node.web.runpage import RunPage, write_archive
@@ -152,7 +152,7 @@ def _check(layout: dict, width: int) -> None:
 
 def test_run_page_layout_at_1280_and_1920_px(page_url, tmp_path):
     url, page = page_url
-    browser = _browser()
+    browser = start_browser()
     try:
         for width in WIDTHS:
             _check(_layout(browser, f"{url}/", width), width)

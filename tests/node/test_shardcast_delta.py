@@ -401,7 +401,10 @@ async def test_a_prefetch_waits_for_a_relay_longer_than_a_needed_fetch(origin, p
             await wait_until(lambda: len(t := sources.asked.get(1, [])) > 1 and t[-1] - t[0] > 10 * policy.RELAY_WAIT_S)
             assert not follower.have(1) and not follower._prefetch.done()
             sources.lagging = False  # a relay holds it
-            await wait_until(lambda: follower.have(1))
+            first = follower._prefetch
+            # the step on disk and its prefetch over (one prefetch runs at a time: prefetch(2) while the first
+            # one still finishes after its files landed would be dropped, and step 2 never asked for)
+            await wait_until(lambda: follower.have(1) and first.done(), what="step 1 prefetched")
             sources.lagging = True
             follower.prefetch(2)
             await wait_until(lambda: 2 in sources.asked)

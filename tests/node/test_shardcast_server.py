@@ -54,6 +54,9 @@ async def test_pieces_with_range(served):
     assert st == 206 and body == want[100:200] and h["Content-Range"] == f"bytes 100-199/{ref.size_bytes}"
     st, _, body = await _get(s, url, headers={"Range": "bytes=-10"})
     assert st == 206 and body == want[-10:]
+    for zero in ("bytes=-0", "bytes=-000"):  # a suffix of no bytes selects nothing: 416 (RFC 9110 §14.1.1), not the whole piece
+        st, h, body = await _get(s, url, headers={"Range": zero})
+        assert st == 416 and h["Content-Range"] == f"bytes */{ref.size_bytes}" and len(body) < 100
     async with s.head(url, timeout=aiohttp.ClientTimeout(total=10)) as r:
         assert r.status == 200 and int(r.headers["Content-Length"]) == ref.size_bytes
     assert server.pieces_served >= 3
@@ -66,6 +69,7 @@ async def test_pieces_with_range(served):
         ("pieces/{pid}", {"Range": "bytes=500-100"}, {416}),
         ("pieces/{pid}", {"Range": "bytes=abc"}, {416}),
         ("pieces/{pid}", {"Range": "lines=1-2"}, {416}),
+        ("pieces/{pid}", {"Range": "bytes=-0"}, {416}),
         ("pieces/" + "0" * 64, {}, {404}),
         ("pieces/xyz", {}, {400}),
         ("pieces/" + "A" * 64, {}, {400}),

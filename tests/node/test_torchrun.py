@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from local_model import build_local_model
-from localnet import free_port, get_json, post
+from localnet import get_json, post
 from safetensors.torch import load_file
 
 from protocol.envelope import seal
@@ -94,7 +94,7 @@ def _run(cmd: list[str], url: str, spec: RunSpec, worker: NodeKey, validator: No
 
 
 @pytest.mark.timeout(900)
-def test_torchrun_two_gloo_ranks_publish_what_one_process_publishes(tmp_path: Path, shared: Path) -> None:
+def test_torchrun_two_gloo_ranks_publish_what_one_process_publishes(tmp_path: Path, shared: Path, held_port) -> None:
     coord, validator, worker = NodeKey.generate(), NodeKey.generate(), NodeKey.generate()
     coord.save(tmp_path / "coord.key")
     base = build_local_model(tmp_path / "my-qwen2", shared / "data", vocab_size=VOCAB, dtype="float32", seed=3)
@@ -102,7 +102,7 @@ def test_torchrun_two_gloo_ranks_publish_what_one_process_publishes(tmp_path: Pa
     for name, prefix in (("one", [sys.executable, "-m", "node.train_cli"]),
                          ("two", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                   "-m", "node.train_cli", "--"])):
-        port = free_port()
+        port = held_port()  # the signed spec names the coordinator's URL
         url = f"http://127.0.0.1:{port}"
         spec = RunSpec(
             run=RunInfo(coordinator=coord.peer_id, validators=[validator.peer_id], seed=5),

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 from aiohttp import ClientSession, web
-from localnet import free_port
+from localnet import reserve_port
 
 from node.coordinator.recheck import CoordinatorRecheck
 from node.engine.hf import TransformersEngine
-from node.roles.validator import ValidatorNode, ValidatorOptions
+from node.validator.role import ValidatorNode, ValidatorOptions
 from node.shardcast import ShardcastServer, ShardcastStore, publish_checkpoint
 from node.worker.adversary import build_dishonest_submission
 from node.worker.rollouts import build_submission
@@ -77,7 +77,13 @@ class Coordinator:
 
 @contextlib.asynccontextmanager
 async def coordinator(root: Path) -> AsyncIterator[Coordinator]:
-    port = free_port()  # the origin URL goes into the signed spec, so the port is chosen first
+    with reserve_port() as port:  # the origin URL goes into the signed spec, so the port is chosen first
+        async with _coordinator(root, port) as c:
+            yield c
+
+
+@contextlib.asynccontextmanager
+async def _coordinator(root: Path, port: int) -> AsyncIterator[Coordinator]:
     url = f"http://127.0.0.1:{port}"
     signed = make_spec(url)
     spec, run_id = signed.spec, signed.run_id
@@ -165,7 +171,7 @@ def test_validator_refuses_a_key_the_spec_does_not_name(tmp_path: Path) -> None:
     stranger = NodeKey.from_seed(b"s" * 32)
     with pytest.raises(ValueError, match="not a validator of this run"):
         ValidatorNode(signed, stranger, ValidatorOptions(data_dir=tmp_path, gossip=None, http_port=None))
-    ValidatorNode(signed, VALIDATOR, ValidatorOptions(data_dir=tmp_path, gossip=None, http_port=None)).ledger.close()
+    ValidatorNode(signed, VALIDATOR, ValidatorOptions(data_dir=tmp_path, gossip=None, http_port=None)).judgements.close()
 
 
 @pytest.mark.slow
@@ -212,9 +218,9 @@ async def test_spot_checks_check_a_new_worker_in_full_then_a_keyed_share(tmp_pat
                         assert not runner.done() and asyncio.get_running_loop().time() < end, node.state
                         await asyncio.sleep(0.1)
             status = node.status()
-            verified = node.ledger.verified(HONEST.peer_id)
-            with node.ledger._lock:
-                judged = [bytes.fromhex(r[0]) for r in node.ledger._db.execute("SELECT submission_id FROM judged ORDER BY rowid")]
+            verified = node.judgements.verified(HONEST.peer_id)
+            with node.judgements._lock:
+                judged = [bytes.fromhex(r[0]) for r in node.judgements._db.execute("SELECT submission_id FROM judged ORDER BY rowid")]
         finally:
             node.request_stop()
             await asyncio.wait_for(runner, timeout=30)
@@ -236,7 +242,7 @@ async def test_spot_checks_check_a_new_worker_in_full_then_a_keyed_share(tmp_pat
 async def test_a_validator_out_of_resources_retries_once_then_sends_a_benign_resources_verdict(tmp_path: Path, monkeypatch) -> None:
     """Running out of memory while checking is the validator's failure: the lease is left to expire
     once (the failure may pass), then a ``resources`` verdict rejects the submission without a ban."""
-    import node.roles.validator as role
+    import node.validator.role as role
 
     calls = []
 
@@ -277,7 +283,8 @@ async def test_models_in_memory_are_bounded_by_bytes_and_evicted_before_a_load(t
     """At a real shape one float32 model is ≈ 2 GB: the validator keeps the models of the async
     window only while their parameters fit ``MODEL_CACHE_BYTES``, and frees one before loading the next,
     its heap pages handed back to the kernel first (node/memory.py: else they sit beside the next one)."""
-    import node.roles.validator as role
+    import node.policy as policy
+    import node.validator.role as role
 
     tok = embedded_tokenizer()
     model = build_model(embedded_config(len(tok)), seed=0)
@@ -290,7 +297,7 @@ async def test_models_in_memory_are_bounded_by_bytes_and_evicted_before_a_load(t
     events: list[str] = []
 
     def load_model(*args, **kw):
-        held_at_load.append(len(node._models))
+        held_at_load.append(len(node.models.steps()))
         events.append("load")
         return real_load(*args, **kw)
 
@@ -298,19 +305,20 @@ async def test_models_in_memory_are_bounded_by_bytes_and_evicted_before_a_load(t
         return tmp_path / "ckpt"
 
     monkeypatch.setattr(role, "load_model", load_model)
-    monkeypatch.setattr(role, "release_free_memory", lambda: events.append("release") or True)
+    monkeypatch.setattr(policy, "release_free_memory", lambda: events.append("release") or True)
     monkeypatch.setattr(node.follower, "fetch", fetch)
     monkeypatch.setattr(node.follower, "latest_step", 10)
     try:
-        monkeypatch.setattr(role, "MODEL_CACHE_BYTES", size + size // 2)  # room for one
+        assert node.models.max_bytes == role.MODEL_CACHE_BYTES
+        node.models.max_bytes = size + size // 2  # room for one
         for step in (0, 1, 2):
             await node._prepare(step)
-        assert list(node._models) == [2] and held_at_load == [0, 0, 0]
+        assert node.models.steps() == [2] and held_at_load == [0, 0, 0]
         assert events == ["load", "release", "load", "release", "load"]
-        monkeypatch.setattr(role, "MODEL_CACHE_BYTES", 100 * size)  # room for many: the retention rule (keep_steps) bounds them
+        node.models.max_bytes = 100 * size  # room for many: the retention rule (keep_steps) bounds them
         keep = node.spec.shardcast.keep_steps
         for step in (3, 4, 5, 6):
             await node._prepare(step)
-        assert list(node._models) == list(range(7 - keep, 7)) and max(held_at_load[3:]) == keep - 1
+        assert node.models.steps() == list(range(7 - keep, 7)) and max(held_at_load[3:]) == keep - 1
     finally:
-        node.ledger.close()
+        node.judgements.close()

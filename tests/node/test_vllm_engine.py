@@ -77,7 +77,7 @@ def _validate(model_dir: Path, prompts: list[list[int]], seeds: list[int], gens:
         assert g.hidden.dtype == torch.bfloat16 and g.hidden.shape == (len(ids), 128)
         assert g.logprobs.dtype == torch.float32 and g.logprobs.shape == ids.shape
         logits, hidden = p.logits.cpu(), p.hidden.cpu()
-        replay = sampling.replay_check(logits, ids, seed, eos_ids=(EOS,), min_eos_prob=FLOOR)
+        replay = sampling.replay_check(logits, ids, seed, sampling.ReplayParams(eos_ids=(EOS,), min_eos_prob=FLOOR))
         assert replay.ok and replay.hard_mismatches == 0, replay.reason
         expected = torch.log_softmax(logits.double(), -1).gather(-1, ids[:, None])[:, 0]
         torch.testing.assert_close(g.logprobs.double(), expected, atol=1e-3, rtol=0)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from localnet import free_port
 
 from node.worker.spool import Spool
 from node.worker.submitter import Submitter
@@ -204,10 +203,10 @@ async def test_a_body_timeout_is_retried_a_bounded_number_of_times(tmp_path: Pat
     assert spool.pending() == [] and sub.refused == {"timeout": 1} and sub.acked == 0
 
 
-async def test_drain_gives_up_at_its_deadline_and_keeps_everything(tmp_path: Path) -> None:
+async def test_drain_gives_up_at_its_deadline_and_keeps_everything(tmp_path: Path, held_port) -> None:
     spool = Spool(tmp_path)
     _fill(spool, 3)
-    sub = _submitter(spool, f"http://127.0.0.1:{free_port()}")  # connection refused
+    sub = _submitter(spool, f"http://127.0.0.1:{held_port()}")  # connection refused
     try:
         assert await asyncio.wait_for(sub.drain(deadline_s=0.5), 10.0) == 0
     finally:
@@ -215,9 +214,9 @@ async def test_drain_gives_up_at_its_deadline_and_keeps_everything(tmp_path: Pat
     assert len(spool.pending()) == 3
 
 
-async def test_nothing_is_lost_while_the_coordinator_is_down(tmp_path: Path) -> None:
+async def test_nothing_is_lost_while_the_coordinator_is_down(tmp_path: Path, held_port) -> None:
     spool = Spool(tmp_path)
-    port = free_port()
+    port = held_port()  # refused until the ingest comes back on it
     sub = _submitter(spool, f"http://127.0.0.1:{port}")
     bodies = _fill(spool, 2)
     ingest = Ingest([200])
@@ -241,12 +240,12 @@ async def test_nothing_is_lost_while_the_coordinator_is_down(tmp_path: Path) -> 
     assert ingest.received == bodies and spool.pending() == []
 
 
-async def test_second_ingest_url_is_used_when_the_first_is_down(tmp_path: Path) -> None:
+async def test_second_ingest_url_is_used_when_the_first_is_down(tmp_path: Path, held_port) -> None:
     spool = Spool(tmp_path)
     bodies = _fill(spool, 2)
     ingest = Ingest([200])
     async with serve(ingest) as url:
-        sub = Submitter(spool, [f"http://127.0.0.1:{free_port()}", url], timeout_s=5.0, base_backoff_s=0.05)
+        sub = Submitter(spool, [f"http://127.0.0.1:{held_port()}", url], timeout_s=5.0, base_backoff_s=0.05)
         try:
             assert await asyncio.wait_for(sub.drain(deadline_s=10.0), 20.0) == 2
         finally:
@@ -273,7 +272,7 @@ async def test_restart_drops_stale_spooled_work_with_one_line(tmp_path: Path, ca
     import logging
 
     from node.devnet.config import devnet_spec
-    from node.roles.worker import Worker, WorkerOptions
+    from node.worker.role import Worker, WorkerOptions
     from protocol.identity import NodeKey
     from protocol.runspec import sign_run_spec
 
@@ -288,7 +287,7 @@ async def test_restart_drops_stale_spooled_work_with_one_line(tmp_path: Path, ca
         return 12  # the newest policy announced while the worker was down: the window is [10, 12]
 
     worker.follower.poll_latest = latest  # type: ignore[method-assign]
-    with caplog.at_level(logging.WARNING, logger="node.roles.worker"):
+    with caplog.at_level(logging.WARNING, logger="node.worker.role"):
         await worker._triage_spool()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("restart:")]
     assert len(lines) == 1, lines

@@ -18,6 +18,7 @@ from protocol.models import (
     copy_weights,
     embedded_config,
     embedded_tokenizer,
+    head_weight,
     iter_weights,
     load_model,
     model_files,
@@ -169,3 +170,22 @@ def test_the_one_weights_reader_merges_files_and_refuses_bad_ones(tmp_path):
         dict(iter_weights(tmp_path))
     with pytest.raises(ModelLoadError, match="no .safetensors"):
         dict(iter_weights(tmp_path / "empty"))
+
+
+def test_head_weight_reads_the_float32_head_tied_or_not(tmp_path) -> None:
+    """``head_weight`` gives the head a validator's float32 ``load_model`` uses: the embedding where the
+    config ties them (the shipped base), ``lm_head.weight`` otherwise; a directory without one is refused."""
+    from node.coordinator.base import EMBEDDED_BASE_DIR
+    tied = load_model(EMBEDDED_BASE_DIR)
+    assert tied.config.tie_word_embeddings and torch.equal(head_weight(EMBEDDED_BASE_DIR), tied.lm_head.weight)
+    cfg = embedded_config(len(embedded_tokenizer()))
+    cfg.tie_word_embeddings = False
+    model = build_model(cfg, seed=3)
+    save_model(model, embedded_tokenizer(), tmp_path / "untied", dtype=torch.bfloat16)
+    head = head_weight(tmp_path / "untied")
+    assert head.dtype == torch.float32 and torch.equal(head, model.lm_head.weight.detach().to(torch.bfloat16).float())
+    assert not torch.equal(head, model.model.embed_tokens.weight.detach().to(torch.bfloat16).float())
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError):
+        head_weight(tmp_path / "empty")

@@ -135,15 +135,17 @@ def test_replay_rule_is_versioned_in_the_spec():
     signed = sign_run_spec(spec(), COORD)
     unsigned = dump_run_spec(signed)[: dump_run_spec(signed).index("[signature]")]
     assert 'replay_rule = "eps-v1"' in unsigned and "eos_prob_slack = 0.01" in unsigned
-    with pytest.raises(RunSpecError, match=r"^run spec field toploc\.replay_rule: Input should be 'eps-v1' or 'logit-bound-v1'$"):
+    with pytest.raises(RunSpecError, match=r"^run spec field toploc\.replay_rule: Input should be 'eps-v1', 'logit-bound-v1' or 'logit-bound-v2'$"):
         parse_run_spec(unsigned.replace('replay_rule = "eps-v1"', 'replay_rule = "logit-bound-v9"'), require_signature=False)
     # the content as a spec before the rule was written hashes to the same run ID
     old = signed.spec.model_dump(mode="python")
-    for name in ("replay_rule", "replay_logit_bound", "eos_prob_slack"):
+    del old["artifacts"]  # added later still: hashed only when it pins something (test_artifacts_table_keeps_old_run_ids)
+    for name in ("replay_rule", "replay_logit_bound", "eos_prob_slack", "worker_dtype", "fp32_logits", "hard_factor"):
         del old["toploc"][name]
-    del old["env"]  # a section added later still, hashed only off its default
+    del old["audit"], old["env"]  # sections added later still, hashed only off their default
     assert hashlib.sha256(RUN_ID_DOMAIN + encoding.packb(old)).digest() == signed.run_id
-    before = re.sub(r'(?m)^(replay_rule|replay_logit_bound|eos_prob_slack) = .*\n', "", unsigned)
+    before = re.sub(r'(?m)^(replay_rule|replay_logit_bound|eos_prob_slack|worker_dtype|fp32_logits|hard_factor) = .*\n', "", unsigned)
+    before = before[: before.index("[audit]")]
     back = parse_run_spec(before, require_signature=False).spec
     assert back.run_id == signed.run_id and (back.toploc.replay_rule, back.toploc.eos_prob_slack) == ("eps-v1", 0.01)
     bound = unsigned.replace('replay_rule = "eps-v1"', 'replay_rule = "logit-bound-v1"')
@@ -154,7 +156,7 @@ def test_replay_rule_is_versioned_in_the_spec():
     with pytest.raises(RunSpecError, match=r"^run spec field toploc: .*belong to replay rule eps-v1"):
         parse_run_spec(bound.replace("replay_logit_bound = 0.0", "replay_logit_bound = 0.75").replace("replay_eps = 0.0001", "replay_eps = 0.05"),
                        require_signature=False)
-    with pytest.raises(RunSpecError, match=r"^run spec field toploc: .*belongs to replay rule logit-bound-v1"):
+    with pytest.raises(RunSpecError, match=r"^run spec field toploc: .*belongs to the logit-bound replay rules"):
         parse_run_spec(unsigned.replace("replay_logit_bound = 0.0", "replay_logit_bound = 0.75"), require_signature=False)
     for bad in ("nan", "inf", "-0.5", "4.5"):
         with pytest.raises(RunSpecError, match=r"^run spec field toploc\.replay_logit_bound: "):
@@ -162,3 +164,29 @@ def test_replay_rule_is_versioned_in_the_spec():
     slack = parse_run_spec(unsigned.replace("eos_prob_slack = 0.01", "eos_prob_slack = 0.02"), require_signature=False).spec
     assert slack.toploc.eos_prob_slack == 0.02 and slack.run_id != signed.run_id
     assert ToplocSpec().replay_rule == "eps-v1"
+
+
+def test_artifacts_table_keeps_old_run_ids_and_pins_content():
+    """``[artifacts]`` is absent from the hashed content while empty (a spec signed before it keeps its
+    run ID and its text has no such table); a pinned artifact is part of the signed content."""
+    import hashlib
+
+    from protocol import encoding
+    from protocol.runspec import RUN_ID_DOMAIN
+
+    signed = sign_run_spec(spec(), COORD)
+    text = dump_run_spec(signed)
+    assert "[artifacts]" not in text
+    content = signed.spec.model_dump(mode="python")
+    del content["artifacts"], content["audit"], content["env"]  # all added after specs were signed: hashed only off their defaults
+    for name in ("replay_rule", "replay_logit_bound", "eos_prob_slack", "worker_dtype", "fp32_logits", "hard_factor"):
+        del content["toploc"][name]
+    assert hashlib.sha256(RUN_ID_DOMAIN + encoding.packb(content)).digest() == signed.run_id
+    pinned = sign_run_spec(spec().model_copy(update={"artifacts": {"tasks": "ab" * 32}}), COORD)
+    assert pinned.run_id != signed.run_id and pinned.spec.artifact_id("tasks") == bytes.fromhex("ab" * 32)
+    ptext = dump_run_spec(pinned)
+    assert parse_run_spec(ptext).spec.artifacts == {"tasks": "ab" * 32}
+    with pytest.raises(RunSpecError, match="modified after signing"):
+        parse_run_spec(ptext.replace("ab" * 32, "ac" + "ab" * 31))
+    with pytest.raises(RunSpecError, match=r"artifacts"):
+        parse_run_spec(ptext.replace("[artifacts]\ntasks = ", "[artifacts]\nTasks = "), require_signature=False)

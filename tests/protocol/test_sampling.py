@@ -103,12 +103,12 @@ def test_icdf_fallback_and_empty_kept_set() -> None:
     seeds, pos = torch.arange(256), torch.zeros(256, dtype=torch.int64)
     toks, _ = sampling.sample(logits, seeds, pos, eos_ids=(0,), min_eos_prob=1.0, rule=sampling.RULE_ICDF)
     assert 0 not in toks.tolist() and set(toks.tolist()) == {1, 2, 3}
-    res = sampling.replay_check(logits[:8], toks[:8], 0, eos_ids=(0,), min_eos_prob=1.0)  # seed 0 for row 0 only: row 0 checks out
+    res = sampling.replay_check(logits[:8], toks[:8], 0, sampling.ReplayParams(eos_ids=(0,), min_eos_prob=1.0))  # seed 0 for row 0 only: row 0 checks out
     assert float(res.gaps[0]) == 0.0
     # nucleus = {EOS} and EOS gated: nothing kept, the most probable non-EOS token
     one, _ = sampling.sample(logits[:4], seeds[:4], pos[:4], top_p=0.5, eos_ids=(0,), min_eos_prob=1.0)
     assert one.tolist() == [2, 2, 2, 2]
-    assert sampling.replay_check(logits[:4], one[:1].expand(4), 0, top_p=0.5, eos_ids=(0,), min_eos_prob=1.0).ok
+    assert sampling.replay_check(logits[:4], one[:1].expand(4), 0, sampling.ReplayParams(top_p=0.5, eos_ids=(0,), min_eos_prob=1.0)).ok
 
 
 def test_sample_matches_softmax_distribution() -> None:
@@ -170,11 +170,11 @@ def test_replay_accepts_honest_and_tolerates_noise() -> None:
     torch.manual_seed(1)
     logits = torch.randn(100, 500) * 2
     toks = _generate(logits, 42, 0.8, 0.9)
-    res = sampling.replay_check(logits, toks, 42, 0, 0.8, 0.9)
+    res = sampling.replay_check(logits, toks, 42, sampling.ReplayParams(temperature=0.8, top_p=0.9), 0)
     assert res.ok and res.hard_mismatches == 0 and res.near_ties == 0 and torch.equal(res.tokens, toks)
     assert bool((res.gaps == 0).all()) and bool((res.margins > 0).all())
     noisy = logits + 1e-5 * torch.randn_like(logits)
-    assert sampling.replay_check(noisy, toks, 42, 0, 0.8, 0.9).ok
+    assert sampling.replay_check(noisy, toks, 42, sampling.ReplayParams(temperature=0.8, top_p=0.9), 0).ok
     assert res.logprobs is not None
     torch.testing.assert_close(res.logprobs, torch.log_softmax(logits.double() / 0.8, -1).gather(-1, toks[:, None])[:, 0])
 
@@ -188,7 +188,7 @@ def test_replay_rejects_other_seed_or_other_model() -> None:
     cheap = _generate(logits + torch.randn_like(logits), 7)  # a different model, right seed
     res = sampling.replay_check(logits, cheap, 7)
     assert not res.ok and res.hard_mismatches > 0
-    shifted = sampling.replay_check(logits, toks, 7, start_position=1)
+    shifted = sampling.replay_check(logits, toks, 7, sampling.ReplayParams(), 1)
     assert not shifted.ok
 
 
@@ -207,10 +207,10 @@ def test_icdf_replay_near_ties_counted_and_bounded() -> None:
     fake = toks.clone()
     fake[order[:3]] = nearer[order[:3]]
     eps = float(dist[order[2]]) * 1.01
-    res = sampling.replay_check(logits, fake, 3, eps=eps, max_near_tie_fraction=0.1)
+    res = sampling.replay_check(logits, fake, 3, sampling.ReplayParams(eps=eps, max_near_tie_fraction=0.1))
     assert res.near_ties == 3 and res.hard_mismatches == 0 and res.allowed_near_ties == 2 and not res.ok
-    assert sampling.replay_check(logits, fake, 3, eps=eps, max_near_tie_fraction=0.2).ok
-    tight = sampling.replay_check(logits, fake, 3, eps=float(dist[order[0]]) * 0.99)
+    assert sampling.replay_check(logits, fake, 3, sampling.ReplayParams(eps=eps, max_near_tie_fraction=0.2)).ok
+    tight = sampling.replay_check(logits, fake, 3, sampling.ReplayParams(eps=float(dist[order[0]]) * 0.99))
     assert not tight.ok and tight.hard_mismatches == 3
     torch.testing.assert_close(res.gaps[order[:3]], dist[order[:3]].double())
 
@@ -228,7 +228,7 @@ def test_icdf_weights_are_never_subnormal() -> None:
     for i in range(3):
         tok, _ = sampling.sample(x.clone(), seeds, torch.full((4,), i), 1.0, 1.0)
         for r in range(4):
-            rep = sampling.replay_check(x[r : r + 1].clone(), [int(tok[r])], int(seeds[r]), i, 1.0, 1.0, 1e-4, 0.0)
+            rep = sampling.replay_check(x[r : r + 1].clone(), [int(tok[r])], int(seeds[r]), sampling.ReplayParams(temperature=1.0, top_p=1.0, eps=1e-4, max_near_tie_fraction=0.0), i)
             assert rep.ok and int(rep.tokens[0]) == int(tok[r])
 
 
@@ -256,7 +256,7 @@ def test_icdf_single_token_deviation_caught_at_the_stated_rate() -> None:
             "neighbour": (toks + 1) % vocab,
         }
         for kind, fake in fakes.items():
-            res = sampling.replay_check(logits, fake, seed, max_near_tie_fraction=1.0)  # every position deviates: per-position gaps
+            res = sampling.replay_check(logits, fake, seed, sampling.ReplayParams(max_near_tie_fraction=1.0))  # every position deviates: per-position gaps
             for i in (0, 17, 41):  # each position is judged alone: a one-token deviation gives the same verdict
                 single = toks.clone()
                 single[i] = fake[i]
@@ -278,14 +278,14 @@ def test_icdf_single_token_deviation_caught_at_the_stated_rate() -> None:
 
 def test_replay_handles_out_of_vocab_and_nucleus() -> None:
     logits = torch.tensor([[5.0, 0.0, -5.0]] * 4)
-    res = sampling.replay_check(logits, [0, 0, 7, -1], 1, top_p=0.5)
+    res = sampling.replay_check(logits, [0, 0, 7, -1], 1, sampling.ReplayParams(top_p=0.5))
     assert not res.ok and res.hard_mismatches == 2 and math.isinf(float(res.gaps[2]))
-    outside = sampling.replay_check(logits, [0, 2, 0, 0], 1, top_p=0.5)
+    outside = sampling.replay_check(logits, [0, 2, 0, 0], 1, sampling.ReplayParams(top_p=0.5))
     assert not outside.ok and math.isinf(float(outside.gaps[1]))
     with pytest.raises(ValueError):
         sampling.replay_check(logits, [0, 0], 1)
     with pytest.raises(ValueError, match="unknown sampling rule"):
-        sampling.replay_check(logits, [0, 0, 0, 0], 1, rule="gumbel-v0")
+        sampling.replay_check(logits, [0, 0, 0, 0], 1, sampling.ReplayParams(rule="gumbel-v0"))
     with pytest.raises(ValueError, match="unknown sampling rule"):
         sampling.sample(logits, torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), rule="nope")
 
@@ -387,8 +387,8 @@ def test_rule_bits_identical_on_gpu() -> None:
         assert torch.equal(t_cpu, t_gpu.cpu()) and torch.allclose(l_cpu, l_gpu.cpu(), atol=1e-5)
         one = torch.full((16,), int(seeds[0]))
         toks, _ = sampling.sample(logits, one, torch.arange(16), 0.7, top_p, (1,), floor)
-        rc = sampling.replay_check(logits, toks, int(seeds[0]), 0, 0.7, top_p, eos_ids=(1,), min_eos_prob=floor)
-        rg = sampling.replay_check(logits.cuda(), toks.cuda(), int(seeds[0]), 0, 0.7, top_p, eos_ids=(1,), min_eos_prob=floor)
+        rc = sampling.replay_check(logits, toks, int(seeds[0]), sampling.ReplayParams(temperature=0.7, top_p=top_p, eos_ids=(1,), min_eos_prob=floor), 0)
+        rg = sampling.replay_check(logits.cuda(), toks.cuda(), int(seeds[0]), sampling.ReplayParams(temperature=0.7, top_p=top_p, eos_ids=(1,), min_eos_prob=floor), 0)
         assert rc.ok and rg.ok and torch.equal(rc.tokens, rg.tokens.cpu())
 
 
@@ -416,15 +416,15 @@ def test_icdf_row_blocks_do_not_change_results(monkeypatch: pytest.MonkeyPatch) 
     logits = torch.randn(9, 300, generator=g)
     seeds, pos = torch.randint(0, 2**62, (9,), generator=g), torch.arange(9, dtype=torch.int64)
     whole = sampling.sample(logits, seeds, pos, 0.9, 0.9, (1,), 0.1)
-    rep = sampling.replay_check(logits, whole[0], 3, top_p=0.9, eos_ids=(1,), min_eos_prob=0.1)
+    rep = sampling.replay_check(logits, whole[0], 3, sampling.ReplayParams(top_p=0.9, eos_ids=(1,), min_eos_prob=0.1))
     monkeypatch.setattr(sampling, "_ICDF_BLOCK_ELEMENTS", 600)  # 2 rows per block
     monkeypatch.setattr(sampling, "_REPLAY_BLOCK_ELEMENTS", 600)
     blocked = sampling.sample(logits, seeds, pos, 0.9, 0.9, (1,), 0.1)
     assert torch.equal(whole[0], blocked[0]) and torch.equal(whole[1], blocked[1])
-    rep2 = sampling.replay_check(logits, whole[0], 3, top_p=0.9, eos_ids=(1,), min_eos_prob=0.1)
+    rep2 = sampling.replay_check(logits, whole[0], 3, sampling.ReplayParams(top_p=0.9, eos_ids=(1,), min_eos_prob=0.1))
     assert torch.equal(rep.gaps, rep2.gaps) and torch.equal(rep.tokens, rep2.tokens) and torch.equal(rep.logprobs, rep2.logprobs)
     work = logits.clone()  # the check may use the caller's buffer: same results, the buffer's values are spent
-    rep3 = sampling.replay_check(work, whole[0], 3, top_p=0.9, eos_ids=(1,), min_eos_prob=0.1, overwrite=True)
+    rep3 = sampling.replay_check(work, whole[0], 3, sampling.ReplayParams(top_p=0.9, eos_ids=(1,), min_eos_prob=0.1), overwrite=True)
     assert torch.equal(rep.gaps, rep3.gaps) and torch.equal(rep.tokens, rep3.tokens) and torch.equal(rep.logprobs, rep3.logprobs)
     assert not torch.equal(work, logits)
 
@@ -540,10 +540,10 @@ def test_logit_bound_replay_accepts_workers_within_the_bound_and_rejects_cheats(
     eps_rejects = 0
     for name, x in workers.items():
         toks, _ = sampling.sample(x, seeds, pos, temperature, top_p, (eos,), floor)
-        res = sampling.replay_check(fp32.clone(), toks, 11, **common, replay_rule="logit-bound-v1", logit_bound=delta)
+        res = sampling.replay_check(fp32.clone(), toks, 11, sampling.ReplayParams(**common, replay_rule="logit-bound-v1", logit_bound=delta))
         assert res.ok and res.hard_mismatches == 0, (name, res.reason)
         assert float(res.gaps.max()) <= delta
-        eps_rejects += sampling.replay_check(fp32.clone(), toks, 11, **common, eps=0.05).hard_mismatches
+        eps_rejects += sampling.replay_check(fp32.clone(), toks, 11, sampling.ReplayParams(**common, eps=0.05)).hard_mismatches
     assert eps_rejects > 0  # the old rule at the old bf16 setting rejected honest workers
     p = torch.softmax(fp32.double() / temperature, -1)
     top2 = torch.topk(p, 2).indices
@@ -555,7 +555,7 @@ def test_logit_bound_replay_accepts_workers_within_the_bound_and_rejects_cheats(
         "runner-up": torch.where(top2[:, 0] == honest, top2[:, 1], top2[:, 0]),
     }
     for name, toks in cheats.items():
-        res = sampling.replay_check(fp32.clone(), toks, 11, **common, replay_rule="logit-bound-v1", logit_bound=delta)
+        res = sampling.replay_check(fp32.clone(), toks, 11, sampling.ReplayParams(**common, replay_rule="logit-bound-v1", logit_bound=delta))
         assert not res.ok and res.hard_mismatches >= 3 and "logit bound" in res.reason, (name, res.hard_mismatches)
 
 
@@ -571,9 +571,9 @@ def test_logit_bound_termination_and_unknown_replay_rules() -> None:
         assert sampling.termination_check(logits, [5, eos], [eos], 8, min_eos_prob=0.1, eos_prob_slack=slack).ok is ok
     logits = torch.zeros(2, 8)
     with pytest.raises(ValueError, match="unknown replay rule"):
-        sampling.replay_check(logits, [0, 1], 1, replay_rule="logit-bound-v0")
+        sampling.replay_check(logits, [0, 1], 1, sampling.ReplayParams(replay_rule="logit-bound-v0"))
     with pytest.raises(ValueError, match="logit bound"):
-        sampling.replay_check(logits, [0, 1], 1, replay_rule="logit-bound-v1")
+        sampling.replay_check(logits, [0, 1], 1, sampling.ReplayParams(replay_rule="logit-bound-v1"))
 
 
 @pytest.mark.parametrize(("temperature", "delta", "top_p"), [(0.002, 1.0, 0.7), (0.01, 4.0, 0.95), (0.01, 4.0, 1.0), (1e-40, 1.0, 0.9)])
@@ -592,8 +592,8 @@ def test_logit_bound_replay_at_a_low_temperature_the_run_spec_allows(temperature
     seeds, pos = torch.full((n,), 5, dtype=torch.int64), torch.arange(n, dtype=torch.int64)
     toks, _ = sampling.sample(x, seeds, pos, temperature, top_p, (eos,), 0.1)
     common = {"temperature": temperature, "top_p": top_p, "eos_ids": (eos,), "min_eos_prob": 0.1, "replay_rule": "logit-bound-v1", "logit_bound": delta}
-    assert sampling.replay_check(x.clone(), toks, 5, **common).ok
-    assert not sampling.replay_check(x.clone(), [0] * n, 5, **common).ok
+    assert sampling.replay_check(x.clone(), toks, 5, sampling.ReplayParams(**common)).ok
+    assert not sampling.replay_check(x.clone(), [0] * n, 5, sampling.ReplayParams(**common)).ok
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
@@ -610,4 +610,29 @@ def test_replay_refuses_non_finite_validator_logits_instead_of_judging(top_p: fl
     x[4, 17] = bad
     for rule in ({}, {"replay_rule": "logit-bound-v1", "logit_bound": 1.0}):
         with pytest.raises(ValueError, match="row 4 are not finite"):
-            sampling.replay_check(x.clone(), toks, 9, top_p=top_p, **rule)
+            sampling.replay_check(x.clone(), toks, 9, sampling.ReplayParams(top_p=top_p, **rule))
+
+
+def test_logit_bound_v2_leaves_out_of_bound_and_near_ties_to_the_submission() -> None:
+    """``logit-bound-v2`` judges the same gaps as v1 but fails a completion only for a token no logits
+    within any bound pick (gap ∞): out-of-bound tokens (finite gap > δ) are counted for the caller's
+    per-submission judgment, near ties are not capped per completion; v1 rejects both."""
+    g = torch.Generator().manual_seed(5)
+    n, vocab = 24, 64
+    x = torch.randn(n, vocab, generator=g) * 2
+    seeds, pos = torch.full((n,), 3, dtype=torch.int64), torch.arange(n, dtype=torch.int64)
+    honest, _ = sampling.sample(x, seeds, pos, 1.0, 1.0)
+    top2 = torch.topk(x, 2).indices
+    runner = torch.where(top2[:, 0] == honest, top2[:, 1], top2[:, 0])  # a differing, plausible token everywhere
+    v1 = sampling.ReplayParams(replay_rule="logit-bound-v1", logit_bound=0.05, max_near_tie_fraction=0.1)
+    v2 = sampling.ReplayParams(replay_rule="logit-bound-v2", logit_bound=0.05, max_near_tie_fraction=0.1)
+    r1, r2 = (sampling.replay_check(x.clone(), runner, 3, p) for p in (v1, v2))
+    assert not r1.ok and r1.hard_mismatches > 0
+    assert r2.ok and r2.out_of_bound == r1.hard_mismatches - r1.impossible and r2.impossible == 0
+    assert r2.allowed_near_ties == n and r2.gaps.tolist() == r1.gaps.tolist()
+    differ, over = r2.gap_counts(v2.gap_edges)
+    assert differ == int((runner != r2.tokens).sum()) and over[-1] == r2.out_of_bound and over == sorted(over, reverse=True)
+    bad = runner.clone()
+    bad[5] = vocab + 3  # outside the vocabulary: impossible under any bound
+    r3 = sampling.replay_check(x.clone(), bad, 3, v2)
+    assert not r3.ok and r3.impossible == 1 and "no logits within" in r3.reason

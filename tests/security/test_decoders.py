@@ -1,4 +1,9 @@
-"""Decoders that cannot amplify (issue 12, item 4) and key files (item 10)."""
+"""Decoders that cannot amplify (issue 12, item 4) and key files (item 10).
+
+Signed bodies (what the ingest and the validators open): a forged envelope's body is never decoded,
+signed ones only under their schema's limits, and a tree of empty arrays within those limits is
+refused before it is built (tracemalloc peak) while an honest submission's containers always fit.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+from alloc_helpers import PEAK_LIMIT, peak
 from ingest_attack_helpers import RUN, SPEC, VALIDATOR, forge, submission
 
 from node.p2p.gossip import BAN_GOSSIP_MAX_BYTES, TOPIC_RULES
@@ -14,6 +20,7 @@ from protocol.envelope import DOMAIN, open_envelope
 from protocol.errors import DecodeError, KeyFileError, SchemaError, SignatureError
 from protocol.identity import NodeKey
 from protocol.messages import BODY_LIMITS, MESSAGE_TYPES, Submission, decode_limits
+from protocol.rollout import submission_decode_limits
 
 
 def _resign_without(data: bytes) -> bytes:
@@ -41,8 +48,8 @@ def test_signed_bodies_are_decoded_under_their_schema_limits() -> None:
     over_array = forge(w, "submission/1", {"rollouts": [{}] * 70_000, "worker": w.peer_id})
     with pytest.raises(DecodeError, match="max_array_len"):
         open_envelope(over_array, run_id=RUN, expect=Submission)
-    # a lease request body has no containers at all, a verdict no arrays
-    for tag, body in (("lease_request/1", {"limit": [1, 2]}), ("verdict/1", {"evidence": {"x": [1]}})):
+    # a lease request body has no containers at all; a verdict's only array is its replay statistics' gap counts (≤ 8)
+    for tag, body in (("lease_request/1", {"limit": [1, 2]}), ("verdict/1", {"evidence": {"x": [1] * 9}})):
         with pytest.raises(DecodeError, match="max_array_len"):
             open_envelope(forge(VALIDATOR, tag, body), run_id=RUN, authorities=SPEC.authorities)
     # nesting deeper than the schema's
@@ -120,3 +127,42 @@ def test_key_file_readable_by_others_is_refused(tmp_path: Path) -> None:
         assert "\n" not in str(e.value)
     os.chmod(path, 0o600)
     assert NodeKey.load(path).peer_id == key.peer_id
+
+
+def _forge_raw(key: NodeKey, type_tag: str, body: bytes) -> bytes:
+    """A signed envelope around canonical body bytes ``body`` (as ``forge``, without building the body in Python)."""
+    import msgpack
+
+    mark = b"\xab" * 16
+    sealed = forge(key, type_tag, mark)
+    outer = msgpack.unpackb(sealed)
+    unsigned = {k: v for k, v in outer.items() if k != "sig"}
+    splice = encoding.packb(mark)
+    signed_bytes = encoding.packb(unsigned).replace(splice, body)
+    return encoding.packb({**unsigned, "sig": key.sign(DOMAIN + signed_bytes)}).replace(splice, body)
+
+
+def test_signed_bodies_of_empty_arrays_are_refused_before_they_are_built() -> None:
+    # any free key signs a submission; arrays nested under the run's array bound (16 here) still
+    # made 1 list per byte: 32 MiB → ≈ 2.4 GB in the ingest (its bounds) or a validator (the schema's)
+    tree = b"\x90"
+    for _ in range(5):  # 16⁵ = 1 M empty lists in 1.2 MB
+        tree = b"\xdc\x00\x10" + tree * 16
+    blob = _forge_raw(NodeKey.generate(), "submission/1", b"\x81\xa6worker" + tree)
+    # under the run's bounds (the ingest, a validator): an honest submission's 189 containers; under
+    # the schema's alone, 173,067 (≈ 11 MB, vs. 70 MB for the 1 M lists these bytes describe)
+    for limits, peak_limit in ((submission_decode_limits(SPEC), PEAK_LIMIT), (None, 16 << 20)):
+        error, top = peak(lambda limits=limits: open_envelope(blob, run_id=RUN, expect=Submission, body_limits=limits))
+        assert isinstance(error, DecodeError) and "arrays and maps" in str(error), error
+        assert top < peak_limit, top
+
+
+def test_decoder_container_budget_never_refuses_what_the_limits_allow() -> None:
+    # an honest submission's largest container count still decodes, and generic values too
+    limits = submission_decode_limits(SPEC)
+    assert limits.max_containers >= 1 + 1 + SPEC.data.tasks_per_submission * SPEC.rl.group_size * 2
+    assert encoding.unpackb(encoding.packb([[1], [2], {"a": []}]), 1 << 10) == [[1], [2], {"a": []}]
+    tight = encoding.DecodeLimits(16, 16, 16, 16, 4, max_containers=3)
+    assert encoding.unpackb(encoding.packb([[], []]), 1 << 10, tight) == [[], []]
+    with pytest.raises(DecodeError, match="more than 3 arrays and maps"):
+        encoding.unpackb(encoding.packb([[], [], []]), 1 << 10, tight)

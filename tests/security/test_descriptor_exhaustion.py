@@ -34,6 +34,7 @@ from protocol.runspec import dump_run_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "node"))
 from shardcast_fixtures import make_run
+from waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -43,16 +44,10 @@ PER_ADDRESS = 64
 CLIENT_TIMEOUT_S = 2.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start_relay(tmp_path: Path, nofile: tuple[int, int]) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """A relay process under ``nofile``, on a port it picks (``--http-port 0``) and prints; returns it, its URL and its log."""
     run = make_run()
     (tmp_path / "run.toml").write_text(dump_run_spec(run.signed))
-    port = _free_port()
     log = tmp_path / "relay.log"
 
     def limit() -> None:
@@ -61,10 +56,12 @@ def _start_relay(tmp_path: Path, nofile: tuple[int, int]) -> tuple[subprocess.Po
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "node", "join", "--role", "relay", "--run", str(tmp_path / "run.toml"), "--data-dir", str(tmp_path / "d"),
-             "--http-port", str(port), "--no-gossip"],
+             "--http-port", "0", "--no-gossip"],
             stdout=out, stderr=subprocess.STDOUT, preexec_fn=limit,  # noqa: PLW1509 - sets only the child's rlimit
         )
-    return proc, f"http://127.0.0.1:{port}", log
+    serving = wait_for(lambda: re.search(r"serving (http://127\.0\.0\.1:\d+)", log.read_text(errors="replace")), 60,
+                       "the relay's 'serving' line", proc)
+    return proc, serving.group(1), log
 
 
 async def _wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:

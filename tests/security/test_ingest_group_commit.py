@@ -1,4 +1,4 @@
-"""A hostile worker (and a failing disk) against the ingest's group commit (trainer/ledger/store.py).
+"""A hostile worker (and a failing disk) against the ingest's group commit (trainer/ledger/writer.py).
 
 A real ingest server on 127.0.0.1; disk faults are injected into the real write path by making
 ``os.fsync`` fail (where a failing disk reports EIO or a full one ENOSPC) or wait, once each.

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from node.roles.validator import ValidatorNode, ValidatorOptions
+from node.validator.role import ValidatorNode, ValidatorOptions
 from protocol.envelope import seal
 from protocol.identity import NodeKey
 from protocol.ingest_api import LeaseAnswer
@@ -54,7 +54,7 @@ async def test_no_lease_answer_moves_the_window(tmp_path: Path) -> None:
             assert in_window(5, trainer_step=node._trainer_step(), async_level=1)
     finally:
         await node.ingest.close()
-        node.ledger.close()
+        node.judgements.close()
 
 
 async def test_a_restarted_validator_judges_by_the_checkpoints_it_holds(tmp_path: Path) -> None:
@@ -63,7 +63,7 @@ async def test_a_restarted_validator_judges_by_the_checkpoints_it_holds(tmp_path
     node = _validator(tmp_path)
     try:
         assert node.follower.latest_step == -1
-        node._models[5] = object()  # what _prepare keeps after loading the verified checkpoint of step 5
+        node.models._models[5] = object()  # what _prepare holds after loading the verified checkpoint of step 5
         for lie in (2**61, 7, -(2**61), 0):
             _answering(node, lie)
             await node._lease()
@@ -71,7 +71,7 @@ async def test_a_restarted_validator_judges_by_the_checkpoints_it_holds(tmp_path
             assert in_window(5, trainer_step=node._trainer_step(), async_level=1)
     finally:
         await node.ingest.close()
-        node.ledger.close()
+        node.judgements.close()
 
 
 @pytest.mark.asyncio
@@ -99,4 +99,4 @@ async def test_no_verdict_on_a_submission_whose_checkpoint_this_validator_cannot
         assert posted == [] and node.checked == 0
     finally:
         await node.follower.close()
-        node.ledger.close()
+        node.judgements.close()

@@ -155,7 +155,7 @@ async def test_sybil_hub_records_never_push_a_view_past_its_frame() -> None:
                 if i % 20 == 19:
                     await asyncio.sleep(0.1)  # py-libp2p drops a new stream's 101st queued message
             await wait_until(lambda: sum(p.role == "relay" for p in relay.peers.alive()) > n, 60.0, "the Sybil records alive at the hub")
-            hub = relay._presence_hub  # a test's look across threads
+            hub = relay.presence.hub  # a test's look across threads
             assert hub is not None
             await wait_until(lambda: len(hub._view) > VIEW_MAX_BYTES * 0.9, 40.0, "the hub's view filled with Sybil records")
             # its attached worker's stream has written that view (or failed to)

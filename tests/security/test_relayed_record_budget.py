@@ -61,13 +61,13 @@ async def test_minters_behind_an_honest_relay_do_not_get_it_banned() -> None:
             flood = asyncio.gather(*(bridge.run(mint, h, 120, timeout_s=60) for h in (a, b, c)))
             try:
                 # the coordinator drops what the relay forwards past its budget: at least 3 × the penalty limit
-                await wait_until(lambda: coord._rejected["over_rate"] >= 15 or banned(coord, relay_key), 30.0,
+                await wait_until(lambda: coord.gate.rejected["over_rate"] >= 15 or banned(coord, relay_key), 30.0,
                                  "records over the relay's budget at the coordinator")
             finally:
                 flood.cancel()
                 await asyncio.gather(flood, return_exceptions=True)
-            assert relay._rejected["over_rate"] == 0, dict(relay._rejected)  # each minter stayed within its budget there
-            assert not banned(coord, relay_key), f"the coordinator banned the honest relay: {dict(coord._rejected)}"
+            assert relay.gate.rejected["over_rate"] == 0, dict(relay.gate.rejected)  # each minter stayed within its budget there
+            assert not banned(coord, relay_key), f"the coordinator banned the honest relay: {dict(coord.gate.rejected)}"
             assert relay.peer_id in coord.peers
 
 
@@ -96,7 +96,7 @@ class CoordinatorCheck:
             def message_id(self, msg: object) -> bytes:
                 return bytes(msg.from_id) + bytes(msg.seqno)  # type: ignore[attr-defined]
 
-        self._validate = self.coord._make_validator("nodes", Host())  # type: ignore[arg-type]
+        self._validate = self.coord.gate.validator("nodes", Host())  # type: ignore[arg-type]
         self._seqno = iter(range(1 << 20))
 
     def record(self, signer: NodeKey, publisher: object, ts_ms: int | None = None) -> object:
@@ -112,7 +112,7 @@ class CoordinatorCheck:
         return self._validate(self.relay, msg)
 
     def relay_points(self) -> float:
-        return self.coord._scores.points(self.relay_key.peer_id)
+        return self.coord.gate.scores.points(self.relay_key.peer_id)
 
     @staticmethod
     def minter() -> object:
@@ -130,12 +130,12 @@ def test_records_relayed_stale_do_not_get_the_relay_banned() -> None:
     import time
 
     c = CoordinatorCheck(max_records_per_interval=256)
-    stale_ms = int((time.time() - c.coord._validator.max_age_s - 1.0) * 1000)  # just past the coordinator's window
+    stale_ms = int((time.time() - c.coord.gate.envelopes.max_age_s - 1.0) * 1000)  # just past the coordinator's window
 
     async def main() -> None:
         minter = c.minter()
         assert not any(c.from_relay(c.record(NodeKey.generate(), minter, stale_ms)) for _ in range(120))  # all stale, dropped
-        assert c.coord._rejected["stale"] == 120
+        assert c.coord.gate.rejected["stale"] == 120
         assert not c.banned, "the coordinator banned the honest relay for records that went stale on the way"
         assert c.relay_points() == 0.0
         assert not c.from_relay(c.record(c.relay_key, c.relay, stale_ms))  # stale and its own: still costs it

@@ -19,7 +19,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from waiting import wait_until
 
 from node import __version__
 from node.cli import load_spec
@@ -144,20 +144,22 @@ async def test_eight_sybil_trickling_relays_never_fail_a_policy_fetch(tmp_path: 
             stdout=sink, stderr=subprocess.STDOUT,
         )
     try:
-        end = time.monotonic() + 300
-        while not (out / "run.toml").is_file():
-            assert proc.poll() is None and time.monotonic() < end, "the devnet did not write its run spec"
-            await asyncio.sleep(0.2)
-        await asyncio.sleep(0.5)  # written whole (the orchestrator writes it in one call)
-        origin = re.search(r'origin_urls = \[\s*"(http://127\.0\.0\.1:\d+)"', (out / "run.toml").read_text()).group(1)
+        def origin_url() -> str | None:
+            assert proc.poll() is None, "the devnet exited"
+            spec = (out / "run.toml").read_text() if (out / "run.toml").is_file() else ""
+            m = re.search(r'origin_urls = \[\s*"(http://127\.0\.0\.1:\d+)"', spec)  # the file written whole
+            return m.group(1) if m else None
+
+        origin = await wait_until(origin_url, 300.0, "the devnet's run spec", interval_s=0.2)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
-            while True:  # the coordinator serves: its bootstrap address listens too
-                assert proc.poll() is None and time.monotonic() < end, "the coordinator did not come up"
+            async def serving() -> bool:  # the coordinator serves: its bootstrap address listens too
+                assert proc.poll() is None, "the devnet exited"
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                     async with http.get(f"{origin}/status") as r:
-                        if r.status == 200:
-                            break
-                await asyncio.sleep(0.5)
+                        return r.status == 200
+                return False
+
+            await wait_until(serving, 300.0, "the coordinator to come up", interval_s=0.5)
         async with sybil_relays(out / "run.toml", origin) as proxies:
             rc = await asyncio.to_thread(proc.wait, 900)
             hits = sum((p.hits for p in proxies), Counter())

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_doctor_hostile's spec helper
-from localnet import free_port, serve_bodies
+from localnet import serve_bodies
 from test_doctor_hostile import _spec
 
 from node.cli import main
@@ -28,11 +28,11 @@ TITLE = "\x1b]0;owned\x07"
 
 
 @pytest.mark.timeout(120)
-def test_doctor_prints_a_hostile_relays_answer_and_url_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_doctor_prints_a_hostile_relays_answer_and_url_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str], held_port) -> None:
     relay_bodies = {"/shardcast/1/held": json.dumps({"run_id": HIDE + TITLE, "held_steps": [3], "steps": [3]}).encode()}
     bodies: dict[str, bytes] = {}
     with serve_bodies(relay_bodies) as relay, serve_bodies(bodies) as coord_url:
-        run, run_id = _spec(tmp_path, coord_url, free_port())
+        run, run_id = _spec(tmp_path, coord_url, held_port())
         bodies["/status"] = json.dumps({"run_id": run_id, "trainer_step": 3, "latest_policy_step": 3}).encode()
         bodies["/shardcast/1/held"] = json.dumps({"run_id": run_id, "held_steps": [3], "steps": [3]}).encode()
         nodes = [{"role": "relay", "state": "alive", "http_url": u} for u in (relay, f"http://127.0.0.1:1/{HIDE}")]

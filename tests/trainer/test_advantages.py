@@ -54,7 +54,7 @@ def test_interleaved_order_p1_p2_p1_p2() -> None:
 
     # through batch assembly: the advantage follows the record, not its position
     recs = [_rec("p1", 11, 0, 1.0), _rec("p2", 22, 0, 0.0), _rec("p1", 11, 1, 0.0), _rec("p2", 22, 1, 0.5)]
-    batch = assemble_batch(recs, step=0, async_level=0, group_size=2, num_groups=2, adv_eps=1e-4)
+    batch = assemble_batch(recs, step=0, group_size=2, num_groups=2, adv_eps=1e-4)
     adv = {(s.record.task_key, s.record.sample): s.advantage for s in batch.sequences}
     assert adv[("p1", 0)] == pytest.approx(0.5 / 0.5001) and adv[("p1", 1)] == pytest.approx(-0.5 / 0.5001)
     assert adv[("p2", 0)] == pytest.approx(-0.25 / 0.2501) and adv[("p2", 1)] == pytest.approx(0.25 / 0.2501)
@@ -76,7 +76,7 @@ def test_zero_advantage_groups_are_dropped_whole() -> None:
         _rec("all-zero", 3, 0, 0.0),
         _rec("all-zero", 3, 1, 0.0),
     ]
-    batch = assemble_batch(recs, step=0, async_level=0, group_size=2, num_groups=1, adv_eps=1e-4)
+    batch = assemble_batch(recs, step=0, group_size=2, num_groups=1, adv_eps=1e-4)
     assert batch.group_keys == [("mixed", 2)]
     assert batch.zero_advantage_groups == [("all-one", 1)]  # examined before "mixed" filled the batch
     assert {s.record.task_key for s in batch.sequences} == {"mixed"}
@@ -86,13 +86,13 @@ def test_zero_advantage_groups_are_dropped_whole() -> None:
     assert batch.consumed_submission_ids == ["s-all-one-1", "s-mixed-2"]
 
     with pytest.raises(NotEnoughRolloutsError) as e:
-        assemble_batch(recs, step=0, async_level=0, group_size=2, num_groups=2, adv_eps=1e-4)
+        assemble_batch(recs, step=0, group_size=2, num_groups=2, adv_eps=1e-4)
     assert e.value.usable_groups == 1 and e.value.zero_advantage_groups == 2
 
 
 def test_incomplete_groups_are_skipped() -> None:
     recs = [_rec("p", 1, 0, 1.0), _rec("p", 1, 1, 0.0), _rec("q", 2, 0, 1.0)]
-    batch = assemble_batch(recs, step=0, async_level=0, group_size=2, num_groups=2, adv_eps=1e-4, allow_partial=True)
+    batch = assemble_batch(recs, step=0, group_size=2, num_groups=2, adv_eps=1e-4, allow_partial=True)
     assert batch.group_keys == [("p", 1)] and batch.incomplete_groups == [("q", 2)]
 
 
@@ -102,7 +102,7 @@ def test_advantages_do_not_depend_on_order(rnd) -> None:
     recs = toy.toy_records(seed=3, step=0)
     shuffled = list(recs)
     rnd.shuffle(shuffled)
-    a = assemble_batch(recs, step=0, async_level=0, group_size=toy.GROUP, num_groups=4, adv_eps=1e-4)
-    b = assemble_batch(shuffled, step=0, async_level=0, group_size=toy.GROUP, num_groups=4, adv_eps=1e-4)
+    a = assemble_batch(recs, step=0, group_size=toy.GROUP, num_groups=4, adv_eps=1e-4)
+    b = assemble_batch(shuffled, step=0, group_size=toy.GROUP, num_groups=4, adv_eps=1e-4)
     key = lambda s: (s.record.task_key, s.record.sample)
     assert {key(s): s.advantage for s in a.sequences} == {key(s): s.advantage for s in b.sequences}

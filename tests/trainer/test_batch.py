@@ -1,5 +1,5 @@
-"""Batch assembly: the staleness window, records from submissions, sharding, and packing that
-equals the unpacked forward."""
+"""Batch assembly: whole groups, records from submissions, sharding, and packing that equals the
+unpacked forward (the async window is the ledger's: ``test_buffer.py``)."""
 
 from __future__ import annotations
 
@@ -44,29 +44,21 @@ def _group(task: str, policy_step: int, rewards=(1.0, 0.0)) -> list[RolloutRecor
     ]
 
 
-def test_staleness_window() -> None:
+def test_groups_of_the_wrong_size_are_skipped_and_staleness_is_counted() -> None:
+    """Assembly takes the records it is given as fresh (the ledger's trainable view applied the
+    async window: ``tests/trainer/test_buffer.py``): it keeps whole groups of ``group_size``, skips
+    others for later, and reports how stale the trained rollouts are."""
     n, k = 5, 2
-    recs = _group("too-old", n - k - 1) + _group("oldest-ok", n - k) + _group("fresh", n) + _group("future", n + 1)
-    batch = assemble_batch(recs, step=n, async_level=k, group_size=2, num_groups=3, adv_eps=1e-4, allow_partial=True)
+    short = _group("short", n, rewards=(1.0,))
+    recs = _group("oldest-ok", n - k) + short + _group("fresh", n)
+    batch = assemble_batch(recs, step=n, group_size=2, num_groups=3, adv_eps=1e-4, allow_partial=True)
     assert [key[0] for key in batch.group_keys] == ["oldest-ok", "fresh"]
-    assert [key[0] for key in batch.stale_groups] == ["too-old"]
-    assert [key[0] for key in batch.incomplete_groups] == ["future"]
-    assert all(s.record.policy_step >= n - k for s in batch.sequences)
+    assert [key[0] for key in batch.incomplete_groups] == ["short"]
+    assert batch.consumed_groups == batch.group_keys  # a short group is not consumed: it may fill up
     assert batch.staleness_histogram() == {0: 2, k: 2}
-    # a step whose only data is one step too old trains on nothing
     with pytest.raises(NotEnoughRolloutsError) as e:
-        assemble_batch(_group("too-old", n - k - 1), step=n, async_level=k, group_size=2, num_groups=1, adv_eps=1e-4, allow_partial=True)
-    assert e.value.stale_groups == 1 and e.value.usable_groups == 0
-    # async level 0 is on-policy only
-    with pytest.raises(NotEnoughRolloutsError):
-        assemble_batch(_group("prev", n - 1), step=n, async_level=0, group_size=2, num_groups=1, adv_eps=1e-4)
-
-
-def test_a_group_with_one_stale_rollout_is_stale_whole() -> None:
-    rows = _group("mixed", 5)
-    rows[1] = RolloutRecord(**{**rows[1].__dict__, "policy_step": 2})
-    batch = assemble_batch(rows + _group("ok", 5), step=5, async_level=2, group_size=2, num_groups=1, adv_eps=1e-4)
-    assert [k[0] for k in batch.stale_groups] == ["mixed"] and [k[0] for k in batch.group_keys] == ["ok"]
+        assemble_batch(short, step=n, group_size=2, num_groups=1, adv_eps=1e-4, allow_partial=True)
+    assert e.value.incomplete_groups == 1 and e.value.usable_groups == 0
 
 
 def test_records_from_submission() -> None:
@@ -91,7 +83,7 @@ def test_records_from_submission() -> None:
     assert r.prompt_ids.tolist() == [1, 2, 3] and r.completion_ids.tolist() == [4, 5] and r.prompt_ids.dtype == np.int64
     np.testing.assert_array_equal(r.logprobs, np.array([-0.5, -1.0], np.float32))
     assert r.policy_step == 3 and r.worker == PEER and r.submission_id == "ab" * 32
-    batch = assemble_batch(recs, step=3, async_level=0, group_size=2, num_groups=2, adv_eps=1e-4)
+    batch = assemble_batch(recs, step=3, group_size=2, num_groups=2, adv_eps=1e-4)
     assert len(batch.group_keys) == 2
 
     bad = Submission(worker=PEER, policy_step=3, counter=4, tasks=tasks[:1], rollouts=rollouts)

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import trainer_toy as toy
-from localnet import free_port
 from safetensors.torch import load_file
 
 from trainer.batch import pack_sequences, shard_sequences
@@ -23,13 +22,13 @@ HERE = Path(__file__).resolve().parent
 
 
 def _run_two_ranks(out: Path) -> None:
-    port = free_port()
+    rendezvous = out / "rendezvous"  # a file rendezvous: no port to choose before rank 0 binds it
     procs = []
     for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", OMP_NUM_THREADS="1")
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", OMP_NUM_THREADS="1")
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(HERE / "trainer_toy.py"), "fsdp", "--out", str(out)],
+                [sys.executable, str(HERE / "trainer_toy.py"), "fsdp", "--out", str(out), "--rendezvous", str(rendezvous)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

@@ -92,7 +92,7 @@ async def test_store_ack_duplicate_and_state(ingest):
     status, body = await post(http, SUBMISSIONS_ROUTE, sub)
     assert status == 200 and body["stored"] is True
     status, body2 = await post(http, SUBMISSIONS_ROUTE, sub)
-    assert status == 200 and body2 == {"id": body["id"], "stored": False, "duplicate": True, "state": "pending"}
+    assert status == 200 and body2 == {"id": body["id"], "stored": False, "duplicate": True, "state": "pending", "displaced": 0}
     assert coord.store.counts()["pending"] == 1
 
 
@@ -233,7 +233,7 @@ def test_acked_submission_survives_crash_and_orphans_are_recovered(tmp_path):
     try:
         ledger.store.record_verdict("v1", env.id.hex(), VALIDATOR.peer_id, True, "ok")
         assert [s.id for s in ledger.trainable(0)] == [env.id.hex()]
-        ledger.consumed([env.id.hex()], step=3)
+        ledger.consume(3, {}, [env.id.hex()])
         assert ledger.trainable(0) == []
         assert ledger.unconsume_after(2) == 1  # resume from step 2: step 3's rollouts become trainable again
         assert [s.id for s in ledger.trainable(0)] == [env.id.hex()]

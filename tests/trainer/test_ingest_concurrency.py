@@ -1,5 +1,6 @@
 """Ingest under concurrency: group commit, exact quotas and replay protection, and no acknowledged
-submission lost when the process is killed (``trainer/ledger/store.py``, ``docs/capacity.md`` §1)."""
+submission lost when the process is killed (``trainer/ledger/writer.py`` and ``store.py``,
+``docs/capacity.md`` §1)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import aiohttp
 import pytest
 from test_ingest import RUN, Coordinator, post, serve, submission
 
-import trainer.ledger.store as store_mod
+import trainer.ledger.writer as writer_mod
 from protocol.envelope import open_envelope
 from protocol.identity import NodeKey
 from protocol.ingest_api import SUBMISSIONS_ROUTE
@@ -41,14 +42,14 @@ def _wait(cond, what: str) -> None:
 def blocked_commit(monkeypatch):
     """The store's directory flush waits for ``release``; ``entered`` is set when a commit reached it."""
     entered, release = threading.Event(), threading.Event()
-    real = store_mod.fsync_dir
+    real = writer_mod.fsync_dir
 
     def fsync_dir(directory: Path) -> None:
         entered.set()
         assert release.wait(WAIT_S), "test never released the commit"
         real(directory)
 
-    monkeypatch.setattr(store_mod, "fsync_dir", fsync_dir)
+    monkeypatch.setattr(writer_mod, "fsync_dir", fsync_dir)
     return entered, release
 
 
@@ -60,7 +61,7 @@ def test_group_commit_counts_staged_work_and_answers_only_when_durable(tmp_path,
     first = store.submit(envs[0], source_ip="10.0.0.1")
     assert entered.wait(WAIT_S)  # the first group (of one) is in its commit, held at the directory flush
     rest = [store.submit(e, source_ip="10.0.0.1") for e in envs[1:]]
-    _wait(lambda: len(store._written) == len(rest), "files of the second group written")
+    _wait(lambda: len(store._writer._written) == len(rest), "files of the second group written")
     # nothing is answered or visible before its commit, yet every one counts for quotas and replays
     assert not first.done() and not any(f.done() for f in rest)
     assert store.get(envs[1].id.hex()) is None and store.counts()["pending"] == 0
@@ -87,7 +88,7 @@ def test_a_group_visible_in_the_index_but_not_yet_unstaged_is_counted_once(tmp_p
     """The commit thread writes on its own connection without the lock; between its COMMIT and the
     end of staging a submission is in both places, and quotas still count it once."""
     committed, release = threading.Event(), threading.Event()
-    real = SubmissionStore._insert
+    real = writer_mod.insert_rows
 
     def insert(db, items):
         real(db, items)
@@ -95,7 +96,7 @@ def test_a_group_visible_in_the_index_but_not_yet_unstaged_is_counted_once(tmp_p
             committed.set()
             assert release.wait(WAIT_S), "test never released the commit"
 
-    monkeypatch.setattr(SubmissionStore, "_insert", staticmethod(insert))
+    monkeypatch.setattr(writer_mod, "insert_rows", insert)
     store = SubmissionStore(tmp_path, RUN)
     w = NodeKey.generate()
     envs = [open_envelope(submission(w, counter=c), run_id=RUN) for c in range(3)]
@@ -122,7 +123,7 @@ def test_a_failed_commit_answers_an_error_and_leaves_nothing(tmp_path, monkeypat
     def fail(directory: Path) -> None:
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(store_mod, "fsync_dir", fail)
+    monkeypatch.setattr(writer_mod, "fsync_dir", fail)
     with pytest.raises(OSError):
         store.add(env, source_ip="10.0.0.1")
     assert not (tmp_path / "submissions" / f"{env.id.hex()}.sub").exists()

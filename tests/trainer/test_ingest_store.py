@@ -80,23 +80,28 @@ def test_per_submission_queries_use_indexes_not_the_history(tmp_path):
     """EXPLAIN QUERY PLAN of what admission, group commit, the trainer and the run page ask: no table scan."""
     store = SubmissionStore(tmp_path, RUN)
     queries = [
-        ("usage", store_mod._usage_sql(2), ("w", "ip", "a", "b", "w", "10.0.0.0/24")),
+        ("usage", store_mod._usage_sql(2), ("w", "ip", "a", "b", "w", "2001:db8::/32", "2001:db8::/48")),
         ("counter_used", "SELECT 1 FROM submissions WHERE worker = ? AND counter = ? AND id != ? LIMIT 1", ("w", 1, "x")),
         ("next seq", "SELECT COALESCE(MAX(seq), 0) FROM submissions", ()),
-        ("trainable", store_mod._TRAINABLE_SQL, (3,)),
+        ("trainable", store_mod._TRAINABLE_SQL, (3, 5)),
         ("expire", *store_mod._select_sql(PENDING, policy_below=3)),
         ("retire stale", *store_mod._select_sql({State.ACCEPTED}, policy_below=3)),
         ("retire consumed", *store_mod._select_sql({State.CONSUMED}, consumed_below=3)),
         ("unconsume", *store_mod._select_sql({State.CONSUMED}, consumed_above=3)),
         ("ban", *store_mod._select_sql(PENDING, worker="w")),
         ("newest stored of a prefix (displacement)", store_mod._NEWEST_STORED_SQL, ("10.0.0.0/24", 8)),
-        ("prefix standing (precheck)", store_mod._PREFIX_STANDING_SQL, ("10.0.0.0/24", "10.0.0.0/24")),
-        *((f"heaviest prefixes {i} (displacement)", sql, ("10.0.0.0/24", 9)) for i, sql in enumerate(store_mod._HEAVIEST_SQL)),
+        ("allocation and prefix standing (precheck)", store_mod._STANDING_SQL,
+         ("2001:db8::/32", "2001:db8::/32", "2001:db8::/48", "2001:db8::/32", "2001:db8::/48")),
+        *((f"heaviest allocations {i} (displacement)", sql, ("2001:db8::/32", 9)) for i, sql in enumerate(store_mod._HEAVIEST_ALLOCATIONS_SQL)),
+        *((f"heaviest prefixes of an allocation {i} (displacement)", sql, ("2001:db8::/32", "2001:db8::/48", 9))
+          for i, sql in enumerate(store_mod._HEAVIEST_PREFIXES_SQL)),
+        ("groups consumed after a step (resume)", "SELECT 1 FROM consumed_groups WHERE step > ?", (3,)),
+        ("groups of a retired submission (trigger)", "SELECT 1 FROM consumed_groups WHERE submission_id = ?", ("x",)),
     ]
     for name, sql, args in queries:
         plan = [row[3] for row in store._db.execute("EXPLAIN QUERY PLAN " + sql, args)]
         # (the heaviest prefixes walk their index from the top and stop at the limit)
-        assert not any(step.startswith(("SCAN submissions", "SCAN s ")) or step == "SCAN probation_prefixes"
+        assert not any(step.startswith(("SCAN submissions", "SCAN s ")) or step in ("SCAN probation_prefixes", "SCAN probation_allocations", "SCAN consumed_groups")
                        or "TEMP B-TREE" in step for step in plan), (name, plan)
     # the leaderboard walks its index in order and stops at the limit: no sort of every worker
     plan = [row[3] for row in store._db.execute("EXPLAIN QUERY PLAN SELECT worker, tokens FROM worker_stats"

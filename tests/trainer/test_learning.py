@@ -101,7 +101,7 @@ def test_mean_reward_rises() -> None:
         sampled: list[float] = []
         while True:
             try:
-                batch = assemble_batch(pool, step=trainer.step, async_level=0, group_size=GROUP, num_groups=batch_groups, adv_eps=1e-4)
+                batch = assemble_batch(pool, step=trainer.step, group_size=GROUP, num_groups=batch_groups, adv_eps=1e-4)
                 break
             except NotEnoughRolloutsError:
                 if len(pool) > 40 * GROUP:

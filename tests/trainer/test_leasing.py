@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from trainer.ledger.ids import SubmissionId
-from trainer.ledger.leasing import PROBATION_EVERY, LeaseOrder, prefix_key
+from trainer.ledger.leasing import PROBATION_EVERY, LeaseOrder, allocation_key, prefix_key
 from trainer.ledger.store import LeaseCandidate
 
 
@@ -35,6 +35,20 @@ def test_prefixes() -> None:
     assert prefix_key("10.1.3.3") != prefix_key("10.1.2.3")
     assert prefix_key("2001:db8:1:2::/64") == prefix_key("2001:db8:1:ffff::/64") == "2001:db8:1::/48"
     assert prefix_key("?") == "?"
+    # above the prefix, the allocation: an IPv6 /32; for IPv4 the /24 itself
+    assert allocation_key("2001:db8:1:2::/64") == allocation_key("2001:db8:ffff::/48") == "2001:db8::/32"
+    assert allocation_key("10.1.2.3") == prefix_key("10.1.2.3") and allocation_key("?") == "?"
+
+
+def test_one_ipv6_allocation_weighs_as_one_whatever_its_48s() -> None:
+    """65,536 /48s fit in one /32: shared per /48 alone, 200 of them outnumbered a lone worker 200
+    to 1 (old code: it was served after all 200, every one of which arrived before it)."""
+    crowd = [cand(i, f"k{i}", f"2001:db8:{i:x}::/64", established=True) for i in range(200)]
+    lone = [cand(10_000, "lone", "2001:db9:1::/64", established=True)]
+    assert "lone" in workers_of(LeaseOrder().take(crowd + lone, 2), crowd + lone)
+    # inside the /32, its /48s take turns as prefixes did
+    got = workers_of(LeaseOrder().take(crowd + lone, 9), crowd + lone)
+    assert len(set(got)) == 9 and got.count("lone") == 1
 
 
 def test_established_work_goes_first_whatever_junk_piles_up() -> None:

@@ -10,6 +10,7 @@ rejection, its counter free again, its file gone.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -57,13 +58,15 @@ def file_goes(ledger: SubmissionLedger, sid: str) -> None:
 
 
 def assert_read_model_exact(ledger: SubmissionLedger) -> None:
-    """The per-prefix probation holding kept by triggers equals one computed from the index."""
+    """The per-allocation and per-prefix probation holdings kept by triggers equal ones computed from the index."""
     db = ledger.store._db
-    kept = sorted(db.execute("SELECT prefix, pending, pending_bytes, stored FROM probation_prefixes").fetchall())
-    fresh = sorted(db.execute(
-        "SELECT s.prefix, COUNT(*), SUM(s.size_bytes), SUM(s.state = 'stored') FROM submissions s LEFT JOIN worker_stats w"
-        f" ON w.worker = s.worker WHERE s.state IN {in_states(PENDING)} AND COALESCE(w.accepted, 0) = 0 GROUP BY s.prefix").fetchall())
-    assert kept == fresh
+    for table, col, extra in (("probation_prefixes", "prefix", ", allocation"), ("probation_allocations", "allocation", "")):
+        kept = sorted(db.execute(f"SELECT {col}{extra}, pending, pending_bytes, stored FROM {table}").fetchall())
+        fresh = sorted(db.execute(
+            f"SELECT s.{col}{', MIN(s.allocation)' if extra else ''}, COUNT(*), SUM(s.size_bytes), SUM(s.state = 'stored') FROM submissions s"
+            f" LEFT JOIN worker_stats w ON w.worker = s.worker WHERE s.state IN {in_states(PENDING)} AND COALESCE(w.accepted, 0) = 0"
+            f" GROUP BY s.{col}").fetchall())
+        assert kept == fresh, table
 
 
 KEYS: list[NodeKey] = []  # every key fill() made
@@ -217,6 +220,84 @@ def test_when_bytes_are_short_the_prefix_holding_the_most_bytes_is_displaced(tmp
         assert ledger.get(sid_of(large[2])).state is State.DISPLACED
         assert ledger.counts() == {"pending": 7, "accepted": 0, "rejected": 0, "consumed": 0, "displaced": 1}
         assert medium < big
+        assert_read_model_exact(ledger)
+    finally:
+        ledger.close()
+
+
+def test_submissions_recovered_after_a_crash_keep_their_address_prefix(tmp_path: Path) -> None:
+    """A crash (or power cut) that loses index rows leaves files that ``recover`` re-indexes. Old
+    code re-indexed them with no address: all in one prefix ``""``, the heaviest, displaced first
+    whatever prefix they came from. Each file now keeps its address, so they are shared out by
+    their own prefixes: a newcomer displaces the heaviest real prefix's newest, not the newest file."""
+    ledger = open_ledger(tmp_path / "before")
+    posted = {"10.1.0": [], "10.2.0": []}
+    for prefix, n in (("10.1.0", 5), ("10.2.0", 3)):  # the share (8) full; the newest files are the light prefix's
+        for i in range(n):
+            KEYS.append(key := NodeKey.generate())
+            admit(ledger, raw := submission(key), f"{prefix}.{i + 1}")
+            posted[prefix].append(raw)
+    ledger.close()
+    lost = tmp_path / "after"
+    (lost / "submissions").mkdir(parents=True)
+    for f in sorted((tmp_path / "before" / "submissions").glob("*.sub"), key=lambda p: p.stat().st_mtime):
+        shutil.copy2(f, lost / "submissions" / f.name)  # every file, none of their index rows
+    ledger = open_ledger(lost)
+    try:
+        assert ledger.counts()["pending"] == 8
+        assert {c.address for c in ledger.store.leasable(0)} == {f"{p}.{i + 1}" for p, rs in posted.items() for i in range(len(rs))}
+        assert ledger.store.usage("nobody", "10.1.0.3").prefix_pending == 5
+        assert_read_model_exact(ledger)
+        admit(ledger, submission(NodeKey.generate()), "10.9.0.1")
+        assert ledger.get(sid_of(posted["10.1.0"][4])).state is State.DISPLACED  # old code: 10.2.0's newest
+        assert all(ledger.get(sid_of(r)).state is State.STORED for r in posted["10.2.0"])
+    finally:
+        ledger.close()
+
+
+def test_one_ipv6_allocation_weighs_as_one_whatever_its_48s(tmp_path: Path) -> None:
+    """Probation's share was shared per /48, and one /32 holds 65,536 of them: 8 /48s of one /32
+    holding one submission each filled the share, and a newcomer from another /32 got 507
+    ``probation_quota`` (nobody held more than it would). Shared per /32 first, that /32 holds 8,
+    and gives way; inside it, its /48s share its part (the heaviest /48 gives way first)."""
+    ledger = open_ledger(tmp_path)
+    try:
+        crowd = [submission(NodeKey.generate()) for _ in range(8)]
+        for i, raw in enumerate(crowd):
+            admit(ledger, raw, f"2001:db8:{i + 1:x}::/64")  # eight /48s of 2001:db8::/32
+        assert ledger.precheck("2001:db9:1::/64") is False  # it may displace: its body is read (old code: 507 before the body)
+        admit(ledger, first := submission(NodeKey.generate()), "2001:db9:1::/64")  # old code: 507 probation_quota
+        assert ledger.get(sid_of(crowd[-1])).state is State.DISPLACED  # the /32's newest (all its /48s hold 1)
+        assert ledger.counts()["pending"] == 8 and ledger.counts()["displaced"] == 1
+        assert_read_model_exact(ledger)
+        refused(ledger, "2001:db8:99::/64")  # another /48 of the crowd's /32: the /32 holds 7, more than 2001:db9::/32's 1
+        admit(ledger, submission(NodeKey.generate()), "2001:dba:1::/64")  # a third /32 still gets in (7 > 1)
+        assert ledger.counts()["displaced"] == 2
+        assert_read_model_exact(ledger)
+        assert ledger.get(sid_of(first)).state is State.STORED
+    finally:
+        ledger.close()
+
+
+def test_within_an_allocation_its_prefixes_share_its_part(tmp_path: Path) -> None:
+    """A /48 of a /32 holding the most of the share does not push out a lighter /48 of the same /32,
+    and is pushed out by it: a flood from one /48 cannot starve a newcomer next door; and when
+    another /32 holds more, it gives way from its heaviest /48, not its lightest."""
+    ledger = open_ledger(tmp_path)
+    try:
+        heavy = [submission(NodeKey.generate()) for _ in range(5)]
+        for i, raw in enumerate(heavy):
+            admit(ledger, raw, f"2001:db8:1:{i:x}::/64")  # /48 2001:db8:1:: holds 5
+        light = submission(NodeKey.generate())
+        admit(ledger, light, "2001:db8:2::/64")  # /48 2001:db8:2:: holds 1, the /32 6
+        others = [submission(NodeKey.generate()) for _ in range(2)]
+        for i, raw in enumerate(others):
+            admit(ledger, raw, f"2001:db9:{i + 1:x}::/64")  # another /32: 2 (the share, 8, is full)
+        admit(ledger, submission(NodeKey.generate()), "2001:dba::/64")  # a third /32: the heaviest /32's heaviest /48 gives way
+        assert ledger.get(sid_of(heavy[-1])).state is State.DISPLACED and ledger.get(sid_of(light)).state is State.STORED
+        admit(ledger, submission(NodeKey.generate()), "2001:db8:3::/64")  # next door, in the same /32: its heavy /48 gives way again
+        assert ledger.get(sid_of(heavy[-2])).state is State.DISPLACED
+        assert all(ledger.get(sid_of(r)).state is State.STORED for r in (light, *others))
         assert_read_model_exact(ledger)
     finally:
         ledger.close()

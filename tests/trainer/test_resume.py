@@ -84,14 +84,14 @@ def test_state_rotation_and_corruption(tmp_path: Path) -> None:
     for s in range(3):
         t.train_step(toy.toy_batch(seed=s, step=s))
         t.save_state(tmp_path, {"s": s}, keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step-00000002", "step-00000003"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step-2", "step-3"]  # protocol.step_dirs, as policies
     latest = latest_state_dir(tmp_path)
-    assert latest is not None and latest.name == "step-00000003"
+    assert latest is not None and latest.name == "step-3"
     meta = json.loads((latest / STATE_FILE).read_text())
     assert meta["step"] == 3 and meta["data_position"] == {"s": 2}
 
     # a leftover temporary directory (crash mid-save) is ignored: latest still loads
-    (tmp_path / ".tmp-step-00000004").mkdir()
+    (tmp_path / ".tmp-step-4").mkdir()
     fresh = Trainer(toy.toy_model(seed=5, tied=False), toy.toy_trainer_config())
     assert fresh.load_state(tmp_path) == {"s": 2}
 
@@ -106,6 +106,24 @@ def test_state_rotation_and_corruption(tmp_path: Path) -> None:
     # a state of another shape is refused with a clear error
     other = Trainer(build_model(tiny_qwen2_config(vocab_size=toy.VOCAB, hidden_size=32), seed=0), toy.toy_trainer_config())
     with pytest.raises(StateError, match="shape|names"):
-        other.load_state(tmp_path / "step-00000002")
+        other.load_state(tmp_path / "step-2")
     with pytest.raises(StateError):
         other.load_state(tmp_path / "missing")
+
+
+def test_a_state_named_as_an_older_version_did_is_loaded_and_rotated_by_step(tmp_path: Path) -> None:
+    """States were named ``step-00000012`` before they shared the policies' layout: ``latest``
+    naming one still loads, and rotation orders old and new names by step (``step-10`` after ``step-9``)."""
+    torch.set_num_threads(1)
+    t = Trainer(toy.toy_model(seed=0, tied=False), toy.toy_trainer_config(), step=8)
+    t.train_step(toy.toy_batch(seed=0, step=8))
+    t.save_state(tmp_path, {"s": 9}, keep=2)
+    (tmp_path / "step-9").rename(tmp_path / "step-00000009")
+    (tmp_path / "latest").write_text("step-00000009\n")
+    fresh = Trainer(toy.toy_model(seed=5, tied=False), toy.toy_trainer_config())
+    assert fresh.load_state(tmp_path) == {"s": 9} and fresh.step == 9
+    fresh.train_step(toy.toy_batch(seed=1, step=9))
+    fresh.save_state(tmp_path, {"s": 10}, keep=2)
+    fresh.train_step(toy.toy_batch(seed=2, step=10))
+    fresh.save_state(tmp_path, {"s": 11}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step-10", "step-11"]

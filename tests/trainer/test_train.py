@@ -85,12 +85,12 @@ def test_off_policy_statistics(old: str) -> None:
     exact = [dataclasses.replace(r, logprobs=_true_logprobs(model, r.prompt_ids, r.completion_ids)) for r in records]
     cfg = toy.toy_trainer_config(loss=LossConfig(norm_tokens=64.0, old_logprobs=old), optimizer_steps_per_batch=1)
     t = Trainer(toy.toy_model(seed=0), cfg)
-    m = t.train_step(assemble_batch(exact, step=0, async_level=1, group_size=toy.GROUP, num_groups=4, adv_eps=1e-4))
+    m = t.train_step(assemble_batch(exact, step=0, group_size=toy.GROUP, num_groups=4, adv_eps=1e-4))
     assert m.mismatch_kl == pytest.approx(0.0, abs=1e-5)
     assert m.is_ratio_min == pytest.approx(1.0, abs=1e-3) and m.is_ratio_max == pytest.approx(1.0, abs=1e-3)
     # behavior log-probs 0 (the workers claim probability 1): d = log π_trainer
     t = Trainer(toy.toy_model(seed=0), cfg)
-    batch = assemble_batch(records, step=0, async_level=1, group_size=toy.GROUP, num_groups=4, adv_eps=1e-4)
+    batch = assemble_batch(records, step=0, group_size=toy.GROUP, num_groups=4, adv_eps=1e-4)
     m = t.train_step(batch)
     d = np.concatenate([_true_logprobs(model, s.record.prompt_ids, s.record.completion_ids) for s in batch.sequences]).astype(np.float64)
     assert m.mismatch_kl == pytest.approx(float(np.mean(np.exp(d) - d - 1)), rel=1e-3)
@@ -103,9 +103,10 @@ def test_off_policy_statistics(old: str) -> None:
 def test_off_policy_correction_on_stale_and_zero_advantage_groups() -> None:
     """A step-2 batch at async level 1 from hand-built groups: a fresh one (behavior log-probs = the
     trainer's), a 1-step-stale one whose behavior log-probs are log 90 below the trainer's (ratio 90
-    on every token), an all-equal-reward one with absurd log-probs (−1e30) and a 2-step-stale one.
-    The last two are dropped (counted), the loss stays finite, and truncation bounds the stale
-    group's weight at C = 2: its tokens count exactly twice (one optimizer step: r = 1)."""
+    on every token) and an all-equal-reward one with absurd log-probs (−1e30). The last is dropped
+    (counted), the loss stays finite, and truncation bounds the stale group's weight at C = 2: its
+    tokens count exactly twice (one optimizer step: r = 1). (A 2-step-stale group never reaches
+    assembly: the ledger's trainable view leaves it out, ``test_buffer.py``.)"""
     torch.set_num_threads(1)
     from trainer.batch import assemble_batch
 
@@ -116,15 +117,14 @@ def test_off_policy_correction_on_stale_and_zero_advantage_groups() -> None:
     stale1 = [dataclasses.replace(r, policy_step=1, logprobs=exact[id(r)] - np.float32(np.log(90.0))) for r in recs if r.task_key == "task2"]
     flat = [dataclasses.replace(r, reward=1.0, task_reward=1.0, logprobs=np.full(r.completion_ids.size, -1e30, np.float32))
             for r in recs if r.task_key == "task1"]
-    stale2 = [dataclasses.replace(r, policy_step=0, logprobs=exact[id(r)]) for r in recs if r.task_key == "task3"]
 
     def step(records: list, correction: str, groups: int):
         cfg = toy.toy_trainer_config(loss=LossConfig(norm_tokens=64.0, is_correction=correction, is_cap=2.0), optimizer_steps_per_batch=1)
-        batch = assemble_batch(records, step=2, async_level=1, group_size=toy.GROUP, num_groups=groups, adv_eps=1e-4)
+        batch = assemble_batch(records, step=2, group_size=toy.GROUP, num_groups=groups, adv_eps=1e-4)
         return Trainer(toy.toy_model(seed=0), cfg, step=2).train_step(batch)
 
-    m = step(flat + stale2 + fresh + stale1, "truncate", 2)
-    assert (m.num_groups, m.zero_advantage_groups, m.stale_groups) == (2, 1, 1)
+    m = step(flat + fresh + stale1, "truncate", 2)
+    assert (m.num_groups, m.zero_advantage_groups) == (2, 1)
     assert m.staleness == {0: toy.GROUP, 1: toy.GROUP}
     assert math.isfinite(m.loss) and math.isfinite(m.mismatch_kl)
     assert m.is_ratio_max == pytest.approx(90.0, rel=1e-3) and m.is_ratio_min == pytest.approx(1.0, abs=1e-3)

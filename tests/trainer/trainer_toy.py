@@ -2,7 +2,8 @@
 
 As a script (``python tests/trainer/trainer_toy.py fsdp|resume ...``) it runs one training process
 for ``test_fsdp.py`` (one rank of a gloo group) or ``test_resume.py`` (train, save, wait to be
-killed). Results go to safetensors/JSON files only.
+killed). Results go to safetensors/JSON files only. The fsdp ranks meet through a file
+(``--rendezvous``), not a TCP port.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def toy_uneven_batch(step: int) -> Batch:
         for g in range(2)
         for i, n in enumerate((20, 20, 20, 3))
     ]
-    return assemble_batch(recs, step=step, async_level=0, group_size=GROUP, num_groups=2, adv_eps=1e-4)
+    return assemble_batch(recs, step=step, group_size=GROUP, num_groups=2, adv_eps=1e-4)
 
 
 def toy_batches() -> list[Batch]:
@@ -89,12 +90,17 @@ def params_of(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def _fsdp(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
     from safetensors.torch import save_file
 
     from trainer.distributed import broadcast_batch, init_distributed
 
     torch.set_num_threads(1)
-    ctx = init_distributed("gloo")
+    # a rendezvous through a file of the test's own folder: no MASTER_PORT chosen in advance that
+    # another process could take first (gloo's own connections bind at port 0)
+    dist.init_process_group("gloo", init_method=f"file://{Path(args.rendezvous).resolve()}", rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))
+    ctx = init_distributed("gloo")  # joins the group made above
     trainer = Trainer(toy_model(seed=ctx.rank + 7), toy_trainer_config(), ctx)  # rank 0's weights win
     losses, rows = [], []
     for b in toy_batches():
@@ -126,6 +132,7 @@ if __name__ == "__main__":
     ap.add_argument("mode", choices=["fsdp", "resume"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--rendezvous", help="fsdp: the file:// rendezvous both ranks share (absent or empty at start)")
     a = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     {"fsdp": _fsdp, "resume": _resume}[a.mode](a)

@@ -32,7 +32,7 @@ from protocol.rollout import pack_f32, pack_u32, unpack_f32, unpack_u32
 from protocol.runspec import DataSpec, RLSpec, RunInfo, RunSpec, SamplingSpec, ToplocSpec
 from protocol.tasks import Task
 from protocol.verdicts import ALL_REASONS, is_cheat
-from validator.ledger import Ledger
+from validator.judgements import Judgements
 from validator.pipeline import CheckResult, SubmissionChecker
 
 COORD = NodeKey.from_seed(b"c" * 32)
@@ -177,7 +177,7 @@ def test_dishonest_worker_rejected_with_its_reason(world: World, kind: str, reas
 
 def test_replayed_counter_rejected_through_the_ledger(world: World, tmp_path: Path) -> None:
     """Counter 0 judged once (at step 1); new content under counter 0 again (at step 0) is a replay."""
-    ledger = Ledger(tmp_path / "validator.sqlite")
+    ledger = Judgements(tmp_path / "validator.sqlite")
     try:
         checker = world.checker(trainer_step=1, steps=(0, 1), counter_seen=ledger.counter_seen)
         first = honest(world, counter=0, step=1)
@@ -418,14 +418,15 @@ def test_replay_tolerances_come_from_the_run_spec(world: World, honest_env: Enve
     """The sampling replay applies the signed spec's replay rule and tolerances (``toploc.replay_eps``,
     ``max_near_tie_fraction``, ``eos_prob_slack``; ``replay_rule`` and ``replay_logit_bound``: a
     bf16-compute run names logit-bound-v1; every validator of the run and the coordinator's re-check
-    must apply the same ones), not constants of the validator."""
+    must apply the same ones), not constants of the validator: one ``ReplayParams`` from the spec."""
     from protocol import sampling
 
     seen: list[tuple[Any, ...]] = []
     real = sampling.replay_checks
 
-    def spy(*args: Any, **kwargs: Any) -> Any:  # eps, max_near_tie_fraction positional, as the pipeline passes them
-        seen.append((args[6], args[7], kwargs["eos_prob_slack"], kwargs["replay_rule"], kwargs["logit_bound"]))
+    def spy(*args: Any, **kwargs: Any) -> Any:  # the run's parameters: one typed value, the fourth argument
+        p = args[3]
+        seen.append((p.eps, p.max_near_tie_fraction, p.eos_prob_slack, p.replay_rule, p.logit_bound))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(sampling, "replay_checks", spy)
@@ -481,3 +482,40 @@ def test_the_sampling_check_runs_on_one_intra_op_thread(world: World, honest_env
         assert seen and set(seen) == {1} and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_verdicts_carry_the_replay_statistics_of_the_whole_submission(world: World, honest_env: Envelope[Submission]) -> None:
+    """An accepted full check returns the statistics the audit counts: every completion token replayed,
+    every TOPLOC chunk, an honest float32 worker's tokens all the replay's; a light check has none."""
+    result = world.checker().check(honest_env)
+    assert result.accepted and result.stats is not None
+    lengths = [len(unpack_u32(ro.completion_ids)) for ro in honest_env.body.rollouts]
+    s = result.stats
+    assert s.tokens == sum(lengths) and s.chunks == sum(-(-n // SPEC.toploc.chunk_size) for n in lengths)
+    assert (s.differ, s.impossible, s.logprob_over, s.chunks_over) == (0, 0, 0, 0) and s.gap_over == [0] * 5
+    assert world.checker().check(honest_env, full=False).stats is None
+
+
+def test_logit_bound_v2_rejects_a_value_within_the_hard_factor_as_precision_beyond_it_as_a_cheat(world: World) -> None:
+    """Under ``logit-bound-v2`` a log-prob beyond its bound but within ``hard_factor`` of it is a
+    benign ``precision`` rejection carrying the statistics (one honest worker's rare numeric tail
+    never bans it; the audit counts it), beyond the factor the ``logprobs`` cheat it always was;
+    the same edit under ``logit-bound-v1`` is a cheat either way."""
+    from protocol.verdicts import BENIGN_REASONS
+
+    toploc = ToplocSpec(replay_rule="logit-bound-v2", replay_logit_bound=0.5, logprob_max_abs=0.1, logprob_mean_abs=0.1, hard_factor=2.0)
+    v2 = RunSpec(run=SPEC.run, data=SPEC.data, sampling=SPEC.sampling, rl=SPEC.rl, toploc=toploc)
+    v1 = RunSpec(run=SPEC.run, data=SPEC.data, sampling=SPEC.sampling, rl=SPEC.rl,
+                 toploc=toploc.model_copy(update={"replay_rule": "logit-bound-v1", "hard_factor": 2.0}))
+    env = honest(world, 40, spec=v2)
+    assert world.checker(spec=v2).check(env).accepted
+
+    def last(shift: float) -> Callable[[int, int], float]:
+        return lambda i, n: shift if i == n - 1 else 0.0
+
+    soft = world.checker(spec=v2).check(_logprobs_shifted(env, v2, last(0.15)))
+    assert soft.reason == "precision" and "precision" in BENIGN_REASONS and not is_cheat("precision")
+    assert soft.evidence["finding"] == "logprobs" and soft.stats is not None and soft.stats.logprob_over == 1
+    assert_rejected(world.checker(spec=v2).check(_logprobs_shifted(env, v2, last(0.25))), {"logprobs"})
+    env1 = honest(world, 40, spec=v1)
+    assert_rejected(world.checker(spec=v1).check(_logprobs_shifted(env1, v1, last(0.15))), {"logprobs"})

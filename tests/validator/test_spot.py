@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from protocol.identity import NodeKey
-from validator.ledger import Ledger
+from validator.judgements import Judgements
 from validator.spot import (
     SPOT_DOMAIN,
     SpotCheckPolicy,
@@ -70,7 +70,7 @@ def test_selection_is_keyed_by_the_validator_and_unpredictable_to_the_worker() -
 
 
 def test_ledger_history_counts_full_accepts_and_resets_on_doubt(tmp_path: Path) -> None:
-    ledger = Ledger(tmp_path / "v.sqlite")
+    ledger = Judgements(tmp_path / "v.sqlite")
     try:
         w = "12D3KooWworker"
         assert ledger.verified(w) == 0
@@ -88,7 +88,7 @@ def test_ledger_history_counts_full_accepts_and_resets_on_doubt(tmp_path: Path) 
         ledger.record(w, 7, "h", "ok", full=True)
     finally:
         ledger.close()
-    reopened = Ledger(tmp_path / "v.sqlite")
+    reopened = Judgements(tmp_path / "v.sqlite")
     try:
         assert reopened.verified(w) == 1  # survives a restart
         assert reopened.verified("someone else") == 0
@@ -108,7 +108,7 @@ def test_stated_bounds() -> None:
         submissions_to_catch(0.0, 0.5)
 
 
-def _simulate_cheater(ledger: Ledger, policy: SpotCheckPolicy, worker: str, rng: random.Random, cheat_fraction: float,
+def _simulate_cheater(ledger: Judgements, policy: SpotCheckPolicy, worker: str, rng: random.Random, cheat_fraction: float,
                       honest_first: bool, limit: int) -> tuple[int, int]:
     """One worker under the real policy, ledger and keyed selection: honest until its share reaches
     the floor (if ``honest_first``), then cheating in a fraction ``c`` of its submissions, each
@@ -144,7 +144,7 @@ def test_a_cheater_under_spot_checks_is_banned_within_the_stated_bound(tmp_path:
     c = 0.1
     bound = submissions_to_catch(c, policy.min_share, 0.999)  # 688: the worst case, a worker at the floor
     rng = random.Random(7 if honest_first else 8)
-    ledger = Ledger(tmp_path / "v.sqlite")
+    ledger = Judgements(tmp_path / "v.sqlite")
     try:
         runs = [_simulate_cheater(ledger, policy, f"12D3KooWcheater{i}", rng, c, honest_first, 2 * bound) for i in range(30)]
     finally:

@@ -46,8 +46,10 @@ class IngestLimits:
             submissions was ever accepted, together (checked before the body is read): a flood
             from many new addresses costs the ingest at most this much decoding and storing,
             whatever the number of addresses; addresses with accepted work have only their own
-            per-address rate.
-        unproven_burst: that shared bucket's size, requests.
+            per-address rate. Shared fairly (``protocol.ratelimit.FairShare``): evenly among the
+            address allocations asking in the last 10 s, then among the prefixes of each
+            (``trainer/ledger/prefixes.py``), so one flooder cannot starve other newcomers.
+        unproven_burst: the capacity shared the same way, requests.
         status_requests_per_s: ``/status`` and ``/metrics`` requests per second per address.
         status_burst: their bucket size, requests.
     """

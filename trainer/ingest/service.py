@@ -5,10 +5,12 @@ Routes (``docs/protocol.md`` §8):
 =========  ==============================  =====================================================
 method     path                            what
 =========  ==============================  =====================================================
-POST       ``/ingest/1/submissions``       a ``submission/1`` envelope; 200 ``{"id", "stored"}``
+POST       ``/ingest/1/submissions``       a ``submission/1`` envelope; 200 ``{"id", "stored", "displaced"}``
 POST       ``/ingest/1/lease``             a validator's ``lease_request/1``; msgpack ``{"submissions", "trainer_step"}``
 POST       ``/ingest/1/verdicts``          a ``verdict/1`` envelope from a run validator
+GET        ``/ingest/1/submissions/{id}``  a submission's state: JSON ``{"id", "state", "reason"}``
 GET        ``/ingest/1/bans``              the coordinator-signed ``ban_list/1`` envelope
+GET        ``/ingest/1/workers/{peer}``    the coordinator-signed ``worker_standing/1`` of one worker
 GET        ``/status``                     JSON view of the coordinator
 GET        ``/metrics``                    Prometheus text
 =========  ==============================  =====================================================
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import sqlite3
 import time
 from collections import OrderedDict
@@ -40,32 +43,38 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from protocol.addresses import address_key
-from protocol.envelope import Envelope, open_envelope
+from protocol.envelope import Envelope, open_envelope, seal
 from protocol.errors import ProtocolError
-from protocol.identity import NodeKey
+from protocol.identity import PEER_ID_PATTERN, NodeKey
 from protocol.ingest_api import (
     BANS_ROUTE,
     LEASE_CONTENT_TYPE,
     LEASE_ROUTE,
+    SUBMISSION_ROUTE,
     SUBMISSIONS_ROUTE,
     VERDICTS_ROUTE,
+    WORKER_ROUTE,
     pack_lease_answer,
 )
-from protocol.messages import LeaseRequest, Submission, Verdict
-from protocol.ratelimit import RateLimiter
+from protocol.messages import LeaseRequest, Submission, Verdict, WorkerStanding
+from protocol.ratelimit import FairShare, RateLimiter
 from protocol.rollout import submission_decode_limits
 from protocol.runspec import RunSpec
 from trainer.errors import Refused
 from trainer.ingest.body import BodyBudget, BodyError, Ticket, read_body
 from trainer.ingest.limits import IngestLimits
 from trainer.ingest.status import IngestMetrics, IngestStatus
+from trainer.ledger.audit import WorkerAudit
 from trainer.ledger.ban_rule import BanRule, Recheck
 from trainer.ledger.bans import BanBook
+from trainer.ledger.ids import SubmissionId
 from trainer.ledger.ledger import SubmissionLedger
+from trainer.ledger.prefixes import allocation_key, prefix_key
 from trainer.ledger.states import public_state
 
 logger = logging.getLogger(__name__)
 
+_PEER_ID = re.compile(f"^{PEER_ID_PATTERN}$")
 RETIRE_EVERY_S = 5.0
 """How often the ledger drops pending or accepted work that fell out of the async window, seconds."""
 
@@ -80,11 +89,15 @@ class IngestService:
         on_verdict: called with a verdict envelope (verified) after it decided a submission, and
             whether it still needs gossiping (``False`` when it arrived on gossip).
         status_extra: callable adding fields to ``/status``.
+        key: the coordinator's key, which signs each worker's standing (``None``: no
+            ``/ingest/1/workers/{peer_id}`` route).
     """
 
     def __init__(self, ledger: SubmissionLedger, ban_rule: BanRule, *, limits: IngestLimits | None = None,
-                 on_verdict: Callable[[Envelope[Verdict], bool], None] | None = None, status_extra: Callable[[], dict[str, Any]] | None = None) -> None:
+                 on_verdict: Callable[[Envelope[Verdict], bool], None] | None = None, status_extra: Callable[[], dict[str, Any]] | None = None,
+                 key: NodeKey | None = None) -> None:
         self.ledger = ledger
+        self.key = key
         self.ban_rule = ban_rule
         self.run_id = ledger.run_id
         self.authorities = ledger.spec.authorities
@@ -100,7 +113,8 @@ class IngestService:
         self._ip_limiter = RateLimiter(lim.requests_per_s * 4, lim.burst * 4)
         self._peer_limiter = RateLimiter(lim.requests_per_s, lim.burst)
         self._status_limiter = RateLimiter(lim.status_requests_per_s, lim.status_burst)
-        self._unproven_limiter = RateLimiter(lim.unproven_requests_per_s, lim.unproven_burst)  # one bucket for them all
+        # one rate for them all, shared fairly per allocation, then prefix (trainer/ledger/prefixes.py)
+        self._unproven_limiter = FairShare(lim.unproven_requests_per_s, lim.unproven_burst)
         self.budget = BodyBudget(lim.max_body_bytes_in_flight_per_ip, lim.max_body_bytes_in_flight)
         self._decode_all = asyncio.Semaphore(lim.decode_concurrency)
         self._decode_ip: dict[str, tuple[asyncio.Semaphore, int]] = {}  # address → (semaphore, users)
@@ -110,9 +124,12 @@ class IngestService:
     def add_routes(self, app: web.Application) -> None:
         """Register the ingest routes on ``app``, and the ledger's retirement timer on its lifetime."""
         app.router.add_post(SUBMISSIONS_ROUTE, self.post_submission)
+        app.router.add_get(SUBMISSION_ROUTE, self.get_submission)
         app.router.add_post(LEASE_ROUTE, self.post_lease)
         app.router.add_post(VERDICTS_ROUTE, self.post_verdict)
         app.router.add_get(BANS_ROUTE, self.get_bans)
+        if self.key is not None:
+            app.router.add_get(WORKER_ROUTE, self.get_worker)
         app.router.add_get("/status", self.get_status)
         app.router.add_get("/metrics", self.get_metrics)
         app.cleanup_ctx.append(self._retirement)
@@ -145,9 +162,10 @@ class IngestService:
         ip = self._ip_gate(request)
         ticket = self.budget.ticket(ip)
         try:
-            if not self.ledger.precheck(ip) and not self._unproven_limiter.allow("unproven"):  # before its body is read
-                raise Refused("rate_limited", "addresses with no accepted submission share a submission rate; retry later",
-                              retry_after_s=self._unproven_limiter.retry_after_s("unproven"))
+            if not self.ledger.precheck(ip) and not self._unproven_limiter.allow(path := (allocation_key(ip), prefix_key(ip))):
+                # before its body is read
+                raise Refused("rate_limited", f"addresses with no accepted submission share a submission rate, and {path[1]} has used "
+                              "its part of it; retry later", retry_after_s=self._unproven_limiter.retry_after_s(path))
             env = await self._receive(request, ip, ticket)
             return await self._store(env, ip, len(env.raw))
         except Refused as e:
@@ -183,7 +201,8 @@ class IngestService:
         admission = self.ledger.admit(env, ip)  # one step of the event loop: checks and counting
         if admission.durable is None:
             self.metrics.submissions.labels("duplicate").inc()
-            return web.json_response({"id": admission.sid, "stored": False, "duplicate": True, "state": admission.state})
+            return web.json_response({"id": admission.sid, "stored": False, "duplicate": True, "state": admission.state,
+                                      "displaced": self.ledger.displaced_now(sub.worker)})
         t0 = time.perf_counter()
         # the answer waits for this submission's group commit: a 200 means it survives a crash
         try:
@@ -195,14 +214,28 @@ class IngestService:
             self.metrics.submissions.labels("duplicate").inc()
             existing = self.ledger.get(admission.sid)
             return web.json_response({"id": admission.sid, "stored": False, "duplicate": True,
-                                      "state": public_state(existing.state) if existing else "pending"})
+                                      "state": public_state(existing.state) if existing else "pending",
+                                      "displaced": self.ledger.displaced_now(sub.worker)})
         self.ledger.stored(admission.sid, sub)  # keeps the verified body for the trainer
         self.metrics.latency.observe(time.perf_counter() - t0)
         self.metrics.bytes.inc(size)
         self.metrics.submissions.labels("stored").inc()
         logger.info("stored submission %s from %s (step %d, %d rollouts)", admission.sid[:12], sub.worker, sub.policy_step,
                     len(sub.rollouts), extra={"peer_id": sub.worker, "step": sub.policy_step})
-        return web.json_response({"id": admission.sid, "stored": True})
+        # displaced ones are told here, on the worker's next answer (its client dropped them on their 200)
+        return web.json_response({"id": admission.sid, "stored": True, "displaced": self.ledger.displaced_now(sub.worker)})
+
+    async def get_submission(self, request: web.Request) -> web.Response:
+        """A submission's state (``protocol.ingest_api.SUBMISSION_ROUTE``): what a worker reads to learn
+        that one of its submissions was displaced, judged or expired."""
+        self._status_gate(request)
+        sid = request.match_info["id"]
+        if len(sid) != 64 or any(c not in "0123456789abcdef" for c in sid):
+            raise Refused("malformed", "a submission ID is 64 lower-case hex digits")
+        row = self.ledger.get(SubmissionId(sid))
+        if row is None:
+            raise Refused("unknown_submission", f"no submission {sid[:16]}… here")
+        return web.json_response({"id": sid, "state": public_state(row.state), "reason": row.reason})
 
     # --- leases and verdicts -------------------------------------------------------------------
 
@@ -281,6 +314,18 @@ class IngestService:
 
     async def get_bans(self, request: web.Request) -> web.Response:
         return web.Response(body=self.ledger.bans.envelope, content_type="application/msgpack")
+
+    async def get_worker(self, request: web.Request) -> web.Response:
+        """One worker's standing, signed (``protocol.ingest_api.WORKER_ROUTE``): what ``intellect-node status`` shows a contributor."""
+        self._status_gate(request)
+        peer = request.match_info["peer_id"]
+        if not _PEER_ID.match(peer):
+            raise Refused("malformed", "not a peer ID (12D3KooW… and 44 base58 characters)")
+        async with self._status_slot:
+            doc = await asyncio.to_thread(self.ledger.worker_standing, peer)
+        assert self.key is not None
+        body = WorkerStanding(worker=peer, trainer_step=max(0, self.ledger.trainer_step()), **doc)
+        return web.Response(body=seal(self.key, self.run_id, body), content_type="application/msgpack")
 
     # --- status --------------------------------------------------------------------------------
 
@@ -361,8 +406,9 @@ def open_ingest(data_dir: Path, spec: RunSpec, key: NodeKey, *, trainer_step: Ca
     bans = BanBook(Path(data_dir) / "bans.msgpack", key, spec.run_id)
     ledger = SubmissionLedger(Path(data_dir) / "ingest", spec, bans, trainer_step=trainer_step, latest_policy_step=latest_policy_step,
                               quotas=limits.quotas)
-    rule = BanRule(ledger, recheck=recheck, max_pending_rechecks=limits.max_pending_rechecks, on_ban=on_ban)
-    return IngestService(ledger, rule, limits=limits, on_verdict=on_verdict, status_extra=status_extra)
+    audit = WorkerAudit(spec.audit, Path(data_dir) / "ingest" / "audit.sqlite")
+    rule = BanRule(ledger, recheck=recheck, max_pending_rechecks=limits.max_pending_rechecks, on_ban=on_ban, audit=audit)
+    return IngestService(ledger, rule, limits=limits, on_verdict=on_verdict, status_extra=status_extra, key=key)
 
 
 @web.middleware

@@ -95,9 +95,11 @@ class IngestStatus:
             "async_level": self.ledger.async_level,
             "submissions": history["submissions"],
             "verdicts_by_reason": history["verdicts_by_reason"],
-            "banned": [{"peer_id": e.peer_id, "reason": e.reason, "evidence": [f"{x.reason} by {x.by}" for x in e.evidence]}
+            "banned": [{"peer_id": e.peer_id, "reason": e.reason, "evidence": [f"{x.reason} by {x.by}" for x in e.evidence],
+                        "detail": [x.detail for x in e.evidence]}
                        for e in self.ledger.bans.entries()],
             "rechecks": dict(self.ban_rule.rechecks),
+            "audit": self.ban_rule.audit.status() if self.ban_rule.audit is not None and self.ban_rule.audit.enabled else None,
             "workers": history["workers"],
             "workers_total": history["workers_total"],
             "uptime_s": round(time.time() - self.started_s, 1),

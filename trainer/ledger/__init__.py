@@ -18,7 +18,8 @@
   coordinator's re-check queue.
 * ``bans.py`` — :class:`BanBook`: the coordinator-signed ban list.
 * ``bodies.py`` — verified bodies held in memory (an envelope is verified once).
-* ``store.py`` — :class:`SubmissionStore`: files + SQLite index, group commit; with
+* ``store.py`` — :class:`SubmissionStore`: files + SQLite index, every query and change of state;
+  ``writer.py`` — its write path (the group commit: writer threads, the commit thread); with
   ``schema.py`` (tables, read-model triggers, migration of older indexes) the only SQL.
 
 The rollout buffer (``trainer/buffer.py``) is the ledger's trainable view; the ingest

@@ -11,7 +11,12 @@
 * At most ``max_pending_rechecks`` workers wait for a re-check, one submission each (one
   reproduction bans a worker, so a worker's further cheat verdicts while it waits add nothing);
   a cheat verdict against a further worker rejects its submission without a ban.
-* A ban rejects the worker's pending work and is signed into the ban list (``bans.py``).
+* The per-worker audit (``audit.py``, ``protocol.audit``; run spec ``[audit]``) counts the replay
+  statistics of every deciding verdict that carries them; when a worker's test reaches
+  ``1 / audit.false_alarm`` it is banned with reason ``audit`` on that evidence alone (no single
+  verdict shows it; the evidence is the statistics of all its verdicts, kept for reproduction).
+* A ban rejects the worker's pending work, withdraws its accepted work no trainer step consumed
+  yet, and is signed into the ban list (``bans.py``).
 
 The rejected submission's file is kept only while a re-check may read it.
 """
@@ -27,7 +32,8 @@ from dataclasses import dataclass
 from protocol.envelope import Envelope
 from protocol.identity import PeerId
 from protocol.messages import BanEvidence, Verdict
-from protocol.verdicts import is_cheat
+from protocol.verdicts import AUDIT_BAN_REASON, is_cheat
+from trainer.ledger.audit import WorkerAudit
 from trainer.ledger.ids import SubmissionId, content_id
 from trainer.ledger.ledger import SubmissionLedger, evidence_summary
 from trainer.ledger.store import DecidingVerdict
@@ -71,11 +77,14 @@ class BanRule:
         on_ban: called with the new signed ban-list envelope after each ban (to gossip it).
         on_recheck: called with each re-check outcome (``queued``, ``reproduced``,
             ``not_reproduced``, ``coalesced``, ``dropped``), e.g. for a Prometheus counter.
+        audit: the per-worker audit; ``None``: none.
     """
 
     def __init__(self, ledger: SubmissionLedger, *, recheck: Recheck | None = None, max_pending_rechecks: int = MAX_PENDING_RECHECKS,
-                 on_ban: Callable[[bytes], None] | None = None, on_recheck: Callable[[str], None] | None = None) -> None:
+                 on_ban: Callable[[bytes], None] | None = None, on_recheck: Callable[[str], None] | None = None,
+                 audit: WorkerAudit | None = None) -> None:
         self.ledger = ledger
+        self.audit = audit
         self.bans = ledger.bans
         self.recheck = recheck
         self.max_pending_rechecks = max_pending_rechecks
@@ -98,6 +107,8 @@ class BanRule:
                 self._cv.notify()
             self._thread.join(timeout=5.0)
             self._thread = None
+        if self.audit is not None:
+            self.audit.close()
 
     def apply(self, env: Envelope[Verdict]) -> bool:
         """Apply a verified verdict of a run validator.
@@ -110,6 +121,11 @@ class BanRule:
         judged = self.ledger.judge(env)
         if judged is None:
             return False
+        if judged.decided and v.stats is not None and self.audit is not None and not self.bans.is_banned(v.worker):
+            flag = self.audit.observe(v.worker, v.stats, judged.sid, env.id.hex())
+            if flag is not None:
+                self._ban_audited(v.worker, judged.sid, bytes(env.id), flag.detail())
+                return True
         cheat = not v.accepted and is_cheat(v.reason)
         banned = self.bans.is_banned(v.worker)
         if judged.decided and not v.accepted and (not cheat or banned):
@@ -201,6 +217,15 @@ class BanRule:
             logger.warning("%s's %s verdict on %s was not reproduced by the re-check (%s): no ban", decision.validator,
                            decision.reason, sid[:12], result.reason, extra={"peer_id": stored.worker})
         self.ledger.release(sid)
+
+    def _ban_audited(self, worker: str, sid: SubmissionId, verdict_id: bytes, detail: str) -> None:
+        """Ban on the audit's flag: the evidence is the coordinator's test over all the worker's
+        verdicts (``WorkerAudit.evidence``), named by the verdict that completed it."""
+        evidence = [BanEvidence(by=self.bans.key.peer_id, verdict_id=verdict_id, reason=AUDIT_BAN_REASON, detail=detail)]
+        if self.bans.ban(worker, AUDIT_BAN_REASON, verdict_id, submission_id=content_id(sid), evidence=evidence):
+            self.ledger.ban_pending(worker)
+            if self.on_ban is not None:
+                self.on_ban(self.bans.envelope)
 
     def _ban(self, worker: str, sid: SubmissionId, decision: DecidingVerdict, second: BanEvidence) -> None:
         first = BanEvidence(by=decision.validator, verdict_id=decision.verdict_id, reason=decision.reason, detail=decision.evidence[:200])

@@ -1,4 +1,4 @@
-"""The one form of a submission's ID on the coordinator.
+"""The one form of a submission's ID on the coordinator, and of a GRPO group's key.
 
 A submission is named by the content ID of its envelope bytes (``protocol.content``: 32 bytes of
 SHA-256). The wire carries those bytes (a verdict's ``submission_id``, a ban record's); the
@@ -15,7 +15,11 @@ from protocol.content import ContentId
 SubmissionId = NewType("SubmissionId", str)
 """A submission's content ID as 64 lowercase hex characters."""
 
-__all__ = ["SubmissionId", "content_id", "submission_id"]
+GroupKey = tuple[str, int]
+"""``(task_key, group_seed)``: the identity of one GRPO group (``trainer.batch``: one submission's
+rollouts for one of its tasks). The ledger records which groups a trainer step consumed by it."""
+
+__all__ = ["GroupKey", "SubmissionId", "content_id", "submission_id"]
 
 
 def submission_id(cid: bytes) -> SubmissionId:

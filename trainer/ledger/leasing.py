@@ -10,19 +10,21 @@ or per address (``docs/protocol.md`` "Leasing"):
    number of new keys cannot raise), and at most ``⌈limit / PROBATION_EVERY⌉`` submissions of one
    lease answer even when no established work is pending: a validator then leases again sooner
    instead of spending a whole batch on probation while established work arrives behind it.
-2. **Round robin within a tier**, nested: over address prefixes (an IPv4 /24, an IPv6 /48:
-   what one operator usually holds), then the addresses inside a prefix, then the worker keys
-   from one address, one submission per turn. Turns carry over from one lease answer to the
-   next (:class:`LeaseOrder`): at each level the child waiting longest for its turn goes first,
-   and a child just served goes behind every child waiting then, so a validator leasing one at a
-   time sees the same round robin. So 66 addresses of one /24, or 1,000 keys behind one address,
-   weigh as one prefix or one address, and fresh keys cannot jump the queue.
+2. **Round robin within a tier**, nested: over address allocations (an IPv6 /32; an IPv4 /24),
+   then the prefixes inside one (an IPv6 /48; for IPv4 the same /24: ``prefixes.py``), then the
+   addresses inside a prefix, then the worker keys from one address, one submission per turn.
+   Turns carry over from one lease answer to the next (:class:`LeaseOrder`): at each level the
+   child waiting longest for its turn goes first, and a child just served goes behind every child
+   waiting then, so a validator leasing one at a time sees the same round robin. So 66 addresses
+   of one /24, 65,536 /48s of one IPv6 /32, or 1,000 keys behind one address, weigh as one
+   allocation, prefix or address, and fresh keys cannot jump the queue.
 3. **Within a worker newest first**: what validators judge first is what the trainer can still
    use; a worker's oldest pending work ages out of the async window instead.
 
 The ledger also bounds what probation may hold (``ledger.py``, ``Quotas.probation_share``), so
 junk cannot fill the disk quota that established workers' submissions need, and shares that out
-per prefix too (displacement: a prefix holding less takes the heaviest prefix's newest unleased place).
+per allocation and prefix too (displacement: an allocation or prefix holding less takes the heaviest's newest
+unleased place).
 """
 
 from __future__ import annotations
@@ -31,16 +33,17 @@ from collections import deque
 from collections.abc import Iterable
 
 from trainer.ledger.ids import SubmissionId
-from trainer.ledger.prefixes import IPV4_PREFIX, IPV6_PREFIX, prefix_key
+from trainer.ledger.prefixes import IPV4_PREFIX, IPV6_ALLOCATION, IPV6_PREFIX, allocation_key, prefix_key
 from trainer.ledger.store import LeaseCandidate
 
-__all__ = ["IPV4_PREFIX", "IPV6_PREFIX", "MAX_REMEMBERED_TURNS", "PROBATION_EVERY", "LeaseOrder", "prefix_key"]
+__all__ = ["IPV4_PREFIX", "IPV6_ALLOCATION", "IPV6_PREFIX", "MAX_REMEMBERED_TURNS", "PROBATION_EVERY", "LeaseOrder", "allocation_key",
+           "prefix_key"]
 
 PROBATION_EVERY = 8
 """While both tiers have pending work, one lease slot in this many goes to workers on probation."""
 
 MAX_REMEMBERED_TURNS = 1 << 16
-"""Most prefixes, addresses and keys whose last turn :class:`LeaseOrder` remembers (its memory bound)."""
+"""Most allocations, prefixes, addresses and keys whose last turn :class:`LeaseOrder` remembers (its memory bound)."""
 
 _Path = tuple[str, ...]
 _Turn = tuple[int, int]  # (arrival seq, order within an answer): compared as a tuple, smaller goes first
@@ -48,7 +51,7 @@ _Turn = tuple[int, int]  # (arrival seq, order within an answer): compared as a 
 
 class _RoundRobin:
     """Children taken one item per turn (a child is a sub-round-robin or a leaf queue of IDs); each
-    pop reports the path it took (prefix, address, key) to ``served``."""
+    pop reports the path it took (allocation, prefix, address, key) to ``served``."""
 
     def __init__(self, children: Iterable[tuple[_Path, _RoundRobin | deque[SubmissionId]]]) -> None:
         self.children = deque(children)
@@ -70,7 +73,7 @@ class LeaseOrder:
 
     Turns carry over between answers, so a validator leasing one or a few at a time sees the same
     shares as one leasing many: the slot count (probation's one in :data:`PROBATION_EVERY`), and
-    each prefix's, address's and key's last turn. At each level the child whose turn is oldest goes
+    each allocation's, prefix's, address's and key's last turn. At each level the child whose turn is oldest goes
     first: a child's turn is its oldest pending submission's arrival until it is served, then the
     moment it was served (after every submission pending then), so it goes behind everyone who was
     waiting, and a new key, arriving later, goes behind it in turn: fresh keys cannot jump the queue.
@@ -127,10 +130,11 @@ class LeaseOrder:
         return max((oldest, 0), self._turns.get(path, (oldest, 0)))
 
     def _tier(self, candidates: list[LeaseCandidate]) -> _RoundRobin:
-        """Prefix → address → key round robin over ``candidates`` (oldest turn first at each level)."""
-        tree: dict[str, dict[str, dict[str, list[LeaseCandidate]]]] = {}
+        """Allocation → prefix → address → key round robin over ``candidates`` (oldest turn first at each level)."""
+        tree: dict[str, dict[str, dict[str, dict[str, list[LeaseCandidate]]]]] = {}
         for c in candidates:
-            tree.setdefault(prefix_key(c.address), {}).setdefault(c.address, {}).setdefault(c.worker, []).append(c)
+            (tree.setdefault(allocation_key(c.address), {}).setdefault(prefix_key(c.address), {}).setdefault(c.address, {})
+             .setdefault(c.worker, []).append(c))
 
         def oldest(node: dict | list) -> int:  # type: ignore[type-arg]
             return min(c.seq for c in node) if isinstance(node, list) else min(oldest(v) for v in node.values())

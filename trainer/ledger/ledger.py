@@ -10,7 +10,8 @@ rule (which files go when) are applied here and nowhere else on the coordinator.
   on a timer, never inside a request;
 * the rollout buffer (``trainer/buffer.py``, the ledger's trainable view):
   :meth:`~SubmissionLedger.trainable`, :meth:`~SubmissionLedger.body`,
-  :meth:`~SubmissionLedger.consumed`, :meth:`~SubmissionLedger.unconsume_after`,
+  :meth:`~SubmissionLedger.consume` (the groups a step consumed: the ledger is their one owner),
+  :meth:`~SubmissionLedger.retire_superseded`, :meth:`~SubmissionLedger.unconsume_after`,
   :meth:`~SubmissionLedger.retire_untrainable`;
 * status pages and the run page read the read models (:meth:`~SubmissionLedger.counts`,
   :meth:`~SubmissionLedger.worker_stats`, :meth:`~SubmissionLedger.leaderboard`, …), kept as
@@ -22,11 +23,13 @@ a consumed one's when a later step's training state is saved (a resume never nee
 a pending or accepted one's when it leaves the async window; an unreadable one's at once; a
 displaced one's when it is displaced.
 
-Probation's share is shared out per address prefix by displacement (:meth:`SubmissionLedger.admit`,
-``docs/protocol.md`` "Quotas"): keys are free, prefixes are not, so when workers on probation hold
-their whole share, a submission from a prefix holding less of it than the heaviest prefix takes
-the place of that prefix's newest never-leased one — a prefix is only ever pushed out by one
-holding less, so many prefixes together cannot lock out one that holds little.
+Probation's share is shared out per address allocation and then per prefix within it
+(``prefixes.py``) by displacement (:meth:`SubmissionLedger.admit`, ``docs/protocol.md`` "Quotas"):
+keys are free, address space is not, so when workers on probation hold their whole share, a
+submission from an allocation holding less of it than the heaviest allocation takes the place of
+that allocation's heaviest prefix's newest never-leased one (within its own allocation, from a
+heavier prefix of it) — an allocation or prefix is only ever pushed out by one holding less, so
+many together cannot lock out one that holds little.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,9 +51,9 @@ from protocol.window import in_window, oldest_fresh_step
 from trainer.errors import Refused
 from trainer.ledger.bans import BanBook
 from trainer.ledger.bodies import MAX_HELD_BODY_BYTES, HeldBodies
-from trainer.ledger.ids import SubmissionId, submission_id
+from trainer.ledger.ids import GroupKey, SubmissionId, submission_id
 from trainer.ledger.leasing import LeaseOrder
-from trainer.ledger.prefixes import prefix_key
+from trainer.ledger.prefixes import allocation_key, prefix_key
 from trainer.ledger.schema import STALE_REASON
 from trainer.ledger.states import PENDING, State, Transition, public_state
 from trainer.ledger.store import DecidingVerdict, ProbationView, StoredSubmission, SubmissionStore, Usage
@@ -58,6 +61,8 @@ from trainer.ledger.store import DecidingVerdict, ProbationView, StoredSubmissio
 logger = logging.getLogger(__name__)
 
 BANNED_REASON = "banned"
+WITHDRAWN_REASON = "withdrawn"
+"""Reason of an accepted submission rejected because its worker was banned before a step trained it."""
 """The reason of a pending submission rejected because its worker was banned."""
 
 MAX_DISPLACED = 8
@@ -82,7 +87,7 @@ class Quotas:
         probation_share: the fraction of ``max_disk_files`` and ``max_disk_bytes`` that workers
             on probation (no accepted submission yet) may hold pending together, so free keys
             can never take the room established workers' submissions need; shared out per
-            address prefix by displacement (:meth:`SubmissionLedger.admit`).
+            address allocation, then prefix, by displacement (:meth:`SubmissionLedger.admit`).
     """
 
     max_pending_per_worker: int = 4
@@ -169,9 +174,11 @@ class SubmissionLedger:
 
         When workers on probation hold their whole share and this one's worker is on probation,
         it is admitted only by *displacing* (:attr:`~Transition.DISPLACE`) never-leased
-        submissions of the address prefix holding the most of the share (by files, or by bytes
-        when bytes are short), newest first, each only while that prefix holds more than this
-        one's prefix will (at most :data:`MAX_DISPLACED`); their files are deleted. A displaced
+        submissions of the heaviest prefix of the address allocation holding the most of the share
+        (by files, or by bytes when bytes are short), newest first, each only while that allocation
+        holds more than this one's allocation will; once none does, of a prefix of this one's own
+        allocation holding more than its prefix will (at most :data:`MAX_DISPLACED` in all:
+        ``_displace_for``); their files are deleted. A displaced
         submission had no verdict: it counts toward no ban and no rejection, its counter stays
         free, and the same bytes posted again are stored again.
 
@@ -219,8 +226,9 @@ class SubmissionLedger:
                 raise Refused("disk_quota", f"the ingest holds {u.disk_files} submissions ({u.disk_bytes} bytes), its limit; retry later",
                               retry_after_s=10.0)
             raise Refused("probation_quota", f"workers with no accepted submission yet hold {u.probation_pending} submissions "
-                          f"({u.probation_bytes} bytes) awaiting verdicts, their share, and no address prefix holds more of it "
-                          f"than {prefix_key(address)} would; retry later", retry_after_s=10.0)
+                          f"({u.probation_bytes} bytes) awaiting verdicts, their share, and no address allocation holds more of it "
+                          f"than {allocation_key(address)} would, nor a prefix in it more than {prefix_key(address)}; retry later",
+                          retry_after_s=10.0)
         if over_disk and not over_share:
             raise Refused("disk_quota", f"the ingest holds {u.disk_files} submissions ({u.disk_bytes} bytes), its limit; retry later",
                           retry_after_s=10.0)
@@ -231,31 +239,50 @@ class SubmissionLedger:
 
     def _displace_for(self, address: str, u: Usage, size: int) -> bool:
         """Make room in probation's share (and the disk quota) for a submission of ``size`` bytes
-        from ``address`` by displacement (see :meth:`admit`); ``False`` when no prefix holds more."""
+        from ``address`` by displacement (see :meth:`admit`); ``False`` when nobody holds more.
+
+        Two levels (``prefixes.py``): while another allocation holds more of the share than this
+        address's allocation will, that allocation's heaviest prefix gives way; once none does,
+        another prefix of this address's own allocation holding more than its prefix will."""
         q = self.quotas
-        mine = prefix_key(address)
+        alloc, mine = allocation_key(address), prefix_key(address)
         need_files = max(u.probation_pending + 1 - q.probation_share * q.max_disk_files, u.disk_files + 1 - q.max_disk_files)
         need_bytes = max(u.probation_bytes + size - q.probation_share * q.max_disk_bytes, u.disk_bytes + size - q.max_disk_bytes)
-        after = (u.prefix_pending + 1, u.prefix_bytes + size)  # what this prefix holds once this one is in
+        after_alloc = (u.allocation_pending + 1, u.allocation_bytes + size)  # what this allocation holds once this one is in
+        after_prefix = (u.prefix_pending + 1, u.prefix_bytes + size)  # and this prefix
+        k = MAX_DISPLACED + 1
 
         def plan(view: ProbationView) -> list[SubmissionId] | None:
-            held = {h.prefix: [h.files, h.bytes] for h in view.heaviest(mine, MAX_DISPLACED + 1)}
+            others = {h.key: [h.files, h.bytes] for h in view.heaviest_allocations(alloc, k)}
+            inner = {alloc: {h.key: [h.files, h.bytes] for h in view.heaviest_prefixes(alloc, mine, k)}}
             queues: dict[str, list[tuple[SubmissionId, int]]] = {}
             victims: list[SubmissionId] = []
             files, nbytes = need_files, need_bytes
             while files > 0 or nbytes > 0:
+                if len(victims) >= MAX_DISPLACED:
+                    return None
                 dim = 0 if files > 0 else 1  # files first; then bytes, when a large submission needs more room
-                heaviest = max(held, key=lambda p: (held[p][dim], p), default=None)
-                if heaviest is None or held[heaviest][dim] <= after[dim] or len(victims) >= MAX_DISPLACED:
-                    return None  # nobody holds more than this prefix would: pushed out by no one heavier
+                top = max(others, key=lambda a: (others[a][dim], a), default=None)
+                if top is not None and others[top][dim] > after_alloc[dim]:  # another allocation holds more
+                    prefixes = inner.setdefault(top, {h.key: [h.files, h.bytes] for h in view.heaviest_prefixes(top, mine, k)})
+                    holding: list[int] | None = others[top]
+                else:  # no allocation holds more: within this one, a prefix holding more than this one will
+                    prefixes, holding = inner[alloc], None
+                heaviest = max(prefixes, key=lambda p: (prefixes[p][dim], p), default=None)
+                if heaviest is None or (holding is None and prefixes[heaviest][dim] <= after_prefix[dim]):
+                    if holding is None:
+                        return None  # nobody holds more than this address's allocation and prefix would: pushed out by no one heavier
+                    del others[top]  # type: ignore[arg-type]
+                    continue
                 queue = queues.setdefault(heaviest, view.newest_stored(heaviest, MAX_DISPLACED))
                 if not queue:
-                    del held[heaviest]
+                    del prefixes[heaviest]
                     continue
                 sid, n = queue.pop(0)
                 victims.append(sid)
-                held[heaviest][0] -= 1
-                held[heaviest][1] -= n
+                for h in (prefixes[heaviest], *([holding] if holding is not None else [])):
+                    h[0] -= 1
+                    h[1] -= n
                 files, nbytes = files - 1, nbytes - n
             return victims
 
@@ -264,17 +291,18 @@ class SubmissionLedger:
             return False
         for sid in done:
             self.bodies.take(sid)
-        logger.info("displaced %d submissions on probation for one from %s (probation's share full)", len(done), mine)
+        logger.info("displaced %d submissions on probation for one from %s in %s (probation's share full)", len(done), mine, alloc)
         return True
 
     def precheck(self, address: str) -> bool:
         """What can be refused before a body from ``address`` is read (its bytes would only be
         refused after decoding and verifying them): an address holding its whole pending quota,
         and, while workers on probation hold their whole share, an address none of whose
-        submissions was ever accepted unless its prefix holds less of the share than another
-        prefix (one submission more would still leave it lighter: it could displace, :meth:`admit`).
-        So a Sybil flood costs the coordinator no decoding once its share is full and evenly held,
-        a new worker from a prefix of its own still gets in, and so does one behind an established
+        submissions was ever accepted unless its allocation holds less of the share than another
+        allocation, or its prefix less than another prefix of its allocation (one submission more
+        would still leave it lighter: it could displace, :meth:`admit`). So a Sybil flood costs the
+        coordinator no decoding once its share is full and evenly held, a new worker from an
+        allocation or prefix of its own still gets in, and so does one behind an established
         worker's address.
 
         Returns:
@@ -290,14 +318,14 @@ class SubmissionLedger:
                           retry_after_s=10.0)
         if established or probation < q.probation_share * q.max_disk_files:
             return established
-        mine, heaviest = self.store.prefix_standing(prefix_key(address))
-        if heaviest > mine + 1:
+        st = self.store.standing(address)
+        if st.heaviest_allocation > st.allocation + 1 or st.heaviest_prefix > st.prefix + 1:
             return False  # it may displace: read its body (under the unproven addresses' shared rate)
         if probation >= q.max_disk_files:  # what admission would say: the whole disk quota is taken
             raise Refused("disk_quota", f"the ingest holds {probation} submissions, its limit; retry later", retry_after_s=10.0)
         raise Refused("probation_quota", f"workers with no accepted submission yet hold {probation} submissions awaiting verdicts, "
-                      f"their share, none from this address was ever accepted, and no prefix holds more of it than {prefix_key(address)}; "
-                      "retry later", retry_after_s=10.0)
+                      f"their share, none from this address was ever accepted, and no allocation holds more of it than "
+                      f"{allocation_key(address)}, nor a prefix in it more than {prefix_key(address)}; retry later", retry_after_s=10.0)
 
     def stored(self, sid: SubmissionId, body: Submission) -> None:
         """``sid`` is durable: keep its verified body for the trainer (so it is not verified again).
@@ -359,11 +387,20 @@ class SubmissionLedger:
         """A rejection of ``sid`` is final (no re-check will read it): its file goes."""
         self.store.delete_files([sid])
 
-    def ban_pending(self, worker: str) -> int:
-        """The ban transition: reject every pending submission of a banned worker, delete their files; returns how many."""
+    def ban_pending(self, worker: str) -> tuple[int, int]:
+        """The ban transitions: reject every pending submission of a banned worker, and withdraw its
+        accepted ones no trainer step consumed yet (their remaining groups are never trained; groups
+        a step already trained stay trained); delete their files.
+
+        Returns:
+            How many were rejected and how many withdrawn.
+        """
         done = self.store.apply(Transition.BAN, self.store.select(PENDING, worker=worker), reason=BANNED_REASON)
-        self.store.delete_files(done)
-        return len(done)
+        withdrawn = self.store.apply(Transition.WITHDRAW, self.store.select({State.ACCEPTED}, worker=worker), reason=WITHDRAWN_REASON)
+        self.store.delete_files([*done, *withdrawn])
+        if withdrawn:
+            logger.warning("withdrew %d accepted, untrained submissions of banned worker %s", len(withdrawn), worker, extra={"peer_id": worker})
+        return len(done), len(withdrawn)
 
     # --- the async window ---------------------------------------------------------------------
 
@@ -385,8 +422,12 @@ class SubmissionLedger:
     # --- accepted → consumed → retired (the trainable view, training thread) --------------------
 
     def trainable(self, step: int) -> list[StoredSubmission]:
-        """Accepted submissions fresh at trainer step ``step`` (inside the async window), oldest first."""
-        return self.store.trainable(oldest_fresh_step(step, self.async_level))
+        """Accepted submissions fresh at trainer step ``step``, oldest first: inside the async window
+        ``n − k ≤ policy_step ≤ n`` (:func:`protocol.window.in_window` with ``newest_step = n``). The
+        upper bound matters after a resume from an earlier step: work accepted of a policy the
+        trainer has not reached again waits until it has. Batch assembly trusts this view and does
+        not apply the window again (``trainer/batch.py``)."""
+        return self.store.trainable(oldest_fresh_step(step, self.async_level), step)
 
     def body(self, sid: SubmissionId) -> Submission:
         """The verified body of ``sid``: the one the ingest verified if still held, else read back
@@ -412,20 +453,38 @@ class SubmissionLedger:
         self.store.apply(Transition.RETIRE, [sid])
         self.store.delete_files([sid])
 
-    def consumed(self, ids: Iterable[SubmissionId], step: int) -> None:
-        """Trainer step ``step`` consumed every group of these (call once its training state is saved).
+    def consume(self, step: int, groups: Mapping[SubmissionId, Iterable[GroupKey]], finished: Iterable[SubmissionId]) -> list[SubmissionId]:
+        """Trainer step ``step`` consumed these GRPO groups (trained, or dropped with all-zero
+        advantages); ``finished`` are the submissions every group of which is now consumed (the
+        :attr:`~Transition.CONSUME` transition). Call it before the training state of ``step`` is
+        saved: a resume from that state never trains these groups again, a resume from an earlier
+        one forgets them (:meth:`unconsume_after`). The ledger is the one owner of what was consumed.
 
-        Submissions consumed by earlier steps are retired now and their files deleted: a resume
-        from ``step``'s saved state never makes them trainable again.
+        Returns:
+            The submissions consumed whole now.
         """
-        self.store.apply(Transition.CONSUME, ids, consumed_step=step)
+        rows = [(sid, key[0], key[1]) for sid, keys in groups.items() for key in keys]
+        return self.store.consume_groups(rows, finished, step)
+
+    def consumed_groups(self) -> set[GroupKey]:
+        """The consumed groups of submissions not yet retired (what the trainable view leaves out)."""
+        return self.store.consumed_groups()
+
+    def retire_superseded(self, step: int) -> int:
+        """The training state of ``step`` is saved: submissions consumed by earlier steps are retired
+        and their files deleted (a resume from that state never makes them trainable again).
+
+        Returns:
+            How many were retired.
+        """
         superseded = self.store.apply(Transition.RETIRE, self.store.select({State.CONSUMED}, consumed_below=step))
         self.store.delete_files(superseded)
+        return len(superseded)
 
     def unconsume_after(self, step: int) -> int:
-        """Resume from trainer step ``step``: submissions consumed by later steps (trained by a step
-        whose state was never saved) become trainable again; returns how many."""
-        return len(self.store.apply(Transition.UNCONSUME, self.store.select({State.CONSUMED}, consumed_above=step)))
+        """Resume from trainer step ``step``: groups and submissions consumed by later steps (trained
+        by a step whose state was never saved) become trainable again; returns how many submissions."""
+        return len(self.store.unconsume_after(step))
 
     # --- read models ----------------------------------------------------------------------------
 
@@ -442,9 +501,20 @@ class SubmissionLedger:
         (``limit``: the first in the leaderboard's order only)."""
         return self.store.worker_stats(limit)
 
+    def displaced_now(self, worker: str) -> int:
+        """How many of ``worker``'s submissions are displaced now (what its next answer tells it)."""
+        return self.store.displaced_now(worker)
+
     def worker_count(self) -> int:
         """Workers with a submission in this run."""
         return self.store.worker_count()
+
+    def worker_standing(self, worker: str) -> dict[str, Any]:
+        """One worker's counts, rejections by reason, leaderboard place and the number of workers
+        (:meth:`~trainer.ledger.store.SubmissionStore.worker_standing`), and whether it is banned."""
+        out = self.store.worker_standing(worker)
+        ban = next((e for e in self.bans.entries() if e.peer_id == worker), None)
+        return {**out, "banned": ban is not None, "ban_reason": ban.reason[:64] if ban is not None else ""}
 
     def leaderboard(self, limit: int) -> list[dict[str, Any]]:
         """The ``limit`` workers with the most accepted submissions, with their tokens and trained rollouts."""

@@ -6,9 +6,12 @@ unique; ``state`` is a :class:`~trainer.ledger.states.State`), ``verdicts`` (eve
 deciding or not), and the read models kept by triggers in the transaction of each change:
 ``worker_stats`` (per worker: pending and its bytes, accepted, rejected, stale, trained,
 rollouts trained, completion tokens, displaced), ``verdict_reasons``, ``probation`` (pending work
-of workers with no accepted submission), ``probation_prefixes`` (the same per address prefix, with
-how much of it was never leased: what displacement weighs and may take, ``ledger.py``),
-``address_stats`` (accepted submissions per address).
+of workers with no accepted submission), ``probation_allocations`` and ``probation_prefixes`` (the
+same per address allocation and per prefix, ``prefixes.py``, with how much of it was never leased:
+what displacement weighs and may take, ``ledger.py``),
+``address_stats`` (accepted submissions per address); and ``consumed_groups`` (the GRPO groups a
+trainer step consumed, per submission, until the submission is retired: what the trainable view
+leaves out, and what a resume from an earlier step gives back).
 """
 
 from __future__ import annotations
@@ -16,14 +19,16 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterable
 
-from trainer.ledger.prefixes import prefix_key
+from trainer.ledger.prefixes import allocation_key, prefix_key
 from trainer.ledger.states import PENDING, State
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """``PRAGMA user_version`` of an index this code wrote. Version 1 (no version set) kept states as
 ``pending``/``accepted``/``rejected`` plus ``consumed_step`` sentinels (−1 none, −2 untrainable);
 version 2 had no address prefix per submission, no ``displaced`` state and no per-prefix
-probation table. Both are migrated in place on open (:func:`_migrate_v1`, :func:`_migrate_v2`)."""
+probation table; version 3 no ``consumed_groups`` (the trainer's saved state held them) and no
+address allocation (IPv6 /32) above the prefix. All are migrated in place on open
+(:func:`_migrate_v1`, :func:`_migrate_v2`; the new tables are created, the read models rebuilt)."""
 
 STALE_REASON = "stale_policy"
 """The reason of a submission that left the async window before a verdict (``protocol.verdicts``)."""
@@ -54,7 +59,8 @@ CREATE TABLE IF NOT EXISTS submissions (
     seq INTEGER NOT NULL,
     source_ip TEXT NOT NULL DEFAULT '',  -- address it was posted from (per-address quota, lease fairness)
     on_disk INTEGER NOT NULL DEFAULT 1,  -- 0 once its file is deleted
-    prefix TEXT NOT NULL DEFAULT ''      -- source_ip's prefix (trainer.ledger.prefixes): probation's fair share
+    prefix TEXT NOT NULL DEFAULT '',     -- source_ip's prefix (trainer.ledger.prefixes): probation's fair share
+    allocation TEXT NOT NULL DEFAULT ''  -- source_ip's allocation (trainer.ledger.prefixes): shared out before the prefix
 );
 CREATE INDEX IF NOT EXISTS submissions_state ON submissions(state, seq);
 CREATE INDEX IF NOT EXISTS submissions_worker ON submissions(worker, counter);
@@ -96,12 +102,29 @@ CREATE TABLE IF NOT EXISTS probation (
 INSERT OR IGNORE INTO probation VALUES (1, 0, 0);
 CREATE TABLE IF NOT EXISTS probation_prefixes (  -- rows with pending > 0 only
     prefix TEXT PRIMARY KEY,
+    allocation TEXT NOT NULL,        -- the allocation it is in
     pending INTEGER NOT NULL,        -- pending submissions of workers on probation posted from this prefix
     pending_bytes INTEGER NOT NULL,
     stored INTEGER NOT NULL          -- of them, never leased (state stored): what displacement may take
 );
-CREATE INDEX IF NOT EXISTS probation_prefixes_files ON probation_prefixes(pending);
-CREATE INDEX IF NOT EXISTS probation_prefixes_bytes ON probation_prefixes(pending_bytes);
+CREATE INDEX IF NOT EXISTS probation_prefixes_files ON probation_prefixes(allocation, pending);
+CREATE INDEX IF NOT EXISTS probation_prefixes_bytes ON probation_prefixes(allocation, pending_bytes);
+CREATE TABLE IF NOT EXISTS probation_allocations (  -- the same per allocation; rows with pending > 0 only
+    allocation TEXT PRIMARY KEY,
+    pending INTEGER NOT NULL,
+    pending_bytes INTEGER NOT NULL,
+    stored INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS probation_allocations_files ON probation_allocations(pending);
+CREATE INDEX IF NOT EXISTS probation_allocations_bytes ON probation_allocations(pending_bytes);
+CREATE TABLE IF NOT EXISTS consumed_groups (  -- rows of submissions not yet retired only
+    submission_id TEXT NOT NULL,
+    task_key TEXT NOT NULL,         -- the group's key (trainer.batch.GroupKey): task_key, group_seed
+    group_seed INTEGER NOT NULL,
+    step INTEGER NOT NULL,          -- the trainer step that consumed it; a resume from an earlier step forgets it
+    PRIMARY KEY (submission_id, task_key, group_seed)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS consumed_groups_step ON consumed_groups(step);
 """
 
 
@@ -130,12 +153,51 @@ def _on_probation(worker: str) -> str:
     return f"COALESCE((SELECT accepted FROM worker_stats WHERE worker = {worker}), 0) = 0"
 
 
-def _add_to_prefix(r: str) -> str:
-    """SQL: count row ``r`` (``NEW``) in its prefix's probation holding if it is pending and its worker on probation."""
-    return (f"INSERT INTO probation_prefixes SELECT {r}.prefix, 1, {r}.size_bytes, {r}.state = '{State.STORED.value}'"
-            f" WHERE {r}.state IN {in_states(PENDING)} AND {_on_probation(f'{r}.worker')}"
-            " ON CONFLICT (prefix) DO UPDATE SET pending = pending + 1, pending_bytes = pending_bytes + excluded.pending_bytes,"
-            " stored = stored + excluded.stored;")
+_HOLDINGS = (("probation_allocations", "allocation"), ("probation_prefixes", "prefix"))
+"""The per-allocation and per-prefix probation holdings: (table, the submissions column it is keyed by)."""
+
+
+def _add_to_holdings(r: str) -> str:
+    """SQL: count row ``r`` (``NEW``) in its allocation's and its prefix's probation holding if it is
+    pending and its worker on probation."""
+    out = []
+    for table, col in _HOLDINGS:
+        extra_col, extra_val = (", allocation", f", {r}.allocation") if table == "probation_prefixes" else ("", "")
+        out.append(f"INSERT INTO {table} ({col}{extra_col}, pending, pending_bytes, stored)"
+                   f" SELECT {r}.{col}{extra_val}, 1, {r}.size_bytes, {r}.state = '{State.STORED.value}'"
+                   f" WHERE {r}.state IN {in_states(PENDING)} AND {_on_probation(f'{r}.worker')}"
+                   f" ON CONFLICT ({col}) DO UPDATE SET pending = pending + 1, pending_bytes = pending_bytes + excluded.pending_bytes,"
+                   " stored = stored + excluded.stored;")
+    return "\n    ".join(out)
+
+
+def _take_from_holdings(r: str) -> str:
+    """SQL: take row ``r`` (``OLD``) out of its allocation's and its prefix's probation holding if it
+    was counted there."""
+    stored, pending = f"'{State.STORED.value}'", in_states(PENDING)
+    return "\n    ".join(
+        f"UPDATE {table} SET pending = pending - 1, pending_bytes = pending_bytes - {r}.size_bytes,"
+        f" stored = stored - ({r}.state = {stored}) WHERE {col} = {r}.{col} AND {r}.state IN {pending}"
+        f" AND {_on_probation(f'{r}.worker')};" for table, col in _HOLDINGS)
+
+
+def _drop_empty_holdings(r: str) -> str:
+    """SQL: drop row ``r``'s (``OLD``) allocation and prefix holdings if they are left empty."""
+    return "\n    ".join(f"DELETE FROM {table} WHERE {col} = {r}.{col} AND pending <= 0;" for table, col in _HOLDINGS)
+
+
+def _established_holdings() -> str:
+    """SQL of a worker just established (``NEW`` of worker_stats): its other pending rows leave probation's holdings."""
+    pending, stored = in_states(PENDING), f"'{State.STORED.value}'"
+    out = []
+    for table, col in _HOLDINGS:
+        of_worker = f"FROM submissions s WHERE s.worker = NEW.worker AND s.{col} = {table}.{col} AND s.state IN {pending}"
+        out.append(f"""UPDATE {table} SET pending = pending - (SELECT COUNT(*) {of_worker}),
+                              pending_bytes = pending_bytes - (SELECT COALESCE(SUM(s.size_bytes), 0) {of_worker}),
+                              stored = stored - (SELECT COUNT(*) {of_worker} AND s.state = {stored})
+    WHERE {col} IN (SELECT {col} FROM submissions WHERE worker = NEW.worker AND state IN {pending});
+    DELETE FROM {table} WHERE pending <= 0 AND {col} IN (SELECT {col} FROM submissions WHERE worker = NEW.worker AND state IN {pending});""")
+    return "\n    ".join(out)
 
 
 def _triggers() -> str:
@@ -144,36 +206,32 @@ def _triggers() -> str:
     values = ", ".join([*(new[c] for c in _STAT_COLUMNS[:-1]), "NEW.tokens"])
     on_insert = ", ".join(f"{c} = {c} + excluded.{c}" for c in _STAT_COLUMNS)
     on_update = ", ".join(f"{c} = {c} + ({new[c]}) - ({old[c]})" for c in _STAT_COLUMNS[:-1])
-    pending = in_states(PENDING)
-    stored = f"'{State.STORED.value}'"
-    of_worker = f"FROM submissions s WHERE s.worker = NEW.worker AND s.prefix = probation_prefixes.prefix AND s.state IN {pending}"
-    # The per-prefix probation holding changes in ledger_update before worker_stats does: an accept
-    # takes its own row out while its worker is still on probation, and probation_prefix_established
-    # (fired by that worker_stats update) then takes out the worker's other pending rows.
+    # The per-allocation and per-prefix probation holdings change in ledger_update before worker_stats
+    # does: an accept takes its own row out while its worker is still on probation, and
+    # probation_established (fired by that worker_stats update) then takes out the worker's other pending rows.
     return f"""
 CREATE TRIGGER IF NOT EXISTS ledger_insert AFTER INSERT ON submissions BEGIN
     INSERT INTO worker_stats (worker, {cols}) VALUES (NEW.worker, {values})
     ON CONFLICT (worker) DO UPDATE SET {on_insert};
-    {_add_to_prefix("NEW")}
+    {_add_to_holdings("NEW")}
 END;
-CREATE TRIGGER IF NOT EXISTS ledger_update AFTER UPDATE OF state, reason, consumed_step, prefix ON submissions BEGIN
-    UPDATE probation_prefixes SET pending = pending - 1, pending_bytes = pending_bytes - OLD.size_bytes, stored = stored - (OLD.state = {stored})
-    WHERE prefix = OLD.prefix AND OLD.state IN {pending} AND {_on_probation("OLD.worker")};
-    {_add_to_prefix("NEW")}
-    DELETE FROM probation_prefixes WHERE prefix = OLD.prefix AND pending <= 0;
+CREATE TRIGGER IF NOT EXISTS ledger_update AFTER UPDATE OF state, reason, consumed_step, prefix, allocation ON submissions BEGIN
+    {_take_from_holdings("OLD")}
+    {_add_to_holdings("NEW")}
+    {_drop_empty_holdings("OLD")}
     UPDATE worker_stats SET {on_update} WHERE worker = NEW.worker;
 END;
-CREATE TRIGGER IF NOT EXISTS probation_prefix_established AFTER UPDATE OF accepted ON worker_stats
+CREATE TRIGGER IF NOT EXISTS probation_established AFTER UPDATE OF accepted ON worker_stats
 WHEN OLD.accepted = 0 AND NEW.accepted > 0 BEGIN
-    UPDATE probation_prefixes SET pending = pending - (SELECT COUNT(*) {of_worker}),
-                                  pending_bytes = pending_bytes - (SELECT COALESCE(SUM(s.size_bytes), 0) {of_worker}),
-                                  stored = stored - (SELECT COUNT(*) {of_worker} AND s.state = {stored})
-    WHERE prefix IN (SELECT prefix FROM submissions WHERE worker = NEW.worker AND state IN {pending});
-    DELETE FROM probation_prefixes WHERE pending <= 0 AND prefix IN (SELECT prefix FROM submissions WHERE worker = NEW.worker AND state IN {pending});
+    {_established_holdings()}
 END;
 CREATE TRIGGER IF NOT EXISTS ledger_address AFTER UPDATE OF state ON submissions
 WHEN NEW.state = '{State.ACCEPTED.value}' AND OLD.state IN {in_states(PENDING)} BEGIN
     INSERT INTO address_stats VALUES (NEW.source_ip, 1) ON CONFLICT (address) DO UPDATE SET accepted = accepted + 1;
+END;
+CREATE TRIGGER IF NOT EXISTS consumed_groups_retired AFTER UPDATE OF state ON submissions
+WHEN NEW.state = '{State.RETIRED.value}' BEGIN
+    DELETE FROM consumed_groups WHERE submission_id = NEW.id;
 END;
 CREATE TRIGGER IF NOT EXISTS ledger_verdict AFTER INSERT ON verdicts BEGIN
     INSERT INTO verdict_reasons VALUES (NEW.reason, 1) ON CONFLICT (reason) DO UPDATE SET n = n + 1;
@@ -215,10 +273,15 @@ def _rebuild_read_models(db: sqlite3.Connection) -> None:
     db.execute("INSERT INTO verdict_reasons SELECT reason, COUNT(*) FROM verdicts GROUP BY reason")
     db.execute("UPDATE probation SET pending = (SELECT COALESCE(SUM(pending), 0) FROM worker_stats WHERE accepted = 0),"
                " pending_bytes = (SELECT COALESCE(SUM(pending_bytes), 0) FROM worker_stats WHERE accepted = 0)")
+    on_probation = (f" FROM submissions s LEFT JOIN worker_stats w ON w.worker = s.worker WHERE s.state IN {in_states(PENDING)}"
+                    " AND COALESCE(w.accepted, 0) = 0")
+    sums = f"COUNT(*), SUM(s.size_bytes), SUM(s.state = '{State.STORED.value}')"
     db.execute("DELETE FROM probation_prefixes")
-    db.execute(f"INSERT INTO probation_prefixes SELECT s.prefix, COUNT(*), SUM(s.size_bytes), SUM(s.state = '{State.STORED.value}')"
-               f" FROM submissions s LEFT JOIN worker_stats w ON w.worker = s.worker WHERE s.state IN {in_states(PENDING)}"
-               " AND COALESCE(w.accepted, 0) = 0 GROUP BY s.prefix")
+    db.execute(f"INSERT INTO probation_prefixes (prefix, allocation, pending, pending_bytes, stored) SELECT s.prefix, MIN(s.allocation), {sums}"
+               f"{on_probation} GROUP BY s.prefix")
+    db.execute("DELETE FROM probation_allocations")
+    db.execute(f"INSERT INTO probation_allocations (allocation, pending, pending_bytes, stored) SELECT s.allocation, {sums}"
+               f"{on_probation} GROUP BY s.allocation")
 
 
 def _migrate_v1(db: sqlite3.Connection) -> int:
@@ -255,18 +318,23 @@ def _migrate_v1(db: sqlite3.Connection) -> int:
 
 
 def _migrate_v2(db: sqlite3.Connection) -> None:
-    """Bring a version-2 index (or one :func:`_migrate_v1` just rewrote) to version 3: each
-    submission's address prefix, worker_stats' ``displaced`` count, and every trigger dropped (they
-    are created again, with the per-prefix probation holding; the read models are rebuilt after)."""
+    """Bring a version-2 or -3 index (or one :func:`_migrate_v1` just rewrote) to this version: each
+    submission's address prefix and allocation, worker_stats' ``displaced`` count, the per-prefix
+    probation table dropped (created again with its allocation), and every trigger dropped (they are
+    created again, with the per-allocation and per-prefix probation holdings; the read models are
+    rebuilt after)."""
     columns = {t: {row[1] for row in db.execute(f"PRAGMA table_info({t})")} for t in ("submissions", "worker_stats")}
-    if "prefix" not in columns["submissions"]:
-        db.execute("ALTER TABLE submissions ADD COLUMN prefix TEXT NOT NULL DEFAULT ''")
+    for col in ("prefix", "allocation"):
+        if col not in columns["submissions"]:
+            db.execute(f"ALTER TABLE submissions ADD COLUMN {col} TEXT NOT NULL DEFAULT ''")
     if columns["worker_stats"] and "displaced" not in columns["worker_stats"]:
         db.execute("ALTER TABLE worker_stats ADD COLUMN displaced INTEGER NOT NULL DEFAULT 0")
     for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'").fetchall():
         db.execute(f"DROP TRIGGER {name}")
+    db.execute("DROP TABLE IF EXISTS probation_prefixes")  # and its indexes
     db.create_function("ledger_prefix", 1, prefix_key, deterministic=True)
-    db.execute("UPDATE submissions SET prefix = ledger_prefix(source_ip)")
+    db.create_function("ledger_allocation", 1, allocation_key, deterministic=True)
+    db.execute("UPDATE submissions SET prefix = ledger_prefix(source_ip), allocation = ledger_allocation(source_ip)")
 
 
 def open_schema(db: sqlite3.Connection) -> int:

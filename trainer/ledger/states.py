@@ -5,7 +5,8 @@
     (admitted) ──store──▶ stored ──lease──▶ leased ──┬─accept──▶ accepted ──consume──▶ consumed ──retire──▶ retired
                              ▲                │      │             │  ▲                  │
                              └──lease expires─┘      │             │  └────unconsume─────┘ (resume)
-                                                     │             └──────────retire──────────────────▶ retired
+                                                     │             ├──────────retire──────────────────▶ retired
+                                                     │             └─withdraw──▶ rejected (its worker banned before a step trained it)
                                                      ├─reject──▶ rejected   (a cheat reason reproduced: the worker is banned)
                                                      ├─expire──▶ rejected   (left the async window unjudged: stale_policy)
                                                      └─ban─────▶ rejected   (its worker was banned)
@@ -19,7 +20,8 @@
 * **accepted** — a validator accepted it: trainable while its policy step is inside the async
   window of the step being assembled (*fresh*, :mod:`protocol.window`; not a stored state).
 * **rejected** — final: a validator rejected it, it left the window unjudged, or its worker was
-  banned. A cheat reason bans the worker only when reproduced (``ban_rule.py``).
+  banned (pending work is rejected, accepted work no step has trained on yet is *withdrawn*). A
+  cheat reason bans the worker only when reproduced, the audit's flag by itself (``ban_rule.py``).
 * **displaced** — a stored submission never leased, of a worker on probation, whose place in
   probation's share of the disk quota a submission from an address prefix holding less of that
   share took (``ledger.py``, ``docs/protocol.md`` "Quotas"); its file is gone. No verdict, no
@@ -69,6 +71,7 @@ class Transition(StrEnum):
     CONSUME = "consume"
     UNCONSUME = "unconsume"
     RETIRE = "retire"
+    WITHDRAW = "withdraw"
     DISPLACE = "displace"
     RESTORE = "restore"
 
@@ -82,6 +85,7 @@ TRANSITIONS: dict[Transition, tuple[frozenset[State], State]] = {
     Transition.CONSUME: (frozenset({State.ACCEPTED}), State.CONSUMED),
     Transition.UNCONSUME: (frozenset({State.CONSUMED}), State.ACCEPTED),
     Transition.RETIRE: (frozenset({State.ACCEPTED, State.CONSUMED}), State.RETIRED),
+    Transition.WITHDRAW: (frozenset({State.ACCEPTED}), State.REJECTED),
     Transition.DISPLACE: (frozenset({State.STORED}), State.DISPLACED),
     Transition.RESTORE: (frozenset({State.DISPLACED}), State.STORED),
 }

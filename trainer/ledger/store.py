@@ -1,32 +1,19 @@
-"""The ledger's persistence: envelope files plus a SQLite index (the only SQL of the coordinator).
+"""The ledger's persistence: envelope files plus a SQLite index (with ``writer.py`` and
+``schema.py``, the only SQL of the coordinator): every query, and every change of state.
 
 Nothing outside ``trainer/ledger/`` reads the index: the ledger (:mod:`trainer.ledger.ledger`)
 names every change of state (:mod:`trainer.ledger.states`) and this module applies it as one
-guarded update; the state names and the SQL live here, in ``schema.py`` (tables, triggers,
-migration) and in ``states.py`` only.
+guarded update; the state names and the SQL live here, in ``writer.py`` (the group commit's
+inserts), ``schema.py`` (tables, triggers, migration) and in ``states.py`` only.
 
-Write path (group commit; the ingest acknowledges a submission only once its future resolves):
-
-1. :meth:`SubmissionStore.submit` reserves the submission in memory at once (so
-   :meth:`usage` and :meth:`counter_used` count it from that instant: quotas and replay
-   protection stay exact while it is written) and hands it to a writer thread;
-2. a writer thread writes ``<id>.sub`` with :func:`protocol.durable.atomic_write` without the
-   directory flush (temporary file, ``fsync``, rename into place) — several files at once;
-3. the commit thread takes every written submission waiting for it, flushes the directory
-   once for all of them (the renames are durable) and inserts all their index rows in one SQLite
-   transaction (WAL) on its own connection, so readers do not wait for it; only then does each
-   one's future resolve. Submissions written while a commit runs wait for the next one, so under
-   load one directory ``fsync`` serves a whole group instead of every submission.
-
-The ordering per submission is the one a single durable write had (file data, rename, directory,
-index row, then the answer). The group's index rows are committed with ``synchronous=NORMAL``:
-they are in the WAL at once (a crash of the process keeps them) and on stable storage with the
-WAL's next ``fsync`` (any commit of the main connection, all ``synchronous=FULL``, or a
-checkpoint). A power cut can therefore take only the newest index rows, never their files, and
-a WAL is recovered as a prefix, so no later verdict survives without them. :meth:`recover`
-re-indexes on start every file without an index row (that power cut's rows, or a crash between
-file and row): an acknowledged submission is never lost, and an unacknowledged one is at worst
-accepted late (re-indexed without its source address, at its file's time).
+Write path: :mod:`trainer.ledger.writer` (:class:`~trainer.ledger.writer.GroupCommit`) writes
+each admitted submission's file and commits its index row in groups; :meth:`SubmissionStore.submit`
+stages it there at once, so :meth:`usage` and :meth:`counter_used` count it from that instant
+(quotas and replay protection stay exact while it is written), and the ingest acknowledges it
+only once its future resolves. :meth:`recover` re-indexes on start every file without an index
+row (a power cut's newest rows, or a crash between file and row): an acknowledged submission is
+never lost, and an unacknowledged one is at worst accepted late (at its file's time, under the
+address its file keeps: ``writer.file_header``).
 
 Read models: per-worker counts (pending, accepted, rejected, stale, trained, rollouts trained,
 completion tokens), verdicts by reason and the pending work of workers on probation are tables
@@ -46,20 +33,20 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protocol.durable import atomic_write, fsync_dir, tmp_path_for
 from protocol.envelope import Envelope, open_envelope
 from protocol.errors import ProtocolError
 from protocol.identity import PeerId
 from protocol.messages import Submission
-from trainer.ledger.ids import SubmissionId
-from trainer.ledger.prefixes import prefix_key
+from trainer.ledger.ids import GroupKey, SubmissionId
+from trainer.ledger.prefixes import allocation_key, prefix_key
 from trainer.ledger.schema import SCHEMA_VERSION, in_states, open_schema
 from trainer.ledger.states import PENDING, TRANSITIONS, State, Transition
+from trainer.ledger.writer import BUSY_TIMEOUT_S, GroupCommit, Staged, insert_rows, read_submission_file
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +62,9 @@ class Usage:
             system's free space does not show them yet).
         established: the worker has an accepted submission (else it is on probation).
         probation_pending, probation_bytes: pending submissions (and bytes) of every worker on probation.
-        prefix_pending, prefix_bytes: of those, the ones posted from the address's prefix
-            (``trainer.ledger.prefixes``): its holding of probation's share.
+        allocation_pending, allocation_bytes: of those, the ones posted from the address's
+            allocation (``trainer.ledger.prefixes``): its holding of probation's share.
+        prefix_pending, prefix_bytes: of those, the ones posted from the address's prefix.
     """
 
     worker_pending: int
@@ -89,24 +77,39 @@ class Usage:
     established: bool = False
     probation_pending: int = 0
     probation_bytes: int = 0
+    allocation_pending: int = 0
+    allocation_bytes: int = 0
     prefix_pending: int = 0
     prefix_bytes: int = 0
 
 
 @dataclass(frozen=True)
-class PrefixHolding:
-    """What one address prefix holds of probation's share (indexed submissions; ``probation_prefixes``).
+class Holding:
+    """What one address allocation or prefix holds of probation's share (indexed submissions;
+    ``probation_allocations``, ``probation_prefixes``).
 
     Attributes:
-        prefix: the prefix (``trainer.ledger.prefixes.prefix_key``).
+        key: the allocation or prefix (``trainer.ledger.prefixes``).
         files, bytes: pending submissions of workers on probation posted from it, and their bytes.
         stored: of them, never leased (what displacement may take).
     """
 
-    prefix: str
+    key: str
     files: int
     bytes: int
     stored: int
+
+
+@dataclass(frozen=True)
+class Standing:
+    """Pending submissions of workers on probation (files) that an address's allocation and prefix
+    hold, and the most another allocation holds, and another prefix of the same allocation (each
+    with a never-leased submission): what admission checks before a body is read."""
+
+    allocation: int
+    heaviest_allocation: int
+    prefix: int
+    heaviest_prefix: int
 
 
 class ProbationView:
@@ -116,13 +119,20 @@ class ProbationView:
     def __init__(self, db: sqlite3.Connection) -> None:
         self._db = db
 
-    def heaviest(self, exclude: str, k: int) -> list[PrefixHolding]:
-        """The ``k`` prefixes other than ``exclude`` holding the most files and the ``k`` holding the
-        most bytes of probation's share (those with a never-leased submission; up to 2k, no repeats)."""
-        out: dict[str, PrefixHolding] = {}
-        for sql in _HEAVIEST_SQL:
-            for r in self._db.execute(sql, (exclude, k)):
-                out[r[0]] = PrefixHolding(r[0], int(r[1]), int(r[2]), int(r[3]))
+    def heaviest_allocations(self, exclude: str, k: int) -> list[Holding]:
+        """The ``k`` allocations other than ``exclude`` holding the most files and the ``k`` holding
+        the most bytes of probation's share (those with a never-leased submission; up to 2k, no repeats)."""
+        return self._heaviest(_HEAVIEST_ALLOCATIONS_SQL, (exclude, k))
+
+    def heaviest_prefixes(self, allocation: str, exclude: str, k: int) -> list[Holding]:
+        """The same for the prefixes of ``allocation`` other than ``exclude``."""
+        return self._heaviest(_HEAVIEST_PREFIXES_SQL, (allocation, exclude, k))
+
+    def _heaviest(self, queries: tuple[str, ...], params: tuple[str | int, ...]) -> list[Holding]:
+        out: dict[str, Holding] = {}
+        for sql in queries:
+            for r in self._db.execute(sql, params):
+                out[r[0]] = Holding(r[0], int(r[1]), int(r[2]), int(r[3]))
         return list(out.values())
 
     def newest_stored(self, prefix: str, k: int) -> list[tuple[SubmissionId, int]]:
@@ -131,12 +141,16 @@ class ProbationView:
         return [(SubmissionId(i), int(n)) for i, n in self._db.execute(_NEWEST_STORED_SQL, (prefix, k))]
 
 
-_HEAVIEST_SQL = tuple(f"SELECT prefix, pending, pending_bytes, stored FROM probation_prefixes WHERE stored > 0 AND prefix != ?"
-                      f" ORDER BY {col} DESC LIMIT ?" for col in ("pending", "pending_bytes"))
+_HEAVIEST_ALLOCATIONS_SQL = tuple(f"SELECT allocation, pending, pending_bytes, stored FROM probation_allocations WHERE stored > 0"
+                                  f" AND allocation != ? ORDER BY {col} DESC LIMIT ?" for col in ("pending", "pending_bytes"))
+_HEAVIEST_PREFIXES_SQL = tuple(f"SELECT prefix, pending, pending_bytes, stored FROM probation_prefixes WHERE allocation = ? AND stored > 0"
+                               f" AND prefix != ? ORDER BY {col} DESC LIMIT ?" for col in ("pending", "pending_bytes"))
 _NEWEST_STORED_SQL = (f"SELECT s.id, s.size_bytes FROM submissions s WHERE s.prefix = ? AND s.state = '{State.STORED.value}'"
                       " AND COALESCE((SELECT accepted FROM worker_stats w WHERE w.worker = s.worker), 0) = 0 ORDER BY s.seq DESC LIMIT ?")
-_PREFIX_STANDING_SQL = ("SELECT (SELECT COALESCE(MAX(pending), 0) FROM probation_prefixes WHERE prefix = ?),"
-                        " (SELECT COALESCE(MAX(pending), 0) FROM probation_prefixes WHERE stored > 0 AND prefix != ?)")
+_STANDING_SQL = ("SELECT (SELECT COALESCE(MAX(pending), 0) FROM probation_allocations WHERE allocation = ?),"
+                 " (SELECT COALESCE(MAX(pending), 0) FROM probation_allocations WHERE stored > 0 AND allocation != ?),"
+                 " (SELECT COALESCE(MAX(pending), 0) FROM probation_prefixes WHERE prefix = ?),"
+                 " (SELECT COALESCE(MAX(pending), 0) FROM probation_prefixes WHERE allocation = ? AND stored > 0 AND prefix != ?)")
 
 
 DISPLACED_REASON = "displaced"
@@ -199,38 +213,6 @@ def completion_tokens(sub: Submission) -> int:
     return sum(len(r.completion_ids) // 4 for r in sub.rollouts)
 
 
-@dataclass
-class _Staged:
-    """A submission admitted but not yet committed: counted by the quotas, not yet visible to readers."""
-
-    sid: SubmissionId
-    worker: str
-    policy_step: int
-    counter: int
-    n_rollouts: int
-    tokens: int
-    size_bytes: int
-    received_ms: int
-    source_ip: str
-    raw: bytes
-    future: Future[bool] = field(default_factory=Future)
-    admitted: int = 0  # admission number: a group is indexed in admission order
-    committing: bool = False  # its group's transaction may already be visible (usage() then checks the index)
-    written: bool = False  # its file is complete (or its write failed): the free space on disk shows it
-    prefix: str = ""  # source_ip's prefix (trainer.ledger.prefixes)
-
-    def __post_init__(self) -> None:
-        self.prefix = prefix_key(self.source_ip)
-
-
-BUSY_TIMEOUT_S = 60.0
-"""How long a write on one of the store's two SQLite connections waits for the other's, seconds."""
-
-WRITERS = 32
-"""Submission files written and flushed (``fsync``) at once: concurrent flushes share the file
-system's journal commits, so a slow disk is waited for once per group, not once per file."""
-
-
 class SubmissionStore:
     """Submissions on disk under ``root``: ``root/submissions/<id>.sub`` and ``root/index.sqlite``.
 
@@ -248,28 +230,10 @@ class SubmissionStore:
         self.dir = self.root / "submissions"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
-        self._lock = threading.Lock()  # the connection and the in-memory tables below
-        self._staged: dict[str, _Staged] = {}  # submitted, not yet committed (by submission ID)
-        self._written: list[_Staged] = []  # files durable and renamed, waiting for the commit thread
-        self._wake = threading.Condition(self._lock)  # the commit thread waits here for written files
-        self._admitted = 0
-        self._writers: ThreadPoolExecutor | None = None
-        self._unlinking: dict[str, tuple[object, Future[None]]] = {}  # displaced submissions whose file a writer thread deletes
-        self._committer: threading.Thread | None = None
-        self._closing = False
-        self.commits = {"groups": 0, "submissions": 0, "largest_group": 0}
-        """Group commits done, submissions they committed, and the most in one (for benchmarks)."""
+        self._lock = threading.Lock()  # the connection, and the writer's staging table
         self._db = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_S)
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        # The commit thread's own connection, so its commits do not hold the lock every reader takes.
-        # synchronous=NORMAL there: its commits reach the WAL (they survive a crash of this process)
-        # and stable storage with the next fsync of the WAL (the next FULL commit of self._db, or a
-        # checkpoint). A power cut can lose only the newest index rows, whose files are already on
-        # stable storage, and recover() re-indexes those on start: no acknowledged submission is
-        # lost, and one WAL fsync fewer is waited for per group. Every other write stays FULL.
-        self._commit_db = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_S)
-        self._commit_db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA synchronous=FULL")  # every write but the group commit's and a displacement's
         n = open_schema(self._db)
         if n >= 0:
             logger.info("migrated the submission index to schema %d (%d submissions)", SCHEMA_VERSION, n)
@@ -287,23 +251,19 @@ class SubmissionStore:
         self._displace_db = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_S)
         self._displace_db.execute("PRAGMA synchronous=NORMAL")
         self._displace_db.execute("PRAGMA wal_autocheckpoint=0")
+        self._writer = GroupCommit(self.dir, self.root / "index.sqlite", self._lock)
         self.recover()
+
+    @property
+    def commits(self) -> dict[str, int]:
+        """Group commits done, submissions they committed, and the most in one (for benchmarks)."""
+        return self._writer.commits
 
     def close(self) -> None:
         """Finish every submitted write (their futures resolve), stop the threads, close the index."""
-        with self._lock:
-            self._closing = True
-            self._wake.notify_all()
-            writers, committer = self._writers, self._committer
-        if writers is not None:
-            writers.shutdown(wait=True)  # every written file reaches _written
-        if committer is not None:
-            with self._lock:
-                self._wake.notify_all()
-            committer.join()
+        self._writer.close()
         with self._lock:
             self._db.close()
-            self._commit_db.close()
             self._displace_db.close()
         with self._stats_lock:
             self._stats_db.close()
@@ -351,9 +311,9 @@ class SubmissionStore:
         fut: Future[bool] = Future()
         fut.set_running_or_notify_cancel()  # nobody can cancel it: the commit thread resolves every future it holds
         with self._lock:
-            if self._closing:
+            if self._writer.closing:
                 raise RuntimeError("the submission store is closed")
-            earlier = self._staged.get(sid)
+            earlier = self._writer.staged.get(sid)
             if earlier is None and self._db.execute(f"SELECT 1 FROM submissions WHERE id = ? AND state != '{State.DISPLACED.value}'",
                                                     (sid,)).fetchone():
                 fut.set_result(False)
@@ -361,108 +321,9 @@ class SubmissionStore:
             if earlier is not None:  # the same bytes posted twice at once: answer when the first is durable
                 earlier.future.add_done_callback(lambda f: _chain_duplicate(f, fut))
                 return fut
-            item = _Staged(sid, body.worker, body.policy_step, body.counter, len(body.rollouts), completion_tokens(body), len(env.raw),
-                           now_ms or int(time.time() * 1000), source_ip, env.raw, fut, self._admitted)
-            self._admitted += 1
-            self._staged[sid] = item
-            writers = self._start_threads()
-            unlinking = self._unlinking.get(sid, (None, None))[1]  # displaced a moment ago: its old file goes before the new one is written
-        writers.submit(self._write, item, unlinking)
+            self._writer.stage(Staged(sid, body.worker, body.policy_step, body.counter, len(body.rollouts), completion_tokens(body),
+                                      len(env.raw), now_ms or int(time.time() * 1000), source_ip, env.raw, fut))
         return fut
-
-    def _start_threads(self) -> ThreadPoolExecutor:
-        """The writer pool, and the commit thread, started on first use (the caller holds the lock)."""
-        if self._writers is None:
-            self._writers = ThreadPoolExecutor(WRITERS, thread_name_prefix="ingest-write")
-            self._committer = threading.Thread(target=self._commit_loop, name="ingest-commit", daemon=True)
-            self._committer.start()
-        return self._writers
-
-    def _write(self, item: _Staged, after: Future[None] | None = None) -> None:
-        """Writer thread: the file durably under its final name; the directory is flushed per group
-        (``after``: the deletion of a displaced file of the same name, submitted to this pool
-        earlier, so already running or done)."""
-        if after is not None:
-            after.exception()  # waits; its failure is its own (logged there)
-        path = self.dir / f"{item.sid}.sub"
-        try:
-            atomic_write(path, item.raw, sync_dir=False)
-        except Exception as e:  # noqa: BLE001 - whatever failed, the waiting request gets it as its answer
-            # a failed write (EIO, ENOSPC) leaves its temporary file, counted by no quota: drop it now
-            tmp_path_for(path).unlink(missing_ok=True)
-            with self._lock:
-                item.written = True
-                self._staged.pop(item.sid, None)
-            item.future.set_exception(e)
-            return
-        with self._lock:
-            item.written = True
-            self._written.append(item)
-            self._wake.notify()
-
-    def _commit_loop(self) -> None:
-        """Commit thread: one directory ``fsync`` and one SQLite transaction per group of written files."""
-        while True:
-            with self._lock:
-                while not self._written and not (self._closing and not self._staged):
-                    self._wake.wait()
-                if not self._written:
-                    return  # closing and nothing left to commit
-                group, self._written = sorted(self._written, key=lambda i: i.admitted), []
-            try:
-                fsync_dir(self.dir)
-                with self._lock:
-                    for item in group:
-                        item.committing = True
-                # the WAL fsync happens here, without the lock: readers and admission go on meanwhile
-                self._insert(self._commit_db, group)
-                with self._lock:
-                    for item in group:
-                        del self._staged[item.sid]
-                    self.commits["groups"] += 1
-                    self.commits["submissions"] += len(group)
-                    self.commits["largest_group"] = max(self.commits["largest_group"], len(group))
-            except Exception as e:  # noqa: BLE001 - whatever failed, every waiting request gets it as its answer
-                for item in group:  # not acknowledged: drop the files too, so the disk quota stays exact
-                    (self.dir / f"{item.sid}.sub").unlink(missing_ok=True)
-                with self._lock:
-                    for item in group:
-                        self._staged.pop(item.sid, None)
-                logger.error("could not commit %d submissions: %s", len(group), e)
-                for item in group:
-                    item.future.set_exception(e)
-                continue
-            for item in group:
-                item.future.set_result(True)
-
-    @staticmethod
-    def _insert(db: sqlite3.Connection, items: list[_Staged]) -> None:
-        """Insert index rows in one transaction on ``db``, in order (``self._db`` only under the lock).
-
-        A displaced submission's row (the same bytes posted again) is *restored*
-        (:attr:`~Transition.RESTORE`): stored again, with its new address and arrival; any other
-        existing row is left alone."""
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            seq = db.execute("SELECT COALESCE(MAX(seq), 0) FROM submissions").fetchone()[0]
-            rows = []
-            for item in items:
-                seq += 1
-                rows.append((item.sid, item.worker, item.policy_step, item.counter, item.n_rollouts, item.tokens, item.size_bytes,
-                             item.received_ms, State.STORED.value, seq, item.source_ip, item.prefix))
-            db.executemany(
-                "INSERT INTO submissions (id, worker, policy_step, counter, n_rollouts, tokens, size_bytes, received_ms, state,"
-                " seq, source_ip, prefix) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-                " ON CONFLICT (id) DO UPDATE SET state = excluded.state, reason = '', verdict_by = '', lease_until_ms = 0,"
-                " received_ms = excluded.received_ms, seq = excluded.seq, source_ip = excluded.source_ip, prefix = excluded.prefix,"
-                f" on_disk = 1 WHERE submissions.state = '{State.DISPLACED.value}'",
-                rows,
-            )
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
 
     def recover(self) -> int:
         """Index submission files a crash left unindexed (a displaced submission's file still there
@@ -480,23 +341,24 @@ class SubmissionStore:
         paths = list(self.dir.glob("*.sub"))
         with self._lock:
             known = {row[0] for row in self._db.execute(f"SELECT id FROM submissions WHERE state != '{State.DISPLACED.value}'")}
-        found: list[_Staged] = []
+        found: list[Staged] = []
         for path in sorted(paths, key=lambda p: p.stat().st_mtime):
             sid = SubmissionId(path.stem)
             if sid in known:
                 continue
             try:
-                env = open_envelope(path.read_bytes(), run_id=self.run_id, expect=Submission)
+                address, raw = read_submission_file(path)
+                env = open_envelope(raw, run_id=self.run_id, expect=Submission)
             except (OSError, ProtocolError) as e:
                 logger.warning("dropping unreadable stored submission %s: %s", path.name, e)
                 path.unlink(missing_ok=True)
                 continue
             body = env.body
-            found.append(_Staged(sid, body.worker, body.policy_step, body.counter, len(body.rollouts), completion_tokens(body), len(env.raw),
-                                 int(path.stat().st_mtime * 1000), "", b""))
+            found.append(Staged(sid, body.worker, body.policy_step, body.counter, len(body.rollouts), completion_tokens(body), len(env.raw),
+                                 int(path.stat().st_mtime * 1000), address, b""))
         if found:
             with self._lock:
-                self._insert(self._db, found)
+                insert_rows(self._db, found)
             logger.info("re-indexed %d submissions after an unclean stop", len(found))
         return len(found)
 
@@ -514,13 +376,13 @@ class SubmissionStore:
         Raises:
             OSError: its file is gone (``FileNotFoundError``) or unreadable now.
         """
-        return (self.dir / f"{sid}.sub").read_bytes()
+        return read_submission_file(self.dir / f"{sid}.sub")[1]
 
     def counter_used(self, worker: str, counter: int, exclude_id: SubmissionId) -> bool:
         """Whether ``worker`` already has another stored submission with this counter (stored or being
         stored); a displaced one does not count (it was never judged: its counter is free)."""
         with self._lock:
-            if any(s.worker == worker and s.counter == counter and s.sid != exclude_id for s in self._staged.values()):
+            if any(s.worker == worker and s.counter == counter and s.sid != exclude_id for s in self._writer.staged.values()):
                 return True
             row = self._db.execute(
                 f"SELECT 1 FROM submissions WHERE worker = ? AND counter = ? AND id != ? AND state != '{State.DISPLACED.value}' LIMIT 1",
@@ -533,21 +395,25 @@ class SubmissionStore:
         (stored or being stored), whether a submission it posted was ever accepted (a *proven*
         address), and the pending submissions of workers on probation (indexed ones; O(1))."""
         with self._lock:
-            n = sum(1 for s in self._staged.values() if s.source_ip == source_ip)
+            n = sum(1 for s in self._writer.staged.values() if s.source_ip == source_ip)
             row = self._db.execute(
                 f"SELECT (SELECT COUNT(*) FROM submissions WHERE source_ip = ? AND state IN {in_states(PENDING)}),"
                 " (SELECT COALESCE(MAX(accepted), 0) FROM address_stats WHERE address = ?), (SELECT pending FROM probation)",
                 (source_ip, source_ip)).fetchone()
         return int(row[0]) + n, bool(row[1]), int(row[2])
 
-    def prefix_standing(self, prefix: str) -> tuple[int, int]:
-        """What ``prefix`` holds of probation's share (files being stored counted: every one,
-        whatever its worker, an over-count of at most the staged ones), and the most files another
-        prefix with a never-leased submission holds (indexed; O(1))."""
+    def standing(self, source_ip: str) -> Standing:
+        """What the allocation and the prefix of ``source_ip`` hold of probation's share (files being
+        stored counted: every one, whatever its worker, an over-count of at most the staged ones),
+        and the most files another allocation, and another prefix of the same allocation, with a
+        never-leased submission hold (indexed; O(1))."""
+        allocation, prefix = allocation_key(source_ip), prefix_key(source_ip)
         with self._lock:
-            n = sum(1 for s in self._staged.values() if s.prefix == prefix)
-            row = self._db.execute(_PREFIX_STANDING_SQL, (prefix, prefix)).fetchone()
-        return int(row[0]) + n, int(row[1])
+            staged = self._writer.staged.values()
+            na = sum(1 for s in staged if s.allocation == allocation)
+            np_ = sum(1 for s in staged if s.prefix == prefix)
+            row = self._db.execute(_STANDING_SQL, (allocation, allocation, prefix, allocation, prefix)).fetchone()
+        return Standing(int(row[0]) + na, int(row[1]), int(row[2]) + np_, int(row[3]))
 
     def displace(self, plan: Callable[[ProbationView], list[SubmissionId] | None]) -> list[SubmissionId] | None:
         """The :attr:`~Transition.DISPLACE` transition, planned and applied under one hold of the
@@ -578,24 +444,8 @@ class SubmissionStore:
                 if db.in_transaction:
                     db.execute("ROLLBACK")
                 raise
-            # the files go in a writer thread (an unlink took ~1 ms on this machine's disk, on the loop);
-            # the same bytes posted again meanwhile are written after it (submit)
-            writers = self._start_threads()
-            for sid in done:
-                token = object()
-                self._unlinking[sid] = (token, writers.submit(self._unlink, sid, token))
+            self._writer.unlink(done)  # in a writer thread; the same bytes posted again meanwhile are written after it
         return done
-
-    def _unlink(self, sid: SubmissionId, token: object) -> None:
-        """Writer thread: delete a displaced submission's file."""
-        try:
-            (self.dir / f"{sid}.sub").unlink(missing_ok=True)
-        except OSError as e:  # left for recover(): a displaced row's file restores it on the next start
-            logger.warning("could not delete displaced submission %s: %s", sid[:12], e)
-        finally:
-            with self._lock:
-                if self._unlinking.get(sid, (None,))[0] is token:
-                    del self._unlinking[sid]
 
     def usage(self, worker: str, source_ip: str) -> Usage:
         """What one worker, one address, the workers on probation and everybody hold (:class:`Usage`).
@@ -606,11 +456,11 @@ class SubmissionStore:
         file is not yet written make ``writing_bytes`` (not yet in the file system's free space).
         """
         with self._lock:
-            staged = list(self._staged.values())
+            staged = list(self._writer.staged.values())
             # not committing: its commit has not begun (the flag is set under this lock first), so not in the index
             committing = [s.sid for s in staged if s.committing]
-            prefix = prefix_key(source_ip)
-            row = self._db.execute(_usage_sql(len(committing)), (worker, source_ip, *committing, worker, prefix)).fetchone()
+            prefix, allocation = prefix_key(source_ip), allocation_key(source_ip)
+            row = self._db.execute(_usage_sql(len(committing)), (worker, source_ip, *committing, worker, allocation, prefix)).fetchone()
             if row[6]:  # committing and already in the index: counted there
                 indexed = set(row[6].split(","))
                 staged = [s for s in staged if s.sid not in indexed]
@@ -623,16 +473,18 @@ class SubmissionStore:
         sw = [s.size_bytes for s in staged if s.worker == worker]
         si = [s.size_bytes for s in staged if s.source_ip == source_ip]
         sp = [s for s in staged if (s.worker == worker and not established) or (s.worker != worker and s.worker not in known)]
+        spa = [s.size_bytes for s in sp if s.allocation == allocation]
         spp = [s.size_bytes for s in sp if s.prefix == prefix]
         return Usage(int(w[0]) + len(sw), int(w[1]) + sum(sw), int(ip[0]) + len(si), int(ip[1]) + sum(si),
                      int(disk[0]) + len(staged), int(disk[1]) + sum(s.size_bytes for s in staged),
                      sum(s.size_bytes for s in staged if not s.written), established, int(row[8]) + len(sp),
-                     int(row[9]) + sum(s.size_bytes for s in sp), int(row[10]) + len(spp), int(row[11]) + sum(spp))
+                     int(row[9]) + sum(s.size_bytes for s in sp), int(row[10]) + len(spa), int(row[11]) + sum(spa),
+                     int(row[12]) + len(spp), int(row[13]) + sum(spp))
 
     def storing(self, sid: SubmissionId) -> bool:
         """Whether submission ``sid`` was submitted and is not yet committed (nor failed)."""
         with self._lock:
-            return sid in self._staged
+            return sid in self._writer.staged
 
     def leasable(self, now_ms: int) -> list[LeaseCandidate]:
         """Every pending submission not leased at ``now_ms`` (the disk quota bounds how many), with
@@ -670,6 +522,12 @@ class SubmissionStore:
         Raises:
             ValueError: a verdict's transition (use :meth:`record_verdict`), or a missing ``consumed_step``.
         """
+        with self._lock, self._transaction():
+            return self._apply(transition, ids, reason=reason, consumed_step=consumed_step)
+
+    def _apply(self, transition: Transition, ids: Iterable[SubmissionId], *, reason: str | None = None,
+               consumed_step: int | None = None) -> list[SubmissionId]:
+        """:meth:`apply` inside a transaction the caller holds (with the lock)."""
         sources, target = TRANSITIONS[transition]
         sets: list[str] = ["state = ?"]
         params: list[str | int] = [target.value]
@@ -686,12 +544,41 @@ class SubmissionStore:
             sets.append("reason = ?")
             params.append(reason)
         sql = f"UPDATE submissions SET {', '.join(sets)} WHERE id = ? AND state IN {in_states(sources)}"
-        out: list[SubmissionId] = []
+        return [sid for sid in ids if self._db.execute(sql, (*params, sid)).rowcount]
+
+    def consume_groups(self, groups: Iterable[tuple[SubmissionId, str, int]], finished: Iterable[SubmissionId],
+                       step: int) -> list[SubmissionId]:
+        """Record the GRPO groups trainer step ``step`` consumed and apply :attr:`~Transition.CONSUME`
+        (``consumed_step = step``) to ``finished``, the submissions every group of which is now
+        consumed, in one transaction.
+
+        Args:
+            groups: ``(submission, task_key, group_seed)`` of each consumed group; a group already
+                recorded keeps the step that consumed it first.
+            finished: submissions to consume whole.
+            step: the consuming trainer step.
+
+        Returns:
+            The submissions consumed now (accepted ones among ``finished``).
+        """
         with self._lock, self._transaction():
-            for sid in ids:
-                if self._db.execute(sql, (*params, sid)).rowcount:
-                    out.append(sid)
-        return out
+            self._db.executemany("INSERT OR IGNORE INTO consumed_groups (submission_id, task_key, group_seed, step) VALUES (?, ?, ?, ?)",
+                                 [(sid, key, int(seed), step) for sid, key, seed in groups])
+            return self._apply(Transition.CONSUME, finished, consumed_step=step)
+
+    def consumed_groups(self) -> set[GroupKey]:
+        """Keys ``(task_key, group_seed)`` of the consumed groups of submissions not yet retired."""
+        with self._lock:
+            return {(k, int(s)) for k, s in self._db.execute("SELECT task_key, group_seed FROM consumed_groups")}
+
+    def unconsume_after(self, step: int) -> list[SubmissionId]:
+        """Forget every group consumed by a trainer step after ``step`` and apply
+        :attr:`~Transition.UNCONSUME` to the submissions those steps consumed, in one transaction;
+        returns the submissions unconsumed."""
+        sql, params = _select_sql({State.CONSUMED}, consumed_above=step)
+        with self._lock, self._transaction():
+            self._db.execute("DELETE FROM consumed_groups WHERE step > ?", (step,))
+            return self._apply(Transition.UNCONSUME, [SubmissionId(r[0]) for r in self._db.execute(sql, params).fetchall()])
 
     def select(self, states: Iterable[State], *, worker: str | None = None, policy_below: int | None = None,
                consumed_below: int | None = None, consumed_above: int | None = None, on_disk: bool | None = None) -> list[SubmissionId]:
@@ -750,10 +637,10 @@ class SubmissionStore:
             self._db.executemany("UPDATE submissions SET on_disk = 0 WHERE id = ?", [(i,) for i in ids])
         return n
 
-    def trainable(self, min_policy_step: int) -> list[StoredSubmission]:
-        """Accepted submissions not yet consumed with policy step ≥ ``min_policy_step``, oldest first."""
+    def trainable(self, min_policy_step: int, max_policy_step: int) -> list[StoredSubmission]:
+        """Accepted submissions not yet consumed with ``min_policy_step ≤ policy_step ≤ max_policy_step``, oldest first."""
         with self._lock:
-            rows = self._db.execute(_TRAINABLE_SQL, (min_policy_step,)).fetchall()
+            rows = self._db.execute(_TRAINABLE_SQL, (min_policy_step, max_policy_step)).fetchall()
         return [_row(r) for r in rows]
 
     # --- read models (their own connection: never the store's lock) ----------------------------
@@ -791,6 +678,29 @@ class SubmissionStore:
         (rows,) = self._snapshot((query, ()) if limit is None else (query + " ORDER BY accepted DESC, rejected, worker LIMIT ?", (limit,)))
         return {r[0]: {k: int(v) for k, v in zip(keys, r[1:], strict=True) if v} for r in rows}
 
+    def worker_standing(self, worker: str) -> dict[str, Any]:
+        """One worker's counts (``worker_stats``' columns, zero when it has no submission), its
+        rejections by reason (``rejected_by_reason``), its ``place`` in the leaderboard's order (1 is
+        first; 0 without a submission) and ``workers`` (all with a submission), from one snapshot.
+        O(its rejected submissions + the workers ranked at or above it)."""
+        keys = ("pending", "accepted", "rejected", "stale", "trained", "rollouts_trained", "displaced")
+        (row,) = self._snapshot((f"SELECT {', '.join(keys)} FROM worker_stats WHERE worker = ?", (worker,)))
+        counts = dict(zip(keys, (int(x) for x in row[0]), strict=True)) if row else dict.fromkeys(keys, 0)
+        a, r = counts["accepted"], counts["rejected"]
+        ahead, total, reasons = self._snapshot(
+            ("SELECT COUNT(*) FROM worker_stats WHERE accepted > ? OR (accepted = ? AND (rejected < ? OR (rejected = ? AND worker < ?)))",
+             (a, a, r, r, worker)),
+            ("SELECT COUNT(*) FROM worker_stats", ()),
+            (f"SELECT reason, COUNT(*) FROM submissions WHERE worker = ? AND state = '{State.REJECTED.value}' GROUP BY reason", (worker,)),
+        )
+        return {**counts, "place": int(ahead[0][0]) + 1 if row else 0, "workers": int(total[0][0]),
+                "rejected_by_reason": {str(k or "unknown"): int(n) for k, n in reasons}}
+
+    def displaced_now(self, worker: str) -> int:
+        """How many of ``worker``'s submissions are displaced now (O(1): its read-model row)."""
+        (rows,) = self._snapshot(("SELECT displaced FROM worker_stats WHERE worker = ?", (worker,)))
+        return int(rows[0][0]) if rows else 0
+
     def worker_count(self) -> int:
         """Workers with a submission in this run."""
         (rows,) = self._snapshot(("SELECT COUNT(*) FROM worker_stats", ()))
@@ -825,7 +735,7 @@ class _Transaction:
             self.db.execute("ROLLBACK")
 
 
-_TRAINABLE_SQL = f"SELECT {_ROW} FROM submissions WHERE state = '{State.ACCEPTED.value}' AND policy_step >= ? ORDER BY seq"
+_TRAINABLE_SQL = f"SELECT {_ROW} FROM submissions WHERE state = '{State.ACCEPTED.value}' AND policy_step BETWEEN ? AND ? ORDER BY seq"
 
 
 def _select_sql(states: Iterable[State], *, worker: str | None = None, policy_below: int | None = None, consumed_below: int | None = None,
@@ -842,20 +752,22 @@ def _select_sql(states: Iterable[State], *, worker: str | None = None, policy_be
 
 def _usage_sql(n_committing: int) -> str:
     """The one statement of :meth:`SubmissionStore.usage` (one snapshot; each index range read once):
-    parameters ``worker, source_ip``, ``n_committing`` submission IDs, ``worker``, ``prefix``; one row
-    ``(worker count, worker bytes, address count, address bytes, files on disk, their bytes,
-    comma-joined IDs of the given ones already indexed, the worker's accepted count, probation
-    count, probation bytes, the prefix's probation count, its probation bytes)``."""
+    parameters ``worker, source_ip``, ``n_committing`` submission IDs, ``worker``, ``allocation``,
+    ``prefix``; one row ``(worker count, worker bytes, address count, address bytes, files on disk,
+    their bytes, comma-joined IDs of the given ones already indexed, the worker's accepted count,
+    probation count, probation bytes, the allocation's probation count, its probation bytes, the
+    prefix's probation count, its probation bytes)``."""
     marks = ",".join("?" * n_committing) or "NULL"
     pending = in_states(PENDING)
     return ("SELECT w.n, w.b, i.n, i.b, d.n, d.b, x.ids, e.accepted, p.pending, p.pending_bytes,"
-            " COALESCE(f.n, 0), COALESCE(f.b, 0) FROM"
+            " COALESCE(a.n, 0), COALESCE(a.b, 0), COALESCE(f.n, 0), COALESCE(f.b, 0) FROM"
             f" (SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS b FROM submissions WHERE worker = ? AND state IN {pending}) AS w,"
             f" (SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS b FROM submissions WHERE source_ip = ? AND state IN {pending}) AS i,"
             " (SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS b FROM submissions WHERE on_disk = 1) AS d,"
             f" (SELECT group_concat(id) AS ids FROM submissions WHERE id IN ({marks})) AS x,"
             " (SELECT COALESCE(MAX(accepted), 0) AS accepted FROM worker_stats WHERE worker = ?) AS e,"
             " probation AS p"
+            " LEFT JOIN (SELECT pending AS n, pending_bytes AS b FROM probation_allocations WHERE allocation = ?) AS a ON 1"
             " LEFT JOIN (SELECT pending AS n, pending_bytes AS b FROM probation_prefixes WHERE prefix = ?) AS f ON 1")
 
 

@@ -1,11 +1,14 @@
-"""The validator role: lease submissions from the ingest, check them, sign and publish verdicts."""
+"""The validator role: lease submissions from the ingest, check them, sign and publish verdicts.
+
+Wires its parts: the checks (:mod:`validator.pipeline`), what it judged (:mod:`validator.judgements`),
+spot-check selection (:mod:`validator.spot`), held checkpoints and models (:mod:`node.policy`), the
+ingest client (:mod:`node.ingest_client`) with :mod:`node.retry`'s pacing, and the resource-failure
+rule (:mod:`node.validator.resources`)."""
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,12 +18,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from node.errors import FetchError
 from node.ingest_client import IngestClient, IngestUnavailable
-from node.memory import release_free_memory
+from node.lifecycle import require_sandbox_for, sleep_unless, start_status_server
 from node.p2p import GossipConfig, GossipNode
-from node.policy import GossipSources, PolicyFollower
+from node.policy import GossipSources, HeldModels, PolicyFollower
 from node.retry import Backoff, FailureLog
-from node.roles import require_sandbox_for, sleep_unless, start_status_server
 from node.status_http import StatusServer
+from node.validator.resources import ResourceFailures, resource_failure
 from protocol.dataset import resolve_run_tasks
 from protocol.envelope import open_envelope, seal
 from protocol.errors import ProtocolError
@@ -29,28 +32,26 @@ from protocol.messages import BanList, LeaseRequest, Submission, Verdict
 from protocol.models import load_model, load_tokenizer
 from protocol.rollout import submission_decode_limits
 from protocol.runspec import SignedRunSpec
-from protocol.window import retained_steps
-from validator.ledger import Ledger
+from validator.judgements import Judgements
 from validator.pipeline import CheckResult, SubmissionChecker
 from validator.spot import SpotCheckPolicy, selected
 
 logger = logging.getLogger(__name__)
 
-RESOURCE_ERRNOS = frozenset({errno.ENOMEM, errno.ENOSPC, errno.EMFILE, errno.ENFILE, errno.EDQUOT})
-"""``OSError`` numbers that mean this validator ran out of memory, disk or descriptors."""
-RESOURCE_RETRIES = 1
-"""Times a submission whose check ran this validator out of resources is left to a later lease
-(the failure may be passing); the next failure on it gets a ``resources`` verdict (benign)."""
-RESOURCE_FAILURES_KEPT = 1024
-"""Submissions whose resource failures are remembered (oldest forgotten first)."""
 LEASE_S = 120.0
 IDLE_POLL_S = 0.5
 LEASE_BACKOFF_MAX_S = 15.0
 """Longest wait between lease attempts while no ingest answers, seconds (before jitter)."""
+VERDICT_TRIES = 5
+"""Posts of one verdict while the ingest answers *retry* or not at all; then the lease expires and
+the submission is judged again (a verdict is cheap to sign again, and the ingest may be down)."""
+VERDICT_BACKOFF_BASE_S = 0.5
+VERDICT_BACKOFF_MAX_S = 10.0
+"""The pacing of those posts (:class:`node.retry.Backoff`: doubling from the base, with jitter), seconds."""
 FAILURE_LOG_INTERVAL_S = 30.0
 """A repeated lease failure is logged at most once per this many seconds."""
 MODEL_CACHE_BYTES = 2560 * 1024 * 1024
-"""Float32 model parameters kept in memory for prefill (2.5 GiB), on top of the retention rule:
+"""Float32 model parameters kept in memory for prefill (2.5 GiB; :class:`node.policy.HeldModels`), on top of the retention rule:
 the embedded devnet keeps every retained step, a 0.5B-shape model (1.98 GB) only the one in use;
 a submission of another step loads its checkpoint from disk again (seconds) instead of doubling
 the validator's memory (``docs/validator.md``)."""
@@ -63,6 +64,7 @@ class ValidatorOptions:
     Attributes:
         data_dir: node data directory (checkpoints, ledger).
         data_root: directory of the public task sets, for named ``data.tasks``.
+        artifacts: fetched artifacts of the run (name → folder): ``tasks`` replaces ``data_root``.
         gossip: gossip settings (``None``: off).
         http_port: status port (``None``: no status server).
         spot: which submissions are checked in full (reputation-weighted spot checks,
@@ -75,6 +77,7 @@ class ValidatorOptions:
 
     data_dir: Path
     data_root: Path | None = None
+    artifacts: dict[str, Path] = field(default_factory=dict)
     gossip: GossipConfig | None = field(default_factory=GossipConfig)
     http_port: int | None = 0
     spot: SpotCheckPolicy = field(default_factory=SpotCheckPolicy)
@@ -99,16 +102,17 @@ class ValidatorNode:
         self.options = options
         self.data_dir = Path(options.data_dir)
         self.ingest_urls = [u.rstrip("/") for u in (options.ingest_urls or self.spec.network.ingest_urls)]
-        self.tasks = resolve_run_tasks(self.spec, options.data_root).train
-        self.ledger = Ledger(self.data_dir / "validator.sqlite")
+        self.tasks = resolve_run_tasks(self.spec, options.data_root, artifacts=options.artifacts).train
+        self.judgements = Judgements(self.data_dir / "validator.sqlite")
         self.follower = PolicyFollower(self.spec, self.data_dir / "checkpoints", GossipSources(lambda: self.gossip, self.spec))
         self.gossip: GossipNode | None = None
         self.judged_step = -1  # the newest policy step of a submission this validator judged
         self.tokenizer: Any = None
-        self._models: dict[int, torch.nn.Module] = {}  # loaded checkpoints, kept by protocol.window.retained_steps
+        self.models = HeldModels(self.spec.shardcast.keep_steps, self._load_model, max_bytes=MODEL_CACHE_BYTES)
+        """Loaded checkpoints (node/policy.py: the retention rule, bounded by MODEL_CACHE_BYTES)."""
         self.banned: set[str] = set()
         self._stop = asyncio.Event()
-        self.ingest = IngestClient(self.ingest_urls, timeout_s=60.0)
+        self.ingest = IngestClient(self.ingest_urls)  # node.timeouts.INGEST_REQUEST_TIMEOUT_S
         self._body_limits = submission_decode_limits(self.spec)
         self._lease_retry_after_s = 0.0
         self.state = "starting"
@@ -128,7 +132,7 @@ class ValidatorNode:
         self.status_server: StatusServer | None = None
         self._lease_backoff = Backoff(base_s=IDLE_POLL_S, max_s=LEASE_BACKOFF_MAX_S)
         self._lease_failures = FailureLog(logger, interval_s=FAILURE_LOG_INTERVAL_S)
-        self._resource_failures: OrderedDict[str, int] = OrderedDict()  # submission ID -> failed checks
+        self._resource_failures = ResourceFailures()
 
     async def start(self) -> None:
         await require_sandbox_for(self.tasks)  # code tasks only in a real sandbox: RewardError naming what to install
@@ -150,7 +154,7 @@ class ValidatorNode:
             await self.gossip.stop()
         if self.status_server is not None:
             await self.status_server.stop()
-        self.ledger.close()
+        self.judgements.close()
 
     async def run(self) -> None:
         """Lease, judge and report until stopped."""
@@ -202,30 +206,27 @@ class ValidatorNode:
         sid = env.id.hex()
         self.state = f"checking {sid[:12]} from {sub.worker[-8:]} (step {sub.policy_step})"
         # spot check: decided now, after the ingest stored the submission, from this validator's key
-        share = self.options.spot.share(self.ledger.verified(sub.worker))
+        share = self.options.spot.share(self.judgements.verified(sub.worker))
         full = selected(self.key.sign, env.id, share)
         if sub.worker in self.banned:
             result = CheckResult(False, "banned_worker", {})
         else:
             await self._prepare(sub.policy_step)
-            if sub.policy_step not in self._models:
+            if sub.policy_step not in self.models:
                 # no checkpoint, no judgement: our failure to fetch is no evidence about the worker,
                 # and with no checkpoint loaded nothing signed bounds the lease answer's trainer step
                 logger.warning("no checkpoint for step %d; leaving %s to a later lease", sub.policy_step, sid[:12])
                 return
-            checker = SubmissionChecker(self.spec, self.tasks, self.tokenizer, self._models.get, trainer_step=self._trainer_step,
-                                        counter_seen=self.ledger.counter_seen)
+            checker = SubmissionChecker(self.spec, self.tasks, self.tokenizer, self.models.get, trainer_step=self._trainer_step,
+                                        counter_seen=self.judgements.counter_seen)
             try:
                 result = await asyncio.to_thread(checker.check, env, full=full)
             except (MemoryError, OSError, RuntimeError) as e:
-                kind = _resource_failure(e)
+                kind = resource_failure(e)
                 if kind is None:
                     raise
-                failures = self._resource_failures.pop(sid, 0) + 1
-                self._resource_failures[sid] = failures
-                while len(self._resource_failures) > RESOURCE_FAILURES_KEPT:
-                    self._resource_failures.popitem(last=False)
-                if failures <= RESOURCE_RETRIES:
+                failures, later = self._resource_failures.failed(sid)
+                if later:
                     logger.warning("ran out of resources checking %s (%s: %s); leaving it to a later lease", sid[:12], kind, str(e)[:200])
                     return
                 result = CheckResult(False, "resources", {"error": kind, "failures": failures, "detail": str(e)[:200]})
@@ -238,7 +239,7 @@ class ValidatorNode:
             return
         if result.accepted:
             result.evidence.update({"check": "full" if full else "light", "share": round(share, 6)})
-        self.ledger.record(sub.worker, sub.counter, sid, result.reason, full=full)
+        self.judgements.record(sub.worker, sub.counter, sid, result.reason, full=full)
         self.checked += 1
         self.checked_by_depth["full" if full else "light"] += 1
         self.m_depth.labels("full" if full else "light").inc()
@@ -249,7 +250,7 @@ class ValidatorNode:
         self.m_seconds.observe(result.seconds)
         verdict = seal(self.key, self.signed.run_id, Verdict(
             submission_id=env.id, worker=sub.worker, policy_step=sub.policy_step, counter=sub.counter,
-            accepted=result.accepted, reason=result.reason, evidence={k: v for k, v in result.evidence.items()},
+            accepted=result.accepted, reason=result.reason, evidence={k: v for k, v in result.evidence.items()}, stats=result.stats,
         ))
         log = logger.info if result.accepted else logger.warning
         log("verdict %s on %s from %s (step %d, checked in %.2f s): %s %s", "accept" if result.accepted else "reject", sid[:12], sub.worker,
@@ -274,7 +275,7 @@ class ValidatorNode:
         the window judged here reaches at least as far back as the coordinator's (a submission it
         accepts that is stale by ``n`` is retired by the coordinator, never trained on), and it
         always covers the submission being judged, whose checkpoint is loaded (``p ≤ s``)."""
-        return max(self.follower.latest_step, max(self._models, default=-1))
+        return max(self.follower.latest_step, max(self.models.steps(), default=-1))
 
     def _on_announcement(self, env: Any) -> None:
         """A new step: note it, and fetch it now (submissions of it follow; only the files, the
@@ -282,21 +283,14 @@ class ValidatorNode:
         self.follower.note_step(env.body.step)
         self.follower.prefetch(env.body.step)
 
-    def _models_fitting(self) -> int:
-        """How many float32 models fit :data:`MODEL_CACHE_BYTES` (at least one: the model in use),
-        judged by a loaded one (before any is loaded: no bound)."""
-        if not self._models:
-            return 1 << 20
-        size = sum(p.numel() * p.element_size() for p in next(iter(self._models.values())).parameters())
-        return max(1, MODEL_CACHE_BYTES // max(1, size))
+    def _load_model(self, path: Path) -> torch.nn.Module:
+        """A checkpoint's model for prefill: float32 on the validator's device (blocking)."""
+        return load_model(path, torch.float32, self.options.device)
 
     async def _prepare(self, step: int) -> None:
-        """Load the checkpoint of ``step`` (fetching it through Shardcast) unless cached.
-
-        Models the retention rule drops, and beyond :meth:`_models_fitting` the oldest, are freed
-        before the new one is loaded, their heap pages handed back to the kernel (``node/memory.py``),
-        so no more than that many are ever in memory at once."""
-        if step in self._models:
+        """Load the checkpoint of ``step`` (fetching it through Shardcast) unless held
+        (:class:`node.policy.HeldModels`: the retention rule, within :data:`MODEL_CACHE_BYTES`)."""
+        if step in self.models:
             return
         if step > self.follower.latest_step:
             await self.follower.poll_latest()
@@ -305,23 +299,16 @@ class ValidatorNode:
         except FetchError as e:
             logger.warning("cannot fetch policy step %d: %s", step, e)
             return
-        fitting = self._models_fitting()
-        kept = retained_steps([*self._models, step], self.spec.shardcast.keep_steps, in_use=step)  # the held checkpoints' rule
-        others = sorted((s for s in kept if s != step), reverse=True)[: fitting - 1]
-        dropped = [s for s in self._models if s not in others]
-        for s in dropped:
-            del self._models[s]
-        if dropped:  # the dropped model's heap pages back to the kernel, or they sit beside the next one (node/memory.py)
-            await asyncio.to_thread(release_free_memory)
-        model = await asyncio.to_thread(load_model, path, torch.float32, self.options.device)
+        await asyncio.to_thread(self.models.hold, step, path)
         if self.tokenizer is None:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, path)
-        self._models[step] = model
 
     async def _post_verdict(self, verdict: bytes) -> None:
-        """Post a verdict to the ingest: up to 5 tries while it answers *retry* or not at all (backing
-        off, never sooner than its ``Retry-After``); a final refusal is logged and not retried."""
-        for attempt in range(5):
+        """Post a verdict to the ingest: up to :data:`VERDICT_TRIES` tries while it answers *retry*
+        or not at all, paced by :class:`node.retry.Backoff` (never sooner than its ``Retry-After``);
+        a final refusal is logged and not retried."""
+        backoff = Backoff(base_s=VERDICT_BACKOFF_BASE_S, max_s=VERDICT_BACKOFF_MAX_S)
+        for _ in range(VERDICT_TRIES):
             answer = await self.ingest.post_verdict(verdict)
             if answer.ok:
                 return
@@ -329,7 +316,7 @@ class ValidatorNode:
                 logger.warning("verdict refused by %s: %d %s", answer.url, answer.status, answer.detail[:200])
                 return
             logger.info("verdict post to %s not taken (%s): %s", answer.url or "no ingest", answer.code or "unreachable", answer.detail[:200])
-            await self._sleep(max(min(10.0, 0.5 * 2**attempt), answer.retry_after_s or 0.0))
+            await self._sleep(max(backoff.next_delay(), answer.retry_after_s or 0.0))
 
     def _on_ban_list(self, env: Any) -> None:
         if isinstance(env.body, BanList):
@@ -350,17 +337,8 @@ class ValidatorNode:
             "queue": self.queue,
             "latest_step": self.follower.latest_step,
             "judged_step": self.judged_step,
-            "reputation": self.ledger.reputation(),
+            "reputation": self.judgements.reputation(),
             "spot_checks": {"full_checks": self.options.spot.full_checks, "min_share": self.options.spot.min_share,
                             "checked": self.checked_by_depth},
         }
 
-
-def _resource_failure(e: BaseException) -> str | None:
-    """The name of the resource a check ran out of (memory, disk, descriptors), else ``None``
-    (a bug, which is no verdict's business: the lease expires)."""
-    if isinstance(e, (MemoryError, torch.OutOfMemoryError)):  # torch's (a RuntimeError): an accelerator's memory
-        return type(e).__name__
-    if isinstance(e, OSError) and e.errno in RESOURCE_ERRNOS:
-        return errno.errorcode.get(e.errno or 0, "OSError")
-    return None

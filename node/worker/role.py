@@ -12,11 +12,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from node.engine import Engine, create_engine
-from node.errors import FetchError
+from node.engine.fit import EnginePlan, ModelShape, Workload, plan_engine, smallest_machine
+from node.errors import FetchError, NodeError
+from node.lifecycle import require_sandbox_for, run_until_stopped, sleep_unless, start_status_server
 from node.p2p import GossipConfig, GossipNode
 from node.policy import POLL_INTERVAL_S, GossipSources, PolicyFollower
 from node.retry import Backoff, FailureLog
-from node.roles import require_sandbox_for, run_until_stopped, sleep_unless, start_status_server
 from node.status_http import StatusServer
 from node.worker.rollouts import BuildStats, build_submission
 from node.worker.spool import Spool
@@ -48,22 +49,35 @@ class WorkerOptions:
         engine: ``transformers`` or ``vllm``.
         device: ``cpu`` or ``cuda``.
         data_root: directory of the public task sets, for named ``data.tasks``.
+        artifacts: fetched artifacts of the run (name → folder): ``tasks`` replaces ``data_root``.
+        gpu_memory_share: the engine's share of the GPU (``--gpu-memory-share``); ``None``: planned.
+        max_batch: most sequences decoded at once (``--max-batch``); ``None``: planned.
         gossip: gossip settings (``None``: static sources only, from the run spec).
         http_port: status port (``None``: no status server).
         max_submissions: stop after this many submissions (``None``: run until stopped).
         ingest_urls: override of the run spec's ingest URLs.
         adversary: cheat on purpose (``node.worker.adversary``; devnet chaos mode), ``None`` when honest.
+        dtype: the engine's compute dtype, ``float32`` or ``bfloat16`` (``None``: the engine's default,
+            ``node.engine.create_engine``); the run spec's replay rule must tolerate it (``docs/toploc.md`` §6).
+        fp32_head: a bf16 transformers engine computes its logits with the float32 LM head.
+        steer_rate: the ``steer`` adversary's share of chances taken, in [0, 1].
     """
 
     data_dir: Path
     engine: str = "transformers"
     device: str = "cpu"
     data_root: Path | None = None
+    artifacts: dict[str, Path] = field(default_factory=dict)
+    gpu_memory_share: float | None = None
+    max_batch: int | None = None
     gossip: GossipConfig | None = field(default_factory=GossipConfig)
     http_port: int | None = 0
     max_submissions: int | None = None
     ingest_urls: list[str] = field(default_factory=list)
     adversary: str | None = None
+    dtype: str | None = None
+    fp32_head: bool = False
+    steer_rate: float = 1.0
 
 
 class Worker:
@@ -87,7 +101,8 @@ class Worker:
         self.submitter = Submitter(self.spool, options.ingest_urls or list(self.spec.network.ingest_urls), max_backoff_s=5.0)
         self.engine: Engine | None = None
         self.tokenizer: Any = None
-        self.tasks = resolve_run_tasks(self.spec, options.data_root).train
+        self.tasks = resolve_run_tasks(self.spec, options.data_root, artifacts=options.artifacts).train
+        self.plan: EnginePlan | None = None
         self.policy_step = -1
         self.state = "starting"
         self.submissions = 0
@@ -114,6 +129,9 @@ class Worker:
 
     async def start(self) -> None:
         await require_sandbox_for(self.tasks)  # code tasks only in a real sandbox: RewardError naming what to install
+        if self.options.dtype == "bfloat16" and self.spec.toploc.worker_dtype == "float32":
+            logger.warning("this run's tolerances are for float32 workers (toploc.worker_dtype): computing in bfloat16, this worker's "
+                           "submissions will be rejected and may get it banned; run with --dtype float32")
         if self.options.gossip is not None:
             self.gossip = await GossipNode.create(self.spec, self.key, self.options.gossip, role="worker")
             self.gossip.on_announcement(self._on_announcement)
@@ -247,13 +265,54 @@ class Worker:
             await self._sleep(self._late_backoff.next_delay())
             return False
 
+    def fp32_head(self) -> bool:
+        """Whether the engine takes its logits from the float32 head: asked for, or a bf16 engine in a run
+        whose tolerances were measured with float32 logits (``toploc.fp32_logits``; without them an
+        honest bf16 worker's noise is larger than the run's bounds and the audit's baseline)."""
+        return self.options.fp32_head or (self.options.dtype == "bfloat16" and self.spec.toploc.fp32_logits)
+
     def _load(self, path: Path) -> None:
         if self.engine is None:
             self.tokenizer = load_tokenizer(path)
-            self.engine = create_engine(self.options.engine, path, device=self.options.device)
+            self.plan = self._fit(path)
+            # vLLM pre-allocates its share, so it gets the plan's; torch's allocator is capped only at a share the operator set
+            share = self.plan.memory_share if self.options.engine == "vllm" else self.options.gpu_memory_share
+            engine = create_engine(self.options.engine, path, device=self.options.device, dtype=self.options.dtype,
+                                   fp32_head=self.fp32_head(), max_batch=self.plan.max_batch, gpu_memory_share=share,
+                                   max_model_len=self.plan.max_model_len)
+            if self.options.adversary:
+                from node.worker.adversary import adversary_engine
+
+                engine = adversary_engine(self.options.adversary, engine, path, steer_rate=self.options.steer_rate, seed=self.key.peer_id)
+            self.engine = engine
         else:
             self.engine.load_weights(path)
         logger.info("engine holds policy from %s", path)
+
+    def _fit(self, path: Path) -> EnginePlan:
+        """Size the engine for this machine (``node/engine/fit.py``) and say what was chosen.
+
+        Raises:
+            MachineTooSmall: the model and one sequence do not fit (naming the smallest machine that can).
+        """
+        import json
+
+        from node.machine import probe_machine
+
+        shape = ModelShape.from_config(json.loads((path / "config.json").read_text()), name=self.spec.model.base)
+        work = Workload(sequences=self.spec.data.tasks_per_submission * self.spec.rl.group_size,
+                        prompt_tokens=longest_prompt_tokens(self.tokenizer, self.tasks, self.spec),
+                        completion_tokens=self.spec.sampling.max_tokens)
+        device = "cuda" if self.options.device == "cuda" else "cpu"
+        plan = plan_engine(shape, probe_machine(use_torch=True), work, engine="vllm" if self.options.engine == "vllm" else "transformers",
+                           device=device, memory_share=self.options.gpu_memory_share, max_batch=self.options.max_batch,
+                           dtype=self.options.dtype, fp32_head=self.fp32_head())
+        if not plan.fits:
+            raise MachineTooSmall(f"this machine cannot run the run's model: {plan.reason}; the smallest machine that can: "
+                                  f"{smallest_machine(shape, work)}")
+        print(f"worker fits the machine: {plan.line()}", flush=True)
+        logger.info("engine plan: %s", plan.line())
+        return plan
 
     def _on_announcement(self, env: Envelope[Any]) -> None:
         self.follower.note_step(env.body.step)
@@ -291,13 +350,44 @@ class Worker:
             "submissions": self.submissions,
             "acked": self.submitter.acked,
             "refused": self.submitter.refused,
+            "displaced": self.submitter.displaced,  # the ingest's count: its place taken, no verdict (docs/protocol.md "Quotas")
             "spooled": len(self.spool.pending()),
             "spool_restart": self.spool_restart,
             "tokens": self.tokens,
             "tokens_per_s": round(self.tokens / self.generate_s, 1) if self.generate_s else 0.0,
             "verdicts": self.verdicts,
             "peers": len(self.gossip.peers) if self.gossip is not None else 0,
+            "engine_plan": self.plan.line() if self.plan is not None else None,
+            **self._adversary_status(),
         }
+
+    def _adversary_status(self) -> dict[str, Any]:
+        """``adversary`` (its kind) and, for ``steer``, ``steering`` (its running counts); nothing for an honest worker."""
+        if not self.options.adversary:
+            return {}
+        totals = getattr(self.engine, "totals", None)
+        return {"adversary": self.options.adversary, **({"steering": totals.to_json()} if totals is not None else {})}
+
+
+class MachineTooSmall(NodeError):
+    """The run's model does not fit this machine (the message names the smallest machine that can)."""
+
+
+PROMPT_MARGIN_TOKENS = 16
+"""Added to the longest measured prompt: the length-control line and template vary by a few tokens."""
+PROMPTS_MEASURED = 64
+"""Prompts tokenized to bound the longest (the longest by characters; tokens follow characters closely)."""
+
+
+def longest_prompt_tokens(tokenizer: Any, tasks: list[Any], spec: Any) -> int:
+    """An upper estimate of the longest prompt a worker will encode, tokens: the exact encoding
+    (:func:`protocol.rollout.encode_prompt`, with the longest target length) of the
+    :data:`PROMPTS_MEASURED` longest prompts by characters, plus :data:`PROMPT_MARGIN_TOKENS`."""
+    from protocol.rollout import encode_prompt
+
+    target = max(spec.sampling.target_lengths, default=None)
+    longest = sorted(tasks, key=lambda t: len(t.prompt), reverse=True)[:PROMPTS_MEASURED]
+    return max((len(encode_prompt(tokenizer, t, target)) for t in longest), default=0) + PROMPT_MARGIN_TOKENS
 
 
 def _steps(steps: list[int]) -> str:
@@ -306,19 +396,38 @@ def _steps(steps: list[int]) -> str:
 
 
 def run_worker_from_args(args: Any) -> int:
-    """``join --role worker``: load spec and key, run a :class:`Worker` until SIGINT/SIGTERM."""
-    from node.cli import gossip_config, load_key, load_spec
+    """``join --role worker``: open the run (address or spec), load the key, run a :class:`Worker`
+    until SIGINT/SIGTERM. Exit 1 with one line when the model does not fit this machine."""
+    from node.cli import CliError, gossip_config, load_key, open_run_arg
     from node.paths import default_data_dir
+    from protocol.artifacts import TASKS_ARTIFACT
 
-    signed = load_spec(args.run)
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    if args.gpu_memory_share is not None and not 0.0 < args.gpu_memory_share <= 0.95:
+        raise CliError("--gpu-memory-share must be in (0, 0.95]")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise CliError("--max-batch must be at least 1")
+    joined = open_run_arg(args, data_dir, artifacts=() if args.data_root else (TASKS_ARTIFACT,))  # before anything is written
+    signed = joined.signed
     key = load_key(args.key, str(data_dir), create=True)
     gossip = gossip_config(args)
-    options = WorkerOptions(
-        data_dir=data_dir, engine=args.engine, device=args.device, data_root=Path(args.data_root) if args.data_root else None,
-        gossip=gossip, http_port=args.http_port, max_submissions=args.max_submissions, ingest_urls=list(args.ingest_url),
-        adversary=args.adversary,
-    )
+    device = args.device
+    if device == "auto":
+        import torch
 
-    asyncio.run(run_until_stopped(Worker(signed, key, options), f"worker {key.peer_id}"))
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    ingest = list(args.ingest_url) or ([] if signed.spec.network.ingest_urls else joined.http_urls)
+    options = WorkerOptions(
+        data_dir=data_dir, engine=args.engine, device=device, data_root=Path(args.data_root) if args.data_root else None,
+        artifacts=joined.artifacts, gpu_memory_share=args.gpu_memory_share, max_batch=args.max_batch,
+        gossip=gossip, http_port=args.http_port, max_submissions=args.max_submissions, ingest_urls=ingest, adversary=args.adversary,
+        dtype=args.dtype, fp32_head=args.fp32_logits, steer_rate=args.steer_rate,
+    )
+    try:
+        asyncio.run(run_until_stopped(Worker(signed, key, options), f"worker {key.peer_id}"))
+    except MachineTooSmall as e:
+        import sys
+
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0

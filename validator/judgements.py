@@ -1,5 +1,7 @@
-"""The validator's memory: which (worker, counter) pairs it has judged, each worker's reputation, and
-its verified history for spot checks (:mod:`validator.spot`)."""
+"""What a validator judged, remembered across restarts: which (worker, counter) pairs it has judged
+(its replay check), each worker's reputation, and its verified history for spot checks
+(:mod:`validator.spot`). Not the coordinator's submission ledger (``trainer/ledger/``): a
+validator's own record of its judgements."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ CREATE TABLE IF NOT EXISTS history (
 """
 
 
-class Ledger:
+class Judgements:
     """Judged submissions, per-worker verdict counts and verified history, in SQLite under ``path``
     (survives restarts).
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from node import __version__
-from node.cli import CliError, gossip_config, load_key, load_spec
+from node.cli import CliError, gossip_config, load_key, open_run_arg
 from node.errors import NodeError
 from node.p2p import GossipConfig, GossipNode
 from node.p2p.follow import follow_relay
@@ -22,7 +22,7 @@ from node.paths import default_data_dir
 from node.shardcast.relay import Relay, RelayConfig
 from node.shardcast.store import ShardcastStore
 from protocol.identity import NodeKey, PeerId
-from protocol.runspec import SignedRunSpec
+from protocol.runspec import SignedRunSpec, dump_run_spec
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +53,17 @@ async def run_relay(
         public_url: URL other nodes reach this relay at (default: ``http://host:port``; set it
             when serving on ``0.0.0.0``).
 
-    ``GET /status`` on the Shardcast port answers the relay's JSON status (:func:`relay_status`).
+    ``GET /status`` on the Shardcast port answers the relay's JSON status (:func:`relay_status`),
+    ``GET /run/1/spec`` the signed spec. The artifacts the spec pins (``[artifacts]``) are mirrored
+    and served like steps (``docs/shardcast.md`` §10).
     """
     spec = signed.spec
     store = await asyncio.to_thread(
         ShardcastStore, data_dir, run_id=signed.run_id, authorities=spec.authorities, keep_steps=spec.shardcast.keep_steps
     )
     relay = Relay(store, RelayConfig(host=host, port=port, upstreams=tuple(upstreams), origins=tuple(spec.network.origin_urls),
-                                     peer_id=key.peer_id))
+                                     peer_id=key.peer_id, artifacts=tuple(bytes.fromhex(a) for a in spec.artifacts.values())))
+    relay.server.run_spec = dump_run_spec(signed).encode()  # newcomers may fetch the signed spec from any relay (run address)
     started = time.monotonic()
     node: GossipNode | None = None
     relay.server.status = lambda: relay_status(relay, key.peer_id, public_url or relay.url, started,
@@ -114,9 +117,9 @@ def relay_status(relay: Relay, peer_id: PeerId, url: str, started_s: float, *, g
 
 
 def run_relay_from_args(args: argparse.Namespace) -> int:
-    """``join --role relay``: load spec and key, then :func:`run_relay`."""
-    signed = load_spec(args.run)
+    """``join --role relay``: open the run (address or spec), load the key, then :func:`run_relay`."""
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    signed = open_run_arg(args, data_dir).signed  # before anything is written
     key = load_key(args.key, str(data_dir), create=True)
     if not 0 <= args.http_port <= 65535:
         raise CliError("--http-port must be 0…65535")

@@ -1,9 +1,10 @@
-"""Node roles: each wires components (Shardcast, gossip, inference…) into one process.
+"""The life every role process shares: :func:`run_until_stopped` (start → run → stop, a signal
+stops it), :func:`sleep_unless`, and the start-up steps of the scoring roles
+(:func:`require_sandbox_for`, :func:`start_status_server`).
 
-* :mod:`.relay` — :func:`run_relay`, a Shardcast relay (or the origin when it has no upstream).
-* :mod:`.worker` — :class:`Worker`; :mod:`.validator` — :class:`ValidatorNode`.
-* :func:`run_until_stopped` — the common start/run/stop life of a role process;
-  :func:`require_sandbox_for` and :func:`start_status_server`, the start-up steps every scoring role shares.
+Every role has one layout: a package ``node/<role>/`` whose ``role.py`` wires its parts, which sit
+beside it — ``node/coordinator/`` (``intellect-train``), ``node/worker/``, ``node/validator/``,
+``node/relay/`` (``docs/architecture.md`` "Processes and their insides").
 """
 
 import asyncio

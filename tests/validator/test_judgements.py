@@ -1,4 +1,4 @@
-"""Ledger: replay memory, reputation counts, persistence across restarts."""
+"""Judgements (a validator's record of what it judged): replay memory, reputation counts, persistence across restarts."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from validator.ledger import Ledger
+from validator.judgements import Judgements
 
 A = "12D3KooWworkerA"
 B = "12D3KooWworkerB"
@@ -14,12 +14,12 @@ B = "12D3KooWworkerB"
 
 @pytest.fixture
 def ledger(tmp_path: Path):
-    led = Ledger(tmp_path / "sub" / "validator.sqlite")  # parent directories are created
+    led = Judgements(tmp_path / "sub" / "validator.sqlite")  # parent directories are created
     yield led
     led.close()
 
 
-def test_replay_is_a_counter_reused_by_another_submission(ledger: Ledger) -> None:
+def test_replay_is_a_counter_reused_by_another_submission(ledger: Judgements) -> None:
     assert not ledger.counter_seen(A, 0, "s1")
     ledger.record(A, 0, "s1", "ok")
     assert not ledger.counter_seen(A, 0, "s1")  # the same submission judged again is no replay
@@ -31,13 +31,13 @@ def test_replay_is_a_counter_reused_by_another_submission(ledger: Ledger) -> Non
     assert ledger.counter_seen(B, 5, "s4")
 
 
-def test_already_judged_returns_the_first_reason(ledger: Ledger) -> None:
+def test_already_judged_returns_the_first_reason(ledger: Judgements) -> None:
     assert ledger.already_judged("s1") is None
     ledger.record(A, 0, "s1", "sampling")
     assert ledger.already_judged("s1") == "sampling"
 
 
-def test_reputation_counts_by_reason(ledger: Ledger) -> None:
+def test_reputation_counts_by_reason(ledger: Judgements) -> None:
     for i in range(3):
         ledger.record(A, i, f"a{i}", "ok")
     ledger.record(A, 3, "a3", "stale_policy")
@@ -46,7 +46,7 @@ def test_reputation_counts_by_reason(ledger: Ledger) -> None:
     assert ledger.reputation() == {A: {"ok": 3, "stale_policy": 1}, B: {"toploc": 1, "ok": 1}}
 
 
-def test_a_submission_judged_again_counts_once(ledger: Ledger) -> None:
+def test_a_submission_judged_again_counts_once(ledger: Judgements) -> None:
     """A re-leased submission (lease expired, validator restarted) must not inflate the counts."""
     ledger.record(A, 0, "s1", "toploc")
     ledger.record(A, 0, "s1", "toploc")
@@ -55,11 +55,11 @@ def test_a_submission_judged_again_counts_once(ledger: Ledger) -> None:
 
 def test_ledger_survives_a_restart(tmp_path: Path) -> None:
     path = tmp_path / "validator.sqlite"
-    led = Ledger(path)
+    led = Judgements(path)
     led.record(A, 0, "s1", "ok")
     led.record(A, 1, "s2", "replay")
     led.close()
-    led = Ledger(path)
+    led = Judgements(path)
     try:
         assert led.counter_seen(A, 0, "other")
         assert led.reputation() == {A: {"ok": 1, "replay": 1}}

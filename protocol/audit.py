@@ -1,0 +1,279 @@
+"""The per-worker audit: a sequential test of a worker's replay statistics against honest rates.
+
+One submission cannot tell a worker that steers its tokens inside the replay's window (it reads
+the seeded uniforms and emits, where the rule admits it, the token it prefers) from a worker whose
+bf16 arithmetic moved a CDF edge; many submissions can. Each deciding verdict carries
+:class:`~protocol.messages.ReplayStats`: counts of *events* (a token that differs from the
+validator's replay, one whose gap exceeds a fixed fraction of the tolerance, a log-prob or TOPLOC
+chunk beyond its bound) out of their *trials* (tokens, chunks). For an honest worker each event
+has some small rate ``p_e``; the coordinator measures an upper bound ``p0_e`` of it on honest
+reference submissions of its own (calibration, :class:`Baseline`). A steering worker raises some
+rate above it.
+
+**The test** (``audit.rule = "eprocess-v1"``, ``docs/toploc.md`` §11): for every event ``e`` and
+alternative ``p1 = r · p0_e``, ``r ∈`` :data:`ALTERNATIVES`, the likelihood ratio of the worker's
+counts, ``Π (p1 / p0)^k ((1 − p1) / (1 − p0))^(n − k)`` over its verdicts, is a test martingale
+(its expectation is ≤ 1 at every verdict) whenever the worker's true rate is ≤ ``p0_e``; so is
+the average ``E`` of all of them (a mixture). Ville's inequality: an honest worker's ``E`` ever
+reaches ``1 / α`` with probability ≤ ``α`` (``audit.false_alarm``), over the whole run, however
+long, however often it is looked at. A worker whose ``E`` reaches it is flagged. ``p0_e`` may
+change between verdicts (a new calibration); each factor uses the bound current when its verdict
+is counted, which keeps the product a supermartingale.
+
+What the guarantee rests on, stated: honest workers' event rates, given what came before, are
+at most the calibrated bounds. The calibration runs the honest worker's code in the run's
+worker dtype on the current policy (``node/coordinator/calibrate.py``) and bounds each rate by
+a one-sided Chernoff bound at level ``audit.baseline_confidence`` (:func:`rate_upper_bound`,
+pooled over the newest ``audit.calibration_window_steps`` policy steps); workers whose hardware
+computes differently from the calibration (another GPU kernel) must be covered by it, which is
+what ``spec init --measure-precision`` on the workers' kind of machine checks
+(``docs/operators.md``).
+
+Pure arithmetic on counts (no I/O): the coordinator's ledger keeps the state
+(``trainer/ledger/audit.py``); anyone holding the signed verdicts and the calibration counts can
+recompute every step (:func:`replay_evidence`).
+
+Source: test martingales and mixtures of likelihood ratios — Ville (1939); Ramdas, Grünwald,
+Vovk & Shafer, "Game-theoretic statistics and safe anytime-valid inference" (Statist. Sci.
+2023), §3–§4. The Chernoff bound: Hoeffding (1963), Thm. 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from protocol.messages import ReplayStats
+
+__all__ = [
+    "ALTERNATIVES",
+    "AuditState",
+    "Baseline",
+    "Flag",
+    "event_counts",
+    "rate_upper_bound",
+]
+
+ALTERNATIVES = (2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
+"""Ratios ``r`` of the alternative rates ``p1 = r · p0`` the mixture bets on: a worker whose event
+rate is ``r`` times the honest bound grows its factor fastest near that ``r``, and averaging over
+ten of them costs ``ln 10`` ≈ 2.3 nats of evidence against knowing ``r``."""
+
+TOKEN_EVENTS = ("differ", "gap_over_0", "gap_over_1", "gap_over_2", "gap_over_3", "gap_over_4", "impossible", "logprob_over")
+"""Events per replayed token (``gap_over_i``: the gap beyond ``GAP_EDGE_FRACTIONS[i]`` of the tolerance)."""
+CHUNK_EVENTS = ("chunks_over",)
+"""Events per TOPLOC chunk."""
+EVENTS = TOKEN_EVENTS + CHUNK_EVENTS
+
+
+def event_counts(stats: ReplayStats) -> dict[str, tuple[int, int]]:
+    """Each event's ``(count, trials)`` in one verdict's statistics (events: :data:`EVENTS`).
+
+    A ``gap_over`` list shorter than the edges counts 0 for the missing edges (a validator of
+    another rule version binned fewer; it then says nothing about them).
+    """
+    over = list(stats.gap_over) + [0] * (5 - len(stats.gap_over))
+    out = {"differ": (stats.differ, stats.tokens), "impossible": (stats.impossible, stats.tokens),
+           "logprob_over": (stats.logprob_over, stats.tokens), "chunks_over": (stats.chunks_over, stats.chunks)}
+    for i in range(5):
+        out[f"gap_over_{i}"] = (over[i], stats.tokens)
+    return out
+
+
+def _kl(q: float, p: float) -> float:
+    """Bernoulli KL divergence ``KL(q ‖ p)``, nats."""
+    a = q * math.log(q / p) if q > 0 else 0.0
+    b = (1 - q) * math.log((1 - q) / (1 - p)) if q < 1 else 0.0
+    return a + b
+
+
+def rate_upper_bound(count: int, trials: int, confidence: float) -> float:
+    """An upper bound on a Bernoulli rate from ``count`` events in ``trials``, wrong with probability ≤ ``confidence``.
+
+    The largest ``p ≥ count / trials`` with ``trials · KL(count / trials ‖ p) ≤ ln(1 / confidence)``
+    (Chernoff–Hoeffding: ``P(Binom(n, p) ≤ k) ≤ exp(−n KL(k/n ‖ p))`` for ``k/n ≤ p``), a little
+    more conservative than the Clopper–Pearson bound; found by bisection to 1e-12.
+
+    Args:
+        count: events seen (0 … ``trials``).
+        trials: trials (0: the bound is 1, nothing is known).
+        confidence: in (0, 1).
+
+    Returns:
+        The bound, in ``(0, 1]``.
+
+    Raises:
+        ValueError: counts out of range or ``confidence`` outside (0, 1).
+    """
+    if not (0 <= count <= trials) or not 0.0 < confidence < 1.0:
+        raise ValueError(f"need 0 ≤ count ≤ trials and confidence in (0, 1), got {count}, {trials}, {confidence}")
+    if trials == 0:
+        return 1.0
+    q = count / trials
+    budget = math.log(1.0 / confidence) / trials
+    lo, hi = q, 1.0
+    if _kl(q, 1.0 - 1e-15) <= budget:
+        return 1.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if _kl(q, mid) <= budget:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-12:
+            break
+    return hi
+
+
+@dataclass
+class Baseline:
+    """The honest event rates' upper bounds, from calibration counts pooled over recent policy steps.
+
+    Attributes:
+        confidence: the one-sided level of :func:`rate_upper_bound` (``audit.baseline_confidence``).
+        window_steps: how many of the newest policy steps' calibrations are pooled
+            (``audit.calibration_window_steps``).
+        by_step: policy step → event → ``(count, trials)`` of that step's calibration submissions.
+    """
+
+    confidence: float
+    window_steps: int
+    by_step: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
+
+    def add(self, step: int, stats: ReplayStats) -> None:
+        """Count one honest reference submission's statistics at policy ``step``."""
+        acc = self.by_step.setdefault(step, {})
+        for name, (k, n) in event_counts(stats).items():
+            k0, n0 = acc.get(name, (0, 0))
+            acc[name] = (k0 + k, n0 + n)
+        for old in sorted(self.by_step)[: -self.window_steps]:
+            del self.by_step[old]
+
+    def pooled(self) -> dict[str, tuple[int, int]]:
+        """Each event's ``(count, trials)`` over the window."""
+        out: dict[str, tuple[int, int]] = {}
+        for acc in self.by_step.values():
+            for name, (k, n) in acc.items():
+                k0, n0 = out.get(name, (0, 0))
+                out[name] = (k0 + k, n0 + n)
+        return out
+
+    def tokens(self) -> int:
+        """Replayed tokens in the window."""
+        return self.pooled().get("differ", (0, 0))[1]
+
+    def bounds(self) -> dict[str, float]:
+        """Each event's honest-rate upper bound ``p0`` (1 where nothing was measured)."""
+        pooled = self.pooled()
+        return {name: rate_upper_bound(*pooled.get(name, (0, 0)), self.confidence) for name in EVENTS}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """Why a worker was flagged: the evidence a ban cites.
+
+    Attributes:
+        e_value: the mixture's value when it reached the threshold.
+        threshold: ``1 / audit.false_alarm``.
+        event: the event whose components carry most of it.
+        count, trials: the worker's totals of that event.
+        p0: the honest bound of that event at the flagging verdict.
+        verdicts: verdicts counted.
+        tokens: tokens counted.
+    """
+
+    e_value: float
+    threshold: float
+    event: str
+    count: int
+    trials: int
+    p0: float
+    verdicts: int
+    tokens: int
+
+    def detail(self) -> str:
+        """One line for a ban entry (≤ 200 characters)."""
+        return (f"audit e-value {self.e_value:.3g} ≥ {self.threshold:.3g} after {self.verdicts} verdicts / {self.tokens} tokens: "
+                f"{self.event} {self.count}/{self.trials} vs honest ≤ {self.p0:.3g}")[:200]
+
+
+@dataclass
+class AuditState:
+    """One worker's test: the log-value of every mixture component and the worker's event totals.
+
+    Attributes:
+        log_wealth: ``(event, r)`` → log of that likelihood-ratio martingale (0 at start).
+        totals: event → the worker's ``(count, trials)`` counted so far.
+        verdicts: verdicts counted.
+    """
+
+    log_wealth: dict[str, float] = field(default_factory=dict)
+    totals: dict[str, tuple[int, int]] = field(default_factory=dict)
+    verdicts: int = 0
+
+    def observe(self, stats: ReplayStats, p0: Mapping[str, float]) -> None:
+        """Count one verdict's statistics against the honest bounds ``p0`` current now."""
+        self.verdicts += 1
+        for name, (k, n) in event_counts(stats).items():
+            k0, n0 = self.totals.get(name, (0, 0))
+            self.totals[name] = (k0 + k, n0 + n)
+            p = p0.get(name, 1.0)
+            if n == 0 or not 0.0 < p < 1.0:
+                continue
+            for r in ALTERNATIVES:
+                p1 = r * p
+                if p1 >= 1.0:
+                    continue  # this alternative bets nothing on this verdict (a factor of 1)
+                key = f"{name}@{r:g}"
+                step = k * math.log(p1 / p) + (n - k) * math.log1p(-p1) - (n - k) * math.log1p(-p)
+                self.log_wealth[key] = self.log_wealth.get(key, 0.0) + step
+
+    def log_e_value(self) -> float:
+        """Log of the mixture ``E``: the average over all :data:`EVENTS` × :data:`ALTERNATIVES` components."""
+        n = len(EVENTS) * len(ALTERNATIVES)
+        logs = [self.log_wealth.get(f"{e}@{r:g}", 0.0) for e in EVENTS for r in ALTERNATIVES]
+        top = max(logs)
+        return top + math.log(sum(math.exp(x - top) for x in logs) / n)
+
+    def flag(self, false_alarm: float, p0: Mapping[str, float]) -> Flag | None:
+        """A :class:`Flag` when ``E ≥ 1 / false_alarm``, else ``None``."""
+        log_e = self.log_e_value()
+        if log_e < math.log(1.0 / false_alarm):
+            return None
+        best = max(self.log_wealth, key=lambda key: self.log_wealth[key])
+        event = best.split("@", 1)[0]
+        k, n = self.totals.get(event, (0, 0))
+        tokens = self.totals.get("differ", (0, 0))[1]
+        return Flag(math.exp(min(log_e, 700.0)), 1.0 / false_alarm, event, k, n, p0.get(event, 1.0), self.verdicts, tokens)
+
+    def to_json(self) -> dict[str, object]:
+        """A JSON-safe copy (persistence)."""
+        return {"log_wealth": dict(self.log_wealth), "totals": {k: list(v) for k, v in self.totals.items()}, "verdicts": self.verdicts}
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, object]) -> AuditState:
+        """The inverse of :meth:`to_json` (the coordinator's own file; raises ``KeyError``/``TypeError`` on a damaged one)."""
+        lw = doc["log_wealth"]
+        totals = doc["totals"]
+        assert isinstance(lw, dict) and isinstance(totals, dict)
+        return cls({str(k): float(v) for k, v in lw.items()}, {str(k): (int(v[0]), int(v[1])) for k, v in totals.items()},
+                   int(doc["verdicts"]))  # type: ignore[call-overload]
+
+
+def replay_evidence(verdicts: Iterable[tuple[ReplayStats, Mapping[str, float]]], false_alarm: float) -> tuple[AuditState, Flag | None]:
+    """Recompute a worker's test from its verdicts' statistics, each with the bounds that applied
+    when it was counted: the audit's evidence is reproducible from signed verdicts and calibration
+    counts alone. Returns the final state and the first flag (``None`` if never flagged)."""
+    state = AuditState()
+    first: Flag | None = None
+    for stats, p0 in verdicts:
+        state.observe(stats, p0)
+        if first is None:
+            first = state.flag(false_alarm, p0)
+    return state, first
+
+
+def rates(totals: Mapping[str, tuple[int, int]], events: Sequence[str] = EVENTS) -> dict[str, float]:
+    """Observed rates ``count / trials`` per event (0 where nothing was counted)."""
+    return {e: (totals[e][0] / totals[e][1] if e in totals and totals[e][1] else 0.0) for e in events}

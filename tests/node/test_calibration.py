@@ -1,0 +1,60 @@
+"""The coordinator's audit calibration: honest reference submissions in the run's worker dtype, checked
+by the validators' pipeline, fill the baseline (a burst at the first step until the audit may flag)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from node.coordinator.base import EMBEDDED_BASE_DIR
+from node.coordinator.calibrate import AuditCalibration, worker_engine
+from node.devnet.config import EMBEDDED_RL, EMBEDDED_SAMPLING
+from protocol.dataset import resolve_tasks
+from protocol.identity import NodeKey
+from protocol.models import load_model, load_tokenizer
+from protocol.runspec import AuditSpec, DataSpec, ModelSpec, RunInfo, RunSpec, ToplocSpec
+from trainer.ledger.audit import WorkerAudit
+
+COORD = NodeKey.from_seed(b"c" * 32)
+
+
+def spec(audit: AuditSpec) -> RunSpec:
+    toploc = ToplocSpec(replay_rule="logit-bound-v2", replay_logit_bound=2.0, worker_dtype="bfloat16", fp32_logits=True,
+                        logprob_max_abs=3.0, logprob_mean_abs=1.0, max_mant_err_mean=20.0, max_mant_err_median=16.0,
+                        max_near_tie_fraction=0.2)
+    return RunSpec(run=RunInfo(coordinator=COORD.peer_id, seed=2), model=ModelSpec(hidden_size=128, dtype="bfloat16"),
+                   data=DataSpec(tasks_per_submission=2), sampling=EMBEDDED_SAMPLING, rl=EMBEDDED_RL, toploc=toploc, audit=audit)
+
+
+@pytest.mark.slow
+def test_calibration_fills_the_baseline_with_honest_bf16_reference_submissions(tmp_path: Path) -> None:
+    s = spec(AuditSpec(rule="eprocess-v1", calibration_submissions=1, min_calibration_tokens=600))
+    audit = WorkerAudit(s.audit, tmp_path / "audit.sqlite")
+    tok = load_tokenizer(EMBEDDED_BASE_DIR)
+    policy = load_model(EMBEDDED_BASE_DIR)
+    cal = AuditCalibration(s, s.run_id, resolve_tasks("embedded").train, lambda: tok, lambda step: EMBEDDED_BASE_DIR,
+                           lambda step: policy, audit)
+    assert cal.enabled and not audit.ready()
+    first = cal.calibrate(0)
+    assert first > 1 and audit.ready() and audit.baseline.tokens() >= 600  # the burst: more than the step's share, until ready
+    assert cal.outcomes["ok"] == sum(cal.outcomes.values())  # honest reference work passes the run's own tolerances
+    second = cal.calibrate(1)
+    assert second == 1 and sorted(audit.baseline.by_step) == [0, 1]
+    bounds = audit.baseline.bounds()
+    assert 0 < bounds["gap_over_4"] < bounds["differ"] < 1
+    assert cal.status() == {"steps": 2, "submissions": first + second, "by_reason": dict(cal.outcomes)}
+    # the reference engine computes as the spec says honest workers do: bf16 with float32 logits
+    engine = worker_engine(s, EMBEDDED_BASE_DIR)
+    assert str(engine.compute_dtype) == "torch.bfloat16" and engine.head_fp32 is not None
+    audit.close()
+
+
+def test_no_calibration_without_the_audit(tmp_path: Path) -> None:
+    s = spec(AuditSpec())
+    audit = WorkerAudit(s.audit, tmp_path / "audit.sqlite")
+    cal = AuditCalibration(s, s.run_id, [], lambda: None, lambda step: None, lambda step: None, audit)
+    cal.published(0)  # nothing to do: no thread is started
+    assert not cal.enabled and cal._thread is None
+    cal.close()
+    audit.close()

@@ -1,0 +1,125 @@
+"""The coordinator's per-worker audit in the ledger: verdicts' replay statistics are counted, a worker
+whose statistics are beyond honest compute's is banned with reason ``audit`` and its untrained work
+withdrawn, an honest one is not, nothing is flagged before the baseline is measured, and the state
+and evidence survive a restart."""
+
+from __future__ import annotations
+
+import json
+
+from protocol.audit import replay_evidence
+from protocol.envelope import open_envelope, seal
+from protocol.identity import NodeKey
+from protocol.messages import ReplayStats, Rollout, Submission, SubmissionTask, Verdict
+from protocol.runspec import AuditSpec, RunInfo, RunSpec
+from protocol.verdicts import AUDIT_BAN_REASON
+from trainer.ingest.service import open_ingest
+from trainer.ledger import State
+
+COORD = NodeKey.from_seed(b"c" * 32)
+VALIDATOR = NodeKey.from_seed(b"v" * 32)
+SPEC = RunSpec(run=RunInfo(coordinator=COORD.peer_id, validators=[VALIDATOR.peer_id], seed=1),
+               audit=AuditSpec(rule="eprocess-v1", min_calibration_tokens=10_000))
+RUN = SPEC.run_id
+
+
+def submission(worker: NodeKey, counter: int) -> bytes:
+    r = Rollout(task=0, sample=0, seed=1, prompt_ids=b"\x01\x00\x00\x00", completion_ids=b"\x02\x00\x00\x00" * 4,
+                logprobs=b"\x00\x00\x00\x00" * 4, finish="length", task_reward=0.0, reward=0.0, proofs=[b"\x00" * 258])
+    body = Submission(worker=worker.peer_id, policy_step=0, counter=counter, tasks=[SubmissionTask(task_index=0, problem_id="p0", target_length=0)],
+                      rollouts=[r])
+    return seal(worker, RUN, body)
+
+
+def verdict(sub: bytes, stats: ReplayStats, accepted: bool = True, reason: str = "ok") -> bytes:
+    env = open_envelope(sub, run_id=RUN, expect=Submission)
+    return seal(VALIDATOR, RUN, Verdict(submission_id=env.id, worker=env.body.worker, policy_step=0, counter=env.body.counter,
+                                        accepted=accepted, reason=reason, stats=stats))
+
+
+HONEST = ReplayStats(tokens=200, differ=1, gap_over=[0, 0, 0, 0, 0], chunks=8)
+STEERED = ReplayStats(tokens=200, differ=40, gap_over=[40, 38, 30, 18, 0], chunks=8)
+
+
+def open_coordinator(root):
+    return open_ingest(root, SPEC, COORD, trainer_step=lambda: 0, latest_policy_step=lambda: 0)
+
+
+def calibrate(service, tokens: int) -> None:
+    for step in range(tokens // 2000):
+        service.ban_rule.audit.calibrate(step, ReplayStats(tokens=2000, differ=6, gap_over=[1, 0, 0, 0, 0], chunks=80))
+
+
+def test_a_steering_worker_is_banned_by_the_audit_and_its_untrained_work_withdrawn(tmp_path) -> None:
+    service = open_coordinator(tmp_path)
+    ledger, audit = service.ledger, service.ban_rule.audit
+    honest, steerer = NodeKey.generate(), NodeKey.generate()
+    calibrate(service, 20_000)
+    assert audit.ready()
+    for counter in range(30):  # honest work: never flagged
+        sub = submission(honest, counter)
+        assert ledger.store.add(open_envelope(sub, run_id=RUN, expect=Submission))
+        assert service.apply_verdict(verdict(sub, HONEST))
+    assert not ledger.bans.is_banned(honest.peer_id)
+    held = []
+    for i in range(30):  # the steerer's accepted work waits untrained; its next is still pending
+        sub = submission(steerer, i)
+        assert ledger.store.add(open_envelope(sub, run_id=RUN, expect=Submission))
+        held.append(open_envelope(sub, run_id=RUN, expect=Submission).id.hex())
+        service.apply_verdict(verdict(sub, STEERED))
+        if ledger.bans.is_banned(steerer.peer_id):
+            break
+    assert ledger.bans.is_banned(steerer.peer_id), audit.status()
+    entry = next(e for e in ledger.bans.entries() if e.peer_id == steerer.peer_id)
+    assert entry.reason == AUDIT_BAN_REASON and entry.evidence[0].by == COORD.peer_id and "e-value" in entry.evidence[0].detail
+    flagged_after = len(held)
+    assert flagged_after <= 5  # 40 of 200 tokens beyond a quarter of the bound: a few verdicts
+    states = {ledger.get(sid).state for sid in held}
+    assert states == {State.REJECTED}  # withdrawn: no step trained them
+    assert "accepted" not in ledger.store.worker_stats()[steerer.peer_id]  # non-zero counts only
+    # the evidence recomputes the flag
+    rows = audit.evidence(steerer.peer_id)
+    assert len(rows) == flagged_after and rows[-1]["verdict_id"] == entry.verdict_id.hex()
+    _, flag = replay_evidence([(ReplayStats.model_validate(r["stats"]), r["bounds"]) for r in rows], SPEC.audit.false_alarm)
+    assert flag is not None and flag.detail() == entry.evidence[0].detail
+    status = service.status()["audit"]
+    assert status["ready"] and status["workers"][steerer.peer_id]["flagged"] and not status["workers"][honest.peer_id]["flagged"]
+    service.close()
+    ledger.close()
+    # a restarted coordinator keeps the baseline, the states and the flag
+    again = open_coordinator(tmp_path)
+    assert again.ban_rule.audit.ready() and again.ban_rule.audit.flagged(steerer.peer_id) is not None
+    assert len(again.ban_rule.audit.evidence(honest.peer_id)) == 30
+    again.close()
+    again.ledger.close()
+
+
+def test_verdicts_before_the_baseline_is_measured_are_kept_and_counted_once_it_is(tmp_path) -> None:
+    """Below ``audit.min_calibration_tokens`` of calibration the audit flags no one and bets nothing;
+    the verdicts are kept, and the worker's next verdict once the baseline is ready counts them all,
+    in order, against the bounds then (the bounds come from the coordinator's reference work, not the
+    worker's, so counting them late keeps the guarantee); the rule ``none`` counts nothing."""
+    service = open_coordinator(tmp_path)
+    calibrate(service, 4000)
+    w = NodeKey.generate()
+    subs = [submission(w, i) for i in range(21)]
+    for sub in subs:
+        assert service.ledger.store.add(open_envelope(sub, run_id=RUN, expect=Submission))
+    for sub in subs[:20]:
+        service.apply_verdict(verdict(sub, STEERED))
+    audit = service.ban_rule.audit
+    assert not service.ledger.bans.is_banned(w.peer_id) and not audit.ready() and audit.evidence(w.peer_id) == []
+    calibrate(service, 20_000)
+    service.apply_verdict(verdict(subs[20], STEERED))
+    assert service.ledger.bans.is_banned(w.peer_id)
+    rows = audit.evidence(w.peer_id)
+    assert len(rows) == 21 and [r["seq"] for r in rows] == list(range(1, 22)) and len({json.dumps(r["bounds"]) for r in rows}) == 1
+    _, flag = replay_evidence([(ReplayStats.model_validate(r["stats"]), r["bounds"]) for r in rows], SPEC.audit.false_alarm)
+    entry = next(e for e in service.ledger.bans.entries() if e.peer_id == w.peer_id)
+    assert flag is not None and flag.detail() == entry.evidence[0].detail and flag.verdicts < 21  # flagged within the kept ones
+    service.close()
+    service.ledger.close()
+    off = open_ingest(tmp_path / "off", RunSpec(run=SPEC.run), COORD, trainer_step=lambda: 0, latest_policy_step=lambda: 0)
+    assert off.ban_rule.audit.observe(w.peer_id, STEERED, "00", "00") is None and off.status()["audit"] is None
+    off.close()
+    off.ledger.close()

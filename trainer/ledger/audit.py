@@ -1,0 +1,164 @@
+"""The coordinator's per-worker audit: the state of :mod:`protocol.audit`'s test, one owner, persisted.
+
+Each deciding verdict that carries replay statistics (accepted, or ``precision`` under
+``logit-bound-v2``) is counted into its worker's test against the honest bounds current then; the
+calibration (honest reference submissions the coordinator generates in the run's worker dtype,
+``node/coordinator/calibrate.py``) moves those bounds. A worker whose test reaches
+``1 / audit.false_alarm`` (once the baseline holds ``audit.min_calibration_tokens`` tokens) is
+flagged: the ban rule bans it with reason ``audit`` and withdraws its untrained work
+(:class:`~trainer.ledger.ban_rule.BanRule`).
+
+Persistence: one SQLite file of its own (``audit.sqlite`` beside the ledger's index) with the
+calibration counts per policy step, each worker's test state, and every counted verdict's
+statistics with the bounds it was counted against: the evidence of a flag, which anyone can
+recompute from the signed verdicts (:func:`protocol.audit.replay_evidence`; ``evidence``). The
+rows of one verdict are written in one transaction after the ledger decided it; a crash between
+the two loses that verdict's counts (the test only forgets evidence; it never invents any).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+from protocol.audit import AuditState, Baseline, Flag, rates
+from protocol.messages import ReplayStats
+from protocol.runspec import AUDIT_RULE_EPROCESS, AuditSpec
+
+logger = logging.getLogger(__name__)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS calibration (step INTEGER NOT NULL, stats TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS workers (worker TEXT PRIMARY KEY, state TEXT NOT NULL, flagged TEXT NOT NULL DEFAULT '');
+CREATE TABLE IF NOT EXISTS evidence (worker TEXT NOT NULL, seq INTEGER NOT NULL, submission_id TEXT NOT NULL, verdict_id TEXT NOT NULL,
+                                     stats TEXT NOT NULL, bounds TEXT NOT NULL, PRIMARY KEY (worker, seq));
+"""
+
+
+class WorkerAudit:
+    """Per-worker sequential tests of replay statistics (``docs/toploc.md`` §11).
+
+    Thread-safe (verdicts arrive on the event loop's executor, calibration on its own thread).
+
+    Args:
+        spec: the run spec's ``[audit]`` section; ``rule = "none"``: :meth:`observe` counts nothing.
+        path: the SQLite file (created).
+    """
+
+    def __init__(self, spec: AuditSpec, path: Path) -> None:
+        self.spec = spec
+        self.enabled = spec.rule == AUDIT_RULE_EPROCESS
+        self.baseline = Baseline(spec.baseline_confidence, spec.calibration_window_steps)
+        self._lock = threading.Lock()
+        self._states: dict[str, AuditState] = {}
+        self._flagged: dict[str, Flag] = {}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.executescript(_SCHEMA)
+        self._load()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _load(self) -> None:
+        for step, stats in self._db.execute("SELECT step, stats FROM calibration ORDER BY rowid"):
+            self.baseline.add(int(step), ReplayStats.model_validate_json(stats))
+        for worker, state, flagged in self._db.execute("SELECT worker, state, flagged FROM workers"):
+            self._states[worker] = AuditState.from_json(json.loads(state))
+            if flagged:
+                self._flagged[worker] = Flag(**json.loads(flagged))
+
+    # --- calibration ----------------------------------------------------------------------------
+
+    def calibrate(self, step: int, stats: ReplayStats) -> None:
+        """Count one honest reference submission's statistics at policy ``step`` into the baseline."""
+        with self._lock:
+            self.baseline.add(step, stats)
+            self._db.execute("INSERT INTO calibration (step, stats) VALUES (?, ?)", (step, stats.model_dump_json()))
+            oldest = min(self.baseline.by_step, default=step)
+            self._db.execute("DELETE FROM calibration WHERE step < ?", (oldest,))
+
+    def ready(self) -> bool:
+        """Whether the baseline holds enough replayed tokens to flag anyone (``audit.min_calibration_tokens``)."""
+        return self.baseline.tokens() >= self.spec.min_calibration_tokens
+
+    # --- verdicts -------------------------------------------------------------------------------
+
+    def observe(self, worker: str, stats: ReplayStats, submission_id: str, verdict_id: str) -> Flag | None:
+        """Count one deciding verdict's statistics; a :class:`~protocol.audit.Flag` the first time the
+        worker's test reaches ``1 / audit.false_alarm``.
+
+        Before the baseline is :meth:`ready` a verdict is kept, not counted (its bounds would be 1:
+        no bet); the worker's kept verdicts are counted, in order, against the bounds of the first
+        verdict after it is ready. The bounds come from the coordinator's own reference work, never
+        from the worker's, so counting them late keeps the test's guarantee.
+        """
+        if not self.enabled:
+            return None
+        with self._lock:
+            if worker in self._flagged:
+                return None
+            state = self._states.setdefault(worker, AuditState())
+            seq = state.verdicts + self._kept(worker) + 1
+            if not self.ready():
+                self._db.execute("INSERT INTO evidence (worker, seq, submission_id, verdict_id, stats, bounds) VALUES (?, ?, ?, ?, ?, '')",
+                                 (worker, seq, submission_id, verdict_id, stats.model_dump_json()))
+                return None
+            bounds = self.baseline.bounds()
+            flag: Flag | None = None
+            with self._db:
+                self._db.execute("BEGIN")
+                kept = self._db.execute("SELECT seq, stats FROM evidence WHERE worker = ? AND bounds = '' ORDER BY seq", (worker,)).fetchall()
+                for kseq, kstats in kept:  # verdicts that came before the baseline was ready, in order
+                    state.observe(ReplayStats.model_validate_json(kstats), bounds)
+                    flag = flag or state.flag(self.spec.false_alarm, bounds)
+                    self._db.execute("UPDATE evidence SET bounds = ? WHERE worker = ? AND seq = ?", (json.dumps(bounds), worker, kseq))
+                state.observe(stats, bounds)
+                flag = flag or state.flag(self.spec.false_alarm, bounds)
+                self._db.execute("INSERT INTO evidence (worker, seq, submission_id, verdict_id, stats, bounds) VALUES (?, ?, ?, ?, ?, ?)",
+                                 (worker, seq, submission_id, verdict_id, stats.model_dump_json(), json.dumps(bounds)))
+                self._db.execute("INSERT OR REPLACE INTO workers (worker, state, flagged) VALUES (?, ?, ?)",
+                                 (worker, json.dumps(state.to_json()), json.dumps(flag.__dict__) if flag else ""))
+            if flag is not None:
+                self._flagged[worker] = flag
+                logger.warning("audit flags %s: %s", worker, flag.detail(), extra={"peer_id": worker})
+            return flag
+
+    def _kept(self, worker: str) -> int:
+        (n,) = self._db.execute("SELECT COUNT(*) FROM evidence WHERE worker = ? AND bounds = ''", (worker,)).fetchone()
+        return int(n)
+
+    def flagged(self, worker: str) -> Flag | None:
+        """The worker's flag, if the audit raised one."""
+        with self._lock:
+            return self._flagged.get(worker)
+
+    def evidence(self, worker: str) -> list[dict[str, Any]]:
+        """Every counted verdict of ``worker`` in the order it was counted: submission and verdict IDs,
+        the statistics and the bounds they were counted against (:func:`protocol.audit.replay_evidence`
+        recomputes the test); verdicts still kept for a baseline not yet ready are left out."""
+        with self._lock:
+            rows = self._db.execute("SELECT seq, submission_id, verdict_id, stats, bounds FROM evidence WHERE worker = ? AND bounds != '' "
+                                    "ORDER BY seq", (worker,)).fetchall()
+        return [{"seq": s, "submission_id": sid, "verdict_id": vid, "stats": json.loads(st), "bounds": json.loads(b)} for s, sid, vid, st, b in rows]
+
+    def status(self, limit: int = 64) -> dict[str, Any]:
+        """For ``/status``: the baseline (tokens, bounds) and the workers with the most evidence against them."""
+        with self._lock:
+            bounds = self.baseline.bounds()
+            top = sorted(self._states.items(), key=lambda kv: -kv[1].log_e_value())[:limit]
+            return {
+                "rule": self.spec.rule,
+                "false_alarm": self.spec.false_alarm,
+                "baseline_tokens": self.baseline.tokens(),
+                "ready": self.baseline.tokens() >= self.spec.min_calibration_tokens,
+                "bounds": {k: round(v, 8) for k, v in bounds.items()},
+                "workers": {w: {"log10_e": round(s.log_e_value() / 2.302585092994046, 3), "verdicts": s.verdicts,
+                                "rates": {k: round(v, 6) for k, v in rates(s.totals).items()},
+                                "flagged": w in self._flagged} for w, s in top},
+            }
