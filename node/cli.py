@@ -16,7 +16,7 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from node import __version__
 from node.paths import default_key_path
@@ -118,6 +118,34 @@ def load_key(path: str | None, data_dir: str | None = None, *, create: bool = Fa
         return NodeKey.load_or_create(key_path) if create else NodeKey.load(key_path)
     except KeyFileError as e:
         raise CliError(str(e)) from None
+
+
+def env_arg_values(items: list[str]) -> dict[str, Any]:
+    """``--env-arg KEY=VALUE`` flags (``devnet``, ``spec init``) as ``env.args``: dotted keys nest
+    tables, values as TOML reads them (a bare word is a string).
+
+    Raises:
+        CliError: a flag without ``=``, an empty key part, or a key that is both a value and a table.
+    """
+    import tomllib
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise CliError(f"--env-arg {item!r}: expected KEY=VALUE, e.g. --env-arg basic_arithmetic.max_terms=2")
+        try:
+            value = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw.strip()
+        table = out
+        for part in parts[:-1]:
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise CliError(f"--env-arg {item!r}: {part!r} is already a value, not a table")
+        table[parts[-1]] = value
+    return out
 
 
 def add_gossip_arguments(p: argparse._ActionsContainer, *, off_help: str) -> None:

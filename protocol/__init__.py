@@ -19,6 +19,7 @@ Pure:
 * ``ingest_api``— the ingest's routes, lease answer and error codes (what a client does with each).
 * ``addresses`` — client addresses as per-address limits count them (ingest, HTTP servers, gossip host).
 * ``verdicts``  — verdict reasons (cheat vs benign); ``embedded`` — the devnet's generated addition task set.
+* ``envs.ref``, ``envs.pin``, ``envs.tasks`` — a run's own environment: its name, its content hash, its tasks.
 
 Read files or start processes (named so):
 
@@ -27,6 +28,8 @@ Read files or start processes (named so):
 * ``durable``   — the one atomic, durable file write.
 * ``step_dirs`` — the one layout of per-step directories (``<root>/step-<N>``: policies, training states, held checkpoints).
 * ``rewards``   — the reward functions; ``rewards.sandbox`` and ``rewards.verifier`` start processes.
+* ``envs.files`` reads an environment's files; ``envs.sandboxed`` runs its third-party code in the sandbox.
+* ``dataset``   — also opens the run's environment (:func:`~protocol.dataset.resolve_run_tasks`).
 """
 
 from protocol.content import content_id

@@ -1,5 +1,5 @@
 """Resolve the run spec's ``data.tasks`` into the training tasks and the held-out tasks (reads task
-files under the caller's data root; not pure).
+files under the caller's data root; opens the run's environment, which starts its sandbox; not pure).
 
 ``data.tasks`` is ``"embedded"`` (the devnet's addition set), a public set name known to
 :func:`protocol.tasks.convert` (``gsm8k`` = the GSM8K test split, ``gsm8k_train``, ``math500``,
@@ -8,6 +8,9 @@ data root the caller passes), or a path to a file in the INTELLECT-2 schema. Eve
 it the same way; ``data.tasks_hash`` (when set) pins the training list's content so a node with
 different files refuses to start instead of deriving different tasks.
 
+``data.tasks = "environment"``: the run's own environment (the spec's ``[env]``, :mod:`protocol.envs`)
+generates or reads its tasks in its sandbox; :func:`resolve_run_tasks` opens it (checking
+``env.hash``) and, like any task list, checks ``data.tasks_hash``.
 A node that has no task files gets the training list as the run's ``tasks`` artifact
 (:mod:`protocol.artifacts`): one file, :data:`TASKS_FILE`, the canonical lines of the training
 tasks (:func:`protocol.tasks.canonical_task_line`), so its SHA-256 is ``data.tasks_hash`` itself.
@@ -20,12 +23,16 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from protocol.artifacts import TASKS_ARTIFACT, build_artifact
 from protocol.content import ContentId
 from protocol.embedded import embedded_tasks, split_heldout
+from protocol.runspec import ENV_TASKS, RunSpec
 from protocol.tasks import CONVERTER_NAMES, Task, TaskError, canonical_task_line, convert, dataset_hash, load_tasks, task_set_help
+
+if TYPE_CHECKING:
+    from protocol.envs.sandboxed import Environment, EnvLimits
 
 HELDOUT_EVERY_EMBEDDED = 10
 HELDOUT_EVERY_PUBLIC = 50
@@ -41,11 +48,14 @@ class RunTasks:
         train: tasks workers are assigned (the derivation indexes into this list).
         heldout: tasks only the coordinator evaluates on (never trained on).
         hash: :func:`protocol.tasks.dataset_hash` of ``train``.
+        environment: the run's opened environment when its tasks are the environment's (it
+            scores them: :func:`protocol.rewards.compute_reward` finds it by the tasks' ID), else ``None``.
     """
 
     train: list[Task]
     heldout: list[Task]
     hash: str
+    environment: Environment | None = None
 
 
 def resolve_tasks(ref: str, data_root: Path | None = None, expected_hash: str = "") -> RunTasks:
@@ -59,6 +69,8 @@ def resolve_tasks(ref: str, data_root: Path | None = None, expected_hash: str = 
     Raises:
         TaskError: unknown name, unreadable file, or content that does not match ``expected_hash``.
     """
+    if ref == ENV_TASKS:
+        raise TaskError('data.tasks "environment" takes its tasks from the run spec\'s [env]: resolve them with resolve_run_tasks(spec)')
     if ref == "embedded":
         tasks, every = embedded_tasks(), HELDOUT_EVERY_EMBEDDED
     elif ref in CONVERTER_NAMES:
@@ -79,6 +91,37 @@ def resolve_tasks(ref: str, data_root: Path | None = None, expected_hash: str = 
     return RunTasks(train=train, heldout=heldout, hash=h)
 
 
+def resolve_run_tasks(spec: RunSpec, data_root: Path | None = None, env_limits: EnvLimits | None = None,
+                      artifacts: dict[str, Path] | None = None) -> RunTasks:
+    """The run's tasks, from its ``[env]`` when it names an environment, else :func:`run_tasks`
+    (the fetched ``tasks`` artifact when ``artifacts`` holds one, else :func:`resolve_tasks`).
+
+    Args:
+        spec: the run spec (``data.tasks``, ``data.tasks_hash``, ``[env]``).
+        data_root: directory holding the public sets, for names.
+        env_limits: bounds of the environment's code (defaults when ``None``).
+        artifacts: fetched artifacts, name → directory of its files (a joining worker or validator).
+
+    Raises:
+        TaskError: as :func:`resolve_tasks`; for an environment (``protocol.envs.EnvError``, a
+            ``TaskError``): a missing adapter library (naming the extra), an environment hash that
+            differs from ``env.hash`` (one line naming both), an environment that fails to load or
+            list its tasks, or training tasks that do not match ``data.tasks_hash``.
+        protocol.rewards.RewardError: no bubblewrap sandbox on this host.
+    """
+    if not spec.env.name:
+        return run_tasks(spec.data.tasks, data_root, spec.data.tasks_hash, artifacts)
+    from protocol.envs.sandboxed import open_environment
+
+    e = spec.env
+    env = open_environment(e.name, args=e.args, pinned_hash=e.hash, seed=e.seed, train_size=e.train_size, heldout_size=e.heldout_size,
+                           limits=env_limits)
+    train, heldout = list(env.tasks.train), list(env.tasks.heldout)
+    h = dataset_hash(train)
+    if spec.data.tasks_hash and h != spec.data.tasks_hash:
+        raise TaskError(f"environment {e.name!r} lists training tasks that hash to {h[:16]}…, the run spec pins {spec.data.tasks_hash[:16]}…: "
+                        "its task generator is not deterministic, or its data differs")
+    return RunTasks(train=train, heldout=heldout, hash=h, environment=env)
 def tasks_artifact_files(train: list[Task]) -> list[tuple[str, BinaryIO]]:
     """The files of the ``tasks`` artifact of a training list: :data:`TASKS_FILE` holding its
     canonical lines, in order (what :func:`protocol.artifacts.build_artifact` and the origin's

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
 
 from protocol import encoding
 from protocol.artifacts import ARTIFACT_NAME_PATTERN
@@ -65,9 +65,14 @@ no longer says anything about the tokens."""
 _HASHED_ONLY_OFF_DEFAULT = {"toploc": ("replay_rule", "replay_logit_bound", "eos_prob_slack", "worker_dtype", "fp32_logits", "hard_factor")}
 """Fields added after specs were signed: hashed only where they differ from their default, so a spec
 signed before them keeps its run ID and means what it meant (the ``eps-v1`` replay, EOS slack 0.01)."""
-_SECTIONS_HASHED_ONLY_OFF_DEFAULT = ("audit", "artifacts")
-"""Sections added after specs were signed: hashed only where some field differs from its default (a spec
-without them keeps its run ID, runs no audit and pins no artifacts)."""
+_SECTIONS_HASHED_ONLY_OFF_DEFAULT = ("audit", "artifacts", "env")
+"""Sections added after specs were signed: hashed only where some field differs from its default, so a
+spec without them keeps its run ID (it runs no audit, pins no artifacts, has no environment of its own)."""
+_SECTIONS_WRITTEN_ONLY_OFF_DEFAULT = ("artifacts", "env")
+"""Sections a spec file holds only where off their default (a run without artifacts or its own environment shows no
+``[artifacts]`` or ``[env]``)."""
+ENV_TASKS = "environment"
+"""``data.tasks`` of a run whose tasks come from its ``[env]`` (:class:`EnvSpec`)."""
 LOGPROB_TOL_LIMIT = 5.0
 """Upper bound on ``toploc.logprob_*`` tolerances, nats: beyond a factor of e⁵ ≈ 150 in probability
 a reported log-prob no longer says anything about the policy."""
@@ -106,6 +111,51 @@ class DataSpec(_Section):
     tasks: Annotated[str, Field(min_length=1, max_length=512, description="'embedded', a public set name, or a path")] = "embedded"
     tasks_hash: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")] = ""
     tasks_per_submission: Annotated[int, Field(ge=1, le=1024)] = 2
+
+
+class EnvSpec(_Section):
+    """The run's own environment (``docs/tasks.md`` § Your own environment; ``protocol.envs``): where
+    its tasks come from, how prompts are built and how completions are scored, all by the
+    environment's code, which every node runs in its sandbox and checks against ``hash``.
+
+    With ``name`` set, ``data.tasks`` is ``"environment"``; empty (the default), the run has no
+    environment and this section is neither written nor hashed (old specs keep their run ID).
+    """
+
+    name: Annotated[str, Field(max_length=512, description="reasoning_gym:NAME[=W][,NAME...], verifiers:MODULE or a .py file; "
+                                                          "empty: no environment")] = ""
+    args: Annotated[dict[str, JsonValue], Field(description="the adapter's arguments: reasoning-gym dataset configs by dataset "
+                                                            "name, template, answer; verifiers load_environment keywords")] = Field(
+        default_factory=dict)
+    hash: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$", description="content hash of its files and package versions "
+                                                                          "(protocol.envs.pin.environment_hash)")] = ""
+    seed: Annotated[int, Field(ge=0, le=2**62, description="seed of its task generator; held-out tasks at seed + 2**32")] = 0
+    train_size: Annotated[int, Field(ge=1, le=1_000_000, description="training tasks generated (at most: a task file may hold fewer)")] = 1000
+    heldout_size: Annotated[int, Field(ge=0, le=100_000, description="held-out tasks generated (before dropping those a training task "
+                                                                     "shares a prompt with)")] = 100
+
+    @field_validator("args")
+    @classmethod
+    def _small_args(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if len(encoding.packb(v)) > 64 * 1024:
+            raise ValueError("env.args is over 64 KiB")
+        return v
+
+    @model_validator(mode="after")
+    def _named(self) -> EnvSpec:
+        if not self.name:
+            if any(getattr(self, f) != info.get_default(call_default_factory=True) for f, info in type(self).model_fields.items()):
+                raise ValueError("env fields need env.name (the environment they belong to)")
+            return self
+        from protocol.envs.ref import EnvError, parse_env_ref
+
+        try:
+            parse_env_ref(self.name)
+        except EnvError as e:
+            raise ValueError(str(e)) from None
+        if not self.hash:
+            raise ValueError("env.hash must pin the environment: write the spec with intellect-node spec init --env NAME, which hashes it")
+        return self
 
 
 class SamplingSpec(_Section):
@@ -373,6 +423,7 @@ class RunSpec(_Section):
     rl: RLSpec = RLSpec()
     shardcast: ShardcastSpec = ShardcastSpec()
     network: NetworkSpec = NetworkSpec()
+    env: EnvSpec = EnvSpec()
     audit: AuditSpec = AuditSpec()
     artifacts: Annotated[dict[ArtifactName, ArtifactIdHex], Field(max_length=16)] = Field(
         default_factory=dict, description="artifact name → artifact ID (hex): file sets pinned by content (protocol.artifacts)")
@@ -413,14 +464,16 @@ class RunSpec(_Section):
             raise ValueError(f"model.hidden_size {self.model.hidden_size} < toploc.topk {self.toploc.topk}: a last chunk of one token could not be proven")
         if self.toploc.max_mismatches > self.toploc.topk:
             raise ValueError("toploc.max_mismatches exceeds toploc.topk")
+        if (self.data.tasks == ENV_TASKS) != bool(self.env.name):
+            raise ValueError('data.tasks "environment" and env.name go together: the tasks of a run with an environment are its own')
         least = fresh_steps(self.rl.async_level)
         if self.shardcast.keep_steps < least:
             raise ValueError(f"shardcast.keep_steps must be ≥ rl.async_level + 1 = {least}")
         return self
 
     def canonical_bytes(self) -> bytes:
-        """Canonical msgpack of the content (what the run ID hashes); the fields of :data:`_HASHED_ONLY_OFF_DEFAULT` and the sections
-        of :data:`_SECTIONS_HASHED_ONLY_OFF_DEFAULT` only where set."""
+        """Canonical msgpack of the content (what the run ID hashes); the fields of :data:`_HASHED_ONLY_OFF_DEFAULT` and the
+        sections of :data:`_SECTIONS_HASHED_ONLY_OFF_DEFAULT` only where off their default."""
         content = self.model_dump(mode="python")
         for section, names in _HASHED_ONLY_OFF_DEFAULT.items():
             fields = type(getattr(self, section)).model_fields
@@ -488,8 +541,9 @@ def sign_run_spec(spec: RunSpec, key: NodeKey) -> SignedRunSpec:
 def dump_run_spec(signed: SignedRunSpec) -> str:
     """The TOML text of a signed spec (content tables, then ``[signature]``)."""
     doc: dict[str, Any] = signed.spec.model_dump(mode="python")
-    if not doc["artifacts"]:
-        del doc["artifacts"]
+    for section_name in _SECTIONS_WRITTEN_ONLY_OFF_DEFAULT:
+        if getattr(signed.spec, section_name) == type(getattr(signed.spec, section_name))():
+            del doc[section_name]
     doc["signature"] = {"run_id": signed.run_id.hex(), "ed25519": signed.signature.hex()}
     header = (
         "# intellect-node run spec. Signed by the coordinator: editing any value invalidates it;\n"

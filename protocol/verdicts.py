@@ -4,7 +4,10 @@ A reason is a CHEAT reason when an honest worker on the agreed software cannot p
 BENIGN when the rejection may come from either side's circumstances rather than the worker's
 honesty: the validator's own failure (its reward error, its resources, a checkpoint it could
 not fetch), a wall/CPU/memory limit hit by either side (code rewards depend on the clock), a
-program whose result does not reproduce when the validator re-runs it, or a stale policy. Benign rejections only lower a worker's reputation, and count as non-cheats there.
+program whose result does not reproduce when the validator re-runs it, the run's environment's
+own reward code failing or not reproducing (``environment``: the environment's fault, never the
+worker's), or a stale policy. Benign rejections only lower a worker's reputation, and count as
+non-cheats there.
 
 Even a cheat reason does not ban on its own: the coordinator bans only when a second,
 independent check of the same submission reproduces a cheat reason (another validator's
@@ -41,6 +44,7 @@ BENIGN_REASONS: Final[frozenset[str]] = frozenset(
         "reward_error",  # the validator could not compute the reward (its sandbox, its task data)
         "limit_hit",  # a wall/CPU/memory limit of the reward was hit on either side
         "nondeterministic",  # the reward disagreed but re-runs did not reproduce it (validator/rewards.py)
+        "environment",  # the run's environment's own reward code crashed, hit a limit or did not reproduce (protocol.envs)
         "resources",  # the validator ran out of memory, disk or descriptors while checking
         "precision",  # logit-bound-v2: a value beyond its bound within the hard factor (an honest worker's rare numeric tail; the audit counts it)
     }

@@ -9,7 +9,8 @@ reason code (``protocol.verdicts``) and evidence (which rollout, which chunk, th
 into the signed verdict. Failures that may be the validator's own or a resource limit of either
 side get benign reasons (``reward_error``, ``limit_hit``, ``unknown_checkpoint``:
 ``protocol.verdicts.BENIGN_REASONS``), never a cheat reason; so does a reward disagreement
-that does not reproduce (``nondeterministic``, :mod:`validator.rewards`).
+that does not reproduce (``nondeterministic``, :mod:`validator.rewards`), and a run's environment
+whose own reward code fails or does not reproduce (``environment``).
 
 The model work (prefill) uses :func:`protocol.inference.completion_rows` and
 :func:`protocol.inference.head_logits` (the two halves of ``prefill_completions``), the very code
@@ -37,7 +38,7 @@ from protocol.models import config_int
 from protocol.rewards import RewardError, RewardLimits, compute_reward
 from protocol.rollout import completion_text, plan_submission, unpack_f32, unpack_u32
 from protocol.runspec import RunSpec
-from protocol.tasks import Task
+from protocol.tasks import ENV_TASK_TYPE, Task
 from protocol.verdicts import OK, PRECISION
 from protocol.window import in_window
 from validator.rewards import judge_reward
@@ -326,7 +327,8 @@ class SubmissionChecker:
             text = completion_text(self.tokenizer, completion, self.eos_id)
             try:  # a disagreement counts as a cheat only when it reproduces (validator/rewards.py)
                 score = functools.partial(compute_reward, p.task, text, len(completion), p.target_length, spec.sampling.length_penalty, limits)
-                judged = judge_reward(score, ro.task_reward, ro.reward, reward_tol=self.tol.reward_tol, budget_s=limits.sandbox.total_wall_time_s)
+                judged = judge_reward(score, ro.task_reward, ro.reward, reward_tol=self.tol.reward_tol, budget_s=limits.sandbox.total_wall_time_s,
+                                      environment=p.task.task_type == ENV_TASK_TYPE)
             except RewardError as e:  # our failure to score, not evidence about the worker
                 raise Rejection("reward_error", rollout=j, detail=str(e)[:200]) from None
             if judged.reason != OK:

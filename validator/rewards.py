@@ -18,6 +18,11 @@ The rule (``docs/validator.md`` "Rewards that do not reproduce"):
 4. Only when every one of the ``1 + REWARD_RERUNS`` scorings gives the very same outcome, and it
    disagrees with the report, is the disagreement deterministic → ``reward`` (a cheat reason).
 
+Environment tasks (a run's own reward code, ``protocol.envs``): a scoring whose environment code
+failed (``RewardResult.env_fault``: it crashed, ran over a limit, returned no score in [0, 1]) is
+the environment's fault → ``environment`` (benign), whatever the worker reported; and a re-run that
+does not reproduce is the environment's nondeterminism → ``environment`` too (``environment=True``).
+
 The coordinator's re-check runs the same pipeline and so the same rule: a ban needs two
 independent deterministic disagreements. For an honest worker whose program passes with
 probability ``p`` and otherwise prints one and the same failing output, the chance that a
@@ -47,7 +52,7 @@ class RewardJudgement:
     """The verdict on one rollout's reported reward.
 
     Attributes:
-        reason: ``"ok"``, ``"limit_hit"``, ``"nondeterministic"`` (benign) or ``"reward"`` (cheat).
+        reason: ``"ok"``, ``"limit_hit"``, ``"nondeterministic"``, ``"environment"`` (benign) or ``"reward"`` (cheat).
         result: the first recomputed reward.
         runs: scorings done (1 when the first agreed).
         detail: what decided it, one line.
@@ -86,6 +91,7 @@ def judge_reward(
     reward_tol: float,
     budget_s: float,
     reruns: int = REWARD_RERUNS,
+    environment: bool = False,
 ) -> RewardJudgement:
     """Judge a reported reward by the rule of this module.
 
@@ -96,6 +102,8 @@ def judge_reward(
         budget_s: wall seconds the re-runs may take together; once spent with no decision, the
             verdict is ``limit_hit`` (a slow program is rejected, never banned on a short count).
         reruns: extra scorings before a disagreement counts as deterministic (k).
+        environment: the task is an environment task: a score that does not reproduce is the
+            environment's (``environment``), not a program's (``nondeterministic``).
 
     Returns:
         The judgement.
@@ -103,7 +111,10 @@ def judge_reward(
     Raises:
         protocol.rewards.RewardError: from ``score`` (the caller's own failure to score).
     """
+    unstable = "environment" if environment else "nondeterministic"
     first = score()
+    if first.env_fault is not None:  # no score to compare: the environment's failure, not the worker's
+        return RewardJudgement("environment", first, 1, first.detail)
     if agrees(first, reported_task, reported_reward, reward_tol):
         return RewardJudgement(OK, first, 1, "")
     why = mismatch_reason(reported_task, first.task_reward, first.limit_hit)
@@ -114,11 +125,13 @@ def judge_reward(
         if time.monotonic() > end:
             return RewardJudgement("limit_hit", first, 1 + i, f"re-runs outlasted {budget_s:.0f} s after {i} of {reruns}")
         again = score()
+        if again.env_fault is not None:
+            return RewardJudgement("environment", first, 2 + i, f"run {2 + i}: {again.detail}")
         if agrees(again, reported_task, reported_reward, reward_tol):
-            return RewardJudgement("nondeterministic", first, 2 + i, f"run {2 + i} reproduced the reported reward")
+            return RewardJudgement(unstable, first, 2 + i, f"run {2 + i} reproduced the reported reward")
         if again.limit_hit is not None:
             return RewardJudgement("limit_hit", first, 2 + i, f"run {2 + i} hit the {again.limit_hit} limit")
         if (again.task_reward, again.reward, again.outcome) != (first.task_reward, first.reward, first.outcome):
-            return RewardJudgement("nondeterministic", first, 2 + i, f"run {2 + i} behaved differently from run 1")
+            return RewardJudgement(unstable, first, 2 + i, f"run {2 + i} behaved differently from run 1")
     logger.debug("reward disagreement reproduced %d times: %s", 1 + reruns, first.detail)
     return RewardJudgement("reward", first, 1 + reruns, first.detail)

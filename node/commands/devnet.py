@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from node.cli import CliError, command
+from node.cli import CliError, command, env_arg_values
 from node.devnet.profile import PROFILES
 from node.worker import ADVERSARIES
 
@@ -35,6 +35,13 @@ def _devnet(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--steps", type=int, default=None, help="trainer steps (default 60; 3 with --profile)")
     p.add_argument("--tasks", default=None, help="embedded (default; gsm8k with --profile), gsm8k (test split), gsm8k_train (train split), math500, math_train, humaneval, mbpp, or a path (INTELLECT-2 schema)")
     p.add_argument("--data-root", default=None, help="where the public task sets are (default: $INTELLECT_DATA_ROOT or ../shared/data)")
+    p.add_argument("--env", default=None, metavar="NAME",
+                   help="train on your own environment instead of --tasks: reasoning_gym:NAME[=WEIGHT][,NAME...] (needs the "
+                        "reasoning-gym extra), verifiers:MODULE (the verifiers extra) or a .py file with score(task, completion) "
+                        "(docs/tasks.md § Your own environment); its code runs in the bubblewrap sandbox")
+    p.add_argument("--env-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="an env.args value, dotted keys into tables: --env-arg basic_arithmetic.max_terms=2 --env-arg answer=text "
+                        "(repeatable; values as TOML reads them, a bare word is a string)")
     p.add_argument("--adversary", choices=ADVERSARIES, default=None, help="add one dishonest worker of this kind")
     p.add_argument("--steer-rate", type=float, default=None, metavar="R",
                    help="with --adversary steer: the share of its chances the steering worker takes (0 … 1, default 1)")
@@ -113,6 +120,7 @@ def _run_devnet(args: argparse.Namespace) -> int:
     from node.devnet.orchestrator import Devnet, DevnetOptions
     from node.devnet.outdir import OutDirError, check_out, new_default_out
     from node.devnet.report import write_report
+    from protocol.errors import ProtocolError
     from protocol.models import ModelLoadError
 
     profile = args.profile is not None
@@ -139,11 +147,29 @@ def _run_devnet(args: argparse.Namespace) -> int:
         raise CliError(f"--model {args.model} is a file; pass the folder holding config.json, *.safetensors and tokenizer.json")
     if model is not None and not (model / "config.json").is_file():
         raise CliError(f"--model {args.model} has no config.json (a local Hugging Face Qwen2 directory: config.json, *.safetensors, tokenizer)")
+    if args.env is not None and (args.tasks is not None or profile):
+        raise CliError("--env brings its own tasks: leave out --tasks and --profile")
+    if args.env_arg and args.env is None:
+        raise CliError("--env-arg needs --env (the environment it configures)")
+    env_name = args.env
+    if env_name is not None and env_name.removeprefix("file:").endswith(".py"):
+        path = Path(env_name.removeprefix("file:"))
+        if not path.is_file():
+            raise CliError(f"--env {env_name}: no such file")
+        env_name = str(path.resolve())  # every node of the devnet reads the same file
     data_root = Path(args.data_root) if args.data_root else _default_data_root()
     if (profile or tasks != "embedded") and not Path(tasks).exists() and data_root is None:
         raise CliError(f"--tasks {tasks}{' and --profile' if profile else ''} need the public task sets: pass --data-root DIR (holding math/ and code/)")
     rl = _rl_overrides(args.rl, embedded=tasks == "embedded" and model is None and not profile, async_level=args.async_level,
                        profile=profile)
+    env_arguments = env_arg_values(args.env_arg)
+    if env_name is not None and not env_arguments and model is None:
+        from node.devnet.config import embedded_env_args
+
+        if (preset := embedded_env_args(env_name)) is not None:
+            env_arguments = preset
+            print(f"{env_name} on the embedded model: at its default difficulty the tiny model solves none, so the devnet uses "
+                  f"env.args = {preset} (pass any --env-arg to set your own)", flush=True)
     from protocol.tasks import training_split_warning
 
     if (split_warning := training_split_warning(tasks)) is not None:
@@ -168,6 +194,7 @@ def _run_devnet(args: argparse.Namespace) -> int:
                             dashboard=not args.no_dashboard and sys.stdout.isatty(), timeout_s=timeout, seed=args.seed,
                             async_level=args.async_level, eval_every=args.eval_every, eval_samples=eval_samples, model=model,
                             rl=rl, profile=args.profile, profile_layers=args.profile_layers, links=args.links, deltas=not args.no_deltas,
+                            env=env_name, env_args=env_arguments,
                             worker_dtype=WORKER_DTYPES[args.worker_dtype], steer_rate=1.0 if args.steer_rate is None else args.steer_rate)
     live = None
     last_print = [0.0]
@@ -203,6 +230,9 @@ def _run_devnet(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError, FileExistsError, FileNotFoundError, ModelLoadError) as e:  # LinksError is a RuntimeError
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except ProtocolError as e:  # the environment: a missing extra, a file that does not load (one line)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     md, png = write_report(dn, result)
     for line in summary_lines(dn, result, md, png):
         print(line)

@@ -204,6 +204,8 @@ def run_checks(run: Path | str, *, role: str = "worker", data_dir: Path, host: s
         if tables is not None:
             tables.append(table)
     checks.append(_check_sandbox(spec.data.tasks, role))
+    if spec.env.name and role != "relay":
+        checks.append(_check_environment(spec))
     checks.append(_check_port(host, http_port, "HTTP/status port", "--http-port"))
     if role != "relay" or p2p_port:
         checks.append(_check_port(host, p2p_port, "libp2p port", "--p2p-port"))
@@ -307,6 +309,19 @@ def _check_task_files(spec: RunSpec, data_root: Path | None) -> list[Check]:
 
     tasks = spec.data.tasks
     out = []
+    if spec.env.name:
+        from protocol.dataset import resolve_run_tasks
+        from protocol.rewards import RewardError
+
+        try:
+            env_tasks = resolve_run_tasks(spec, data_root)
+        except (TaskError, RewardError) as e:
+            out.append(Check("environment", "FAIL", str(e)[:300], "install what the spec's env.name needs, as on the coordinator: the "
+                             "extra the error names, the same environment file and the same package versions"))
+        else:
+            out.append(Check("environment", "PASS", f"{spec.env.name}: hash {spec.env.hash[:16]}… matches the spec; "
+                             f"{len(env_tasks.train)} training tasks, {len(env_tasks.heldout)} held out, scored in the sandbox", ""))
+        return out
     if tasks in CONVERTER_NAMES and data_root is None:
         out.append(Check("task files", "FAIL", f"data.tasks {tasks!r} is a public set, and no --data-root was given",
                          "pass --data-root DIR (holding math/ and code/), the same as intellect-train's"))
@@ -738,6 +753,21 @@ def _check_sandbox(tasks: str, role: str) -> Check:
     return Check("code sandbox", "FAIL" if needs_code else "WARN",
                  f"{msg}" + ("" if needs_code else f" (task set {tasks} has no code tasks)"),
                  "apt-get install bubblewrap (and allow unprivileged user namespaces: sysctl kernel.unprivileged_userns_clone=1)")
+
+
+def _check_environment(spec: RunSpec) -> Check:
+    """The run's environment is installed here and hashes to the spec's ``env.hash`` (files and versions only: nothing runs)."""
+    from protocol.envs import EnvError, environment_source, parse_env_ref
+
+    try:
+        source = environment_source(parse_env_ref(spec.env.name))
+    except EnvError as e:
+        return Check("environment", "FAIL", str(e)[:300], "install what the error names, the same versions as the coordinator's")
+    if source.hash != spec.env.hash:
+        return Check("environment", "FAIL", f"{spec.env.name} hashes to {source.hash} here, the spec pins {spec.env.hash}",
+                     "install the same environment files and package versions as the coordinator (pip install the versions it names)")
+    return Check("environment", "PASS", f"{spec.env.name}: {len(source.files)} files and {len(source.packages)} package versions "
+                                        f"hash to {source.hash[:16]}…, as the spec pins")
 
 
 def _check_port(host: str, port: int, what: str, flag: str) -> Check:

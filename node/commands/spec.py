@@ -32,6 +32,15 @@ def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       help="where the public sets are; given (or with a task file path), the task list is pinned in the spec: its "
                            "hash (data.tasks_hash) and the tasks artifact contributors fetch instead of task files (artifacts.tasks)")
     init.add_argument("--tasks-per-submission", type=int, default=None, help="tasks per worker submission (default 2)")
+    init.add_argument("--env", default=None, metavar="NAME",
+                      help="the run's own environment instead of --tasks: reasoning_gym:NAME[=WEIGHT][,NAME...], verifiers:MODULE or a "
+                           ".py file with score(task, completion) (docs/tasks.md § Your own environment); it is opened here (in the "
+                           "bubblewrap sandbox) and pinned: env.hash over its files and package versions, data.tasks_hash over its tasks")
+    init.add_argument("--env-arg", action="append", default=[], metavar="KEY=VALUE",
+                      help="an env.args value, dotted keys into tables (repeatable): --env-arg basic_arithmetic.max_terms=2")
+    init.add_argument("--env-seed", type=int, default=None, help="seed of the environment's task generator (default 0)")
+    init.add_argument("--env-train-size", type=int, default=None, help="training tasks the environment generates (default 1000)")
+    init.add_argument("--env-heldout-size", type=int, default=None, help="held-out tasks it generates (default 100)")
     init.add_argument("--model-base", default=None, help="'embedded' (default) or a local Qwen2 directory (config, safetensors, tokenizer): "
                       "its dtype and hidden size are read from it and its files pinned by model.base_hash")
     init.add_argument("--hidden-size", type=int, default=None, help="hidden size of the embedded model (≥ TOPLOC top-k 128; read from --model-base DIR otherwise)")
@@ -118,7 +127,15 @@ def _run_spec_init(args: argparse.Namespace) -> int:
     rl = given(async_level=args.async_level, group_size=args.group_size, learning_rate=args.learning_rate,
                batch_groups=args.batch_groups, old_logprobs=args.old_logprobs)
     data = given(tasks=args.tasks, tasks_per_submission=args.tasks_per_submission)
-    artifacts: dict[str, str] = {}
+    env: dict[str, Any] = {}
+    if args.env is not None:
+        if args.tasks is not None:
+            raise CliError("--env brings its own tasks: leave out --tasks")
+        env = _pin_environment(args)
+        data["tasks"], data["tasks_hash"] = rs.ENV_TASKS, env.pop("tasks_hash")
+    elif args.env_arg or args.env_seed is not None or args.env_train_size is not None or args.env_heldout_size is not None:
+        raise CliError("--env-arg, --env-seed, --env-train-size and --env-heldout-size need --env")
+    artifacts: dict[str, str] = {}  # an environment's tasks come from the environment every scoring node holds: no tasks artifact
     if args.tasks is not None and args.tasks != "embedded" and (args.data_root is not None or Path(args.tasks).exists()):
         from protocol.artifacts import TASKS_ARTIFACT
         from protocol.dataset import resolve_tasks, tasks_artifact_id
@@ -157,6 +174,7 @@ def _run_spec_init(args: argparse.Namespace) -> int:
             rl=rs.RLSpec(**rl),
             shardcast=rs.ShardcastSpec(**shard),
             network=rs.NetworkSpec(bootstrap=args.bootstrap, ingest_urls=args.ingest_url, origin_urls=args.origin_url),
+            env=rs.EnvSpec(**env),
             audit=rs.AuditSpec(**audit),
             artifacts=artifacts,
         )
@@ -180,6 +198,32 @@ def _run_spec_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pin_environment(args: argparse.Namespace) -> dict[str, Any]:
+    """Open ``--env`` here (its sandbox), print what it is, and return the ``[env]`` fields plus ``tasks_hash``."""
+    from node.cli import env_arg_values
+    from protocol.envs import open_environment
+    from protocol.runspec import EnvSpec
+    from protocol.tasks import dataset_hash
+
+    fields: dict[str, Any] = {"name": args.env, "args": env_arg_values(args.env_arg)}
+    fields.update({k: v for k, v in (("seed", args.env_seed), ("train_size", args.env_train_size),
+                                     ("heldout_size", args.env_heldout_size)) if v is not None})
+    defaults = EnvSpec.model_fields
+    env = open_environment(args.env, args=fields["args"], seed=fields.get("seed", defaults["seed"].default),
+                           train_size=fields.get("train_size", defaults["train_size"].default),
+                           heldout_size=fields.get("heldout_size", defaults["heldout_size"].default))
+    try:
+        tasks = env.tasks
+        fields["hash"] = env.hash
+        fields["tasks_hash"] = dataset_hash(tasks.train)
+        print(f"environment {args.env}: {len(env.source.files)} files, packages {env.source.packages or 'none pinned'}; env.hash {env.hash}; "
+              f"{len(tasks.train)} training tasks (tasks_hash {fields['tasks_hash']}), {len(tasks.heldout)} held out"
+              f"{f' ({tasks.dropped} more dropped: a training task has the same prompt)' if tasks.dropped else ''}")
+    finally:
+        env.close()
+    return fields
+
+
 def _measured_toploc(spec: Any, args: argparse.Namespace) -> Any:
     """``[toploc]`` from :func:`node.precision.measure_precision` on the run's base (prints the table)."""
     import tempfile
@@ -188,7 +232,7 @@ def _measured_toploc(spec: Any, args: argparse.Namespace) -> Any:
 
     from node.coordinator.base import prepare_base
     from node.precision import measure_precision
-    from protocol.dataset import resolve_tasks
+    from protocol.dataset import resolve_run_tasks
     from protocol.models import load_tokenizer
 
     if args.measure_submissions < 1:
@@ -196,7 +240,7 @@ def _measured_toploc(spec: Any, args: argparse.Namespace) -> Any:
     if args.fp32_logits and args.measure_precision != "bfloat16":
         raise CliError("--fp32-logits is for --measure-precision bfloat16")
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    tasks = resolve_tasks(spec.data.tasks, Path(args.data_root) if args.data_root else None, spec.data.tasks_hash)
+    tasks = resolve_run_tasks(spec, Path(args.data_root) if args.data_root else None)  # the run's own environment too (--env)
     with tempfile.TemporaryDirectory() as tmp:
         base = prepare_base(spec, tasks, Path(tmp) / "base")
         print(f"measuring honest {args.measure_precision} workers on {base} ({args.measure_submissions} submissions per batch size) …")

@@ -6,7 +6,8 @@ Three kinds of base, by the run spec's ``model.base`` and ``data.tasks``:
   hidden size 128, the devnet's default): a complete model directory inside this package
   (:data:`EMBEDDED_BASE_DIR`), the output of ``scripts/build_embedded_base.py``, the same bytes on
   every machine and checked against :data:`EMBEDDED_BASE_HASH` before use. No warm start runs.
-* **a warm-started embedded model** (any other task set or hidden size): built and warm-started
+* **a warm-started embedded model** (any other task set or hidden size, or a run's own
+  environment: on its reference completions, :data:`ENV_WARM_START`): built and warm-started
   here once per machine and cached (:func:`base_cache_root`). The warm start runs on one CPU
   thread so its arithmetic does not depend on the machine's core count.
 * **a local model directory** (anything else), pinned by ``model.base_hash``.
@@ -19,11 +20,13 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from protocol.dataset import RunTasks
+from protocol.envs.tasks import row_answer
 from protocol.models import (
     ModelLoadError,
     base_hash,
@@ -35,6 +38,7 @@ from protocol.models import (
     save_model,
 )
 from protocol.runspec import RunSpec
+from protocol.tasks import ENV_TASK_TYPE
 from trainer.warmstart import WarmStartConfig, answer_examples, warm_start
 
 logger = logging.getLogger(__name__)
@@ -49,6 +53,16 @@ EMBEDDED_WARM_START = WarmStartConfig(steps=600, batch_size=64, learning_rate=3e
 """Supervised steps on the training problems' answers (never the held-out ones) that made the
 shipped embedded base (``scripts/build_embedded_base.py``): it has part of the addition skill, not
 reliably, so GRPO groups are mixed and RL has room to raise the held-out pass rate (``docs/devnet.md``)."""
+ENV_WARM_START = WarmStartConfig(steps=600, batch_size=64, learning_rate=3e-3, seed=0)
+"""A run's own environment on the embedded model: the shipped base's warm start, on the training
+tasks' reference completions (``protocol.envs.row_answer``: reasoning-gym's answer in the
+environment's answer format), so the tiny model starts with part of the skill and GRPO groups are
+mixed; with fewer steps where examples are longer (:data:`ENV_WARM_START_TOKENS`). An environment
+whose rows carry no reference gets no warm start."""
+ENV_WARM_START_TOKENS = 600 * 64 * 16
+"""Tokens an environment's warm start trains on at most (the shipped base's: 600 steps of 64
+additions of ≈ 8 tokens, twice over): steps = this / (64 × mean example length), 40 to 600. At
+load 10 on 2 cores, 600 steps of 120-token examples did not finish in the devnet's 300 s start."""
 EMBEDDED_INIT_SEED = 0
 """Weight-initialisation seed of every embedded base: fixed (not the run seed), so every devnet
 starts from the same base and seeds vary only the RL run."""
@@ -104,7 +118,7 @@ def prepare_base(spec: RunSpec, tasks: RunTasks, cache_dir: Path) -> Path:
     if uses_shipped_base(spec):
         return _cached_copy(Path(cache_dir) / f"embedded-h{EMBEDDED_HIDDEN_SIZE}-{EMBEDDED_BASE_HASH[:16]}", check_shipped_base)
     embedded = spec.data.tasks == "embedded"
-    config = EMBEDDED_WARM_START if embedded else REAL_TASKS_WARM_START
+    config = EMBEDDED_WARM_START if embedded else ENV_WARM_START if spec.env.name else REAL_TASKS_WARM_START
     key = hashlib.sha256(f"{BASE_CACHE_VERSION}|{spec.model.hidden_size}|{EMBEDDED_INIT_SEED}|{config}|{tasks.hash}".encode()).hexdigest()[:16]
     name = f"embedded-h{spec.model.hidden_size}-{key}"
     shared = base_cache_root() / name
@@ -173,11 +187,22 @@ def warm_start_base(tasks: RunTasks, out: Path, hidden_size: int, embedded: bool
     model = build_model(embedded_config(len(tok), hidden_size=hidden_size), seed=EMBEDDED_INIT_SEED)
     if embedded:
         examples = answer_examples(tok, [t.prompt for t in tasks.train], [t.ground_truth for t in tasks.train])
+    elif any(t.task_type == ENV_TASK_TYPE for t in tasks.train):
+        pairs = [(t.prompt[-REAL_TASKS_PROMPT_TAIL_CHARS:], a) for t in tasks.train if (a := row_answer(t)) is not None][:2000]
+        examples = answer_examples(tok, [p for p, _ in pairs], [a for _, a in pairs])
+        if examples:
+            mean_len = sum(len(p) + len(a) for p, a in examples) / len(examples)
+            steps = int(ENV_WARM_START_TOKENS / (config.batch_size * mean_len))
+            config = replace(config, steps=max(40, min(config.steps, steps)))
     else:
         math = [t for t in tasks.train if t.task_type == "verifiable_math"][:2000]
         prompts = [t.prompt[-REAL_TASKS_PROMPT_TAIL_CHARS:] for t in math] or ["def f():"]
         answers = [t.ground_truth for t in math] or ["```python\npass\n```"]
         examples = answer_examples(tok, prompts, answers)
+    if not examples:  # an environment without reference completions: the model as initialised
+        save_model(model, tok, out)
+        logger.info("embedded base model without a warm start (the tasks carry no reference answers) in %s", out)
+        return []
     threads = torch.get_num_threads()
     torch.set_num_threads(WARM_START_THREADS)
     try:

@@ -20,7 +20,7 @@ import numpy as np
 
 from node.engine.base import Engine
 from node.worker.rollouts import sampling_params
-from protocol.rewards import RewardLimits, compute_reward
+from protocol.rewards import RewardLimits, compute_rewards
 from protocol.rollout import completion_text, encode_prompt
 from protocol.runspec import RunSpec
 from protocol.tasks import Task
@@ -141,9 +141,9 @@ def evaluate(spec: RunSpec, engine: Engine, tokenizer: Any, tasks: Sequence[Task
     gens = engine.generate(prompts, seeds, sampling_params(spec, eos))
     passed, total_r, tokens = 0, 0.0, 0
     per_task = [0] * len(tasks)
-    for i, (g, t) in enumerate(zip(gens, owners)):
-        ids = g.completion_ids.tolist()
-        r = compute_reward(t, completion_text(tokenizer, ids, eos), len(ids), None, 0.0, reward_limits)
+    ids_all = [g.completion_ids.tolist() for g in gens]
+    scored = compute_rewards([(t, completion_text(tokenizer, ids, eos), len(ids), None) for ids, t in zip(ids_all, owners)], 0.0, reward_limits)
+    for i, (ids, r) in enumerate(zip(ids_all, scored)):
         ok = r.task_reward == 1.0
         passed += ok
         per_task[i // samples_per_task] += ok

@@ -18,7 +18,7 @@ from typing import Any
 
 from node.engine.base import Engine
 from node.worker.rollouts import sampling_params
-from protocol.rewards import RewardLimits, compute_reward
+from protocol.rewards import RewardLimits, compute_rewards
 from protocol.rollout import completion_text, encode_prompt
 from protocol.runspec import RunSpec
 from protocol.tasks import Task
@@ -79,14 +79,18 @@ def no_signal_advice(spec: RunSpec, pass_rate: float, capped_fraction: float) ->
         hints.append(f"the model does not end its answers (no EOS within {max_tokens} tokens), so every completion has the same length and "
                      "the same reward, and a length penalty cannot tell them apart: use an instruction-tuned model that ends its answers "
                      "(e.g. a Qwen2.5 Instruct), or warm-start (fine-tune) this base on answers that end with EOS")
+    if spec.env.name:  # the run's own environment: its configuration is the remedy
+        tasks = spec.env.name
+        own = "(its env.args, e.g. spec init --env-arg; docs/tasks.md § Your own environment)"
+    else:
+        own = "(your own task file, docs/tasks.md)"
     if pass_rate == 0.0:
         easier = EASIER.get(tasks)
         hints.append(f"the base solves none of these tasks: a stronger base, or easier tasks than {tasks!r} "
-                     + (f"(data.tasks = {easier!r})" if easier else "(your own task file, docs/tasks.md)"))
+                     + (f"(data.tasks = {easier!r})" if easier else own))
     elif pass_rate == 1.0:
         harder = HARDER.get(tasks)
-        hints.append(f"the base solves every task: harder tasks than {tasks!r} " + (f"(data.tasks = {harder!r})" if harder else
-                                                                                    "(your own task file, docs/tasks.md)"))
+        hints.append(f"the base solves every task: harder tasks than {tasks!r} " + (f"(data.tasks = {harder!r})" if harder else own))
     if spec.sampling.length_penalty == 0.0 and not capped:
         hints.append("or add a length reward (spec init --length-penalty 0.0003 --target-length N, INTELLECT-2) so completions of "
                      "different lengths score differently")
@@ -105,7 +109,7 @@ def probe_learning_signal(
     groups whose rewards differ.
 
     Target lengths cycle through ``sampling.target_lengths`` (none when empty); seeds are fixed
-    (``SHA-256("probe" || run seed || task || sample)``). Rewards are ``protocol.rewards.compute_reward``
+    (``SHA-256("probe" || run seed || task || sample)``). Rewards are ``protocol.rewards.compute_rewards``
     with the run's length penalty, as workers compute them.
 
     Returns:
@@ -129,9 +133,10 @@ def probe_learning_signal(
     gens = engine.generate(prompts, seeds, sampling_params(spec, eos))
     rewards: dict[int, list[float]] = {}
     passed = capped = tokens = 0
-    for g, (gi, t, target) in zip(gens, owners):
-        ids = g.completion_ids.tolist()
-        r = compute_reward(t, completion_text(tokenizer, ids, eos), len(ids), target, spec.sampling.length_penalty, reward_limits)
+    ids_all = [g.completion_ids.tolist() for g in gens]
+    scored = compute_rewards([(t, completion_text(tokenizer, ids, eos), len(ids), target) for ids, (_, t, target) in zip(ids_all, owners)],
+                             spec.sampling.length_penalty, reward_limits)
+    for ids, r, (gi, _, _) in zip(ids_all, scored, owners):
         rewards.setdefault(gi, []).append(r.reward)
         passed += r.task_reward == 1.0
         capped += len(ids) >= spec.sampling.max_tokens

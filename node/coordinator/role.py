@@ -46,7 +46,7 @@ from node.shardcast.publish import publish_artifact
 from node.web.runpage import RunPage
 from protocol.address import format_run_address
 from protocol.artifacts import TASKS_ARTIFACT
-from protocol.dataset import resolve_tasks, tasks_artifact_files
+from protocol.dataset import resolve_run_tasks, tasks_artifact_files
 from protocol.envelope import Envelope
 from protocol.identity import NodeKey
 from protocol.messages import Verdict
@@ -121,7 +121,7 @@ class Coordinator:
         self.options = options
         self.ctx = ctx or DistContext()
         self.data_dir = Path(options.data_dir)
-        self.tasks = resolve_tasks(self.spec.data.tasks, options.data_root, self.spec.data.tasks_hash)
+        self.tasks = resolve_run_tasks(self.spec, options.data_root)
         # a validator's cheat verdict bans only once this independent re-check reproduces it
         recheck = CoordinatorRecheck(self.spec, signed.run_id, self.tasks.train, lambda: self.tokenizer,
                                      lambda step: self.publisher.policy_dir(step) if self.publisher else None,
@@ -503,7 +503,7 @@ def follow_rank(signed: SignedRunSpec, data_dir: Path, ctx: DistContext, *, resu
     ``data.tasks`` exactly as on rank 0.
     """
     spec = signed.spec
-    tasks = resolve_tasks(spec.data.tasks, data_root, spec.data.tasks_hash)
+    tasks = resolve_run_tasks(spec, data_root)
     trainer, base, _, _ = build_trainer(signed, tasks, data_dir, ctx, resume=resume)
     paths = LoopPaths(policies=Path(data_dir) / "policies", state=Path(data_dir) / "state", base=base)
     run_training(trainer, ctx, paths, publish_every=spec.rl.publish_every, dtype=torch_dtype(spec.model.dtype), hooks=None)

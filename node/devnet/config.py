@@ -7,8 +7,10 @@ from typing import Any
 
 from protocol.identity import NodeKey, PeerId
 from protocol.runspec import (
+    ENV_TASKS,
     AuditSpec,
     DataSpec,
+    EnvSpec,
     ModelSpec,
     NetworkSpec,
     RLSpec,
@@ -32,6 +34,70 @@ EMBEDDED_RL = RLSpec(
 ≤ 4 tokens each), a large learning rate, and behavior log-probs as the ratio denominator so the
 stale batches of an async run are importance-corrected (uncorrected, level 4 unlearned; level 2
 and this correction are chosen from ``benchmarks/async_levels.py``, ``docs/trainer.md`` §9)."""
+
+ENV_TRAIN_SIZE = 2000
+ENV_HELDOUT_SIZE = 100
+"""Tasks a devnet's environment generates: 2,000 training, 100 held out (before dropping those a
+training task shares a prompt with)."""
+ENV_MAX_TOKENS_RANGE = (4, 64)
+"""A devnet's environment samples up to its longest reference completion + EOS tokens, within this range."""
+
+
+EMBEDDED_ENV_PRESETS: dict[str, dict[str, Any]] = {
+    "reasoning_gym:basic_arithmetic": {
+        "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "max_digits": 2, "operators": ["+"], "allow_parentheses": False,
+                             "allow_negation": False},
+        "template": "{metadata[expression]}=",
+        "answer": "text",
+    },
+}
+"""``env.args`` the devnet gives a reasoning-gym dataset on the embedded model when no ``--env-arg``
+is passed: at its default difficulty (up to 6 terms of up to 4 digits with + - * /, a prose prompt) the 0.3 M-parameter
+model solves none, so every group has equal rewards and no step can be trained (measured 7 Dec 2026:
+step 0 waited with 1 of 16 usable groups after 219 all-zero ones). The preset is the embedded task's
+shape: sums of two numbers of up to two digits (reasoning-gym draws up to 10**digits: 100 occurs), ``a + b=``, answered with the number (with one
+digit, 121 prompts in all: a 2,000-task training set holds every one, and no held-out task is left)."""
+
+
+def embedded_env_args(name: str) -> dict[str, Any] | None:
+    """The devnet's :data:`EMBEDDED_ENV_PRESETS` entry for ``name`` (a deep copy), or ``None``."""
+    import copy
+
+    preset = EMBEDDED_ENV_PRESETS.get(name)
+    return copy.deepcopy(preset) if preset is not None else None
+
+
+def env_sampling(max_tokens: int) -> SamplingSpec:
+    """Sampling of a devnet's environment on the embedded model: :data:`EMBEDDED_SAMPLING` (temperature
+    1.5, no length prompt) with room for the longest reference completion and EOS."""
+    lo, hi = ENV_MAX_TOKENS_RANGE
+    return EMBEDDED_SAMPLING.model_copy(update={"max_tokens": min(hi, max(lo, max_tokens))})
+
+
+def devnet_env(name: str, args: dict[str, Any], *, seed: int = 0) -> tuple[EnvSpec, str, int]:
+    """Open a devnet's environment once in this process and pin it.
+
+    Returns:
+        ``(env, tasks_hash, tokens)``: the ``[env]`` section (with its ``hash``), the hash of its
+        training tasks (``data.tasks_hash``), and the longest reference completion in characters
+        plus one for EOS (tokens, at the embedded model's one token per character).
+
+    Raises:
+        protocol.envs.EnvError: as :func:`protocol.envs.open_environment` (a missing extra: the line names it).
+        protocol.rewards.RewardError: no bubblewrap sandbox here.
+    """
+    from protocol.envs import open_environment, row_answer
+    from protocol.tasks import dataset_hash
+
+    env = open_environment(name, args=args, seed=seed, train_size=ENV_TRAIN_SIZE, heldout_size=ENV_HELDOUT_SIZE)
+    try:
+        tasks = env.tasks
+        longest = max((len(a) for t in tasks.train if (a := row_answer(t)) is not None), default=ENV_MAX_TOKENS_RANGE[1] - 1)
+        section = EnvSpec(name=name, args=args, hash=env.hash, seed=seed, train_size=ENV_TRAIN_SIZE, heldout_size=ENV_HELDOUT_SIZE)
+        return section, dataset_hash(tasks.train), longest + 1
+    finally:
+        env.close()
+
 
 REAL_TASKS_SAMPLING = SamplingSpec(max_tokens=32, temperature=1.0, target_lengths=[8, 16, 32], length_penalty=0.003)
 REAL_TASKS_RL = RLSpec(async_level=2, group_size=4, batch_groups=4, learning_rate=1e-4, warmup_steps=0, old_logprobs="behavior",
@@ -112,6 +178,9 @@ def devnet_spec(
     rl_overrides: dict[str, Any] | None = None,
     profile: bool = False,
     deltas: bool = True,
+    env: EnvSpec | None = None,
+    tasks_hash: str = "",
+    env_max_tokens: int = ENV_MAX_TOKENS_RANGE[1],
     worker_dtype: str = "float32",
     measured: ToplocSpec | None = None,
 ) -> RunSpec:
@@ -126,7 +195,10 @@ def devnet_spec(
     :class:`~protocol.runspec.RLSpec` like a spec file's. With ``profile`` (``model`` is a
     real-shape profile's directory) the run trains with :data:`PROFILE_RL`, one task per
     submission and :data:`PROFILE_PIECE_BYTES` pieces. Without ``deltas``,
-    ``shardcast.max_delta_chain`` is 0: every step is published and fetched in full.
+    ``shardcast.max_delta_chain`` is 0: every step is published and fetched in full. With ``env``
+    (from :func:`devnet_env`) the run's tasks are that environment's (``data.tasks = "environment"``,
+    ``tasks_hash`` pinned), trained like the embedded tasks on the embedded model
+    (:func:`env_sampling` with ``env_max_tokens``).
 
     ``worker_dtype`` (a key of :data:`WORKER_DTYPES`) is what the workers compute in: the spec's
     ``[toploc]`` is :func:`precision_toploc`'s (``measured`` on the base for bf16), bf16 runs get the
@@ -140,8 +212,11 @@ def devnet_spec(
         pydantic.ValidationError: an override names no ``[rl]`` field or a value out of its bounds.
         ValueError: an unknown ``worker_dtype``.
     """
-    embedded = tasks == "embedded" and model is None
+    if env is not None:
+        tasks = ENV_TASKS
+    embedded = tasks in ("embedded", ENV_TASKS) and model is None
     rl = devnet_rl(embedded=embedded, async_level=async_level, rl_overrides=rl_overrides, profile=profile)
+    sampling = (env_sampling(env_max_tokens) if env is not None else EMBEDDED_SAMPLING) if embedded else REAL_TASKS_SAMPLING
     toploc = precision_toploc(worker_dtype, measured)
     model_spec = _model_spec(model)
     bf16 = WORKER_DTYPES[worker_dtype] == "bfloat16"
@@ -150,8 +225,10 @@ def devnet_spec(
     return RunSpec(
         run=RunInfo(name="devnet", seed=seed, coordinator=coordinator.peer_id, validators=validators),
         model=model_spec,
-        data=DataSpec(tasks=tasks, tasks_per_submission=1 if profile else 4 if tasks == "embedded" else 2),
-        sampling=EMBEDDED_SAMPLING if embedded else REAL_TASKS_SAMPLING,
+        data=DataSpec(tasks=tasks, tasks_hash=tasks_hash if env is not None else "",
+                      tasks_per_submission=1 if profile else 4 if tasks in ("embedded", ENV_TASKS) else 2),
+        env=env if env is not None else EnvSpec(),
+        sampling=sampling,
         toploc=toploc,
         rl=rl,
         # keep_steps: async_level + 1 (protocol.window.fresh_steps)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node.devnet.config import WORKER_DTYPES, devnet_spec
+from node.devnet.config import WORKER_DTYPES, devnet_env, devnet_spec
 from node.devnet.links import Links
 from node.devnet.outdir import claim_out, write_marker
 from node.devnet.procs import Proc, ProcessGroup
@@ -76,6 +76,9 @@ class DevnetOptions:
         model: a local Hugging Face Qwen2 directory to train instead of the embedded model (``None``: embedded).
         rl: overrides of the run spec's ``[rl]`` fields (``--rl KEY=VALUE``; e.g. the off-policy
             correction ``is_correction``), checked like a spec file's.
+        env: the run's own environment (``--env``: ``reasoning_gym:NAME``, ``verifiers:MODULE`` or a
+            ``.py`` file; ``protocol.envs``), opened here once to pin its hash; ``None``: ``tasks``.
+        env_args: its ``env.args`` (``--env-arg KEY=VALUE``).
         worker_dtype: what every worker and the adversary compute in, ``float32`` or ``bfloat16``;
             the run spec is made fit for it (``node.devnet.config.precision_toploc``).
         steer_rate: the ``steer`` adversary's share of chances taken.
@@ -102,6 +105,8 @@ class DevnetOptions:
     eval_samples: int = 16
     model: Path | None = None
     rl: dict[str, Any] = field(default_factory=dict)
+    env: str | None = None
+    env_args: dict[str, Any] = field(default_factory=dict)
     worker_dtype: str = "float32"
     steer_rate: float = 1.0
 
@@ -267,10 +272,18 @@ class Devnet:
         host = self._host("coordinator")
         self.coord_url = f"http://{host}:{self.http_port}"
         bootstrap = f"/ip4/{host}/tcp/{self.p2p_port}/p2p/{coord.peer_id}"
+        env_kw: dict[str, Any] = {}
+        if self.o.env is not None:
+            self.events.append(f"{time.monotonic() - self.started:.0f}s opening environment {self.o.env} (its sandbox) to pin it")
+            section, tasks_hash, max_tokens = devnet_env(self.o.env, self.o.env_args)
+            env_kw = {"env": section, "tasks_hash": tasks_hash, "env_max_tokens": max_tokens}
+            self.events.append(f"{time.monotonic() - self.started:.0f}s environment hash {section.hash[:16]}…, tasks {tasks_hash[:16]}…")
+
         def make(measured: Any = None) -> Any:
             return devnet_spec(coord, validators, tasks=self.o.tasks, http_url=self.coord_url, bootstrap=bootstrap,
                                seed=self.seed, async_level=self.o.async_level, model=self.o.model, rl_overrides=self.o.rl,
-                               profile=self.o.profile is not None, deltas=self.o.deltas, worker_dtype=self.o.worker_dtype, measured=measured)
+                               profile=self.o.profile is not None, deltas=self.o.deltas, worker_dtype=self.o.worker_dtype, measured=measured,
+                               **env_kw)
 
         spec = make() if WORKER_DTYPES[self.o.worker_dtype] == "float32" else make(self._measure_precision(make(ToplocSpec(
             replay_rule="logit-bound-v2", replay_logit_bound=1.0, worker_dtype="bfloat16"))))
@@ -286,11 +299,11 @@ class Devnet:
         ``spec init --measure-precision bfloat16 --fp32-logits`` does the same): the table goes to the events."""
         from node.coordinator.base import base_cache_root, prepare_base
         from node.precision import cached_measurement
-        from protocol.dataset import resolve_tasks
+        from protocol.dataset import resolve_run_tasks
         from protocol.models import load_tokenizer
 
         self.events.append(f"{time.monotonic() - self.started:.0f}s measuring the bf16 workers' tolerances on the base (once per machine)")
-        tasks = resolve_tasks(draft.data.tasks, self.o.data_root, draft.data.tasks_hash)
+        tasks = resolve_run_tasks(draft, self.o.data_root)  # the run's own environment too (--env)
         work = self.out / "precision-base"
         try:
             base = prepare_base(draft, tasks, work)

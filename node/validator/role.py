@@ -24,7 +24,7 @@ from node.policy import GossipSources, HeldModels, PolicyFollower
 from node.retry import Backoff, FailureLog
 from node.status_http import StatusServer
 from node.validator.resources import ResourceFailures, resource_failure
-from protocol.dataset import run_tasks
+from protocol.dataset import resolve_run_tasks
 from protocol.envelope import open_envelope, seal
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
@@ -102,7 +102,7 @@ class ValidatorNode:
         self.options = options
         self.data_dir = Path(options.data_dir)
         self.ingest_urls = [u.rstrip("/") for u in (options.ingest_urls or self.spec.network.ingest_urls)]
-        self.tasks = run_tasks(self.spec.data.tasks, options.data_root, self.spec.data.tasks_hash, options.artifacts).train
+        self.tasks = resolve_run_tasks(self.spec, options.data_root, artifacts=options.artifacts).train
         self.judgements = Judgements(self.data_dir / "validator.sqlite")
         self.follower = PolicyFollower(self.spec, self.data_dir / "checkpoints", GossipSources(lambda: self.gossip, self.spec))
         self.gossip: GossipNode | None = None

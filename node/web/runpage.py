@@ -2,7 +2,9 @@
 
 What the page shows and where it comes from (all of it public; no keys, no submission bodies):
 
-* run name and spec summary — the signed run spec;
+* run name and spec summary — the signed run spec; a run's own environment with its hash and how
+  many verdicts blamed it (``environment``: its reward code crashed, hit a limit or did not
+  reproduce; never a worker's fault);
 * policy step, trainer state, curves — the coordinator's ``/status`` fields and its
   ``metrics.jsonl`` (followed incrementally: reward, pass rate, held-out pass rate, verdicts by
   reason after each step);
@@ -341,6 +343,9 @@ class RunPage:
                        "learning_rate": spec.rl.learning_rate},
                 "shardcast": {"keep_steps": spec.shardcast.keep_steps, "piece_size_bytes": spec.shardcast.piece_size_bytes},
                 "heartbeat_interval_s": spec.network.heartbeat_interval_s,
+                "environment": None if not spec.env.name else {
+                    "name": spec.env.name if not spec.env.name.endswith(".py") else Path(spec.env.name).name, "hash": spec.env.hash,
+                    "faults": int((st.get("verdicts_by_reason") or {}).get("environment", 0))},
             },
             "trainer": {
                 "step": int(st.get("trainer_step", 0)), "published_step": published, "state": str(st.get("state", ""))[:300],

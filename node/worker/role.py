@@ -22,7 +22,7 @@ from node.status_http import StatusServer
 from node.worker.rollouts import BuildStats, build_submission
 from node.worker.spool import Spool
 from node.worker.submitter import Submitter
-from protocol.dataset import run_tasks
+from protocol.dataset import resolve_run_tasks
 from protocol.envelope import Envelope
 from protocol.identity import NodeKey
 from protocol.messages import Verdict
@@ -101,7 +101,7 @@ class Worker:
         self.submitter = Submitter(self.spool, options.ingest_urls or list(self.spec.network.ingest_urls), max_backoff_s=5.0)
         self.engine: Engine | None = None
         self.tokenizer: Any = None
-        self.tasks = run_tasks(self.spec.data.tasks, options.data_root, self.spec.data.tasks_hash, options.artifacts).train
+        self.tasks = resolve_run_tasks(self.spec, options.data_root, artifacts=options.artifacts).train
         self.plan: EnginePlan | None = None
         self.policy_step = -1
         self.state = "starting"

@@ -13,7 +13,7 @@ from protocol import toploc
 from protocol.envelope import seal
 from protocol.identity import NodeKey
 from protocol.messages import Rollout, Submission, SubmissionTask
-from protocol.rewards import RewardLimits, compute_reward
+from protocol.rewards import RewardLimits, compute_rewards
 from protocol.rollout import PlannedTask, completion_text, pack_f32, pack_u32, plan_submission
 from protocol.runspec import RunSpec
 from protocol.tasks import Task
@@ -96,19 +96,21 @@ def prove_and_score(
     eos_id = int(tokenizer.eos_token_id)
     if len(gens) != sum(len(p.seeds) for p in plan):
         raise ValueError(f"{len(gens)} generations for {sum(len(p.seeds) for p in plan)} planned samples")
+    owners = [p for p in plan for _ in p.seeds]
+    ids_all = [g.completion_ids.tolist() for g in gens]
+    t1 = time.perf_counter()
+    scored = compute_rewards([(p.task, completion_text(tokenizer, ids, eos_id), len(ids), p.target_length) for p, ids in zip(owners, ids_all)],
+                             spec.sampling.length_penalty, reward_limits)
+    stats.reward_s += time.perf_counter() - t1
     rollouts = []
     i = 0
     for p in plan:
         for sample, seed in enumerate(p.seeds):
-            g = gens[i]
+            g, ids, r = gens[i], ids_all[i], scored[i]
             i += 1
-            t1 = time.perf_counter()
-            proofs = toploc.build_proofs(g.hidden, chunk_size=spec.toploc.chunk_size, topk=spec.toploc.topk)
             t2 = time.perf_counter()
-            ids = g.completion_ids.tolist()
-            r = compute_reward(p.task, completion_text(tokenizer, ids, eos_id), len(ids), p.target_length, spec.sampling.length_penalty, reward_limits)
-            stats.reward_s += time.perf_counter() - t2
-            stats.proof_s += t2 - t1
+            proofs = toploc.build_proofs(g.hidden, chunk_size=spec.toploc.chunk_size, topk=spec.toploc.topk)
+            stats.proof_s += time.perf_counter() - t2
             stats.tokens += len(ids)
             stats.task_rewards.append(r.task_reward)
             rollouts.append(

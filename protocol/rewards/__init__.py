@@ -1,7 +1,7 @@
 """Reward functions, one implementation shared by the worker and the validator.
 
 * ``compute.py`` — :func:`compute_reward`, the entry point: task reward by type, then the
-  length penalty.
+  length penalty; :func:`compute_rewards`, the same for many (a run's environment scores them in batches).
 * ``math.py`` — ``verifiable_math``: final answer after ``</think>``, last ``\\boxed{}`` (GSM8K
   number fallback), structural pre-checks, ``math-verify``.
 * ``verifier.py`` / ``_math_worker.py`` — killable math-verify processes (wall and memory limits).
@@ -15,7 +15,7 @@
 """
 
 from protocol.rewards.base import RewardError, RewardLimitExceeded, RewardLimits, RewardResult, SandboxLimits
-from protocol.rewards.compute import compute_reward
+from protocol.rewards.compute import compute_reward, compute_rewards
 from protocol.rewards.length import INTELLECT2_LENGTH_PENALTY_LAMBDA, length_penalty
 
 __all__ = [
@@ -26,5 +26,6 @@ __all__ = [
     "RewardResult",
     "SandboxLimits",
     "compute_reward",
+    "compute_rewards",
     "length_penalty",
 ]

@@ -119,6 +119,10 @@ class RewardResult:
             ``None`` for math. Two scorings of one completion with different outcomes show a
             program whose result is not a function of its input (``validator.rewards``). Local
             to the scoring node: never sent, never compared between nodes.
+        env_fault: environment tasks only: ``None``, or what went wrong in the run's environment's
+            own reward code (``protocol.envs.sandboxed.ENV_FAULTS``: it crashed, ran over a limit,
+            or returned no score in [0, 1]); the reward is then 0 and says nothing about the
+            completion: the environment's fault, never the worker's.
     """
 
     task_reward: float
@@ -126,6 +130,7 @@ class RewardResult:
     detail: str
     limit_hit: str | None = None
     outcome: str | None = None
+    env_fault: str | None = None
 
     def raise_if_limited(self) -> None:
         """Raise :class:`RewardLimitExceeded` when scoring hit a limit.

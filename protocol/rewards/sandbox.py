@@ -30,8 +30,9 @@ The boundary is the kernel's, set up by bubblewrap (Debian ``bubblewrap``):
   otherwise (a program that kills itself) it is the program's own failure;
 * when the node runs as root, bwrap itself runs as uid 65534 (``setpriv``), so the sandbox's
   processes are uid 65534 on the host as well and RLIMIT_NPROC applies (root is exempt from it).
-  An interpreter under a folder that uid cannot traverse (a pyenv under root's 0700 home) is
-  first bind-mounted onto ``/mnt`` inside a private mount namespace (``unshare -m``) made for
+  An interpreter (or another folder shown inside, :func:`launch_recipe`) under a folder that
+  uid cannot traverse (a pyenv under root's 0700 home) is first bind-mounted onto ``/mnt/<i>``,
+  on a small tmpfs over ``/mnt``, inside a private mount namespace (``unshare -m``) made for
   this one run; the host's ``/mnt`` is untouched.
 
 The candidate's process prints raw outputs only (see :mod:`protocol.rewards._sandbox_child`);
@@ -62,7 +63,8 @@ from protocol.rewards.base import RewardError, SandboxLimits
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SandboxRun", "run_python", "sandbox_status"]
+__all__ = ["CHILD_ENV", "SandboxRun", "kill_sandbox", "launch_recipe", "memfd", "require_sandbox", "run_python", "sandbox_command",
+           "sandbox_status"]
 
 NOBODY_UID = 65534
 RECORDS_MAX_BYTES = 4 * 1024**2
@@ -137,8 +139,20 @@ def _system_binds() -> list[str]:
 
 
 @functools.cache
-def _launch() -> _Launch:
-    """The launch recipe for this host, or :class:`RewardError` saying what is missing."""
+def launch_recipe(extra_dirs: tuple[str, ...] = ()) -> _Launch:
+    """How to start bwrap on this host (probed once per set of ``extra_dirs``), or :class:`RewardError`
+    saying what is missing.
+
+    Args:
+        extra_dirs: host folders to show read-only inside the sandbox at their own paths, besides
+            the interpreter's prefix (the environment sandbox's site-packages,
+            :mod:`protocol.envs.sandboxed`). Folders uid 65534 cannot reach (under a 0700 home)
+            are staged on a private tmpfs over ``/mnt`` first, inside a mount namespace made for
+            the one run.
+
+    Raises:
+        RewardError: no bwrap, or the helpers it needs as root (setpriv, unshare, mount) are missing.
+    """
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise RewardError(f"{_INSTALL_HINT} (no bwrap on PATH)")
@@ -151,49 +165,115 @@ def _launch() -> _Launch:
             python = base_python
         else:
             prefix = os.path.dirname(os.path.dirname(python))
-    binds: list[tuple[str, str]] = []
-    prefix_cmd: list[str] = []
+    dirs: list[str] = []
     if prefix != "/usr" and not prefix.startswith("/usr/"):
-        binds.append((prefix, prefix))
+        dirs.append(prefix)
+    dirs += [d for d in extra_dirs if d not in dirs]
+    binds: list[tuple[str, str]] = [(d, d) for d in dirs]
+    prefix_cmd: list[str] = []
     if os.geteuid() == 0:
         setpriv = shutil.which("setpriv")
         if setpriv is None:
             raise RewardError("code sandbox needs setpriv (util-linux) to run bwrap as uid 65534 when the node runs as root")
         uid = str(NOBODY_UID)
         tail = [setpriv, "--reuid", uid, "--regid", uid, "--clear-groups", "--no-new-privs"]
-        if binds and not _reachable_by_others(prefix):
+        hidden = [d for d in dirs if not _reachable_by_others(d)]
+        if hidden:
             unshare, mount = shutil.which("unshare"), shutil.which("mount")
             if unshare is None or mount is None or not os.path.isdir(_PRIVATE_MOUNT):
-                raise RewardError(f"the interpreter under {prefix} is not readable by uid 65534 and unshare/mount/{_PRIVATE_MOUNT} are missing")
-            script = 'mount --bind "$1" "$0" && shift && exec "$@"'
-            prefix_cmd = [unshare, "--mount", "--propagation", "private", "--", "/bin/sh", "-c", script, _PRIVATE_MOUNT, prefix]
-            binds = [(_PRIVATE_MOUNT, prefix)]
+                raise RewardError(f"{hidden[0]} is not readable by uid 65534 and unshare/mount/{_PRIVATE_MOUNT} are missing")
+            # a private tmpfs over /mnt, each hidden folder bound on /mnt/<i>: the host's /mnt is untouched
+            script = ('mount -t tmpfs -o size=64k,mode=755 intellect-stage "$0" || exit 125; n=$1; shift; i=0; '
+                      'while [ "$i" -lt "$n" ]; do mkdir "$0/$i" && mount --bind "$1" "$0/$i" || exit 125; shift; i=$((i+1)); done; '
+                      'exec "$@"')
+            prefix_cmd = [unshare, "--mount", "--propagation", "private", "--", "/bin/sh", "-c", script, _PRIVATE_MOUNT, str(len(hidden)),
+                          *hidden]
+            staged = {d: f"{_PRIVATE_MOUNT}/{i}" for i, d in enumerate(hidden)}
+            binds = [(staged.get(d, d), d) for d in dirs]
         prefix_cmd += tail
     return _Launch(prefix_cmd=tuple(prefix_cmd), bwrap=bwrap, python=python, binds=tuple(binds))
 
 
-def _child_env() -> list[str]:
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "HOME": "/tmp",
-        "TMPDIR": "/tmp",
-        "LANG": "C.UTF-8",
-        "LC_ALL": "C.UTF-8",
-        # fixed so that set and dict-of-set printing is the same on the worker and the validator
-        "PYTHONHASHSEED": "0",
-        "PYTHONDONTWRITEBYTECODE": "1",
-        "PYTHONIOENCODING": "utf-8",
-        "OMP_NUM_THREADS": "1",
-        "OPENBLAS_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-    }
+_launch = launch_recipe  # the code sandbox's recipe: launch_recipe() (its cache_clear() clears both)
+
+
+CHILD_ENV: dict[str, str] = {
+    "PATH": "/usr/bin:/bin",
+    "HOME": "/tmp",
+    "TMPDIR": "/tmp",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    # fixed so that set and dict-of-set printing is the same on the worker and the validator
+    "PYTHONHASHSEED": "0",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONIOENCODING": "utf-8",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+"""The whole environment of a sandboxed process (bwrap ``--clearenv``, then these)."""
+
+
+def _child_env(extra: dict[str, str] | None = None) -> list[str]:
     args = ["--clearenv"]
-    for k, v in env.items():
+    for k, v in {**CHILD_ENV, **(extra or {})}.items():
         args += ["--setenv", k, v]
     return args
 
 
-def _memfd(name: str, data: bytes) -> int:
+def sandbox_command(launch: _Launch, limits: SandboxLimits, *, data_files: list[tuple[int, str]], argv: list[str],
+                    env: dict[str, str] | None = None) -> list[str]:
+    """The command line that starts ``argv`` in a fresh bubblewrap sandbox (the boundary of the module docstring).
+
+    Args:
+        launch: :func:`launch_recipe`'s answer for this host.
+        limits: only ``tmpfs_bytes`` is used here (the rlimits are the harness's to set).
+        data_files: ``(descriptor, path)`` pairs: each descriptor's bytes appear read-only at
+            ``path`` inside (bwrap ``--ro-bind-data``; pass the descriptors to the child).
+        argv: the program inside, e.g. ``[launch.python, "-s", "-P", "/job/harness.py"]``.
+        env: variables added to :data:`CHILD_ENV`.
+
+    Returns:
+        The argv for :class:`subprocess.Popen`.
+    """
+    binds: list[str] = []
+    for src, dst in launch.binds:
+        binds += ["--ro-bind", src, dst]
+    data: list[str] = []
+    for fd, path in data_files:
+        data += ["--ro-bind-data", str(fd), path]
+    shm_bytes = max(limits.tmpfs_bytes // 8, 1 << 20)
+    return [
+        *launch.prefix_cmd,
+        launch.bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        "--uid", str(NOBODY_UID),
+        "--gid", str(NOBODY_UID),
+        "--disable-userns",  # no nested user namespaces: less kernel surface
+        "--hostname", "sandbox",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop", "ALL",
+        *_system_binds(),
+        *binds,
+        "--proc", "/proc",
+        "--dev", "/dev",
+        "--size", str(shm_bytes),
+        "--tmpfs", "/dev/shm",
+        "--remount-ro", "/dev",  # not recursive: /dev/shm stays writable, at its size
+        "--size", str(max(limits.tmpfs_bytes - shm_bytes, 1 << 20)),
+        "--tmpfs", "/tmp",
+        "--chdir", "/tmp",
+        *data,
+        "--remount-ro", "/",  # bwrap's root tmpfs has no size: nothing may be written there
+        *_child_env(env),
+        *argv,
+    ]  # fmt: skip
+
+
+def memfd(name: str, data: bytes) -> int:
+    """A close-on-exec memfd holding ``data``, positioned at its start (hand it to one child with ``pass_fds``)."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC)  # pass_fds opens it to our child only, not to other threads' children
     os.write(fd, data)
     os.lseek(fd, 0, os.SEEK_SET)
@@ -219,7 +299,7 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-def _kill_sandbox(proc: subprocess.Popen[bytes]) -> None:
+def kill_sandbox(proc: subprocess.Popen[bytes]) -> None:
     """Kill bwrap and the sandbox's whole pid namespace, and wait until the namespace is gone.
 
     The sandbox's init (bwrap's child, pid 1 inside) would die with bwrap only through
@@ -455,42 +535,12 @@ def run_python(
         spec["record_fd"] = rec_w
         stdin_fd = _read_only_memfd("intellect-sandbox-stdin", stdin_text.encode("utf-8"))
         child_fds.append(stdin_fd)
-        spec_fd = _memfd("intellect-sandbox-spec", json.dumps(spec).encode("utf-8"))
+        spec_fd = memfd("intellect-sandbox-spec", json.dumps(spec).encode("utf-8"))
         child_fds.append(spec_fd)
-        child_fd = _memfd("intellect-sandbox-harness", _CHILD_SOURCE_PATH.read_bytes())
+        child_fd = memfd("intellect-sandbox-harness", _CHILD_SOURCE_PATH.read_bytes())
         child_fds.append(child_fd)
-        binds: list[str] = []
-        for src, dst in launch.binds:
-            binds += ["--ro-bind", src, dst]
-        shm_bytes = max(limits.tmpfs_bytes // 8, 1 << 20)
-        cmd = [
-            *launch.prefix_cmd,
-            launch.bwrap,
-            "--unshare-all",
-            "--unshare-user",
-            "--uid", str(NOBODY_UID),
-            "--gid", str(NOBODY_UID),
-            "--disable-userns",  # no nested user namespaces: less kernel surface
-            "--hostname", "sandbox",
-            "--die-with-parent",
-            "--new-session",
-            "--cap-drop", "ALL",
-            *_system_binds(),
-            *binds,
-            "--proc", "/proc",
-            "--dev", "/dev",
-            "--size", str(shm_bytes),
-            "--tmpfs", "/dev/shm",
-            "--remount-ro", "/dev",  # not recursive: /dev/shm stays writable, at its size
-            "--size", str(max(limits.tmpfs_bytes - shm_bytes, 1 << 20)),
-            "--tmpfs", "/tmp",
-            "--chdir", "/tmp",
-            "--ro-bind-data", str(spec_fd), "/job/spec.json",
-            "--ro-bind-data", str(child_fd), "/job/harness.py",
-            "--remount-ro", "/",  # bwrap's root tmpfs has no size: nothing may be written there
-            *_child_env(),
-            launch.python, "-s", "-P", "/job/harness.py",
-        ]  # fmt: skip
+        cmd = sandbox_command(launch, limits, data_files=[(spec_fd, "/job/spec.json"), (child_fd, "/job/harness.py")],
+                              argv=[launch.python, "-s", "-P", "/job/harness.py"])
         oom_before = _oom_kills()
         try:
             proc = subprocess.Popen(
@@ -512,7 +562,7 @@ def run_python(
         stdout, stderr, records_raw = _Drain(limits.output_bytes), _Drain(limits.output_bytes, keep_tail=2000), _Drain(RECORDS_MAX_BYTES)
         timed_out, over, cpu_s = _wait_and_drain(proc, {out_r: ("output", stdout), err_r: ("output", stderr), rec_r: ("records", records_raw)}, wall)
         if proc.returncode is None:  # over the wall or a cap: kill it (a reaped one is gone with its namespace)
-            _kill_sandbox(proc)
+            kill_sandbox(proc)
         wall_s = time.monotonic() - t0
         truncated = over == "records"
         records = _parse_records(bytes(records_raw.data))
@@ -523,7 +573,7 @@ def run_python(
                           bytes(stderr.data).decode("utf-8", "replace"), records, truncated, limit, wall_s, cpu_s)
     finally:
         if proc is not None and proc.returncode is None and proc.poll() is None:
-            _kill_sandbox(proc)
+            kill_sandbox(proc)
         for fd in [*fds, *child_fds]:
             os.close(fd)
 

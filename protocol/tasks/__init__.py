@@ -1,10 +1,12 @@
 """Tasks in the INTELLECT-2 schema: loading, converting public sets, hashing, derivation, prompts.
 
 A :class:`Task` is one row of INTELLECT-2's RL dataset (PrimeIntellect/INTELLECT-2-RL-Dataset):
-``problem_id``, ``task_type`` (``verifiable_math`` or ``prime_rl_code``), ``prompt`` and
+``problem_id``, ``task_type`` (``verifiable_math`` or ``prime_rl_code``; ``environment`` for the
+tasks of a run's own environment, :mod:`protocol.envs`, never in a task file), ``prompt`` and
 ``verification_info``, a JSON *string* whose content depends on the type:
 
 * math: ``{"ground_truth": "70"}`` (LaTeX or a plain number, unboxed);
+* environment: ``{"environment": "<its content hash>", "row": {...}}``, the row its ``score`` receives;
 * code: ``{"test_cases": "<JSON string>"}`` where the inner JSON string is one of
 
   - stdin/stdout (INTELLECT-2, no ``fn_name``): ``{"inputs": [str, ...], "outputs": [str, ...]}``,
@@ -53,13 +55,14 @@ from protocol.tasks.files import (
     training_split_warning,
 )
 from protocol.tasks.prompts import LENGTH_CONTROL_TEMPLATE, build_messages, build_prompt_text
-from protocol.tasks.schema import TASK_TYPES, CodeTests, Task, TaskError, TaskType, code_task, math_task
+from protocol.tasks.schema import ENV_TASK_TYPE, TASK_TYPES, CodeTests, Task, TaskError, TaskType, code_task, math_task
 
 __all__ = [
     "CODE_INSTRUCTION",
     "CONVERTER_FILES",
     "CONVERTER_NAMES",
     "CONVERTER_SPLITS",
+    "ENV_TASK_TYPE",
     "EVALUATION_ONLY",
     "LENGTH_CONTROL_TEMPLATE",
     "MATH_INSTRUCTION",

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from protocol.tasks.schema import _SOLVE_RATE_KEYS, Task, TaskError, code_task, math_task
+from protocol.tasks.schema import _SOLVE_RATE_KEYS, ENV_TASK_TYPE, Task, TaskError, code_task, math_task
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,8 @@ def load_tasks(path: str | Path) -> list[Task]:
         if isinstance(row, dict):
             row = {k: v for k, v in row.items() if not (k in _SOLVE_RATE_KEYS and v is None)}
         task = Task.from_dict(row, where)
+        if task.task_type == ENV_TASK_TYPE:
+            raise TaskError("task_type 'environment' belongs to a run's environment ([env] in the run spec), not to a task file", where)
         if task.problem_id in seen:
             raise TaskError(f"duplicate problem_id {task.problem_id!r} (first at {seen[task.problem_id]})", where)
         seen[task.problem_id] = where

@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from protocol.errors import ProtocolError
 
-TaskType = Literal["verifiable_math", "prime_rl_code"]
-TASK_TYPES: tuple[str, ...] = ("verifiable_math", "prime_rl_code")
+TaskType = Literal["verifiable_math", "prime_rl_code", "environment"]
+TASK_TYPES: tuple[str, ...] = ("verifiable_math", "prime_rl_code", "environment")
+ENV_TASK_TYPE: Literal["environment"] = "environment"
+"""A task of a run's own environment (``protocol.envs``): scored by the environment's code in the
+sandbox, never read from a task file."""
+_ENV_HASH = re.compile(r"^[0-9a-f]{64}$")
 
 
 _REQUIRED_KEYS = ("problem_id", "task_type", "prompt", "verification_info")
@@ -188,7 +193,7 @@ class Task:
                 raise TaskError(f"solve_rate must be a number in [0, 1], got {rate!r}", source)
         self._parsed(source)
 
-    def _parsed(self, source: str = "") -> str | CodeTests:
+    def _parsed(self, source: str = "") -> str | CodeTests | tuple[str, dict[str, Any]]:
         if not isinstance(self.verification_info, str):
             raise TaskError("verification_info must be a JSON string", source)
         try:
@@ -197,6 +202,11 @@ class Task:
             raise TaskError(f"verification_info is not valid JSON: {e}", source) from e
         if not isinstance(info, dict):
             raise TaskError("verification_info must encode a JSON object", source)
+        if self.task_type == ENV_TASK_TYPE:
+            env, row = info.get("environment"), info.get("row")
+            if set(info) != {"environment", "row"} or not isinstance(env, str) or not _ENV_HASH.match(env) or not isinstance(row, dict):
+                raise TaskError('an environment task needs verification_info {"environment": <64 hex digits>, "row": {...}}', source)
+            return env, row
         if self.task_type == "verifiable_math":
             gt = info.get("ground_truth")
             if set(info) != {"ground_truth"} or not isinstance(gt, str) or not gt.strip():
@@ -230,6 +240,18 @@ class Task:
         if self.task_type != "prime_rl_code":
             raise TaskError(f"task {self.problem_id} is {self.task_type}, it has no test_cases")
         return cast(CodeTests, self._parsed(self.problem_id))
+
+    @property
+    def environment_row(self) -> tuple[str, dict[str, Any]]:
+        """An environment task's ``(environment hash, row)``: the hash names the environment that
+        scores it (``protocol.envs``), the row is what its ``score(task, completion)`` receives.
+
+        Raises:
+            TaskError: if this is not an environment task or ``verification_info`` is malformed.
+        """
+        if self.task_type != ENV_TASK_TYPE:
+            raise TaskError(f"task {self.problem_id} is {self.task_type}, not an environment task")
+        return cast(tuple[str, dict[str, Any]], self._parsed(self.problem_id))
 
     def to_dict(self) -> dict[str, Any]:
         """The row as a JSON-ready dict (``solve_rate`` is ``None`` when absent)."""

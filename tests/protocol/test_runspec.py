@@ -142,7 +142,7 @@ def test_replay_rule_is_versioned_in_the_spec():
     del old["artifacts"]  # added later still: hashed only when it pins something (test_artifacts_table_keeps_old_run_ids)
     for name in ("replay_rule", "replay_logit_bound", "eos_prob_slack", "worker_dtype", "fp32_logits", "hard_factor"):
         del old["toploc"][name]
-    del old["audit"]
+    del old["audit"], old["env"]  # sections added later still, hashed only off their default
     assert hashlib.sha256(RUN_ID_DOMAIN + encoding.packb(old)).digest() == signed.run_id
     before = re.sub(r'(?m)^(replay_rule|replay_logit_bound|eos_prob_slack|worker_dtype|fp32_logits|hard_factor) = .*\n', "", unsigned)
     before = before[: before.index("[audit]")]
@@ -178,7 +178,7 @@ def test_artifacts_table_keeps_old_run_ids_and_pins_content():
     text = dump_run_spec(signed)
     assert "[artifacts]" not in text
     content = signed.spec.model_dump(mode="python")
-    del content["artifacts"], content["audit"]  # both added after specs were signed: hashed only off their defaults
+    del content["artifacts"], content["audit"], content["env"]  # all added after specs were signed: hashed only off their defaults
     for name in ("replay_rule", "replay_logit_bound", "eos_prob_slack", "worker_dtype", "fp32_logits", "hard_factor"):
         del content["toploc"][name]
     assert hashlib.sha256(RUN_ID_DOMAIN + encoding.packb(content)).digest() == signed.run_id

@@ -13,6 +13,11 @@ function renderSpec(run) {
     ["Shardcast", `keep ${run.shardcast.keep_steps} steps · pieces of ${(run.shardcast.piece_size_bytes / 1024).toFixed(0)} KiB`],
     ["heartbeat", `${run.heartbeat_interval_s} s`],
   ];
+  if (run.environment) {
+    rows.splice(5, 0, ["environment", `${run.environment.name} · hash ${run.environment.hash.slice(0, 16)}…`],
+      ["environment faults", `${run.environment.faults} submissions rejected as "environment": its own reward code crashed, `
+        + "ran over a limit or did not reproduce (the environment's fault, never a worker's: no ban)"]);
+  }
   fillTable(document.getElementById("spec"), [["", false], ["", false]], rows);
 }
 
