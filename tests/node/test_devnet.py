@@ -34,10 +34,11 @@ from waiting import wait_for
 pytestmark = pytest.mark.integration
 
 BASE = [sys.executable, "-m", "node", "devnet", "--validators", "1", "--eval-samples", "1", "--no-dashboard"]
-STEPS = 30
-"""Steps of the main run: enough that it still trains when the first test has looked at it (that look
-took 13 steps' time at load 18 on 2 cores: doctor, then the browser), with held-out evaluations at the
-default interval, ceil(30 / 6) = 5."""
+STEPS = 60
+"""Steps of the main run: enough that it still trains when the first test has looked at it. That
+look (doctor, then the browser) takes ≈ 42 s on the idle 2-core machine, where 30 steps took ≈ 43 s
+after step 1 and ended under it (7 Dec 2026); at load 18 it took 13 steps' time. Held-out
+evaluations at the default interval, ceil(60 / 6) = 10."""
 EVAL_EVERY = -(-STEPS // 6)
 KILL_AT = 2
 MAIN_RUN = ["--steps", str(STEPS), "--workers", "2", "--relays", "2", "--adversary", "inflated-reward", "--kill-worker-at", str(KILL_AT),
@@ -193,7 +194,7 @@ def test_short_devnet_with_adversary(main_runs):
     assert any(int(step) >= 1 for step, _ in fetches), fetches
     # workers prefer relays that hold the step over the origin: later steps came through relays
     assert any(url in srcs for _, srcs in fetches for url in relay_urls), (fetches, relay_urls, coord_url)
-    # held-out evaluation at the start, at the default interval ceil(30 / 6) = 5 and at the end, not twice there
+    # held-out evaluation at the start, at the default interval ceil(60 / 6) = 10 and at the end, not twice there
     evals = [row for row in rows if row.get("event") == "eval"]
     assert [e["step"] for e in evals] == [*range(0, STEPS, EVAL_EVERY), STEPS]
     assert all(e["heldout_ci_low"] <= e["heldout_pass_rate"] <= e["heldout_ci_high"] and len(e["passes"]) == e["problems"] for e in evals)
