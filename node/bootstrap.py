@@ -35,6 +35,7 @@ from pathlib import Path
 import aiohttp
 
 from node.errors import FetchError, NodeError
+from node.http_read import BodyTooLarge, read_body
 from node.retry import Backoff, first_success
 from node.shardcast.client import ARTIFACT_FILE_NAME
 from protocol.address import RunAddress, looks_like_address, parse_run_address
@@ -126,11 +127,10 @@ async def _spec_from(session: aiohttp.ClientSession, base: str, address: RunAddr
         async with session.get(url, allow_redirects=False) as resp:
             if resp.status != 200:
                 raise LocationsUnavailable(f"{base}: answered HTTP {resp.status}")
-            if resp.content_length is not None and resp.content_length > MAX_SPEC_BYTES:
-                raise JoinError(f"{base}: a run spec of {resp.content_length} bytes is over the {MAX_SPEC_BYTES}-byte limit")
-            data = await resp.content.read(MAX_SPEC_BYTES + 1)
-            if len(data) > MAX_SPEC_BYTES:
-                raise JoinError(f"{base}: the run spec is over the {MAX_SPEC_BYTES}-byte limit")
+            try:
+                data = await read_body(resp, MAX_SPEC_BYTES)
+            except BodyTooLarge as e:
+                raise JoinError(f"{base}: the run spec is too large: {e}") from None
     except (TimeoutError, aiohttp.ClientError, OSError) as e:
         raise LocationsUnavailable(f"{base}: unreachable ({type(e).__name__}{': ' + str(e)[:120] if str(e) else ''})") from None
     try:

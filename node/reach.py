@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from node.http_read import BodyTooLarge, read_body
 from protocol.addresses import address_key
 from protocol.ratelimit import RateLimiter
 from protocol.run_api import REACH_ANSWER_MAX_BYTES, REACH_ROUTE, REACH_SERVICES, reach_path
@@ -82,7 +83,10 @@ async def serves_shardcast(url: str, run_id: bytes, timeout_s: float) -> tuple[b
     try:
         async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as s, \
                 s.get(f"{url}{ROUTE_PREFIX}/held", allow_redirects=False) as r:
-            body = await r.content.read(MAX_READ_BYTES + 1)
+            try:
+                body: bytes | None = await read_body(r, MAX_READ_BYTES)
+            except BodyTooLarge:
+                body = None
             status = r.status
     except TimeoutError:
         return False, f"no answer within {timeout_s:g} s (a firewall dropping the packets, or a silent service)"
@@ -90,7 +94,7 @@ async def serves_shardcast(url: str, run_id: bytes, timeout_s: float) -> tuple[b
         return False, f"connection failed ({_errno_phrase(e.os_error)})"
     except (aiohttp.ClientError, OSError) as e:
         return False, f"the connection broke ({type(e).__name__})"
-    if status != 200 or len(body) > MAX_READ_BYTES:
+    if status != 200 or body is None:
         return False, f"something answers there, but not a Shardcast server (HTTP {status})"
     try:
         got = json.loads(body).get("run_id")
@@ -191,14 +195,17 @@ async def request_dialback(base_url: str, service: str, port: int, *, timeout_s:
     try:
         async with aiohttp.ClientSession(timeout=timeout) as s, s.post(f"{base_url.rstrip('/')}{reach_path(service, port)}",
                                                                       allow_redirects=False) as r:
-            body = await r.content.read(REACH_ANSWER_MAX_BYTES + 1)
+            try:
+                answer: bytes | None = await read_body(r, REACH_ANSWER_MAX_BYTES)
+            except BodyTooLarge:
+                answer = None
             status = r.status
     except TimeoutError:
         raise OSError(f"{base_url} did not answer the dial-back request within {timeout_s:g} s") from None
     except aiohttp.ClientError as e:
         raise OSError(f"{base_url} cannot be reached ({type(e).__name__})") from None
     try:
-        doc = json.loads(body) if len(body) <= REACH_ANSWER_MAX_BYTES else None
+        doc = json.loads(answer) if answer is not None else None
     except ValueError:
         doc = None
     if not isinstance(doc, dict):

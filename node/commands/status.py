@@ -114,6 +114,7 @@ async def fetch_standing(urls: list[str], signed: Any, peer_id: str) -> dict[str
     """
     import aiohttp
 
+    from node.http_read import BodyTooLarge, read_body
     from protocol.envelope import open_envelope
     from protocol.errors import ProtocolError
     from protocol.ingest_api import worker_path
@@ -126,7 +127,11 @@ async def fetch_standing(urls: list[str], signed: Any, peer_id: str) -> dict[str
         for url in urls[:4]:
             try:
                 async with session.get(f"{url.rstrip('/')}{worker_path(peer_id)}", allow_redirects=False) as r:
-                    raw = await r.content.read(WorkerStanding.MAX_BYTES + 1)
+                    try:
+                        raw = await read_body(r, WorkerStanding.MAX_BYTES)
+                    except BodyTooLarge as e:
+                        problems.append(f"{url}: {e}")
+                        continue
                     status = r.status
             except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 problems.append(f"{url}: unreachable ({type(e).__name__})")
