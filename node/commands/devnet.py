@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from node.cli import CliError, command, env_arg_values
+from node.devnet.config import WORKER_DTYPES
 from node.devnet.profile import PROFILES
 from node.worker import ADVERSARIES
 
@@ -45,10 +46,10 @@ def _devnet(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--adversary", choices=ADVERSARIES, default=None, help="add one dishonest worker of this kind")
     p.add_argument("--steer-rate", type=float, default=None, metavar="R",
                    help="with --adversary steer: the share of its chances the steering worker takes (0 … 1, default 1)")
-    p.add_argument("--worker-dtype", choices=["fp32", "float32", "bf16", "bfloat16"], default="fp32",
+    p.add_argument("--worker-dtype", choices=list(WORKER_DTYPES), default="fp32",
                    help="what every worker (and the adversary) computes in (default fp32). bf16 signs a spec fit for bf16 "
-                        "workers (toploc.replay_rule logit-bound-v1 with the bf16 tolerances, policies published in bf16; "
-                        "node/devnet/config.py precision_toploc, docs/devnet.md § Precision)")
+                        "workers (replay rule logit-bound-v2 with tolerances measured on the base, the per-worker audit, "
+                        "policies published in bf16; node/devnet/config.py precision_toploc, docs/devnet.md § Precision)")
     p.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP", help="SIGKILL worker-0 at this trainer step, then restart it")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="folder for logs, data and the report: missing, empty, or a previous devnet's (replaced; devnet outputs "
@@ -116,7 +117,6 @@ def _rl_overrides(items: list[str], *, embedded: bool, async_level: int | None, 
 
 
 def _run_devnet(args: argparse.Namespace) -> int:
-    from node.devnet.config import WORKER_DTYPES
     from node.devnet.orchestrator import Devnet, DevnetOptions
     from node.devnet.outdir import OutDirError, check_out, new_default_out
     from node.devnet.report import write_report

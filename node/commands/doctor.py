@@ -382,6 +382,7 @@ class AnswerError(ValueError):
 async def _get_one(session: Any, url: str, deadline_s: float) -> tuple[dict[str, Any], float | None]:
     import aiohttp
 
+    from node.http_read import BodyTooLarge, read_body
     from node.jsonlimits import loads_bounded
 
     if deadline_s <= 0:
@@ -392,11 +393,10 @@ async def _get_one(session: Any, url: str, deadline_s: float) -> tuple[dict[str,
             async with session.get(url, allow_redirects=False) as r:
                 if r.status != 200:
                     raise AnswerError(f"HTTP {r.status}")
-                if r.content_length is not None and r.content_length > MAX_BODY_BYTES:
-                    raise AnswerError(f"answer of {r.content_length} bytes declared, more than {MAX_BODY_BYTES}")
-                body = await r.content.read(MAX_BODY_BYTES + 1)
-                while len(body) <= MAX_BODY_BYTES and (more := await r.content.read(MAX_BODY_BYTES + 1 - len(body))):
-                    body += more
+                try:
+                    body = await read_body(r, MAX_BODY_BYTES)
+                except BodyTooLarge as e:
+                    raise AnswerError(f"answer larger than {MAX_BODY_BYTES} bytes ({e})") from None
                 date = r.headers.get("Date")
     except TimeoutError:
         raise TimeoutError(f"no complete answer within {deadline_s:.1f} s") from None
@@ -405,8 +405,6 @@ async def _get_one(session: Any, url: str, deadline_s: float) -> tuple[dict[str,
     except aiohttp.ClientError as e:
         raise OSError(str(e)[:200] or type(e).__name__) from None
     t1 = time.time()
-    if len(body) > MAX_BODY_BYTES:
-        raise AnswerError(f"answer larger than {MAX_BODY_BYTES} bytes")
     try:
         doc = loads_bounded(body, max_bytes=MAX_BODY_BYTES, max_depth=MAX_JSON_DEPTH)
     except ValueError as e:
