@@ -156,3 +156,88 @@ async def test_dialback_client_clips_a_hostile_refusal_detail() -> None:
         assert len(str(e.value)) < 400 and "\n" not in str(e.value)
     finally:
         await runner.cleanup()
+
+
+# --- the run spec fetched from an address (node/bootstrap.py) -------------------------------------
+
+def _address(base: str):
+    from protocol.address import RunAddress
+    from protocol.identity import NodeKey
+
+    return RunAddress(coordinator=NodeKey.from_seed(b"\x07" * 32).peer_id, run_id_prefix="", http_urls=(base,), bootstrap=())
+
+
+async def test_fetch_spec_refuses_an_endless_spec() -> None:
+    from node.bootstrap import JoinError, fetch_spec
+
+    sent = [0]
+    runner, base = await _serve(_endless(sent))
+    try:
+        with pytest.raises(JoinError, match="too large"):
+            await asyncio.wait_for(fetch_spec(_address(base), timeout_s=20.0), SAFETY_S)
+    finally:
+        await runner.cleanup()
+
+
+async def test_fetch_spec_refuses_a_100_mb_declared_spec_without_reading_it() -> None:
+    from node.bootstrap import JoinError, fetch_spec
+
+    release = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Length": str(100 << 20)})
+        await resp.prepare(request)
+        await resp.write(b"[run]\n")
+        try:
+            await asyncio.wait_for(release.wait(), SAFETY_S)
+        except TimeoutError:
+            pass
+        return resp
+
+    runner, base = await _serve(handler)
+    try:
+        with pytest.raises(JoinError, match="declared"):
+            await asyncio.wait_for(fetch_spec(_address(base), timeout_s=20.0), SAFETY_S)
+    finally:
+        release.set()
+        await runner.cleanup()
+
+
+async def test_fetch_spec_gives_up_on_a_dribbled_spec() -> None:
+    from node.bootstrap import LocationsUnavailable, fetch_spec
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        try:
+            for _ in range(200):  # one byte every 50 ms, bounded at 10 s
+                await resp.write(b"#")
+                await asyncio.sleep(0.05)
+        except (ConnectionError, RuntimeError):
+            pass
+        return resp
+
+    runner, base = await _serve(handler)
+    try:
+        with pytest.raises(LocationsUnavailable, match="unreachable"):
+            await asyncio.wait_for(fetch_spec(_address(base), timeout_s=1.0), SAFETY_S)
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("body", [b"\xff\xfe[run]\n\x80\x81", b"a = " + b"[" * 5000 + b"]" * 5000, b"\x00" * 4096],
+                         ids=["non-utf8", "nested-toml", "nul-bytes"])
+async def test_fetch_spec_refuses_garbage_in_one_line(body: bytes) -> None:
+    from node.bootstrap import JoinError, fetch_spec
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=body)
+
+    runner, base = await _serve(handler)
+    try:
+        with pytest.raises(JoinError) as e:
+            await asyncio.wait_for(fetch_spec(_address(base), timeout_s=20.0), SAFETY_S)
+        assert "\n" not in str(e.value) and len(str(e.value)) < 600
+    finally:
+        await runner.cleanup()
