@@ -241,3 +241,81 @@ async def test_fetch_spec_refuses_garbage_in_one_line(body: bytes) -> None:
         assert "\n" not in str(e.value) and len(str(e.value)) < 600
     finally:
         await runner.cleanup()
+
+
+# --- the worker standing `status` fetches (node/commands/status.py) ---------------------------------
+
+def _standing_run():
+    from protocol.identity import NodeKey
+    from protocol.runspec import RunInfo, RunSpec, sign_run_spec
+
+    coord = NodeKey.from_seed(b"\x11" * 32)
+    return coord, sign_run_spec(RunSpec(run=RunInfo(coordinator=coord.peer_id, validators=[coord.peer_id], seed=1)), coord)
+
+
+def _standing(coord, run_id: bytes, worker: str) -> bytes:
+    from protocol.envelope import seal
+    from protocol.messages import WorkerStanding
+
+    body = WorkerStanding(worker=worker, trainer_step=1, pending=0, accepted=5, rejected=0, stale=0, trained=5, rollouts_trained=5,
+                          displaced=0, place=1, workers=1)
+    return seal(coord, run_id, body)
+
+
+async def test_fetch_standing_refuses_an_endless_standing() -> None:
+    from node.commands.status import fetch_standing
+    from protocol.identity import NodeKey
+
+    _, signed = _standing_run()
+    sent = [0]
+    runner, base = await _serve(_endless(sent))
+    try:
+        with pytest.raises(OSError, match="byte limit"):
+            await asyncio.wait_for(fetch_standing([base], signed, NodeKey.from_seed(b"\x12" * 32).peer_id), SAFETY_S)
+    finally:
+        await runner.cleanup()
+
+
+def _nested_msgpack(depth: int) -> bytes:
+    return b"\x91" * depth + b"\xc0"  # fixarray of one, nested ``depth`` times, around nil
+
+
+@pytest.mark.parametrize("body", [_nested_msgpack(15_000), b"\xff\xfe garbage \x80", b"\xdf\xff\xff\xff\xff"],
+                         ids=["nested-msgpack", "garbage", "huge-map-header"])
+async def test_fetch_standing_refuses_hostile_msgpack_in_one_line(body: bytes) -> None:
+    from node.commands.status import fetch_standing
+    from protocol.identity import NodeKey
+    from protocol.messages import WorkerStanding
+
+    assert len(body) <= WorkerStanding.MAX_BYTES
+    _, signed = _standing_run()
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type="application/msgpack")
+
+    runner, base = await _serve(handler)
+    try:
+        with pytest.raises(OSError, match="not a standing signed") as e:
+            await asyncio.wait_for(fetch_standing([base], signed, NodeKey.from_seed(b"\x12" * 32).peer_id), SAFETY_S)
+        assert "\n" not in str(e.value)
+    finally:
+        await runner.cleanup()
+
+
+async def test_fetch_standing_refuses_another_workers_genuine_standing() -> None:
+    from node.commands.status import fetch_standing
+    from protocol.identity import NodeKey
+
+    coord, signed = _standing_run()
+    me, other = NodeKey.from_seed(b"\x12" * 32).peer_id, NodeKey.from_seed(b"\x13" * 32).peer_id
+    raw = _standing(coord, signed.run_id, other)
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=raw, content_type="application/msgpack")
+
+    runner, base = await _serve(handler)
+    try:
+        with pytest.raises(OSError, match="another worker"):
+            await asyncio.wait_for(fetch_standing([base], signed, me), SAFETY_S)
+    finally:
+        await runner.cleanup()
