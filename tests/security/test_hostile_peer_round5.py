@@ -319,3 +319,48 @@ async def test_fetch_standing_refuses_another_workers_genuine_standing() -> None
             await asyncio.wait_for(fetch_standing([base], signed, me), SAFETY_S)
     finally:
         await runner.cleanup()
+
+
+# --- gossip envelopes through the TopicGate (node/p2p/topics.py) ------------------------------------
+
+class _Host:
+    """The part of P2PHost the gate's validator calls."""
+
+    def __init__(self) -> None:
+        self.banned: list[str] = []
+
+    def message_id(self, msg) -> bytes:
+        return msg.from_id + msg.seqno
+
+    def ban(self, peer_id) -> None:
+        self.banned.append(str(peer_id))
+
+
+@pytest.mark.parametrize("data", [
+    _nested_msgpack(100_000),
+    b"\x91" * 200 + b"\xc0",
+    b"\xdf\xff\xff\xff\xff" + b"\x00" * 16,
+    b"\xdd\xff\xff\xff\xff",
+    b"\xc6\xff\xff\xff\xff" + b"x" * 64,
+    b"\x85" + b"\xa1a\x91" * 5000,
+    b"\xff" * (4 << 20),
+], ids=["nested-100k", "nested-200", "huge-map-header", "huge-array-header", "huge-bin-header", "nested-map", "oversized-4mb"])
+def test_topic_gate_rejects_hostile_envelopes_without_raising(data: bytes) -> None:
+    from libp2p.peer.id import ID
+    from libp2p.pubsub.pb import rpc_pb2
+
+    from node.p2p.config import GossipConfig
+    from node.p2p.topics import TopicGate
+    from protocol.identity import NodeKey
+
+    coord, signed = _standing_run()
+    me, hostile = NodeKey.from_seed(b"\x21" * 32), NodeKey.from_seed(b"\x22" * 32)
+    gate = TopicGate(signed.run_id, signed.spec.authorities, peer_id=me.peer_id, config=GossipConfig(), heartbeat_interval_s=5.0,
+                     split_records=True)
+    host = _Host()
+    forwarder = ID.from_base58(hostile.peer_id)
+    validate = gate.validator("verdicts", host)  # type: ignore[arg-type]
+    msg = rpc_pb2.Message(from_id=forwarder.to_bytes(), data=data, seqno=b"\x00" * 8, topicIDs=["verdicts"])
+    assert validate(forwarder, msg) is False
+    assert sum(gate.rejected.values()) == 1, gate.rejected
+    assert gate.take(host.message_id(msg)) is None
