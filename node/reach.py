@@ -34,6 +34,7 @@ import aiohttp
 from aiohttp import web
 
 from node.http_read import BodyTooLarge, read_body
+from node.jsonlimits import loads_bounded
 from protocol.addresses import address_key
 from protocol.ratelimit import RateLimiter
 from protocol.run_api import REACH_ANSWER_MAX_BYTES, REACH_ROUTE, REACH_SERVICES, reach_path
@@ -204,15 +205,17 @@ async def request_dialback(base_url: str, service: str, port: int, *, timeout_s:
         raise OSError(f"{base_url} did not answer the dial-back request within {timeout_s:g} s") from None
     except aiohttp.ClientError as e:
         raise OSError(f"{base_url} cannot be reached ({type(e).__name__})") from None
-    try:
-        doc = json.loads(answer) if answer is not None else None
+    try:  # bounded in depth too: 4 KB of '[' would otherwise raise RecursionError out of here
+        doc = loads_bounded(answer, max_bytes=REACH_ANSWER_MAX_BYTES, max_depth=4) if answer is not None else None
     except ValueError:
         doc = None
     if not isinstance(doc, dict):
         raise OSError(f"{base_url} answered the dial-back request with HTTP {status} and no JSON (an older coordinator?)")
     if status != 200:
         raise OSError(f"{base_url} refused the dial-back: {str(doc.get('detail', doc.get('error', status)))[:200]}")
-    if not isinstance(doc.get("reachable"), bool) or not isinstance(doc.get("address"), str) or not isinstance(doc.get("detail"), str):
+    seconds = doc.get("seconds")
+    if (not isinstance(doc.get("reachable"), bool) or not isinstance(doc.get("address"), str) or not isinstance(doc.get("detail"), str)
+            or not (seconds is None or (isinstance(seconds, (int, float)) and not isinstance(seconds, bool)))):
         raise OSError(f"{base_url} answered the dial-back with an unexpected shape")
     return {"reachable": doc["reachable"], "address": doc["address"][:64], "port": port, "service": service, "detail": doc["detail"][:300],
-            "seconds": doc.get("seconds")}
+            "seconds": seconds}
