@@ -29,6 +29,20 @@ computes differently from the calibration (another GPU kernel) must be covered b
 what ``spec init --measure-precision`` on the workers' kind of machine checks
 (``docs/operators.md``).
 
+**The twin test** (``audit.rule = "eprocess-v2"``, ``docs/toploc.md`` §11.2). A rate test cannot see
+*which* tokens differ, so a steerer that rations its deviations below the bounds (≈ 1.44 ``p0``: the
+drift of every component is negative there) is never flagged. Under ``eprocess-v2`` validators decode,
+for up to :data:`TWINS_PER_SUBMISSION` diverged rollouts of each full check, the float32 *twin* (the
+replay's choice at the first differing token, then its own seeded decode) and count whether the
+claimed completion's task reward beats the twin's (``up``) or the reverse (``down``). Among decisive
+rollouts an honest worker's up-share is some ``q`` (bf16 noise is not symmetric: measured 0.58–0.66),
+bounded above by the calibration like the rates (pooled over the whole run, :class:`Baseline`); a
+steerer's is ≈ 1. The mixture over :data:`UP_FRACTIONS` of Bernoulli likelihood ratios with
+``p1 = p0 + f · (1 − p0)`` is a test supermartingale whenever the worker's up-share is ≤ ``p0``; the
+rule's ``E`` is the average of ``eprocess-v1``'s mixture and this one (half the weight each), so Ville
+still bounds an honest worker's chance of ever being flagged by ``α``; with the ten calibrated bounds,
+``≤ α + 10β``.
+
 Pure arithmetic on counts (no I/O): the coordinator's ledger keeps the state
 (``trainer/ledger/audit.py``); anyone holding the signed verdicts and the calibration counts can
 recompute every step (:func:`replay_evidence`).
@@ -45,9 +59,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from protocol.messages import ReplayStats
+from protocol.runspec import AUDIT_RULE_EPROCESS, AUDIT_RULE_EPROCESS_V2
 
 __all__ = [
     "ALTERNATIVES",
+    "TWINS_PER_SUBMISSION",
+    "UP_FRACTIONS",
     "AuditState",
     "Baseline",
     "Flag",
@@ -65,20 +82,48 @@ TOKEN_EVENTS = ("differ", "gap_over_0", "gap_over_1", "gap_over_2", "gap_over_3"
 CHUNK_EVENTS = ("chunks_over",)
 """Events per TOPLOC chunk."""
 EVENTS = TOKEN_EVENTS + CHUNK_EVENTS
+"""The rate events (``eprocess-v1``)."""
+UP_EVENT = "up"
+"""The twin event (``eprocess-v2``): a decisive rollout (``up`` or ``down``) that is ``up``."""
+EVENTS_V2 = EVENTS + (UP_EVENT,)
+
+UP_FRACTIONS = (0.5, 0.75, 0.875, 0.9375, 0.96875, 0.984375, 0.9921875, 0.99609375)
+"""The twin test's alternatives: up-shares ``p1 = p0 + f · (1 − p0)``; a steerer at up-share ≈ 1 grows the
+largest fastest, one near ``p0`` the smallest."""
+
+TWINS_PER_SUBMISSION = 8
+"""Most diverged rollouts of one full check whose twin a validator decodes under ``eprocess-v2`` (drawn at
+random among the diverged ones, so a worker cannot choose which are decided; the rest count as diverged,
+not decided). Bounds the extra work: at most this many decodes of ≤ ``sampling.max_tokens`` tokens and
+their rewards per submission (``docs/validator.md``)."""
 
 
-def event_counts(stats: ReplayStats) -> dict[str, tuple[int, int]]:
-    """Each event's ``(count, trials)`` in one verdict's statistics (events: :data:`EVENTS`).
+def rule_events(rule: str) -> tuple[str, ...]:
+    """The events an audit rule tests (:data:`EVENTS`, and :data:`UP_EVENT` under ``eprocess-v2``)."""
+    return EVENTS_V2 if rule == AUDIT_RULE_EPROCESS_V2 else EVENTS
+
+
+def event_counts(stats: ReplayStats, events: Sequence[str] = EVENTS) -> dict[str, tuple[int, int]]:
+    """Each event's ``(count, trials)`` in one verdict's statistics (default: the rate events :data:`EVENTS`;
+    ``up`` is ``(up, up + down)``: the decisive rollouts are its trials).
 
     A ``gap_over`` list shorter than the edges counts 0 for the missing edges (a validator of
     another rule version binned fewer; it then says nothing about them).
     """
     over = list(stats.gap_over) + [0] * (5 - len(stats.gap_over))
     out = {"differ": (stats.differ, stats.tokens), "impossible": (stats.impossible, stats.tokens),
-           "logprob_over": (stats.logprob_over, stats.tokens), "chunks_over": (stats.chunks_over, stats.chunks)}
+           "logprob_over": (stats.logprob_over, stats.tokens), "chunks_over": (stats.chunks_over, stats.chunks),
+           UP_EVENT: (stats.up, stats.up + stats.down)}
     for i in range(5):
         out[f"gap_over_{i}"] = (over[i], stats.tokens)
-    return out
+    return {e: out[e] for e in events}
+
+
+def _alternatives(event: str, p0: float) -> list[tuple[str, float]]:
+    """``(component key, p1)`` of every alternative of ``event`` at honest bound ``p0`` (``p1 < 1`` only)."""
+    if event == UP_EVENT:
+        return [(f"{event}@{f:g}", p0 + f * (1.0 - p0)) for f in UP_FRACTIONS]
+    return [(f"{event}@{r:g}", r * p0) for r in ALTERNATIVES if r * p0 < 1.0]
 
 
 def _kl(q: float, p: float) -> float:
@@ -130,23 +175,34 @@ def rate_upper_bound(count: int, trials: int, confidence: float) -> float:
 class Baseline:
     """The honest event rates' upper bounds, from calibration counts pooled over recent policy steps.
 
+    The rate events pool the newest ``window_steps`` steps (rates move with the policy); the twin
+    event ``up`` pools every calibrated step of the run (:attr:`twins`): decisive rollouts are rare
+    (≈ 0.4 per 64-rollout reference submission on the devnet's base), and the up-share is a property of
+    the worker's arithmetic against the validator's (measured 0.58–0.66 across decode batch sizes and
+    heads), not of one step's rates.
+
     Attributes:
         confidence: the one-sided level of :func:`rate_upper_bound` (``audit.baseline_confidence``).
         window_steps: how many of the newest policy steps' calibrations are pooled
             (``audit.calibration_window_steps``).
         by_step: policy step → event → ``(count, trials)`` of that step's calibration submissions.
+        twins: ``(up, decisive)`` of every reference submission counted in the run.
     """
 
     confidence: float
     window_steps: int
     by_step: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    twins: tuple[int, int] = (0, 0)
 
-    def add(self, step: int, stats: ReplayStats) -> None:
-        """Count one honest reference submission's statistics at policy ``step``."""
+    def add(self, step: int, stats: ReplayStats, *, twins: bool = True) -> None:
+        """Count one honest reference submission's statistics at policy ``step`` (``twins=False``: its rate
+        events only, for a reload whose twin totals are kept apart)."""
         acc = self.by_step.setdefault(step, {})
         for name, (k, n) in event_counts(stats).items():
             k0, n0 = acc.get(name, (0, 0))
             acc[name] = (k0 + k, n0 + n)
+        if twins:
+            self.twins = (self.twins[0] + stats.up, self.twins[1] + stats.up + stats.down)
         for old in sorted(self.by_step)[: -self.window_steps]:
             del self.by_step[old]
 
@@ -163,10 +219,17 @@ class Baseline:
         """Replayed tokens in the window."""
         return self.pooled().get("differ", (0, 0))[1]
 
+    def decisive(self) -> int:
+        """Decisive reference rollouts (up or down) counted in the run."""
+        return self.twins[1]
+
     def bounds(self) -> dict[str, float]:
-        """Each event's honest-rate upper bound ``p0`` (1 where nothing was measured)."""
+        """Each event's honest-rate upper bound ``p0`` (1 where nothing was measured), ``up`` included
+        (the honest up-share's bound among decisive rollouts)."""
         pooled = self.pooled()
-        return {name: rate_upper_bound(*pooled.get(name, (0, 0)), self.confidence) for name in EVENTS}
+        out = {name: rate_upper_bound(*pooled.get(name, (0, 0)), self.confidence) for name in EVENTS}
+        out[UP_EVENT] = rate_upper_bound(*self.twins, self.confidence)
+        return out
 
 
 @dataclass(frozen=True)
@@ -203,38 +266,39 @@ class AuditState:
     """One worker's test: the log-value of every mixture component and the worker's event totals.
 
     Attributes:
-        log_wealth: ``(event, r)`` → log of that likelihood-ratio martingale (0 at start).
+        log_wealth: ``(event, r)`` → log of that likelihood-ratio martingale (0 at start); the twin
+            event's keys are ``up@f`` (:data:`UP_FRACTIONS`).
         totals: event → the worker's ``(count, trials)`` counted so far.
         verdicts: verdicts counted.
+        rule: ``eprocess-v1`` (the rate events) or ``eprocess-v2`` (and the twin event).
     """
 
     log_wealth: dict[str, float] = field(default_factory=dict)
     totals: dict[str, tuple[int, int]] = field(default_factory=dict)
     verdicts: int = 0
+    rule: str = AUDIT_RULE_EPROCESS
 
     def observe(self, stats: ReplayStats, p0: Mapping[str, float]) -> None:
         """Count one verdict's statistics against the honest bounds ``p0`` current now."""
         self.verdicts += 1
-        for name, (k, n) in event_counts(stats).items():
+        for name, (k, n) in event_counts(stats, rule_events(self.rule)).items():
             k0, n0 = self.totals.get(name, (0, 0))
             self.totals[name] = (k0 + k, n0 + n)
             p = p0.get(name, 1.0)
             if n == 0 or not 0.0 < p < 1.0:
                 continue
-            for r in ALTERNATIVES:
-                p1 = r * p
-                if p1 >= 1.0:
-                    continue  # this alternative bets nothing on this verdict (a factor of 1)
-                key = f"{name}@{r:g}"
+            for key, p1 in _alternatives(name, p):  # an alternative with p1 ≥ 1 bets nothing (a factor of 1)
                 step = k * math.log(p1 / p) + (n - k) * math.log1p(-p1) - (n - k) * math.log1p(-p)
                 self.log_wealth[key] = self.log_wealth.get(key, 0.0) + step
 
     def log_e_value(self) -> float:
-        """Log of the mixture ``E``: the average over all :data:`EVENTS` × :data:`ALTERNATIVES` components."""
-        n = len(EVENTS) * len(ALTERNATIVES)
-        logs = [self.log_wealth.get(f"{e}@{r:g}", 0.0) for e in EVENTS for r in ALTERNATIVES]
-        top = max(logs)
-        return top + math.log(sum(math.exp(x - top) for x in logs) / n)
+        """Log of the mixture ``E``: under ``eprocess-v1`` the average over all :data:`EVENTS` ×
+        :data:`ALTERNATIVES` components; under ``eprocess-v2`` the average of that and of the twin
+        event's :data:`UP_FRACTIONS` components (half the weight each)."""
+        rate = _log_mean([self.log_wealth.get(f"{e}@{r:g}", 0.0) for e in EVENTS for r in ALTERNATIVES])
+        if self.rule != AUDIT_RULE_EPROCESS_V2:
+            return rate
+        return _log_mean([rate, _log_mean([self.log_wealth.get(f"{UP_EVENT}@{f:g}", 0.0) for f in UP_FRACTIONS])])
 
     def flag(self, false_alarm: float, p0: Mapping[str, float]) -> Flag | None:
         """A :class:`Flag` when ``E ≥ 1 / false_alarm``, else ``None``."""
@@ -243,29 +307,38 @@ class AuditState:
             return None
         best = max(self.log_wealth, key=lambda key: self.log_wealth[key])
         event = best.split("@", 1)[0]
-        k, n = self.totals.get(event, (0, 0))
+        k, n = self.totals.get(event, (0, 0))  # for up: ups among decisive rollouts
         tokens = self.totals.get("differ", (0, 0))[1]
         return Flag(math.exp(min(log_e, 700.0)), 1.0 / false_alarm, event, k, n, p0.get(event, 1.0), self.verdicts, tokens)
 
     def to_json(self) -> dict[str, object]:
         """A JSON-safe copy (persistence)."""
-        return {"log_wealth": dict(self.log_wealth), "totals": {k: list(v) for k, v in self.totals.items()}, "verdicts": self.verdicts}
+        return {"log_wealth": dict(self.log_wealth), "totals": {k: list(v) for k, v in self.totals.items()}, "verdicts": self.verdicts,
+                "rule": self.rule}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, object]) -> AuditState:
-        """The inverse of :meth:`to_json` (the coordinator's own file; raises ``KeyError``/``TypeError`` on a damaged one)."""
+        """The inverse of :meth:`to_json` (the coordinator's own file; raises ``KeyError``/``TypeError`` on a damaged one;
+        a state written before rules were recorded is ``eprocess-v1``'s)."""
         lw = doc["log_wealth"]
         totals = doc["totals"]
         assert isinstance(lw, dict) and isinstance(totals, dict)
         return cls({str(k): float(v) for k, v in lw.items()}, {str(k): (int(v[0]), int(v[1])) for k, v in totals.items()},
-                   int(doc["verdicts"]))  # type: ignore[call-overload]
+                   int(doc["verdicts"]), str(doc.get("rule", AUDIT_RULE_EPROCESS)))  # type: ignore[call-overload]
 
 
-def replay_evidence(verdicts: Iterable[tuple[ReplayStats, Mapping[str, float]]], false_alarm: float) -> tuple[AuditState, Flag | None]:
-    """Recompute a worker's test from its verdicts' statistics, each with the bounds that applied
-    when it was counted: the audit's evidence is reproducible from signed verdicts and calibration
-    counts alone. Returns the final state and the first flag (``None`` if never flagged)."""
-    state = AuditState()
+def _log_mean(logs: Sequence[float]) -> float:
+    """``log(mean(exp(logs)))``, without overflow."""
+    top = max(logs)
+    return top + math.log(sum(math.exp(x - top) for x in logs) / len(logs))
+
+
+def replay_evidence(verdicts: Iterable[tuple[ReplayStats, Mapping[str, float]]], false_alarm: float,
+                    rule: str = AUDIT_RULE_EPROCESS) -> tuple[AuditState, Flag | None]:
+    """Recompute a worker's test under audit ``rule`` from its verdicts' statistics, each with the bounds
+    that applied when it was counted: the audit's evidence is reproducible from signed verdicts and
+    calibration counts alone. Returns the final state and the first flag (``None`` if never flagged)."""
+    state = AuditState(rule=rule)
     first: Flag | None = None
     for stats, p0 in verdicts:
         state.observe(stats, p0)

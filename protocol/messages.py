@@ -272,6 +272,15 @@ class ReplayStats(Message):
     that differ from the validator's replay with a gap beyond ``GAP_EDGE_FRACTIONS[i]`` of the
     replay rule's tolerance (``protocol.sampling.ReplayParams.gap_edges``; the last is the tolerance
     itself: the out-of-bound tokens), so the list is non-increasing and each entry ≤ ``differ``.
+
+    The twin counts (audit rule ``eprocess-v2``, ``docs/toploc.md`` §11.2; 0 under other rules and in
+    verdicts signed before they existed): of the ``rollouts`` checked, ``diverged`` hold ≥ 1 token that
+    differs from the replay's choice; for ``decided`` of those (at most
+    :data:`protocol.audit.TWINS_PER_SUBMISSION`, drawn at random by the validator) it decoded the
+    *twin* — the replay's own choice at the first differing position, then its own seeded float32
+    decode — and rewarded both: ``up`` where the claimed completion's task reward is higher, ``down``
+    where the twin's is. So ``up + down ≤ decided ≤ diverged ≤ min(rollouts, differ)`` and
+    ``rollouts ≤ tokens``.
     """
 
     tokens: Count  # completion tokens replayed
@@ -281,12 +290,20 @@ class ReplayStats(Message):
     logprob_over: Count = 0  # tokens whose |reported − recomputed| log-prob exceeds toploc.logprob_max_abs
     chunks: Count = 0  # TOPLOC chunks checked
     chunks_over: Count = 0  # chunks beyond the TOPLOC thresholds
+    rollouts: Count = 0  # rollouts replayed (eprocess-v2; 0: not counted)
+    diverged: Count = 0  # of them, with ≥ 1 differing token
+    decided: Count = 0  # of those, twins decoded and rewarded
+    up: Count = 0  # of those, claimed task reward > the twin's
+    down: Count = 0  # of those, the twin's task reward > claimed
 
     @model_validator(mode="after")
     def _consistent(self) -> ReplayStats:
         over = self.gap_over
         if self.differ > self.tokens or self.impossible > self.differ or self.logprob_over > self.tokens or self.chunks_over > self.chunks:
             raise ValueError("replay stats: a count exceeds what it counts within")
+        if (self.rollouts > self.tokens or self.diverged > min(self.rollouts, self.differ) or self.decided > self.diverged
+                or self.up + self.down > self.decided):
+            raise ValueError("replay stats: need up + down ≤ decided ≤ diverged ≤ min(rollouts, differ) and rollouts ≤ tokens")
         if any(a < b for a, b in itertools.pairwise(over)) or (over and over[0] > self.differ):
             raise ValueError("replay stats: gap_over must be non-increasing and ≤ differ")
         return self

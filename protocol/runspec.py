@@ -59,10 +59,19 @@ AUDIT_RULE_EPROCESS = "eprocess-v1"
 """Audit rule: per worker, a mixture of likelihood-ratio test martingales over the counts of its verdicts'
 replay statistics against the calibrated honest rates; flag when it reaches 1 / ``audit.false_alarm``
 (Ville's inequality bounds an honest worker's chance of ever being flagged by it; ``docs/toploc.md`` §11)."""
+AUDIT_RULE_EPROCESS_V2 = "eprocess-v2"
+"""Audit rule: ``eprocess-v1``'s test, and beside it (half the mixture's weight) a test of the reward
+asymmetry of diverged rollouts: validators decode the float32 *twin* of a rollout whose tokens differ
+from the replay and count whether the claimed completion out-scores it (up) or the reverse (down); the
+coordinator tests the worker's up-share among decisive rollouts against the calibrated honest one
+(``docs/toploc.md`` §11.2)."""
+AUDIT_RULES = (AUDIT_RULE_EPROCESS, AUDIT_RULE_EPROCESS_V2)
+"""The audit rules that audit (every one but ``none``)."""
 LOGIT_BOUND_LIMIT = 4.0
 """Upper bound on ``toploc.replay_logit_bound``, nats: beyond it any edge moves by ≥ e⁸ in odds and the replay
 no longer says anything about the tokens."""
-_HASHED_ONLY_OFF_DEFAULT = {"toploc": ("replay_rule", "replay_logit_bound", "eos_prob_slack", "worker_dtype", "fp32_logits", "hard_factor")}
+_HASHED_ONLY_OFF_DEFAULT = {"toploc": ("replay_rule", "replay_logit_bound", "eos_prob_slack", "worker_dtype", "fp32_logits", "hard_factor"),
+                           "audit": ("min_calibration_decisive",)}
 """Fields added after specs were signed: hashed only where they differ from their default, so a spec
 signed before them keeps its run ID and means what it meant (the ``eps-v1`` replay, EOS slack 0.01)."""
 _SECTIONS_HASHED_ONLY_OFF_DEFAULT = ("audit", "artifacts", "env")
@@ -384,11 +393,15 @@ class AuditSpec(_Section):
     log-probs and TOPLOC chunks beyond their bounds), tests them sequentially against the honest
     rates it measures itself on reference submissions generated in ``toploc.worker_dtype``
     (calibration), and bans a worker whose test reaches ``1 / false_alarm``: its not-yet-trained
-    work is withdrawn. ``rule = "none"`` (the default, and every spec signed before this section
-    existed): no audit.
+    work is withdrawn. ``rule = "eprocess-v2"`` adds the twin test (validators decode the float32
+    continuation of each diverged rollout and count whose reward is higher; the coordinator tests the
+    worker's share of "up" among decisive rollouts against the calibrated honest share): it sees
+    *which* tokens a steerer changed, which a rate test cannot (``docs/toploc.md`` §11.2).
+    ``rule = "none"`` (the default, and every spec signed before this section existed): no audit.
     """
 
-    rule: Annotated[Literal["none", "eprocess-v1"], Field(description="the audit: none, or eprocess-v1 (docs/toploc.md §11)")] = "none"
+    rule: Annotated[Literal["none", "eprocess-v1", "eprocess-v2"],
+                    Field(description="the audit: none, eprocess-v1 or eprocess-v2 (docs/toploc.md §11)")] = "none"
     false_alarm: Annotated[
         float, Field(gt=0.0, le=0.01, allow_inf_nan=False,
                      description="largest chance that an honest worker is ever flagged over the run (given a sound baseline)")] = 1e-6
@@ -401,6 +414,9 @@ class AuditSpec(_Section):
         int, Field(ge=1, le=1 << 16, description="the baseline pools the calibrations of this many newest policy steps")] = 16
     min_calibration_tokens: Annotated[
         int, Field(ge=0, le=1 << 30, description="no worker is flagged before the baseline holds this many replayed tokens")] = 2000
+    min_calibration_decisive: Annotated[
+        int, Field(ge=0, le=1 << 20, description="eprocess-v2: the first calibrated step makes reference submissions until the "
+                                                 "baseline holds this many decisive (up or down) rollouts, or its burst limit")] = 64
 
 
 ArtifactName = Annotated[str, Field(pattern=ARTIFACT_NAME_PATTERN)]

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import logging
 import math
+import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,17 +32,19 @@ from typing import Any
 import torch
 
 from protocol import sampling, toploc
+from protocol.audit import TWINS_PER_SUBMISSION
 from protocol.envelope import Envelope
 from protocol.inference import completion_rows, head_logits, logits_buffer
 from protocol.messages import ReplayStats, Submission
 from protocol.models import config_int
 from protocol.rewards import RewardError, RewardLimits, compute_reward
 from protocol.rollout import completion_text, plan_submission, unpack_f32, unpack_u32
-from protocol.runspec import RunSpec
+from protocol.runspec import AUDIT_RULE_EPROCESS_V2, RunSpec
 from protocol.tasks import ENV_TASK_TYPE, Task
 from protocol.verdicts import OK, PRECISION
 from protocol.window import in_window
 from validator.rewards import judge_reward
+from validator.twins import decode_twins
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +106,12 @@ class _Tally:
     logprob_over: int = 0
     chunks: int = 0
     chunks_over: int = 0
+    twins: bool = False  # eprocess-v2: count rollouts, diverged ones and their twins' outcomes
+    rollouts: int = 0
+    first_differ: dict[int, tuple[int, int]] = field(default_factory=dict)  # rollout → (first differing position, the replay's choice)
+    decided: int = 0
+    up: int = 0
+    down: int = 0
     soft: list[tuple[str, Evidence]] = field(default_factory=list)
     extremes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(EXTREMES, 0.0))
 
@@ -110,8 +119,14 @@ class _Tally:
         if math.isfinite(value) and value > self.extremes[name]:
             self.extremes[name] = value
 
-    def replay(self, r: sampling.ReplayResult) -> None:
+    def replay(self, r: sampling.ReplayResult, rollout: int) -> None:
         differ, over = r.gap_counts(self.edges)
+        if self.twins:
+            self.rollouts += 1
+            if differ:
+                assert r.differs is not None  # replay_checks always fills it
+                f = int(torch.nonzero(r.differs)[0, 0])
+                self.first_differ[rollout] = (f, int(r.tokens[f]))
         self.tokens += int(r.tokens.numel())
         self.differ += differ
         self.gap_over = [a + b for a, b in zip(self.gap_over, over, strict=True)]
@@ -123,7 +138,8 @@ class _Tally:
 
     def stats(self) -> ReplayStats:
         return ReplayStats(tokens=self.tokens, differ=self.differ, gap_over=list(self.gap_over), impossible=self.impossible,
-                           logprob_over=self.logprob_over, chunks=self.chunks, chunks_over=self.chunks_over)
+                           logprob_over=self.logprob_over, chunks=self.chunks, chunks_over=self.chunks_over, rollouts=self.rollouts,
+                           diverged=len(self.first_differ), decided=self.decided, up=self.up, down=self.down)
 
 
 @dataclass(frozen=True)
@@ -162,6 +178,9 @@ class SubmissionChecker:
             151,936, 2 threads, 4 Dec 2026): beside two CPU-bound processes the check took 7.56 s
             on 2 threads and 1.45 s on 1 (sampling / prefill 0.48 → 0.076); on a quiet machine
             0.20 s and 0.30 s (0.074 → 0.105, both within the 1/4 goal) (``docs/toploc.md`` §9).
+        twin_rng: draws which diverged rollouts get a twin under ``audit.rule = "eprocess-v2"`` when
+            more than :data:`protocol.audit.TWINS_PER_SUBMISSION` diverged (default: the OS's
+            randomness, so a worker cannot know which will be decided; a seeded one for tests).
     """
 
     def __init__(
@@ -176,6 +195,7 @@ class SubmissionChecker:
         tolerances: Tolerances | None = None,
         reward_limits: RewardLimits | None = None,
         replay_threads: int | None = 1,
+        twin_rng: random.Random | None = None,
     ) -> None:
         self.spec = spec
         self.tasks = tasks
@@ -186,6 +206,7 @@ class SubmissionChecker:
         self.tol = tolerances or Tolerances()
         self.reward_limits = reward_limits
         self.replay_threads = replay_threads
+        self.twin_rng = twin_rng or random.SystemRandom()
         self.eos_id = int(tokenizer.eos_token_id)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id)
 
@@ -251,6 +272,8 @@ class SubmissionChecker:
         timings["derive"] = time.perf_counter() - t
         tally = self._model_checks(sub, seqs, timings) if full else None
         self._rewards(sub, plan, seqs, timings)
+        if tally is not None and tally.twins:
+            self._twins(sub, plan, seqs, tally, timings)
         if tally is not None and tally.soft:  # logit-bound-v2: values beyond a bound within the hard factor, after every hard check passed
             what, evidence = tally.soft[0]
             raise Rejection(PRECISION, tally=tally, finding=what, findings=len(tally.soft), **evidence)
@@ -261,7 +284,7 @@ class SubmissionChecker:
         sampling replay and log-probs; returns the submission's replay statistics and soft findings."""
         spec = self.spec
         params = sampling.ReplayParams.from_spec(spec, (self.eos_id,))
-        tally = _Tally(params.gap_edges)
+        tally = _Tally(params.gap_edges, twins=spec.audit.rule == AUDIT_RULE_EPROCESS_V2)
         model = self.model_for_step(sub.policy_step)
         if model is None:
             raise Rejection("unknown_checkpoint", policy_step=sub.policy_step)
@@ -337,6 +360,42 @@ class SubmissionChecker:
                                 recomputed_task=r.task_reward, runs=judged.runs, detail=(judged.detail or r.detail)[:200])
         timings["reward"] = time.perf_counter() - t
 
+    def _twins(self, sub: Submission, plan: Any, seqs: list[tuple[list[int], list[int], list[float]]], tally: _Tally,
+               timings: dict[str, float]) -> None:
+        """``eprocess-v2``: decode the float32 twin of up to :data:`~protocol.audit.TWINS_PER_SUBMISSION` diverged
+        rollouts (drawn at random; :mod:`validator.twins`), reward each as the claimed completion was, and count
+        whose task reward is higher (``docs/toploc.md`` §11.2). A twin whose reward cannot be had (our
+        failure, a resource limit, the environment's fault) is left undecided: never evidence either way."""
+        if not tally.first_differ:
+            return
+        t = time.perf_counter()
+        spec, g = self.spec, self.spec.rl.group_size
+        diverged = sorted(tally.first_differ)
+        chosen = sorted(self.twin_rng.sample(diverged, min(TWINS_PER_SUBMISSION, len(diverged))))
+        prefixes = [seqs[j][1][:tally.first_differ[j][0]] + [tally.first_differ[j][1]] for j in chosen]
+        model = self.model_for_step(sub.policy_step)
+        if model is None:  # gone since the model checks: nothing decided
+            return
+        params = sampling.ReplayParams.from_spec(spec, (self.eos_id,))
+        with _intra_op_threads(self.replay_threads):
+            twins = decode_twins(model, [seqs[j][0] for j in chosen], prefixes, [sub.rollouts[j].seed for j in chosen], params,
+                                 spec.sampling.max_tokens, self.pad_id)
+        limits = self.reward_limits or RewardLimits()
+        for j, twin in zip(chosen, twins, strict=True):
+            p = plan[j // g]
+            try:
+                r = compute_reward(p.task, completion_text(self.tokenizer, twin, self.eos_id), len(twin), p.target_length,
+                                   spec.sampling.length_penalty, limits)
+            except RewardError:
+                continue
+            if r.limit_hit or r.env_fault:
+                continue
+            claimed = sub.rollouts[j].task_reward  # checked against the recomputed one by now (_rewards)
+            tally.decided += 1
+            tally.up += claimed > r.task_reward + self.tol.reward_tol
+            tally.down += r.task_reward > claimed + self.tol.reward_tol
+        timings["twins"] = time.perf_counter() - t
+
     def _bounds(self, j: int, ro: Any, prompt: list[int]) -> tuple[list[int], list[int], list[float]]:
         spec = self.spec
         if not 1 <= len(ro.completion_ids) // 4 <= spec.sampling.max_tokens:  # before 1 M tokens become Python ints
@@ -393,7 +452,7 @@ class SubmissionChecker:
         replays = sampling.replay_checks(logits, completions, seeds, params, overwrite=True)
         hf = params.hard_factor
         for j, replay, reported in zip(group, replays, logprobs, strict=True):
-            tally.replay(replay)
+            tally.replay(replay, j)
             if not replay.ok:
                 raise Rejection("sampling", rollout=j, hard_mismatches=replay.hard_mismatches, near_ties=replay.near_ties,
                                 detail=replay.reason[:200])

@@ -136,7 +136,10 @@ class AuditCalibration:
         counted = 0
         made = 0
         # the step's share, and at first as many more as the baseline needs to flag anyone (audit.min_calibration_tokens)
-        while made < self.spec.audit.calibration_submissions or (not self.audit.ready() and made < MAX_BURST_SUBMISSIONS):
+        # and, at the first calibrated step under eprocess-v2, to hold audit.min_calibration_decisive decisive twins
+        first = self.steps_done == 0
+        while made < self.spec.audit.calibration_submissions or (
+                (not self.audit.ready() or (first and self.audit.wants_decisive())) and made < MAX_BURST_SUBMISSIONS):
             if self._stop:
                 break
             made += 1

@@ -25,14 +25,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from protocol.audit import AuditState, Baseline, Flag, rates
+from protocol.audit import AuditState, Baseline, Flag, rates, rule_events
 from protocol.messages import ReplayStats
-from protocol.runspec import AUDIT_RULE_EPROCESS, AuditSpec
+from protocol.runspec import AUDIT_RULE_EPROCESS_V2, AUDIT_RULES, AuditSpec
 
 logger = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS calibration (step INTEGER NOT NULL, stats TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS calibration_twins (step INTEGER NOT NULL, up INTEGER NOT NULL, down INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS workers (worker TEXT PRIMARY KEY, state TEXT NOT NULL, flagged TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS evidence (worker TEXT NOT NULL, seq INTEGER NOT NULL, submission_id TEXT NOT NULL, verdict_id TEXT NOT NULL,
                                      stats TEXT NOT NULL, bounds TEXT NOT NULL, PRIMARY KEY (worker, seq));
@@ -51,7 +52,7 @@ class WorkerAudit:
 
     def __init__(self, spec: AuditSpec, path: Path) -> None:
         self.spec = spec
-        self.enabled = spec.rule == AUDIT_RULE_EPROCESS
+        self.enabled = spec.rule in AUDIT_RULES
         self.baseline = Baseline(spec.baseline_confidence, spec.calibration_window_steps)
         self._lock = threading.Lock()
         self._states: dict[str, AuditState] = {}
@@ -67,7 +68,9 @@ class WorkerAudit:
 
     def _load(self) -> None:
         for step, stats in self._db.execute("SELECT step, stats FROM calibration ORDER BY rowid"):
-            self.baseline.add(int(step), ReplayStats.model_validate_json(stats))
+            self.baseline.add(int(step), ReplayStats.model_validate_json(stats), twins=False)
+        up, down = self._db.execute("SELECT COALESCE(SUM(up), 0), COALESCE(SUM(down), 0) FROM calibration_twins").fetchone()
+        self.baseline.twins = (int(up), int(up) + int(down))
         for worker, state, flagged in self._db.execute("SELECT worker, state, flagged FROM workers"):
             self._states[worker] = AuditState.from_json(json.loads(state))
             if flagged:
@@ -76,16 +79,26 @@ class WorkerAudit:
     # --- calibration ----------------------------------------------------------------------------
 
     def calibrate(self, step: int, stats: ReplayStats) -> None:
-        """Count one honest reference submission's statistics at policy ``step`` into the baseline."""
+        """Count one honest reference submission's statistics at policy ``step`` into the baseline (its twin
+        counts are kept for the whole run, :class:`~protocol.audit.Baseline`)."""
         with self._lock:
             self.baseline.add(step, stats)
             self._db.execute("INSERT INTO calibration (step, stats) VALUES (?, ?)", (step, stats.model_dump_json()))
+            if stats.up or stats.down:
+                self._db.execute("INSERT INTO calibration_twins (step, up, down) VALUES (?, ?, ?)", (step, stats.up, stats.down))
             oldest = min(self.baseline.by_step, default=step)
             self._db.execute("DELETE FROM calibration WHERE step < ?", (oldest,))
 
     def ready(self) -> bool:
         """Whether the baseline holds enough replayed tokens to flag anyone (``audit.min_calibration_tokens``)."""
         return self.baseline.tokens() >= self.spec.min_calibration_tokens
+
+    def wants_decisive(self) -> bool:
+        """Under ``eprocess-v2``, whether the baseline holds fewer decisive reference rollouts than
+        ``audit.min_calibration_decisive`` (the first calibrated step keeps making reference work while so).
+        The twin test needs no minimum to be sound: with few decisive rollouts its bound is near 1 and it
+        bets little."""
+        return self.spec.rule == AUDIT_RULE_EPROCESS_V2 and self.baseline.decisive() < self.spec.min_calibration_decisive
 
     # --- verdicts -------------------------------------------------------------------------------
 
@@ -103,7 +116,7 @@ class WorkerAudit:
         with self._lock:
             if worker in self._flagged:
                 return None
-            state = self._states.setdefault(worker, AuditState())
+            state = self._states.setdefault(worker, AuditState(rule=self.spec.rule))
             seq = state.verdicts + self._kept(worker) + 1
             if not self.ready():
                 self._db.execute("INSERT INTO evidence (worker, seq, submission_id, verdict_id, stats, bounds) VALUES (?, ?, ?, ?, ?, '')",
@@ -147,7 +160,7 @@ class WorkerAudit:
             for worker in workers:
                 if worker in self._flagged:
                     continue
-                state = self._states.setdefault(worker, AuditState())
+                state = self._states.setdefault(worker, AuditState(rule=self.spec.rule))
                 flag: Flag | None = None
                 last = ("", "")
                 with self._db:
@@ -195,9 +208,10 @@ class WorkerAudit:
                 "rule": self.spec.rule,
                 "false_alarm": self.spec.false_alarm,
                 "baseline_tokens": self.baseline.tokens(),
+                "baseline_decisive": self.baseline.decisive(),
                 "ready": self.baseline.tokens() >= self.spec.min_calibration_tokens,
                 "bounds": {k: round(v, 8) for k, v in bounds.items()},
                 "workers": {w: {"log10_e": round(s.log_e_value() / 2.302585092994046, 3), "verdicts": s.verdicts,
-                                "rates": {k: round(v, 6) for k, v in rates(s.totals).items()},
+                                "rates": {k: round(v, 6) for k, v in rates(s.totals, rule_events(s.rule)).items()},
                                 "flagged": w in self._flagged} for w, s in top},
             }
