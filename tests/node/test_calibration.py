@@ -50,6 +50,25 @@ def test_calibration_fills_the_baseline_with_honest_bf16_reference_submissions(t
     audit.close()
 
 
+@pytest.mark.slow
+def test_eprocess_v2_calibration_also_counts_twins_until_it_holds_decisive_ones(tmp_path: Path) -> None:
+    """Under ``eprocess-v2`` the reference submissions carry twin counts (validators' pipeline), and the first
+    calibrated step keeps making them until the baseline holds ``audit.min_calibration_decisive`` decisive
+    twins (the rate baseline alone would be ready sooner); later steps make their share only."""
+    s = spec(AuditSpec(rule="eprocess-v2", calibration_submissions=1, min_calibration_tokens=100, min_calibration_decisive=3))
+    audit = WorkerAudit(s.audit, tmp_path / "audit.sqlite")
+    tok = load_tokenizer(EMBEDDED_BASE_DIR)
+    policy = load_model(EMBEDDED_BASE_DIR)
+    cal = AuditCalibration(s, s.run_id, resolve_tasks("embedded").train, lambda: tok, lambda step: EMBEDDED_BASE_DIR,
+                           lambda step: policy, audit)
+    assert audit.wants_decisive()
+    first = cal.calibrate(0)
+    assert first > 1 and audit.ready() and audit.baseline.decisive() >= 3 and not audit.wants_decisive(), (first, audit.baseline.twins)
+    assert audit.baseline.bounds()["up"] < 1.0
+    assert cal.calibrate(1) == 1
+    audit.close()
+
+
 def test_no_calibration_without_the_audit(tmp_path: Path) -> None:
     s = spec(AuditSpec())
     audit = WorkerAudit(s.audit, tmp_path / "audit.sqlite")

@@ -155,3 +155,69 @@ def test_a_worker_whose_work_all_came_before_the_baseline_is_judged_before_any_s
     assert service.ban_rule.audit_catch_up() == 0  # counted once
     service.close()
     ledger.close()
+
+
+V2_SPEC = RunSpec(run=RunInfo(coordinator=COORD.peer_id, validators=[VALIDATOR.peer_id], seed=1),
+                  audit=AuditSpec(rule="eprocess-v2", min_calibration_tokens=10_000))
+REFERENCE_V2 = ReplayStats(tokens=2000, differ=40, gap_over=[4, 2, 1, 0, 0], chunks=80, rollouts=640, diverged=32, decided=8, up=5, down=3)
+"""Honest reference work as the red team measured it: ≈ 2 % of tokens differ, 5 % of rollouts diverge, up-share ≈ 0.6."""
+RATIONED = ReplayStats(tokens=200, differ=3, gap_over=[0, 0, 0, 0, 0], chunks=8, rollouts=64, diverged=3, decided=3, up=3, down=0)
+"""The rationed steerer: its rates under the honest bounds, but every decided twin loses to its completion."""
+
+
+def test_eprocess_v2_bans_the_rationed_steerer_that_v1_cannot_see(tmp_path) -> None:
+    """Issue 33's red-team hole, at the ledger: a steerer whose token rates stay under the honest bounds
+    but whose diverged rollouts all beat their float32 twins is banned with reason ``audit`` under
+    ``eprocess-v2`` (its untrained work withdrawn, the flag naming the twin event and recomputable from
+    the verdicts), while ``eprocess-v1`` on the same verdicts never flags it; an honest worker with the
+    calibration's own up-share is not flagged; the twin baseline survives a restart."""
+    run = V2_SPEC.run_id
+    service = open_ingest(tmp_path, V2_SPEC, COORD, trainer_step=lambda: 0, latest_policy_step=lambda: 0)
+    ledger, audit = service.ledger, service.ban_rule.audit
+    for step in range(40):  # 80,000 reference tokens, 320 decisive twins at up-share 5/8
+        audit.calibrate(step, REFERENCE_V2)
+    assert audit.ready() and not audit.wants_decisive() and audit.baseline.decisive() == 320
+
+    def v2_submission(worker: NodeKey, counter: int) -> bytes:
+        env = open_envelope(submission(worker, counter), run_id=RUN, expect=Submission)
+        return seal(worker, run, env.body)
+
+    def v2_verdict(sub: bytes, stats: ReplayStats) -> bytes:
+        env = open_envelope(sub, run_id=run, expect=Submission)
+        return seal(VALIDATOR, run, Verdict(submission_id=env.id, worker=env.body.worker, policy_step=0, counter=env.body.counter,
+                                            accepted=True, reason="ok", stats=stats))
+
+    honest, steerer = NodeKey.generate(), NodeKey.generate()
+    honest_stats = [ReplayStats(tokens=200, differ=3, gap_over=[0] * 5, chunks=8, rollouts=64, diverged=3, decided=2, up=u, down=2 - u)
+                    for u in (1, 2, 1, 1, 0, 2, 1, 2) * 10]  # up-share 0.625 over 160 decisive twins
+    for counter, stats in enumerate(honest_stats):
+        sub = v2_submission(honest, counter)
+        assert ledger.store.add(open_envelope(sub, run_id=run, expect=Submission))
+        service.apply_verdict(v2_verdict(sub, stats))
+    assert not ledger.bans.is_banned(honest.peer_id), audit.status()
+    held = []
+    for i in range(200):
+        sub = v2_submission(steerer, i)
+        assert ledger.store.add(open_envelope(sub, run_id=run, expect=Submission))
+        held.append(open_envelope(sub, run_id=run, expect=Submission).id.hex())
+        service.apply_verdict(v2_verdict(sub, RATIONED))
+        if ledger.bans.is_banned(steerer.peer_id):
+            break
+    assert ledger.bans.is_banned(steerer.peer_id), audit.status()
+    assert len(held) * RATIONED.decided <= 100  # within tens of decisive rollouts
+    entry = next(e for e in ledger.bans.entries() if e.peer_id == steerer.peer_id)
+    assert entry.reason == AUDIT_BAN_REASON and "e-value" in entry.evidence[0].detail and " up " in entry.evidence[0].detail
+    assert {ledger.get(sid).state for sid in held} == {State.REJECTED}  # withdrawn: no step trained them
+    rows = audit.evidence(steerer.peer_id)
+    verdicts = [(ReplayStats.model_validate(r["stats"]), r["bounds"]) for r in rows]
+    _, flag = replay_evidence(verdicts, V2_SPEC.audit.false_alarm, "eprocess-v2")
+    assert flag is not None and flag.detail() == entry.evidence[0].detail
+    assert replay_evidence(verdicts, V2_SPEC.audit.false_alarm)[1] is None  # eprocess-v1: the same verdicts flag nothing
+    status = service.status()["audit"]
+    assert status["rule"] == "eprocess-v2" and status["baseline_decisive"] == 320 and "up" in status["workers"][honest.peer_id]["rates"]
+    service.close()
+    ledger.close()
+    again = open_ingest(tmp_path, V2_SPEC, COORD, trainer_step=lambda: 0, latest_policy_step=lambda: 0)
+    assert again.ban_rule.audit.baseline.twins == (200, 320) and again.ban_rule.audit.flagged(steerer.peer_id) is not None
+    again.close()
+    again.ledger.close()
