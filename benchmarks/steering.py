@@ -11,6 +11,9 @@ with the real worker, pipeline and audit code, per replay bound δ and steering 
   rate of its rollouts before the flag against honest workers' on the same policy (its *gain*);
 * the false alarms among honest bf16 workers (decode batch 1, 8 or 64: another padding and
   reduction order than the calibration's), over ≥ 10⁴ rollouts, and how close the nearest came;
+  under ``--audit-rule eprocess-v2`` (the default) with the twin test (``docs/toploc.md`` §11.2): the
+  validators' float32 twins of diverged rollouts, the honest up-share against its calibrated bound,
+  and what the twins cost the validator per honest submission (seconds and share of the full check);
 * what one token can do: per answer position, how many tokens the replay admits within δ and
   how often the right answer's token is among them, under ``icdf-v1`` (the rule) and under
   Gumbel-max with the same δ (measured on the same validator logits, not a rule of the protocol);
@@ -58,7 +61,7 @@ from protocol.inference import prefill_completions
 from protocol.messages import Submission
 from protocol.models import head_weight, load_model, load_tokenizer
 from protocol.rollout import plan_submission
-from protocol.runspec import AuditSpec, DataSpec, ModelSpec, RunInfo, RunSpec, ToplocSpec
+from protocol.runspec import AUDIT_RULE_EPROCESS_V2, AuditSpec, DataSpec, ModelSpec, RunInfo, RunSpec, ToplocSpec
 from validator.pipeline import SubmissionChecker
 
 EOS = 1
@@ -70,6 +73,8 @@ class Outcome:
 
     rate: float
     tokens: int = 0
+    up: int = 0
+    down: int = 0
     flagged_after: int | None = None
     submissions: int = 0
     accepted: int = 0
@@ -96,11 +101,13 @@ def checked(checker: SubmissionChecker, spec: RunSpec, raw: bytes) -> Any:
 
 def calibrate(spec: RunSpec, policy_dir: Path, tasks: list, tok: Any, checker: SubmissionChecker, tokens: int) -> tuple[Baseline, int]:
     """The coordinator's calibration (``node/coordinator/calibrate.py``'s engine): honest bf16 reference
-    submissions (batch 64) until ``tokens`` are replayed."""
+    submissions (batch 64) until ``tokens`` are replayed and, under ``eprocess-v2``, the baseline holds
+    ``audit.min_calibration_decisive`` decisive twins (at most 2,048 submissions)."""
     base = Baseline(spec.audit.baseline_confidence, 1 << 20)
     engine = worker_engine(spec, policy_dir)
     key, counter, rejected = NodeKey.generate(), 0, 0
-    while base.tokens() < tokens:
+    twins = spec.audit.rule == AUDIT_RULE_EPROCESS_V2
+    while (base.tokens() < tokens or (twins and base.decisive() < spec.audit.min_calibration_decisive)) and counter < 2048:
         result = checked(checker, spec, build_submission(spec, spec.run_id, key, engine, tok, tasks, 0, counter))
         counter += 1
         rejected += not result.accepted
@@ -115,8 +122,10 @@ def honest_workers(spec: RunSpec, policy_dir: Path, tasks: list, tok: Any, check
     engines = {b: worker_engine(spec, policy_dir, max_batch=b) for b in (1, 8, 64)}
     flagged, n_rollouts, workers, passes, tokens, worst = 0, 0, 0, 0, 0, -math.inf
     reasons: dict[str, int] = {}
+    twin_s = check_s = 0.0
+    subs = diverged = decided = up = down = 0
     while n_rollouts < rollouts:
-        key, state = NodeKey.generate(), AuditState()
+        key, state = NodeKey.generate(), AuditState(rule=spec.audit.rule)
         engine = engines[(1, 8, 64)[workers % 3]]
         workers += 1
         for counter in range(per_worker):
@@ -126,13 +135,19 @@ def honest_workers(spec: RunSpec, policy_dir: Path, tasks: list, tok: Any, check
             reasons[result.reason] = reasons.get(result.reason, 0) + 1
             n_rollouts += len(env.body.rollouts)
             passes += sum(r.task_reward >= 1.0 for r in env.body.rollouts)
+            subs += 1
+            check_s += result.seconds
+            twin_s += result.timings.get("twins", 0.0)
             if result.stats is not None:
                 tokens += result.stats.tokens
                 state.observe(result.stats, bounds)
-        worst = max(worst, state.log_e_value() / math.log(10))
+                diverged, decided = diverged + result.stats.diverged, decided + result.stats.decided
+                up, down = up + result.stats.up, down + result.stats.down
+                worst = max(worst, state.log_e_value() / math.log(10))
         flagged += state.flag(spec.audit.false_alarm, bounds) is not None
     return {"flagged": flagged, "workers": workers, "rollouts": n_rollouts, "tokens": tokens, "pass_rate": passes / max(1, n_rollouts),
-            "max_log10_e": worst, "reasons": reasons}
+            "max_log10_e": worst, "reasons": reasons, "submissions": subs, "check_s": check_s, "twin_s": twin_s, "diverged": diverged,
+            "decided": decided, "up": up, "down": down}
 
 
 def steer(spec: RunSpec, policy: torch.nn.Module, policy_dir: Path, tasks: list, tok: Any, checker: SubmissionChecker,
@@ -140,7 +155,7 @@ def steer(spec: RunSpec, policy: torch.nn.Module, policy_dir: Path, tasks: list,
     """A steering worker at ``rate`` until the audit flags it or it emitted ``max_tokens``."""
     worker = load_model(policy_dir).to(torch.bfloat16).eval()
     head = head_weight(policy_dir) if spec.toploc.fp32_logits else None  # the worker's logits as the spec says honest ones are made
-    key, state, out = NodeKey.generate(), AuditState(), Outcome(rate)
+    key, state, out = NodeKey.generate(), AuditState(rule=spec.audit.rule), Outcome(rate)
     rng = random.Random(seed)
     counter = 0
     while out.flagged_after is None and out.tokens < max_tokens:
@@ -160,6 +175,7 @@ def steer(spec: RunSpec, policy: torch.nn.Module, policy_dir: Path, tasks: list,
             out.rollouts += len(steered.rollouts)
             out.passes += sum(r.task_reward >= 1.0 for r in steered.rollouts)
         if result.stats is not None:
+            out.up, out.down = out.up + result.stats.up, out.down + result.stats.down
             state.observe(result.stats, bounds)
             if state.flag(spec.audit.false_alarm, bounds) is not None:
                 out.flagged_after = out.tokens
@@ -226,6 +242,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="2,048 honest rollouts, 8 measured submissions per batch, 10,000 calibration tokens")
     ap.add_argument("--logits", choices=["fp32", "bf16"], default="fp32",
                     help="the bf16 workers' LM head the run's spec assumes (toploc.fp32_logits; default fp32, as the devnet's)")
+    ap.add_argument("--audit-rule", choices=["eprocess-v2", "eprocess-v1"], default="eprocess-v2",
+                    help="the audit: eprocess-v2 (rate and twin tests, default) or eprocess-v1 (rate test only)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.quick:
@@ -236,7 +254,7 @@ def main() -> None:
     tok = load_tokenizer(policy_dir)
     tasks = resolve_tasks("embedded").train
     policy = load_model(policy_dir).eval()
-    audit = AuditSpec(rule="eprocess-v1", min_calibration_tokens=0)
+    audit = AuditSpec(rule=args.audit_rule, min_calibration_tokens=0)
     base_spec = make_spec(None, ToplocSpec(replay_rule="logit-bound-v2", replay_logit_bound=1.0), audit, 4)
     t0 = time.time()
     print(f"policy {policy_dir}; sampling T={EMBEDDED_SAMPLING.temperature}, {EMBEDDED_SAMPLING.max_tokens} tokens; "
@@ -267,6 +285,12 @@ def main() -> None:
         print(f"  honest: {honest['flagged']} of {honest['workers']} workers flagged over {honest['rollouts']} rollouts "
               f"({honest['tokens']} tokens; nearest log10 E {honest['max_log10_e']:.2f} of {math.log10(1 / spec.audit.false_alarm):.0f}); "
               f"verdicts {honest['reasons']}; pass rate {honest['pass_rate']:.3f}")
+        if spec.audit.rule == AUDIT_RULE_EPROCESS_V2:
+            print(f"  twins: calibration up {baseline.twins[0]} of {baseline.decisive()} decisive (bound {bounds['up']:.3f}); honest workers "
+                  f"{honest['diverged']} diverged rollouts, {honest['decided']} decided, up {honest['up']} / down {honest['down']}; "
+                  f"validator time on twins {1e3 * honest['twin_s'] / max(1, honest['submissions']):.1f} ms per submission = "
+                  f"{honest['twin_s'] / max(1e-9, honest['check_s']):.1%} of the full check "
+                  f"({1e3 * honest['check_s'] / max(1, honest['submissions']):.1f} ms)")
         print(f"  one token: icdf-v1 admits {adm['icdf_mean']:.2f} tokens per answer position, the right one at {adm['icdf_right']:.1%}; "
               f"Gumbel-max at the same δ {adm['gumbel_mean']:.2f}, the right one at {adm['gumbel_right']:.1%} ({adm['positions']} positions)")
         for rate in rates:
@@ -275,7 +299,8 @@ def main() -> None:
             flag = f"flagged after {o.flagged_after} tokens" if o.flagged_after is not None else f"NOT flagged in {o.tokens} tokens"
             print(f"  steer rate {rate:g}: {flag} ({o.submissions} submissions: {o.accepted} accepted, {o.precision} precision, "
                   f"{o.reasons}); took {o.taken} of {o.chances} chances; accepted rollouts' pass rate "
-                  f"{o.passes}/{o.rollouts} = {o.passes / max(1, o.rollouts):.3f} (gain {gain:+.3f} over honest); log10 E {o.log10_e:.1f}")
+                  f"{o.passes}/{o.rollouts} = {o.passes / max(1, o.rollouts):.3f} (gain {gain:+.3f} over honest); log10 E {o.log10_e:.1f}"
+                  + (f"; twins up {o.up} / down {o.down}" if spec.audit.rule == AUDIT_RULE_EPROCESS_V2 else ""))
             rows.append((d, rate, o, gain, honest))
             if first_line is None and rate == 1.0:
                 first_line = (o, honest)

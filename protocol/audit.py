@@ -87,9 +87,10 @@ UP_EVENT = "up"
 """The twin event (``eprocess-v2``): a decisive rollout (``up`` or ``down``) that is ``up``."""
 EVENTS_V2 = EVENTS + (UP_EVENT,)
 
-UP_FRACTIONS = (0.5, 0.75, 0.875, 0.9375, 0.96875, 0.984375, 0.9921875, 0.99609375)
+UP_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 0.875, 0.9375, 0.96875, 0.984375, 0.9921875, 0.99609375)
 """The twin test's alternatives: up-shares ``p1 = p0 + f · (1 − p0)``; a steerer at up-share ≈ 1 grows the
-largest fastest, one near ``p0`` the smallest."""
+largest fastest, one just above ``p0`` the smallest (the smallest ``f`` sets how far above ``p0`` a steerer
+that balances its ups with deliberate downs may stay unflagged: drift ≤ 0 below ``q*`` ≈ ``p0 + f/2 · (1 − p0)``)."""
 
 TWINS_PER_SUBMISSION = 8
 """Most diverged rollouts of one full check whose twin a validator decodes under ``eprocess-v2`` (drawn at

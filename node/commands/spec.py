@@ -86,8 +86,14 @@ def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       help="with --measure-precision: the torch device the honest submissions are generated on (default cpu; "
                            "'cuda' on a GPU of the kind the run's workers use: their kernels are what the tolerances must cover)")
     init.add_argument("--audit", action="store_true",
-                      help="run the per-worker audit (audit.rule eprocess-v1: workers whose replay statistics exceed honest compute's "
-                           "are banned; the coordinator calibrates the honest baseline itself; docs/toploc.md §11)")
+                      help="run the per-worker audit (workers whose replay statistics exceed honest compute's, or whose diverged "
+                           "rollouts beat their float32 twins more often than honest compute's, are banned; the coordinator calibrates "
+                           "the honest baseline itself; docs/toploc.md §11)")
+    init.add_argument("--audit-rule", choices=("eprocess-v2", "eprocess-v1"), default=None,
+                      help="with --audit: eprocess-v2 (default: the rate test and the twin test, §11.2) or eprocess-v1 (the rate test only)")
+    init.add_argument("--min-calibration-decisive", type=int, default=None,
+                      help="with --audit (eprocess-v2): the first calibrated step makes reference work until the baseline holds this "
+                           "many decisive twins (default 64; more tightens the honest up-share bound)")
     init.add_argument("--audit-false-alarm", type=float, default=None, help="with --audit: an honest worker's chance of a flag (default 1e-6)")
     init.add_argument("--calibration-submissions", type=int, default=None,
                       help="with --audit: honest reference submissions the coordinator checks per published step (default 2)")
@@ -152,10 +158,15 @@ def _run_spec_init(args: argparse.Namespace) -> int:
                    max_near_tie_fraction=args.max_near_tie_fraction, replay_rule=args.replay_rule,
                    replay_logit_bound=args.replay_logit_bound, eos_prob_slack=args.eos_prob_slack, worker_dtype=args.worker_dtype,
                    hard_factor=args.hard_factor, fp32_logits=args.fp32_logits or None)
-    if not args.audit and any(v is not None for v in (args.audit_false_alarm, args.calibration_submissions, args.min_calibration_tokens)):
-        raise CliError("--audit-false-alarm, --calibration-submissions and --min-calibration-tokens need --audit")
+    if not args.audit and any(v is not None for v in (args.audit_false_alarm, args.calibration_submissions, args.min_calibration_tokens,
+                                                      args.audit_rule, args.min_calibration_decisive)):
+        raise CliError("--audit-rule, --audit-false-alarm, --calibration-submissions, --min-calibration-tokens and "
+                       "--min-calibration-decisive need --audit")
+    if args.min_calibration_decisive is not None and args.audit_rule == "eprocess-v1":
+        raise CliError("--min-calibration-decisive is for --audit-rule eprocess-v2 (eprocess-v1 decodes no twins)")
     audit = given(false_alarm=args.audit_false_alarm, calibration_submissions=args.calibration_submissions,
-                  min_calibration_tokens=args.min_calibration_tokens) | ({"rule": "eprocess-v1"} if args.audit else {})
+                  min_calibration_tokens=args.min_calibration_tokens, min_calibration_decisive=args.min_calibration_decisive) | (
+        {"rule": args.audit_rule or "eprocess-v2"} if args.audit else {})
     shard = given(keep_steps=args.keep_steps)  # not given: the spec keeps rl.async_level + 1 (protocol.window.fresh_steps)
     if args.piece_size is not None:
         shard["piece_size_bytes"] = args.piece_size

@@ -119,10 +119,11 @@ would be ≈ 3,800 requests per full fetch)."""
 WORKER_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 """``devnet --worker-dtype`` names → the workers' compute dtype (``join --dtype``)."""
 
-DEVNET_AUDIT = AuditSpec(rule="eprocess-v1", calibration_submissions=4, min_calibration_tokens=10_000)
-"""The per-worker audit of a devnet whose workers compute in bf16 (``docs/toploc.md`` §11): the coordinator
-checks 4 honest reference submissions per published step (≈ 760 tokens of the embedded task) and flags
-no one before its baseline holds 10,000 replayed tokens (a burst of reference submissions at step 0)."""
+DEVNET_AUDIT = AuditSpec(rule="eprocess-v2", calibration_submissions=4, min_calibration_tokens=10_000)
+"""The per-worker audit of a devnet whose workers compute in bf16 (``docs/toploc.md`` §11): the rate test and
+the twin test (§11.2); the coordinator checks 4 honest reference submissions per published step (≈ 760 tokens
+of the embedded task) and flags no one before its baseline holds 10,000 replayed tokens (a burst of reference
+submissions at step 0, which goes on until it also holds 64 decisive twins: ≈ 220 submissions, ≈ 10 s here)."""
 
 
 def precision_toploc(worker_dtype: str, measured: ToplocSpec | None = None) -> ToplocSpec:

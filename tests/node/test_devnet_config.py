@@ -46,7 +46,7 @@ def test_bf16_workers_get_the_measured_spec_and_the_audit() -> None:
     assert precision_toploc("bf16", measured) == precision_toploc("bfloat16", measured) == measured
     key = NodeKey.generate()
     spec = devnet_spec(key, [], tasks="embedded", http_url="http://127.0.0.1:1", bootstrap="", seed=1, worker_dtype="bf16", measured=measured)
-    assert spec.toploc == measured and spec.model.dtype == "bfloat16" and spec.audit == DEVNET_AUDIT and spec.audit.rule == "eprocess-v1"
+    assert spec.toploc == measured and spec.model.dtype == "bfloat16" and spec.audit == DEVNET_AUDIT and spec.audit.rule == "eprocess-v2"
     plain = devnet_spec(key, [], tasks="embedded", http_url="http://127.0.0.1:1", bootstrap="", seed=1)
     assert plain.toploc == ToplocSpec() and plain.model.dtype == "float32" and plain.audit == AuditSpec()
     with pytest.raises(ValueError, match="measured"):
