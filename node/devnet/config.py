@@ -111,6 +111,14 @@ PROFILE_RL = RLSpec(async_level=2, group_size=4, batch_groups=1, learning_rate=3
 task per submission), INTELLECT-2's learning rate (3e-7) so the published bf16 step deltas are
 the size a real run's are, and short packed rows (≤ 512 tokens: 2 rollouts) because the
 trainer's logits over a 151,936-token vocabulary cost 0.6 MB per token in float32."""
+PROFILE_MAX_NEAR_TIE_FRACTION = 1.0
+"""``toploc.max_near_tie_fraction`` of a profile run: every near tie allowed. A profile's weights are
+random, so its next-token distributions are near-uniform over 151,936 ids (≈ 6.6e-6 each): float32
+noise between a worker's decode and a validator's prefill moves the sampled id within ``replay_eps``
+often, and ``eps-v1`` judges near ties per completion (1 allowed in ≤ 10 tokens). An honest worker
+was banned so (``sampling: 2 near-tie mismatches > 1 allowed``, 1 of 9 one-layer profile runs,
+7 Dec 2026). A profile measures time, bytes and memory, not how tight verification is; hard
+mismatches (beyond ε) are still cheats. ``eps-v1`` keeps its meaning for every other spec."""
 PROFILE_PIECE_BYTES = 4 * 1024 * 1024
 """Shardcast piece size at a profile: a 1 GB checkpoint in ≈ 240 pieces (the devnet's 256 KiB
 would be ≈ 3,800 requests per full fetch)."""
@@ -219,6 +227,8 @@ def devnet_spec(
     rl = devnet_rl(embedded=embedded, async_level=async_level, rl_overrides=rl_overrides, profile=profile)
     sampling = (env_sampling(env_max_tokens) if env is not None else EMBEDDED_SAMPLING) if embedded else REAL_TASKS_SAMPLING
     toploc = precision_toploc(worker_dtype, measured)
+    if profile:
+        toploc = ToplocSpec.model_validate(toploc.model_dump() | {"max_near_tie_fraction": PROFILE_MAX_NEAR_TIE_FRACTION})
     model_spec = _model_spec(model)
     bf16 = WORKER_DTYPES[worker_dtype] == "bfloat16"
     if bf16:

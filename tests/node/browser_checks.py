@@ -97,6 +97,13 @@ def check_run_page(devnet: LiveDevnet, browser) -> None:
     from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
+    def accepted() -> dict[str, int]:
+        status = get_json(f"{devnet.url}/status") or {}
+        return {peer: c.get("accepted", 0) for peer, c in (status.get("workers") or {}).items()}
+
+    # accepted counts only grow: every count the page shows after loading lies between this read
+    # (before the page existed) and a /status read just after the page's
+    floor = accepted()
     browser.get(f"{devnet.url}/")
     wait = WebDriverWait(browser, 60, poll_frequency=0.25)
 
@@ -118,33 +125,25 @@ def check_run_page(devnet: LiveDevnet, browser) -> None:
     # the policy step advances on screen without a reload (the page polls /api/run)
     WebDriverWait(browser, 60).until(lambda d: text(d, "policy-step").isdigit())
     first = int(browser.execute_script("window.__not_reloaded = true; return document.getElementById('policy-step').textContent"))
-    WebDriverWait(browser, 600, poll_frequency=0.25).until(lambda d: text(d, "policy-step").isdigit() and int(text(d, "policy-step")) > first)
+
+    def advanced(d) -> bool:
+        return text(d, "policy-step").isdigit() and int(text(d, "policy-step")) > first
+
+    WebDriverWait(browser, 600, poll_frequency=0.25).until(lambda d: advanced(d) or devnet.proc.poll() is not None)
+    assert advanced(browser), f"the run ended at policy step {first} on the page before the page showed another"
     assert browser.execute_script("return window.__not_reloaded === true")
-    # the leaderboard's accepted counts are the coordinator's records: accepted counts only grow, so
-    # the page's count lies between /status read just before and just after it
+    # the leaderboard's accepted counts are the coordinator's records: they lie between /status read
+    # before the page loaded and /status read just after the page is read. (Not "just before": the page
+    # shows its last poll, up to a poll interval old, so while workers submit every second it lags a
+    # read taken just before it and that window rarely closes until the run ends.)
     seen: list[tuple[dict, dict, dict]] = []
 
-    def accepted() -> dict[str, int]:
-        status = get_json(f"{devnet.url}/status") or {}
-        return {peer: c.get("accepted", 0) for peer, c in (status.get("workers") or {}).items()}
-
-    last_live: dict[str, int] = {}
-
     def board_matches(d) -> bool:
-        before = accepted()
         got = {r[1]: int(r[2]) for r in table_rows(d, "leaderboard") if len(r) > 2}
-        after = accepted()
-        seen[:] = [(before, got, after)]
-        if before and after:
-            last_live.update(before)
-        elif devnet.proc.poll() is not None and last_live and got:
-            # the run ended under the check (a fast machine): the page keeps its last poll, which lies
-            # between the last /status read while it ran and the coordinator's final leaderboard
-            final = final_accepted(devnet.out)
-            seen[:] = [(last_live, got, final)]
-            return (set(got) == set(last_live) == set(final) and all(last_live[p] <= got[p] <= final[p] for p in got))
-        return (bool(before) and set(got) == set(before) == set(after) and sum(before.values()) > 0
-                and all(before[p] <= got[p] <= after[p] for p in got))
+        after = accepted() if devnet.proc.poll() is None else final_accepted(devnet.out)
+        seen[:] = [(floor, got, after)]
+        return (bool(after) and set(got) == set(after) and sum(got.values()) > 0
+                and all(floor.get(p, 0) <= got[p] <= after[p] for p in got))
 
     try:
         WebDriverWait(browser, 120, poll_frequency=0.2).until(board_matches)

@@ -41,6 +41,7 @@ def test_profile_at_one_layer_runs_every_role_and_reports_its_timeline(tmp_path,
     profile = PROFILES["qwen2.5-0.5b"]
     spec = tomllib.loads((out / "run.toml").read_text())
     assert spec["model"]["dtype"] == "bfloat16" and spec["model"]["hidden_size"] == profile.hidden_size
+    assert spec["toploc"]["max_near_tie_fraction"] == 1.0  # random weights: near ties are honest noise (node/devnet/config.py)
     assert spec["data"]["tasks"] == "gsm8k" and spec["data"]["tasks_per_submission"] == 1 and spec["rl"]["group_size"] == 4
     rows = [json.loads(line) for line in (out / "coordinator" / "metrics.jsonl").read_text().splitlines()]
     run = next(r for r in rows if r.get("event") == "run")

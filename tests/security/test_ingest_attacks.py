@@ -199,6 +199,30 @@ SLOWLORIS = textwrap.dedent("""
 """).replace("{ip}", ATTACKER_IP)
 
 
+async def answered(url: str, worker: NodeKey, counter: int, low_fd_limit: bool) -> None:
+    """:func:`honest_round`; under a descriptor limit, as a worker does it: retried, at most 5 times.
+
+    Out of descriptors, asyncio's accept loop logs EMFILE and pauses accepting for 1 s, and the
+    attacker's queued connections are accepted (and cut) before the honest one: under CPU load that
+    outlasts one 2 s client timeout (suite, 7 Dec 2026). The claim is that the server answers again
+    while the attack holds, not that it does so within one timeout of this process's client, which
+    shares the descriptor limit with the server."""
+    sub = submission(worker, counter=counter)
+    tries = 5 if low_fd_limit else 1
+    for attempt in range(tries):
+        try:
+            async with honest_session(url) as http:
+                async with http.get("/status") as r:
+                    assert r.status == 200
+                status, body = await post(http, SUBMISSIONS, sub)
+            # a retry may find the copy an earlier try stored before its answer was lost
+            assert status == 200 and (body["stored"] is True or (attempt > 0 and body.get("duplicate") is True)), body
+            return
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            if attempt == tries - 1:
+                raise
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("low_fd_limit", [False, True])
 async def test_slowloris_half_open_connections_do_not_starve_status(tmp_path: Path, low_fd_limit: bool) -> None:
@@ -220,10 +244,10 @@ async def test_slowloris_half_open_connections_do_not_starve_status(tmp_path: Pa
                 assert line.strip() == "ready"
                 # the rest were aborted at accept (their handlers go once the loop has run their aborts)
                 await wait_until(lambda: len(ing.server.runner.server.connections) <= 32, what="at most 32 connections")  # type: ignore[union-attr]
-                await honest_round(ing.url, NodeKey.generate(), 0)
+                await answered(ing.url, NodeKey.generate(), 0, low_fd_limit)
                 # the header timeout closes what the cap let in
                 await wait_until(lambda: not ing.server.runner.server.connections, what="half-open connections closed")  # type: ignore[union-attr]
-                await honest_round(ing.url, NodeKey.generate(), 1)
+                await answered(ing.url, NodeKey.generate(), 1, low_fd_limit)
             finally:
                 attacker.kill()
                 attacker.wait()

@@ -42,9 +42,10 @@ ROLLOUTS_PER_SUBMISSION = 8  # 2 tasks × a group of 4
 ROLLOUTS = WORKERS * SUBMISSIONS_PER_WORKER * ROLLOUTS_PER_SUBMISSION  # 200
 HOGS = 8
 """Busy loops beside each validator, each a session of its own: a sandbox (a session too) gets ≈ 1/9 of the core."""
-STARVED = RewardLimits(sandbox=SandboxLimits(cpu_time_s=10, wall_time_s=0.4, total_wall_time_s=2.0))
-"""A validator's wall limit per sandbox run: met by an MBPP solution on an unloaded core (≈ 0.1–0.3 s
-here), not with three busy loops sharing that core."""
+STARVED = RewardLimits(sandbox=SandboxLimits(cpu_time_s=10, wall_time_s=0.15, total_wall_time_s=2.0))
+"""A validator's wall limit per sandbox run: met by an MBPP solution on an unloaded core (0.037–0.050 s
+here), not beside the hogs (0.39–0.44 s; 7 Dec 2026, load 2). It was 0.4 s, the middle of the starved
+range: starvation was a coin toss per run and the test's precondition failed 1 of 8 suites."""
 
 
 def _shared_data() -> Path:
