@@ -377,9 +377,8 @@ class SubmissionChecker:
         if model is None:  # gone since the model checks: nothing decided
             return
         params = sampling.ReplayParams.from_spec(spec, (self.eos_id,))
-        with _intra_op_threads(self.replay_threads):
-            twins = decode_twins(model, [seqs[j][0] for j in chosen], prefixes, [sub.rollouts[j].seed for j in chosen], params,
-                                 spec.sampling.max_tokens, self.pad_id)
+        twins = decode_twins(model, [seqs[j][0] for j in chosen], prefixes, [sub.rollouts[j].seed for j in chosen], params,
+                             spec.sampling.max_tokens, self.pad_id)  # forward work: the process's threads, as the prefill
         limits = self.reward_limits or RewardLimits()
         for j, twin in zip(chosen, twins, strict=True):
             p = plan[j // g]
