@@ -8,7 +8,9 @@ measured here, on the run itself: after each published policy step the coordinat
 (``toploc.worker_dtype``) under a throwaway key (its tasks derive like any worker's), checks them
 with the validators' pipeline against the float32 policy, and counts their statistics into the
 baseline; the first calibrated step makes as many more as the baseline needs before the audit may
-flag anyone (``audit.min_calibration_tokens``). A calibration submission that is rejected is reported loudly (``/status``
+flag anyone (``audit.min_calibration_tokens``) and, under ``eprocess-v2``, until the baseline holds
+``audit.min_calibration_decisive`` decisive twins (the validators' pipeline decodes and counts them on
+the reference work as on any worker's; ``docs/toploc.md`` §11.2). A calibration submission that is rejected is reported loudly (``/status``
 ``audit.calibration``): the run's bounds do not hold for honest compute, and the operator
 re-measures them (``spec init --measure-precision``, ``docs/operators.md``).
 

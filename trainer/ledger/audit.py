@@ -8,8 +8,11 @@ calibration (honest reference submissions the coordinator generates in the run's
 flagged: the ban rule bans it with reason ``audit`` and withdraws its untrained work
 (:class:`~trainer.ledger.ban_rule.BanRule`).
 
+Under ``eprocess-v2`` the verdicts' twin counts (up / down among decisive rollouts) are tested too,
+against the honest up-share calibrated over the whole run (``docs/toploc.md`` §11.2).
+
 Persistence: one SQLite file of its own (``audit.sqlite`` beside the ledger's index) with the
-calibration counts per policy step, each worker's test state, and every counted verdict's
+calibration counts per policy step, the reference work's twin counts (kept for the whole run), each worker's test state, and every counted verdict's
 statistics with the bounds it was counted against: the evidence of a flag, which anyone can
 recompute from the signed verdicts (:func:`protocol.audit.replay_evidence`; ``evidence``). The
 rows of one verdict are written in one transaction after the ledger decided it; a crash between
