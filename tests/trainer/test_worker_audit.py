@@ -41,6 +41,21 @@ HONEST = ReplayStats(tokens=200, differ=1, gap_over=[0, 0, 0, 0, 0], chunks=8)
 STEERED = ReplayStats(tokens=200, differ=40, gap_over=[40, 38, 30, 18, 0], chunks=8)
 
 
+def submit_until_banned(service, worker: NodeKey, limit: int, run: bytes, make_submission, make_verdict) -> list[str]:
+    """Up to ``limit`` submissions of ``worker``, each stored and given its verdict, until the ledger bans it;
+    returns their IDs (hex)."""
+    held = []
+    for i in range(limit):
+        sub = make_submission(worker, i)
+        env = open_envelope(sub, run_id=run, expect=Submission)
+        assert service.ledger.store.add(env)
+        held.append(env.id.hex())
+        service.apply_verdict(make_verdict(sub))
+        if service.ledger.bans.is_banned(worker.peer_id):
+            break
+    return held
+
+
 def open_coordinator(root):
     return open_ingest(root, SPEC, COORD, trainer_step=lambda: 0, latest_policy_step=lambda: 0)
 
@@ -61,14 +76,8 @@ def test_a_steering_worker_is_banned_by_the_audit_and_its_untrained_work_withdra
         assert ledger.store.add(open_envelope(sub, run_id=RUN, expect=Submission))
         assert service.apply_verdict(verdict(sub, HONEST))
     assert not ledger.bans.is_banned(honest.peer_id)
-    held = []
-    for i in range(30):  # the steerer's accepted work waits untrained; its next is still pending
-        sub = submission(steerer, i)
-        assert ledger.store.add(open_envelope(sub, run_id=RUN, expect=Submission))
-        held.append(open_envelope(sub, run_id=RUN, expect=Submission).id.hex())
-        service.apply_verdict(verdict(sub, STEERED))
-        if ledger.bans.is_banned(steerer.peer_id):
-            break
+    # the steerer's accepted work waits untrained; its next is still pending
+    held = submit_until_banned(service, steerer, 30, RUN, submission, lambda sub: verdict(sub, STEERED))
     assert ledger.bans.is_banned(steerer.peer_id), audit.status()
     entry = next(e for e in ledger.bans.entries() if e.peer_id == steerer.peer_id)
     assert entry.reason == AUDIT_BAN_REASON and entry.evidence[0].by == COORD.peer_id and "e-value" in entry.evidence[0].detail
@@ -195,14 +204,7 @@ def test_eprocess_v2_bans_the_rationed_steerer_that_v1_cannot_see(tmp_path) -> N
         assert ledger.store.add(open_envelope(sub, run_id=run, expect=Submission))
         service.apply_verdict(v2_verdict(sub, stats))
     assert not ledger.bans.is_banned(honest.peer_id), audit.status()
-    held = []
-    for i in range(200):
-        sub = v2_submission(steerer, i)
-        assert ledger.store.add(open_envelope(sub, run_id=run, expect=Submission))
-        held.append(open_envelope(sub, run_id=run, expect=Submission).id.hex())
-        service.apply_verdict(v2_verdict(sub, RATIONED))
-        if ledger.bans.is_banned(steerer.peer_id):
-            break
+    held = submit_until_banned(service, steerer, 200, run, v2_submission, lambda sub: v2_verdict(sub, RATIONED))
     assert ledger.bans.is_banned(steerer.peer_id), audit.status()
     assert len(held) * RATIONED.decided <= 100  # within tens of decisive rollouts
     entry = next(e for e in ledger.bans.entries() if e.peer_id == steerer.peer_id)
