@@ -71,7 +71,7 @@ LOGIT_BOUND_LIMIT = 4.0
 """Upper bound on ``toploc.replay_logit_bound``, nats: beyond it any edge moves by ≥ e⁸ in odds and the replay
 no longer says anything about the tokens."""
 _HASHED_ONLY_OFF_DEFAULT = {"toploc": ("replay_rule", "replay_logit_bound", "eos_prob_slack", "worker_dtype", "fp32_logits", "hard_factor"),
-                           "audit": ("min_calibration_decisive",)}
+                           "audit": ("min_calibration_decisive", "twin_share")}
 """Fields added after specs were signed: hashed only where they differ from their default, so a spec
 signed before them keeps its run ID and means what it meant (the ``eps-v1`` replay, EOS slack 0.01)."""
 _SECTIONS_HASHED_ONLY_OFF_DEFAULT = ("audit", "artifacts", "env")
@@ -417,6 +417,10 @@ class AuditSpec(_Section):
     min_calibration_decisive: Annotated[
         int, Field(ge=0, le=1 << 20, description="eprocess-v2: the first calibrated step makes reference submissions until the "
                                                  "baseline holds this many decisive (up or down) rollouts, or its burst limit")] = 64
+    twin_share: Annotated[
+        float, Field(gt=0.0, le=1.0, allow_inf_nan=False,
+                     description="eprocess-v2: the share of full checks whose diverged rollouts get float32 twins (validator's own draw; "
+                                 "the twins' decode time scales with it, and so does how many tokens a steerer gets before its flag)")] = 1.0
 
 
 ArtifactName = Annotated[str, Field(pattern=ARTIFACT_NAME_PATTERN)]

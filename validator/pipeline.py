@@ -178,9 +178,12 @@ class SubmissionChecker:
             151,936, 2 threads, 4 Dec 2026): beside two CPU-bound processes the check took 7.56 s
             on 2 threads and 1.45 s on 1 (sampling / prefill 0.48 → 0.076); on a quiet machine
             0.20 s and 0.30 s (0.074 → 0.105, both within the 1/4 goal) (``docs/toploc.md`` §9).
-        twin_rng: draws which diverged rollouts get a twin under ``audit.rule = "eprocess-v2"`` when
-            more than :data:`protocol.audit.TWINS_PER_SUBMISSION` diverged (default: the OS's
-            randomness, so a worker cannot know which will be decided; a seeded one for tests).
+        twin_rng: draws, under ``audit.rule = "eprocess-v2"``, whether a full check decodes twins at all
+            (``audit.twin_share``) and which diverged rollouts get one when more than
+            :data:`protocol.audit.TWINS_PER_SUBMISSION` diverged (default: the OS's randomness, so a
+            worker cannot know which will be decided; a seeded one for tests).
+        twin_share: overrides ``audit.twin_share`` (the coordinator's calibration decodes the twins of
+            every reference submission: its own work, the honest baseline).
     """
 
     def __init__(
@@ -196,6 +199,7 @@ class SubmissionChecker:
         reward_limits: RewardLimits | None = None,
         replay_threads: int | None = 1,
         twin_rng: random.Random | None = None,
+        twin_share: float | None = None,
     ) -> None:
         self.spec = spec
         self.tasks = tasks
@@ -207,6 +211,7 @@ class SubmissionChecker:
         self.reward_limits = reward_limits
         self.replay_threads = replay_threads
         self.twin_rng = twin_rng or random.SystemRandom()
+        self.twin_share = spec.audit.twin_share if twin_share is None else twin_share
         self.eos_id = int(tokenizer.eos_token_id)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id)
 
@@ -366,8 +371,8 @@ class SubmissionChecker:
         rollouts (drawn at random; :mod:`validator.twins`), reward each as the claimed completion was, and count
         whose task reward is higher (``docs/toploc.md`` §11.2). A twin whose reward cannot be had (our
         failure, a resource limit, the environment's fault) is left undecided: never evidence either way."""
-        if not tally.first_differ:
-            return
+        if not tally.first_differ or (self.twin_share < 1.0 and self.twin_rng.random() >= self.twin_share):
+            return  # nothing diverged, or this check is not among the audit.twin_share that decode twins
         t = time.perf_counter()
         spec, g = self.spec, self.spec.rl.group_size
         diverged = sorted(tally.first_differ)

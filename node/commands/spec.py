@@ -94,6 +94,9 @@ def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     init.add_argument("--min-calibration-decisive", type=int, default=None,
                       help="with --audit (eprocess-v2): the first calibrated step makes reference work until the baseline holds this "
                            "many decisive twins (default 64; more tightens the honest up-share bound)")
+    init.add_argument("--twin-share", type=float, default=None,
+                      help="with --audit (eprocess-v2): the share of full checks that decode twins (default 1; less saves "
+                           "validators' decode time and lets a steerer run proportionally longer before its flag)")
     init.add_argument("--audit-false-alarm", type=float, default=None, help="with --audit: an honest worker's chance of a flag (default 1e-6)")
     init.add_argument("--calibration-submissions", type=int, default=None,
                       help="with --audit: honest reference submissions the coordinator checks per published step (default 2)")
@@ -159,13 +162,14 @@ def _run_spec_init(args: argparse.Namespace) -> int:
                    replay_logit_bound=args.replay_logit_bound, eos_prob_slack=args.eos_prob_slack, worker_dtype=args.worker_dtype,
                    hard_factor=args.hard_factor, fp32_logits=args.fp32_logits or None)
     if not args.audit and any(v is not None for v in (args.audit_false_alarm, args.calibration_submissions, args.min_calibration_tokens,
-                                                      args.audit_rule, args.min_calibration_decisive)):
-        raise CliError("--audit-rule, --audit-false-alarm, --calibration-submissions, --min-calibration-tokens and "
-                       "--min-calibration-decisive need --audit")
-    if args.min_calibration_decisive is not None and args.audit_rule == "eprocess-v1":
-        raise CliError("--min-calibration-decisive is for --audit-rule eprocess-v2 (eprocess-v1 decodes no twins)")
+                                                      args.audit_rule, args.min_calibration_decisive, args.twin_share)):
+        raise CliError("--audit-rule, --audit-false-alarm, --calibration-submissions, --min-calibration-tokens, "
+                       "--min-calibration-decisive and --twin-share need --audit")
+    if (args.min_calibration_decisive is not None or args.twin_share is not None) and args.audit_rule == "eprocess-v1":
+        raise CliError("--min-calibration-decisive and --twin-share are for --audit-rule eprocess-v2 (eprocess-v1 decodes no twins)")
     audit = given(false_alarm=args.audit_false_alarm, calibration_submissions=args.calibration_submissions,
-                  min_calibration_tokens=args.min_calibration_tokens, min_calibration_decisive=args.min_calibration_decisive) | (
+                  min_calibration_tokens=args.min_calibration_tokens, min_calibration_decisive=args.min_calibration_decisive,
+                  twin_share=args.twin_share) | (
         {"rule": args.audit_rule or "eprocess-v2"} if args.audit else {})
     shard = given(keep_steps=args.keep_steps)  # not given: the spec keeps rl.async_level + 1 (protocol.window.fresh_steps)
     if args.piece_size is not None:

@@ -134,7 +134,7 @@ class AuditCalibration:
             return 0
         engine = worker_engine(self.spec, path, self.device)
         checker = SubmissionChecker(self.spec, self.tasks, tok, lambda s: model if s == step else None,
-                                    trainer_step=lambda: step, counter_seen=lambda *_: False)
+                                    trainer_step=lambda: step, counter_seen=lambda *_: False, twin_share=1.0)  # every reference twin
         counted = 0
         made = 0
         # the step's share, and at first as many more as the baseline needs to flag anyone (audit.min_calibration_tokens)

@@ -100,13 +100,15 @@ def test_spec_init_audit_writes_eprocess_v2_unless_told(tmp_path):
     ``--audit-rule eprocess-v1`` keeps the rate test alone, and refuses the twin option in one line."""
     key = tmp_path / "coord"
     cli("keygen", "--key", str(key))
-    v2 = cli("spec", "init", "--coordinator-key", str(key), "--out", str(tmp_path / "v2.toml"), "--audit", "--min-calibration-decisive", "128")
+    v2 = cli("spec", "init", "--coordinator-key", str(key), "--out", str(tmp_path / "v2.toml"), "--audit", "--min-calibration-decisive", "128",
+             "--twin-share", "0.25")
     assert v2.returncode == 0, v2.stderr
     show = cli("spec", "show", str(tmp_path / "v2.toml")).stdout
-    assert 'rule = "eprocess-v2"' in show and "min_calibration_decisive = 128" in show
+    assert 'rule = "eprocess-v2"' in show and "min_calibration_decisive = 128" in show and "twin_share = 0.25" in show
     v1 = cli("spec", "init", "--coordinator-key", str(key), "--out", str(tmp_path / "v1.toml"), "--audit", "--audit-rule", "eprocess-v1")
     assert v1.returncode == 0 and 'rule = "eprocess-v1"' in cli("spec", "show", str(tmp_path / "v1.toml")).stdout
-    for opt in (["--audit", "--audit-rule", "eprocess-v1", "--min-calibration-decisive", "5"], ["--audit-rule", "eprocess-v2"]):
+    for opt in (["--audit", "--audit-rule", "eprocess-v1", "--min-calibration-decisive", "5"], ["--audit-rule", "eprocess-v2"],
+                ["--audit", "--twin-share", "0"]):
         bad = cli("spec", "init", "--coordinator-key", str(key), "--out", str(tmp_path / "bad.toml"), *opt)
         assert bad.returncode != 0 and "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
 

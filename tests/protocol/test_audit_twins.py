@@ -143,7 +143,10 @@ def test_the_new_rule_and_field_leave_old_run_ids_alone() -> None:
 
     coord = NodeKey.from_seed(b"c" * 32).peer_id
     v1 = RunSpec(run=RunInfo(coordinator=coord), audit=AuditSpec(rule="eprocess-v1"))
-    assert b"min_calibration_decisive" not in v1.canonical_bytes()
+    assert b"min_calibration_decisive" not in v1.canonical_bytes() and b"twin_share" not in v1.canonical_bytes()
     v2 = RunSpec(run=RunInfo(coordinator=coord), audit=AuditSpec(rule="eprocess-v2"))
     assert v2.run_id != v1.run_id
     assert RunSpec(run=RunInfo(coordinator=coord), audit=AuditSpec(rule="eprocess-v2", min_calibration_decisive=5)).run_id != v2.run_id
+    assert RunSpec(run=RunInfo(coordinator=coord), audit=AuditSpec(rule="eprocess-v2", twin_share=0.5)).run_id != v2.run_id
+    with pytest.raises(ValueError):
+        AuditSpec(rule="eprocess-v2", twin_share=0.0)

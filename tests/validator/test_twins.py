@@ -144,3 +144,24 @@ def test_steered_and_honest_submissions_are_counted_consistently(base) -> None:
     plan = plan_submission(v1, tasks, tok, WORKER.peer_id, 0, 0)
     s = _check(_checker(v1, policy, tok, tasks), v1, 0, plan, steer_generate(v1, policy, policy, tok, plan, 1.0, random.Random(5)).rollouts).stats
     assert s is not None and s.differ > 0 and (s.rollouts, s.diverged, s.decided, s.up, s.down) == (0, 0, 0, 0, 0)
+
+
+def test_twin_share_decodes_twins_for_that_share_of_full_checks(base) -> None:
+    """``audit.twin_share`` < 1: a full check decodes its twins only when the validator's own draw says so
+    (the rest count their rollouts and diverged ones, nothing decided); the calibration's override decodes
+    every one."""
+    policy, tok, tasks = base
+    spec = _spec().model_copy(update={"audit": AuditSpec(rule="eprocess-v2", twin_share=0.5)})
+    checker = _checker(spec, policy, tok, tasks)
+    every = SubmissionChecker(spec, tasks, tok, lambda s: policy, trainer_step=lambda: 0, counter_seen=lambda *_: False,
+                              twin_rng=random.Random(0), twin_share=1.0)
+    rng, decided = random.Random(6), []
+    for counter in range(8):
+        plan = plan_submission(spec, tasks, tok, WORKER.peer_id, 0, counter)
+        rollouts = steer_generate(spec, policy, policy, tok, plan, 1.0, rng).rollouts
+        s = _check(checker, spec, counter, plan, rollouts).stats
+        assert s is not None and s.diverged > 0 and s.decided in (0, min(TWINS_PER_SUBMISSION, s.diverged))
+        decided.append(s.decided > 0)
+        full = _check(every, spec, counter, plan, rollouts).stats
+        assert full is not None and full.decided == min(TWINS_PER_SUBMISSION, full.diverged)
+    assert any(decided) and not all(decided), decided
