@@ -10,6 +10,7 @@ import pytest
 from node.coordinator.base import EMBEDDED_BASE_DIR
 from node.coordinator.calibrate import AuditCalibration, worker_engine
 from node.devnet.config import EMBEDDED_RL, EMBEDDED_SAMPLING
+from protocol.audit import rate_upper_bound
 from protocol.dataset import resolve_tasks
 from protocol.identity import NodeKey
 from protocol.models import load_model, load_tokenizer
@@ -61,10 +62,12 @@ def test_eprocess_v2_calibration_also_counts_twins_until_it_holds_decisive_ones(
     policy = load_model(EMBEDDED_BASE_DIR)
     cal = AuditCalibration(s, s.run_id, resolve_tasks("embedded").train, lambda: tok, lambda step: EMBEDDED_BASE_DIR,
                            lambda step: policy, audit)
+    cal.key = NodeKey.from_seed(b"r" * 32)  # the reference identity fixed: the same tasks and seeds every run
     assert audit.wants_decisive()
     first = cal.calibrate(0)
     assert first > 1 and audit.ready() and audit.baseline.decisive() >= 3 and not audit.wants_decisive(), (first, audit.baseline.twins)
-    assert audit.baseline.bounds()["up"] < 1.0
+    up, decisive = audit.baseline.twins  # the up-share's bound is the Chernoff bound of the reference twins (1 if all were up)
+    assert audit.baseline.bounds()["up"] == rate_upper_bound(up, decisive, s.audit.baseline_confidence)
     assert cal.calibrate(1) == 1
     audit.close()
 
