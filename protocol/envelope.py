@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from protocol import encoding
 from protocol.content import ContentId, content_id
-from protocol.errors import DecodeError, SchemaError, SignatureError, WrongRunError
+from protocol.errors import DecodeError, SchemaError, SignatureError, TooLarge, WrongRunError
 from protocol.identity import NodeKey, PeerId, peer_id_from_public_key, verify_signature
 from protocol.messages import BODY_LIMITS, MESSAGE_TYPES, Message
 
@@ -184,7 +184,7 @@ def open_envelope(
         raise DecodeError(f"expected bytes, got {type(data).__name__}")
     data = bytes(data)
     if len(data) > limit:
-        raise DecodeError(f"message of {len(data)} bytes exceeds the limit of {limit} bytes")
+        raise TooLarge(f"message of {len(data)} bytes exceeds the limit of {limit} bytes")
     outer = _read_outer(data)
     obj = outer.fields
     _typed(obj, "v", int)
@@ -198,7 +198,7 @@ def open_envelope(
     if allowed is not None and cls not in allowed:
         raise SchemaError(f"{type_tag} not acceptable here (expected {', '.join(c.TYPE for c in allowed)})", "type")
     if len(data) > cls.MAX_BYTES:
-        raise DecodeError(f"{type_tag} envelope of {len(data)} bytes exceeds its limit of {cls.MAX_BYTES}")
+        raise TooLarge(f"{type_tag} envelope of {len(data)} bytes exceeds its limit of {cls.MAX_BYTES}")
     run = _typed(obj, "run", bytes, 32)
     signer = _typed(obj, "signer", bytes, 32)
     ts_ms = _typed(obj, "ts_ms", int)

@@ -17,6 +17,11 @@ class DecodeError(ProtocolError):
     non-canonical encoding, wrong top-level shape)."""
 
 
+class TooLarge(DecodeError):
+    """Bytes over the byte limit of what they claim to be, refused before any of them is decoded
+    (gossip's rejection reason ``oversized``)."""
+
+
 class SchemaError(ProtocolError):
     """A structurally valid message whose fields are missing, extra, mistyped or out of bounds.
 

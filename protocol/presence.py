@@ -36,7 +36,7 @@ from typing import Final
 
 from protocol import encoding
 from protocol.content import CONTENT_ID_BYTES, ContentId, content_id
-from protocol.errors import DecodeError
+from protocol.errors import DecodeError, TooLarge
 from protocol.messages import MiB, NodeRecord
 
 PRESENCE_VERSION: Final = 1
@@ -123,7 +123,7 @@ def frame_length(header: bytes, *, max_bytes: int, kinds: frozenset[int]) -> int
         raise DecodeError(f"a frame length is {LENGTH_BYTES} bytes, got {len(header)}")
     n = int.from_bytes(header, "big")
     if not 1 <= n <= max_bytes:
-        raise DecodeError(f"presence frame of {n} bytes (limit {max_bytes}, kinds {sorted(kinds)})")
+        raise TooLarge(f"presence frame of {n} bytes (limit {max_bytes}, kinds {sorted(kinds)})")
     return n
 
 
@@ -224,7 +224,7 @@ def unpack_roster(roster_id: bytes, data: bytes) -> list[bytes]:
             bound, or are not a roster (entries out of order, duplicates).
     """
     if len(data) > ROSTER_MAX_BYTES:
-        raise DecodeError(f"roster of {len(data)} bytes exceeds {ROSTER_MAX_BYTES}")
+        raise TooLarge(f"roster of {len(data)} bytes exceeds {ROSTER_MAX_BYTES}")
     if content_id(data) != roster_id:
         raise DecodeError("roster bytes do not hash to the roster ID the hub signed")
     envelopes = unpack_envelopes(data, max_entries=ROSTER_MAX_ENTRIES, max_bytes=ROSTER_MAX_BYTES)
@@ -327,7 +327,7 @@ def read_roster_answer(roster_id: bytes, answer: bytes, held: dict[bytes, bytes]
         raise DecodeError(f"a roster of {len(entries)} entries, over {ROSTER_MAX_ENTRIES}")
     data = pack_envelopes(sorted(entries.values()))
     if len(data) > ROSTER_MAX_BYTES:
-        raise DecodeError(f"a roster of {len(data)} bytes, over {ROSTER_MAX_BYTES}")
+        raise TooLarge(f"a roster of {len(data)} bytes, over {ROSTER_MAX_BYTES}")
     if content_id(data) != roster_id:
         raise DecodeError("the roster after the delta does not hash to the roster ID the hub signed")
     return entries

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from protocol.envelope import Authorities, Envelope, open_envelope
-from protocol.errors import DecodeError, ProtocolError, SchemaError, SignatureError, WrongRunError
+from protocol.errors import DecodeError, ProtocolError, SchemaError, SignatureError, TooLarge, WrongRunError
 from protocol.identity import PeerId
 from protocol.messages import HUB_ROLES, BanList, CheckpointAnnouncement, KiB, Message, MiB, NodeRecord, Verdict
 
@@ -174,7 +174,7 @@ class EnvelopeValidator:
         """
         rule = TOPIC_RULES[kind]
         if len(data) > rule.max_bytes:
-            raise DecodeError(f"{len(data)} bytes on the {kind} topic, over its limit of {rule.max_bytes}")
+            raise TooLarge(f"{len(data)} bytes on the {kind} topic, over its limit of {rule.max_bytes}")
         now = self._clock()
         env = open_envelope(
             data,
@@ -244,6 +244,8 @@ def penalty_for(error: ProtocolError) -> tuple[str, Penalty]:
         return "wrong_run", PENALTY_INVALID
     if isinstance(error, SignatureError):
         return "bad_signer", PENALTY_INVALID
+    if isinstance(error, TooLarge):
+        return "oversized", PENALTY_INVALID
     if isinstance(error, DecodeError):
         return "malformed", PENALTY_INVALID
     if isinstance(error, SchemaError):

@@ -41,7 +41,7 @@ from libp2p.peer.id import ID
 from node.p2p.gossip import DuplicateEnvelope, OverRate
 from node.p2p.host import P2PHost, libp2p_id, parse_peer_addr
 from protocol.envelope import Envelope
-from protocol.errors import DecodeError, ProtocolError, SchemaError
+from protocol.errors import DecodeError, ProtocolError, SchemaError, TooLarge
 from protocol.identity import PeerId
 from protocol.messages import NodeRecord
 from protocol.presence import (
@@ -808,7 +808,7 @@ class RosterFetcher:
             if n == 0:
                 raise DecodeError("the hub no longer has that roster")
             if n > ROSTER_MAX_BYTES:
-                raise DecodeError(f"roster of {n} bytes exceeds {ROSTER_MAX_BYTES}")
+                raise TooLarge(f"roster of {n} bytes exceeds {ROSTER_MAX_BYTES}")
             return await reader.exactly(n)
         finally:
             await _close(stream)

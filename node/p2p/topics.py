@@ -150,7 +150,7 @@ class TopicGate:
             self.envelopes.check(kind, data, remember=False)
         except ProtocolError as e:
             reason, _ = penalty_for(e)
-            raise PublishError(topic, "oversized" if "limit" in str(e) else reason, str(e)) from None
+            raise PublishError(topic, reason, str(e)) from None
 
     def stats(self) -> dict[str, Any]:
         """Rejected messages by reason (call on the trio side)."""

@@ -20,7 +20,7 @@ from node.p2p.gossip import (
     topic_names,
 )
 from protocol.envelope import seal
-from protocol.errors import DecodeError, ProtocolError, SchemaError, SignatureError, WrongRunError
+from protocol.errors import DecodeError, ProtocolError, SchemaError, SignatureError, TooLarge, WrongRunError
 from protocol.identity import NodeKey
 from protocol.messages import CheckpointAnnouncement, NodeRecord, Verdict
 
@@ -87,7 +87,7 @@ def forgeries(run: Run) -> dict[str, tuple[str, bytes, type[ProtocolError], str]
         "wrong type for topic": ("nodes", seal(run.validator, rid, verdict(mallory)), SchemaError, "bad_schema"),
         "replayed old timestamp": ("nodes", seal(mallory, rid, record(mallory), ts_ms=int(time.time() * 1000) - 3_600_000), SchemaError, "stale"),
         "from the future": ("nodes", seal(mallory, rid, record(mallory), ts_ms=int(time.time() * 1000) + 3_600_000), SchemaError, "stale"),
-        "oversized": ("nodes", forge(mallory, rid, "node_record/1", {**rec, "version": "x" * 9000}), DecodeError, "malformed"),
+        "oversized": ("nodes", forge(mallory, rid, "node_record/1", {**rec, "version": "x" * 9000}), TooLarge, "oversized"),
         "worker record on the nodes topic": ("nodes", seal(mallory, rid, record(mallory)), SchemaError, "bad_schema"),
         "relay record on the workers topic": ("workers", seal(mallory, rid, record(mallory, "relay")), SchemaError, "bad_schema"),
         "garbage": ("verdicts", b"\x93\x01\x02" + b"\0" * 64, DecodeError, "malformed"),
@@ -139,3 +139,24 @@ def test_scores_decay_and_hit_the_limit() -> None:
     now[0] = 1000.0
     scores.prune()
     assert scores.points("q") == 0.0
+
+
+@pytest.mark.parametrize(("case", "reason"), [("oversized", "oversized"), ("stale", "stale")])
+def test_an_own_message_receivers_would_refuse_is_not_published_and_says_why(run: Run, case: str, reason: str) -> None:
+    """The publish-side check names the receivers' reason: an oversized envelope ``oversized`` (a
+    :class:`TooLarge`), an old one ``stale`` — not ``oversized`` because its error text says "limit"."""
+    from node.errors import PublishError
+    from node.p2p.config import GossipConfig
+    from node.p2p.topics import TopicGate
+    from protocol.runspec import sign_run_spec
+
+    signed = sign_run_spec(run.spec, run.coordinator)
+    me = NodeKey.generate()
+    gate = TopicGate(signed.run_id, signed.spec.authorities, peer_id=me.peer_id, config=GossipConfig(), heartbeat_interval_s=5.0,
+                     split_records=True)
+    rec = record(me).model_dump()
+    data = (forge(me, signed.run_id, "node_record/1", {**rec, "version": "x" * 9000}) if case == "oversized"
+            else seal(me, signed.run_id, record(me, "relay"), ts_ms=int(time.time() * 1000) - 3_600_000))
+    with pytest.raises(PublishError) as info:
+        gate.check_outgoing("nodes", "t", data)
+    assert info.value.reason == reason, info.value

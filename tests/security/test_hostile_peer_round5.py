@@ -359,4 +359,6 @@ def test_topic_gate_rejects_hostile_envelopes_without_raising(data: bytes) -> No
     msg = rpc_pb2.Message(from_id=forwarder.to_bytes(), data=data, seqno=b"\x00" * 8, topicIDs=["verdicts"])
     assert validate(forwarder, msg) is False
     assert sum(gate.rejected.values()) == 1, gate.rejected
+    if len(data) > 1 << 20:  # refused for its size before a byte is decoded, and counted so
+        assert gate.rejected == {"oversized": 1}, gate.rejected
     assert gate.take(host.message_id(msg)) is None
