@@ -111,7 +111,7 @@ def calibrate(spec: RunSpec, policy_dir: Path, tasks: list, tok: Any, checker: S
         result = checked(checker, spec, build_submission(spec, spec.run_id, key, engine, tok, tasks, 0, counter))
         counter += 1
         rejected += not result.accepted
-        if result.stats is not None:
+        if result.stats is not None and result.accepted:  # the coordinator calibrates on accepted reference work only
             base.add(0, result.stats)
     return base, rejected
 
@@ -138,7 +138,7 @@ def honest_workers(spec: RunSpec, policy_dir: Path, tasks: list, tok: Any, check
             subs += 1
             check_s += result.seconds
             twin_s += result.timings.get("twins", 0.0)
-            if result.stats is not None:
+            if result.stats is not None and result.accepted:  # the audit counts accepted verdicts only
                 tokens += result.stats.tokens
                 state.observe(result.stats, bounds)
                 diverged, decided = diverged + result.stats.diverged, decided + result.stats.decided
@@ -174,7 +174,7 @@ def steer(spec: RunSpec, policy: torch.nn.Module, policy_dir: Path, tasks: list,
         if result.accepted:  # what training would see from it
             out.rollouts += len(steered.rollouts)
             out.passes += sum(r.task_reward >= 1.0 for r in steered.rollouts)
-        if result.stats is not None:
+        if result.stats is not None and result.accepted:  # the audit counts accepted verdicts only
             out.up, out.down = out.up + result.stats.up, out.down + result.stats.down
             state.observe(result.stats, bounds)
             if state.flag(spec.audit.false_alarm, bounds) is not None:

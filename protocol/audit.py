@@ -40,8 +40,9 @@ bounded above by the calibration like the rates (pooled over the whole run, :cla
 steerer's is ≈ 1. The mixture over :data:`UP_FRACTIONS` of Bernoulli likelihood ratios with
 ``p1 = p0 + f · (1 − p0)`` is a test supermartingale whenever the worker's up-share is ≤ ``p0``; the
 rule's ``E`` is the average of ``eprocess-v1``'s mixture and this one (half the weight each), so Ville
-still bounds an honest worker's chance of ever being flagged by ``α``; with the ten calibrated bounds,
-``≤ α + 10β``.
+still bounds an honest worker's chance of ever being flagged by ``α``. The twin half also tests ups per
+*decided* twin as a rate (:data:`UP_RATE_EVENT`): deliberate downs lower the up-share, not that rate. With
+the eleven calibrated bounds, ``≤ α + 11β``.
 
 Pure arithmetic on counts (no I/O): the coordinator's ledger keeps the state
 (``trainer/ledger/audit.py``); anyone holding the signed verdicts and the calibration counts can
@@ -85,7 +86,12 @@ EVENTS = TOKEN_EVENTS + CHUNK_EVENTS
 """The rate events (``eprocess-v1``)."""
 UP_EVENT = "up"
 """The twin event (``eprocess-v2``): a decisive rollout (``up`` or ``down``) that is ``up``."""
-EVENTS_V2 = EVENTS + (UP_EVENT,)
+UP_RATE_EVENT = "up_rate"
+"""The second twin event (``eprocess-v2``): a decided twin (a twin whose reward was had) that is ``up``.
+Deliberate downs lower the up-share but not this rate: a steerer that balances its ups with sabotaged
+rollouts, or farms downs in rejected work, is seen by it (red team a33b, 7 Dec 2026)."""
+TWIN_EVENTS = (UP_EVENT, UP_RATE_EVENT)
+EVENTS_V2 = EVENTS + TWIN_EVENTS
 
 UP_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 0.875, 0.9375, 0.96875, 0.984375, 0.9921875, 0.99609375)
 """The twin test's alternatives: up-shares ``p1 = p0 + f · (1 − p0)``; a steerer at up-share ≈ 1 grows the
@@ -114,7 +120,7 @@ def event_counts(stats: ReplayStats, events: Sequence[str] = EVENTS) -> dict[str
     over = list(stats.gap_over) + [0] * (5 - len(stats.gap_over))
     out = {"differ": (stats.differ, stats.tokens), "impossible": (stats.impossible, stats.tokens),
            "logprob_over": (stats.logprob_over, stats.tokens), "chunks_over": (stats.chunks_over, stats.chunks),
-           UP_EVENT: (stats.up, stats.up + stats.down)}
+           UP_EVENT: (stats.up, stats.up + stats.down), UP_RATE_EVENT: (stats.up, stats.decided)}
     for i in range(5):
         out[f"gap_over_{i}"] = (over[i], stats.tokens)
     return {e: out[e] for e in events}
@@ -187,13 +193,13 @@ class Baseline:
         window_steps: how many of the newest policy steps' calibrations are pooled
             (``audit.calibration_window_steps``).
         by_step: policy step → event → ``(count, trials)`` of that step's calibration submissions.
-        twins: ``(up, decisive)`` of every reference submission counted in the run.
+        twins: ``(up, decisive, decided)`` of every reference submission counted in the run.
     """
 
     confidence: float
     window_steps: int
     by_step: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
-    twins: tuple[int, int] = (0, 0)
+    twins: tuple[int, int, int] = (0, 0, 0)
 
     def add(self, step: int, stats: ReplayStats, *, twins: bool = True) -> None:
         """Count one honest reference submission's statistics at policy ``step`` (``twins=False``: its rate
@@ -203,7 +209,7 @@ class Baseline:
             k0, n0 = acc.get(name, (0, 0))
             acc[name] = (k0 + k, n0 + n)
         if twins:
-            self.twins = (self.twins[0] + stats.up, self.twins[1] + stats.up + stats.down)
+            self.twins = (self.twins[0] + stats.up, self.twins[1] + stats.up + stats.down, self.twins[2] + stats.decided)
         for old in sorted(self.by_step)[: -self.window_steps]:
             del self.by_step[old]
 
@@ -229,7 +235,8 @@ class Baseline:
         (the honest up-share's bound among decisive rollouts)."""
         pooled = self.pooled()
         out = {name: rate_upper_bound(*pooled.get(name, (0, 0)), self.confidence) for name in EVENTS}
-        out[UP_EVENT] = rate_upper_bound(*self.twins, self.confidence)
+        out[UP_EVENT] = rate_upper_bound(self.twins[0], self.twins[1], self.confidence)
+        out[UP_RATE_EVENT] = rate_upper_bound(self.twins[0], self.twins[2], self.confidence)
         return out
 
 
@@ -299,7 +306,9 @@ class AuditState:
         rate = _log_mean([self.log_wealth.get(f"{e}@{r:g}", 0.0) for e in EVENTS for r in ALTERNATIVES])
         if self.rule != AUDIT_RULE_EPROCESS_V2:
             return rate
-        return _log_mean([rate, _log_mean([self.log_wealth.get(f"{UP_EVENT}@{f:g}", 0.0) for f in UP_FRACTIONS])])
+        twin = [self.log_wealth.get(f"{UP_EVENT}@{f:g}", 0.0) for f in UP_FRACTIONS]
+        twin += [self.log_wealth.get(f"{UP_RATE_EVENT}@{r:g}", 0.0) for r in ALTERNATIVES]
+        return _log_mean([rate, _log_mean(twin)])
 
     def flag(self, false_alarm: float, p0: Mapping[str, float]) -> Flag | None:
         """A :class:`Flag` when ``E ≥ 1 / false_alarm``, else ``None``."""

@@ -370,7 +370,8 @@ class SubmissionChecker:
         """``eprocess-v2``: decode the float32 twin of up to :data:`~protocol.audit.TWINS_PER_SUBMISSION` diverged
         rollouts (drawn at random; :mod:`validator.twins`), reward each as the claimed completion was, and count
         whose task reward is higher (``docs/toploc.md`` §11.2). A twin whose reward cannot be had (our
-        failure, a resource limit, the environment's fault) is left undecided: never evidence either way."""
+        failure, a wall or CPU limit, the environment's fault) is left undecided: never evidence either way;
+        one stopped at a memory or output limit scores what the reward gives it then (0)."""
         if not tally.first_differ or (self.twin_share < 1.0 and self.twin_rng.random() >= self.twin_share):
             return  # nothing diverged, or this check is not among the audit.twin_share that decode twins
         t = time.perf_counter()
@@ -392,7 +393,10 @@ class SubmissionChecker:
                                    spec.sampling.length_penalty, limits)
             except RewardError:
                 continue
-            if r.limit_hit or r.env_fault:
+            # a memory or output limit is the twin's own (the same program hits it anywhere): it fails. A wall or
+            # CPU limit may be this machine's load, an environment fault the environment's: undecided, never
+            # evidence. (Skipping every limit let a steerer shelter its ups behind honest programs that loop.)
+            if r.env_fault or r.limit_hit not in (None, "memory", "output"):
                 continue
             claimed = sub.rollouts[j].task_reward  # checked against the recomputed one by now (_rewards)
             tally.decided += 1

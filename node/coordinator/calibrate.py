@@ -153,7 +153,7 @@ class AuditCalibration:
                 logger.warning("audit calibration: an honest %s reference submission at step %d was rejected (%s %s): the run's "
                                "tolerances do not hold for honest compute here; re-measure them (docs/operators.md)",
                                self.spec.toploc.worker_dtype, step, result.reason, result.evidence)
-            if result.stats is not None:
+            if result.stats is not None and result.accepted:  # as the audit counts workers' verdicts: accepted ones only
                 self.audit.calibrate(step, result.stats)
                 counted += 1
         self.steps_done += 1

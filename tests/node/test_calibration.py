@@ -66,7 +66,7 @@ def test_eprocess_v2_calibration_also_counts_twins_until_it_holds_decisive_ones(
     assert audit.wants_decisive()
     first = cal.calibrate(0)
     assert first > 1 and audit.ready() and audit.baseline.decisive() >= 3 and not audit.wants_decisive(), (first, audit.baseline.twins)
-    up, decisive = audit.baseline.twins  # the up-share's bound is the Chernoff bound of the reference twins (1 if all were up)
+    up, decisive, _ = audit.baseline.twins  # the up-share's bound is the Chernoff bound of the reference twins (1 if all were up)
     assert audit.baseline.bounds()["up"] == rate_upper_bound(up, decisive, s.audit.baseline_confidence)
     assert cal.calibrate(1) == 1
     audit.close()

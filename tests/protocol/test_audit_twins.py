@@ -119,7 +119,7 @@ def test_v2_evidence_recomputes_and_the_baseline_keeps_twins_for_the_whole_run()
     b = Baseline(1e-6, window_steps=2)
     for step in range(5):
         b.add(step, twins(6, 4, diverged=12))
-    assert sorted(b.by_step) == [3, 4] and b.twins == (30, 50) and b.decisive() == 50
+    assert sorted(b.by_step) == [3, 4] and b.twins == (30, 50, 50) and b.decisive() == 50
     p0 = b.bounds()
     assert 0.6 < p0[UP_EVENT] < 1.0
     rows = [(twins(5, 0), p0) for _ in range(40)]
@@ -150,3 +150,31 @@ def test_the_new_rule_and_field_leave_old_run_ids_alone() -> None:
     assert RunSpec(run=RunInfo(coordinator=coord), audit=AuditSpec(rule="eprocess-v2", twin_share=0.5)).run_id != v2.run_id
     with pytest.raises(ValueError):
         AuditSpec(rule="eprocess-v2", twin_share=0.0)
+
+
+def test_a_steerer_balancing_its_up_share_with_sabotaged_rollouts_is_flagged_by_its_up_rate() -> None:
+    """Red team a33b's balancing controller: it keeps its up-share under the calibrated bound by steering some
+    rollouts to fail (downs it makes on purpose), and its token rates under theirs. Deliberate downs do not
+    lower its ups per decided twin, which honest work keeps near the calibration's (35 of 559 there): the
+    ``up_rate`` event flags it within a few dozen verdicts, naming that event; honest workers at the
+    calibration's own up rate and share are not flagged over many verdicts."""
+    from protocol.audit import UP_RATE_EVENT
+
+    b = Baseline(1e-6, 16)
+    b.add(0, ReplayStats(tokens=200_000, differ=3000, gap_over=[300, 200, 100, 50, 10], chunks=4000, rollouts=64_000, diverged=600,
+                         decided=559, up=35, down=29))
+    p0 = b.bounds()
+    balancing = ReplayStats(tokens=1000, differ=8, gap_over=[0] * 5, chunks=32, rollouts=64, diverged=8, decided=8, up=3, down=1)
+    assert balancing.up / (balancing.up + balancing.down) < p0[UP_EVENT]  # its up-share is within the honest bound
+    state, flag = replay_evidence([(balancing, p0)] * 40, 1e-6, V2)
+    assert flag is not None and flag.event == UP_RATE_EVENT and flag.verdicts <= 20, flag
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        honest = AuditState(rule=V2)
+        for _ in range(200):
+            decided = int(rng.integers(0, 4))
+            up = int(rng.binomial(decided, 35 / 559))
+            down = int(rng.binomial(decided - up, 29 / 524))
+            honest.observe(ReplayStats(tokens=1000, differ=8, gap_over=[1, 0, 0, 0, 0], chunks=32, rollouts=64, diverged=8,
+                                       decided=decided, up=up, down=down), p0)
+        assert honest.flag(1e-6, p0) is None, honest.log_e_value()

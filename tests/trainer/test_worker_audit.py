@@ -220,6 +220,32 @@ def test_eprocess_v2_bans_the_rationed_steerer_that_v1_cannot_see(tmp_path) -> N
     service.close()
     ledger.close()
     again = open_ingest(tmp_path, V2_SPEC, COORD, trainer_step=lambda: 0, latest_policy_step=lambda: 0)
-    assert again.ban_rule.audit.baseline.twins == (200, 320) and again.ban_rule.audit.flagged(steerer.peer_id) is not None
+    assert again.ban_rule.audit.baseline.twins[:2] == (200, 320) and again.ban_rule.audit.flagged(steerer.peer_id) is not None
     again.close()
     again.ledger.close()
+
+
+def test_only_accepted_verdicts_are_counted_and_an_impossible_twin_count_is_refused(tmp_path) -> None:
+    """Rejected work is never trained, so its statistics are not evidence either way: a worker whose verdicts
+    are ``precision`` rejections with a steerer's rates is not counted (red team a33b farmed twin downs and
+    clean tokens in submissions it had rejected on purpose). A verdict claiming more decided twins than a
+    validator decodes per submission is not counted."""
+    from protocol.audit import TWINS_PER_SUBMISSION
+
+    service = open_coordinator(tmp_path)
+    ledger, audit = service.ledger, service.ban_rule.audit
+    calibrate(service, 20_000)
+    rejected, forged = NodeKey.generate(), NodeKey.generate()
+    for counter in range(30):
+        sub = submission(rejected, counter)
+        assert ledger.store.add(open_envelope(sub, run_id=RUN, expect=Submission))
+        service.apply_verdict(verdict(sub, STEERED, accepted=False, reason="precision"))
+    assert not ledger.bans.is_banned(rejected.peer_id) and audit.evidence(rejected.peer_id) == []
+    n = TWINS_PER_SUBMISSION + 1
+    too_many = ReplayStats(tokens=200, differ=n, gap_over=[0] * 5, chunks=8, rollouts=64, diverged=n, decided=n, down=n)
+    sub = submission(forged, 0)
+    assert ledger.store.add(open_envelope(sub, run_id=RUN, expect=Submission))
+    service.apply_verdict(verdict(sub, too_many))
+    assert audit.evidence(forged.peer_id) == []
+    service.close()
+    ledger.close()

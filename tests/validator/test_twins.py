@@ -165,3 +165,41 @@ def test_twin_share_decodes_twins_for_that_share_of_full_checks(base) -> None:
         full = _check(every, spec, counter, plan, rollouts).stats
         assert full is not None and full.decided == min(TWINS_PER_SUBMISSION, full.diverged)
     assert any(decided) and not all(decided), decided
+
+
+@pytest.mark.parametrize(("limit", "decided"), [("memory", 1), ("output", 1), ("wall", 0), ("cpu", 0)])
+def test_a_twin_stopped_at_a_memory_or_output_limit_fails_and_one_at_a_time_limit_is_undecided(base, monkeypatch, limit, decided) -> None:
+    """The twin's reward stopped at a limit: memory and output are the program's own (the same program hits them on
+    any machine), so the twin fails and the steered rollout is decided ``up`` — skipping them let a steerer shelter
+    its ups behind honest programs that blow up (red team a33b); a wall or CPU limit may be the validator's own load,
+    so that twin is left undecided, never evidence."""
+    import dataclasses
+
+    from validator import pipeline
+
+    policy, tok, tasks = base
+    spec = _spec()
+    checker = _checker(spec, policy, tok, tasks)
+    rng = random.Random(4)
+    for counter in range(6):
+        plan = plan_submission(spec, tasks, tok, WORKER.peer_id, 0, counter)
+        honest = generate_rollouts(spec, TransformersEngine(policy, tok), tok, plan)
+        steered = steer_generate(spec, policy, policy, tok, plan, 1.0, rng)
+        pick = [j for j, (h, s) in enumerate(zip(honest, steered.rollouts)) if steered.taken[j] and s.task_reward > h.task_reward]
+        if pick:
+            break
+    assert pick, "no rollout steered from fail to pass in 6 submissions"
+    mixed = list(honest)
+    mixed[pick[0]] = steered.rollouts[pick[0]]
+    real_twins, real_reward = SubmissionChecker._twins, pipeline.compute_reward
+
+    def twins_at_a_limit(self, *args, **kwargs):  # only the twins' rewards stop at the limit
+        with monkeypatch.context() as m:
+            m.setattr(pipeline, "compute_reward", lambda *a, **k: dataclasses.replace(real_reward(*a, **k), task_reward=0.0, limit_hit=limit))
+            return real_twins(self, *args, **kwargs)
+
+    monkeypatch.setattr(SubmissionChecker, "_twins", twins_at_a_limit)
+    result = _check(checker, spec, counter, plan, mixed)
+    s = result.stats
+    assert result.accepted and s is not None, (result.reason, result.evidence)
+    assert (s.diverged, s.decided, s.up, s.down) == (1, decided, decided, 0), s

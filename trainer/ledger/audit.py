@@ -1,7 +1,8 @@
 """The coordinator's per-worker audit: the state of :mod:`protocol.audit`'s test, one owner, persisted.
 
-Each deciding verdict that carries replay statistics (accepted, or ``precision`` under
-``logit-bound-v2``) is counted into its worker's test against the honest bounds current then; the
+Each accepted verdict that carries replay statistics is counted into its worker's test (a rejected
+submission is never trained, and counting it let a worker farm evidence in work it had rejected on
+purpose) against the honest bounds current then; the
 calibration (honest reference submissions the coordinator generates in the run's worker dtype,
 ``node/coordinator/calibrate.py``) moves those bounds. A worker whose test reaches
 ``1 / audit.false_alarm`` (once the baseline holds ``audit.min_calibration_tokens`` tokens) is
@@ -28,7 +29,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from protocol.audit import AuditState, Baseline, Flag, rates, rule_events
+from protocol.audit import TWINS_PER_SUBMISSION, AuditState, Baseline, Flag, rates, rule_events
 from protocol.messages import ReplayStats
 from protocol.runspec import AUDIT_RULE_EPROCESS_V2, AUDIT_RULES, AuditSpec
 
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS calibration (step INTEGER NOT NULL, stats TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS calibration_twins (step INTEGER NOT NULL, up INTEGER NOT NULL, down INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS calibration_twins (step INTEGER NOT NULL, up INTEGER NOT NULL, down INTEGER NOT NULL, decided INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS workers (worker TEXT PRIMARY KEY, state TEXT NOT NULL, flagged TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS evidence (worker TEXT NOT NULL, seq INTEGER NOT NULL, submission_id TEXT NOT NULL, verdict_id TEXT NOT NULL,
                                      stats TEXT NOT NULL, bounds TEXT NOT NULL, PRIMARY KEY (worker, seq));
@@ -72,8 +73,9 @@ class WorkerAudit:
     def _load(self) -> None:
         for step, stats in self._db.execute("SELECT step, stats FROM calibration ORDER BY rowid"):
             self.baseline.add(int(step), ReplayStats.model_validate_json(stats), twins=False)
-        up, down = self._db.execute("SELECT COALESCE(SUM(up), 0), COALESCE(SUM(down), 0) FROM calibration_twins").fetchone()
-        self.baseline.twins = (int(up), int(up) + int(down))
+        up, down, decided = self._db.execute("SELECT COALESCE(SUM(up), 0), COALESCE(SUM(down), 0), COALESCE(SUM(decided), 0) "
+                                             "FROM calibration_twins").fetchone()
+        self.baseline.twins = (int(up), int(up) + int(down), int(decided))
         for worker, state, flagged in self._db.execute("SELECT worker, state, flagged FROM workers"):
             self._states[worker] = AuditState.from_json(json.loads(state))
             if flagged:
@@ -87,8 +89,9 @@ class WorkerAudit:
         with self._lock:
             self.baseline.add(step, stats)
             self._db.execute("INSERT INTO calibration (step, stats) VALUES (?, ?)", (step, stats.model_dump_json()))
-            if stats.up or stats.down:
-                self._db.execute("INSERT INTO calibration_twins (step, up, down) VALUES (?, ?, ?)", (step, stats.up, stats.down))
+            if stats.decided:
+                self._db.execute("INSERT INTO calibration_twins (step, up, down, decided) VALUES (?, ?, ?, ?)",
+                                 (step, stats.up, stats.down, stats.decided))
             oldest = min(self.baseline.by_step, default=step)
             self._db.execute("DELETE FROM calibration WHERE step < ?", (oldest,))
 
@@ -109,12 +112,17 @@ class WorkerAudit:
         """Count one deciding verdict's statistics; a :class:`~protocol.audit.Flag` the first time the
         worker's test reaches ``1 / audit.false_alarm``.
 
-        Before the baseline is :meth:`ready` a verdict is kept, not counted (its bounds would be 1:
+        A verdict claiming more decided twins than :data:`~protocol.audit.TWINS_PER_SUBMISSION` is not
+        counted (logged). Before the baseline is :meth:`ready` a verdict is kept, not counted (its bounds would be 1:
         no bet); the worker's kept verdicts are counted, in order, against the bounds of the first
         verdict after it is ready. The bounds come from the coordinator's own reference work, never
         from the worker's, so counting them late keeps the test's guarantee.
         """
         if not self.enabled:
+            return None
+        if stats.decided > TWINS_PER_SUBMISSION:  # no validator decodes more: a forged or broken verdict (red team a33b)
+            logger.warning("audit: verdict %s on %s claims %d decided twins (> %d per submission): not counted", verdict_id[:12],
+                           submission_id[:12], stats.decided, TWINS_PER_SUBMISSION, extra={"peer_id": worker})
             return None
         with self._lock:
             if worker in self._flagged:
