@@ -56,6 +56,20 @@ def _check(checker: SubmissionChecker, spec: RunSpec, counter: int, plan: list, 
     return checker.check(open_envelope(seal_submission(spec.run_id, WORKER, 0, counter, plan, rollouts), run_id=spec.run_id, expect=Submission))
 
 
+def _steered_to_pass(spec: RunSpec, policy: torch.nn.Module, tok: object, tasks: list) -> tuple[int, list, list, object, list[int]]:
+    """The first of 6 submissions (counter, plan, honest float32 rollouts, full-rate steered ones) where the steerer
+    made some rollout pass that failed honestly, and those rollouts' indices."""
+    rng = random.Random(4)
+    for counter in range(6):
+        plan = plan_submission(spec, tasks, tok, WORKER.peer_id, 0, counter)
+        honest = generate_rollouts(spec, TransformersEngine(policy, tok), tok, plan)
+        steered = steer_generate(spec, policy, policy, tok, plan, 1.0, rng)
+        pick = [j for j, (h, s) in enumerate(zip(honest, steered.rollouts)) if steered.taken[j] and s.task_reward > h.task_reward]
+        if pick:
+            return counter, plan, honest, steered, pick
+    raise AssertionError("no rollout steered from fail to pass in 6 submissions")
+
+
 def test_the_twin_of_a_float32_completion_is_the_completion_itself(base) -> None:
     """Decoding from any prefix of a float32 worker's own completion (its token at that position being the
     replay's choice) reproduces the rest of it: the twin uses the run's sampler with the rollout's seed and
@@ -90,15 +104,7 @@ def test_a_rollout_steered_to_pass_where_it_diverges_is_counted_up(base) -> None
     policy, tok, tasks = base
     spec = _spec()
     checker = _checker(spec, policy, tok, tasks)
-    rng = random.Random(4)
-    for counter in range(6):
-        plan = plan_submission(spec, tasks, tok, WORKER.peer_id, 0, counter)
-        honest = generate_rollouts(spec, TransformersEngine(policy, tok), tok, plan)
-        steered = steer_generate(spec, policy, policy, tok, plan, 1.0, rng)
-        pick = [j for j, (h, s) in enumerate(zip(honest, steered.rollouts)) if steered.taken[j] and s.task_reward > h.task_reward]
-        if pick:
-            break
-    assert pick, "no rollout steered from fail to pass in 6 submissions"
+    counter, plan, honest, steered, pick = _steered_to_pass(spec, policy, tok, tasks)
     clean = _check(checker, spec, counter, plan, honest)
     assert clean.accepted and clean.stats is not None
     assert (clean.stats.rollouts, clean.stats.diverged, clean.stats.decided, clean.stats.up, clean.stats.down) == (64, 0, 0, 0, 0)
@@ -180,15 +186,7 @@ def test_a_twin_stopped_at_a_memory_or_output_limit_fails_and_one_at_a_time_limi
     policy, tok, tasks = base
     spec = _spec()
     checker = _checker(spec, policy, tok, tasks)
-    rng = random.Random(4)
-    for counter in range(6):
-        plan = plan_submission(spec, tasks, tok, WORKER.peer_id, 0, counter)
-        honest = generate_rollouts(spec, TransformersEngine(policy, tok), tok, plan)
-        steered = steer_generate(spec, policy, policy, tok, plan, 1.0, rng)
-        pick = [j for j, (h, s) in enumerate(zip(honest, steered.rollouts)) if steered.taken[j] and s.task_reward > h.task_reward]
-        if pick:
-            break
-    assert pick, "no rollout steered from fail to pass in 6 submissions"
+    counter, plan, honest, steered, pick = _steered_to_pass(spec, policy, tok, tasks)
     mixed = list(honest)
     mixed[pick[0]] = steered.rollouts[pick[0]]
     real_twins, real_reward = SubmissionChecker._twins, pipeline.compute_reward
