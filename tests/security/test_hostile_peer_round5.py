@@ -31,6 +31,23 @@ async def _serve(handler, method: str = "GET") -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
+def _declared_then_hang(first: bytes, release: asyncio.Event):
+    """A handler declaring a 100 MB body, sending ``first``, then holding the connection until ``release``:
+    the reader must refuse on the declared length, not wait for the rest."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Length": str(100 << 20)})
+        await resp.prepare(request)
+        await resp.write(first)
+        try:
+            await asyncio.wait_for(release.wait(), SAFETY_S)
+        except TimeoutError:
+            pass
+        return resp
+
+    return handler
+
+
 def _endless(sent: list[int]):
     """A handler streaming a chunked body that never ends; ``sent[0]`` counts bytes written."""
     async def handler(request: web.Request) -> web.StreamResponse:
@@ -65,16 +82,7 @@ async def test_read_body_stops_an_endless_chunked_body_at_its_limit() -> None:
 
 async def test_read_body_refuses_a_100_mb_declared_length_before_reading() -> None:
     release = asyncio.Event()
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Length": str(100 << 20)})
-        await resp.prepare(request)
-        await resp.write(b"y" * 1024)  # then hang: the reader must not wait for the rest
-        try:
-            await asyncio.wait_for(release.wait(), SAFETY_S)
-        except TimeoutError:
-            pass
-        return resp
+    handler = _declared_then_hang(b"y" * 1024, release)
 
     runner, base = await _serve(handler)
     try:
@@ -179,16 +187,7 @@ async def test_fetch_spec_refuses_a_100_mb_declared_spec_without_reading_it() ->
     from node.bootstrap import JoinError, fetch_spec
 
     release = asyncio.Event()
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Length": str(100 << 20)})
-        await resp.prepare(request)
-        await resp.write(b"[run]\n")
-        try:
-            await asyncio.wait_for(release.wait(), SAFETY_S)
-        except TimeoutError:
-            pass
-        return resp
+    handler = _declared_then_hang(b"[run]\n", release)
 
     runner, base = await _serve(handler)
     try:
