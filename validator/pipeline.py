@@ -277,11 +277,11 @@ class SubmissionChecker:
         timings["derive"] = time.perf_counter() - t
         tally = self._model_checks(sub, seqs, timings) if full else None
         self._rewards(sub, plan, seqs, timings)
-        if tally is not None and tally.twins:
-            self._twins(sub, plan, seqs, tally, timings)
         if tally is not None and tally.soft:  # logit-bound-v2: values beyond a bound within the hard factor, after every hard check passed
             what, evidence = tally.soft[0]
             raise Rejection(PRECISION, tally=tally, finding=what, findings=len(tally.soft), **evidence)
+        if tally is not None and tally.twins:  # accepted work only: the audit counts nothing of a rejection's
+            self._twins(sub, plan, seqs, tally, timings)
         return tally
 
     def _model_checks(self, sub: Submission, seqs: list[tuple[list[int], list[int], list[float]]], timings: dict[str, float]) -> _Tally:
