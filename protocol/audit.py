@@ -129,7 +129,7 @@ def event_counts(stats: ReplayStats, events: Sequence[str] = EVENTS) -> dict[str
 def _alternatives(event: str, p0: float) -> list[tuple[str, float]]:
     """``(component key, p1)`` of every alternative of ``event`` at honest bound ``p0`` (``p1 < 1`` only)."""
     if event == UP_EVENT:
-        return [(f"{event}@{f:g}", p0 + f * (1.0 - p0)) for f in UP_FRACTIONS]
+        return [(f"{event}@{f:g}", p1) for f in UP_FRACTIONS if (p1 := p0 + f * (1.0 - p0)) < 1.0]  # p0 within 1e-16 of 1 rounds p1 to 1
     return [(f"{event}@{r:g}", r * p0) for r in ALTERNATIVES if r * p0 < 1.0]
 
 
@@ -169,6 +169,8 @@ def rate_upper_bound(count: int, trials: int, confidence: float) -> float:
         return 1.0
     for _ in range(200):
         mid = (lo + hi) / 2
+        if mid >= 1.0:  # q within an ulp of 1 (≈ 10^16 trials): nothing left to bisect
+            break
         if _kl(q, mid) <= budget:
             lo = mid
         else:

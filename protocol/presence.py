@@ -122,7 +122,9 @@ def frame_length(header: bytes, *, max_bytes: int, kinds: frozenset[int]) -> int
     if len(header) != LENGTH_BYTES:
         raise DecodeError(f"a frame length is {LENGTH_BYTES} bytes, got {len(header)}")
     n = int.from_bytes(header, "big")
-    if not 1 <= n <= max_bytes:
+    if n == 0:
+        raise DecodeError("an empty presence frame")
+    if n > max_bytes:
         raise TooLarge(f"presence frame of {n} bytes (limit {max_bytes}, kinds {sorted(kinds)})")
     return n
 
