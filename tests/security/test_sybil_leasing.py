@@ -97,7 +97,7 @@ async def test_junk_from_many_addresses_neither_refuses_nor_delays_an_establishe
             assert ing.store.counts()["pending"] <= share + 1  # the junk's share, plus the honest one
             # the attacker is refused once its share is full (it may not have posted past it yet under load: wait for it)
             refused = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout=60)
-            assert refused.startswith("refused 507") or refused.startswith("refused 429"), refused
+            assert refused.startswith(("refused 507", "refused 429")), refused
         finally:
             proc.stdin.close()  # type: ignore[union-attr]
             out = await asyncio.wait_for(asyncio.to_thread(proc.stdout.read), timeout=60)  # type: ignore[union-attr]

@@ -174,3 +174,28 @@ def test_packed_gradients_equal_unpacked_gradients() -> None:
     alone = grads([pack_sequences([s], 64)[0] for s in seqs])
     for n in packed:
         torch.testing.assert_close(packed[n], alone[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_only_completion_positions_go_through_the_lm_head() -> None:
+    """The head sees the loss positions alone, and their log-probs and entropies are those of a full forward."""
+    torch.set_num_threads(1)
+    model = toy.toy_model(seed=0)
+    rows = pack_sequences(_sequences(), micro_batch_tokens=40)
+    seen: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[1]))
+    try:
+        with torch.no_grad():
+            for row in rows:
+                lp, ent = token_logprobs(model, row, temperature=0.7)
+                full = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False).logits.float() / 0.7  # [1, T, V]
+                m = row.loss_mask[0]
+                logz = torch.logsumexp(full, -1)[0]  # [T]
+                want = full[0].gather(-1, row.targets[0].unsqueeze(-1)).squeeze(-1) - logz  # [T]
+                want_ent = logz - (full[0].softmax(-1) * full[0]).sum(-1)  # [T]
+                torch.testing.assert_close(lp[0][m], want[m], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(ent[0][m], want_ent[m], rtol=1e-5, atol=1e-5)
+                assert not lp[0][~m].any() and not ent[0][~m].any()
+    finally:
+        hook.remove()
+    assert seen[0::2] == [row.num_loss_tokens for row in rows]  # token_logprobs' forwards (the full ones in between)
+    assert all(row.num_loss_tokens < row.num_tokens for row in rows)
