@@ -5,7 +5,9 @@ replay statistics against upper bounds of the rates honest compute produces. Tho
 measured here, on the run itself: after each published policy step the coordinator generates
 ``audit.calibration_submissions`` submissions with the honest worker's own code
 (:func:`node.worker.rollouts.build_submission`) in the run's worker dtype
-(``toploc.worker_dtype``) under a throwaway key (its tasks derive like any worker's), checks them
+(``toploc.worker_dtype``), round-robin over the decode batch sizes of ``audit.calibration_batches``
+(honest replay statistics depend on the decode configuration; the baseline bounds each event by the
+largest of the configurations' bounds, ``docs/toploc.md`` §11.1), under a throwaway key (its tasks derive like any worker's), checks them
 with the validators' pipeline against the float32 policy, and counts their statistics into the
 baseline; the first calibrated step makes as many more as the baseline needs before the audit may
 flag anyone (``audit.min_calibration_tokens``) and, under ``eprocess-v2``, until the baseline holds
@@ -82,6 +84,8 @@ class AuditCalibration:
         self.device = device
         self.key = NodeKey.generate()  # a throwaway identity: its tasks derive like any worker's
         self.counter = 0
+        self.by_batch: Counter[int] = Counter()
+        """Calibration submissions made by decode batch size (``audit.calibration_batches``)."""
         self.outcomes: Counter[str] = Counter()
         """Calibration submissions by verdict reason (``ok`` expected; anything else: the bounds do not hold)."""
         self.steps_done = 0
@@ -132,7 +136,8 @@ class AuditCalibration:
         model = self.validator_model(step)
         if tok is None or path is None or model is None:
             return 0
-        engine = worker_engine(self.spec, path, self.device)
+        # one engine per decode configuration (audit.calibration_batches): honest statistics depend on the batch size
+        engines = {b: worker_engine(self.spec, path, self.device, max_batch=b) for b in self.spec.audit.calibration_batches}
         checker = SubmissionChecker(self.spec, self.tasks, tok, lambda s: model if s == step else None,
                                     trainer_step=lambda: step, counter_seen=lambda *_: False, twin_share=1.0)  # every reference twin
         counted = 0
@@ -145,8 +150,11 @@ class AuditCalibration:
             if self._stop:
                 break
             made += 1
-            raw = build_submission(self.spec, self.run_id, self.key, engine, tok, self.tasks, step, self.counter)
+            batches = self.spec.audit.calibration_batches
+            batch = batches[self.counter % len(batches)]  # round-robin over the configurations, across steps too
+            raw = build_submission(self.spec, self.run_id, self.key, engines[batch], tok, self.tasks, step, self.counter)
             self.counter += 1
+            self.by_batch[batch] += 1
             result = checker.check(open_envelope(raw, run_id=self.run_id, expect=Submission))
             self.outcomes[result.reason] += 1
             if not result.accepted:
@@ -154,11 +162,12 @@ class AuditCalibration:
                                "tolerances do not hold for honest compute here; re-measure them (docs/operators.md)",
                                self.spec.toploc.worker_dtype, step, result.reason, result.evidence)
             if result.stats is not None and result.accepted:  # as the audit counts workers' verdicts: accepted ones only
-                self.audit.calibrate(step, result.stats)
+                self.audit.calibrate(step, result.stats, config=batch)
                 counted += 1
         self.steps_done += 1
         return counted
 
     def status(self) -> dict[str, Any]:
         """For ``/status``: steps calibrated and the reference submissions' verdicts by reason."""
-        return {"steps": self.steps_done, "submissions": sum(self.outcomes.values()), "by_reason": dict(self.outcomes)}
+        return {"steps": self.steps_done, "submissions": sum(self.outcomes.values()), "by_reason": dict(self.outcomes),
+                "by_batch": {str(b): n for b, n in sorted(self.by_batch.items())}}
