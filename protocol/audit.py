@@ -24,10 +24,11 @@ What the guarantee rests on, stated: honest workers' event rates, given what cam
 at most the calibrated bounds. The calibration runs the honest worker's code in the run's
 worker dtype on the current policy (``node/coordinator/calibrate.py``) and bounds each rate by
 a one-sided Chernoff bound at level ``audit.baseline_confidence`` (:func:`rate_upper_bound`,
-pooled over the newest ``audit.calibration_window_steps`` policy steps); workers whose hardware
-computes differently from the calibration (another GPU kernel) must be covered by it, which is
-what ``spec init --measure-precision`` on the workers' kind of machine checks
-(``docs/operators.md``).
+pooled over the newest ``audit.calibration_window_steps`` policy steps), per decode configuration
+(``audit.calibration_batches``: honest statistics depend on the decode batch size), each event's
+bound the largest over the configurations (:class:`Baseline`); workers whose hardware computes
+differently from the calibration (another GPU kernel) must be covered by it, which is what
+``spec init --measure-precision`` on the workers' kind of machine checks (``docs/operators.md``).
 
 **The twin test** (``audit.rule = "eprocess-v2"``, ``docs/toploc.md`` §11.2). A rate test cannot see
 *which* tokens differ, so a steerer that rations its deviations below the bounds (≈ 1.44 ``p0``: the

@@ -405,6 +405,9 @@ class AuditSpec(_Section):
     continuation of each diverged rollout and count whose reward is higher; the coordinator tests the
     worker's share of "up" among decisive rollouts against the calibrated honest share): it sees
     *which* tokens a steerer changed, which a rate test cannot (``docs/toploc.md`` §11.2).
+    ``calibration_batches`` names the decode batch sizes the calibration covers (each event's bound the
+    largest over them, :class:`protocol.audit.Baseline`); its default ``(64,)`` is the calibration of
+    every spec signed before it.
     ``rule = "none"`` (the default, and every spec signed before this section existed): no audit.
     """
 

@@ -23,6 +23,7 @@ than it checks, older steps are skipped (the baseline pools the newest
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections import Counter
@@ -136,8 +137,12 @@ class AuditCalibration:
         model = self.validator_model(step)
         if tok is None or path is None or model is None:
             return 0
-        # one engine per decode configuration (audit.calibration_batches): honest statistics depend on the batch size
-        engines = {b: worker_engine(self.spec, path, self.device, max_batch=b) for b in self.spec.audit.calibration_batches}
+        # one engine per decode configuration (audit.calibration_batches): honest statistics depend on the batch size.
+        # They share one load of the step's weights (max_batch only splits generate()'s batches): memory as one engine's
+        loaded = worker_engine(self.spec, path, self.device)
+        engines = {b: copy.copy(loaded) for b in self.spec.audit.calibration_batches}
+        for b, engine in engines.items():
+            engine.max_batch = b
         checker = SubmissionChecker(self.spec, self.tasks, tok, lambda s: model if s == step else None,
                                     trainer_step=lambda: step, counter_seen=lambda *_: False, twin_share=1.0)  # every reference twin
         counted = 0

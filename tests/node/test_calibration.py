@@ -10,6 +10,7 @@ import pytest
 from node.coordinator.base import EMBEDDED_BASE_DIR
 from node.coordinator.calibrate import AuditCalibration, worker_engine
 from node.devnet.config import EMBEDDED_RL, EMBEDDED_SAMPLING
+from node.worker.rollouts import build_submission
 from protocol.audit import rate_upper_bound
 from protocol.dataset import resolve_tasks
 from protocol.identity import NodeKey
@@ -75,16 +76,24 @@ def test_eprocess_v2_calibration_also_counts_twins_until_it_holds_decisive_ones(
 @pytest.mark.slow
 def test_calibration_round_robins_over_the_configured_decode_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue #33: with ``audit.calibration_batches = [1, 8]`` the reference submissions alternate between an engine of
-    ``max_batch`` 1 and one of 8 (made once per step), each counted into its own configuration; the burst goes on
-    until *every* configuration holds ``audit.min_calibration_tokens``."""
+    ``max_batch`` 1 and one of 8 (sharing one load of the step's weights), each counted into its own configuration;
+    the burst goes on until *every* configuration holds ``audit.min_calibration_tokens``."""
     import node.coordinator.calibrate as calibrate_mod
 
-    made: list[int] = []
+    used: list[int] = []
+    loads: list[int] = []
+    models: set[int] = set()
 
-    def recording_engine(spec: RunSpec, path: Path, device: str = "cpu", max_batch: int = 64):
-        made.append(max_batch)
-        return worker_engine(spec, path, device, max_batch)
+    def recording_build(spec, run_id, key, engine, *args, **kwargs):
+        used.append(engine.max_batch)
+        models.add(id(engine.model))
+        return build_submission(spec, run_id, key, engine, *args, **kwargs)
 
+    def recording_engine(*args, **kwargs):
+        loads.append(1)
+        return worker_engine(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate_mod, "build_submission", recording_build)
     monkeypatch.setattr(calibrate_mod, "worker_engine", recording_engine)
     s = spec(AuditSpec(rule="eprocess-v1", calibration_submissions=1, min_calibration_tokens=300, calibration_batches=[1, 8]))
     audit = WorkerAudit(s.audit, tmp_path / "audit.sqlite")
@@ -93,11 +102,11 @@ def test_calibration_round_robins_over_the_configured_decode_batches(tmp_path: P
     cal = AuditCalibration(s, s.run_id, resolve_tasks("embedded").train, lambda: tok, lambda step: EMBEDDED_BASE_DIR,
                            lambda step: policy, audit)
     first = cal.calibrate(0)
-    assert made == [1, 8]  # one engine per configuration per step
+    assert used[:4] == [1, 8, 1, 8] and len(loads) == 1 and len(models) == 1  # alternating; one load of the weights per step
     tokens = audit.baseline.tokens_by_config()
     assert audit.ready() and min(tokens.values()) >= 300 and set(tokens) == {1, 8}, tokens
-    assert abs(cal.by_batch[1] - cal.by_batch[8]) <= 1 and cal.by_batch[1] + cal.by_batch[8] == first  # alternating
-    assert cal.calibrate(1) == 1 and made == [1, 8, 1, 8]
+    assert abs(cal.by_batch[1] - cal.by_batch[8]) <= 1 and cal.by_batch[1] + cal.by_batch[8] == first == len(used)
+    assert cal.calibrate(1) == 1 and used[-1] == (1, 8)[first % 2] and len(loads) == 2  # the round-robin goes on across steps
     assert cal.status()["by_batch"] == {"1": cal.by_batch[1], "8": cal.by_batch[8]}
     audit.close()
 
