@@ -295,7 +295,8 @@ def main() -> None:
               f"({honest['tokens']} tokens; nearest log10 E {honest['max_log10_e']:.2f} of {math.log10(1 / spec.audit.false_alarm):.0f}); "
               f"verdicts {honest['reasons']}; pass rate {honest['pass_rate']:.3f}")
         if spec.audit.rule == AUDIT_RULE_EPROCESS_V2:
-            print(f"  twins: calibration up {baseline.twins[0]} of {baseline.decisive()} decisive (bound {bounds['up']:.3f}); honest workers "
+            print(f"  twins: calibration up {baseline.twins[0]} of {baseline.twins[1]} decisive (by batch {baseline.decisive_by_config()}; "
+                  f"bound {bounds['up']:.3f}); honest workers "
                   f"{honest['diverged']} diverged rollouts, {honest['decided']} decided, up {honest['up']} / down {honest['down']}; "
                   f"validator time on twins {1e3 * honest['twin_s'] / max(1, honest['submissions']):.1f} ms per submission = "
                   f"{honest['twin_s'] / max(1e-9, honest['check_s']):.1%} of the full check "
