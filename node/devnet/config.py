@@ -135,7 +135,8 @@ the twin test (§11.2); the coordinator checks 4 honest reference submissions pe
 of the embedded task), round-robin over decode batch sizes 1, 8 and 64 (honest statistics depend on the batch size;
 each event's bound is the largest of theirs, ``docs/toploc.md`` §11.1), and flags no one before its baseline holds
 10,000 replayed tokens in each of them (a burst of reference submissions at step 0, which goes on until each also
-holds 64 decisive twins or the burst's 256 submissions are made)."""
+holds 64 decisive twins or has made 256: measured 768 submissions in 66 s on a 2-core CPU at load 2, 7 Dec 2026,
+against 256 in 9 s calibrating batch 64 alone; ≈ 24,600 tokens and 34–46 decisive twins per batch size)."""
 
 
 def precision_toploc(worker_dtype: str, measured: ToplocSpec | None = None) -> ToplocSpec:

@@ -111,6 +111,25 @@ def test_calibration_round_robins_over_the_configured_decode_batches(tmp_path: P
     audit.close()
 
 
+@pytest.mark.slow
+def test_the_burst_cap_is_per_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each decode configuration must reach ``audit.min_calibration_tokens`` on its own, so the first step's burst may make
+    ``MAX_BURST_SUBMISSIONS`` per configuration (a shared cap left the devnet's three batch sizes short of ready, and no
+    step trains before the baseline is ready)."""
+    import node.coordinator.calibrate as calibrate_mod
+
+    monkeypatch.setattr(calibrate_mod, "MAX_BURST_SUBMISSIONS", 2)
+    s = spec(AuditSpec(rule="eprocess-v1", calibration_submissions=1, min_calibration_tokens=1 << 20, calibration_batches=[8, 64]))
+    audit = WorkerAudit(s.audit, tmp_path / "audit.sqlite")
+    tok = load_tokenizer(EMBEDDED_BASE_DIR)
+    policy = load_model(EMBEDDED_BASE_DIR)
+    cal = AuditCalibration(s, s.run_id, resolve_tasks("embedded").train, lambda: tok, lambda step: EMBEDDED_BASE_DIR,
+                           lambda step: policy, audit)
+    cal.calibrate(0)
+    assert dict(cal.by_batch) == {8: 2, 64: 2} and not audit.ready()
+    audit.close()
+
+
 def test_no_calibration_without_the_audit(tmp_path: Path) -> None:
     s = spec(AuditSpec())
     audit = WorkerAudit(s.audit, tmp_path / "audit.sqlite")
