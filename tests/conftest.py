@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,8 +24,35 @@ def shared_dir() -> Path:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--durations-file", default=None, metavar="PATH",
-                     help="write every test's setup, call and teardown seconds, outcome, pytest-xdist worker and start time "
-                          "to PATH (tab-separated, slowest first) and each module's total to PATH with .modules.tsv")
+                     help="write every test's setup, call and teardown seconds, CPU seconds, outcome, pytest-xdist worker and "
+                          "start time to PATH (tab-separated, slowest first) and each module's totals to PATH with .modules.tsv")
+
+
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of this process and of every child process it has waited for."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+class CpuPerTest:
+    """Adds each test's CPU seconds (setup to teardown: this process and the child processes it waited
+    for, and theirs) to its teardown report's ``user_properties`` as ``("cpu_s", seconds)`` (pytest-xdist
+    forwards them to the controller). The suite is CPU-bound on 2 cores, so CPU seconds, not wall
+    seconds, say what a test costs the run; a child still running when the test ends (a module's
+    shared devnet) counts where it is waited for."""
+
+    def __init__(self) -> None:
+        self.start = 0.0
+
+    def pytest_runtest_logstart(self) -> None:
+        self.start = _cpu_s()
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+        report = yield
+        if call.when == "teardown":
+            report.user_properties.append(("cpu_s", round(_cpu_s() - self.start, 2)))
+        return report
 
 
 class DurationsFile:
@@ -37,10 +65,11 @@ class DurationsFile:
         self.started = time.time()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        row = self.rows.setdefault(report.nodeid, {"setup": 0.0, "call": 0.0, "teardown": 0.0, "outcome": "passed",
+        row = self.rows.setdefault(report.nodeid, {"setup": 0.0, "call": 0.0, "teardown": 0.0, "cpu": 0.0, "outcome": "passed",
                                                    "worker": getattr(getattr(report, "node", None), "gateway", None),
                                                    "start": getattr(report, "start", None)})
         row[report.when] = report.duration
+        row["cpu"] += sum(value for name, value in report.user_properties if name == "cpu_s")
         if report.failed:
             row["outcome"] = "failed" if report.when == "call" else f"error in {report.when}"
         elif report.skipped and row["outcome"] == "passed":
@@ -51,22 +80,27 @@ class DurationsFile:
             return row["setup"] + row["call"] + row["teardown"]
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        lines = ["seconds\tsetup_s\tcall_s\tteardown_s\toutcome\tworker\tstart_s\ttest"]
+        lines = ["seconds\tsetup_s\tcall_s\tteardown_s\tcpu_s\toutcome\tworker\tstart_s\ttest"]
         modules: dict[str, list[float]] = {}
         for nodeid, row in sorted(self.rows.items(), key=lambda kv: -total(kv[1])):
             worker = getattr(row["worker"], "id", "") or "-"
             start = f"{row['start'] - self.started:.1f}" if row["start"] else "-"
-            lines.append(f"{total(row):.2f}\t{row['setup']:.2f}\t{row['call']:.2f}\t{row['teardown']:.2f}\t{row['outcome']}\t{worker}\t{start}\t{nodeid}")
-            m = modules.setdefault(nodeid.split("::", 1)[0], [0.0, 0])
+            lines.append(f"{total(row):.2f}\t{row['setup']:.2f}\t{row['call']:.2f}\t{row['teardown']:.2f}\t{row['cpu']:.2f}\t{row['outcome']}"
+                         f"\t{worker}\t{start}\t{nodeid}")
+            m = modules.setdefault(nodeid.split("::", 1)[0], [0.0, 0.0, 0])
             m[0] += total(row)
-            m[1] += 1
+            m[1] += row["cpu"]
+            m[2] += 1
         self.path.write_text("\n".join(lines) + "\n")
         self.path.with_name(self.path.name.removesuffix(".tsv") + ".modules.tsv").write_text(
-            "seconds\ttests\tmodule\n" + "".join(f"{s:.1f}\t{n}\t{m}\n" for m, (s, n) in sorted(modules.items(), key=lambda kv: -kv[1][0])))
+            "seconds\tcpu_s\ttests\tmodule\n"
+            + "".join(f"{s:.1f}\t{c:.1f}\t{n}\t{m}\n" for m, (s, c, n) in sorted(modules.items(), key=lambda kv: -kv[1][0])))
 
 
 def pytest_configure(config: pytest.Config) -> None:
     path = config.getoption("--durations-file")
+    if path:
+        config.pluginmanager.register(CpuPerTest(), "cpu-per-test")
     if path and not hasattr(config, "workerinput"):  # the controller (or a run without xdist) writes the file
         config.pluginmanager.register(DurationsFile(Path(path)), "durations-file")
 

@@ -48,6 +48,8 @@ FLOOD = textwrap.dedent("""
                     await r.read()
                     codes[r.status] = codes.get(r.status, 0) + 1
                     if r.status != 200:
+                        if sum(n for code, n in codes.items() if code != 200) == 1:
+                            print("refused", r.status, flush=True)  # held to its share: the test waits for this line
                         await asyncio.sleep(0.2)
 
     async def main():
@@ -93,6 +95,9 @@ async def test_junk_from_many_addresses_neither_refuses_nor_delays_an_establishe
                     leased = encoding.unpackb(await r.read(), 1 << 26)["submissions"]
             assert leased == [submission_bytes(ing, body["id"])]  # first in line, whatever piled up
             assert ing.store.counts()["pending"] <= share + 1  # the junk's share, plus the honest one
+            # the attacker is refused once its share is full (it may not have posted past it yet under load: wait for it)
+            refused = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout=60)
+            assert refused.startswith("refused 507") or refused.startswith("refused 429"), refused
         finally:
             proc.stdin.close()  # type: ignore[union-attr]
             out = await asyncio.wait_for(asyncio.to_thread(proc.stdout.read), timeout=60)  # type: ignore[union-attr]
