@@ -7,7 +7,7 @@ with the real worker, pipeline and audit code, per replay bound δ and steering 
 
 * the tokens it emits before the coordinator's audit flags it (``protocol/audit.py``; baseline
   calibrated the coordinator's way: honest reference submissions in bf16, ``node/coordinator/
-  calibrate.py``), its submissions accepted and rejected (``precision``) meanwhile, and the pass
+  calibrate.py``, round-robin over ``--calibration-batches``), its submissions accepted and rejected (``precision``) meanwhile, and the pass
   rate of its rollouts before the flag against honest workers' on the same policy (its *gain*);
 * the false alarms among honest bf16 workers (decode batch 1, 8 or 64: another padding and
   reduction order than the calibration's), over ≥ 10⁴ rollouts, and how close the nearest came;
@@ -100,19 +100,25 @@ def checked(checker: SubmissionChecker, spec: RunSpec, raw: bytes) -> Any:
 
 
 def calibrate(spec: RunSpec, policy_dir: Path, tasks: list, tok: Any, checker: SubmissionChecker, tokens: int) -> tuple[Baseline, int]:
-    """The coordinator's calibration (``node/coordinator/calibrate.py``'s engine): honest bf16 reference
-    submissions (batch 64) until ``tokens`` are replayed and, under ``eprocess-v2``, the baseline holds
-    ``audit.min_calibration_decisive`` decisive twins (at most 2,048 submissions)."""
-    base = Baseline(spec.audit.baseline_confidence, 1 << 20)
-    engine = worker_engine(spec, policy_dir)
+    """The coordinator's calibration (``node/coordinator/calibrate.py``'s engines): honest bf16 reference
+    submissions round-robin over the decode batch sizes of ``audit.calibration_batches`` until *each* holds
+    ``tokens`` replayed tokens and, under ``eprocess-v2``, ``audit.min_calibration_decisive`` decisive twins
+    (at most 2,048 submissions per batch size); the bounds are the largest over the batch sizes."""
+    batches = spec.audit.calibration_batches
+    base = Baseline(spec.audit.baseline_confidence, 1 << 20, batches)
+    engines = {b: worker_engine(spec, policy_dir, max_batch=b) for b in batches}
     key, counter, rejected = NodeKey.generate(), 0, 0
     twins = spec.audit.rule == AUDIT_RULE_EPROCESS_V2
-    while (base.tokens() < tokens or (twins and base.decisive() < spec.audit.min_calibration_decisive)) and counter < 2048:
-        result = checked(checker, spec, build_submission(spec, spec.run_id, key, engine, tok, tasks, 0, counter))
+    while (base.tokens() < tokens or (twins and base.decisive() < spec.audit.min_calibration_decisive)) and counter < 2048 * len(batches):
+        batch = batches[counter % len(batches)]
+        if base.per_config[batch].tokens() >= tokens and (not twins or base.per_config[batch].twins[1] >= spec.audit.min_calibration_decisive):
+            counter += 1  # this batch size holds enough: the others catch up
+            continue
+        result = checked(checker, spec, build_submission(spec, spec.run_id, key, engines[batch], tok, tasks, 0, counter))
         counter += 1
         rejected += not result.accepted
         if result.stats is not None and result.accepted:  # the coordinator calibrates on accepted reference work only
-            base.add(0, result.stats)
+            base.add(0, result.stats, config=batch)
     return base, rejected
 
 
@@ -244,6 +250,9 @@ def main() -> None:
                     help="the bf16 workers' LM head the run's spec assumes (toploc.fp32_logits; default fp32, as the devnet's)")
     ap.add_argument("--audit-rule", choices=["eprocess-v2", "eprocess-v1"], default="eprocess-v2",
                     help="the audit: eprocess-v2 (rate and twin tests, default) or eprocess-v1 (rate test only)")
+    ap.add_argument("--calibration-batches", default="1,8,64",
+                    help="decode batch sizes the calibration covers, --calibration-tokens each (audit.calibration_batches; "
+                         "default 1,8,64 as new runs; 64: the calibration before issue #33)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.quick:
@@ -254,7 +263,7 @@ def main() -> None:
     tok = load_tokenizer(policy_dir)
     tasks = resolve_tasks("embedded").train
     policy = load_model(policy_dir).eval()
-    audit = AuditSpec(rule=args.audit_rule, min_calibration_tokens=0)
+    audit = AuditSpec(rule=args.audit_rule, min_calibration_tokens=0, calibration_batches=[int(b) for b in args.calibration_batches.split(",")])
     base_spec = make_spec(None, ToplocSpec(replay_rule="logit-bound-v2", replay_logit_bound=1.0), audit, 4)
     t0 = time.time()
     print(f"policy {policy_dir}; sampling T={EMBEDDED_SAMPLING.temperature}, {EMBEDDED_SAMPLING.max_tokens} tokens; "
@@ -279,14 +288,15 @@ def main() -> None:
         bounds = baseline.bounds()
         honest = honest_workers(spec, policy_dir, tasks, tok, checker, bounds, args.honest_rollouts, 4)
         adm = admissible(spec, policy, tasks, tok, args.positions, args.seed)
-        print(f"\n[δ = {d:.3g} nats{' (measured)' if delta is None else ''}] calibration {baseline.tokens()} tokens "
+        print(f"\n[δ = {d:.3g} nats{' (measured)' if delta is None else ''}] calibration {baseline.tokens_by_config()} tokens by decode batch "
               f"({cal_rejected} reference submissions rejected); honest bounds: "
               + ", ".join(f"{k} {v:.2g}" for k, v in bounds.items()))
         print(f"  honest: {honest['flagged']} of {honest['workers']} workers flagged over {honest['rollouts']} rollouts "
               f"({honest['tokens']} tokens; nearest log10 E {honest['max_log10_e']:.2f} of {math.log10(1 / spec.audit.false_alarm):.0f}); "
               f"verdicts {honest['reasons']}; pass rate {honest['pass_rate']:.3f}")
         if spec.audit.rule == AUDIT_RULE_EPROCESS_V2:
-            print(f"  twins: calibration up {baseline.twins[0]} of {baseline.decisive()} decisive (bound {bounds['up']:.3f}); honest workers "
+            print(f"  twins: calibration up {baseline.twins[0]} of {baseline.twins[1]} decisive (by batch {baseline.decisive_by_config()}; "
+                  f"bound {bounds['up']:.3f}); honest workers "
                   f"{honest['diverged']} diverged rollouts, {honest['decided']} decided, up {honest['up']} / down {honest['down']}; "
                   f"validator time on twins {1e3 * honest['twin_s'] / max(1, honest['submissions']):.1f} ms per submission = "
                   f"{honest['twin_s'] / max(1e-9, honest['check_s']):.1%} of the full check "

@@ -24,10 +24,11 @@ What the guarantee rests on, stated: honest workers' event rates, given what cam
 at most the calibrated bounds. The calibration runs the honest worker's code in the run's
 worker dtype on the current policy (``node/coordinator/calibrate.py``) and bounds each rate by
 a one-sided Chernoff bound at level ``audit.baseline_confidence`` (:func:`rate_upper_bound`,
-pooled over the newest ``audit.calibration_window_steps`` policy steps); workers whose hardware
-computes differently from the calibration (another GPU kernel) must be covered by it, which is
-what ``spec init --measure-precision`` on the workers' kind of machine checks
-(``docs/operators.md``).
+pooled over the newest ``audit.calibration_window_steps`` policy steps), per decode configuration
+(``audit.calibration_batches``: honest statistics depend on the decode batch size), each event's
+bound the largest over the configurations (:class:`Baseline`); workers whose hardware computes
+differently from the calibration (another GPU kernel) must be covered by it, which is what
+``spec init --measure-precision`` on the workers' kind of machine checks (``docs/operators.md``).
 
 **The twin test** (``audit.rule = "eprocess-v2"``, ``docs/toploc.md`` §11.2). A rate test cannot see
 *which* tokens differ, so a steerer that rations its deviations below the bounds (≈ 1.44 ``p0``: the
@@ -60,7 +61,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from protocol.messages import ReplayStats
-from protocol.runspec import AUDIT_RULE_EPROCESS, AUDIT_RULE_EPROCESS_V2
+from protocol.runspec import AUDIT_RULE_EPROCESS, AUDIT_RULE_EPROCESS_V2, CALIBRATION_BATCHES_DEFAULT
 
 __all__ = [
     "ALTERNATIVES",
@@ -68,6 +69,7 @@ __all__ = [
     "UP_FRACTIONS",
     "AuditState",
     "Baseline",
+    "ConfigCounts",
     "Flag",
     "event_counts",
     "rate_upper_bound",
@@ -181,38 +183,27 @@ def rate_upper_bound(count: int, trials: int, confidence: float) -> float:
 
 
 @dataclass
-class Baseline:
-    """The honest event rates' upper bounds, from calibration counts pooled over recent policy steps.
-
-    The rate events pool the newest ``window_steps`` steps (rates move with the policy); the twin
-    event ``up`` pools every calibrated step of the run (:attr:`twins`): decisive rollouts are rare
-    (≈ 0.4 per 64-rollout reference submission on the devnet's base), and the up-share is a property of
-    the worker's arithmetic against the validator's (measured 0.58–0.66 across decode batch sizes and
-    heads), not of one step's rates.
+class ConfigCounts:
+    """One decode configuration's calibration counts (:class:`Baseline` keeps one per configuration).
 
     Attributes:
-        confidence: the one-sided level of :func:`rate_upper_bound` (``audit.baseline_confidence``).
-        window_steps: how many of the newest policy steps' calibrations are pooled
-            (``audit.calibration_window_steps``).
-        by_step: policy step → event → ``(count, trials)`` of that step's calibration submissions.
-        twins: ``(up, decisive, decided)`` of every reference submission counted in the run.
+        by_step: policy step → event → ``(count, trials)`` of that step's reference submissions made
+            in this configuration (the newest ``window_steps`` steps that had any).
+        twins: ``(up, decisive, decided)`` of every reference submission of this configuration counted in the run.
     """
 
-    confidence: float
-    window_steps: int
     by_step: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
     twins: tuple[int, int, int] = (0, 0, 0)
 
-    def add(self, step: int, stats: ReplayStats, *, twins: bool = True) -> None:
-        """Count one honest reference submission's statistics at policy ``step`` (``twins=False``: its rate
-        events only, for a reload whose twin totals are kept apart)."""
+    def add(self, step: int, stats: ReplayStats, window_steps: int, *, twins: bool = True) -> None:
+        """Count one reference submission at policy ``step``, keeping the newest ``window_steps`` steps."""
         acc = self.by_step.setdefault(step, {})
         for name, (k, n) in event_counts(stats).items():
             k0, n0 = acc.get(name, (0, 0))
             acc[name] = (k0 + k, n0 + n)
         if twins:
             self.twins = (self.twins[0] + stats.up, self.twins[1] + stats.up + stats.down, self.twins[2] + stats.decided)
-        for old in sorted(self.by_step)[: -self.window_steps]:
+        for old in sorted(self.by_step)[:-window_steps]:
             del self.by_step[old]
 
     def pooled(self) -> dict[str, tuple[int, int]]:
@@ -228,19 +219,121 @@ class Baseline:
         """Replayed tokens in the window."""
         return self.pooled().get("differ", (0, 0))[1]
 
-    def decisive(self) -> int:
-        """Decisive reference rollouts (up or down) counted in the run."""
-        return self.twins[1]
-
-    def bounds(self) -> dict[str, float]:
-        """Each event's honest-rate upper bound ``p0`` (1 where nothing was measured), ``up`` included
-        (the honest up-share's bound among decisive rollouts)."""
+    def bounds(self, confidence: float) -> dict[str, float]:
+        """This configuration's upper bound of every event's honest rate (1 where nothing was measured)."""
         pooled = self.pooled()
-        out = {name: rate_upper_bound(*pooled.get(name, (0, 0)), self.confidence) for name in EVENTS}
-        out[UP_EVENT] = rate_upper_bound(self.twins[0], self.twins[1], self.confidence)
-        out[UP_RATE_EVENT] = rate_upper_bound(self.twins[0], self.twins[2], self.confidence)
+        out = {name: rate_upper_bound(*pooled.get(name, (0, 0)), confidence) for name in EVENTS}
+        out[UP_EVENT] = rate_upper_bound(self.twins[0], self.twins[1], confidence)
+        out[UP_RATE_EVENT] = rate_upper_bound(self.twins[0], self.twins[2], confidence)
         return out
 
+
+@dataclass
+class Baseline:
+    """The honest event rates' upper bounds, from calibration counts pooled over recent policy steps, per
+    decode configuration.
+
+    Honest replay statistics depend on how the worker decoded: a batch-1 worker's bf16 kernels round
+    differently from a batch-64 worker's, and its TOPLOC ``chunks_over`` and large-gap rates are ones a
+    batch-64 calibration does not contain (measured, ``docs/toploc.md`` §11.1). So the counts are kept per
+    *configuration* (the decode batch size of ``audit.calibration_batches``: the coordinator's reference
+    submissions round-robin over them) and each event's bound ``p0`` is the **largest** of the
+    configurations' bounds: every honest configuration's rate is then below it (each configuration's
+    bound holds with probability ≥ ``1 − confidence``). A configuration with no data yet bounds every
+    event by 1, so nothing is flagged on an event until every configuration has measured it; the audit
+    flags no one before every configuration holds ``audit.min_calibration_tokens`` (:meth:`tokens` is the
+    fewest of them).
+
+    The rate events pool each configuration's newest ``window_steps`` steps (rates move with the policy);
+    the twin events pool every calibrated step of the run (:attr:`ConfigCounts.twins`): decisive rollouts
+    are rare (≈ 0.4 per 64-rollout reference submission on the devnet's base), and the up-share is a property
+    of the worker's arithmetic against the validator's (measured 0.58–0.66 across decode batch sizes and
+    heads), not of one step's rates.
+
+    Attributes:
+        confidence: the one-sided level of :func:`rate_upper_bound` (``audit.baseline_confidence``).
+        window_steps: how many of a configuration's newest policy steps are pooled (``audit.calibration_window_steps``).
+        configs: the decode batch sizes calibrated (``audit.calibration_batches``; sorted, unique).
+        per_config: decode batch size → its :class:`ConfigCounts`.
+    """
+
+    confidence: float
+    window_steps: int
+    configs: tuple[int, ...] = CALIBRATION_BATCHES_DEFAULT
+    per_config: dict[int, ConfigCounts] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.configs:
+            raise ValueError("a baseline needs at least one decode configuration")
+        for c in self.configs:
+            self.per_config.setdefault(c, ConfigCounts())
+
+    def add(self, step: int, stats: ReplayStats, *, config: int | None = None, twins: bool = True) -> None:
+        """Count one honest reference submission's statistics at policy ``step``, decoded with batch size
+        ``config`` (``None``: the only configuration); ``twins=False``: its rate events only, for a reload
+        whose twin totals are kept apart.
+
+        Raises:
+            ValueError: ``config`` is not one of :attr:`configs` (or ``None`` with several).
+        """
+        if config is None:
+            if len(self.configs) != 1:
+                raise ValueError(f"a baseline of decode configurations {list(self.configs)} needs the submission's config")
+            config = self.configs[0]
+        if config not in self.per_config:
+            raise ValueError(f"decode configuration {config} is not calibrated here ({list(self.configs)})")
+        self.per_config[config].add(step, stats, self.window_steps, twins=twins)
+
+    @property
+    def by_step(self) -> dict[int, dict[str, tuple[int, int]]]:
+        """Policy step → event → ``(count, trials)`` summed over the configurations (read-only view)."""
+        out: dict[int, dict[str, tuple[int, int]]] = {}
+        for counts in self.per_config.values():
+            for step, acc in counts.by_step.items():
+                dst = out.setdefault(step, {})
+                for name, (k, n) in acc.items():
+                    k0, n0 = dst.get(name, (0, 0))
+                    dst[name] = (k0 + k, n0 + n)
+        return out
+
+    @property
+    def twins(self) -> tuple[int, int, int]:
+        """``(up, decisive, decided)`` summed over the configurations."""
+        t = [c.twins for c in self.per_config.values()]
+        return (sum(x[0] for x in t), sum(x[1] for x in t), sum(x[2] for x in t))
+
+    def pooled(self) -> dict[str, tuple[int, int]]:
+        """Each event's ``(count, trials)`` over the window, summed over the configurations (for display; the
+        bounds never pool configurations)."""
+        out: dict[str, tuple[int, int]] = {}
+        for counts in self.per_config.values():
+            for name, (k, n) in counts.pooled().items():
+                k0, n0 = out.get(name, (0, 0))
+                out[name] = (k0 + k, n0 + n)
+        return out
+
+    def tokens_by_config(self) -> dict[int, int]:
+        """Decode batch size → replayed tokens in its window."""
+        return {c: self.per_config[c].tokens() for c in self.configs}
+
+    def tokens(self) -> int:
+        """Replayed tokens in the window of the configuration with the fewest (what readiness needs)."""
+        return min(self.tokens_by_config().values())
+
+    def decisive_by_config(self) -> dict[int, int]:
+        """Decode batch size → decisive reference rollouts (up or down) counted in the run."""
+        return {c: self.per_config[c].twins[1] for c in self.configs}
+
+    def decisive(self) -> int:
+        """Decisive reference rollouts counted in the run by the configuration with the fewest."""
+        return min(self.decisive_by_config().values())
+
+    def bounds(self) -> dict[str, float]:
+        """Each event's honest-rate upper bound ``p0``, ``up`` included (the honest up-share's bound among
+        decisive rollouts): the largest over the configurations of that configuration's
+        :func:`rate_upper_bound` (1 where any configuration measured nothing)."""
+        per = [self.per_config[c].bounds(self.confidence) for c in self.configs]
+        return {name: max(b[name] for b in per) for name in per[0]}
 
 @dataclass(frozen=True)
 class Flag:

@@ -67,11 +67,19 @@ coordinator tests the worker's up-share among decisive rollouts against the cali
 (``docs/toploc.md`` §11.2)."""
 AUDIT_RULES = (AUDIT_RULE_EPROCESS, AUDIT_RULE_EPROCESS_V2)
 """The audit rules that audit (every one but ``none``)."""
+CALIBRATION_BATCH_LIMIT = 1024
+"""Largest decode batch size ``audit.calibration_batches`` may name (the engines' ``max_batch``)."""
+CALIBRATION_BATCHES_DEFAULT = (64,)
+"""``audit.calibration_batches`` of every spec that does not name it: the one batch-64 configuration the
+calibration used before the field existed (the spec keeps its run ID and meaning)."""
+CALIBRATION_BATCHES_NEW_RUNS = (1, 8, 64)
+"""``audit.calibration_batches`` that ``spec init --audit`` and the bf16 devnet write: a lone worker (batch 1),
+a small GPU batch and the devnet's batch (``docs/toploc.md`` §11.1)."""
 LOGIT_BOUND_LIMIT = 4.0
 """Upper bound on ``toploc.replay_logit_bound``, nats: beyond it any edge moves by ≥ e⁸ in odds and the replay
 no longer says anything about the tokens."""
 _HASHED_ONLY_OFF_DEFAULT = {"toploc": ("replay_rule", "replay_logit_bound", "eos_prob_slack", "worker_dtype", "fp32_logits", "hard_factor"),
-                           "audit": ("min_calibration_decisive", "twin_share")}
+                           "audit": ("min_calibration_decisive", "twin_share", "calibration_batches")}
 """Fields added after specs were signed: hashed only where they differ from their default, so a spec
 signed before them keeps its run ID and means what it meant (the ``eps-v1`` replay, EOS slack 0.01)."""
 _SECTIONS_HASHED_ONLY_OFF_DEFAULT = ("audit", "artifacts", "env")
@@ -397,6 +405,9 @@ class AuditSpec(_Section):
     continuation of each diverged rollout and count whose reward is higher; the coordinator tests the
     worker's share of "up" among decisive rollouts against the calibrated honest share): it sees
     *which* tokens a steerer changed, which a rate test cannot (``docs/toploc.md`` §11.2).
+    ``calibration_batches`` names the decode batch sizes the calibration covers (each event's bound the
+    largest over them, :class:`protocol.audit.Baseline`); its default ``(64,)`` is the calibration of
+    every spec signed before it.
     ``rule = "none"`` (the default, and every spec signed before this section existed): no audit.
     """
 
@@ -421,6 +432,18 @@ class AuditSpec(_Section):
         float, Field(gt=0.0, le=1.0, allow_inf_nan=False,
                      description="eprocess-v2: the share of full checks whose diverged rollouts get float32 twins (validator's own draw; "
                                  "the twins' decode time scales with it, and so does how many tokens a steerer gets before its flag)")] = 1.0
+    calibration_batches: Annotated[
+        tuple[Annotated[int, Field(ge=1, le=CALIBRATION_BATCH_LIMIT)], ...],
+        Field(min_length=1, max_length=8,
+              description="decode batch sizes (max_batch) the reference submissions round-robin over: honest replay statistics depend on "
+                          "the decode configuration, and each event's bound is the largest over them (docs/toploc.md §11.1)")] = CALIBRATION_BATCHES_DEFAULT
+
+    @field_validator("calibration_batches")
+    @classmethod
+    def _batches_sorted(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if list(v) != sorted(set(v)):
+            raise ValueError(f"audit.calibration_batches must be sorted and unique, got {list(v)}")
+        return v
 
 
 ArtifactName = Annotated[str, Field(pattern=ARTIFACT_NAME_PATTERN)]

@@ -97,6 +97,10 @@ def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     init.add_argument("--twin-share", type=float, default=None,
                       help="with --audit (eprocess-v2): the share of full checks that decode twins (default 1; less saves "
                            "validators' decode time and lets a steerer run proportionally longer before its flag)")
+    init.add_argument("--calibration-batches", default=None, metavar="B,B,...",
+                      help="with --audit: the decode batch sizes the coordinator's reference submissions round-robin over; each event's "
+                           "honest bound is the largest of theirs (default 1,8,64: honest statistics depend on the batch size, "
+                           "docs/toploc.md §11.1)")
     init.add_argument("--audit-false-alarm", type=float, default=None, help="with --audit: an honest worker's chance of a flag (default 1e-6)")
     init.add_argument("--calibration-submissions", type=int, default=None,
                       help="with --audit: honest reference submissions the coordinator checks per published step (default 2)")
@@ -162,15 +166,16 @@ def _run_spec_init(args: argparse.Namespace) -> int:
                    replay_logit_bound=args.replay_logit_bound, eos_prob_slack=args.eos_prob_slack, worker_dtype=args.worker_dtype,
                    hard_factor=args.hard_factor, fp32_logits=args.fp32_logits or None)
     if not args.audit and any(v is not None for v in (args.audit_false_alarm, args.calibration_submissions, args.min_calibration_tokens,
-                                                      args.audit_rule, args.min_calibration_decisive, args.twin_share)):
+                                                      args.audit_rule, args.min_calibration_decisive, args.twin_share,
+                                                      args.calibration_batches)):
         raise CliError("--audit-rule, --audit-false-alarm, --calibration-submissions, --min-calibration-tokens, "
-                       "--min-calibration-decisive and --twin-share need --audit")
+                       "--min-calibration-decisive, --twin-share and --calibration-batches need --audit")
     if (args.min_calibration_decisive is not None or args.twin_share is not None) and args.audit_rule == "eprocess-v1":
         raise CliError("--min-calibration-decisive and --twin-share are for --audit-rule eprocess-v2 (eprocess-v1 decodes no twins)")
     audit = given(false_alarm=args.audit_false_alarm, calibration_submissions=args.calibration_submissions,
                   min_calibration_tokens=args.min_calibration_tokens, min_calibration_decisive=args.min_calibration_decisive,
                   twin_share=args.twin_share) | (
-        {"rule": args.audit_rule or "eprocess-v2"} if args.audit else {})
+        {"rule": args.audit_rule or "eprocess-v2", "calibration_batches": _calibration_batches(args.calibration_batches)} if args.audit else {})
     shard = given(keep_steps=args.keep_steps)  # not given: the spec keeps rl.async_level + 1 (protocol.window.fresh_steps)
     if args.piece_size is not None:
         shard["piece_size_bytes"] = args.piece_size
@@ -211,6 +216,23 @@ def _run_spec_init(args: argparse.Namespace) -> int:
     if (address := spec_address(signed, [])) is not None:
         print(f"run address: {address}")
     return 0
+
+
+def _calibration_batches(text: str | None) -> list[int]:
+    """``--calibration-batches`` (comma-separated decode batch sizes) as ``audit.calibration_batches``; not given: the
+    sizes new runs calibrate (:data:`protocol.runspec.CALIBRATION_BATCHES_NEW_RUNS`). The spec checks the range and order.
+
+    Raises:
+        CliError: an entry is not an integer.
+    """
+    from protocol.runspec import CALIBRATION_BATCHES_NEW_RUNS
+
+    if text is None:
+        return list(CALIBRATION_BATCHES_NEW_RUNS)
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise CliError(f"--calibration-batches wants comma-separated decode batch sizes (e.g. 1,8,64), got {text!r}") from None
 
 
 def _pin_environment(args: argparse.Namespace) -> dict[str, Any]:

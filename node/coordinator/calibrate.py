@@ -5,7 +5,9 @@ replay statistics against upper bounds of the rates honest compute produces. Tho
 measured here, on the run itself: after each published policy step the coordinator generates
 ``audit.calibration_submissions`` submissions with the honest worker's own code
 (:func:`node.worker.rollouts.build_submission`) in the run's worker dtype
-(``toploc.worker_dtype``) under a throwaway key (its tasks derive like any worker's), checks them
+(``toploc.worker_dtype``), round-robin over the decode batch sizes of ``audit.calibration_batches``
+(honest replay statistics depend on the decode configuration; the baseline bounds each event by the
+largest of the configurations' bounds, ``docs/toploc.md`` §11.1), under a throwaway key (its tasks derive like any worker's), checks them
 with the validators' pipeline against the float32 policy, and counts their statistics into the
 baseline; the first calibrated step makes as many more as the baseline needs before the audit may
 flag anyone (``audit.min_calibration_tokens``) and, under ``eprocess-v2``, until the baseline holds
@@ -21,6 +23,7 @@ than it checks, older steps are skipped (the baseline pools the newest
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections import Counter
@@ -43,9 +46,12 @@ from validator.pipeline import SubmissionChecker
 logger = logging.getLogger(__name__)
 
 MAX_BURST_SUBMISSIONS = 256
-"""Most reference submissions one step's calibration makes while the baseline is below
-``audit.min_calibration_tokens`` (the first calibrated step fills it; a run whose completions are too
-short to reach it in this many says so in ``/status``: the audit stays not ready)."""
+"""Most reference submissions one step's calibration makes *per decode batch size* of
+``audit.calibration_batches`` while the baseline is below ``audit.min_calibration_tokens`` (the first
+calibrated step fills it; a run whose completions are too short to reach it in this many says so in
+``/status``: the audit stays not ready, and no step trains). Per batch size, since each must reach the
+minimum on its own: a cap shared by three batch sizes left the devnet's baseline at ≈ 8,200 of its
+10,000 tokens per batch size (measured 7 Dec 2026)."""
 
 
 def worker_engine(spec: RunSpec, model_dir: Path, device: str = "cpu", max_batch: int = 64) -> TransformersEngine:
@@ -82,6 +88,8 @@ class AuditCalibration:
         self.device = device
         self.key = NodeKey.generate()  # a throwaway identity: its tasks derive like any worker's
         self.counter = 0
+        self.by_batch: Counter[int] = Counter()
+        """Calibration submissions made by decode batch size (``audit.calibration_batches``)."""
         self.outcomes: Counter[str] = Counter()
         """Calibration submissions by verdict reason (``ok`` expected; anything else: the bounds do not hold)."""
         self.steps_done = 0
@@ -132,7 +140,12 @@ class AuditCalibration:
         model = self.validator_model(step)
         if tok is None or path is None or model is None:
             return 0
-        engine = worker_engine(self.spec, path, self.device)
+        # one engine per decode configuration (audit.calibration_batches): honest statistics depend on the batch size.
+        # They share one load of the step's weights (max_batch only splits generate()'s batches): memory as one engine's
+        loaded = worker_engine(self.spec, path, self.device)
+        engines = {b: copy.copy(loaded) for b in self.spec.audit.calibration_batches}
+        for b, engine in engines.items():
+            engine.max_batch = b
         checker = SubmissionChecker(self.spec, self.tasks, tok, lambda s: model if s == step else None,
                                     trainer_step=lambda: step, counter_seen=lambda *_: False, twin_share=1.0)  # every reference twin
         counted = 0
@@ -140,13 +153,17 @@ class AuditCalibration:
         # the step's share, and at first as many more as the baseline needs to flag anyone (audit.min_calibration_tokens)
         # and, at the first calibrated step under eprocess-v2, to hold audit.min_calibration_decisive decisive twins
         first = self.steps_done == 0
+        burst = MAX_BURST_SUBMISSIONS * len(self.spec.audit.calibration_batches)
         while made < self.spec.audit.calibration_submissions or (
-                (not self.audit.ready() or (first and self.audit.wants_decisive())) and made < MAX_BURST_SUBMISSIONS):
+                (not self.audit.ready() or (first and self.audit.wants_decisive())) and made < burst):
             if self._stop:
                 break
             made += 1
-            raw = build_submission(self.spec, self.run_id, self.key, engine, tok, self.tasks, step, self.counter)
+            batches = self.spec.audit.calibration_batches
+            batch = batches[self.counter % len(batches)]  # round-robin over the configurations, across steps too
+            raw = build_submission(self.spec, self.run_id, self.key, engines[batch], tok, self.tasks, step, self.counter)
             self.counter += 1
+            self.by_batch[batch] += 1
             result = checker.check(open_envelope(raw, run_id=self.run_id, expect=Submission))
             self.outcomes[result.reason] += 1
             if not result.accepted:
@@ -154,11 +171,12 @@ class AuditCalibration:
                                "tolerances do not hold for honest compute here; re-measure them (docs/operators.md)",
                                self.spec.toploc.worker_dtype, step, result.reason, result.evidence)
             if result.stats is not None and result.accepted:  # as the audit counts workers' verdicts: accepted ones only
-                self.audit.calibrate(step, result.stats)
+                self.audit.calibrate(step, result.stats, config=batch)
                 counted += 1
         self.steps_done += 1
         return counted
 
     def status(self) -> dict[str, Any]:
         """For ``/status``: steps calibrated and the reference submissions' verdicts by reason."""
-        return {"steps": self.steps_done, "submissions": sum(self.outcomes.values()), "by_reason": dict(self.outcomes)}
+        return {"steps": self.steps_done, "submissions": sum(self.outcomes.values()), "by_reason": dict(self.outcomes),
+                "by_batch": {str(b): n for b, n in sorted(self.by_batch.items())}}

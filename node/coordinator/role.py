@@ -397,7 +397,8 @@ class Coordinator:
             return None
         if not audit.ready():
             return (f"the audit's honest baseline holds {audit.baseline.tokens():,} of the {audit.spec.min_calibration_tokens:,} "
-                    "reference tokens it needs before any step may train (the coordinator is generating them)")
+                    "reference tokens it needs (in each calibrated decode batch size) before any step may train "
+                    "(the coordinator is generating them)")
         self.ingest.ban_rule.audit_catch_up()
         return None
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from protocol.identity import NodeKey, PeerId
 from protocol.runspec import (
+    CALIBRATION_BATCHES_NEW_RUNS,
     ENV_TASKS,
     AuditSpec,
     DataSpec,
@@ -127,11 +128,15 @@ would be ≈ 3,800 requests per full fetch)."""
 WORKER_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 """``devnet --worker-dtype`` names → the workers' compute dtype (``join --dtype``)."""
 
-DEVNET_AUDIT = AuditSpec(rule="eprocess-v2", calibration_submissions=4, min_calibration_tokens=10_000)
+DEVNET_AUDIT = AuditSpec(rule="eprocess-v2", calibration_submissions=4, min_calibration_tokens=10_000,
+                         calibration_batches=CALIBRATION_BATCHES_NEW_RUNS)
 """The per-worker audit of a devnet whose workers compute in bf16 (``docs/toploc.md`` §11): the rate test and
 the twin test (§11.2); the coordinator checks 4 honest reference submissions per published step (≈ 760 tokens
-of the embedded task) and flags no one before its baseline holds 10,000 replayed tokens (a burst of reference
-submissions at step 0, which goes on until it also holds 64 decisive twins: ≈ 220 submissions, ≈ 10 s here)."""
+of the embedded task), round-robin over decode batch sizes 1, 8 and 64 (honest statistics depend on the batch size;
+each event's bound is the largest of theirs, ``docs/toploc.md`` §11.1), and flags no one before its baseline holds
+10,000 replayed tokens in each of them (a burst of reference submissions at step 0, which goes on until each also
+holds 64 decisive twins or has made 256: measured 768 submissions in 66 s on a 2-core CPU at load 2, 7 Dec 2026,
+against 256 in 9 s calibrating batch 64 alone; ≈ 24,600 tokens and 34–46 decisive twins per batch size)."""
 
 
 def precision_toploc(worker_dtype: str, measured: ToplocSpec | None = None) -> ToplocSpec:

@@ -105,12 +105,16 @@ def test_spec_init_audit_writes_eprocess_v2_unless_told(tmp_path):
     assert v2.returncode == 0, v2.stderr
     show = cli("spec", "show", str(tmp_path / "v2.toml")).stdout
     assert 'rule = "eprocess-v2"' in show and "min_calibration_decisive = 128" in show and "twin_share = 0.25" in show
+    assert re.search(r"calibration_batches = \[\s*1,\s*8,\s*64,?\s*\]", show), show  # new runs calibrate batch 1, 8 and 64 (issue #33)
     v1 = cli("spec", "init", "--coordinator-key", str(key), "--out", str(tmp_path / "v1.toml"), "--audit", "--audit-rule", "eprocess-v1")
     assert v1.returncode == 0 and 'rule = "eprocess-v1"' in cli("spec", "show", str(tmp_path / "v1.toml")).stdout
     for opt in (["--audit", "--audit-rule", "eprocess-v1", "--min-calibration-decisive", "5"], ["--audit-rule", "eprocess-v2"],
-                ["--audit", "--twin-share", "0"]):
+                ["--audit", "--twin-share", "0"], ["--audit", "--calibration-batches", "8,1"], ["--audit", "--calibration-batches", "x"],
+                ["--calibration-batches", "8"]):
         bad = cli("spec", "init", "--coordinator-key", str(key), "--out", str(tmp_path / "bad.toml"), *opt)
         assert bad.returncode != 0 and "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+        if opt[-1] == "8,1":
+            assert "audit.calibration_batches" in bad.stderr, bad.stderr
 
 
 @pytest.mark.slow

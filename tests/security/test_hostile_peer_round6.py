@@ -250,7 +250,7 @@ def test_rate_upper_bound_near_one_does_not_divide_by_zero() -> None:
 
 def test_baseline_bounds_with_nearly_all_up_twins_does_not_raise() -> None:
     b = Baseline(0.5, 4)
-    b.twins = (10**16 - 1, 10**16, 10**16)
+    b.per_config[64].twins = (10**16 - 1, 10**16, 10**16)
     assert 0.0 < b.bounds()[UP_EVENT] <= 1.0
 
 

@@ -13,7 +13,7 @@ Under ``eprocess-v2`` the verdicts' twin counts (up / down among decisive rollou
 against the honest up-share calibrated over the whole run (``docs/toploc.md`` §11.2).
 
 Persistence: one SQLite file of its own (``audit.sqlite`` beside the ledger's index) with the
-calibration counts per policy step, the reference work's twin counts (kept for the whole run), each worker's test state, and every counted verdict's
+calibration counts per policy step and decode configuration (batch size), the reference work's twin counts (kept for the whole run), each worker's test state, and every counted verdict's
 statistics with the bounds it was counted against: the evidence of a flag, which anyone can
 recompute from the signed verdicts (:func:`protocol.audit.replay_evidence`; ``evidence``). The
 rows of one verdict are written in one transaction after the ledger decided it; a crash between
@@ -31,17 +31,21 @@ from typing import Any
 
 from protocol.audit import TWINS_PER_SUBMISSION, AuditState, Baseline, Flag, rates, rule_events
 from protocol.messages import ReplayStats
-from protocol.runspec import AUDIT_RULE_EPROCESS_V2, AUDIT_RULES, AuditSpec
+from protocol.runspec import AUDIT_RULE_EPROCESS_V2, AUDIT_RULES, CALIBRATION_BATCHES_DEFAULT, AuditSpec
 
 logger = logging.getLogger(__name__)
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS calibration (step INTEGER NOT NULL, stats TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS calibration_twins (step INTEGER NOT NULL, up INTEGER NOT NULL, down INTEGER NOT NULL, decided INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS calibration (step INTEGER NOT NULL, stats TEXT NOT NULL, config INTEGER NOT NULL DEFAULT 64);
+CREATE TABLE IF NOT EXISTS calibration_twins (step INTEGER NOT NULL, up INTEGER NOT NULL, down INTEGER NOT NULL, decided INTEGER NOT NULL,
+                                              config INTEGER NOT NULL DEFAULT 64);
 CREATE TABLE IF NOT EXISTS workers (worker TEXT PRIMARY KEY, state TEXT NOT NULL, flagged TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS evidence (worker TEXT NOT NULL, seq INTEGER NOT NULL, submission_id TEXT NOT NULL, verdict_id TEXT NOT NULL,
                                      stats TEXT NOT NULL, bounds TEXT NOT NULL, PRIMARY KEY (worker, seq));
 """
+_CONFIG_COLUMN = f"config INTEGER NOT NULL DEFAULT {CALIBRATION_BATCHES_DEFAULT[0]}"
+"""The decode configuration (batch size) of a calibration row; a file written before configurations were
+recorded gains the column, and its rows belong to the one configuration calibrated then (batch 64)."""
 
 
 class WorkerAudit:
@@ -57,13 +61,16 @@ class WorkerAudit:
     def __init__(self, spec: AuditSpec, path: Path) -> None:
         self.spec = spec
         self.enabled = spec.rule in AUDIT_RULES
-        self.baseline = Baseline(spec.baseline_confidence, spec.calibration_window_steps)
+        self.baseline = Baseline(spec.baseline_confidence, spec.calibration_window_steps, tuple(spec.calibration_batches))
         self._lock = threading.Lock()
         self._states: dict[str, AuditState] = {}
         self._flagged: dict[str, Flag] = {}
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.executescript(_SCHEMA)
+        for table in ("calibration", "calibration_twins"):  # a file from before decode configurations were recorded
+            if "config" not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {_CONFIG_COLUMN}")
         self._load()
 
     def close(self) -> None:
@@ -71,11 +78,13 @@ class WorkerAudit:
             self._db.close()
 
     def _load(self) -> None:
-        for step, stats in self._db.execute("SELECT step, stats FROM calibration ORDER BY rowid"):
-            self.baseline.add(int(step), ReplayStats.model_validate_json(stats), twins=False)
-        up, down, decided = self._db.execute("SELECT COALESCE(SUM(up), 0), COALESCE(SUM(down), 0), COALESCE(SUM(decided), 0) "
-                                             "FROM calibration_twins").fetchone()
-        self.baseline.twins = (int(up), int(up) + int(down), int(decided))
+        for step, stats, config in self._db.execute("SELECT step, stats, config FROM calibration ORDER BY rowid"):
+            if int(config) in self.baseline.per_config:  # a configuration the spec does not name counts for nothing
+                self.baseline.add(int(step), ReplayStats.model_validate_json(stats), config=int(config), twins=False)
+        for config, up, down, decided in self._db.execute("SELECT config, SUM(up), SUM(down), SUM(decided) FROM calibration_twins "
+                                                          "GROUP BY config"):
+            if int(config) in self.baseline.per_config:
+                self.baseline.per_config[int(config)].twins = (int(up), int(up) + int(down), int(decided))
         for worker, state, flagged in self._db.execute("SELECT worker, state, flagged FROM workers"):
             self._states[worker] = AuditState.from_json(json.loads(state))
             if flagged:
@@ -83,25 +92,33 @@ class WorkerAudit:
 
     # --- calibration ----------------------------------------------------------------------------
 
-    def calibrate(self, step: int, stats: ReplayStats) -> None:
-        """Count one honest reference submission's statistics at policy ``step`` into the baseline (its twin
-        counts are kept for the whole run, :class:`~protocol.audit.Baseline`)."""
+    def calibrate(self, step: int, stats: ReplayStats, config: int | None = None) -> None:
+        """Count one honest reference submission's statistics at policy ``step``, decoded with batch size
+        ``config`` (one of ``audit.calibration_batches``; ``None``: the only one), into the baseline (its twin
+        counts are kept for the whole run, :class:`~protocol.audit.Baseline`).
+
+        Raises:
+            ValueError: ``config`` is not calibrated by this run.
+        """
         with self._lock:
-            self.baseline.add(step, stats)
-            self._db.execute("INSERT INTO calibration (step, stats) VALUES (?, ?)", (step, stats.model_dump_json()))
+            self.baseline.add(step, stats, config=config)
+            config = self.baseline.configs[0] if config is None else config
+            self._db.execute("INSERT INTO calibration (step, stats, config) VALUES (?, ?, ?)", (step, stats.model_dump_json(), config))
             if stats.decided:
-                self._db.execute("INSERT INTO calibration_twins (step, up, down, decided) VALUES (?, ?, ?, ?)",
-                                 (step, stats.up, stats.down, stats.decided))
-            oldest = min(self.baseline.by_step, default=step)
-            self._db.execute("DELETE FROM calibration WHERE step < ?", (oldest,))
+                self._db.execute("INSERT INTO calibration_twins (step, up, down, decided, config) VALUES (?, ?, ?, ?, ?)",
+                                 (step, stats.up, stats.down, stats.decided, config))
+            oldest = min(self.baseline.per_config[config].by_step, default=step)
+            self._db.execute("DELETE FROM calibration WHERE config = ? AND step < ?", (config, oldest))
 
     def ready(self) -> bool:
-        """Whether the baseline holds enough replayed tokens to flag anyone (``audit.min_calibration_tokens``)."""
+        """Whether the baseline holds enough replayed tokens to flag anyone: ``audit.min_calibration_tokens`` in
+        *every* decode configuration (a configuration short of data bounds its events loosely, and a worker decoding
+        like it must not be judged by the others' bounds alone; :class:`~protocol.audit.Baseline`)."""
         return self.baseline.tokens() >= self.spec.min_calibration_tokens
 
     def wants_decisive(self) -> bool:
-        """Under ``eprocess-v2``, whether the baseline holds fewer decisive reference rollouts than
-        ``audit.min_calibration_decisive`` (the first calibrated step keeps making reference work while so).
+        """Under ``eprocess-v2``, whether some decode configuration's baseline holds fewer decisive reference rollouts
+        than ``audit.min_calibration_decisive`` (the first calibrated step keeps making reference work while so).
         The twin test needs no minimum to be sound: with few decisive rollouts its bound is near 1 and it
         bets little."""
         return self.spec.rule == AUDIT_RULE_EPROCESS_V2 and self.baseline.decisive() < self.spec.min_calibration_decisive
@@ -220,6 +237,8 @@ class WorkerAudit:
                 "false_alarm": self.spec.false_alarm,
                 "baseline_tokens": self.baseline.tokens(),
                 "baseline_decisive": self.baseline.decisive(),
+                "baseline_by_batch": {str(c): {"tokens": t, "decisive": self.baseline.decisive_by_config()[c]}
+                                      for c, t in self.baseline.tokens_by_config().items()},
                 "ready": self.baseline.tokens() >= self.spec.min_calibration_tokens,
                 "bounds": {k: round(v, 8) for k, v in bounds.items()},
                 "workers": {w: {"log10_e": round(s.log_e_value() / 2.302585092994046, 3), "verdicts": s.verdicts,
