@@ -22,7 +22,7 @@ def test_devnet_on_own_bf16_model_with_chat_template(tmp_path, shared):
     out = tmp_path / "out"
     r = subprocess.run(
         [sys.executable, "-m", "node", "devnet", "--model", str(model), "--steps", "2", "--workers", "1", "--relays", "1",
-         "--eval-every", "1", "--eval-samples", "2", "--out", str(out), "--no-dashboard", "--timeout", "540"],
+         "--eval-every", "1", "--eval-samples", "1", "--out", str(out), "--no-dashboard", "--timeout", "540"],
         capture_output=True, text=True, timeout=600,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
