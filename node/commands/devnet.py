@@ -77,9 +77,35 @@ def _devnet(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--links", action="store_true",
                    help="every node in its own network namespace behind a token-bucket-capped link (coordinator and relays "
                         "1 Gb/s, validators 500 Mb/s, workers 100 Mb/s; root only; all removed on exit)")
+    p.add_argument("--link-mbit", action="append", default=[], metavar="ROLE=MBIT",
+                   help="with --links: another rate for one role's links, Mb/s (roles: coordinator, relay, validator, worker; "
+                        "repeatable), e.g. --link-mbit worker=1000 for contributors on gigabit links")
     p.add_argument("--no-deltas", action="store_true", help="publish and fetch every policy step in full (no step deltas), for comparison")
     p.add_argument("--no-dashboard", action="store_true", help="plain progress lines instead of the live view")
     p.set_defaults(handler=_run_devnet)
+
+
+def _link_rates(items: list[str], *, links: bool) -> dict[str, int]:
+    """``--link-mbit ROLE=MBIT`` values as ``role → Mb/s`` (``node/devnet/links.py``'s ``Links.mbit``).
+
+    Raises:
+        CliError: without ``--links``, an unknown role, a rate that is not a whole number in 1 … 100,000, or a role given twice.
+    """
+    from node.devnet.links import LINK_MBIT
+
+    if items and not links:
+        raise CliError("--link-mbit sets link rates of --links: add --links")
+    rates: dict[str, int] = {}
+    for item in items:
+        role, sep, value = item.partition("=")
+        if not sep or role not in LINK_MBIT:
+            raise CliError(f"--link-mbit {item!r}: expected ROLE=MBIT with ROLE one of {', '.join(LINK_MBIT)}, e.g. worker=1000")
+        if not value.isdigit() or not 1 <= int(value) <= 100_000:
+            raise CliError(f"--link-mbit {item!r}: the rate is a whole number of Mb/s from 1 to 100000")
+        if role in rates:
+            raise CliError(f"--link-mbit: {role} given twice")
+        rates[role] = int(value)
+    return rates
 
 
 def _rl_overrides(items: list[str], *, embedded: bool, async_level: int | None, profile: bool = False) -> dict[str, Any]:
@@ -139,6 +165,7 @@ def _run_devnet(args: argparse.Namespace) -> int:
         raise CliError("--profile builds its own model; leave out --model")
     if args.steer_rate is not None and (args.adversary != "steer" or not 0.0 <= args.steer_rate <= 1.0):
         raise CliError("--steer-rate R needs --adversary steer and 0 ≤ R ≤ 1")
+    link_mbit = _link_rates(args.link_mbit, links=args.links)
     model = Path(args.model).resolve() if args.model else None
     if model is not None and not model.exists():
         raise CliError(f"--model {args.model}: no such directory ({model}); pass the folder of a local Hugging Face Qwen2 model "
@@ -193,7 +220,7 @@ def _run_devnet(args: argparse.Namespace) -> int:
                             tasks=tasks, data_root=data_root, adversary=args.adversary, kill_worker_at=args.kill_worker_at,
                             dashboard=not args.no_dashboard and sys.stdout.isatty(), timeout_s=timeout, seed=args.seed,
                             async_level=args.async_level, eval_every=args.eval_every, eval_samples=eval_samples, model=model,
-                            rl=rl, profile=args.profile, profile_layers=args.profile_layers, links=args.links, deltas=not args.no_deltas,
+                            rl=rl, profile=args.profile, profile_layers=args.profile_layers, links=args.links, link_mbit=link_mbit, deltas=not args.no_deltas,
                             env=env_name, env_args=env_arguments,
                             worker_dtype=WORKER_DTYPES[args.worker_dtype], steer_rate=1.0 if args.steer_rate is None else args.steer_rate)
     live = None

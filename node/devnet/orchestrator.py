@@ -72,6 +72,7 @@ class DevnetOptions:
         profile_layers: decoder layers of the profile's model (``None``: the profile's; fewer keep its
             vocabulary, width and tokenizer at a fraction of the cost).
         links: every node in its own network namespace behind a capped link (``node/devnet/links.py``; root only).
+        link_mbit: with ``links``, role → link rate in Mb/s instead of ``LINK_MBIT``'s (``--link-mbit``).
         deltas: publish and fetch step deltas (bf16 models; ``False``: every step in full, for comparison).
         model: a local Hugging Face Qwen2 directory to train instead of the embedded model (``None``: embedded).
         rl: overrides of the run spec's ``[rl]`` fields (``--rl KEY=VALUE``; e.g. the off-policy
@@ -100,6 +101,7 @@ class DevnetOptions:
     profile: str | None = None
     profile_layers: int | None = None
     links: bool = False
+    link_mbit: dict[str, int] = field(default_factory=dict)
     deltas: bool = True
     eval_every: int | None = None
     eval_samples: int = 16
@@ -263,7 +265,7 @@ class Devnet:
         if self.o.links:
             roles = {"coordinator": "coordinator", **{n: ("worker" if n.startswith(("worker", "adversary")) else n.split("-")[0])
                                                      for n in self.peer_ids if n != "coordinator"}}
-            self.links = Links(roles)
+            self.links = Links(roles, mbit=self.o.link_mbit)
             self.links.setup()
             self.events.append(f"{time.monotonic() - self.started:.0f}s links: " + ", ".join(
                 f"{n.name} {n.ip} {n.mbit} Mb/s" for n in self.links.nodes.values()))

@@ -142,3 +142,26 @@ def test_links_refused_without_root_in_one_line(monkeypatch, capsys):
     assert main(["devnet", "--links", "--out", str(Path("/nonexistent-h25-links")), "--no-dashboard"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --links needs root"), err
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--link-mbit", "worker=1000"], "--link-mbit sets link rates of --links: add --links"),
+    (["--links", "--link-mbit", "miner=1000"], "--link-mbit 'miner=1000': expected ROLE=MBIT with ROLE one of coordinator, relay"),
+    (["--links", "--link-mbit", "worker"], "--link-mbit 'worker': expected ROLE=MBIT"),
+    (["--links", "--link-mbit", "worker=0"], "--link-mbit 'worker=0': the rate is a whole number of Mb/s from 1 to 100000"),
+    (["--links", "--link-mbit", "worker=1.5"], "--link-mbit 'worker=1.5': the rate is a whole number"),
+    (["--links", "--link-mbit", "worker=100", "--link-mbit", "worker=200"], "--link-mbit: worker given twice"),
+])
+def test_bad_link_rates_are_one_line_errors(flags, says, capsys):
+    from node.cli import main
+
+    assert main(["devnet", *flags, "--out", str(Path("/nonexistent-link-mbit")), "--no-dashboard"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {says}"), err
+
+
+@needs_root
+def test_a_role_given_its_own_rate_gets_it_both_ways():
+    with Links({"coordinator": "coordinator", "worker-0": "worker"}, mbit={"worker": 1000}) as links:
+        assert links.nodes["worker-0"].mbit == 1000 and links.nodes["coordinator"].mbit == LINK_MBIT["coordinator"]
+        assert "rate 1Gbit" in _qdiscs(links.nodes["worker-0"].namespace)

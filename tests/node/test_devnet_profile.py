@@ -8,6 +8,7 @@ links (``--links``). The full 24 layers are ``benchmarks/profile_devnet.py``."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -29,7 +30,9 @@ def test_profile_at_one_layer_runs_every_role_and_reports_its_timeline(tmp_path,
     links = unavailable() is None
     p = subprocess.Popen(
         [sys.executable, "-m", "node", "devnet", "--profile", "qwen2.5-0.5b", "--profile-layers", "1", "--steps", "1",
-         "--data-root", str(shared / "data"), "--out", str(out), "--no-dashboard", "--timeout", "1200", *(["--links"] if links else [])],
+         "--data-root", str(shared / "data"), "--out", str(out), "--no-dashboard", "--timeout", "1200",
+         # capped links, the worker's at 1 Gb/s: at the default 100 Mb/s its 309 MB base alone takes ≈ 25 s of the suite
+         *(["--links", "--link-mbit", "worker=1000"] if links else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = p.communicate(timeout=1500)
@@ -77,4 +80,5 @@ def test_profile_at_one_layer_runs_every_role_and_reports_its_timeline(tmp_path,
         time.sleep(0.1)
     assert left == []
     if links:
+        assert re.search(r"links: coordinator [\d.]+ 1000 Mb/s, validator-0 [\d.]+ 500 Mb/s, worker-0 [\d.]+ 1000 Mb/s", report), report
         assert "links removed" in report and [ns for ns in namespaces() if ns.startswith(f"{PREFIX}{p.pid}-")] == []
