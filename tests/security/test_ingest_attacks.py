@@ -283,11 +283,12 @@ async def test_status_servers_get_the_same_protections() -> None:
 
 @pytest.mark.slow
 async def test_slow_big_bodies_cannot_pin_the_coordinators_memory(tmp_path: Path) -> None:
-    """Bodies declared at 30 MiB, of which 3 MiB are sent at once and nothing more: an address holds
-    at most its share of what arrived (8 MiB here; the third body is refused at once), and a body
+    """Bodies declared at 30 MiB, of which 1 MiB is sent at once and nothing more: an address holds
+    at most its share of what arrived (2.5 MiB here; the third body is refused at once), and a body
     that stalls is cut off (408) once it falls below the rate floor, not after the whole body
     deadline. The declared length reserves nothing (``tests/security/test_ingest_budgets.py``)."""
-    limits = IngestLimits(max_body_bytes_in_flight_per_ip=8 << 20, body_grace_s=1.0)
+    share = 5 << 19  # 2.5 MiB: two bodies' first MiB fit, a third's does not
+    limits = IngestLimits(max_body_bytes_in_flight_per_ip=share, body_grace_s=1.0)
     async with running_ingest(tmp_path, limits=limits) as ing:
         writers = []
         try:
@@ -295,15 +296,15 @@ async def test_slow_big_bodies_cannot_pin_the_coordinators_memory(tmp_path: Path
             for _ in range(3):
                 reader, writer = await asyncio.open_connection("127.0.0.1", ing.server.port, local_addr=(ATTACKER_IP, 0))
                 writers.append(writer)
-                writer.write(f"POST {SUBMISSIONS} HTTP/1.1\r\nHost: x\r\nContent-Length: {30 << 20}\r\n\r\n".encode() + b"\x88" * (3 << 20))
+                writer.write(f"POST {SUBMISSIONS} HTTP/1.1\r\nHost: x\r\nContent-Length: {30 << 20}\r\n\r\n".encode() + b"\x88" * (1 << 20))
                 await writer.drain()
                 answers.append(reader)
             # the third is refused once its bytes would take the address past its share
             head = await asyncio.wait_for(answers[2].readuntil(b"\r\n\r\n"), timeout=10)
             assert head.startswith(b"HTTP/1.1 429")
-            assert ing.service.budget.by_address.get(ATTACKER_IP, 0) <= 8 << 20
+            assert ing.service.budget.by_address.get(ATTACKER_IP, 0) <= share
             await honest_round(ing.url, NodeKey.generate(), 0)  # another address is not affected
-            # 3 MiB then nothing: below 256 KiB/s after the 1 s grace within ≈ 13 s, far sooner than the 30 s deadline
+            # 1 MiB then nothing: below 256 KiB/s after the 1 s grace within ≈ 5 s, far sooner than the 30 s deadline
             for reader in answers[:2]:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=25)
                 assert head.startswith(b"HTTP/1.1 408")
