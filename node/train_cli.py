@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--public-url", default="", help="URL other nodes reach this server at (default http://HOST:PORT)")
     add_gossip_arguments(p, off_help="stay off gossip (workers must use the run spec's URLs)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many trainer steps")
+    p.add_argument("--linger", type=float, default=0.0, metavar="S",
+                   help="after the last step (--max-steps), keep serving the final policy, /status and gossip for up to S seconds "
+                        "or until SIGTERM/Ctrl-C, so relays and nodes fetch the last step before the origin closes (default 0)")
     p.add_argument("--batch-timeout", type=float, default=600.0, help="seconds without a full batch before giving up (default 600)")
     p.add_argument("--wait-log-every", type=float, default=None, metavar="SECONDS",
                    help="log a wait for a batch at WARNING once it lasted this long, then this often (default 30)")
@@ -106,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = CoordinatorOptions(
         data_dir=data_dir, host=args.host, port=args.http_port, public_url=args.public_url, gossip=gossip, max_steps=args.max_steps,
         resume=args.resume, batch_timeout_s=args.batch_timeout, eval_samples=args.eval_samples, eval_every=args.eval_every,
-        data_root=Path(args.data_root) if args.data_root else None, device=args.device, probe_tasks=args.probe_tasks,
+        data_root=Path(args.data_root) if args.data_root else None, device=args.device, probe_tasks=args.probe_tasks, linger_s=args.linger,
         **({} if args.wait_log_every is None else {"wait_log_interval_s": args.wait_log_every}),
     )
     from protocol.errors import ProtocolError
@@ -136,6 +139,7 @@ async def _run(signed: SignedRunSpec, key: NodeKey, options: CoordinatorOptions,
         # contributors join with this one string (docs/operators.md §0): intellect-node join --role worker ADDRESS
         print(f"run address: {coord.run_address()}", flush=True)
         await coord.run()
+        await coord.linger()
     except TrainerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -81,6 +81,7 @@ class CoordinatorOptions:
         public_url: URL other nodes use to reach this server (default ``http://host:port``).
         gossip: gossip settings (``None``: off).
         max_steps: stop after this many trainer steps (``None``: run until stopped).
+        linger_s: after the last step, keep serving for up to this many seconds or until stopped (:meth:`Coordinator.linger`).
         resume: continue from the latest saved training state.
         batch_timeout_s: give up (exit with the reason) when no batch filled for this long, seconds.
         eval_samples: samples per held-out task in each evaluation (0: no evaluation).
@@ -99,6 +100,7 @@ class CoordinatorOptions:
     public_url: str = ""
     gossip: GossipConfig | None = field(default_factory=GossipConfig)
     max_steps: int | None = None
+    linger_s: float = 0.0
     resume: bool = False
     batch_timeout_s: float = 600.0
     eval_samples: int = 8
@@ -271,6 +273,20 @@ class Coordinator:
                            "utilization": self.utilization()})
         if self.error:
             raise TrainerError(self.error)
+
+    async def linger(self) -> None:
+        """After :meth:`run` ended at ``max_steps``: keep the origin, ``/status`` and gossip serving for up to
+        ``options.linger_s`` seconds or until a stop request (SIGTERM, Ctrl-C). The last step is announced the
+        moment it is published, and relays and nodes fetch it after that: an origin that closed at once could
+        leave a node holding no source of it (the devnet waits here until every node holds it, then stops the
+        coordinator). Polls the stop request every 0.2 s."""
+        if self.options.linger_s <= 0 or self._stop.is_set():
+            return
+        logger.info("run done: serving the final policy step %d for up to %.0f s (--linger) or until stopped",
+                    self.published_step, self.options.linger_s)
+        end = time.monotonic() + self.options.linger_s
+        while time.monotonic() < end and not self._stop.is_set():
+            await asyncio.sleep(0.2)
 
     def request_stop(self) -> None:
         self._stop.set()

@@ -39,6 +39,10 @@ DISCOVERY_TIMEOUT_S = 180.0
 FINAL_HOLD_WAIT_S = 20.0
 FINAL_HOLD_WAIT_PROFILE_S = 600.0
 """After the last step, how long the nodes may take to hold it before the devnet stops them, seconds."""
+LINGER_MARGIN_S = 30.0
+"""The coordinator serves its last step (``intellect-train --linger``) this much longer than the devnet waits for
+the nodes to hold it: the origin stays a source until the devnet stops it (it closed at once before, and a node
+whose fetch of the last steps had started from the origin and Sybil relays alone then held none)."""
 STATUS_POLL_S = 0.5
 BATCH_TIMEOUT_S = 180.0
 """The coordinator's ``--batch-timeout`` is the devnet's own ``--timeout`` (at least this): the first batch
@@ -337,6 +341,7 @@ class Devnet:
             *self._bin("intellect-train"), "--run", str(run), "--key", str(out / "keys" / "coordinator.key"),
             "--data-dir", str(out / "coordinator"), "--http-port", str(self.http_port), "--p2p-port", str(self.p2p_port),
             "--max-steps", str(self.o.steps), "--batch-timeout", f"{max(BATCH_TIMEOUT_S, self.o.timeout_s):.0f}",
+            "--linger", f"{self._final_hold_wait_s() + LINGER_MARGIN_S:.0f}",
             "--eval-samples", str(self.o.eval_samples), "--eval-every", str(self.o.eval_interval()), "-v", *self._data_root(),
             *(["--probe-tasks", "0"] if self.o.profile else []), *(["--host", self._host("coordinator")] if self.links else []),
         ]), out / "logs" / "coordinator.log")
@@ -489,7 +494,7 @@ class Devnet:
             self._wait(discovered, DISCOVERY_TIMEOUT_S, "all nodes to discover each other over gossip", coord)
             self.events.append(f"{time.monotonic() - self.started:.0f}s all peers discovered: {self.status.get('peers_by_role')}")
             deadline = self.started + self.o.timeout_s
-            while coord.alive:
+            while coord.alive and self.status.get("state") != "done":  # done: it lingers, serving the last step (--linger)
                 if time.monotonic() > deadline:
                     return DevnetResult(False, time.monotonic() - self.started, f"timed out after {self.o.timeout_s:.0f} s",
                                         self.status, self.node_status)
@@ -499,7 +504,7 @@ class Devnet:
                 self._tick()
                 time.sleep(STATUS_POLL_S)
             self._tick()
-            rc = coord.popen.returncode if coord.popen else -1
+            rc = 0 if coord.alive else coord.popen.returncode if coord.popen else -1
             ok = rc == 0
             if ok:
                 self._await_final_holds()
@@ -518,9 +523,12 @@ class Devnet:
             for sig, handler in restore.items():
                 signal.signal(sig, handler)
 
+    def _final_hold_wait_s(self) -> float:
+        return FINAL_HOLD_WAIT_PROFILE_S if self.o.profile else FINAL_HOLD_WAIT_S
+
     def _await_final_holds(self) -> None:
         """After the coordinator's last step: wait (bounded) until every running node holds the last
-        policy step (its hold line; the relays serve it once the origin is gone), so the report's
+        policy step (its hold line; the coordinator still serves it, lingering), so the report's
         timeline has the whole propagation of every step."""
         from node.devnet.report import read_metrics
         from node.devnet.timeline import read_node_log
@@ -529,7 +537,7 @@ class Devnet:
         if not steps or self.o.relays == 0:
             return
         last = max(steps)
-        end = time.monotonic() + (FINAL_HOLD_WAIT_PROFILE_S if self.o.profile else FINAL_HOLD_WAIT_S)
+        end = time.monotonic() + self._final_hold_wait_s()
         while time.monotonic() < end:
             waiting = [p.name for p in self.group.procs if p.role != "coordinator" and p.alive and last not in read_node_log(p.log).held]
             if not waiting:

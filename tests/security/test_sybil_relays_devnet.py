@@ -170,16 +170,11 @@ async def test_eight_sybil_trickling_relays_never_fail_a_policy_fetch(tmp_path: 
             proc.wait(timeout=60)
     assert rc == 0, console.read_text(errors="replace")[-3000:]
     logs = {p.stem: p.read_text(errors="replace") for p in (out / "logs").glob("*.log")}
-    # the devnet's coordinator exits once it published its last step (relays serve it from then on), so a
-    # node may miss that step once in the second before it hears which relay holds it: the end of the run,
-    # not the attack, as long as the node then holds it (suite, 7 Dec 2026: the origin refused, the
-    # Sybils proxied its refusal, and the worker held step 2 from the relays 1 s later)
-    def end_of_run(text: str, line: str) -> bool:  # the last step, the origin gone (refused), held later
-        return (f"cannot fetch step {STEPS} yet" in line and f"{origin}: manifest request failed: ClientConnectorError" in line
-                and any(f"holds policy step {STEPS} " in later for later in text[text.index(line):].splitlines()))
-
+    # the devnet's coordinator serves its last step until every node holds it (intellect-train --linger): no node may
+    # miss a step, the last included (suite, 7 Dec 2026: before the linger, a fetch begun from the origin and Sybils
+    # alone as the coordinator exited held nothing for 30 s, in 1 of 3 runs once the trainer's steps got faster)
     failures = [f"{name}: {line}" for name, text in logs.items() if name.startswith(("worker", "validator"))
-                for line in text.splitlines() if ("cannot fetch" in line or "fetch failed" in line) and not end_of_run(text, line)]
+                for line in text.splitlines() if "cannot fetch" in line or "fetch failed" in line]
     assert failures == [], "\n".join(failures[:20])
     assert hits["manifests"] + hits["piece"] > 0, f"the Sybil relays were never asked: the test proves nothing ({dict(hits)})"
     steps = [json.loads(line) for line in (out / "coordinator" / "metrics.jsonl").read_text().splitlines()]
