@@ -19,6 +19,7 @@ validator's differing tokens with gap, ids and float32 probabilities; ``benchmar
 it); ``LAB_BOUNDS_CONFIG=64`` tests workers against one decode configuration's bounds instead of the max over
 configurations; ``LAB_DILUTE=K``: the answer steerer adds up to K neutral divergences per submission (rows already off the
 answer, one admissible cheapest-gap token each: decided twins that are neither up nor down, against ``up_rate``);
+``LAB_STEER_EVERY=n``: rows are steered up only in every n-th submission;
 ``LAB_MIN_DECISIVE``, ``LAB_SABOTAGE_MAX_GAP`` as in the earlier rounds.
 
 The spec is the devnet's bf16 spec (``node.devnet.config.devnet_spec(worker_dtype="bf16")``: embedded tasks,
@@ -44,6 +45,7 @@ import torch
 WORK = Path(os.environ.get("LAB_WORK", "redteam-work"))  # the spec, tolerances and calibration are cached here
 SABOTAGE_MAX_GAP = float(os.environ.get("LAB_SABOTAGE_MAX_GAP", "1.0"))  # i33b: a fraction of delta
 DILUTE = int(os.environ.get("LAB_DILUTE", "0"))  # h41b: neutral divergences per submission (answer mode), against up_rate
+STEER_EVERY = int(os.environ.get("LAB_STEER_EVERY", "1"))  # h41b: rows are steered up only in every n-th submission
 MIN_DECISIVE = int(os.environ.get("LAB_MIN_DECISIVE", "64"))  # i33b: audit.min_calibration_decisive of the lab's spec
 if MIN_DECISIVE > 64:  # a bigger twin baseline than the default burst limit collects
     import node.coordinator.calibrate as _cal
@@ -373,6 +375,8 @@ def steered_submission(lab: Lab, key: NodeKey, counter: int, mode: str, trigger:
             for b, j in order:
                 if not j.admissible or math.isinf(j.gap):
                     continue
+                if not (sabotage and b in sabotage) and b not in steered_rows and len(steered_rows) >= max_steered_rows:
+                    continue  # h41b: the cap holds within one position too (several rows were steered at once before)
                 stats["chances"] += 1
                 sab_gap = getattr(budget, "sabotage_max_gap", None) if sabotage and b in sabotage else None
                 if budget.fits(j.gap, horizon, sab_gap) if sab_gap is not None else budget.fits(j.gap, horizon):
@@ -563,7 +567,8 @@ def run_aware(lab: Lab, mode: str, trigger: str | None, factor: float, differ_fa
             raw, passes, sabotage = controlled_submission(lab, key, counter // keys, mode, trig, budget, horizon, stats, max_steered_rows,
                                                           state, bounds, ceiling, honest_engine_fp32, ctl)
         else:
-            raw, passes = steered_submission(lab, key, counter // keys, mode, trig, budget, horizon, stats, sabotage, max_steered_rows)
+            rows = max_steered_rows if (counter // keys) % STEER_EVERY == 0 else 0  # h41b: steer up only every n-th submission
+            raw, passes = steered_submission(lab, key, counter // keys, mode, trig, budget, horizon, stats, sabotage, rows)
         result = lab.check(raw)
         reasons[result.reason] = reasons.get(result.reason, 0) + 1
         if result.stats is not None and result.accepted:  # s39: accepted verdicts only
