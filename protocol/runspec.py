@@ -22,7 +22,14 @@ from protocol.artifacts import ARTIFACT_NAME_PATTERN
 from protocol.envelope import Authorities
 from protocol.errors import ProtocolError, RunSpecError, SignatureError
 from protocol.identity import PEER_ID_PATTERN, NodeKey, PeerId, public_key_from_peer_id, verify_signature
-from protocol.messages import DEFAULT_PIECE_SIZE_BYTES, PieceSizeBytes
+from protocol.messages import (
+    DEFAULT_PIECE_SIZE_BYTES,
+    PROOF_MAX_BYTES,
+    ROLLOUT_MAX_PROOFS,
+    SUBMISSION_MAX_ROLLOUTS,
+    PieceSizeBytes,
+    Submission,
+)
 from protocol.window import fresh_steps
 
 RUN_ID_DOMAIN = b"intellect-node/run-spec/1\x00"
@@ -98,7 +105,11 @@ PeerIdField = Annotated[PeerId, Field(pattern=f"^{PEER_ID_PATTERN}$")]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Base of the spec's tables: no unknown fields, and no coercion between types (``docs/protocol.md`` §7):
+    an integer field takes an integer (not ``"64"``, ``true`` or ``64.0``), a bool field a bool, a
+    string field a string; a float field also takes an integer (``1`` and ``1.0`` are one value)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class RunInfo(_Section):
@@ -434,7 +445,7 @@ class AuditSpec(_Section):
                                  "the twins' decode time scales with it, and so does how many tokens a steerer gets before its flag)")] = 1.0
     calibration_batches: Annotated[
         tuple[Annotated[int, Field(ge=1, le=CALIBRATION_BATCH_LIMIT)], ...],
-        Field(min_length=1, max_length=8,
+        Field(min_length=1, max_length=8, strict=False,  # a TOML array is a list; its items stay strict ints
               description="decode batch sizes (max_batch) the reference submissions round-robin over: honest replay statistics depend on "
                           "the decode configuration, and each event's bound is the largest over them (docs/toploc.md §11.1)")] = CALIBRATION_BATCHES_DEFAULT
 
@@ -512,7 +523,30 @@ class RunSpec(_Section):
         least = fresh_steps(self.rl.async_level)
         if self.shardcast.keep_steps < least:
             raise ValueError(f"shardcast.keep_steps must be ≥ rl.async_level + 1 = {least}")
+        self._fits_a_submission()
         return self
+
+    def _fits_a_submission(self) -> None:
+        """An honest worker's longest submission must fit ``submission/1`` (``protocol.messages``):
+        else every bound here passes and workers decode for hours only to be unable to seal what
+        they made (``seal`` refuses it)."""
+        rollouts = self.data.tasks_per_submission * self.rl.group_size
+        if rollouts > SUBMISSION_MAX_ROLLOUTS:
+            raise ValueError(f"data.tasks_per_submission × rl.group_size = {rollouts} rollouts, over the {SUBMISSION_MAX_ROLLOUTS} "
+                             "one submission/1 carries")
+        proofs = -(-self.sampling.max_tokens // self.toploc.chunk_size)
+        if proofs > ROLLOUT_MAX_PROOFS:
+            raise ValueError(f"⌈sampling.max_tokens / toploc.chunk_size⌉ = {proofs} proofs per rollout, over the {ROLLOUT_MAX_PROOFS} "
+                             "a rollout carries")
+        proof_bytes = 2 + 2 * self.toploc.topk  # protocol.toploc.proof_size_bytes (torch-free here; tests tie the two)
+        if proof_bytes > PROOF_MAX_BYTES:
+            raise ValueError(f"toploc.topk {self.toploc.topk} makes proofs of {proof_bytes} bytes, over the {PROOF_MAX_BYTES} a rollout "
+                             f"carries (topk ≤ {(PROOF_MAX_BYTES - 2) // 2})")
+        # the completions of max_tokens tokens alone (u32 IDs, f32 log-probs, proofs with their bin headers), prompts not counted
+        least_bytes = rollouts * (8 * self.sampling.max_tokens + proofs * (proof_bytes + 3))
+        if least_bytes > Submission.MAX_BYTES:
+            raise ValueError(f"a submission of {rollouts} rollouts of sampling.max_tokens = {self.sampling.max_tokens} tokens is at "
+                             f"least {least_bytes} bytes, over the {Submission.MAX_BYTES} of a submission/1")
 
     def canonical_bytes(self) -> bytes:
         """Canonical msgpack of the content (what the run ID hashes); the fields of :data:`_HASHED_ONLY_OFF_DEFAULT` and the
@@ -619,7 +653,7 @@ def parse_run_spec(text: str, *, require_signature: bool = True) -> SignedRunSpe
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
-        raise RunSpecError(f"run spec field {where}: {err['msg']}") from None
+        raise RunSpecError(f"run spec field {where}: {err['msg']}" if where else f"run spec: {err['msg']}") from None
     except ProtocolError as e:
         raise RunSpecError(f"run spec: {e}") from e
     if sig_table is None:

@@ -64,3 +64,59 @@ def test_hostile_replay_fields_refused(kw: dict) -> None:
     # attacker A5's probes of the replay rule's fields (unknown rule, NaN/inf/huge/negative/nested/bool, fields under the wrong rule)
     with pytest.raises(ValidationError):
         ToplocSpec(**kw)
+
+
+C = NodeKey.from_seed(b"c" * 32).peer_id
+
+
+@pytest.mark.parametrize("table, line", [
+    ("rl", 'group_size = "8"'),
+    ("rl", "group_size = 8.0"),
+    ("rl", "async_level = true"),
+    ("sampling", "max_tokens = true"),
+    ("sampling", "temperature = true"),
+    ("sampling", 'temperature = "1.5"'),
+    ("toploc", 'fp32_logits = "true"'),
+    ("toploc", "fp32_logits = 1"),
+    ("audit", 'calibration_batches = ["64"]'),
+    ("audit", "calibration_batches = [true]"),
+])
+def test_a_spec_field_takes_its_own_type_not_a_coerced_one(table: str, line: str) -> None:
+    # pydantic's lax mode read "8", 8.0 and true as the integer 8, 8 and 1 (and true as the float 1.0): the run ID hashed the
+    # coerced value, so such a file verified against the signature of the plain one, and `async_level = true` meant 1
+    field = line.split(" = ")[0]
+    with pytest.raises(RunSpecError, match=rf"{table}\.{field}"):
+        parse_run_spec(f"[run]\ncoordinator = '{C}'\n[{table}]\n{line}\n", require_signature=False)
+
+
+def test_an_integer_float_is_the_same_float_and_arrays_stay_arrays() -> None:
+    # what strictness keeps: `1` vs `1.0` is one value (docs/protocol.md §7), and a TOML array fills a tuple field
+    one = parse_run_spec(f"[run]\ncoordinator = '{C}'\n[sampling]\ntemperature = 1\n", require_signature=False).spec
+    same = parse_run_spec(f"[run]\ncoordinator = '{C}'\n[sampling]\ntemperature = 1.0\n", require_signature=False).spec
+    assert one.run_id == same.run_id and one.sampling.temperature == 1.0
+    audit = parse_run_spec(f"[run]\ncoordinator = '{C}'\n[audit]\ncalibration_batches = [1, 8]\n", require_signature=False).spec.audit
+    assert audit.calibration_batches == (1, 8)
+
+
+@pytest.mark.parametrize("tables, why", [
+    ("[data]\ntasks_per_submission = 1024\n[rl]\ngroup_size = 1024\n", "1048576 rollouts, over the 16384"),
+    ("[data]\ntasks_per_submission = 17\n[rl]\ngroup_size = 1024\n", "17408 rollouts, over the 16384"),
+    ("[sampling]\nmax_tokens = 131072\n[toploc]\nchunk_size = 1\n", "131072 proofs per rollout, over the 65536"),
+    ("[model]\nhidden_size = 1024\n[toploc]\ntopk = 512\n", "proofs of 1026 bytes, over the 1024"),
+    ("[sampling]\nmax_tokens = 131072\n[rl]\ngroup_size = 64\n", "over the 33554432 of a submission/1"),
+])
+def test_a_spec_whose_submissions_could_never_be_sent_is_refused(tables: str, why: str) -> None:
+    # each passed every bound of its own field: workers would decode a whole submission and then fail to seal it
+    # (submission/1 carries ≤ 16,384 rollouts of ≤ 65,536 proofs of ≤ 1,024 bytes, in ≤ 32 MiB)
+    with pytest.raises(RunSpecError, match=why):
+        parse_run_spec(f"[run]\ncoordinator = '{C}'\n{tables}", require_signature=False)
+
+
+def test_the_largest_spec_bounds_that_fit_still_load_and_match_the_proof_format() -> None:
+    from protocol.messages import PROOF_MAX_BYTES
+    from protocol.toploc import proof_size_bytes
+
+    assert proof_size_bytes(511) <= PROOF_MAX_BYTES < proof_size_bytes(512)  # runspec's torch-free copy of the proof size
+    for tables in ("[data]\ntasks_per_submission = 16\n[rl]\ngroup_size = 1024\n", "[model]\nhidden_size = 1024\n[toploc]\ntopk = 511\n",
+                   "[sampling]\nmax_tokens = 32768\n[rl]\ngroup_size = 16\n"):
+        parse_run_spec(f"[run]\ncoordinator = '{C}'\n{tables}", require_signature=False)
