@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, f
 from protocol import encoding
 from protocol.artifacts import ARTIFACT_NAME_PATTERN
 from protocol.envelope import Authorities
-from protocol.errors import ProtocolError, RunSpecError, SignatureError
+from protocol.errors import DecodeError, ProtocolError, RunSpecError, SignatureError
 from protocol.identity import PEER_ID_PATTERN, NodeKey, PeerId, public_key_from_peer_id, verify_signature
 from protocol.messages import (
     DEFAULT_PIECE_SIZE_BYTES,
@@ -165,7 +165,11 @@ class EnvSpec(_Section):
     @field_validator("args")
     @classmethod
     def _small_args(cls, v: dict[str, Any]) -> dict[str, Any]:
-        if len(encoding.packb(v)) > 64 * 1024:
+        try:
+            packed = encoding.packb(v)
+        except DecodeError as e:  # a ProtocolError, not a ValueError: pydantic would pass it on without the field's name
+            raise ValueError(f"env.args has no canonical form: {e}") from None
+        if len(packed) > 64 * 1024:
             raise ValueError("env.args is over 64 KiB")
         return v
 

@@ -37,6 +37,10 @@ LB = "logit-bound-v1"
     ("[run]\ncoordinator = '{c}'\n[rl]\nis_correction = 'clip'\n", "rl.is_correction"),
     ("[run]\ncoordinator = '{c}'\n[rl]\nis_correction = 'mask'\nold_logprobs = 'behavior'\n", "needs old_logprobs"),
     ("[run]\ncoordinator = '{c}'\n[rl]\nis_correction = ['mask']\n", "rl.is_correction"),
+    # env.args is free-form JSON: what has no canonical form named the field only as "run spec: ..." before
+    ("[run]\ncoordinator = '{c}'\n[env]\nargs = {a = " + "[" * 40 + "1" + "]" * 40 + "}\n", "env.args.*nested deeper than 16"),
+    ("[run]\ncoordinator = '{c}'\n[env]\nargs = {a = nan}\n", "env.args.*NaN"),
+    ("[run]\ncoordinator = '{c}'\n[env]\nargs = {a = 99999999999999999999}\n", "env.args.*out of range"),
 ])
 def test_run_spec_decoder_bounds_its_work_and_names_the_field(text: str, why: str) -> None:
     text = text.replace("{c}", NodeKey.from_seed(b"c" * 32).peer_id)
