@@ -124,3 +124,21 @@ def test_the_largest_spec_bounds_that_fit_still_load_and_match_the_proof_format(
     for tables in ("[data]\ntasks_per_submission = 16\n[rl]\ngroup_size = 1024\n", "[model]\nhidden_size = 1024\n[toploc]\ntopk = 511\n",
                    "[sampling]\nmax_tokens = 32768\n[rl]\ngroup_size = 16\n"):
         parse_run_spec(f"[run]\ncoordinator = '{C}'\n{tables}", require_signature=False)
+
+
+def test_a_spec_cannot_make_a_node_read_a_file_it_does_not_pin(tmp_path) -> None:
+    # data.tasks may name a path, and a worker without the tasks artifact read whatever file it named (a spec written by
+    # hand, no tasks_hash): a task-shaped file of the operator's (another run's private set) went out as the prompts of
+    # every submission. Now a named file is read only under data.tasks_hash; names of public sets and "embedded" stay free.
+    from protocol.dataset import resolve_run_tasks, resolve_tasks
+    from protocol.runspec import DataSpec, RunInfo, RunSpec
+    from protocol.tasks import TaskError, canonical_task_line, math_task
+
+    private = tmp_path / "private.jsonl"
+    private.write_bytes(b"".join(canonical_task_line(math_task(f"secret-{i}", f"the operator's prompt {i}", str(i))) for i in range(20)))
+    unpinned = RunSpec(run=RunInfo(coordinator=C), data=DataSpec(tasks=str(private)))
+    with pytest.raises(TaskError, match="does not pin it"):
+        resolve_run_tasks(unpinned)
+    pinned = unpinned.model_copy(update={"data": DataSpec(tasks=str(private), tasks_hash=resolve_tasks(str(private)).hash)})
+    assert len(resolve_run_tasks(pinned).train) + len(resolve_run_tasks(pinned).heldout) == 20
+    assert resolve_run_tasks(RunSpec(run=RunInfo(coordinator=C))).train  # "embedded" needs no pin
