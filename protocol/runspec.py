@@ -101,6 +101,12 @@ LOGPROB_TOL_LIMIT = 5.0
 """Upper bound on ``toploc.logprob_*`` tolerances, nats: beyond a factor of e⁵ ≈ 150 in probability
 a reported log-prob no longer says anything about the policy."""
 
+HEARTBEAT_MIN_S = 0.1
+"""Smallest ``network.heartbeat_interval_s``, seconds. A node's gossip budgets are per heartbeat interval
+(``node.p2p.topics``: a forwarder may make it check ``max_records_per_interval`` node records a period), so a
+spec of 1e-9 s passed validation and left every node checking signatures for any peer without bound
+(2.56e11 records a second at the default 256); at this floor the default allows 2,560 a second."""
+
 PeerIdField = Annotated[PeerId, Field(pattern=f"^{PEER_ID_PATTERN}$")]
 
 
@@ -403,7 +409,12 @@ class NetworkSpec(_Section):
     bootstrap: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=64)] = Field(default_factory=list)
     ingest_urls: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=16)] = Field(default_factory=list)
     origin_urls: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=16)] = Field(default_factory=list)
-    heartbeat_interval_s: Annotated[float, Field(gt=0.0, le=3600.0, description="seconds")] = 2.0
+    heartbeat_interval_s: Annotated[
+        float,
+        Field(ge=HEARTBEAT_MIN_S, le=3600.0,
+              description="seconds; every node's gossip budgets are per interval (node records one peer may make it check: "
+                          "max_records_per_interval / heartbeat_interval_s a second), so it has a floor"),
+    ] = 2.0
 
 
 class AuditSpec(_Section):

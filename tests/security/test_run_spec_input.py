@@ -142,3 +142,12 @@ def test_a_spec_cannot_make_a_node_read_a_file_it_does_not_pin(tmp_path) -> None
     pinned = unpinned.model_copy(update={"data": DataSpec(tasks=str(private), tasks_hash=resolve_tasks(str(private)).hash)})
     assert len(resolve_run_tasks(pinned).train) + len(resolve_run_tasks(pinned).heldout) == 20
     assert resolve_run_tasks(RunSpec(run=RunInfo(coordinator=C))).train  # "embedded" needs no pin
+
+
+@pytest.mark.parametrize("seconds", ["1e-9", "0.0", "0.05"])
+def test_a_heartbeat_interval_that_would_void_the_gossip_budgets_is_refused(seconds: str) -> None:
+    # a node's budget of node records a forwarder may make it check is max_records_per_interval / heartbeat_interval_s a
+    # second (node.p2p.topics.TopicGate): at 1e-9 s (the old bound was only > 0) it was 2.56e11, no budget at all
+    with pytest.raises(RunSpecError, match="network.heartbeat_interval_s"):
+        parse_run_spec(f"[run]\ncoordinator = '{C}'\n[network]\nheartbeat_interval_s = {seconds}\n", require_signature=False)
+    assert parse_run_spec(f"[run]\ncoordinator = '{C}'\n[network]\nheartbeat_interval_s = 0.1\n", require_signature=False)
