@@ -71,8 +71,10 @@ __all__ = [
     "Baseline",
     "ConfigCounts",
     "Flag",
+    "HeldSubmission",
     "event_counts",
     "rate_upper_bound",
+    "verdict_mismatch",
 ]
 
 ALTERNATIVES = (2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
@@ -126,6 +128,53 @@ def event_counts(stats: ReplayStats, events: Sequence[str] = EVENTS) -> dict[str
     for i in range(5):
         out[f"gap_over_{i}"] = (over[i], stats.tokens)
     return {e: out[e] for e in events}
+
+
+@dataclass(frozen=True)
+class HeldSubmission:
+    """What the coordinator holds of a judged submission, against which a verdict's counts are checked.
+
+    Attributes:
+        rollouts: the submission's rollouts.
+        tokens: their completion tokens (the sum of the completions' lengths, tokens).
+    """
+
+    rollouts: int
+    tokens: int
+
+
+def verdict_mismatch(stats: ReplayStats, held: HeldSubmission, *, rule: str, chunk_size: int | None) -> str | None:
+    """Why a full check's statistics cannot be those of the submission the coordinator holds, or ``None``.
+
+    A full check replays every completion token of every rollout and verifies every TOPLOC chunk
+    (``validator.pipeline``), so its counts are fixed by the submission: ``tokens`` equals the held
+    completion tokens; ``chunks`` lies between ``max(rollouts, ⌈tokens / chunk_size⌉)`` and
+    ``⌊(tokens + rollouts · (chunk_size − 1)) / chunk_size⌋`` (each rollout of ``n ≥ 1`` tokens has
+    ``⌈n / chunk_size⌉`` chunks); under ``eprocess-v2`` ``rollouts`` equals the held rollouts (0 under
+    other rules). A verdict whose counts differ was forged or broken: counted, its inflated trials
+    would dilute the worker's test (a huge ``tokens`` with no events drives every component's
+    likelihood ratio towards 0, and the evidence a steerer builds later must first climb back).
+
+    Args:
+        stats: the verdict's replay statistics.
+        held: the submission as the coordinator stored it.
+        rule: the run's ``audit.rule``.
+        chunk_size: the run's ``toploc.chunk_size`` (tokens); ``None``: chunks are not checked.
+
+    Returns:
+        A one-line reason naming the count that disagrees, or ``None`` when all agree.
+    """
+    if stats.tokens != held.tokens:
+        return f"tokens {stats.tokens} != {held.tokens} completion tokens held"
+    want_rollouts = held.rollouts if rule == AUDIT_RULE_EPROCESS_V2 else 0
+    if stats.rollouts != want_rollouts:
+        return f"rollouts {stats.rollouts} != {want_rollouts} ({rule})"
+    if chunk_size is not None and held.rollouts > 0:
+        lo = max(held.rollouts, -(-held.tokens // chunk_size))
+        hi = (held.tokens + held.rollouts * (chunk_size - 1)) // chunk_size
+        if not lo <= stats.chunks <= hi:
+            return f"chunks {stats.chunks} outside [{lo}, {hi}] for {held.rollouts} rollouts of {held.tokens} tokens"
+    return None
 
 
 def _alternatives(event: str, p0: float) -> list[tuple[str, float]]:

@@ -138,6 +138,12 @@ def tasks_artifact_id(train: list[Task]) -> ContentId:
     return build_artifact(TASKS_ARTIFACT, tasks_artifact_files(train))[2]
 
 
+def names_a_file(ref: str) -> bool:
+    """Whether ``data.tasks`` value ``ref`` names a file on the node's machine (not ``embedded``,
+    ``environment`` or a public set read from the data root)."""
+    return ref not in ("embedded", ENV_TASKS) and ref not in CONVERTER_NAMES
+
+
 def run_tasks(ref: str, data_root: Path | None, expected_hash: str, artifacts: dict[str, Path] | None = None) -> RunTasks:
     """The run's tasks as a worker or validator holds them: from the fetched ``tasks`` artifact when
     there is one (``artifacts``: name → directory of its files), else from ``data.tasks`` and the data
@@ -146,11 +152,20 @@ def run_tasks(ref: str, data_root: Path | None, expected_hash: str, artifacts: d
     From the artifact, ``heldout`` is empty (the coordinator alone evaluates) and the list must hash
     to ``expected_hash`` (``data.tasks_hash``) when the spec pins one.
 
+    A ``data.tasks`` that names a file (:func:`names_a_file`) is read only when ``expected_hash`` pins
+    it: the spec comes from the run's coordinator, and the prompts of its tasks leave the node in every
+    submission, so an unpinned path would let a spec send out any task-shaped file the node can read.
+
     Raises:
-        TaskError: an unreadable or invalid task file, or one that does not hash to ``expected_hash``.
+        TaskError: an unreadable or invalid task file, one that does not hash to ``expected_hash``, or
+            a file named without a pin.
     """
     folder = (artifacts or {}).get(TASKS_ARTIFACT)
     if folder is None:
+        if not expected_hash and names_a_file(ref):
+            raise TaskError(f"data.tasks {ref[:120]!r} names a file on this machine but data.tasks_hash does not pin it: a run spec may "
+                            "not make a node read a file of its choosing and send it out as prompts (`intellect-node spec init --tasks` "
+                            "pins it)")
         return resolve_tasks(ref, data_root, expected_hash)
     train = load_tasks(Path(folder) / TASKS_FILE)
     h = dataset_hash(train)

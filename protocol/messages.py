@@ -60,6 +60,14 @@ rule that cuts files (``protocol.shardcast.build_manifest``)."""
 
 Signer = Literal["coordinator", "validator", "any"]
 
+SUBMISSION_MAX_ROLLOUTS = 1 << 14
+"""Most rollouts in one ``submission/1``: a run spec's ``data.tasks_per_submission × rl.group_size`` must fit."""
+ROLLOUT_MAX_PROOFS = 1 << 16
+"""Most TOPLOC proofs of one rollout: a run spec's ``⌈sampling.max_tokens / toploc.chunk_size⌉`` must fit."""
+PROOF_MAX_BYTES = 1024
+"""Largest TOPLOC proof in a rollout, bytes: a run spec's ``toploc.topk`` must make proofs that fit
+(``protocol.toploc.proof_size_bytes``: 2 + 2k bytes, so k ≤ 511)."""
+
 
 class Message(BaseModel):
     """Base of all message bodies: strict, frozen, no extra fields."""
@@ -236,7 +244,7 @@ class Rollout(Message):
     finish: Literal["eos", "length"]
     task_reward: FiniteFloat
     reward: FiniteFloat
-    proofs: Annotated[list[Annotated[bytes, Field(max_length=1024)]], Field(max_length=1 << 16, fail_fast=True)]
+    proofs: Annotated[list[Annotated[bytes, Field(max_length=PROOF_MAX_BYTES)]], Field(max_length=ROLLOUT_MAX_PROOFS, fail_fast=True)]
 
     @field_validator("prompt_ids", "completion_ids", "logprobs")
     @classmethod
@@ -258,7 +266,7 @@ class Submission(Message):
     policy_step: Step
     counter: Count
     tasks: Annotated[list[SubmissionTask], Field(min_length=1, max_length=1024, fail_fast=True)]
-    rollouts: Annotated[list[Rollout], Field(min_length=1, max_length=1 << 14, fail_fast=True)]
+    rollouts: Annotated[list[Rollout], Field(min_length=1, max_length=SUBMISSION_MAX_ROLLOUTS, fail_fast=True)]
 
 
 VerdictValue = bool | int | FiniteFloat | ShortStr

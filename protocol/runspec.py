@@ -20,9 +20,16 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, f
 from protocol import encoding
 from protocol.artifacts import ARTIFACT_NAME_PATTERN
 from protocol.envelope import Authorities
-from protocol.errors import ProtocolError, RunSpecError, SignatureError
+from protocol.errors import DecodeError, ProtocolError, RunSpecError, SignatureError
 from protocol.identity import PEER_ID_PATTERN, NodeKey, PeerId, public_key_from_peer_id, verify_signature
-from protocol.messages import DEFAULT_PIECE_SIZE_BYTES, PieceSizeBytes
+from protocol.messages import (
+    DEFAULT_PIECE_SIZE_BYTES,
+    PROOF_MAX_BYTES,
+    ROLLOUT_MAX_PROOFS,
+    SUBMISSION_MAX_ROLLOUTS,
+    PieceSizeBytes,
+    Submission,
+)
 from protocol.window import fresh_steps
 
 RUN_ID_DOMAIN = b"intellect-node/run-spec/1\x00"
@@ -94,11 +101,21 @@ LOGPROB_TOL_LIMIT = 5.0
 """Upper bound on ``toploc.logprob_*`` tolerances, nats: beyond a factor of e⁵ ≈ 150 in probability
 a reported log-prob no longer says anything about the policy."""
 
+HEARTBEAT_MIN_S = 0.1
+"""Smallest ``network.heartbeat_interval_s``, seconds. A node's gossip budgets are per heartbeat interval
+(``node.p2p.topics``: a forwarder may make it check ``max_records_per_interval`` node records a period), so a
+spec of 1e-9 s passed validation and left every node checking signatures for any peer without bound
+(2.56e11 records a second at the default 256); at this floor the default allows 2,560 a second."""
+
 PeerIdField = Annotated[PeerId, Field(pattern=f"^{PEER_ID_PATTERN}$")]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Base of the spec's tables: no unknown fields, and no coercion between types (``docs/protocol.md`` §7):
+    an integer field takes an integer (not ``"64"``, ``true`` or ``64.0``), a bool field a bool, a
+    string field a string; a float field also takes an integer (``1`` and ``1.0`` are one value)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class RunInfo(_Section):
@@ -154,7 +171,11 @@ class EnvSpec(_Section):
     @field_validator("args")
     @classmethod
     def _small_args(cls, v: dict[str, Any]) -> dict[str, Any]:
-        if len(encoding.packb(v)) > 64 * 1024:
+        try:
+            packed = encoding.packb(v)
+        except DecodeError as e:  # a ProtocolError, not a ValueError: pydantic would pass it on without the field's name
+            raise ValueError(f"env.args has no canonical form: {e}") from None
+        if len(packed) > 64 * 1024:
             raise ValueError("env.args is over 64 KiB")
         return v
 
@@ -388,7 +409,12 @@ class NetworkSpec(_Section):
     bootstrap: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=64)] = Field(default_factory=list)
     ingest_urls: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=16)] = Field(default_factory=list)
     origin_urls: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=16)] = Field(default_factory=list)
-    heartbeat_interval_s: Annotated[float, Field(gt=0.0, le=3600.0, description="seconds")] = 2.0
+    heartbeat_interval_s: Annotated[
+        float,
+        Field(ge=HEARTBEAT_MIN_S, le=3600.0,
+              description="seconds; every node's gossip budgets are per interval (node records one peer may make it check: "
+                          "max_records_per_interval / heartbeat_interval_s a second), so it has a floor"),
+    ] = 2.0
 
 
 class AuditSpec(_Section):
@@ -434,7 +460,7 @@ class AuditSpec(_Section):
                                  "the twins' decode time scales with it, and so does how many tokens a steerer gets before its flag)")] = 1.0
     calibration_batches: Annotated[
         tuple[Annotated[int, Field(ge=1, le=CALIBRATION_BATCH_LIMIT)], ...],
-        Field(min_length=1, max_length=8,
+        Field(min_length=1, max_length=8, strict=False,  # a TOML array is a list; its items stay strict ints
               description="decode batch sizes (max_batch) the reference submissions round-robin over: honest replay statistics depend on "
                           "the decode configuration, and each event's bound is the largest over them (docs/toploc.md §11.1)")] = CALIBRATION_BATCHES_DEFAULT
 
@@ -512,7 +538,30 @@ class RunSpec(_Section):
         least = fresh_steps(self.rl.async_level)
         if self.shardcast.keep_steps < least:
             raise ValueError(f"shardcast.keep_steps must be ≥ rl.async_level + 1 = {least}")
+        self._fits_a_submission()
         return self
+
+    def _fits_a_submission(self) -> None:
+        """An honest worker's longest submission must fit ``submission/1`` (``protocol.messages``):
+        else every bound here passes and workers decode for hours only to be unable to seal what
+        they made (``seal`` refuses it)."""
+        rollouts = self.data.tasks_per_submission * self.rl.group_size
+        if rollouts > SUBMISSION_MAX_ROLLOUTS:
+            raise ValueError(f"data.tasks_per_submission × rl.group_size = {rollouts} rollouts, over the {SUBMISSION_MAX_ROLLOUTS} "
+                             "one submission/1 carries")
+        proofs = -(-self.sampling.max_tokens // self.toploc.chunk_size)
+        if proofs > ROLLOUT_MAX_PROOFS:
+            raise ValueError(f"⌈sampling.max_tokens / toploc.chunk_size⌉ = {proofs} proofs per rollout, over the {ROLLOUT_MAX_PROOFS} "
+                             "a rollout carries")
+        proof_bytes = 2 + 2 * self.toploc.topk  # protocol.toploc.proof_size_bytes (torch-free here; tests tie the two)
+        if proof_bytes > PROOF_MAX_BYTES:
+            raise ValueError(f"toploc.topk {self.toploc.topk} makes proofs of {proof_bytes} bytes, over the {PROOF_MAX_BYTES} a rollout "
+                             f"carries (topk ≤ {(PROOF_MAX_BYTES - 2) // 2})")
+        # the completions of max_tokens tokens alone (u32 IDs, f32 log-probs, proofs with their bin headers), prompts not counted
+        least_bytes = rollouts * (8 * self.sampling.max_tokens + proofs * (proof_bytes + 3))
+        if least_bytes > Submission.MAX_BYTES:
+            raise ValueError(f"a submission of {rollouts} rollouts of sampling.max_tokens = {self.sampling.max_tokens} tokens is at "
+                             f"least {least_bytes} bytes, over the {Submission.MAX_BYTES} of a submission/1")
 
     def canonical_bytes(self) -> bytes:
         """Canonical msgpack of the content (what the run ID hashes); the fields of :data:`_HASHED_ONLY_OFF_DEFAULT` and the
@@ -619,7 +668,7 @@ def parse_run_spec(text: str, *, require_signature: bool = True) -> SignedRunSpe
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
-        raise RunSpecError(f"run spec field {where}: {err['msg']}") from None
+        raise RunSpecError(f"run spec field {where}: {err['msg']}" if where else f"run spec: {err['msg']}") from None
     except ProtocolError as e:
         raise RunSpecError(f"run spec: {e}") from e
     if sig_table is None:

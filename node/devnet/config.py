@@ -241,7 +241,7 @@ def devnet_spec(
     return RunSpec(
         run=RunInfo(name="devnet", seed=seed, coordinator=coordinator.peer_id, validators=validators),
         model=model_spec,
-        data=DataSpec(tasks=tasks, tasks_hash=tasks_hash if env is not None else "",
+        data=DataSpec(tasks=tasks, tasks_hash=tasks_hash,
                       tasks_per_submission=1 if profile else 4 if tasks in ("embedded", ENV_TASKS) else 2),
         env=env if env is not None else EnvSpec(),
         sampling=sampling,

@@ -284,6 +284,11 @@ class Devnet:
             section, tasks_hash, max_tokens = devnet_env(self.o.env, self.o.env_args)
             env_kw = {"env": section, "tasks_hash": tasks_hash, "env_max_tokens": max_tokens}
             self.events.append(f"{time.monotonic() - self.started:.0f}s environment hash {section.hash[:16]}…, tasks {tasks_hash[:16]}…")
+        elif self.o.tasks is not None:
+            from protocol.dataset import names_a_file, resolve_tasks
+
+            if names_a_file(self.o.tasks):  # nodes read a task file only where the spec pins it (protocol.dataset.run_tasks)
+                env_kw = {"tasks_hash": resolve_tasks(self.o.tasks, self.o.data_root).hash}
 
         def make(measured: Any = None) -> Any:
             return devnet_spec(coord, validators, tasks=self.o.tasks, http_url=self.coord_url, bootstrap=bootstrap,

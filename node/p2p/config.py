@@ -6,6 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from protocol.runspec import HEARTBEAT_MIN_S
+
 
 class GossipConfig(BaseModel):
     """How a node joins the run's gossip network. Every field has a default that works on one laptop."""
@@ -20,7 +22,8 @@ class GossipConfig(BaseModel):
     announce_addrs: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=16)] = Field(
         default_factory=list, description="multiaddrs to advertise instead of the listen addresses (NAT, containers)"
     )
-    heartbeat_interval_s: Annotated[float | None, Field(gt=0.0, le=3600.0, description="seconds; None: the run spec's")] = None
+    heartbeat_interval_s: Annotated[float | None, Field(ge=HEARTBEAT_MIN_S, le=3600.0,
+                                                        description="seconds; None: the run spec's (its floor too)")] = None
     missed_heartbeats: Annotated[int, Field(ge=1, le=100, description="a peer silent this many intervals is dead")] = 3
     freshness_slack_s: Annotated[float, Field(ge=0.0, le=3600.0, description="seconds added to the max message age")] = 5.0
     max_future_s: Annotated[float, Field(ge=0.0, le=3600.0, description="accepted clock skew ahead of ours, seconds")] = 10.0

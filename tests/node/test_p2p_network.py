@@ -302,6 +302,7 @@ async def test_a_hub_keeps_every_worker_that_grafts_it_in_its_mesh(full_mesh: bo
             if beats >= start + 3:
                 break
             await asyncio.sleep(0.05)
+        assert beats >= start + 3, f"the hub's router ran {beats - start} heartbeats in 30 s, not 3"
         after = (await relay.stats())["mesh"].get(topic, 0)
         if full_mesh:
             assert sizes[-1] == n_workers and after == n_workers, (sizes[-5:], after)

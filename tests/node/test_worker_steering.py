@@ -143,8 +143,9 @@ def test_under_logit_bound_v2_the_steerer_is_accepted_per_submission_and_flagged
     bf16 worker's statistics over as many tokens stay far from the threshold."""
     from node.coordinator.calibrate import worker_engine
     from node.worker.rollouts import build_submission, seal_submission
-    from protocol.audit import AuditState, Baseline
+    from protocol.audit import AuditState, Baseline, HeldSubmission, verdict_mismatch
     from protocol.models import head_weight
+    from trainer.ledger.store import completion_tokens
     from validator.pipeline import SubmissionChecker
 
     policy, tok, tasks = base
@@ -183,9 +184,11 @@ def test_under_logit_bound_v2_the_steerer_is_accepted_per_submission_and_flagged
     honest_key, honest, honest_tokens = NodeKey.from_seed(b"h" * 32), AuditState(), 0
     engine = worker_engine(spec, EMBEDDED_BASE_DIR, max_batch=8)  # another batch size than the calibration's
     for counter in range(6):
-        result = checker.check(open_envelope(build_submission(spec, spec.run_id, honest_key, engine, tok, tasks, 0, counter),
-                                             run_id=spec.run_id, expect=Submission))
+        env = open_envelope(build_submission(spec, spec.run_id, honest_key, engine, tok, tasks, 0, counter), run_id=spec.run_id, expect=Submission)
+        result = checker.check(env)
         assert result.stats is not None
+        held = HeldSubmission(len(env.body.rollouts), completion_tokens(env.body))
+        assert verdict_mismatch(result.stats, held, rule=spec.audit.rule, chunk_size=spec.toploc.chunk_size) is None  # what the coordinator counts
         honest.observe(result.stats, bounds)
         honest_tokens += result.stats.tokens
     assert honest_tokens >= tokens and honest.flag(1e-6, bounds) is None and honest.log_e_value() < math.log(1e6) / 2

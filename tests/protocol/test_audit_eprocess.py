@@ -121,3 +121,23 @@ def test_baseline_pools_only_the_newest_steps_and_counts_events() -> None:
         ReplayStats(tokens=10, differ=3, gap_over=[2, 3])  # must be non-increasing
     with pytest.raises(ValueError):
         ReplayStats(tokens=10, differ=11)
+
+
+def test_verdict_mismatch_checks_a_full_checks_counts_against_the_submission_held() -> None:
+    """``verdict_mismatch``: tokens equal the held completion tokens; TOPLOC chunks between
+    ``max(rollouts, ⌈T / c⌉)`` and ``⌊(T + R·(c − 1)) / c⌋``; twin rollouts equal the held rollouts under
+    ``eprocess-v2``, 0 under ``eprocess-v1``; each disagreement is named."""
+    from protocol.audit import HeldSubmission, verdict_mismatch
+
+    held = HeldSubmission(rollouts=2, tokens=40)  # e.g. 33 + 7 tokens: 2 + 1 chunks of 32; 20 + 20: 1 + 1
+    ok = ReplayStats(tokens=40, differ=0, chunks=2)
+    assert verdict_mismatch(ok, held, rule="eprocess-v1", chunk_size=32) is None
+    assert verdict_mismatch(ok.model_copy(update={"chunks": 3}), held, rule="eprocess-v1", chunk_size=32) is None
+    for chunks in (1, 4):
+        why = verdict_mismatch(ok.model_copy(update={"chunks": chunks}), held, rule="eprocess-v1", chunk_size=32)
+        assert why is not None and why.startswith(f"chunks {chunks} outside [2, 3]")
+    assert verdict_mismatch(ok.model_copy(update={"chunks": 10**6}), held, rule="eprocess-v1", chunk_size=None) is None
+    assert "tokens 41 != 40" in verdict_mismatch(ok.model_copy(update={"tokens": 41}), held, rule="eprocess-v1", chunk_size=32)
+    assert "rollouts 0 != 2" in verdict_mismatch(ok, held, rule="eprocess-v2", chunk_size=32)
+    assert verdict_mismatch(ok.model_copy(update={"rollouts": 2}), held, rule="eprocess-v2", chunk_size=32) is None
+    assert "rollouts 2 != 0" in verdict_mismatch(ok.model_copy(update={"rollouts": 2}), held, rule="eprocess-v1", chunk_size=32)

@@ -270,6 +270,8 @@ async def test_presence_streams_opened_back_to_back_are_refused_before_a_view_is
                 if stats["streams_accepted"] + stats.get("opens_over_budget", 0) - before["streams_accepted"] >= 60:
                     break
                 await asyncio.sleep(0.1)
+            handled = stats["streams_accepted"] + stats.get("opens_over_budget", 0) - before["streams_accepted"]
+            assert handled > 2 * OPEN_BURST, f"the hub handled {handled} of the 60 streams: the refusal was not exercised: {stats}"
             sent = stats["views_sent"] - before["views_sent"]
             assert sent <= OPEN_BURST + 2, f"the hub sent {sent} views to 60 streams of one peer: {stats}"
             assert stats["attached"] == 1 and worker.peer_id in relay.peers

@@ -23,12 +23,19 @@ SPEC = RunSpec(run=RunInfo(coordinator=COORD.peer_id, validators=[VALIDATOR.peer
 RUN = SPEC.run_id
 
 
-def submission(worker: NodeKey, counter: int) -> bytes:
-    r = Rollout(task=0, sample=0, seed=1, prompt_ids=b"\x01\x00\x00\x00", completion_ids=b"\x02\x00\x00\x00" * 4,
-                logprobs=b"\x00\x00\x00\x00" * 4, finish="length", task_reward=0.0, reward=0.0, proofs=[b"\x00" * 258])
+def submission(worker: NodeKey, counter: int, lengths: tuple[int, ...] = (200,)) -> bytes:
+    """A submission of one rollout per entry of ``lengths`` (completion tokens): the verdicts below claim
+    replay statistics of 200 tokens, which must be those of the submission held."""
+    rollouts = [Rollout(task=0, sample=0, seed=1, prompt_ids=b"\x01\x00\x00\x00", completion_ids=b"\x02\x00\x00\x00" * n,
+                        logprobs=b"\x00\x00\x00\x00" * n, finish="length", task_reward=0.0, reward=0.0, proofs=[b"\x00" * 258])
+                for n in lengths]
     body = Submission(worker=worker.peer_id, policy_step=0, counter=counter, tasks=[SubmissionTask(task_index=0, problem_id="p0", target_length=0)],
-                      rollouts=[r])
+                      rollouts=rollouts)
     return seal(worker, RUN, body)
+
+
+V2_LENGTHS = (4,) * 8 + (3,) * 56
+"""64 rollouts of 200 completion tokens in all, one TOPLOC chunk each (the eprocess-v2 verdicts below count 64 rollouts)."""
 
 
 def verdict(sub: bytes, stats: ReplayStats, accepted: bool = True, reason: str = "ok") -> bytes:
@@ -37,8 +44,8 @@ def verdict(sub: bytes, stats: ReplayStats, accepted: bool = True, reason: str =
                                         accepted=accepted, reason=reason, stats=stats))
 
 
-HONEST = ReplayStats(tokens=200, differ=1, gap_over=[0, 0, 0, 0, 0], chunks=8)
-STEERED = ReplayStats(tokens=200, differ=40, gap_over=[40, 38, 30, 18, 0], chunks=8)
+HONEST = ReplayStats(tokens=200, differ=1, gap_over=[0, 0, 0, 0, 0], chunks=7)
+STEERED = ReplayStats(tokens=200, differ=40, gap_over=[40, 38, 30, 18, 0], chunks=7)
 
 
 def submit_until_banned(service, worker: NodeKey, limit: int, run: bytes, make_submission, make_verdict) -> list[str]:
@@ -170,7 +177,7 @@ V2_SPEC = RunSpec(run=RunInfo(coordinator=COORD.peer_id, validators=[VALIDATOR.p
                   audit=AuditSpec(rule="eprocess-v2", min_calibration_tokens=10_000))
 REFERENCE_V2 = ReplayStats(tokens=2000, differ=40, gap_over=[4, 2, 1, 0, 0], chunks=80, rollouts=640, diverged=32, decided=8, up=5, down=3)
 """Honest reference work as the red team measured it: ≈ 2 % of tokens differ, 5 % of rollouts diverge, up-share ≈ 0.6."""
-RATIONED = ReplayStats(tokens=200, differ=3, gap_over=[0, 0, 0, 0, 0], chunks=8, rollouts=64, diverged=3, decided=3, up=3, down=0)
+RATIONED = ReplayStats(tokens=200, differ=3, gap_over=[0, 0, 0, 0, 0], chunks=64, rollouts=64, diverged=3, decided=3, up=3, down=0)
 """The rationed steerer: its rates under the honest bounds, but every decided twin loses to its completion."""
 
 
@@ -188,7 +195,7 @@ def test_eprocess_v2_bans_the_rationed_steerer_that_v1_cannot_see(tmp_path) -> N
     assert audit.ready() and not audit.wants_decisive() and audit.baseline.decisive() == 320
 
     def v2_submission(worker: NodeKey, counter: int) -> bytes:
-        env = open_envelope(submission(worker, counter), run_id=RUN, expect=Submission)
+        env = open_envelope(submission(worker, counter, V2_LENGTHS), run_id=RUN, expect=Submission)
         return seal(worker, run, env.body)
 
     def v2_verdict(sub: bytes, stats: ReplayStats) -> bytes:
@@ -197,7 +204,7 @@ def test_eprocess_v2_bans_the_rationed_steerer_that_v1_cannot_see(tmp_path) -> N
                                             accepted=True, reason="ok", stats=stats))
 
     honest, steerer = NodeKey.generate(), NodeKey.generate()
-    honest_stats = [ReplayStats(tokens=200, differ=3, gap_over=[0] * 5, chunks=8, rollouts=64, diverged=3, decided=2, up=u, down=2 - u)
+    honest_stats = [ReplayStats(tokens=200, differ=3, gap_over=[0] * 5, chunks=64, rollouts=64, diverged=3, decided=2, up=u, down=2 - u)
                     for u in (1, 2, 1, 1, 0, 2, 1, 2) * 10]  # up-share 0.625 over 160 decisive twins
     for counter, stats in enumerate(honest_stats):
         sub = v2_submission(honest, counter)
@@ -242,10 +249,37 @@ def test_only_accepted_verdicts_are_counted_and_an_impossible_twin_count_is_refu
         service.apply_verdict(verdict(sub, STEERED, accepted=False, reason="precision"))
     assert not ledger.bans.is_banned(rejected.peer_id) and audit.evidence(rejected.peer_id) == []
     n = TWINS_PER_SUBMISSION + 1
-    too_many = ReplayStats(tokens=200, differ=n, gap_over=[0] * 5, chunks=8, rollouts=64, diverged=n, decided=n, down=n)
+    too_many = ReplayStats(tokens=200, differ=n, gap_over=[0] * 5, chunks=7, rollouts=64, diverged=n, decided=n, down=n)
     sub = submission(forged, 0)
     assert ledger.store.add(open_envelope(sub, run_id=RUN, expect=Submission))
     service.apply_verdict(verdict(sub, too_many))
     assert audit.evidence(forged.peer_id) == []
+    service.close()
+    ledger.close()
+
+
+def test_a_verdict_whose_counts_are_not_the_submission_held_is_not_counted(tmp_path) -> None:
+    """A full check replays every token and chunk of the submission, so its counts are fixed by what the
+    coordinator holds. One forged verdict (a compromised validator key) claiming 10⁹ clean tokens would
+    drive every likelihood ratio of the worker's test towards 0, and a steerer's later evidence would
+    first have to climb back: such a verdict is not counted (logged; ``mismatched_verdicts`` in
+    ``/status``). Nor is one with another chunk count, or twin rollouts under ``eprocess-v1``; a verdict
+    whose counts match is counted, and the steerer is still flagged as fast as without the forgery."""
+    service = open_coordinator(tmp_path)
+    ledger, audit = service.ledger, service.ban_rule.audit
+    calibrate(service, 20_000)
+    steerer = NodeKey.generate()
+    forged = [ReplayStats(tokens=10**9, differ=0, gap_over=[0] * 5, chunks=7),  # inflated tokens
+              ReplayStats(tokens=200, differ=0, gap_over=[0] * 5, chunks=10**9),  # inflated chunks
+              ReplayStats(tokens=200, differ=0, gap_over=[0] * 5, chunks=6),  # too few chunks for 200 tokens
+              ReplayStats(tokens=200, differ=0, gap_over=[0] * 5, chunks=7, rollouts=1)]  # twins under eprocess-v1
+    for counter, stats in enumerate(forged):
+        sub = submission(steerer, counter)
+        assert ledger.store.add(open_envelope(sub, run_id=RUN, expect=Submission))
+        service.apply_verdict(verdict(sub, stats))
+    assert audit.evidence(steerer.peer_id) == [] and service.status()["audit"]["mismatched_verdicts"] == len(forged)
+    held = submit_until_banned(service, steerer, 30, RUN, lambda w, i: submission(w, 100 + i), lambda sub: verdict(sub, STEERED))
+    assert ledger.bans.is_banned(steerer.peer_id) and len(held) <= 5
+    assert len(audit.evidence(steerer.peer_id)) == len(held)  # the matching verdicts, all counted
     service.close()
     ledger.close()

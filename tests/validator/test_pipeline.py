@@ -462,6 +462,34 @@ def test_oversized_packed_arrays_are_refused_before_they_are_unpacked(world: Wor
         assert max(seen, default=0) < big, seen
 
 
+@pytest.mark.parametrize("full", [False, True])
+def test_a_submissions_reward_work_stops_at_its_budget(world: World, honest_env: Envelope[Submission], monkeypatch: pytest.MonkeyPatch,
+                                                        full: bool) -> None:
+    # completions that sleep to just under every sandbox limit and report the reward the sandbox then gives (0, agreeing):
+    # a light check runs the rewards of tokens nobody checked, and each rollout cost ≈ 60 s of a code task's sandbox time
+    # (measured: a sleeping program, 15.2 s for its first test case), all of them in turn (old code: 16 rollouts, 960 s, accepted)
+    import validator.pipeline as vp
+    from protocol.rewards import RewardLimits
+    from validator.rewards import RewardJudgement
+
+    clock = [0.0]
+    scored: list[int] = []
+
+    def slow_agreeing_judge(score: Callable[[], Any], reported_task: float, reported_reward: float, **_: Any) -> RewardJudgement:
+        scored.append(1)
+        clock[0] += RewardLimits().sandbox.total_wall_time_s  # a completion at its whole sandbox time
+        return RewardJudgement("ok", None, 1, "")  # type: ignore[arg-type]
+
+    monkeypatch.setattr(vp, "_clock", lambda: clock[0])
+    monkeypatch.setattr(vp, "judge_reward", slow_agreeing_judge)
+    budget = vp.reward_budget_s(ROLLOUTS, RewardLimits())
+    assert budget == 120.0  # two completions' sandbox time: 16 rollouts × 2 s is less
+    result = world.checker().check(honest_env, full=full)
+    assert_rejected(result, {"limit_hit"})
+    assert len(scored) == 3 < ROLLOUTS and result.evidence["budget_s"] == budget  # 0 → 60 → 120 → 180 s: over after the third
+    assert vp.reward_budget_s(1000, RewardLimits()) == 2000.0  # large submissions get 2 s a rollout
+
+
 def test_the_sampling_check_runs_on_one_intra_op_thread(world: World, honest_env: Envelope[Submission], monkeypatch: pytest.MonkeyPatch) -> None:
     """The replay runs on one torch thread (its short parallel ops stall beside other CPU-bound
     processes: docs/toploc.md §9) and the process's thread count is back afterwards."""

@@ -53,7 +53,17 @@ def _checker(spec: RunSpec, policy: torch.nn.Module, tok: object, tasks: list) -
 
 
 def _check(checker: SubmissionChecker, spec: RunSpec, counter: int, plan: list, rollouts: list):
-    return checker.check(open_envelope(seal_submission(spec.run_id, WORKER, 0, counter, plan, rollouts), run_id=spec.run_id, expect=Submission))
+    """Check a submission; its replay statistics are those the coordinator's audit will count: their
+    tokens, chunks and rollouts agree with the submission it holds (``protocol.audit.verdict_mismatch``)."""
+    from protocol.audit import HeldSubmission, verdict_mismatch
+    from trainer.ledger.store import completion_tokens
+
+    env = open_envelope(seal_submission(spec.run_id, WORKER, 0, counter, plan, rollouts), run_id=spec.run_id, expect=Submission)
+    result = checker.check(env)
+    if result.stats is not None:
+        held = HeldSubmission(len(env.body.rollouts), completion_tokens(env.body))
+        assert verdict_mismatch(result.stats, held, rule=spec.audit.rule, chunk_size=spec.toploc.chunk_size) is None
+    return result
 
 
 def _steered_to_pass(spec: RunSpec, policy: torch.nn.Module, tok: object, tasks: list) -> tuple[int, list, list, object, list[int]]:

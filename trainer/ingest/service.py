@@ -406,7 +406,7 @@ def open_ingest(data_dir: Path, spec: RunSpec, key: NodeKey, *, trainer_step: Ca
     bans = BanBook(Path(data_dir) / "bans.msgpack", key, spec.run_id)
     ledger = SubmissionLedger(Path(data_dir) / "ingest", spec, bans, trainer_step=trainer_step, latest_policy_step=latest_policy_step,
                               quotas=limits.quotas)
-    audit = WorkerAudit(spec.audit, Path(data_dir) / "ingest" / "audit.sqlite")
+    audit = WorkerAudit(spec.audit, Path(data_dir) / "ingest" / "audit.sqlite", chunk_size=spec.toploc.chunk_size)
     rule = BanRule(ledger, recheck=recheck, max_pending_rechecks=limits.max_pending_rechecks, on_ban=on_ban, audit=audit)
     return IngestService(ledger, rule, limits=limits, on_verdict=on_verdict, status_extra=status_extra, key=key)
 

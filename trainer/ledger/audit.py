@@ -29,7 +29,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from protocol.audit import TWINS_PER_SUBMISSION, AuditState, Baseline, Flag, rates, rule_events
+from protocol.audit import TWINS_PER_SUBMISSION, AuditState, Baseline, Flag, HeldSubmission, rates, rule_events, verdict_mismatch
 from protocol.messages import ReplayStats
 from protocol.runspec import AUDIT_RULE_EPROCESS_V2, AUDIT_RULES, CALIBRATION_BATCHES_DEFAULT, AuditSpec
 
@@ -56,10 +56,15 @@ class WorkerAudit:
     Args:
         spec: the run spec's ``[audit]`` section; ``rule = "none"``: :meth:`observe` counts nothing.
         path: the SQLite file (created).
+        chunk_size: the run's ``toploc.chunk_size`` (tokens), against which a verdict's TOPLOC chunk count
+            is checked (``protocol.audit.verdict_mismatch``); ``None``: not checked.
     """
 
-    def __init__(self, spec: AuditSpec, path: Path) -> None:
+    def __init__(self, spec: AuditSpec, path: Path, *, chunk_size: int | None = None) -> None:
         self.spec = spec
+        self.chunk_size = chunk_size
+        self.mismatched = 0
+        """Verdicts not counted because their counts disagree with the submission held (``/status``)."""
         self.enabled = spec.rule in AUDIT_RULES
         self.baseline = Baseline(spec.baseline_confidence, spec.calibration_window_steps, tuple(spec.calibration_batches))
         self._lock = threading.Lock()
@@ -125,12 +130,15 @@ class WorkerAudit:
 
     # --- verdicts -------------------------------------------------------------------------------
 
-    def observe(self, worker: str, stats: ReplayStats, submission_id: str, verdict_id: str) -> Flag | None:
+    def observe(self, worker: str, stats: ReplayStats, submission_id: str, verdict_id: str,
+                held: HeldSubmission | None = None) -> Flag | None:
         """Count one deciding verdict's statistics; a :class:`~protocol.audit.Flag` the first time the
         worker's test reaches ``1 / audit.false_alarm``.
 
-        A verdict claiming more decided twins than :data:`~protocol.audit.TWINS_PER_SUBMISSION` is not
-        counted (logged). Before the baseline is :meth:`ready` a verdict is kept, not counted (its bounds would be 1:
+        A verdict claiming more decided twins than :data:`~protocol.audit.TWINS_PER_SUBMISSION`, or whose
+        tokens, rollouts or chunks cannot be those of ``held`` (the submission as the coordinator stored
+        it; :func:`~protocol.audit.verdict_mismatch`), is not counted (logged, counted in ``mismatched``):
+        one forged verdict with inflated trials would dilute the worker's test. Before the baseline is :meth:`ready` a verdict is kept, not counted (its bounds would be 1:
         no bet); the worker's kept verdicts are counted, in order, against the bounds of the first
         verdict after it is ready. The bounds come from the coordinator's own reference work, never
         from the worker's, so counting them late keeps the test's guarantee.
@@ -140,6 +148,13 @@ class WorkerAudit:
         if stats.decided > TWINS_PER_SUBMISSION:  # no validator decodes more: a forged or broken verdict (red team a33b)
             logger.warning("audit: verdict %s on %s claims %d decided twins (> %d per submission): not counted", verdict_id[:12],
                            submission_id[:12], stats.decided, TWINS_PER_SUBMISSION, extra={"peer_id": worker})
+            return None
+        why = verdict_mismatch(stats, held, rule=self.spec.rule, chunk_size=self.chunk_size) if held is not None else None
+        if why is not None:
+            logger.warning("audit: verdict %s on %s does not match the submission held (%s): not counted", verdict_id[:12],
+                           submission_id[:12], why, extra={"peer_id": worker})
+            with self._lock:
+                self.mismatched += 1
             return None
         with self._lock:
             if worker in self._flagged:
@@ -240,6 +255,7 @@ class WorkerAudit:
                 "baseline_by_batch": {str(c): {"tokens": t, "decisive": self.baseline.decisive_by_config()[c]}
                                       for c, t in self.baseline.tokens_by_config().items()},
                 "ready": self.baseline.tokens() >= self.spec.min_calibration_tokens,
+                "mismatched_verdicts": self.mismatched,
                 "bounds": {k: round(v, 8) for k, v in bounds.items()},
                 "workers": {w: {"log10_e": round(s.log_e_value() / 2.302585092994046, 3), "verdicts": s.verdicts,
                                 "rates": {k: round(v, 6) for k, v in rates(s.totals, rule_events(s.rule)).items()},

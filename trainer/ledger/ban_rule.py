@@ -124,7 +124,7 @@ class BanRule:
         # accepted verdicts only: rejected work is never trained, and counting it let a steerer farm twin
         # downs (and clean tokens) in submissions it had rejected as `precision` on purpose (red team a33b)
         if judged.decided and v.accepted and v.stats is not None and self.audit is not None and not self.bans.is_banned(v.worker):
-            flag = self.audit.observe(v.worker, v.stats, judged.sid, env.id.hex())
+            flag = self.audit.observe(v.worker, v.stats, judged.sid, env.id.hex(), held=judged.held)
             if flag is not None:
                 self._ban_audited(v.worker, judged.sid, bytes(env.id), flag.detail())
                 return True

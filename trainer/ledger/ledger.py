@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from protocol.audit import HeldSubmission
 from protocol.envelope import Envelope, open_envelope
 from protocol.messages import Submission, Verdict
 from protocol.runspec import RunSpec
@@ -119,11 +120,14 @@ class Admission:
 
 @dataclass(frozen=True)
 class Judgement:
-    """A verdict recorded against its submission: ``decided`` when it was the first (it set the state)."""
+    """A verdict recorded against its submission: ``decided`` when it was the first (it set the state);
+    ``held``: the submission's rollouts and completion tokens as stored (``None`` for a row stored before
+    the index counted tokens), which a verdict's replay statistics must match (``protocol.audit.verdict_mismatch``)."""
 
     sid: SubmissionId
     worker: str
     decided: bool
+    held: HeldSubmission | None = None
 
 
 class SubmissionLedger:
@@ -377,7 +381,8 @@ class SubmissionLedger:
         if stored is None or stored.worker != v.worker:
             return None
         decided = self.store.record_verdict(env.id.hex(), sid, env.peer_id, v.accepted, v.reason, evidence=evidence_summary(v.evidence))
-        return Judgement(sid, v.worker, decided)
+        held = HeldSubmission(stored.n_rollouts, stored.tokens) if stored.tokens > 0 else None
+        return Judgement(sid, v.worker, decided, held)
 
     def deciding_verdict(self, sid: SubmissionId) -> DecidingVerdict | None:
         """The verdict that decided ``sid`` (``None`` while pending, or rejected without one)."""

@@ -182,6 +182,8 @@ class StoredSubmission:
     state: State
     reason: str
     consumed_step: int | None = None
+    tokens: int = 0
+    """Completion tokens of its rollouts (0: stored before the index counted them)."""
 
 
 @dataclass(frozen=True)
@@ -201,11 +203,11 @@ class LeaseCandidate:
     established: bool
 
 
-_ROW = "id, worker, policy_step, counter, n_rollouts, size_bytes, received_ms, state, reason, consumed_step"
+_ROW = "id, worker, policy_step, counter, n_rollouts, size_bytes, received_ms, state, reason, consumed_step, tokens"
 
 
 def _row(r: tuple[Any, ...]) -> StoredSubmission:
-    return StoredSubmission(SubmissionId(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], State(r[7]), r[8], r[9])
+    return StoredSubmission(SubmissionId(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], State(r[7]), r[8], r[9], r[10])
 
 
 def completion_tokens(sub: Submission) -> int:
