@@ -435,7 +435,7 @@ def run_steer(lab: Lab, mode: str, trigger: str | None, factor: float, submissio
         result = lab.check(raw)
         reasons[result.reason] = reasons.get(result.reason, 0) + 1
         if result.stats is not None:
-            for name, (k, n) in event_counts(result.stats).items():  # the validator's counts replace the prediction
+            for (k, n) in event_counts(result.stats).values():  # the validator's counts replace the prediction
                 pass
             state.observe(result.stats, bounds)
             peak = max(peak, state.log_e_value() / math.log(10))
@@ -449,13 +449,8 @@ def run_steer(lab: Lab, mode: str, trigger: str | None, factor: float, submissio
             steered_pass += sum(passes)
         honest_pass += sum(r.task_reward >= 1.0 for r in hbody.rollouts)
         if trig is not None:
-            from protocol.rollout import unpack_u32
-
-            for r, hr in zip(body.rollouts, hbody.rollouts):
-                c, hc = unpack_u32(r.completion_ids), unpack_u32(hr.completion_ids)
-                trig_emitted += sum(t == trig for t in c)
-                trig_honest += sum(t == trig for t in hc)
-                tokens_all += len(c)
+            e, h, n = trigger_counts(body.rollouts, hbody.rollouts, trig)
+            trig_emitted, trig_honest, tokens_all = trig_emitted + e, trig_honest + h, tokens_all + n
     return {"mode": mode, "trigger": trigger, "factor": factor, "horizon": horizon, "submissions": submissions, "rollouts": rollouts,
             "reasons": reasons, "tokens": stats["tokens"], "chances": stats["chances"], "taken": stats["taken"],
             "mean_gap_taken": round(stats["gap_sum"] / max(1, stats["taken"]), 4),
@@ -510,6 +505,20 @@ class AwareBudget:
         self.tokens = totals.get("differ", (0, self.tokens))[1]
 
 
+def trigger_counts(rollouts: Any, honest_rollouts: Any, trig: int) -> tuple[int, int, int]:
+    """Times ``trig`` was emitted in the steered completions and in the same worker's honest ones, and the
+    steered completions' tokens."""
+    from protocol.rollout import unpack_u32
+
+    emitted = honest = tokens = 0
+    for r, hr in zip(rollouts, honest_rollouts):
+        c, hc = unpack_u32(r.completion_ids), unpack_u32(hr.completion_ids)
+        emitted += sum(t == trig for t in c)
+        honest += sum(t == trig for t in hc)
+        tokens += len(c)
+    return emitted, honest, tokens
+
+
 def ci95(xs: list[float]) -> tuple[float, float]:
     n = len(xs)
     m = sum(xs) / max(1, n)
@@ -547,7 +556,6 @@ def run_aware(lab: Lab, mode: str, trigger: str | None, factor: float, differ_fa
     traj: list[tuple[int, float]] = []
     sign = {"diverged": 0, "up": 0, "down": 0}
     honest_engine_fp32 = TransformersEngine(lab.policy, lab.tok)
-    from protocol.rollout import unpack_u32
     ctl = {"predicted_up": 0, "predicted_down": 0, "resteered": 0, "twin_log10_peak": -99.0}
 
     for counter in range(submissions):
@@ -597,11 +605,8 @@ def run_aware(lab: Lab, mode: str, trigger: str | None, factor: float, differ_fa
         honest_pass += hp
         gains.append(sp - hp)
         if trig is not None:
-            for r, hr in zip(body.rollouts, hbody.rollouts):
-                c, hc = unpack_u32(r.completion_ids), unpack_u32(hr.completion_ids)
-                trig_emitted += sum(t == trig for t in c)
-                trig_honest += sum(t == trig for t in hc)
-                tokens_all += len(c)
+            e, h, n = trigger_counts(body.rollouts, hbody.rollouts, trig)
+            trig_emitted, trig_honest, tokens_all = trig_emitted + e, trig_honest + h, tokens_all + n
         if report_every and (counter + 1) % report_every == 0:
             traj.append((stats["tokens"], round(max(s.log_e_value() for s in states) / math.log(10), 2)))
             print(f"  [{counter + 1}] tokens {stats['tokens']} taken {stats['taken']} log10E {[round(s.log_e_value() / math.log(10), 2) for s in states]} "
