@@ -46,6 +46,15 @@ a bound a value is a benign ``precision`` finding up to ``toploc.hard_factor`` (
 FLOORS = {"gap": 0.1, "logprob_abs": 0.01, "logprob_mean_abs": 0.001, "near_ties": 0.1}
 """Smallest bounds stated whatever the measurement: a δ under 0.1 nats is below a bf16 logit's own rounding
 at logits of 20–40; the log-prob floors are the float32 defaults; near ties: the float32 default share."""
+BF16_DELTA_FLOOR = 1.0
+"""Smallest δ of a ``bfloat16`` measurement, nats: the documented bf16 default (``docs/toploc.md`` §6.2, §10).
+A measurement of a few dozen submissions sees the honest tail only by chance: on the embedded base one
+recurring context errs by 1.5–1.72 nats in bf16 (with float32 logits), in ≈ 2 % of honest submissions
+(13 of 651 beyond 0.98 nats), and ten draws of the devnet's measurement (24 submissions) gave a worst gap of
+0.156–1.661 nats, so δ = 0.47–4.0 (red team h41b, 7 Dec 2026). A token beyond ``hard_factor`` × δ is a
+``sampling`` rejection, a cheat reason: at δ = 0.47 that context would get an honest worker banned. At
+this floor 2δ = 2 nats, above every honest bf16 error measured so far (1.72 on the embedded base, up to
+1.99 reported in issue #33); the tail between δ and 2δ is a benign ``precision`` finding (no ban)."""
 BATCHES = (1, 8, 64)
 """Decode batch sizes measured (sequences per forward pass)."""
 
@@ -74,16 +83,21 @@ class PrecisionMeasurement:
     differ_rate: float = 0.0
     seconds: float = 0.0
 
+    def delta_floor(self) -> float:
+        """The smallest δ this measurement may state, nats: :data:`BF16_DELTA_FLOOR` for ``bfloat16`` workers,
+        ``FLOORS["gap"]`` otherwise."""
+        return BF16_DELTA_FLOOR if self.dtype == "bfloat16" else FLOORS["gap"]
+
     def toploc(self, base: ToplocSpec, temperature: float) -> ToplocSpec:
         """``base`` with replay rule ``logit-bound-v2`` and every tolerance set from this measurement
-        (:data:`MARGINS`, :data:`FLOORS`; capped at what the spec accepts). δ also covers the largest
+        (:data:`MARGINS`, :data:`FLOORS`, :data:`BF16_DELTA_FLOOR`; capped at what the spec accepts). δ also covers the largest
         EOS shortfall seen: the logit error that takes P(EOS) from the floor ``f`` down to ``f − s`` is
         ``T / 2 · (logit f − logit(f − s))`` (``docs/toploc.md`` §6.2, §7)."""
         x = self.extremes
         f, short = base.eos_min_prob, x["eos_shortfall"]
         eos_gap = temperature / 2 * (_logit(f) - _logit(f - short)) if 0 < short < f < 1 else 0.0
         self.extremes["eos_gap"] = eos_gap
-        delta = min(LOGIT_BOUND_LIMIT, max(FLOORS["gap"], MARGINS["gap"] * max(x["gap"], eos_gap)))
+        delta = min(LOGIT_BOUND_LIMIT, max(self.delta_floor(), MARGINS["gap"] * max(x["gap"], eos_gap)))
         lp_max = min(LOGPROB_TOL_LIMIT, max(FLOORS["logprob_abs"], MARGINS["logprob"] * x["logprob_abs"]))
         lp_mean = min(lp_max, max(FLOORS["logprob_mean_abs"], MARGINS["logprob"] * x["logprob_mean_abs"]))
         update: dict[str, Any] = {
@@ -115,6 +129,9 @@ class PrecisionMeasurement:
         for name, worst, bound in rows:
             margin = f"x{bound / worst:.2f}" if worst > 0 else "inf"
             out.append(f"  {name:<44} worst {worst:<10.4g} bound {bound:<10.4g} margin {margin}")
+        if self.dtype == "bfloat16" and chosen.replay_logit_bound <= BF16_DELTA_FLOOR:
+            out.append(f"  δ is the bf16 floor {BF16_DELTA_FLOOR:g} nats: honest bf16 errors beyond what a few dozen submissions "
+                       "show occur (docs/toploc.md §10)")
         return out
 
 
