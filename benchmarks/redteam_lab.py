@@ -505,6 +505,20 @@ class AwareBudget:
         self.tokens = totals.get("differ", (0, self.tokens))[1]
 
 
+def lowered_logprobs(body: Submission, shift: float) -> Submission:
+    """``body`` with every reported sampling log-prob lowered by ``shift`` nats (capped at 0): the log-prob
+    shift adversary's submission."""
+    import numpy as np
+
+    from protocol.rollout import pack_f32
+
+    rs = []
+    for r in body.rollouts:
+        lp = np.frombuffer(r.logprobs, dtype="<f4").astype(np.float64)
+        rs.append(r.model_copy(update={"logprobs": pack_f32(np.minimum(lp - shift, 0.0).astype(np.float32))}))
+    return body.model_copy(update={"rollouts": rs})
+
+
 def trigger_counts(rollouts: Any, honest_rollouts: Any, trig: int) -> tuple[int, int, int]:
     """Times ``trig`` was emitted in the steered completions and in the same worker's honest ones, and the
     steered completions' tokens."""
@@ -698,10 +712,9 @@ def run_farm(lab: Lab, submissions: int, ceiling: float, seed: int, shift: float
     honest-passing row steered off its answer (each a predictable ``down``), no row steered up, and its reported
     log-probs lowered by ``shift`` nats so that the validator rejects it as ``precision`` (benign: no ban, no
     reputation reset, nothing trained) -- its signed replay statistics, downs included, still count in the audit."""
-    import numpy as np
 
     from protocol.envelope import seal
-    from protocol.rollout import pack_f32, unpack_u32
+    from protocol.rollout import unpack_u32
 
     torch.set_num_threads(1)
     audit = lab.baseline()
@@ -738,11 +751,7 @@ def run_farm(lab: Lab, submissions: int, ceiling: float, seed: int, shift: float
             sab = {b for b in range(len(hp)) if hp[b]}
             raw, passes = steered_submission(lab, key, counter, "answer", None, budget, 0, stats, sab, 0)
             body = open_envelope(raw, run_id=lab.spec.run_id, expect=Submission).body
-            rs = []
-            for r in body.rollouts:
-                lp = np.frombuffer(r.logprobs, dtype="<f4").astype(np.float64)
-                rs.append(r.model_copy(update={"logprobs": pack_f32(np.minimum(lp - shift, 0.0).astype(np.float32))}))
-            raw = seal(key, lab.spec.run_id, body.model_copy(update={"rollouts": rs}))
+            raw = seal(key, lab.spec.run_id, lowered_logprobs(body, shift))
         result = lab.check(raw)
         reasons[kind][result.reason] = reasons[kind].get(result.reason, 0) + 1
         if result.stats is not None and result.accepted:  # s39: accepted verdicts only
@@ -773,10 +782,8 @@ def run_lpshift(lab: Lab, shifts: list[float], submissions: int, seed: int) -> d
     """A worker that reports its sampling log-probs lowered by ``c`` nats per token (the trainer's importance
     weight π_old / π_behavior grows by e^c where the spec uses behavior log-probs): what the pipeline and the
     audit see. Tokens, proofs and rewards are the honest float32 worker's."""
-    import numpy as np
 
     from protocol.envelope import seal
-    from protocol.rollout import pack_f32
 
     torch.set_num_threads(1)
     audit = lab.baseline()
@@ -790,11 +797,7 @@ def run_lpshift(lab: Lab, shifts: list[float], submissions: int, seed: int) -> d
         state = AuditState()
         reasons: dict[str, int] = {}
         for body in bodies:
-            rs = []
-            for r in body.rollouts:
-                lp = np.frombuffer(r.logprobs, dtype="<f4").astype(np.float64)
-                rs.append(r.model_copy(update={"logprobs": pack_f32(np.minimum(lp - c, 0.0).astype(np.float32))}))
-            raw = seal(key, lab.spec.run_id, body.model_copy(update={"rollouts": rs}))
+            raw = seal(key, lab.spec.run_id, lowered_logprobs(body, c))
             res = lab.check(raw)
             reasons[res.reason] = reasons.get(res.reason, 0) + 1
             if res.stats is not None and res.accepted:  # s39: accepted verdicts only
