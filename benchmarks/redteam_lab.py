@@ -13,6 +13,10 @@ one in to pin δ -- and the calibration ``audit.sqlite``)::
     python benchmarks/redteam_lab.py aware --budget 1.43 --max-gap 1.0 --submissions 100           # rationed answer steerer
     python benchmarks/redteam_lab.py aware --mode trigger --trigger x --budget 1.43 --max-gap 1.0 --submissions 400
     python benchmarks/redteam_lab.py aware --ceiling 5 ... ; farm ... ; lpshift ...
+    python benchmarks/redteam_lab.py aware --sampling-rule gumbel-v2 ...   # any command: the spec's sampling.rule (default icdf-v1)
+
+The calibration depends on the sampling rule: give each rule its own ``LAB_WORK`` (copy one ``toploc.json`` into each to
+compare the rules at the same δ).
 
 Environment: ``LAB_LOG_TOKENS=file`` appends one JSON line per ``protocol.sampling.replay_checks`` call (the
 validator's differing tokens with gap, ids and float32 probabilities; ``benchmarks/trigger_signal.py`` reads
@@ -22,7 +26,7 @@ answer, one admissible cheapest-gap token each: decided twins that are neither u
 ``LAB_STEER_EVERY=n``: rows are steered up only in every n-th submission;
 ``LAB_MIN_DECISIVE``, ``LAB_SABOTAGE_MAX_GAP`` as in the earlier rounds.
 
-The spec is the devnet's bf16 spec (``node.devnet.config.devnet_spec(worker_dtype="bf16")``: embedded tasks,
+The spec is the devnet's bf16 spec (``node.devnet.config.devnet_spec(worker_dtype="bf16", sampling_rule=...)``: embedded tasks,
 4 tasks x 16 rollouts, ≤ 4 tokens, T = 1.5, DEVNET_AUDIT) with the tolerances measured the devnet's way (12
 submissions at batch 8 and 64, bf16 with float32 logits); the baseline is the coordinator's calibration
 (``AuditCalibration.calibrate``: its burst at step 0 over ``audit.calibration_batches``).
@@ -113,12 +117,13 @@ sampling.replay_checks = _logged_replay_checks
 
 COORD = NodeKey.from_seed(b"c" * 32)
 AUDIT_RULE = "eprocess-v2"
+SAMPLING_RULE = [sampling.RULE_ICDF]  # h42b: the spec's sampling.rule (--sampling-rule), set before the Lab is made
 
 
 def base_spec(measured: ToplocSpec | None) -> RunSpec:
     draft = ToplocSpec(replay_rule="logit-bound-v2", replay_logit_bound=1.0, worker_dtype="bfloat16")
     spec = devnet_spec(COORD, [], tasks="embedded", http_url="http://127.0.0.1:1", bootstrap="/ip4/127.0.0.1/tcp/1", seed=3,
-                       worker_dtype="bf16", measured=measured or draft)
+                       worker_dtype="bf16", measured=measured or draft, sampling_rule=SAMPLING_RULE[0])
     return spec.model_copy(update={"audit": spec.audit.model_copy(update={"rule": AUDIT_RULE,  # i33b: the audit rule under test
                                                                           "min_calibration_decisive": MIN_DECISIVE})})
 
@@ -811,21 +816,28 @@ def run_lpshift(lab: Lab, shifts: list[float], submissions: int, seed: int) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--sampling-rule", choices=list(sampling.RULES), default=sampling.RULE_ICDF,
+                        help="the spec's sampling.rule (h42b); use one LAB_WORK per rule: the calibration depends on it")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("setup")
-    h = sub.add_parser("honest")
+
+    def add(name: str) -> argparse.ArgumentParser:  # every command takes --sampling-rule
+        return sub.add_parser(name, parents=[common])
+
+    add("setup")
+    h = add("honest")
     h.add_argument("--config", default="b64")
     h.add_argument("--submissions", type=int, default=100)
     h.add_argument("--seed", type=int, default=1)
     h.add_argument("--threads", type=int, default=1)
-    st = sub.add_parser("steer")
+    st = add("steer")
     st.add_argument("--mode", choices=["answer", "trigger"], default="answer")
     st.add_argument("--trigger", default="x")
     st.add_argument("--budget", type=float, default=1.0, help="event counts kept at this multiple of the public bounds")
     st.add_argument("--horizon", type=int, default=0, help="tokens of look-ahead credit in the budget")
     st.add_argument("--submissions", type=int, default=50)
     st.add_argument("--seed", type=int, default=7)
-    aw = sub.add_parser("aware")
+    aw = add("aware")
     aw.add_argument("--mode", choices=["answer", "trigger"], default="answer")
     aw.add_argument("--trigger", default="x")
     aw.add_argument("--budget", type=float, default=1.0, help="every event count kept at this multiple of its public bound")
@@ -839,21 +851,24 @@ def main() -> None:
     aw.add_argument("--balance", type=float, default=None, help="i33b: keep the signed up-share at this by steering passing rollouts to fail")
     aw.add_argument("--ceiling", type=float, default=None, help="a33b: twin-aware controller, log10 twin-mixture ceiling")
     aw.add_argument("--max-steered-rows", type=int, default=10**9, help="i33b: rows steered up per submission at most")
-    fm = sub.add_parser("farm")
+    fm = add("farm")
     fm.add_argument("--submissions", type=int, default=300)
     fm.add_argument("--ceiling", type=float, default=5.0)
     fm.add_argument("--shift", type=float, default=0.7)
     fm.add_argument("--seed", type=int, default=11)
     fm.add_argument("--report-every", type=int, default=50)
-    ls = sub.add_parser("lpshift")
+    ls = add("lpshift")
     ls.add_argument("--shifts", default="0,0.2,0.4,0.6,0.7")
     ls.add_argument("--submissions", type=int, default=20)
     ls.add_argument("--seed", type=int, default=21)
     args = ap.parse_args()
+    SAMPLING_RULE[0] = args.sampling_rule
     torch.manual_seed(0)
     random.seed(0)
     torch.set_num_threads(1)
     lab = Lab()
+    print(f"sampling rule {lab.spec.sampling.rule}, replay rule {lab.spec.toploc.replay_rule}, δ = {lab.spec.toploc.replay_logit_bound} nats, "
+          f"T = {lab.spec.sampling.temperature}, top_p = {lab.spec.sampling.top_p}; LAB_WORK {WORK}", file=sys.stderr)
     t = time.time()
     if args.cmd == "setup":
         audit = lab.baseline()
