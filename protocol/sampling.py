@@ -125,6 +125,8 @@ probability, ``m`` the candidates' mass (``docs/toploc.md`` §5.4)."""
 GUMBEL_SLACK = 2.0**-12
 """Tempered-logit units the ``gumbel-v2`` replay adds to its window: float32 rounding of scores
 ``z + g`` (``|z + g| ≤ 110``, so ≤ 2^-17 each on the worker and the validator) with a wide margin."""
+_GUMBEL_NOISE_MIN = -math.log(-math.log(0.5 / 4294967296.0)) - 1e-9
+"""The least ``gumbel-v2`` noise (word 0), float64, less a margin."""
 ICDF_COUNTER_TAG = 0x49434446
 """Fourth Philox counter word of the ``icdf-v1`` uniforms ("ICDF")."""
 ICDF_DRAWS = 16
@@ -1051,10 +1053,14 @@ def _gumbel_replay(
     kept every *surely kept* token (nucleus at weight ``e^{−d}``, EOS not possibly gated). So the gap
     is ``(M − z_c − g_c) · T / 2`` (logit units, compared with δ), ``M`` the best score of the surely
     kept tokens among the :data:`GUMBEL_CANDIDATES` most probable ones: a lower bound on the best over
-    the vocabulary, which only widens the window (honest tokens always pass). ``c`` must be possibly
-    kept (nucleus at ``e^{d}``, EOS not surely gated), else +inf; where nothing is surely kept the
-    worker may have kept nothing and picked its most probable non-EOS token: any non-EOS token within
-    ``e^d`` of the validator's most probable passes. The recomputed token is the best exactly kept
+    the vocabulary, which only widens the window (honest tokens always pass). ``M`` is also at least the
+    least score of the set ``F`` of tokens within ``d`` of the validator's best (and, where EOS may be gated,
+    of its best non-EOS): a non-empty kept set holds the worker's own most probable (non-EOS) token, one of
+    ``F`` (with top-p < 1 a confident row may have no surely kept token at all); where ``F`` may reach past
+    the candidates, its threshold plus the least noise stands in for the tokens outside. ``c`` must be possibly
+    kept (nucleus at ``e^{d}``, EOS not surely gated), else +inf; where the worker may have kept nothing
+    (nothing surely kept, EOS possibly gated and possibly its most probable token) it picked its most
+    probable non-EOS token: any non-EOS token within ``e^d`` of the validator's most probable passes. The recomputed token is the best exactly kept
     candidate (or ``c`` where it scores higher); the margin its lead over the runner-up, logit units.
 
     Cost per row: one max, one exp and one sum over the vocabulary, a top-k, and one Philox block per
@@ -1099,6 +1105,25 @@ def _gumbel_replay(
             return out
 
         best_sure = torch.where(kept(ids, 0, fs), score, -math.inf).amax(dim=-1)  # [b] M
+        # a worker's kept set, unless empty, holds its own most probable token (its most probable non-EOS one where it
+        # gated EOS): a token within d of the validator's best (best non-EOS), the set F. So M ≥ min over F too; with
+        # top-p < 1 nothing may be surely kept in a confident row, and without F such a row had no bound at all.
+        z_ids = z.gather(-1, ids)  # [b, K + 1] float32
+        kth = z_ids[:, k - 1]  # [b] the last candidate: F lies within the candidates where it is below F's threshold
+        threshold = torch.full_like(best_sure, -widen - GUMBEL_SLACK)  # [b] z_max = 0 after _tempered
+        in_f = z_ids >= threshold[:, None]
+        may_be_empty = torch.zeros_like(in_f[:, 0])
+        if eos_idx is not None and p_eos is not None:
+            may_gate = p_eos < fs  # [b] the worker may have gated EOS
+            z_ne = z.index_fill(-1, eos_idx, -math.inf).amax(dim=-1).to(torch.float64)  # [b]
+            threshold_ne = z_ne - widen - GUMBEL_SLACK
+            in_f |= may_gate[:, None] & ~torch.isin(ids, eos_idx) & (z_ids >= threshold_ne[:, None])
+            threshold = torch.where(may_gate, torch.minimum(threshold, threshold_ne), threshold)
+            may_be_empty = may_gate & (z[:, eos_idx].amax(dim=-1) >= -widen - GUMBEL_SLACK)  # EOS may be the worker's best
+        best_f = torch.where(in_f, score, math.inf).amin(dim=-1)  # [b]
+        if k < vocab:  # F may reach beyond the candidates: its scores are at least its threshold plus the least noise
+            best_f = torch.where(kth >= threshold, torch.minimum(best_f, threshold + _GUMBEL_NOISE_MIN), best_f)
+        best_sure = torch.maximum(best_sure, best_f)
         s_c = score[:, -1]
         gap = ((best_sure - s_c - GUMBEL_SLACK).clamp_min(0.0) * (temperature / 2)).nan_to_num(nan=0.0)  # M = −inf: no bound
         possible_c = kept(c, 2, fl)[:, 0]
@@ -1113,7 +1138,7 @@ def _gumbel_replay(
             r = torch.where(torch.isinf(top2.values[:, 0]), best, r)  # nothing exactly kept: the most probable non-EOS
             is_eos = torch.isin(safe[lo:hi], eos_idx) if eos_idx is not None else torch.zeros_like(possible_c)
             best_ok = ~is_eos & (e.gather(-1, c)[:, 0].double() * _odds_scale(widen) >= best_w.double())
-            gap = torch.where(best_ok & _nothing_surely_kept(e, nucleus, eos_idx, p_eos, fs, widen), 0.0, gap)
+            gap = torch.where(best_ok & may_be_empty & _nothing_surely_kept(e, nucleus, eos_idx, p_eos, fs, widen), 0.0, gap)
         rec.append(r)
         margins.append(margin)
         gaps.append(torch.where(in_vocab[lo:hi], gap, math.inf))

@@ -175,3 +175,52 @@ def test_run_spec_names_the_rule_only_under_a_logit_bound() -> None:
         RunSpec(run=run, sampling=SamplingSpec(rule="gumbel-v2"))
     with pytest.raises(ValueError):
         SamplingSpec(rule="gumbel-v1")  # the removed rule's name stays refused
+
+
+def _peaked(n: int, vocab: int, seed: int) -> torch.Tensor:
+    """Confident rows: one token ≈ 0.78, a runner-up ≈ 0.11, a flat tail of ≈ 1e-4 each (float32 ``[n, vocab]``)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, vocab, generator=g) * 0.3
+    logits[:, 5] += 9.0
+    logits[:, 6] += 7.0
+    return logits
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.1])
+def test_top_p_confident_rows_bound_an_injected_token(floor: float) -> None:
+    """With top-p < 1, a confident row has no *surely kept* token (the worker's logits may push the top token alone
+    past the reduced nucleus), but the worker's kept set still holds its own most probable token, a token within
+    2δ/T of the validator's best: a tail token is admissible only where its score comes within the window of those
+    tokens' scores (h42b: before, such rows had no bound at all and a 1e-4 token passed at 2,610 of 4,000
+    positions at top_p 0.9 against 2 at top_p 1). Honest workers within δ still pass on these rows."""
+    n, vocab, delta, eos = 4000, 1000, 0.5, 1
+    logits = _peaked(n, vocab, 0)
+    p = torch.softmax(logits.double(), -1)
+    common = {"temperature": 1.0, "eos_ids": (eos,), "min_eos_prob": floor, "rule": RULE, "replay_rule": "logit-bound-v1",
+              "logit_bound": delta, "max_near_tie_fraction": 1.0}
+    admitted = {}
+    for top_p in (1.0, 0.9):
+        res = sampling.replay_check(logits.clone(), torch.full((n,), 17), 9, sampling.ReplayParams(top_p=top_p, **common))
+        admitted[top_p] = int((res.gaps <= delta).sum())
+    q = math.exp(2 * delta) * p[:, 17]
+    bound = float((q / (1 - p[:, 17])).sum())  # ≈ 1.1: every row's candidates hold all its mass
+    assert admitted[0.9] <= bound + 4 * math.sqrt(bound) + 2, admitted
+    assert admitted[1.0] <= bound + 4 * math.sqrt(bound) + 2, admitted
+    # honest workers within δ of these logits (a bf16-like perturbation, the worst case for the chosen token) pass
+    g = torch.Generator().manual_seed(2)
+    seeds, pos = torch.full((n,), 11, dtype=torch.int64), torch.arange(n, dtype=torch.int64)
+    for top_p in (1.0, 0.9, 0.5):
+        honest = sampling.sample(logits, seeds, pos, 1.0, top_p, (eos,), floor, RULE)[0]
+        down = torch.where(torch.nn.functional.one_hot(honest, vocab).bool(), -0.999 * delta, 0.999 * delta)
+        for name, x in {"noise": logits + (torch.rand(n, vocab, generator=g) * 2 - 1) * delta, "worst case": logits + down,
+                        "top down": logits - 0.999 * delta * torch.nn.functional.one_hot(torch.full((n,), 5), vocab)}.items():
+            toks = sampling.sample(x, seeds, pos, 1.0, top_p, (eos,), floor, RULE)[0]
+            res = sampling.replay_check(logits.clone(), toks, 11, sampling.ReplayParams(top_p=top_p, **common))
+            assert res.ok and res.hard_mismatches == 0 and float(res.gaps.max()) <= delta, (top_p, name, res.reason)
+    # the worker's kept set may be empty only where EOS, gated, may be its best token: then its most probable non-EOS passes
+    gated = torch.tensor([[12.0, 0.0, 1.0, 0.5]]).expand(64, -1).contiguous()
+    for top_p in (0.5, 1.0):
+        toks = sampling.sample(gated, seeds[:64], pos[:64], 1.0, top_p, (0,), 1.0, RULE)[0]
+        assert (top_p < 1.0) == (set(toks.tolist()) == {2})
+        params = sampling.ReplayParams(top_p=top_p, **{**common, "eos_ids": (0,), "min_eos_prob": 1.0})
+        assert all(r.ok for r in sampling.replay_checks(gated.clone(), [[int(t)] for t in toks], [11] * 64, params, list(range(64))))
