@@ -15,8 +15,9 @@ with the real worker, pipeline and audit code, per replay bound δ and steering 
   validators' float32 twins of diverged rollouts, the honest up-share against its calibrated bound,
   and what the twins cost the validator per honest submission (seconds and share of the full check);
 * what one token can do: per answer position, how many tokens the replay admits within δ and
-  how often the right answer's token is among them, under ``icdf-v1`` (the rule) and under
-  Gumbel-max with the same δ (measured on the same validator logits, not a rule of the protocol);
+  how often the right answer's token is among them, under ``icdf-v1`` and under Gumbel-max with the
+  same δ (on the same validator logits: ``gumbel-v2``'s own replay when ``--sampling-rule gumbel-v2``
+  names it, else scores within 2δ/T with noise of no rule);
   and the honest bf16 tolerances with a bf16 LM head against an fp32 one ("fp32 logits").
 
 It ends with one line: ``steering: flagged after N tokens at rate R; honest false alarms K / M``
@@ -27,11 +28,13 @@ Example::
     python benchmarks/steering.py                                  # embedded base, measured δ, 0.5 and 1.0
     python benchmarks/steering.py --policy devnet-out/latest/coordinator/policies/step-40 --deltas measured
     python benchmarks/steering.py --quick                          # a smaller run (fewer honest rollouts)
+    python benchmarks/steering.py --quick --sampling-rule gumbel-v2  # the spec's sampling.rule (default icdf-v1)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 import statistics
@@ -87,12 +90,13 @@ class Outcome:
     reasons: dict[str, int] = field(default_factory=dict)
 
 
-def make_spec(delta: float | None, measured_toploc: Any, audit: AuditSpec, tasks_per_submission: int) -> RunSpec:
+def make_spec(delta: float | None, measured_toploc: Any, audit: AuditSpec, tasks_per_submission: int,
+              rule: str = sampling.RULE_ICDF) -> RunSpec:
     key = NodeKey.from_seed(b"s" * 32)
     toploc = measured_toploc if delta is None else measured_toploc.model_copy(update={"replay_logit_bound": delta})
     return RunSpec(run=RunInfo(coordinator=key.peer_id, seed=5), model=ModelSpec(hidden_size=128, dtype="bfloat16"),
-                   data=DataSpec(tasks_per_submission=tasks_per_submission), sampling=EMBEDDED_SAMPLING, rl=EMBEDDED_RL, toploc=toploc,
-                   audit=audit)
+                   data=DataSpec(tasks_per_submission=tasks_per_submission), sampling=EMBEDDED_SAMPLING.model_copy(update={"rule": rule}),
+                   rl=EMBEDDED_RL, toploc=toploc, audit=audit)
 
 
 def checked(checker: SubmissionChecker, spec: RunSpec, raw: bytes) -> Any:
@@ -191,9 +195,12 @@ def steer(spec: RunSpec, policy: torch.nn.Module, policy_dir: Path, tasks: list,
 
 def admissible(spec: RunSpec, policy: torch.nn.Module, tasks: list, tok: Any, positions: int, seed: int) -> dict[str, float]:
     """Per answer position of honest fp32 completions: tokens the replay admits within δ under
-    ``icdf-v1`` and under Gumbel-max (same δ: scores within 2δ/T of the best), and how often the
-    right answer's token is among them."""
+    ``icdf-v1`` and under Gumbel-max (same δ: under a ``gumbel-v2`` spec the rule's own replay, else
+    scores within 2δ/T of the best with noise not of the rule), and how often the right answer's token
+    is among them. The completions are the spec's rule's."""
     params = sampling.ReplayParams.from_spec(spec, (EOS,))
+    gumbel_rule = params.rule == sampling.RULE_GUMBEL
+    icdf_params = dataclasses.replace(params, rule=sampling.RULE_ICDF)
     engine = TransformersEngine(policy, tok)
     key = NodeKey.generate()
     g = torch.Generator().manual_seed(seed)
@@ -214,14 +221,18 @@ def admissible(spec: RunSpec, policy: torch.nn.Module, tasks: list, tok: Any, po
                     break  # answer positions only: the prefix so far is the answer's
                 vocab = p.logits.shape[1]
                 rows = p.logits[i : i + 1].repeat(vocab, 1)
-                reps = sampling.replay_checks(rows, [[v] for v in range(vocab)], [seed_] * vocab, params, [i] * vocab)
+                reps = sampling.replay_checks(rows.clone(), [[v] for v in range(vocab)], [seed_] * vocab, icdf_params, [i] * vocab)
                 ok = torch.tensor([r.hard_mismatches == 0 for r in reps])
                 icdf_n.append(int(ok.sum()))
                 icdf_hit += bool(ok[ans[i]])
-                z = p.logits[i].double() / spec.sampling.temperature
-                gumbel = -torch.log(-torch.log(torch.rand(vocab, generator=g, dtype=torch.float64).clamp_min(1e-300)))
-                score = z + gumbel
-                adm = score >= score.max() - 2 * params.logit_bound / spec.sampling.temperature
+                if gumbel_rule:  # the rule's replay (its seeded noise, candidate set and kept sets)
+                    reps = sampling.replay_checks(rows, [[v] for v in range(vocab)], [seed_] * vocab, params, [i] * vocab)
+                    adm = torch.tensor([r.hard_mismatches == 0 for r in reps])
+                else:
+                    z = p.logits[i].double() / spec.sampling.temperature
+                    gumbel = -torch.log(-torch.log(torch.rand(vocab, generator=g, dtype=torch.float64).clamp_min(1e-300)))
+                    score = z + gumbel
+                    adm = score >= score.max() - 2 * params.logit_bound / spec.sampling.temperature
                 gum_n.append(int(adm.sum()))
                 gum_hit += bool(adm[ans[i]])
                 n += 1
@@ -253,6 +264,8 @@ def main() -> None:
     ap.add_argument("--calibration-batches", default="1,8,64",
                     help="decode batch sizes the calibration covers, --calibration-tokens each (audit.calibration_batches; "
                          "default 1,8,64 as new runs; 64: the calibration before issue #33)")
+    ap.add_argument("--sampling-rule", choices=list(sampling.RULES), default=sampling.RULE_ICDF,
+                    help="the spec's sampling.rule (gumbel-v2 is replayed under the logit bound; its admissible counts use its replay)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.quick:
@@ -264,9 +277,9 @@ def main() -> None:
     tasks = resolve_tasks("embedded").train
     policy = load_model(policy_dir).eval()
     audit = AuditSpec(rule=args.audit_rule, min_calibration_tokens=0, calibration_batches=[int(b) for b in args.calibration_batches.split(",")])
-    base_spec = make_spec(None, ToplocSpec(replay_rule="logit-bound-v2", replay_logit_bound=1.0), audit, 4)
+    base_spec = make_spec(None, ToplocSpec(replay_rule="logit-bound-v2", replay_logit_bound=1.0), audit, 4, args.sampling_rule)
     t0 = time.time()
-    print(f"policy {policy_dir}; sampling T={EMBEDDED_SAMPLING.temperature}, {EMBEDDED_SAMPLING.max_tokens} tokens; "
+    print(f"policy {policy_dir}; sampling rule {args.sampling_rule}, T={EMBEDDED_SAMPLING.temperature}, {EMBEDDED_SAMPLING.max_tokens} tokens; "
           f"{base_spec.data.tasks_per_submission} tasks x {base_spec.rl.group_size} rollouts per submission")
     # 1. the honest tolerances, bf16 head and fp32 head
     meas = {}
@@ -281,7 +294,7 @@ def main() -> None:
     rates = [float(r) for r in args.rates.split(",")]
     rows, first_line = [], None
     for delta in deltas:
-        spec = make_spec(delta, measured, audit, 4)
+        spec = make_spec(delta, measured, audit, 4, args.sampling_rule)
         d = spec.toploc.replay_logit_bound
         checker = SubmissionChecker(spec, tasks, tok, lambda s: policy, trainer_step=lambda: 0, counter_seen=lambda *_: False)
         baseline, cal_rejected = calibrate(spec, policy_dir, tasks, tok, checker, args.calibration_tokens)
@@ -302,7 +315,8 @@ def main() -> None:
                   f"{honest['twin_s'] / max(1e-9, honest['check_s']):.1%} of the full check "
                   f"({1e3 * honest['check_s'] / max(1, honest['submissions']):.1f} ms)")
         print(f"  one token: icdf-v1 admits {adm['icdf_mean']:.2f} tokens per answer position, the right one at {adm['icdf_right']:.1%}; "
-              f"Gumbel-max at the same δ {adm['gumbel_mean']:.2f}, the right one at {adm['gumbel_right']:.1%} ({adm['positions']} positions)")
+              f"Gumbel-max at the same δ {adm['gumbel_mean']:.2f}, the right one at {adm['gumbel_right']:.1%} ({adm['positions']} positions"
+              + ("; gumbel-v2's replay" if spec.sampling.rule == sampling.RULE_GUMBEL else "; not the rule's noise") + ")")
         for rate in rates:
             o = steer(spec, policy, policy_dir, tasks, tok, checker, bounds, rate, args.max_steer_tokens, args.seed + int(rate * 1000))
             gain = (o.passes / o.rollouts if o.rollouts else math.nan) - honest["pass_rate"]
