@@ -24,6 +24,8 @@ it); ``LAB_BOUNDS_CONFIG=64`` tests workers against one decode configuration's b
 configurations; ``LAB_DILUTE=K``: the answer steerer adds up to K neutral divergences per submission (rows already off the
 answer, one admissible cheapest-gap token each: decided twins that are neither up nor down, against ``up_rate``);
 ``LAB_STEER_EVERY=n``: rows are steered up only in every n-th submission;
+``LAB_GRIND=G`` (h42b): the aware steerer decodes G unused counters per submission (each with a copy of its ration) and
+submits the one with the most steered tokens (trigger mode) or passes (answer mode): counters are the worker's to choose;
 ``LAB_MIN_DECISIVE``, ``LAB_SABOTAGE_MAX_GAP`` as in the earlier rounds.
 
 The spec is the devnet's bf16 spec (``node.devnet.config.devnet_spec(worker_dtype="bf16", sampling_rule=...)``: embedded tasks,
@@ -35,6 +37,7 @@ submissions at batch 8 and 64, bf16 with float32 logits); the baseline is the co
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -50,6 +53,7 @@ WORK = Path(os.environ.get("LAB_WORK", "redteam-work"))  # the spec, tolerances 
 SABOTAGE_MAX_GAP = float(os.environ.get("LAB_SABOTAGE_MAX_GAP", "1.0"))  # i33b: a fraction of delta
 DILUTE = int(os.environ.get("LAB_DILUTE", "0"))  # h41b: neutral divergences per submission (answer mode), against up_rate
 STEER_EVERY = int(os.environ.get("LAB_STEER_EVERY", "1"))  # h41b: rows are steered up only in every n-th submission
+GRIND = int(os.environ.get("LAB_GRIND", "1"))  # h42b: aware steerer submits the best of this many unused counters
 MIN_DECISIVE = int(os.environ.get("LAB_MIN_DECISIVE", "64"))  # i33b: audit.min_calibration_decisive of the lab's spec
 if MIN_DECISIVE > 64:  # a bigger twin baseline than the default burst limit collects
     import node.coordinator.calibrate as _cal
@@ -580,6 +584,7 @@ def run_aware(lab: Lab, mode: str, trigger: str | None, factor: float, differ_fa
     for counter in range(submissions):
         j = counter % keys
         key, budget, state = ids[j], budgets[j], states[j]
+        sub_counter = counter // keys  # the submission counter used (LAB_GRIND picks among several)
         sabotage: set[int] | None = None
         if balance is not None:  # keep the signed up-share at `balance`: sabotage enough honest-passing rows
             pre = open_envelope(build_submission(lab.spec, lab.spec.run_id, key, honest_engine_fp32, lab.tok, lab.tasks, 0, counter // keys),
@@ -593,6 +598,17 @@ def run_aware(lab: Lab, mode: str, trigger: str | None, factor: float, differ_fa
         if ceiling is not None:  # a33b: twin-aware controller (predicts each twin exactly: it is the float32 honest path)
             raw, passes, sabotage = controlled_submission(lab, key, counter // keys, mode, trig, budget, horizon, stats, max_steered_rows,
                                                           state, bounds, ceiling, honest_engine_fp32, ctl)
+        elif GRIND > 1 and sabotage is None:  # h42b: the best of GRIND unused counters (its own budget copy each)
+            rows = max_steered_rows if (counter // keys) % STEER_EVERY == 0 else 0
+            tries = []
+            for g_ in range(GRIND):
+                b_, s_ = copy.deepcopy(budget), dict(stats)
+                c_ = (counter // keys) * GRIND + g_
+                raw_, passes_ = steered_submission(lab, key, c_, mode, trig, b_, horizon, s_, None, rows)
+                tries.append((s_["taken"] if trig is not None else sum(passes_), c_, raw_, passes_, b_, s_))
+            _, sub_counter, raw, passes, budget, best_stats = max(tries, key=lambda x: (x[0], -x[1]))
+            budgets[j] = budget
+            stats.update(best_stats)
         else:
             rows = max_steered_rows if (counter // keys) % STEER_EVERY == 0 else 0  # h41b: steer up only every n-th submission
             raw, passes = steered_submission(lab, key, counter // keys, mode, trig, budget, horizon, stats, sabotage, rows)
@@ -614,7 +630,7 @@ def run_aware(lab: Lab, mode: str, trigger: str | None, factor: float, differ_fa
                 flag_sub[j] = counter
                 flag_info[j] = fl.detail()
         body = open_envelope(raw, run_id=lab.spec.run_id, expect=Submission).body
-        honest_raw = build_submission(lab.spec, lab.spec.run_id, key, honest_engine_fp32, lab.tok, lab.tasks, 0, counter // keys)
+        honest_raw = build_submission(lab.spec, lab.spec.run_id, key, honest_engine_fp32, lab.tok, lab.tasks, 0, sub_counter)
         hbody = open_envelope(honest_raw, run_id=lab.spec.run_id, expect=Submission).body
         rollouts += len(body.rollouts)
         sign_count(sign, body.rollouts, hbody.rollouts)
