@@ -1,4 +1,4 @@
-"""Tests of sampling rule ``gumbel-v2`` (protocol.sampling, docs/toploc.md §5.4): its pinned noise, its
+"""Tests of sampling rule ``gumbel-v2`` (protocol.sampling, docs/toploc.md §5.3): its pinned noise, its
 distribution and kept sets, its replay under a logit bound, and the bound on what one token can do."""
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_replay_accepts_workers_within_the_bound_and_rejects_cheats(temperature:
         "greedy": top2[:, 0],
         "runner-up": torch.where(top2[:, 0] == honest, top2[:, 1], top2[:, 0]),
     }
-    if scale > 0.1:  # on flat rows the candidates hold little mass and a 3δ worker's window is not seen (§5.4)
+    if scale > 0.1:  # on flat rows the candidates hold little mass and a 3δ worker's window is not seen (§5.3)
         cheats["beyond the bound"] = sampling.sample(fp32 + 3 * delta * torch.where(torch.arange(vocab) < vocab // 2, -1.0, 1.0), seeds,
                                                      pos, temperature, top_p, (eos,), floor, RULE)[0]
     for name, toks in cheats.items():
@@ -118,7 +118,7 @@ def test_replay_accepts_workers_within_the_bound_and_rejects_cheats(temperature:
 
 
 def test_one_injected_token_is_admissible_at_most_at_its_bound() -> None:
-    """docs/toploc.md §5.4: under ``gumbel-v2`` a chosen ("trigger") token ``c`` passes the replay at a
+    """docs/toploc.md §5.3: under ``gumbel-v2`` a chosen ("trigger") token ``c`` passes the replay at a
     position with probability ``q / (m + q)``, ``q = e^{2δ/T} · p_c``, ``m`` the mass of the validator's
     other candidates (so at most ``e^{2δ/T} · p_c / m``); under ``icdf-v1`` at the same δ a low-probability
     token is admissible wherever a uniform's window reaches its interval, far more often. Measured over
