@@ -340,13 +340,16 @@ def test_malformed_and_out_of_bounds_rejected(world: World, honest_env: Envelope
 
 def test_sampling_rule_named_by_the_run_spec(world: World) -> None:
     """The rule is part of the signed spec: the default ``icdf-v1`` works end to end, and a spec
-    naming another rule (the removed ``gumbel-v1`` too) is refused when it is parsed, in one line
-    naming the field."""
-    from protocol.errors import RunSpecError
-    from protocol.runspec import parse_run_spec
-    from protocol.sampling import RULE_ICDF, RULES
+    naming an unknown rule (the removed ``gumbel-v1`` too) is refused when it is parsed, in one line
+    naming the field; the rules the spec accepts are the sampler's."""
+    import typing
 
-    assert SPEC.sampling.rule == RULE_ICDF and RULES == (RULE_ICDF,)
+    from protocol.errors import RunSpecError
+    from protocol.runspec import SamplingSpec, parse_run_spec
+    from protocol.sampling import RULE_GUMBEL, RULE_ICDF, RULES
+
+    assert SPEC.sampling.rule == RULE_ICDF and RULES == (RULE_ICDF, RULE_GUMBEL)
+    assert typing.get_args(SamplingSpec.model_fields["rule"].annotation) == RULES
     assert world.checker().check(honest(world, 70)).accepted
     for rule in ("gumbel-v1", "gumbel-v0"):
         text = f'[run]\ncoordinator = "{COORD.peer_id}"\n[sampling]\nrule = "{rule}"\n'
