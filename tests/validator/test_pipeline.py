@@ -567,3 +567,8 @@ def test_a_gumbel_run_is_replayed_by_its_own_rule(world: World) -> None:
     other = honest(world, counter=300, spec=icdf)
     forged = opened(seal(WORKER, gumbel.run_id, other.body), gumbel.run_id)
     assert_rejected(checker.check(forged), {"sampling"})
+    # under logit-bound-v2 a finite gap beyond δ, of any size, is a benign precision finding (docs/toploc.md §6.3)
+    soft = RunSpec(run=SPEC.run, data=SPEC.data, sampling=gumbel.sampling, rl=SPEC.rl,
+                   toploc=ToplocSpec(replay_rule="logit-bound-v2", replay_logit_bound=0.5))
+    result = world.checker(spec=soft).check(opened(seal(WORKER, soft.run_id, other.body), soft.run_id))
+    assert not result.accepted and result.reason == "precision" and result.evidence["finding"] == "sampling", result.evidence
