@@ -214,8 +214,8 @@ class SamplingSpec(_Section):
     )
     length_penalty: Annotated[float, Field(ge=0.0, le=1.0, description="λ in r − λ·|len − target|")] = 0.0
     rule: Annotated[
-        Literal["icdf-v1"],
-        Field(description="sampling rule (protocol.sampling, docs/toploc.md §5): icdf-v1"),
+        Literal["icdf-v1", "gumbel-v2"],
+        Field(description="sampling rule (protocol.sampling, docs/toploc.md §5): icdf-v1, or gumbel-v2 under a logit replay rule"),
     ] = "icdf-v1"
 
 
@@ -540,6 +540,9 @@ class RunSpec(_Section):
             raise ValueError(f"model.hidden_size {self.model.hidden_size} < toploc.topk {self.toploc.topk}: a last chunk of one token could not be proven")
         if self.toploc.max_mismatches > self.toploc.topk:
             raise ValueError("toploc.max_mismatches exceeds toploc.topk")
+        if self.sampling.rule == "gumbel-v2" and self.toploc.replay_rule not in LOGIT_BOUND_RULES:
+            raise ValueError("sampling.rule gumbel-v2 is replayed under a logit bound: set toploc.replay_rule logit-bound-v1 or -v2 "
+                             "with toploc.replay_logit_bound (docs/toploc.md §5.3)")
         if (self.data.tasks == ENV_TASKS) != bool(self.env.name):
             raise ValueError('data.tasks "environment" and env.name go together: the tasks of a run with an environment are its own')
         least = fresh_steps(self.rl.async_level)

@@ -7,7 +7,7 @@ and a seed the worker cannot choose, and the validator recomputes every token
 (``docs/toploc.md`` §5–§6). The run spec's ``sampling.rule`` names the rule of a run; a rule whose
 tokens differ gets a new name.
 
-Rule ``icdf-v1`` (:data:`RULE_ICDF`, the only rule; normative):
+Rule ``icdf-v1`` (:data:`RULE_ICDF`, the default; normative):
 
 * **Seed.** :func:`derive_sequence_seed` hashes (run seed, policy step, peer ID, task ID, sample
   index) into a 63-bit sequence seed.
@@ -35,6 +35,14 @@ Rule ``icdf-v1`` (:data:`RULE_ICDF`, the only rule; normative):
   id on a tie).
 * **Log-prob.** ``logprob = log P(token)`` of the *unfiltered* tempered distribution, returned as
   float32.
+
+Rule ``gumbel-v2`` (:data:`RULE_GUMBEL`, for runs replayed under a logit bound; normative; ``docs/toploc.md`` §5.3):
+seed, temperature, weights, top-p, EOS gate and log-prob as ``icdf-v1``; token ``v`` at position ``t`` gets
+noise ``g_v = −ln(−ln((w + 1/2) / 2^32))`` from word ``v mod 4`` of the Philox block with counter
+``(t mod 2^32, t >> 32, v div 4, 0x474D4232)`` (:func:`gumbel_noise`); the token is the kept token with the
+highest score ``max((x_v − max x) / T, −87) + g_v`` (float32; lowest id on a tie), or, nothing kept, the most
+probable non-EOS token. Its replay (:func:`_gumbel_replay`) bounds the claimed token's score against the
+best of the validator's :data:`GUMBEL_CANDIDATES` most probable tokens.
 
 The rule is exact arithmetic; implementations round. This one computes the weights in float32
 and keeps the cumulative sums as one float64 partial sum per :data:`CDF_CHUNK` tokens built from
@@ -84,12 +92,14 @@ __all__ = [
     "GAP_EDGE_FRACTIONS",
     "REPLAY_RULES",
     "RULES",
+    "RULE_GUMBEL",
     "RULE_ICDF",
     "LogprobResult",
     "ReplayParams",
     "ReplayResult",
     "TerminationResult",
     "derive_sequence_seed",
+    "gumbel_noise",
     "logprob_check",
     "philox4x32",
     "replay_check",
@@ -104,11 +114,25 @@ SEED_DOMAIN = b"intellect-node/sequence-seed/v1\x00"
 """Domain-separation prefix of the sequence-seed hash input (32 bytes)."""
 RULE_ICDF = "icdf-v1"
 """Inverse-CDF sampling from a few counter-based uniforms per position."""
-RULES = (RULE_ICDF,)
-"""Every rule a run spec may name. (``gumbel-v1``, Gumbel-max with Philox noise for every
-vocabulary entry, was removed: 25× the cost at vocabulary 151,936 for no gain in detection,
-``docs/toploc.md`` §5.)"""
+RULE_GUMBEL = "gumbel-v2"
+"""Gumbel-max over counter-based noise for every vocabulary entry, replayed on a candidate set: for
+runs whose workers compute in bf16 (a logit replay rule), where it shrinks what one token can do
+(``docs/toploc.md`` §5.3)."""
+RULES = (RULE_ICDF, RULE_GUMBEL)
+"""Every rule a run spec may name. (``gumbel-v1``, Gumbel-max with another noise layout and an exact
+replay over the whole vocabulary, was removed: 25× ``icdf-v1``'s cost at vocabulary 151,936 for no
+gain in detection under ``eps-v1``, ``docs/toploc.md`` §5; the name stays unused.)"""
 DEFAULT_RULE = RULE_ICDF
+GUMBEL_COUNTER_TAG = 0x474D4232
+"""Fourth Philox counter word of the ``gumbel-v2`` noise ("GMB2")."""
+GUMBEL_CANDIDATES = 256
+"""``gumbel-v2``'s replay compares a claimed token's score with the best of the validator's this many most
+probable tokens (and the claimed one): a lower bound on the best score over the vocabulary, so honest
+tokens always pass, and an injected token is admissible with at most ``e^{2δ/T} / m`` times its own
+probability, ``m`` the candidates' mass (``docs/toploc.md`` §5.3)."""
+GUMBEL_SLACK = 2.0**-12
+"""Tempered-logit units the ``gumbel-v2`` replay adds to its window: float32 rounding of scores
+``z + g`` (``|z + g| ≤ 110``, so ≤ 2^-17 each on the worker and the validator) with a wide margin."""
 ICDF_COUNTER_TAG = 0x49434446
 """Fourth Philox counter word of the ``icdf-v1`` uniforms ("ICDF")."""
 ICDF_DRAWS = 16
@@ -257,26 +281,34 @@ def _philox_numpy(c: list[np.ndarray], k: list[np.ndarray]) -> list[np.ndarray]:
     return [c0, c1, c2, c3]
 
 
-def _uniform_words(seeds: torch.Tensor, positions: torch.Tensor, blocks: int, *, use_numpy: bool) -> list[torch.Tensor]:
-    """The four words of ``icdf-v1`` Philox blocks ``0 … blocks−1`` for ``[B]`` seeds and positions:
-    ``[B, blocks]`` int64 in ``[0, 2^32)`` each, on the device of ``seeds``; numpy ``uint64`` on the
+def _philox_words(seeds: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor, tag: int, *, use_numpy: bool) -> list[torch.Tensor]:
+    """The four words of Philox blocks with counter ``(t mod 2^32, t >> 32, j, tag)`` and key ``(seed mod 2^32,
+    seed >> 32)`` for ``[B]`` seeds and positions ``t`` and block indices ``j`` (``[B, K]`` or ``[1, K]`` int64 in
+    ``[0, 2^32)``): ``[B, K]`` int64 in ``[0, 2^32)`` each, on the device of ``seeds``; numpy ``uint64`` on the
     CPU, int64 tensor ops (:func:`philox4x32`) elsewhere, the same integers (tested)."""
     device = seeds.device
     seeds = seeds.to(torch.int64).reshape(-1, 1)  # [B, 1]
     positions = positions.to(device=device, dtype=torch.int64).reshape(-1, 1)  # [B, 1]
+    shape = (seeds.shape[0], blocks.shape[-1])
     if use_numpy:
         m32, s32 = np.uint64(_M32), np.uint64(32)
         sd = seeds.cpu().numpy().astype(np.uint64)  # two's complement → u64 bits
         ps = positions.cpu().numpy().astype(np.uint64)
-        j = np.arange(blocks, dtype=np.uint64).reshape(1, -1)
-        c = [np.broadcast_to(x, (sd.shape[0], blocks)).copy() for x in (ps & m32, ps >> s32, j, np.full_like(ps, ICDF_COUNTER_TAG))]
+        j = blocks.cpu().numpy().astype(np.uint64)
+        c = [np.broadcast_to(x, shape).copy() for x in (ps & m32, ps >> s32, j, np.full_like(ps, tag))]
         words = _philox_numpy(c, [sd & m32, sd >> s32])
         return [torch.from_numpy(np.ascontiguousarray(w).view(np.int64)).to(device) for w in words]
-    jt = torch.arange(blocks, dtype=torch.int64, device=device).reshape(1, -1)
-    zero = torch.zeros_like(jt)
+    zero = torch.zeros(shape, dtype=torch.int64, device=device)
     key = (seeds & _M32, (seeds >> 32) & _M32)
-    lo, hi = (positions & _M32) + zero, ((positions >> 32) & _M32) + zero  # [B, blocks]
-    return list(philox4x32((lo, hi, jt + torch.zeros_like(lo), torch.zeros_like(lo) + ICDF_COUNTER_TAG), key))
+    lo, hi = (positions & _M32) + zero, ((positions >> 32) & _M32) + zero  # [B, K]
+    return list(philox4x32((lo, hi, blocks.to(device) + zero, zero + tag), key))
+
+
+def _uniform_words(seeds: torch.Tensor, positions: torch.Tensor, blocks: int, *, use_numpy: bool) -> list[torch.Tensor]:
+    """The four words of ``icdf-v1`` Philox blocks ``0 … blocks−1`` for ``[B]`` seeds and positions:
+    ``[B, blocks]`` int64 each (:func:`_philox_words` with the ``icdf-v1`` tag)."""
+    j = torch.arange(blocks, dtype=torch.int64, device=seeds.device).reshape(1, -1)
+    return _philox_words(seeds, positions, j, ICDF_COUNTER_TAG, use_numpy=use_numpy)
 
 
 def uniforms(seeds: torch.Tensor, positions: torch.Tensor, count: int = ICDF_DRAWS + 1) -> torch.Tensor:
@@ -391,6 +423,8 @@ class ReplayParams:
         _check_rule(self.rule)
         object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
         _replay_widening(self.replay_rule, self.logit_bound, self.temperature)  # raises on an unknown rule or a bad bound
+        if self.rule == RULE_GUMBEL and self.replay_rule == REPLAY_RULE_EPS:
+            raise ValueError(f"sampling rule {RULE_GUMBEL} is replayed under a logit bound (logit-bound-v1 or -v2), not {REPLAY_RULE_EPS}")
         if not (self.eps > 0.0 and math.isfinite(self.eps)):
             raise ValueError(f"replay eps must be a finite number > 0, got {self.eps}")
         if not 1.0 <= self.hard_factor < math.inf:
@@ -446,7 +480,7 @@ class _ChunkedCDF:
 
     Error: each chunk sum is within ``(CDF_CHUNK − 1) · 2^-24`` of its exact value relatively, in
     any summation order, so every edge is within ``3.8e-6 · total`` of the exact CDF of the
-    float32 weights (``docs/toploc.md`` §5.3).
+    float32 weights (``docs/toploc.md`` §5.2).
 
     Args:
         w: ``[b, V]`` float32 non-negative weights with contiguous rows; kept by reference.
@@ -689,6 +723,75 @@ def _icdf_sample_rows(
     return tokens, logprobs.to(torch.float32)
 
 
+def _gumbel_of(words: list[torch.Tensor], word: torch.Tensor) -> torch.Tensor:
+    """``g = −ln(−ln u)``, ``u = (w + 1/2) / 2^32`` of the chosen Philox word (``word`` in 0…3, broadcastable
+    to the words' shape): float64, in ``[−3.10, 22.18]`` (``u`` is never 0 or 1)."""
+    w = torch.stack(words, dim=-1).gather(-1, word.expand(words[0].shape)[..., None])[..., 0]
+    u = (w.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)
+    return -torch.log(-torch.log(u))
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor | int) -> torch.Tensor:
+    """The ``gumbel-v2`` noise of token ids at each (sequence, position).
+
+    Token ``v``'s noise comes from word ``v mod 4`` of
+    ``Philox4x32-10(counter=(t mod 2^32, t >> 32, v div 4, 0x474D4232), key=(seed mod 2^32, seed >> 32))``
+    as ``g = −ln(−ln((w + 1/2) / 2^32))``: one Philox block per four vocabulary entries.
+
+    Args:
+        seeds: ``[B]`` int64 sequence seeds.
+        positions: ``[B]`` int64 completion positions, ``≥ 0``.
+        ids: ``[B, K]`` int64 token ids in ``[0, 2^34)``, or an int ``V``: every id ``0 … V−1``.
+
+    Returns:
+        ``[B, K]`` (or ``[B, V]``) float64, identical on every device.
+    """
+    use_numpy = seeds.device.type == "cpu"
+    if isinstance(ids, int):
+        blocks = torch.arange(-(-ids // 4), dtype=torch.int64, device=seeds.device).reshape(1, -1)
+        words = _philox_words(seeds, positions, blocks, GUMBEL_COUNTER_TAG, use_numpy=use_numpy)
+        u = torch.stack(words, dim=-1).flatten(-2)[:, :ids]  # [B, V]: word v mod 4 of block v div 4
+        return -torch.log(-torch.log((u.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)))
+    ids = ids.to(device=seeds.device, dtype=torch.int64)
+    words = _philox_words(seeds, positions, ids >> 2, GUMBEL_COUNTER_TAG, use_numpy=use_numpy)
+    return _gumbel_of(words, ids & 3)
+
+
+def _tempered(x: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``z = max((x − max x) / T, −87)`` float32 ``[B, V]`` (as :func:`_icdf_weights` before its ``exp``) and
+    ``max x / T`` float64 ``[B, 1]``."""
+    mx = x.amax(dim=-1, keepdim=True)
+    z = torch.sub(x, mx)
+    if temperature != 1.0:
+        z.mul_(min(1.0 / temperature, _FLOAT32_MAX))
+    return z.clamp_(min=EXP_FLOOR), mx.to(torch.float64) / temperature
+
+
+def _gumbel_sample(
+    logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float, top_p: float,
+    eos_ids: Sequence[int], min_eos_prob: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rule ``gumbel-v2`` for ``[B, V]`` logits (module docstring); no host sync on any device."""
+    x = logits.float()
+    vocab = x.shape[-1]
+    z, m = _tempered(x, temperature)  # [B, V] float32, [B, 1] float64
+    e = z.exp()  # [B, V] float32 weights, as icdf-v1's
+    total = e.sum(dim=-1, dtype=torch.float64)  # [B]
+    score = z + gumbel_noise(seeds, positions, vocab).to(torch.float32)  # [B, V]
+    eos = [v for v in eos_ids if 0 <= v < vocab]
+    eos_idx = _ids_on(tuple(eos), str(x.device)) if eos else None
+    gated = e[:, eos_idx].sum(dim=-1) / total < min_eos_prob if eos_idx is not None and min_eos_prob > 0.0 else None
+    if top_p >= 1.0 and gated is None:
+        tokens = score.argmax(dim=-1)  # the first maximum: the lowest id on a tie
+    else:
+        keep = _kept_mask(e, total, top_p, eos_idx, gated)
+        tokens = score.masked_fill_(~keep, -math.inf).argmax(dim=-1)
+        non_eos = e if eos_idx is None else e.index_fill(-1, eos_idx, -1.0)
+        tokens = torch.where(keep.any(dim=-1), tokens, non_eos.argmax(dim=-1))  # nothing kept: the most probable non-EOS
+    logprobs = x.gather(-1, tokens[:, None])[:, 0].to(torch.float64) / temperature - m[:, 0] - torch.log(total)
+    return tokens, logprobs.to(torch.float32)
+
+
 def sample(
     logits: torch.Tensor,
     seeds: torch.Tensor,
@@ -714,8 +817,8 @@ def sample(
         top_p: in ``(0, 1]``; 1.0 disables the nucleus filter.
         eos_ids: token ids that end a completion (for the EOS gate).
         min_eos_prob: EOS may be drawn only where P(EOS) ≥ this (0 disables the gate).
-        rule: :data:`RULE_ICDF`, the run spec's ``sampling.rule``.
-        u: ``[B, ICDF_DRAWS + 1]`` float64, the rows' :func:`uniforms` of ``(seeds, positions)``
+        rule: :data:`RULE_ICDF` or :data:`RULE_GUMBEL`, the run spec's ``sampling.rule``.
+        u: ``icdf-v1`` only: ``[B, ICDF_DRAWS + 1]`` float64, the rows' :func:`uniforms` of ``(seeds, positions)``
             when the caller computed them ahead (a decode loop does every position of a batch in
             one call); default: computed here. Other values are another rule.
 
@@ -733,6 +836,10 @@ def sample(
     if u is not None and u.shape != (logits.shape[0], ICDF_DRAWS + 1):
         raise ValueError(f"precomputed uniforms must have shape [B, {ICDF_DRAWS + 1}]")
     seeds, positions = seeds.to(logits.device), positions.to(logits.device)
+    if rule == RULE_GUMBEL:
+        if u is not None:
+            raise ValueError(f"precomputed uniforms belong to {RULE_ICDF}; {RULE_GUMBEL} draws noise per vocabulary entry")
+        return _gumbel_sample(logits, seeds, positions, temperature, top_p, eos_ids, min_eos_prob)
     return _icdf_sample(logits, seeds, positions, temperature, top_p, eos_ids, min_eos_prob, u)
 
 
@@ -941,6 +1048,86 @@ def _icdf_replay(
     return torch.cat(rec), torch.cat(margins), torch.cat(gaps), torch.cat(lps)
 
 
+def _gumbel_replay(
+    logits: torch.Tensor, safe: torch.Tensor, in_vocab: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+    temperature: float, top_p: float, eos_list: list[int], floors: tuple[torch.Tensor, torch.Tensor, torch.Tensor], widen: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``gumbel-v2``'s replay rows under a logit rule: (recomputed, margins, gaps, log-probs), each ``[T]``.
+
+    A worker whose logits are within δ of the validator's (up to a common shift) picks ``c`` only if
+    ``z_c + g_c ≥ z_j + g_j − d`` for every token ``j`` it kept, ``d = 2δ / T`` (``widen``), and it
+    kept every *surely kept* token (nucleus at weight ``e^{−d}``, EOS not possibly gated). So the gap
+    is ``(M − z_c − g_c) · T / 2`` (logit units, compared with δ), ``M`` the best score of the surely
+    kept tokens among the :data:`GUMBEL_CANDIDATES` most probable ones: a lower bound on the best over
+    the vocabulary, which only widens the window (honest tokens always pass). ``c`` must be possibly
+    kept (nucleus at ``e^{d}``, EOS not surely gated), else +inf; where nothing is surely kept the
+    worker may have kept nothing and picked its most probable non-EOS token: any non-EOS token within
+    ``e^d`` of the validator's most probable passes. The recomputed token is the best exactly kept
+    candidate (or ``c`` where it scores higher); the margin its lead over the runner-up, logit units.
+
+    Cost per row: one max, one exp and one sum over the vocabulary, a top-k, and one Philox block per
+    candidate (not per vocabulary entry); with top-p < 1 or an EOS gate, one mass histogram
+    (:class:`_Nucleus`) as under ``icdf-v1``.
+    """
+    n_tok, vocab = logits.shape
+    floor_exact, floor_strict, floor_loose = floors
+    dev = logits.device
+    eos_idx = torch.tensor(eos_list, dtype=torch.int64, device=dev) if eos_list else None
+    k = min(vocab, GUMBEL_CANDIDATES)
+    rows = max(1, min(n_tok, _REPLAY_BLOCK_ELEMENTS // max(1, vocab)))
+    limits = (_widen_prob(top_p, -widen), top_p, _widen_prob(top_p, widen))
+    rec, margins, gaps, lps = [], [], [], []
+    for lo in range(0, n_tok, rows):
+        hi = min(n_tok, lo + rows)
+        x = logits[lo:hi].float()  # [b, V]
+        c = safe[lo:hi, None]  # [b, 1]
+        z, m = _tempered(x, temperature)  # [b, V] float32, [b, 1] float64
+        e = z.exp()
+        total = e.sum(dim=-1, dtype=torch.float64)  # [b]
+        if not bool(torch.isfinite(total).all()):  # NaN or +inf logits: no score means anything
+            row = lo + int(torch.nonzero(~torch.isfinite(total))[0, 0])
+            raise ValueError(f"the validator's logits at row {row} are not finite (NaN or +inf): no verdict can rest on them")
+        lps.append(x.gather(-1, c)[:, 0].to(torch.float64) / temperature - m[:, 0] - torch.log(total))
+        ids = torch.cat([z.topk(k, dim=-1).indices, c], dim=-1)  # [b, K + 1]: the candidates, then the claimed token
+        score = z.gather(-1, ids).to(torch.float64) + gumbel_noise(seeds[lo:hi], positions[lo:hi], ids)  # [b, K + 1]
+        p_eos = e[:, eos_idx].sum(dim=-1, dtype=torch.float64) / total if eos_idx is not None else None  # [b]
+        nucleus = _Nucleus(e, total, limits) if top_p < 1.0 else None
+        fe, fs, fl = floor_exact[lo:hi], floor_strict[lo:hi], floor_loose[lo:hi]
+
+        def kept(q: torch.Tensor, limit: int, floor: torch.Tensor, nucleus: _Nucleus | None = nucleus, p_eos: torch.Tensor | None = p_eos,
+                 e: torch.Tensor = e) -> torch.Tensor:  # limit 0: surely kept, 1: exactly, 2: possibly
+            if nucleus is None:
+                out = torch.ones_like(q, dtype=torch.bool)
+            elif limit == 1:
+                out = nucleus.kept(q, 1)
+            else:
+                out = nucleus.beyond(e.gather(1, q) * _odds_scale(widen if limit == 2 else -widen), limit, inclusive=limit == 2)
+            if eos_idx is not None and p_eos is not None:
+                out = out & ~(torch.isin(q, eos_idx) & (p_eos < floor)[:, None])
+            return out
+
+        best_sure = torch.where(kept(ids, 0, fs), score, -math.inf).amax(dim=-1)  # [b] M
+        s_c = score[:, -1]
+        gap = ((best_sure - s_c - GUMBEL_SLACK).clamp_min(0.0) * (temperature / 2)).nan_to_num(nan=0.0)  # M = −inf: no bound
+        possible_c = kept(c, 2, fl)[:, 0]
+        gap = torch.where(possible_c, gap, math.inf)
+        exact = torch.where(kept(ids, 1, fe), score, -math.inf)  # [b, K + 1]
+        top2 = exact.topk(2, dim=-1)
+        r = ids.gather(-1, top2.indices[:, :1])[:, 0]
+        margin = ((top2.values[:, 0] - top2.values[:, 1]) * (temperature / 2)).nan_to_num(nan=math.inf, posinf=math.inf)
+        if nucleus is not None or (eos_idx is not None and p_eos is not None):
+            non_eos = e if eos_idx is None else e.index_fill(-1, eos_idx, -1.0)
+            best_w, best = non_eos.max(dim=-1)
+            r = torch.where(torch.isinf(top2.values[:, 0]), best, r)  # nothing exactly kept: the most probable non-EOS
+            is_eos = torch.isin(safe[lo:hi], eos_idx) if eos_idx is not None else torch.zeros_like(possible_c)
+            best_ok = ~is_eos & (e.gather(-1, c)[:, 0].double() * _odds_scale(widen) >= best_w.double())
+            gap = torch.where(best_ok & _nothing_surely_kept(e, nucleus, eos_idx, p_eos, fs, widen), 0.0, gap)
+        rec.append(r)
+        margins.append(margin)
+        gaps.append(torch.where(in_vocab[lo:hi], gap, math.inf))
+    return torch.cat(rec), torch.cat(margins), torch.cat(gaps), torch.cat(lps)
+
+
 def _widen_prob(p: float, d: float) -> float:
     """``σ(logit p + d)`` for a probability ``p`` (0 and 1 stay)."""
     if p <= 0.0 or p >= 1.0:
@@ -1126,8 +1313,12 @@ def replay_checks(
         floors = (floor_at(min_eos_prob), floor_at(_widen_prob(min_eos_prob, widen) + ROUNDING_SLACK),
                   floor_at(_widen_prob(min_eos_prob, -widen) - ROUNDING_SLACK))
         limit, limit_name = params.logit_bound, f"the logit bound {params.logit_bound} nats"
-    recomputed, margin, gap, lps = _icdf_replay(logits, safe, in_vocab, row_seeds, positions, params.temperature, params.top_p,
-                                                params.nucleus_slack, eos_list, floors, eps, overwrite, widen)
+    if params.rule == RULE_GUMBEL:
+        recomputed, margin, gap, lps = _gumbel_replay(logits, safe, in_vocab, row_seeds, positions, params.temperature, params.top_p,
+                                                      eos_list, floors, params.widen)
+    else:
+        recomputed, margin, gap, lps = _icdf_replay(logits, safe, in_vocab, row_seeds, positions, params.temperature, params.top_p,
+                                                    params.nucleus_slack, eos_list, floors, eps, overwrite, widen)
     gap = torch.where(recomputed == claimed, torch.zeros_like(margin), gap.clamp_min(0.0))
     lps = torch.where(in_vocab, lps, torch.full_like(lps, math.nan))
     differs = recomputed != claimed

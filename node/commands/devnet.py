@@ -50,6 +50,9 @@ def _devnet(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="what every worker (and the adversary) computes in (default fp32). bf16 signs a spec fit for bf16 "
                         "workers (replay rule logit-bound-v2 with tolerances measured on the base, the per-worker audit, "
                         "policies published in bf16; node/devnet/config.py precision_toploc, docs/devnet.md § Precision)")
+    p.add_argument("--sampling-rule", choices=["icdf-v1", "gumbel-v2"], default="icdf-v1",
+                   help="the run's sampling rule (default icdf-v1); gumbel-v2 needs --worker-dtype bf16 and shrinks what one "
+                        "token can do (docs/toploc.md §5.3)")
     p.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP", help="SIGKILL worker-0 at this trainer step, then restart it")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="folder for logs, data and the report: missing, empty, or a previous devnet's (replaced; devnet outputs "
@@ -215,6 +218,8 @@ def _run_devnet(args: argparse.Namespace) -> int:
             check_out(out)
         except OutDirError as e:
             raise CliError(str(e)) from None
+    if args.sampling_rule == "gumbel-v2" and WORKER_DTYPES[args.worker_dtype] == "float32":
+        raise CliError("--sampling-rule gumbel-v2 is replayed under a logit bound, which float32 workers do not use: add --worker-dtype bf16")
     timeout = args.timeout if args.timeout is not None else 3600.0 if profile else 900.0
     options = DevnetOptions(out=out, workers=workers, relays=relays, validators=args.validators, steps=steps,
                             tasks=tasks, data_root=data_root, adversary=args.adversary, kill_worker_at=args.kill_worker_at,
@@ -222,7 +227,8 @@ def _run_devnet(args: argparse.Namespace) -> int:
                             async_level=args.async_level, eval_every=args.eval_every, eval_samples=eval_samples, model=model,
                             rl=rl, profile=args.profile, profile_layers=args.profile_layers, links=args.links, link_mbit=link_mbit, deltas=not args.no_deltas,
                             env=env_name, env_args=env_arguments,
-                            worker_dtype=WORKER_DTYPES[args.worker_dtype], steer_rate=1.0 if args.steer_rate is None else args.steer_rate)
+                            worker_dtype=WORKER_DTYPES[args.worker_dtype], steer_rate=1.0 if args.steer_rate is None else args.steer_rate,
+                            sampling_rule=args.sampling_rule)
     live = None
     last_print = [0.0]
 

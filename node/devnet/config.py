@@ -197,6 +197,7 @@ def devnet_spec(
     env_max_tokens: int = ENV_MAX_TOKENS_RANGE[1],
     worker_dtype: str = "float32",
     measured: ToplocSpec | None = None,
+    sampling_rule: str = "icdf-v1",
 ) -> RunSpec:
     """The unsigned run spec of a devnet whose coordinator serves at ``http_url``.
 
@@ -219,7 +220,8 @@ def devnet_spec(
     per-worker audit :data:`DEVNET_AUDIT`, and with bf16 workers policies are published in
     bf16 (``model.dtype = "bfloat16"``, as a real run publishes them: the workers' and the
     validators' weights are then the same numbers and only the arithmetic differs; the trainer
-    computes in bf16 mixed precision over float32 masters).
+    computes in bf16 mixed precision over float32 masters). ``sampling_rule`` is ``sampling.rule``
+    (``gumbel-v2`` only with bf16 workers: it is replayed under the logit bound).
 
     Raises:
         protocol.models.ModelLoadError: ``model`` is not a usable Qwen2 directory (one line naming why).
@@ -231,6 +233,7 @@ def devnet_spec(
     embedded = tasks in ("embedded", ENV_TASKS) and model is None
     rl = devnet_rl(embedded=embedded, async_level=async_level, rl_overrides=rl_overrides, profile=profile)
     sampling = (env_sampling(env_max_tokens) if env is not None else EMBEDDED_SAMPLING) if embedded else REAL_TASKS_SAMPLING
+    sampling = sampling.model_copy(update={"rule": sampling_rule})
     toploc = precision_toploc(worker_dtype, measured)
     if profile:
         toploc = ToplocSpec.model_validate(toploc.model_dump() | {"max_near_tie_fraction": PROFILE_MAX_NEAR_TIE_FRACTION})

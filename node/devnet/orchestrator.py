@@ -87,6 +87,7 @@ class DevnetOptions:
         worker_dtype: what every worker and the adversary compute in, ``float32`` or ``bfloat16``;
             the run spec is made fit for it (``node.devnet.config.precision_toploc``).
         steer_rate: the ``steer`` adversary's share of chances taken.
+        sampling_rule: the run spec's ``sampling.rule`` (``gumbel-v2`` with bf16 workers only).
     """
 
     out: Path
@@ -115,6 +116,7 @@ class DevnetOptions:
     env_args: dict[str, Any] = field(default_factory=dict)
     worker_dtype: str = "float32"
     steer_rate: float = 1.0
+    sampling_rule: str = "icdf-v1"
 
     def eval_interval(self) -> int:
         """Trainer steps between held-out evaluations: ``eval_every``, else ``ceil(steps / 6)``."""
@@ -294,7 +296,7 @@ class Devnet:
             return devnet_spec(coord, validators, tasks=self.o.tasks, http_url=self.coord_url, bootstrap=bootstrap,
                                seed=self.seed, async_level=self.o.async_level, model=self.o.model, rl_overrides=self.o.rl,
                                profile=self.o.profile is not None, deltas=self.o.deltas, worker_dtype=self.o.worker_dtype, measured=measured,
-                               **env_kw)
+                               sampling_rule=self.o.sampling_rule, **env_kw)
 
         spec = make() if WORKER_DTYPES[self.o.worker_dtype] == "float32" else make(self._measure_precision(make(ToplocSpec(
             replay_rule="logit-bound-v2", replay_logit_bound=1.0, worker_dtype="bfloat16"))))

@@ -385,3 +385,28 @@ def test_bf16_engine_from_dir_keeps_its_dtype_across_weight_swaps(tmp_path: Path
         create_engine("transformers", tmp_path / "a", fp32_head=True)
     with pytest.raises(ValueError, match="compute dtype"):
         create_engine("transformers", tmp_path / "a", dtype="float16")
+
+
+def test_engines_sample_by_gumbel_v2_when_the_run_names_it() -> None:
+    """Under ``sampling.rule = "gumbel-v2"`` the engine decodes by that rule: its float32 tokens are what the
+    rule gives for the prefill's logits (gap 0 at every position), a bf16 engine's tokens replay within the
+    bound, and the completions differ from ``icdf-v1``'s for the same seeds (the rule is applied)."""
+    import copy
+
+    model = _model(0, eos_row=True)
+    prompts, seeds = _prompts(), _seeds()
+    params = SamplingParams(max_tokens=24, temperature=0.9, eos_id=EOS, min_eos_prob=0.05, rule=sampling.RULE_GUMBEL)
+    replay = sampling.ReplayParams(temperature=0.9, eos_ids=(EOS,), min_eos_prob=0.05, max_near_tie_fraction=0.5, rule=sampling.RULE_GUMBEL,
+                                   replay_rule="logit-bound-v1", logit_bound=1.0)
+    fp32 = TransformersEngine(copy.deepcopy(model), embedded_tokenizer())
+    bf16 = TransformersEngine(copy.deepcopy(model), embedded_tokenizer(), compute_dtype=torch.bfloat16, fp32_head=True)
+    runs = {"fp32": fp32.generate(prompts, seeds, params), "bf16": bf16.generate(prompts, seeds, params)}
+    for name, gens in runs.items():
+        pre = prefill_completions(model, prompts, [g.completion_ids.tolist() for g in gens], PAD)
+        for g, p, seed in zip(gens, pre, seeds, strict=True):
+            res = sampling.replay_check(p.logits, g.completion_ids, seed, replay)
+            assert res.ok, (name, res.reason)
+            if name == "fp32":
+                assert float(res.gaps.max()) == 0.0 and not bool(res.differs.any())
+    icdf = fp32.generate(prompts, seeds, SamplingParams(max_tokens=24, temperature=0.9, eos_id=EOS, min_eos_prob=0.05))
+    assert any(a.completion_ids.tolist() != b.completion_ids.tolist() for a, b in zip(icdf, runs["fp32"], strict=True))

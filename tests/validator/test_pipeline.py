@@ -340,13 +340,16 @@ def test_malformed_and_out_of_bounds_rejected(world: World, honest_env: Envelope
 
 def test_sampling_rule_named_by_the_run_spec(world: World) -> None:
     """The rule is part of the signed spec: the default ``icdf-v1`` works end to end, and a spec
-    naming another rule (the removed ``gumbel-v1`` too) is refused when it is parsed, in one line
-    naming the field."""
-    from protocol.errors import RunSpecError
-    from protocol.runspec import parse_run_spec
-    from protocol.sampling import RULE_ICDF, RULES
+    naming an unknown rule (the removed ``gumbel-v1`` too) is refused when it is parsed, in one line
+    naming the field; the rules the spec accepts are the sampler's."""
+    import typing
 
-    assert SPEC.sampling.rule == RULE_ICDF and RULES == (RULE_ICDF,)
+    from protocol.errors import RunSpecError
+    from protocol.runspec import SamplingSpec, parse_run_spec
+    from protocol.sampling import RULE_GUMBEL, RULE_ICDF, RULES
+
+    assert SPEC.sampling.rule == RULE_ICDF and RULES == (RULE_ICDF, RULE_GUMBEL)
+    assert typing.get_args(SamplingSpec.model_fields["rule"].annotation) == RULES
     assert world.checker().check(honest(world, 70)).accepted
     for rule in ("gumbel-v1", "gumbel-v0"):
         text = f'[run]\ncoordinator = "{COORD.peer_id}"\n[sampling]\nrule = "{rule}"\n'
@@ -547,3 +550,20 @@ def test_logit_bound_v2_rejects_a_value_within_the_hard_factor_as_precision_beyo
     assert_rejected(world.checker(spec=v2).check(_logprobs_shifted(env, v2, last(0.25))), {"logprobs"})
     env1 = honest(world, 40, spec=v1)
     assert_rejected(world.checker(spec=v1).check(_logprobs_shifted(env1, v1, last(0.15))), {"logprobs"})
+
+
+def test_a_gumbel_run_is_replayed_by_its_own_rule(world: World) -> None:
+    """A run naming ``sampling.rule = "gumbel-v2"`` (with its logit replay rule) is generated and replayed by
+    that rule: an honest worker's submission is accepted with every check run, and the same tasks decoded by
+    ``icdf-v1`` and signed for the Gumbel run are rejected as a sampling cheat (the validator's replay
+    follows the signed spec's rule, not a default)."""
+    toploc = ToplocSpec(replay_rule="logit-bound-v1", replay_logit_bound=0.5)  # v1: a token beyond the bound is a cheat, not a soft finding
+    gumbel = RunSpec(run=SPEC.run, data=SPEC.data, sampling=SPEC.sampling.model_copy(update={"rule": "gumbel-v2"}), rl=SPEC.rl,
+                     toploc=toploc)
+    icdf = RunSpec(run=SPEC.run, data=SPEC.data, sampling=SPEC.sampling, rl=SPEC.rl, toploc=toploc)
+    checker = world.checker(spec=gumbel)
+    result = checker.check(honest(world, counter=300, spec=gumbel))
+    assert result.accepted, (result.reason, result.evidence)
+    other = honest(world, counter=300, spec=icdf)
+    forged = opened(seal(WORKER, gumbel.run_id, other.body), gumbel.run_id)
+    assert_rejected(checker.check(forged), {"sampling"})
