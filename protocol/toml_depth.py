@@ -85,6 +85,14 @@ def _key(src: str, pos: int, base: int, limit: int) -> tuple[int, int]:
         return pos, depth
 
 
+def _key_and_equals(src: str, pos: int, base: int, limit: int) -> tuple[int, int]:
+    """Skip ``key =`` and the blanks after it (:func:`_key`); returns (position of the value, its depth)."""
+    pos, depth = _key(src, pos, base, limit)
+    if not src.startswith("=", pos):
+        raise _Stop
+    return _WS.match(src, pos + 1).end(), depth  # type: ignore[union-attr]
+
+
 def _string(src: str, pos: int) -> int | None:
     """The end of the string that starts at ``pos``, or None where no string starts there."""
     if src.startswith('"""', pos):
@@ -128,10 +136,7 @@ def _value(src: str, pos: int, depth: int, limit: int) -> int:
             open_containers.append(("{", depth))
             pos = _WS.match(src, pos + 1).end()  # type: ignore[union-attr]
             if not src.startswith("}", pos):
-                pos, depth = _key(src, pos, depth, limit)
-                if not src.startswith("=", pos):
-                    raise _Stop
-                pos = _WS.match(src, pos + 1).end()  # type: ignore[union-attr]
+                pos, depth = _key_and_equals(src, pos, depth, limit)
                 continue
             pos += 1
             open_containers.pop()
@@ -158,10 +163,7 @@ def _value(src: str, pos: int, depth: int, limit: int) -> int:
                 pos = _WS.match(src, pos).end()  # type: ignore[union-attr]
                 if src.startswith(",", pos):
                     pos = _WS.match(src, pos + 1).end()  # type: ignore[union-attr]
-                    pos, depth = _key(src, pos, container_depth, limit)
-                    if not src.startswith("=", pos):
-                        raise _Stop
-                    pos = _WS.match(src, pos + 1).end()  # type: ignore[union-attr]
+                    pos, depth = _key_and_equals(src, pos, container_depth, limit)
                     break
                 if not src.startswith("}", pos):
                     raise _Stop
@@ -211,10 +213,7 @@ def first_nesting_over(text: str, limit: int) -> tuple[int, int] | None:
                     return None
                 pos = _end_of_line(src, pos)
             elif c in _KEY_INITIAL:
-                pos, depth = _key(src, pos, table_depth, limit)
-                if not src.startswith("=", pos):
-                    return None
-                pos = _WS.match(src, pos + 1).end()  # type: ignore[union-attr]
+                pos, depth = _key_and_equals(src, pos, table_depth, limit)
                 pos = _end_of_line(src, _value(src, pos, depth, limit))
             else:
                 return None
