@@ -483,7 +483,7 @@ def test_a_submissions_reward_work_stops_at_its_budget(world: World, honest_env:
         clock[0] += RewardLimits().sandbox.total_wall_time_s  # a completion at its whole sandbox time
         return RewardJudgement("ok", None, 1, "")  # type: ignore[arg-type]
 
-    monkeypatch.setattr(vp, "_clock", lambda: clock[0])
+    monkeypatch.setattr(vp.rewards, "_clock", lambda: clock[0])
     monkeypatch.setattr(vp, "judge_reward", slow_agreeing_judge)
     budget = vp.reward_budget_s(ROLLOUTS, RewardLimits())
     assert budget == 120.0  # two completions' sandbox time: 16 rollouts × 2 s is less
