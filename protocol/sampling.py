@@ -42,7 +42,9 @@ noise ``g_v = −ln(−ln((w + 1/2) / 2^32))`` from word ``v mod 4`` of the Phil
 ``(t mod 2^32, t >> 32, v div 4, 0x474D4232)`` (:func:`gumbel_noise`); the token is the kept token with the
 highest score ``max((x_v − max x) / T, −87) + g_v`` (float32; lowest id on a tie), or, nothing kept, the most
 probable non-EOS token. Its replay (:func:`_gumbel_replay`) bounds the claimed token's score against the
-best of the validator's :data:`GUMBEL_CANDIDATES` most probable tokens.
+best of the validator's :data:`GUMBEL_CANDIDATES` most probable surely kept tokens and against the least score
+of the tokens that may be the worker's own most probable (a non-empty kept set holds it, also where top-p
+leaves no token surely kept).
 
 The rule is exact arithmetic; implementations round. This one computes the weights in float32
 and keeps the cumulative sums as one float64 partial sum per :data:`CDF_CHUNK` tokens built from
