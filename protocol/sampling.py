@@ -1097,7 +1097,8 @@ def _gumbel_replay(
             raise ValueError(f"the validator's logits at row {row} are not finite (NaN or +inf): no verdict can rest on them")
         lps.append(x.gather(-1, c)[:, 0].to(torch.float64) / temperature - m[:, 0] - torch.log(total))
         ids = torch.cat([z.topk(k, dim=-1).indices, c], dim=-1)  # [b, K + 1]: the candidates, then the claimed token
-        score = z.gather(-1, ids).to(torch.float64) + gumbel_noise(seeds[lo:hi], positions[lo:hi], ids)  # [b, K + 1]
+        noise = gumbel_noise(seeds[lo:hi], positions[lo:hi], ids)  # [b, K + 1] float64
+        score = z.gather(-1, ids).to(torch.float64) + noise  # [b, K + 1]
         p_eos = e[:, eos_idx].sum(dim=-1, dtype=torch.float64) / total if eos_idx is not None else None  # [b]
         nucleus = _Nucleus(e, total, limits) if top_p < 1.0 else None
         fe, fs, fl = floor_exact[lo:hi], floor_strict[lo:hi], floor_loose[lo:hi]
@@ -1114,27 +1115,41 @@ def _gumbel_replay(
                 out = out & ~(torch.isin(q, eos_idx) & (p_eos < floor)[:, None])
             return out
 
-        best_sure = torch.where(kept(ids, 0, fs), score, -math.inf).amax(dim=-1)  # [b] M
+        # The bound's scores use unfloored tempered logits: the sampler floors z at −87, which lifts a far token's score
+        # (with 2δ/T past ≈ 62, T < 0.032 at δ = 1, every token passed, logit −inf included). An honest worker's choice
+        # beats its own best token's score (≥ the least noise), so it is never at the floor in its logits, unless EOS,
+        # gated, was its best token and its best non-EOS one lay 87 below it (then P(EOS) ≈ 1: gated only under a floor
+        # of 1): in such rows the floored scores, as the sampler's.
+        z_b = x.gather(-1, ids).to(torch.float64) / temperature - m  # [b, K + 1] float64 unfloored (−inf for a −inf logit)
+        threshold = torch.full_like(m[:, 0], -widen - GUMBEL_SLACK)  # [b] F's: within d of the best (z = 0)
+        may_be_empty = torch.zeros_like(c[:, 0], dtype=torch.bool)
+        if eos_idx is not None and p_eos is not None:
+            may_gate = p_eos < fs  # [b] the worker may have gated EOS
+            z_ne = x.index_fill(-1, eos_idx, -math.inf).amax(dim=-1).to(torch.float64) / temperature - m[:, 0]  # [b]
+            z_eos = x[:, eos_idx].amax(dim=-1).to(torch.float64) / temperature - m[:, 0]  # [b]
+            # ... and its P(EOS) ≥ 1 / (1 + (V − 1) e^−87) below the floor: only a floor of 1
+            floored = may_gate & (fe >= 1.0 / (1.0 + (vocab - 1) * math.exp(EXP_FLOOR))) & (z_ne - z_eos <= EXP_FLOOR + widen + GUMBEL_SLACK)
+            if bool(floored.any()):
+                z_b = torch.where(floored[:, None], z_b.clamp_min(EXP_FLOOR), z_b)
+                z_ne = torch.where(floored, z_ne.clamp_min(EXP_FLOOR), z_ne)
+                z_eos = torch.where(floored, z_eos.clamp_min(EXP_FLOOR), z_eos)
+        score_b = z_b + noise  # [b, K + 1]
+        best_sure = torch.where(kept(ids, 0, fs), score_b, -math.inf).amax(dim=-1)  # [b] M
         # a worker's kept set, unless empty, holds its own most probable token (its most probable non-EOS one where it
         # gated EOS): a token within d of the validator's best (best non-EOS), the set F. So M ≥ min over F too; with
         # top-p < 1 nothing may be surely kept in a confident row, and without F such a row had no bound at all.
-        z_ids = z.gather(-1, ids)  # [b, K + 1] float32
-        kth = z_ids[:, k - 1]  # [b] the last candidate: F lies within the candidates where it is below F's threshold
-        threshold = torch.full_like(best_sure, -widen - GUMBEL_SLACK)  # [b] z_max = 0 after _tempered
-        in_f = z_ids >= threshold[:, None]
-        may_be_empty = torch.zeros_like(in_f[:, 0])
+        in_f = z_b >= threshold[:, None]
         if eos_idx is not None and p_eos is not None:
-            may_gate = p_eos < fs  # [b] the worker may have gated EOS
-            z_ne = z.index_fill(-1, eos_idx, -math.inf).amax(dim=-1).to(torch.float64)  # [b]
             threshold_ne = z_ne - widen - GUMBEL_SLACK
-            in_f |= may_gate[:, None] & ~torch.isin(ids, eos_idx) & (z_ids >= threshold_ne[:, None])
+            in_f |= may_gate[:, None] & ~torch.isin(ids, eos_idx) & (z_b >= threshold_ne[:, None])
             threshold = torch.where(may_gate, torch.minimum(threshold, threshold_ne), threshold)
-            may_be_empty = may_gate & (z[:, eos_idx].amax(dim=-1) >= -widen - GUMBEL_SLACK)  # EOS may be the worker's best
-        best_f = torch.where(in_f, score, math.inf).amin(dim=-1)  # [b]
-        if k < vocab:  # F may reach beyond the candidates: its scores are at least its threshold plus the least noise
-            best_f = torch.where(kth >= threshold, torch.minimum(best_f, threshold + _GUMBEL_NOISE_MIN), best_f)
+            may_be_empty = may_gate & (z_eos >= -widen - GUMBEL_SLACK)  # EOS may be the worker's best
+        best_f = torch.where(in_f, score_b, math.inf).amin(dim=-1)  # [b]
+        if k < vocab:  # F may reach beyond the candidates (every other token's z is at most the last candidate's)
+            beyond = z.gather(-1, ids[:, k - 1 : k])[:, 0].to(torch.float64) >= threshold - GUMBEL_SLACK
+            best_f = torch.where(beyond, torch.minimum(best_f, threshold + _GUMBEL_NOISE_MIN), best_f)
         best_sure = torch.maximum(best_sure, best_f)
-        s_c = score[:, -1]
+        s_c = score_b[:, -1]
         gap = ((best_sure - s_c - GUMBEL_SLACK).clamp_min(0.0) * (temperature / 2)).nan_to_num(nan=0.0)  # M = −inf: no bound
         possible_c = kept(c, 2, fl)[:, 0]
         gap = torch.where(possible_c, gap, math.inf)
@@ -1144,11 +1159,10 @@ def _gumbel_replay(
         margin = ((top2.values[:, 0] - top2.values[:, 1]) * (temperature / 2)).nan_to_num(nan=math.inf, posinf=math.inf)
         if nucleus is not None or (eos_idx is not None and p_eos is not None):
             non_eos = e if eos_idx is None else e.index_fill(-1, eos_idx, -1.0)
-            best_w, best = non_eos.max(dim=-1)
-            r = torch.where(torch.isinf(top2.values[:, 0]), best, r)  # nothing exactly kept: the most probable non-EOS
-            is_eos = torch.isin(safe[lo:hi], eos_idx) if eos_idx is not None else torch.zeros_like(possible_c)
-            best_ok = ~is_eos & (e.gather(-1, c)[:, 0].double() * _odds_scale(widen) >= best_w.double())
-            gap = torch.where(best_ok & may_be_empty & _nothing_surely_kept(e, nucleus, eos_idx, p_eos, fs, widen), 0.0, gap)
+            r = torch.where(torch.isinf(top2.values[:, 0]), non_eos.argmax(dim=-1), r)  # nothing exactly kept: the most probable non-EOS
+            if eos_idx is not None and p_eos is not None:  # the kept set may be empty: its most probable non-EOS token
+                best_ok = ~torch.isin(safe[lo:hi], eos_idx) & (z_b[:, -1] >= z_ne - widen - GUMBEL_SLACK)
+                gap = torch.where(best_ok & may_be_empty & _nothing_surely_kept(e, nucleus, eos_idx, p_eos, fs, widen), 0.0, gap)
         rec.append(r)
         margins.append(margin)
         gaps.append(torch.where(in_vocab[lo:hi], gap, math.inf))

@@ -257,3 +257,26 @@ def test_top_p_confident_rows_bound_an_injected_token(floor: float) -> None:
         assert (top_p < 1.0) == (set(toks.tolist()) == {2})
         params = sampling.ReplayParams(top_p=top_p, **{**common, "eos_ids": (0,), "min_eos_prob": 1.0})
         assert all(r.ok for r in sampling.replay_checks(gated.clone(), [[int(t)] for t in toks], [11] * 64, params, list(range(64))))
+
+
+@pytest.mark.parametrize(("temperature", "top_p", "floor"), [(0.02, 1.0, 0.0), (0.005, 0.9, 0.1)])
+def test_low_temperature_far_tokens_refused_and_honest_pass(temperature: float, top_p: float, floor: float) -> None:
+    """The sampler floors tempered logits at −87; the replay scores the claimed token from its unfloored logit. Before
+    (h42b), with 2δ/T past ≈ 62 (T < 0.032 at δ = 1) the floor put every token within the window: a token 10⁴ logits
+    below the best, or at −inf, passed at 500 of 500 positions at T = 0.02. Honest workers within δ still pass."""
+    n, vocab, delta, eos = 500, 1000, 1.0, 1
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, vocab, generator=g)
+    x[:, 999], x[:, 998] = -1e4, -math.inf
+    params = sampling.ReplayParams(temperature=temperature, top_p=top_p, eos_ids=(eos,), min_eos_prob=floor, rule=RULE,
+                                   replay_rule="logit-bound-v1", logit_bound=delta, max_near_tie_fraction=1.0)
+    for far in (999, 998):
+        res = sampling.replay_check(x.clone(), torch.full((n,), far), 3, params)
+        assert int((res.gaps <= delta).sum()) == 0, far
+    seeds, pos = torch.full((n,), 3, dtype=torch.int64), torch.arange(n, dtype=torch.int64)
+    honest = sampling.sample(x, seeds, pos, temperature, top_p, (eos,), floor, RULE)[0]
+    down = torch.where(torch.nn.functional.one_hot(honest, vocab).bool(), -0.999 * delta, 0.999 * delta)
+    for name, w in {"noise": x + (torch.rand(n, vocab, generator=g) * 2 - 1) * delta, "worst case": x + down}.items():
+        toks = sampling.sample(w, seeds, pos, temperature, top_p, (eos,), floor, RULE)[0]
+        res = sampling.replay_check(x.clone(), toks, 3, params)
+        assert res.ok and res.hard_mismatches == 0, (name, res.reason)
