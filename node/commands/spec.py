@@ -166,6 +166,12 @@ def _run_spec_init(args: argparse.Namespace) -> int:
                    max_near_tie_fraction=args.max_near_tie_fraction, replay_rule=args.replay_rule,
                    replay_logit_bound=args.replay_logit_bound, eos_prob_slack=args.eos_prob_slack, worker_dtype=args.worker_dtype,
                    hard_factor=args.hard_factor, fp32_logits=args.fp32_logits or None)
+    if args.measure_precision is not None:  # a draft: the measurement writes the replay rule and δ (logit-bound-v2)
+        toploc.setdefault("replay_rule", rs.REPLAY_RULE_LOGIT_BOUND_V2)
+        toploc.setdefault("replay_logit_bound", 1.0)
+    elif args.sampling_rule == "gumbel-v2" and toploc.get("replay_rule") not in rs.LOGIT_BOUND_RULES:
+        raise CliError("--sampling-rule gumbel-v2 is replayed under a logit bound (toploc.replay_rule): add --measure-precision bfloat16 "
+                       "--fp32-logits, or --replay-rule logit-bound-v2 --replay-logit-bound DELTA (docs/toploc.md §5.4)")
     if not args.audit and any(v is not None for v in (args.audit_false_alarm, args.calibration_submissions, args.min_calibration_tokens,
                                                       args.audit_rule, args.min_calibration_decisive, args.twin_share,
                                                       args.calibration_batches)):
@@ -205,7 +211,8 @@ def _run_spec_init(args: argparse.Namespace) -> int:
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(map(str, err["loc"]))
-        raise CliError(f"invalid option{' for ' + where if where else ''}: {err['msg']}") from None
+        msg = err["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError says nothing to a user
+        raise CliError(f"invalid option{' for ' + where if where else ''}: {msg}") from None
     from protocol.tasks import training_split_warning
 
     if (warning := training_split_warning(spec.data.tasks)) is not None:
