@@ -134,7 +134,7 @@ async def _spec_from(session: aiohttp.ClientSession, base: str, address: RunAddr
     except (TimeoutError, aiohttp.ClientError, OSError) as e:
         raise LocationsUnavailable(f"{base}: unreachable ({type(e).__name__}{': ' + str(e)[:120] if str(e) else ''})") from None
     try:
-        signed = parse_run_spec(data.decode("utf-8"))
+        signed = await asyncio.to_thread(parse_run_spec, data.decode("utf-8"))  # up to 1 MiB of TOML: off the loop
     except UnicodeDecodeError:
         raise JoinError(f"{base}: the run spec is not UTF-8") from None
     except RunSpecError as e:

@@ -51,10 +51,12 @@ BF16_DELTA_FLOOR = 1.0
 A measurement of a few dozen submissions sees the honest tail only by chance: on the embedded base one
 recurring context errs by 1.5–1.72 nats in bf16 (with float32 logits), in ≈ 2 % of honest submissions
 (13 of 651 beyond 0.98 nats), and ten draws of the devnet's measurement (24 submissions) gave a worst gap of
-0.156–1.661 nats, so δ = 0.47–4.0 (red team h41b, 7 Dec 2026). A token beyond ``hard_factor`` × δ is a
-``sampling`` rejection, a cheat reason: at δ = 0.47 that context would get an honest worker banned. At
-this floor 2δ = 2 nats, above every honest bf16 error measured so far (1.72 on the embedded base, up to
-1.99 reported in issue #33); the tail between δ and 2δ is a benign ``precision`` finding (no ban)."""
+0.156–1.661 nats, so δ = 0.47–4.0 (red team h41b, 7 Dec 2026). Under ``logit-bound-v2`` a token beyond δ
+with a finite gap is a benign ``precision`` rejection (never a ban by itself; only a token no logits within
+any bound pick is a ``sampling`` cheat): at δ = 0.47 that context would cost honest workers ≈ 2 % of their
+submissions and raise the audit's calibrated out-of-bound rate, which a steerer then hides under. At this
+floor the honest tail measured so far (1.72 nats on the embedded base, up to 1.99 reported in issue #33)
+lies within 2δ."""
 BATCHES = (1, 8, 64)
 """Decode batch sizes measured (sequences per forward pass)."""
 

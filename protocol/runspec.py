@@ -30,11 +30,18 @@ from protocol.messages import (
     PieceSizeBytes,
     Submission,
 )
+from protocol.toml_depth import first_nesting_over
 from protocol.window import fresh_steps
 
 RUN_ID_DOMAIN = b"intellect-node/run-spec/1\x00"
 SIGNATURE_DOMAIN = b"intellect-node/run-spec-signature/1\x00"
 MAX_SPEC_BYTES = 1 << 20
+MAX_SPEC_DEPTH = 2 * encoding.MAX_DEPTH
+"""Deepest nesting a run spec's TOML may have (32): key parts of the table header (one more for ``[[…]]``), of the
+key and one per inline array or table (``protocol.toml_depth``), checked before ``tomllib`` reads the text, whose
+work per key grows with its depth (one 15,000-part dotted key: seconds). A spec that validates is at most
+``encoding.MAX_DEPTH`` (16) deep, since its run ID is the canonical msgpack of it (``[env.args.chain_sum]`` then
+``max_digits = 2``: 4); the limit leaves twice that."""
 REPLAY_EPS_DEFAULT = 1e-4
 """Default ``toploc.replay_eps`` (probability units): float32 workers move CDF edges by ≲ 1e-6 and the
 check's own rounding by ≤ 7.6e-6 (``docs/toploc.md`` §5.2, §6.1)."""
@@ -535,7 +542,7 @@ class RunSpec(_Section):
             raise ValueError("toploc.max_mismatches exceeds toploc.topk")
         if self.sampling.rule == "gumbel-v2" and self.toploc.replay_rule not in LOGIT_BOUND_RULES:
             raise ValueError("sampling.rule gumbel-v2 is replayed under a logit bound: set toploc.replay_rule logit-bound-v1 or -v2 "
-                             "with toploc.replay_logit_bound (docs/toploc.md §5.4)")
+                             "with toploc.replay_logit_bound (docs/toploc.md §5.3)")
         if (self.data.tasks == ENV_TASKS) != bool(self.env.name):
             raise ValueError('data.tasks "environment" and env.name go together: the tasks of a run with an environment are its own')
         least = fresh_steps(self.rl.async_level)
@@ -651,17 +658,23 @@ def parse_run_spec(text: str, *, require_signature: bool = True) -> SignedRunSpe
     """Parse, validate and verify a run spec.
 
     Raises:
-        RunSpecError: over :data:`MAX_SPEC_BYTES`, bad TOML (nested too deeply, an integer of
-            thousands of digits), a schema violation (naming the field), a missing or wrong
-            signature, or a ``run_id`` line that does not match the content.
+        RunSpecError: over :data:`MAX_SPEC_BYTES`, nested deeper than :data:`MAX_SPEC_DEPTH` (before
+            the TOML is parsed), bad TOML (an integer of thousands of digits), a schema violation
+            (naming the field), a missing or wrong signature, or a ``run_id`` line that does not
+            match the content.
     """
     if len(text) > MAX_SPEC_BYTES:  # characters: at least as many bytes
         raise RunSpecError(f"run spec of {len(text)} characters is over the {MAX_SPEC_BYTES}-byte limit")
+    too_deep = first_nesting_over(text, MAX_SPEC_DEPTH)
+    if too_deep is not None:
+        depth, line = too_deep
+        raise RunSpecError(f"run spec is nested too deeply: {depth} levels at line {line} (table header, dotted key and "
+                           f"inline arrays or tables together; at most {MAX_SPEC_DEPTH})")
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise RunSpecError(f"run spec is not valid TOML: {e}") from e
-    except RecursionError:  # tomllib recurses once per nesting level: 1,000 '[' in a row
+    except RecursionError:  # tomllib recurses once per nesting level; MAX_SPEC_DEPTH keeps it far from the limit
         raise RunSpecError("run spec is not valid TOML: arrays or tables nested too deeply") from None
     except ValueError as e:  # an integer over Python's 4,300-digit conversion limit
         raise RunSpecError(f"run spec is not valid TOML: {str(e)[:120]}") from None

@@ -7,7 +7,7 @@ and a seed the worker cannot choose, and the validator recomputes every token
 (``docs/toploc.md`` §5–§6). The run spec's ``sampling.rule`` names the rule of a run; a rule whose
 tokens differ gets a new name.
 
-Rule ``icdf-v1`` (:data:`RULE_ICDF`, the only rule; normative):
+Rule ``icdf-v1`` (:data:`RULE_ICDF`, the default; normative):
 
 * **Seed.** :func:`derive_sequence_seed` hashes (run seed, policy step, peer ID, task ID, sample
   index) into a 63-bit sequence seed.
@@ -35,6 +35,14 @@ Rule ``icdf-v1`` (:data:`RULE_ICDF`, the only rule; normative):
   id on a tie).
 * **Log-prob.** ``logprob = log P(token)`` of the *unfiltered* tempered distribution, returned as
   float32.
+
+Rule ``gumbel-v2`` (:data:`RULE_GUMBEL`, for runs replayed under a logit bound; normative; ``docs/toploc.md`` §5.3):
+seed, temperature, weights, top-p, EOS gate and log-prob as ``icdf-v1``; token ``v`` at position ``t`` gets
+noise ``g_v = −ln(−ln((w + 1/2) / 2^32))`` from word ``v mod 4`` of the Philox block with counter
+``(t mod 2^32, t >> 32, v div 4, 0x474D4232)`` (:func:`gumbel_noise`); the token is the kept token with the
+highest score ``max((x_v − max x) / T, −87) + g_v`` (float32; lowest id on a tie), or, nothing kept, the most
+probable non-EOS token. Its replay (:func:`_gumbel_replay`) bounds the claimed token's score against the
+best of the validator's :data:`GUMBEL_CANDIDATES` most probable tokens.
 
 The rule is exact arithmetic; implementations round. This one computes the weights in float32
 and keeps the cumulative sums as one float64 partial sum per :data:`CDF_CHUNK` tokens built from
@@ -109,7 +117,7 @@ RULE_ICDF = "icdf-v1"
 RULE_GUMBEL = "gumbel-v2"
 """Gumbel-max over counter-based noise for every vocabulary entry, replayed on a candidate set: for
 runs whose workers compute in bf16 (a logit replay rule), where it shrinks what one token can do
-(``docs/toploc.md`` §5.4)."""
+(``docs/toploc.md`` §5.3)."""
 RULES = (RULE_ICDF, RULE_GUMBEL)
 """Every rule a run spec may name. (``gumbel-v1``, Gumbel-max with another noise layout and an exact
 replay over the whole vocabulary, was removed: 25× ``icdf-v1``'s cost at vocabulary 151,936 for no
@@ -121,7 +129,7 @@ GUMBEL_CANDIDATES = 256
 """``gumbel-v2``'s replay compares a claimed token's score with the best of the validator's this many most
 probable tokens (and the claimed one): a lower bound on the best score over the vocabulary, so honest
 tokens always pass, and an injected token is admissible with at most ``e^{2δ/T} / m`` times its own
-probability, ``m`` the candidates' mass (``docs/toploc.md`` §5.4)."""
+probability, ``m`` the candidates' mass (``docs/toploc.md`` §5.3)."""
 GUMBEL_SLACK = 2.0**-12
 """Tempered-logit units the ``gumbel-v2`` replay adds to its window: float32 rounding of scores
 ``z + g`` (``|z + g| ≤ 110``, so ≤ 2^-17 each on the worker and the validator) with a wide margin."""
@@ -472,7 +480,7 @@ class _ChunkedCDF:
 
     Error: each chunk sum is within ``(CDF_CHUNK − 1) · 2^-24`` of its exact value relatively, in
     any summation order, so every edge is within ``3.8e-6 · total`` of the exact CDF of the
-    float32 weights (``docs/toploc.md`` §5.3).
+    float32 weights (``docs/toploc.md`` §5.2).
 
     Args:
         w: ``[b, V]`` float32 non-negative weights with contiguous rows; kept by reference.

@@ -9,7 +9,8 @@
 #    test_rule_bits_identical_on_gpu (Philox words, uniforms, tokens, log-probs and the replay's
 #    verdicts equal on both devices at vocabulary 151,936) and
 #    test_sampler_never_syncs_with_the_host (torch.cuda.set_sync_debug_mode("error") around
-#    sampling.sample: no host synchronisation inside the rule, with and without top-p / EOS gate).
+#    sampling.sample: no host synchronisation inside the rule, with and without top-p / EOS gate);
+#    the same for gumbel-v2 in tests/protocol/test_sampling_gumbel.py.
 # 3. The vLLM engine on CUDA: tests/node/test_vllm_engine.py (float32 model; every token must
 #    replay exactly, log-probs, EOS gate, TOPLOC proofs of the captured rows, hot weight swap).
 # 4. The transformers engine's static decode on CUDA (tests/node/test_engine.py -k cuda): no host
@@ -64,7 +65,7 @@ bench() {
     fi
     rm -f "$out"
 }
-step "sampling CPU vs GPU, no host sync" tests/protocol/test_sampling.py
+step "sampling CPU vs GPU, no host sync (both rules)" tests/protocol/test_sampling.py tests/protocol/test_sampling_gumbel.py
 step "vLLM engine on CUDA" tests/node/test_vllm_engine.py
 step "transformers engine's static decode on CUDA" tests/node/test_engine.py -k cuda
 t0=$SECONDS

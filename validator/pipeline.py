@@ -43,6 +43,7 @@ from protocol.runspec import AUDIT_RULE_EPROCESS_V2, RunSpec
 from protocol.tasks import ENV_TASK_TYPE, Task
 from protocol.verdicts import OK, PRECISION
 from protocol.window import in_window
+from validator import rewards
 from validator.rewards import judge_reward
 from validator.twins import decode_twins
 
@@ -152,14 +153,13 @@ def reward_budget_s(rollouts: int, limits: RewardLimits) -> float:
     :data:`REWARD_SECONDS_PER_ROLLOUT` per rollout, at least two completions' whole sandbox time
     (``limits.sandbox.total_wall_time_s``). Each rollout alone is bounded by its sandbox (a code
     completion ≤ ``total_wall_time_s``, 60 s; a math answer ≤ ``math_timeout_s``, 5 s; a disagreement's
-    re-runs by as much again), but a light check runs the rewards of tokens nobody checked, so without
+    re-runs by as much again, ``validator.rewards.judge_reward``), but a light check runs the rewards of tokens nobody checked, so without
     this a worker could post completions that sleep to just under every limit and cost a validator
     ≈ 60 s per rollout for free: 16 minutes for the default 16 rollouts. With it a submission costs at
     most this budget plus the one rollout running when it runs out."""
     return max(2 * limits.sandbox.total_wall_time_s, REWARD_SECONDS_PER_ROLLOUT * rollouts)
 
 
-_clock = time.monotonic  # the reward budget's clock (tests replace it)
 
 
 @dataclass(frozen=True)
@@ -204,9 +204,6 @@ class SubmissionChecker:
             worker cannot know which will be decided; a seeded one for tests).
         twin_share: overrides ``audit.twin_share`` (the coordinator's calibration decodes the twins of
             every reference submission: its own work, the honest baseline).
-        reward_budget: wall seconds a submission's reward work may take, given its rollout count
-            (default :func:`reward_budget_s` under ``reward_limits``); once spent the check stops with
-            the benign ``limit_hit``.
     """
 
     def __init__(
@@ -223,7 +220,6 @@ class SubmissionChecker:
         replay_threads: int | None = 1,
         twin_rng: random.Random | None = None,
         twin_share: float | None = None,
-        reward_budget: Callable[[int], float] | None = None,
     ) -> None:
         self.spec = spec
         self.tasks = tasks
@@ -236,7 +232,6 @@ class SubmissionChecker:
         self.replay_threads = replay_threads
         self.twin_rng = twin_rng or random.SystemRandom()
         self.twin_share = spec.audit.twin_share if twin_share is None else twin_share
-        self.reward_budget = reward_budget or (lambda n: reward_budget_s(n, self.reward_limits or RewardLimits()))
         self.eos_id = int(tokenizer.eos_token_id)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id)
 
@@ -375,10 +370,10 @@ class SubmissionChecker:
         g = spec.rl.group_size
         t = time.perf_counter()
         limits = self.reward_limits or RewardLimits()
-        budget_s = self.reward_budget(len(sub.rollouts))
-        end = _clock() + budget_s
+        budget_s = reward_budget_s(len(sub.rollouts), limits)
+        end = rewards._clock() + budget_s
         for j, (ro, (_, completion, _)) in enumerate(zip(sub.rollouts, seqs)):
-            if _clock() > end:  # benign: slow programs are no evidence of a cheat, but they get no more of this node's time
+            if rewards._clock() > end:  # benign: slow programs are no evidence of a cheat, but they get no more of this node's time
                 raise Rejection("limit_hit", rollout=j, rollouts=len(sub.rollouts), budget_s=budget_s,
                                 detail=f"rewards of {j} of {len(sub.rollouts)} rollouts took the submission's {budget_s:.0f} s")
             p = plan[j // g]

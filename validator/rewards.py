@@ -13,8 +13,11 @@ The rule (``docs/validator.md`` "Rewards that do not reproduce"):
    fresh sandbox). A re-run that agrees with the report, or whose outcome differs from the
    first scoring's (``RewardResult.outcome``: the program's exit statuses and outputs), shows a
    program that does not reproduce → ``nondeterministic`` (benign; the rollout is rejected, so
-   it is not trained on). A re-run that hits a limit, or re-runs that outlast
-   ``budget_s``, leave too little evidence → ``limit_hit`` (benign).
+   it is not trained on). A re-run that hits a limit leaves too little evidence → ``limit_hit``
+   (benign); so does a re-run that would not fit in what is left of ``budget_s``: one is started
+   only when the re-runs so far plus the longest scoring measured so far (the first included)
+   fit in it, so a program that takes as long each time costs at most ``budget_s`` beyond its
+   first scoring, not one more run over it.
 4. Only when every one of the ``1 + REWARD_RERUNS`` scorings gives the very same outcome, and it
    disagrees with the report, is the disagreement deterministic → ``reward`` (a cheat reason).
 
@@ -41,6 +44,10 @@ from protocol.rewards import RewardResult
 from protocol.verdicts import OK
 
 logger = logging.getLogger(__name__)
+
+_clock = time.monotonic
+"""The clock of every reward budget, seconds: :func:`judge_reward`'s re-runs and the per-submission budget of
+``validator/pipeline.py``. Tests replace it (one seam for both), so no test sleeps."""
 
 REWARD_RERUNS = 9
 """Extra scorings of a completion whose first recomputed reward disagrees with the report (k):
@@ -99,8 +106,9 @@ def judge_reward(
         score: computes the reward of the completion once (a fresh sandbox per call).
         reported_task: the worker's task reward; reported_reward: its reward after the length penalty.
         reward_tol: tolerance on the reward, absolute.
-        budget_s: wall seconds the re-runs may take together; once spent with no decision, the
-            verdict is ``limit_hit`` (a slow program is rejected, never banned on a short count).
+        budget_s: wall seconds the re-runs may take together; a re-run starts only where the re-runs so far
+            plus the longest scoring so far fit in it, else the verdict is ``limit_hit`` (a slow program
+            is rejected, never banned on a short count).
         reruns: extra scorings before a disagreement counts as deterministic (k).
         environment: the task is an environment task: a score that does not reproduce is the
             environment's (``environment``), not a program's (``nondeterministic``).
@@ -112,7 +120,9 @@ def judge_reward(
         protocol.rewards.RewardError: from ``score`` (the caller's own failure to score).
     """
     unstable = "environment" if environment else "nondeterministic"
+    t0 = _clock()
     first = score()
+    longest_s = _clock() - t0  # the next run is predicted to take as long as the longest so far
     if first.env_fault is not None:  # no score to compare: the environment's failure, not the worker's
         return RewardJudgement("environment", first, 1, first.detail)
     if agrees(first, reported_task, reported_reward, reward_tol):
@@ -120,11 +130,15 @@ def judge_reward(
     why = mismatch_reason(reported_task, first.task_reward, first.limit_hit)
     if why != "reward":
         return RewardJudgement(why, first, 1, first.detail)
-    end = time.monotonic() + budget_s
+    reruns_start = _clock()
     for i in range(reruns):
-        if time.monotonic() > end:
-            return RewardJudgement("limit_hit", first, 1 + i, f"re-runs outlasted {budget_s:.0f} s after {i} of {reruns}")
+        spent_s = _clock() - reruns_start
+        if spent_s + longest_s > budget_s:  # checked before a run only, a run that did not fit would overrun the budget
+            return RewardJudgement("limit_hit", first, 1 + i, f"re-run {2 + i} would not fit: runs take up to {longest_s:.0f} s, "
+                                                              f"{max(0.0, budget_s - spent_s):.0f} s of {budget_s:.0f} s left after {i} of {reruns}")
+        t = _clock()
         again = score()
+        longest_s = max(longest_s, _clock() - t)
         if again.env_fault is not None:
             return RewardJudgement("environment", first, 2 + i, f"run {2 + i}: {again.detail}")
         if agrees(again, reported_task, reported_reward, reward_tol):

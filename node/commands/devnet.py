@@ -52,7 +52,7 @@ def _devnet(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "policies published in bf16; node/devnet/config.py precision_toploc, docs/devnet.md § Precision)")
     p.add_argument("--sampling-rule", choices=["icdf-v1", "gumbel-v2"], default="icdf-v1",
                    help="the run's sampling rule (default icdf-v1); gumbel-v2 needs --worker-dtype bf16 and shrinks what one "
-                        "token can do (docs/toploc.md §5.4)")
+                        "token can do (docs/toploc.md §5.3)")
     p.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP", help="SIGKILL worker-0 at this trainer step, then restart it")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="folder for logs, data and the report: missing, empty, or a previous devnet's (replaced; devnet outputs "

@@ -49,7 +49,7 @@ def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     init.add_argument("--top-p", type=float, default=None, help="nucleus mass (default 1.0)")
     init.add_argument("--sampling-rule", choices=["icdf-v1", "gumbel-v2"], default=None,
                       help="sampling rule (docs/toploc.md §5; default icdf-v1; gumbel-v2 for bf16 workers, with --replay-rule "
-                           "logit-bound-v1 or -v2: a smaller window per token, §5.4)")
+                           "logit-bound-v1 or -v2: a smaller window per token, §5.3)")
     init.add_argument("--target-length", type=int, action="append", default=[], metavar="TOKENS",
                       help="length-control target (repeatable; INTELLECT-2 style 'Think for N tokens')")
     init.add_argument("--length-penalty", type=float, default=None, help="λ of the length penalty (INTELLECT-2: 0.0003)")
@@ -166,12 +166,12 @@ def _run_spec_init(args: argparse.Namespace) -> int:
                    max_near_tie_fraction=args.max_near_tie_fraction, replay_rule=args.replay_rule,
                    replay_logit_bound=args.replay_logit_bound, eos_prob_slack=args.eos_prob_slack, worker_dtype=args.worker_dtype,
                    hard_factor=args.hard_factor, fp32_logits=args.fp32_logits or None)
-    if args.measure_precision is not None:  # a draft: the measurement writes the replay rule and δ (logit-bound-v2)
-        toploc.setdefault("replay_rule", rs.REPLAY_RULE_LOGIT_BOUND_V2)
-        toploc.setdefault("replay_logit_bound", 1.0)
-    elif args.sampling_rule == "gumbel-v2" and toploc.get("replay_rule") not in rs.LOGIT_BOUND_RULES:
-        raise CliError("--sampling-rule gumbel-v2 is replayed under a logit bound (toploc.replay_rule): add --measure-precision bfloat16 "
-                       "--fp32-logits, or --replay-rule logit-bound-v2 --replay-logit-bound DELTA (docs/toploc.md §5.4)")
+    if args.sampling_rule == "gumbel-v2" and args.measure_precision is None and args.replay_rule not in ("logit-bound-v1", "logit-bound-v2"):
+        raise CliError("--sampling-rule gumbel-v2 is replayed under a logit bound (toploc.replay_rule): add --measure-precision "
+                       "bfloat16 (measures it on the base) or --replay-rule logit-bound-v2 --replay-logit-bound NATS (docs/toploc.md §5.3)")
+    if args.measure_precision is not None and args.sampling_rule == "gumbel-v2" and args.replay_rule is None:
+        # the measurement writes logit-bound-v2 with its δ; the spec it measures must already be one gumbel-v2 can run under
+        toploc |= {"replay_rule": "logit-bound-v2", "replay_logit_bound": toploc.get("replay_logit_bound") or 1.0}
     if not args.audit and any(v is not None for v in (args.audit_false_alarm, args.calibration_submissions, args.min_calibration_tokens,
                                                       args.audit_rule, args.min_calibration_decisive, args.twin_share,
                                                       args.calibration_batches)):

@@ -36,13 +36,14 @@ BF16_V1 = ToplocSpec(replay_rule="logit-bound-v1", replay_logit_bound=1.0, max_n
 """A bf16 run's tolerances under logit-bound-v1 (the steerer must adapt to whichever rule a spec names)."""
 
 
-def _spec(dtype: str, max_near_tie_fraction: float | None = None) -> RunSpec:
-    """The devnet's embedded run (4 tasks × 16 samples × ≤ 4 tokens at temperature 1.5) with the toploc of ``dtype`` workers."""
+def _spec(dtype: str, max_near_tie_fraction: float | None = None, rule: str = "icdf-v1") -> RunSpec:
+    """The devnet's embedded run (4 tasks × 16 samples × ≤ 4 tokens at temperature 1.5) with the toploc of ``dtype`` workers
+    and sampling rule ``rule``."""
     toploc = precision_toploc(dtype, BF16_V1 if dtype == "bf16" else None)
     if max_near_tie_fraction is not None:
         toploc = toploc.model_copy(update={"max_near_tie_fraction": max_near_tie_fraction})
-    return RunSpec(run=RunInfo(coordinator=COORD.peer_id, seed=3), data=DataSpec(tasks_per_submission=4), sampling=EMBEDDED_SAMPLING,
-                   rl=EMBEDDED_RL, toploc=toploc)
+    return RunSpec(run=RunInfo(coordinator=COORD.peer_id, seed=3), data=DataSpec(tasks_per_submission=4),
+                   sampling=EMBEDDED_SAMPLING.model_copy(update={"rule": rule}), rl=EMBEDDED_RL, toploc=toploc)
 
 
 def _replays(spec: RunSpec, policy: torch.nn.Module, plan: list, rollouts: list) -> list[sampling.ReplayResult]:
@@ -71,17 +72,20 @@ def base() -> tuple[torch.nn.Module, object, list]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("dtype", "max_near_tie_fraction", "steers"), [("bf16", None, True), ("bf16", 0.25, True), ("fp32", None, False)],
-                         ids=["bf16", "bf16-one-near-tie", "fp32"])
+@pytest.mark.parametrize(("dtype", "max_near_tie_fraction", "steers", "rule"),
+                         [("bf16", None, True, "icdf-v1"), ("bf16", 0.25, True, "icdf-v1"), ("fp32", None, False, "icdf-v1"),
+                          ("bf16", None, True, "gumbel-v2")],
+                         ids=["bf16", "bf16-one-near-tie", "fp32", "bf16-gumbel"])
 def test_steering_passes_the_replay_of_its_spec_and_steers_where_the_bound_allows(base, dtype: str, max_near_tie_fraction: float | None,
-                                                                                  steers: bool) -> None:
+                                                                                  steers: bool, rule: str) -> None:
     """Every emitted token passes the per-token replay of the spec the steerer was given. Under the bf16
     spec (δ = 1 nats) the right answer's token is often admissible: it steers, within the near-tie
     cap (at share 0.25 one per ≤ 4-token completion), and its rollouts answer right more often than
-    the same worker's honest ones; under the float32 spec (ε = 1e-4) a float32 steerer finds next to
-    no room."""
+    the same worker's honest ones — under ``gumbel-v2`` too, whose window shrinks a token's chances to
+    about ``e^{2δ/T}`` times its own probability, which the right answer's token often has; under the
+    float32 spec (ε = 1e-4) a float32 steerer finds next to no room."""
     policy, tok, tasks = base
-    spec = _spec(dtype, max_near_tie_fraction)
+    spec = _spec(dtype, max_near_tie_fraction, rule)
     compute = torch.bfloat16 if dtype == "bf16" else torch.float32
     worker = load_model(EMBEDDED_BASE_DIR, dtype=compute)
     plans = [plan_submission(spec, tasks, tok, WORKER.peer_id, 0, counter) for counter in range(2)]

@@ -1,4 +1,4 @@
-"""Tests of sampling rule ``gumbel-v2`` (protocol.sampling, docs/toploc.md §5.4): its pinned noise, its
+"""Tests of sampling rule ``gumbel-v2`` (protocol.sampling, docs/toploc.md §5.3): its pinned noise, its
 distribution and kept sets, its replay under a logit bound, and the bound on what one token can do."""
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_replay_accepts_workers_within_the_bound_and_rejects_cheats(temperature:
         "greedy": top2[:, 0],
         "runner-up": torch.where(top2[:, 0] == honest, top2[:, 1], top2[:, 0]),
     }
-    if scale > 0.1:  # on flat rows the candidates hold little mass and a 3δ worker's window is not seen (§5.4)
+    if scale > 0.1:  # on flat rows the candidates hold little mass and a 3δ worker's window is not seen (§5.3)
         cheats["beyond the bound"] = sampling.sample(fp32 + 3 * delta * torch.where(torch.arange(vocab) < vocab // 2, -1.0, 1.0), seeds,
                                                      pos, temperature, top_p, (eos,), floor, RULE)[0]
     for name, toks in cheats.items():
@@ -118,7 +118,7 @@ def test_replay_accepts_workers_within_the_bound_and_rejects_cheats(temperature:
 
 
 def test_one_injected_token_is_admissible_at_most_at_its_bound() -> None:
-    """docs/toploc.md §5.4: under ``gumbel-v2`` a chosen ("trigger") token ``c`` passes the replay at a
+    """docs/toploc.md §5.3: under ``gumbel-v2`` a chosen ("trigger") token ``c`` passes the replay at a
     position with probability ``q / (m + q)``, ``q = e^{2δ/T} · p_c``, ``m`` the mass of the validator's
     other candidates (so at most ``e^{2δ/T} · p_c / m``); under ``icdf-v1`` at the same δ a low-probability
     token is admissible wherever a uniform's window reaches its interval, far more often. Measured over
@@ -175,3 +175,36 @@ def test_run_spec_names_the_rule_only_under_a_logit_bound() -> None:
         RunSpec(run=run, sampling=SamplingSpec(rule="gumbel-v2"))
     with pytest.raises(ValueError):
         SamplingSpec(rule="gumbel-v1")  # the removed rule's name stays refused
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gumbel_bits_identical_on_gpu_and_no_host_sync() -> None:
+    """Noise, tokens, log-probs and the replay's verdicts are the same on CPU and GPU at vocabulary 151,936
+    (with and without top-p and the EOS gate), and the sampler never synchronises with the host."""
+    g = torch.Generator().manual_seed(12)
+    seeds = torch.randint(0, 2**63 - 1, (16,), dtype=torch.int64, generator=g)
+    pos = torch.randint(0, 2**40, (16,), dtype=torch.int64, generator=g)
+    assert torch.equal(sampling.gumbel_noise(seeds, pos, 151_936), sampling.gumbel_noise(seeds.cuda(), pos.cuda(), 151_936).cpu())
+    logits = torch.randn(16, 151_936, generator=g) * 3
+    for top_p, floor in ((1.0, 0.0), (0.95, 0.1)):
+        t_cpu, l_cpu = sampling.sample(logits, seeds, pos, 0.7, top_p, (1,), floor, RULE)
+        t_gpu, l_gpu = sampling.sample(logits.cuda(), seeds.cuda(), pos.cuda(), 0.7, top_p, (1,), floor, RULE)
+        assert torch.equal(t_cpu, t_gpu.cpu()) and torch.allclose(l_cpu, l_gpu.cpu(), atol=1e-5)
+        one = torch.full((16,), int(seeds[0]))
+        toks, _ = sampling.sample(logits, one, torch.arange(16), 0.7, top_p, (1,), floor, RULE)
+        params = sampling.ReplayParams(temperature=0.7, top_p=top_p, eos_ids=(1,), min_eos_prob=floor, rule=RULE,
+                                       replay_rule="logit-bound-v1", logit_bound=1.0)
+        rc = sampling.replay_check(logits, toks, int(seeds[0]), params, 0)
+        rg = sampling.replay_check(logits.cuda(), toks.cuda(), int(seeds[0]), params, 0)
+        assert rc.ok and rg.ok and torch.equal(rc.tokens, rg.tokens.cpu())
+        big = logits.cuda()[:8].repeat(8, 1)  # 64 rows
+        s64, p64 = torch.arange(64, device="cuda"), torch.full((64,), 5, device="cuda", dtype=torch.int64)
+        sampling.sample(big, s64, p64, 1.0, top_p, (1,), floor, RULE)  # warm-up
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            toks64, lps64 = sampling.sample(big, s64, p64, 1.0, top_p, (1,), floor, RULE)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert toks64.shape == (64,) and bool(torch.isfinite(lps64).all())

@@ -13,6 +13,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
+from protocol import runspec
 from protocol.errors import RunSpecError
 from protocol.identity import NodeKey
 from protocol.runspec import ToplocSpec, parse_run_spec
@@ -38,7 +39,7 @@ LB = "logit-bound-v1"
     ("[run]\ncoordinator = '{c}'\n[rl]\nis_correction = 'mask'\nold_logprobs = 'behavior'\n", "needs old_logprobs"),
     ("[run]\ncoordinator = '{c}'\n[rl]\nis_correction = ['mask']\n", "rl.is_correction"),
     # env.args is free-form JSON: what has no canonical form named the field only as "run spec: ..." before
-    ("[run]\ncoordinator = '{c}'\n[env]\nargs = {a = " + "[" * 40 + "1" + "]" * 40 + "}\n", "env.args.*nested deeper than 16"),
+    ("[run]\ncoordinator = '{c}'\n[env]\nargs = {a = " + "[" * 20 + "1" + "]" * 20 + "}\n", "env.args.*nested deeper than 16"),
     ("[run]\ncoordinator = '{c}'\n[env]\nargs = {a = nan}\n", "env.args.*NaN"),
     ("[run]\ncoordinator = '{c}'\n[env]\nargs = {a = 99999999999999999999}\n", "env.args.*out of range"),
 ])
@@ -151,3 +152,47 @@ def test_a_heartbeat_interval_that_would_void_the_gossip_budgets_is_refused(seco
     with pytest.raises(RunSpecError, match="network.heartbeat_interval_s"):
         parse_run_spec(f"[run]\ncoordinator = '{C}'\n[network]\nheartbeat_interval_s = {seconds}\n", require_signature=False)
     assert parse_run_spec(f"[run]\ncoordinator = '{C}'\n[network]\nheartbeat_interval_s = 0.1\n", require_signature=False)
+
+
+def _deep(parts: int) -> str:
+    return "x" + ".x" * (parts - 1)
+
+
+@pytest.mark.parametrize("text, line", [
+    (_deep(15_000) + " = 1\n", 1),  # one dotted key: tomllib's work is quadratic in its parts (seconds at 30 KB)
+    (f"[{_deep(1_000)}]\n" + "k = 1\n" * 1000, 1),  # every line under a deep header re-walks it
+    (f"[[{_deep(40)}]]\n", 1),
+    ("[run]\nname = 'a.b.c.d.e.f.g.h.i.j.k.l.m.n.o.p.q.r.s.t.u.v.w.x.y.z.a.b.c.d.e.f.g.h'\n" + _deep(33) + " = 1\n", 3),
+    ("[env]\nargs = { " + _deep(40) + " = 1 }\n", 2),  # a dotted key inside an inline table
+    ("[env.args]\n" + '"q.u.o.t.e.d" = """\n' + _deep(40) + ' = 1\n"""\n' + _deep(40) + " = 2\n", 5),  # after a multi-line string
+    ("x = " + "[" * 100_000 + "]" * 100_000, 1),
+])
+def test_deep_nesting_is_refused_before_tomllib_reads_it(text: str, line: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_parse(_text: str) -> None:
+        raise AssertionError("tomllib.loads ran on text the nesting scan should have refused")
+
+    monkeypatch.setattr(runspec.tomllib, "loads", no_parse)
+    with pytest.raises(RunSpecError, match=rf"nested too deeply: \d+ levels at line {line} .*at most {runspec.MAX_SPEC_DEPTH}\)"):
+        parse_run_spec(text, require_signature=True)
+
+
+def test_dots_in_strings_quoted_keys_and_comments_are_not_nesting() -> None:
+    """A spec whose values and quoted keys hold many dots (URLs, multiaddrs, a 40-part quoted key) and whose
+    comments hold dotted keys parses and verifies, in any of TOML's string forms: the scan counts key parts."""
+    coord, val = NodeKey.from_seed(b"c" * 32), NodeKey.from_seed(b"v" * 32)
+    quoted = ".".join("k" * 40)
+    args = {"servers": ["https://a.b.example.org/v1.2/x.y", f"/ip4/10.0.0.1/tcp/4001/p2p/{val.peer_id}"],
+            quoted: {"x.y.z": "1.2.3.4", "q'uote\"d.[k]": "#not.a.comment = [1.2]"}, "deep": {"a": {"b": [[{"c": "d.e"}]]}}}
+    signed = runspec.sign_run_spec(runspec.RunSpec(
+        run=runspec.RunInfo(coordinator=coord.peer_id, validators=[val.peer_id]), data=runspec.DataSpec(tasks="environment"),
+        env=runspec.EnvSpec(name="my_env.py", hash="ab" * 32, args=args)), coord)
+    text = runspec.dump_run_spec(signed)
+    assert f'"{quoted}"' in text
+    # the same values in other TOML forms: literal strings, a multi-line string, a literal key, comments
+    restyled = (text.replace('"https://a.b.example.org/v1.2/x.y"', "'https://a.b.example.org/v1.2/x.y'")
+                .replace('"x.y.z" = "1.2.3.4"', "'x.y.z' = '''1.2.3.4'''  # " + _deep(40) + " = [[[")
+                .replace('c = "d.e"', 'c = """d.e"""')
+                .replace("[audit]", f"# {_deep(50)} = 1\n[audit]"))
+    assert restyled != text
+    for t in (text, restyled):
+        assert parse_run_spec(t).run_id == signed.run_id
