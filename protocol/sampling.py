@@ -79,8 +79,8 @@ from protocol.runspec import (
     MAX_NEAR_TIE_FRACTION_DEFAULT,
     REPLAY_EPS_DEFAULT,
     REPLAY_RULE_EPS,
-    REPLAY_RULE_LOGIT_BOUND_V2,
     REPLAY_RULES,
+    SOFT_RULES,
     RunSpec,
 )
 
@@ -457,7 +457,7 @@ class ReplayParams:
     def soft(self) -> bool:
         """Whether findings beyond a bound but within :attr:`hard_factor` of it are benign
         (``logit-bound-v2``) and near ties are judged per submission, not per completion."""
-        return self.replay_rule == REPLAY_RULE_LOGIT_BOUND_V2
+        return self.replay_rule in SOFT_RULES
 
     def termination_slack(self, *, hard: bool = False) -> float:
         """How far below the EOS floor a recomputed P(EOS) may lie (:func:`termination_slack`); with
