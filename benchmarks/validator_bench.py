@@ -30,12 +30,20 @@ sharing its machine). From the same run it prints:
   also checked with the sampling check on every thread (the pipeline's default is one thread,
   ``SubmissionChecker(replay_threads=1)``), interleaved, so the two are compared on the same logits.
 
+``--rule gumbel-v2`` needs a logit replay rule: ``--replay-rule`` defaults to ``logit-bound-v2`` for it
+(``eps-v1`` for ``icdf-v1``), with ``--logit-bound`` δ. ``--compare-rules`` builds and checks the same
+submissions (same worker, tasks and counters) under every sampling rule, interleaved, all under
+``--replay-rule`` (default ``logit-bound-v2``: the bf16 setting ``gumbel-v2`` is for), and prints each
+rule's table and then the rules side by side: the worker's decode, the validator's sampling check,
+its prefill, sampling / prefill and each rule's sampling check against ``icdf-v1``'s.
+
 Example::
 
     python benchmarks/validator_bench.py --max-tokens 192 --threads 2 --repeats 3
     python benchmarks/validator_bench.py --hidden 896 --layers 4 --heads 16 --vocab 151936 --max-tokens 128 --tasks 2 --group 4 --repeats 1
     python benchmarks/validator_bench.py --hidden 896 --layers 4 --heads 16 --vocab 151936 --max-tokens 128 --tasks 2 --group 4 --repeats 1 --load 2
     python benchmarks/validator_bench.py --profile qwen2.5-0.5b --layers 4 --tasks 2 --group 4 --repeats 1 --peaked 12
+    python benchmarks/validator_bench.py --compare-rules --profile qwen2.5-0.5b --layers 2 --tasks 2 --group 4 --max-tokens 128 --repeats 1
 """
 
 from __future__ import annotations
@@ -64,7 +72,19 @@ from protocol.envelope import open_envelope
 from protocol.identity import NodeKey
 from protocol.messages import Submission
 from protocol.models import EMBEDDED_CHARS, build_model
-from protocol.runspec import DataSpec, ModelSpec, RLSpec, RunInfo, RunSpec, SamplingSpec, ToplocSpec
+from protocol.runspec import (
+    LOGIT_BOUND_RULES,
+    REPLAY_RULE_EPS,
+    REPLAY_RULE_LOGIT_BOUND_V2,
+    REPLAY_RULES,
+    DataSpec,
+    ModelSpec,
+    RLSpec,
+    RunInfo,
+    RunSpec,
+    SamplingSpec,
+    ToplocSpec,
+)
 from validator.pipeline import SubmissionChecker
 
 
@@ -128,6 +148,10 @@ def main() -> None:
     p.add_argument("--peaked", type=float, default=0.0, help="scale the logits by this (0: random weights, flat logits)")
     p.add_argument("--rule", choices=sampling.RULES, default=sampling.DEFAULT_RULE, help="the run's sampling rule")
     p.add_argument("--load", type=int, default=0, help="CPU-bound processes running beside the measurement (a shared machine)")
+    p.add_argument("--replay-rule", choices=REPLAY_RULES, default=None,
+                   help="the run's replay rule (default eps-v1 for icdf-v1, logit-bound-v2 for gumbel-v2 and --compare-rules)")
+    p.add_argument("--logit-bound", type=float, default=0.7, help="δ of the logit replay rules, nats (the embedded base's measured δ)")
+    p.add_argument("--compare-rules", action="store_true", help="the same submissions under every sampling rule, interleaved")
     args, _ = p.parse_known_args()
     if args.profile:
         p.set_defaults(layers=QWEN25_05B["layers"], vocab=QWEN25_05B["vocab"], hidden=QWEN25_05B["hidden"], heads=QWEN25_05B["heads"],
@@ -135,16 +159,10 @@ def main() -> None:
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
-    coord = NodeKey.from_seed(b"c" * 32)
+    if args.replay_rule is None:
+        args.replay_rule = REPLAY_RULE_LOGIT_BOUND_V2 if args.compare_rules or args.rule == sampling.RULE_GUMBEL else REPLAY_RULE_EPS
     worker = NodeKey.from_seed(b"w" * 32)
-    spec = RunSpec(
-        run=RunInfo(coordinator=coord.peer_id, seed=1),
-        model=ModelSpec(hidden_size=args.hidden),
-        data=DataSpec(tasks_per_submission=args.tasks),
-        sampling=SamplingSpec(max_tokens=args.max_tokens, temperature=args.temperature, rule=args.rule),
-        toploc=ToplocSpec(eos_min_prob=1.0),  # EOS never sampled: every completion is max_tokens long
-        rl=RLSpec(group_size=args.group),
-    )
+    spec = make_spec(args, args.rule)
     tasks = resolve_tasks("embedded").train
     if args.profile:
         tok = bpe_tokenizer(args.vocab)
@@ -156,6 +174,9 @@ def main() -> None:
             with torch.no_grad():
                 model.model.norm.weight.mul_(args.peaked)
     engine = TransformersEngine(model, tok, device=args.device, max_batch=args.max_batch)
+    if args.compare_rules:
+        compare(args, worker, engine, tok, tasks, model)
+        return
     checker = SubmissionChecker(spec, tasks, tok, lambda s: model, trainer_step=lambda: 0, counter_seen=lambda w, c, sid: False)
     # the same pipeline with the sampling check on all the process's threads, checked on the same submissions
     all_threads = SubmissionChecker(spec, tasks, tok, lambda s: model, trainer_step=lambda: 0, counter_seen=lambda w, c, sid: False,
@@ -169,14 +190,59 @@ def main() -> None:
     report(args, model, rows, cpu, alt)
 
 
+def make_spec(args: argparse.Namespace, rule: str) -> RunSpec:
+    """The benchmark's run spec under sampling rule ``rule`` and ``args.replay_rule`` (δ ``args.logit_bound`` for the logit rules)."""
+    bound = {"replay_logit_bound": args.logit_bound} if args.replay_rule in LOGIT_BOUND_RULES else {}
+    return RunSpec(
+        run=RunInfo(coordinator=NodeKey.from_seed(b"c" * 32).peer_id, seed=1),
+        model=ModelSpec(hidden_size=args.hidden),
+        data=DataSpec(tasks_per_submission=args.tasks),
+        sampling=SamplingSpec(max_tokens=args.max_tokens, temperature=args.temperature, rule=rule),
+        toploc=ToplocSpec(eos_min_prob=1.0, replay_rule=args.replay_rule, **bound),  # EOS never sampled: every completion is max_tokens long
+        rl=RLSpec(group_size=args.group),
+    )
+
+
+def compare(args: argparse.Namespace, worker: NodeKey, engine: TransformersEngine, tok: Any, tasks: list[Any], model: torch.nn.Module) -> None:
+    """Build and check the same submissions under every rule of :data:`protocol.sampling.RULES`, interleaved (counter by
+    counter; counter 0 is warm-up), then print each rule's table and the rules side by side."""
+    specs = {rule: make_spec(args, rule) for rule in sampling.RULES}
+    checkers = {rule: SubmissionChecker(spec, tasks, tok, lambda s: model, trainer_step=lambda: 0, counter_seen=lambda w, c, sid: False)
+                for rule, spec in specs.items()}
+    rows: dict[str, list[Any]] = {rule: [] for rule in specs}
+    cpu: dict[str, list[tuple[float, float]]] = {rule: [] for rule in specs}
+    with cpu_load(args.load):
+        for counter in range(args.repeats + 1):
+            for rule, spec in specs.items():
+                measure(args, spec, worker, engine, tok, tasks, checkers[rule], rows[rule], cpu[rule], counters=range(counter, counter + 1))
+    for rule in specs:
+        print(f"--- sampling rule {rule}, replay rule {args.replay_rule} (δ {args.logit_bound:g} nats)")
+        report(argparse.Namespace(**{**vars(args), "rule": rule}), model, rows[rule], cpu[rule])
+    med = statistics.median
+    print(f"--- the rules side by side (same submissions, interleaved; replay rule {args.replay_rule}; "
+          f"load average {min(r[3] for v in rows.values() for r in v):.1f} … {max(r[3] for v in rows.values() for r in v):.1f})")
+    print(f"{'rule':12}{'decode s':>10}{'ms/step':>9}{'prefill s':>11}{'sampling s':>12}{'sampling/prefill':>18}{'validator/prefill':>19}"
+          f"{'sampling vs icdf':>18}{'ms/token':>10}")
+    tokens = args.tasks * args.group * args.max_tokens
+    base = med(r[2].timings.get("sampling", 0.0) for r in rows[sampling.RULE_ICDF])
+    for rule, rs in rows.items():
+        gen = med(r[1].generate_s for r in rs)
+        pre = max(med(r[2].timings.get("prefill", 0.0) for r in rs), 1e-9)
+        smp = med(r[2].timings.get("sampling", 0.0) for r in rs)
+        val = med(r[2].seconds for r in rs)
+        steps = -(-args.tasks * args.group // args.max_batch) * args.max_tokens
+        print(f"{rule:12}{gen:10.3f}{1e3 * gen / steps:9.2f}{pre:11.3f}{smp:12.3f}{smp / pre:18.4f}{val / pre:19.4f}"
+              f"{smp / max(base, 1e-9):17.2f}x{1e3 * smp / tokens:10.3f}")
+
+
 def measure(args: argparse.Namespace, spec: RunSpec, worker: NodeKey, engine: TransformersEngine, tok: Any, tasks: list[Any],
             checker: SubmissionChecker, rows: list[Any], cpu: list[tuple[float, float]], all_threads: SubmissionChecker | None = None,
-            alt: list[tuple[Any, Any]] | None = None) -> None:
+            alt: list[tuple[Any, Any]] | None = None, counters: range | None = None) -> None:
     """Build and check ``repeats + 1`` submissions (the first is warm-up), appending to ``rows`` and ``cpu``;
     with ``all_threads`` (the sampling check on every thread; ``checker``'s on one), each measured
     submission is also checked by it (before the main check on odd counters, after on even ones) and
-    both results go to ``alt``."""
-    for counter in range(args.repeats + 1):
+    both results go to ``alt``. ``counters``: only these submission counters (counter 0 is the warm-up)."""
+    for counter in counters if counters is not None else range(args.repeats + 1):
         stats = BuildStats()
         t0, c0 = time.perf_counter(), time.process_time()
         blob = build_submission(spec, spec.run_id, worker, engine, tok, tasks, 0, counter, stats=stats)
@@ -205,7 +271,7 @@ def report(args: argparse.Namespace, model: torch.nn.Module, rows: list[Any], cp
     shape = f"{args.profile} shape, {args.layers} layers" if args.profile else f"Qwen2 hidden {args.hidden}, {args.layers} layers"
     kind = f"peaked ×{args.peaked:g}" if args.peaked else "random weights"
     print(f"model: {shape}, vocab {args.vocab} ({n_params / 1e6:.1f} M params, {kind}), "
-          f"device {args.device}, {args.threads} threads, sampling rule {args.rule}, {args.load} CPU-bound processes beside it")
+          f"device {args.device}, {args.threads} threads, sampling rule {args.rule}, replay rule {args.replay_rule}, {args.load} CPU-bound processes beside it")
     loads = [r[3] for r in rows]
     print(f"load average (1 min) after each measured submission: {min(loads):.1f} … {max(loads):.1f}")
     print(f"submission: {seqs} rollouts × {args.max_tokens} tokens ({seqs * args.max_tokens} completion tokens), "

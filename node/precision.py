@@ -7,7 +7,7 @@ build_submission`) in the given compute dtype, over several decode batch sizes (
 padding and reduction order), checks each with the validators' pipeline under a permissive spec
 that rejects nothing for tolerance, and reads the largest value of every toleranced quantity
 (:attr:`validator.pipeline.CheckResult.extremes`). :meth:`PrecisionMeasurement.toploc` turns them
-into a ``logit-bound-v2`` ``[toploc]`` section with the margins :data:`MARGINS` states.
+into a ``logit-bound-v3`` ``[toploc]`` section with the margins :data:`MARGINS` states.
 ``intellect-node spec init --measure-precision bfloat16`` and ``devnet --worker-dtype bf16`` call it
 on the base; an operator re-measures on the kind of machine the workers run (``docs/operators.md``).
 
@@ -32,7 +32,7 @@ from protocol.envelope import open_envelope
 from protocol.identity import NodeKey
 from protocol.messages import Submission
 from protocol.models import load_model
-from protocol.runspec import LOGIT_BOUND_LIMIT, LOGPROB_TOL_LIMIT, REPLAY_RULE_LOGIT_BOUND_V2, RunSpec, ToplocSpec
+from protocol.runspec import LOGIT_BOUND_LIMIT, LOGPROB_TOL_LIMIT, REPLAY_RULE_LOGIT_BOUND_V3, RunSpec, ToplocSpec
 from protocol.tasks import Task
 from validator.pipeline import EXTREMES, SubmissionChecker
 
@@ -91,7 +91,7 @@ class PrecisionMeasurement:
         return BF16_DELTA_FLOOR if self.dtype == "bfloat16" else FLOORS["gap"]
 
     def toploc(self, base: ToplocSpec, temperature: float) -> ToplocSpec:
-        """``base`` with replay rule ``logit-bound-v2`` and every tolerance set from this measurement
+        """``base`` with replay rule ``logit-bound-v3`` and every tolerance set from this measurement
         (:data:`MARGINS`, :data:`FLOORS`, :data:`BF16_DELTA_FLOOR`; capped at what the spec accepts). δ also covers the largest
         EOS shortfall seen: the logit error that takes P(EOS) from the floor ``f`` down to ``f − s`` is
         ``T / 2 · (logit f − logit(f − s))`` (``docs/toploc.md`` §6.2, §7)."""
@@ -103,7 +103,7 @@ class PrecisionMeasurement:
         lp_max = min(LOGPROB_TOL_LIMIT, max(FLOORS["logprob_abs"], MARGINS["logprob"] * x["logprob_abs"]))
         lp_mean = min(lp_max, max(FLOORS["logprob_mean_abs"], MARGINS["logprob"] * x["logprob_mean_abs"]))
         update: dict[str, Any] = {
-            "replay_rule": REPLAY_RULE_LOGIT_BOUND_V2, "replay_logit_bound": round(delta, 4), "worker_dtype": self.dtype,
+            "replay_rule": REPLAY_RULE_LOGIT_BOUND_V3, "replay_logit_bound": round(delta, 4), "worker_dtype": self.dtype,
             "fp32_logits": self.fp32_logits and self.dtype == "bfloat16",
             "logprob_max_abs": round(lp_max, 4), "logprob_mean_abs": round(lp_mean, 4),
             "max_near_tie_fraction": round(min(1.0, max(FLOORS["near_ties"], MARGINS["near_ties"] * self.near_tie_share)), 4),
@@ -160,7 +160,7 @@ def measure_precision(spec: RunSpec, model_dir: Path, tasks: Sequence[Task], tok
     """
     t0 = time.perf_counter()
     permissive = spec.model_copy(update={"toploc": ToplocSpec(
-        replay_rule=REPLAY_RULE_LOGIT_BOUND_V2, replay_logit_bound=LOGIT_BOUND_LIMIT, logprob_max_abs=LOGPROB_TOL_LIMIT,
+        replay_rule=REPLAY_RULE_LOGIT_BOUND_V3, replay_logit_bound=LOGIT_BOUND_LIMIT, logprob_max_abs=LOGPROB_TOL_LIMIT,
         logprob_mean_abs=LOGPROB_TOL_LIMIT, hard_factor=16.0, max_mismatches=spec.toploc.topk, max_mant_err_mean=1e4,
         max_mant_err_median=1e4, max_near_tie_fraction=1.0, chunk_size=spec.toploc.chunk_size, topk=spec.toploc.topk,
         eos_min_prob=spec.toploc.eos_min_prob)})

@@ -62,10 +62,19 @@ REPLAY_RULE_LOGIT_BOUND_V2 = "logit-bound-v2"
 and *soft* findings (a finite gap beyond δ, a log-prob or TOPLOC value beyond its bound but within
 ``toploc.hard_factor`` of it) rejected as ``precision`` (benign: an honest worker's rare numeric tail,
 counted by the per-worker audit, never a ban by itself) instead of as cheats (``docs/toploc.md`` §6.3)."""
-REPLAY_RULES = (REPLAY_RULE_EPS, REPLAY_RULE_LOGIT_BOUND, REPLAY_RULE_LOGIT_BOUND_V2)
+REPLAY_RULE_LOGIT_BOUND_V3 = "logit-bound-v3"
+"""Replay rule: ``logit-bound-v2``, except the log-probs: a completion's log-probs beyond their bounds are a soft
+finding at any size (one token's tail: an honest bf16 worker's attention flip errs by up to 4.83 nats in a logit, and
+two 40-step devnets under ``-v2`` banned an honest worker for a log-prob 3.6–4.2 nats off; ``docs/devnet.md``
+§ Precision), and they are a cheat where their mean absolute difference over the *whole submission* exceeds
+``toploc.hard_factor`` × ``toploc.logprob_mean_abs`` (a worker shading its log-probs, not one token's tail;
+``docs/toploc.md`` §6.4)."""
+REPLAY_RULES = (REPLAY_RULE_EPS, REPLAY_RULE_LOGIT_BOUND, REPLAY_RULE_LOGIT_BOUND_V2, REPLAY_RULE_LOGIT_BOUND_V3)
 """Every replay rule a run spec may name; a spec naming another is refused when parsed."""
-LOGIT_BOUND_RULES = (REPLAY_RULE_LOGIT_BOUND, REPLAY_RULE_LOGIT_BOUND_V2)
+LOGIT_BOUND_RULES = (REPLAY_RULE_LOGIT_BOUND, REPLAY_RULE_LOGIT_BOUND_V2, REPLAY_RULE_LOGIT_BOUND_V3)
 """The replay rules whose tolerance is the per-logit bound ``toploc.replay_logit_bound`` (δ, nats)."""
+SOFT_RULES = (REPLAY_RULE_LOGIT_BOUND_V2, REPLAY_RULE_LOGIT_BOUND_V3)
+"""The replay rules with soft findings (``precision``, benign) and ``toploc.hard_factor`` (``docs/toploc.md`` §6.3)."""
 HARD_FACTOR_DEFAULT = 2.0
 """Default ``toploc.hard_factor`` of ``logit-bound-v2``: a value beyond its bound is a cheat only beyond twice it."""
 AUDIT_RULE_NONE = "none"
@@ -268,10 +277,11 @@ class ToplocSpec(_Section):
               description="sampling replay: such near-tie mismatches allowed per completion, share of its tokens (rounded up)"),
     ] = MAX_NEAR_TIE_FRACTION_DEFAULT
     replay_rule: Annotated[
-        Literal["eps-v1", "logit-bound-v1", "logit-bound-v2"],
+        Literal["eps-v1", "logit-bound-v1", "logit-bound-v2", "logit-bound-v3"],
         Field(description="how the sampling replay tolerates numeric noise: eps-v1 (replay_eps, eos_prob_slack; float32 workers), "
-                          "logit-bound-v1 (replay_logit_bound; workers in another dtype) or logit-bound-v2 (v1's window, near ties "
-                          "per submission, soft findings up to hard_factor benign) (docs/toploc.md §6)"),
+                          "logit-bound-v1 (replay_logit_bound; workers in another dtype), logit-bound-v2 (v1's window, near ties "
+                          "per submission, soft findings up to hard_factor benign) or logit-bound-v3 (v2, with a completion's "
+                          "log-probs soft at any size and their submission mean hard) (docs/toploc.md §6)"),
     ] = "eps-v1"
     replay_logit_bound: Annotated[
         float,
@@ -317,8 +327,8 @@ class ToplocSpec(_Section):
                                  f"under {self.replay_rule} leave them unset (the logit bound sets both)")
         elif self.replay_logit_bound != 0.0:
             raise ValueError("toploc.replay_logit_bound belongs to the logit-bound replay rules; set toploc.replay_rule too")
-        if self.hard_factor != HARD_FACTOR_DEFAULT and self.replay_rule != REPLAY_RULE_LOGIT_BOUND_V2:
-            raise ValueError("toploc.hard_factor belongs to replay rule logit-bound-v2; set toploc.replay_rule too")
+        if self.hard_factor != HARD_FACTOR_DEFAULT and self.replay_rule not in SOFT_RULES:
+            raise ValueError("toploc.hard_factor belongs to replay rules logit-bound-v2 and -v3; set toploc.replay_rule too")
         return self
 
 

@@ -81,8 +81,8 @@ from protocol.runspec import (
     MAX_NEAR_TIE_FRACTION_DEFAULT,
     REPLAY_EPS_DEFAULT,
     REPLAY_RULE_EPS,
-    REPLAY_RULE_LOGIT_BOUND_V2,
     REPLAY_RULES,
+    SOFT_RULES,
     RunSpec,
 )
 
@@ -461,7 +461,7 @@ class ReplayParams:
     def soft(self) -> bool:
         """Whether findings beyond a bound but within :attr:`hard_factor` of it are benign
         (``logit-bound-v2``) and near ties are judged per submission, not per completion."""
-        return self.replay_rule == REPLAY_RULE_LOGIT_BOUND_V2
+        return self.replay_rule in SOFT_RULES
 
     def termination_slack(self, *, hard: bool = False) -> float:
         """How far below the EOS floor a recomputed P(EOS) may lie (:func:`termination_slack`); with
@@ -780,7 +780,7 @@ def _gumbel_sample(
     vocab = x.shape[-1]
     z, m = _tempered(x, temperature)  # [B, V] float32, [B, 1] float64
     e = z.exp()  # [B, V] float32 weights, as icdf-v1's
-    total = e.sum(dim=-1, dtype=torch.float64)  # [B]
+    total = e.sum(dim=-1).to(torch.float64)  # [B]: float32's cascade sum, ~1e-6 relative (a float64 sum copies the row first)
     score = z + gumbel_noise(seeds, positions, vocab).to(torch.float32)  # [B, V]
     eos = [v for v in eos_ids if 0 <= v < vocab]
     eos_idx = _ids_on(tuple(eos), str(x.device)) if eos else None
@@ -1091,7 +1091,7 @@ def _gumbel_replay(
         c = safe[lo:hi, None]  # [b, 1]
         z, m = _tempered(x, temperature)  # [b, V] float32, [b, 1] float64
         e = z.exp()
-        total = e.sum(dim=-1, dtype=torch.float64)  # [b]
+        total = e.sum(dim=-1).to(torch.float64)  # [b]: float32's cascade sum (a float64 sum copies the block first)
         if not bool(torch.isfinite(total).all()):  # NaN or +inf logits: no score means anything
             row = lo + int(torch.nonzero(~torch.isfinite(total))[0, 0])
             raise ValueError(f"the validator's logits at row {row} are not finite (NaN or +inf): no verdict can rest on them")

@@ -39,7 +39,7 @@ from protocol.messages import ReplayStats, Submission
 from protocol.models import config_int
 from protocol.rewards import RewardError, RewardLimits, compute_reward
 from protocol.rollout import completion_text, plan_submission, unpack_f32, unpack_u32
-from protocol.runspec import AUDIT_RULE_EPROCESS_V2, RunSpec
+from protocol.runspec import AUDIT_RULE_EPROCESS_V2, REPLAY_RULE_LOGIT_BOUND_V3, RunSpec
 from protocol.tasks import ENV_TASK_TYPE, Task
 from protocol.verdicts import OK, PRECISION
 from protocol.window import in_window
@@ -105,6 +105,7 @@ class _Tally:
     impossible: int = 0
     near_ties: int = 0
     logprob_over: int = 0
+    logprob_abs_sum: float = 0.0  # Σ |reported − recomputed| over the submission's tokens, nats (logit-bound-v3's hard test)
     chunks: int = 0
     chunks_over: int = 0
     twins: bool = False  # eprocess-v2: count rollouts, diverged ones and their twins' outcomes
@@ -363,6 +364,14 @@ class SubmissionChecker:
             allowed = math.ceil(params.max_near_tie_fraction * tally.tokens)
             if tally.near_ties > allowed:
                 tally.soft.append(("near_ties", {"near_ties": tally.near_ties, "allowed": allowed, "tokens": tally.tokens}))
+        if params.replay_rule == REPLAY_RULE_LOGIT_BOUND_V3 and tally.tokens:
+            # one token's log-prob tail is soft at any size; shading every log-prob is not (docs/toploc.md §6.4)
+            mean = tally.logprob_abs_sum / tally.tokens
+            limit = params.hard_factor * tl.logprob_mean_abs
+            if not mean <= limit:
+                raise Rejection("logprobs", mean_abs_diff=_finite(mean), tokens=tally.tokens, max_submission_mean=limit,
+                                detail=f"the submission's mean |log-prob difference| {mean:.4g} nats over {tally.tokens} tokens "
+                                       f"exceeds {params.hard_factor:g} × toploc.logprob_mean_abs = {limit:.4g}")
         return tally
 
     def _rewards(self, sub: Submission, plan: Any, seqs: list[tuple[list[int], list[int], list[float]]], timings: dict[str, float]) -> None:
@@ -495,12 +504,15 @@ class SubmissionChecker:
             assert replay.logprobs is not None  # replay_checks always fills them: [n] log_softmax(logits / T)[token]
             lp = sampling.logprob_check(reported, replay.logprobs, max_abs=t.logprob_max_abs, mean_abs=t.logprob_mean_abs)
             tally.logprob_over += lp.over
+            tally.logprob_abs_sum += lp.mean_abs_err * len(reported) if math.isfinite(lp.mean_abs_err) else math.inf
             tally.worst("logprob_abs", lp.max_abs_err)
             tally.worst("logprob_mean_abs", lp.mean_abs_err)
             if lp.ok:
                 continue
             evidence = {"rollout": j, "position": lp.position, "max_abs_diff": _finite(lp.max_abs_err), "mean_abs_diff": _finite(lp.mean_abs_err)}
-            if params.soft and lp.max_abs_err <= hf * t.logprob_max_abs and lp.mean_abs_err <= hf * t.logprob_mean_abs:
+            within = lp.max_abs_err <= hf * t.logprob_max_abs and lp.mean_abs_err <= hf * t.logprob_mean_abs
+            tail = params.replay_rule == REPLAY_RULE_LOGIT_BOUND_V3 and math.isfinite(lp.max_abs_err)  # non-finite: no honest tail
+            if params.soft and (within or tail):
                 tally.soft.append(("logprobs", evidence))
                 continue
             raise Rejection("logprobs", **evidence, detail=lp.reason[:200])

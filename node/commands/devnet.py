@@ -48,7 +48,7 @@ def _devnet(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="with --adversary steer: the share of its chances the steering worker takes (0 … 1, default 1)")
     p.add_argument("--worker-dtype", choices=list(WORKER_DTYPES), default="fp32",
                    help="what every worker (and the adversary) computes in (default fp32). bf16 signs a spec fit for bf16 "
-                        "workers (replay rule logit-bound-v2 with tolerances measured on the base, the per-worker audit, "
+                        "workers (replay rule logit-bound-v3 with tolerances measured on the base, the per-worker audit, "
                         "policies published in bf16; node/devnet/config.py precision_toploc, docs/devnet.md § Precision)")
     p.add_argument("--sampling-rule", choices=["icdf-v1", "gumbel-v2"], default="icdf-v1",
                    help="the run's sampling rule (default icdf-v1); gumbel-v2 needs --worker-dtype bf16 and shrinks what one "

@@ -64,11 +64,12 @@ def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     init.add_argument("--replay-eps", type=float, default=None,
                       help="sampling replay tolerance, probability units (default 1e-4, for fp32 workers; docs/toploc.md §6.1)")
     init.add_argument("--max-near-tie-fraction", type=float, default=None,
-                      help="near-tie mismatches allowed per completion (per submission under logit-bound-v2), share of its tokens (default 0.1)")
-    init.add_argument("--replay-rule", choices=["eps-v1", "logit-bound-v1", "logit-bound-v2"], default=None,
-                      help="how the sampling replay tolerates numeric noise: eps-v1 (default; fp32 workers), logit-bound-v1 or "
-                           "logit-bound-v2 (workers computing in bf16 against float32 validators; need --replay-logit-bound; v2 judges "
-                           "near ties per submission and values within --hard-factor of a bound as benign 'precision'; docs/toploc.md §6)")
+                      help="near-tie mismatches allowed per completion (per submission under logit-bound-v2/-v3), share of its tokens (default 0.1)")
+    init.add_argument("--replay-rule", choices=["eps-v1", "logit-bound-v1", "logit-bound-v2", "logit-bound-v3"], default=None,
+                      help="how the sampling replay tolerates numeric noise: eps-v1 (default; fp32 workers), logit-bound-v1, -v2 or "
+                           "-v3 (workers computing in bf16 against float32 validators; need --replay-logit-bound; v2 judges "
+                           "near ties per submission and values within --hard-factor of a bound as benign 'precision'; v3 also a "
+                           "completion's log-probs at any size, their submission mean beyond --hard-factor a cheat; docs/toploc.md §6)")
     init.add_argument("--replay-logit-bound", type=float, default=None,
                       help="the logit rules' bound δ, nats: measure it with --measure-precision (docs/toploc.md §10)")
     init.add_argument("--worker-dtype", choices=["float32", "bfloat16"], default=None,
@@ -76,10 +77,10 @@ def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     init.add_argument("--fp32-logits", action="store_true",
                       help="bf16 workers take their logits from the float32 LM head (the tolerances assume it; docs/toploc.md §10)")
     init.add_argument("--hard-factor", type=float, default=None,
-                      help="logit-bound-v2: values within this multiple of a bound are benign 'precision', beyond it cheats (default 2)")
+                      help="logit-bound-v2/-v3: values within this multiple of a bound are benign 'precision', beyond it cheats (default 2)")
     init.add_argument("--measure-precision", choices=["float32", "bfloat16"], default=None, metavar="DTYPE",
                       help="measure the tolerances on the base: honest DTYPE submissions (decode batch 1, 8, 64) checked by the "
-                           "validators' pipeline; writes replay rule logit-bound-v2 with δ, log-prob bounds, near-tie share and TOPLOC "
+                           "validators' pipeline; writes replay rule logit-bound-v3 with δ, log-prob bounds, near-tie share and TOPLOC "
                            "thresholds at stated margins over the worst honest values, and prints them (docs/operators.md)")
     init.add_argument("--measure-submissions", type=int, default=20, metavar="N",
                       help="with --measure-precision: honest submissions per batch size (default 20)")
@@ -166,12 +167,12 @@ def _run_spec_init(args: argparse.Namespace) -> int:
                    max_near_tie_fraction=args.max_near_tie_fraction, replay_rule=args.replay_rule,
                    replay_logit_bound=args.replay_logit_bound, eos_prob_slack=args.eos_prob_slack, worker_dtype=args.worker_dtype,
                    hard_factor=args.hard_factor, fp32_logits=args.fp32_logits or None)
-    if args.sampling_rule == "gumbel-v2" and args.measure_precision is None and args.replay_rule not in ("logit-bound-v1", "logit-bound-v2"):
-        raise CliError("--sampling-rule gumbel-v2 is replayed under a logit bound: add --measure-precision bfloat16 (measures it on the "
-                       "base) or --replay-rule logit-bound-v2 --replay-logit-bound NATS (docs/toploc.md §5.3)")
+    if args.sampling_rule == "gumbel-v2" and args.measure_precision is None and args.replay_rule not in rs.LOGIT_BOUND_RULES:
+        raise CliError("--sampling-rule gumbel-v2 is replayed under a logit bound (toploc.replay_rule): add --measure-precision "
+                       "bfloat16 (measures it on the base) or --replay-rule logit-bound-v3 --replay-logit-bound NATS (docs/toploc.md §5.3)")
     if args.measure_precision is not None and args.sampling_rule == "gumbel-v2" and args.replay_rule is None:
-        # the measurement writes logit-bound-v2 with its δ; the spec it measures must already be one gumbel-v2 can run under
-        toploc |= {"replay_rule": "logit-bound-v2", "replay_logit_bound": toploc.get("replay_logit_bound") or 1.0}
+        # the measurement writes logit-bound-v3 with its δ; the spec it measures must already be one gumbel-v2 can run under
+        toploc |= {"replay_rule": "logit-bound-v3", "replay_logit_bound": toploc.get("replay_logit_bound") or 1.0}
     if not args.audit and any(v is not None for v in (args.audit_false_alarm, args.calibration_submissions, args.min_calibration_tokens,
                                                       args.audit_rule, args.min_calibration_decisive, args.twin_share,
                                                       args.calibration_batches)):
@@ -211,7 +212,8 @@ def _run_spec_init(args: argparse.Namespace) -> int:
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(map(str, err["loc"]))
-        raise CliError(f"invalid option{' for ' + where if where else ''}: {err['msg']}") from None
+        msg = err["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError says nothing to a user
+        raise CliError(f"invalid option{' for ' + where if where else ''}: {msg}") from None
     from protocol.tasks import training_split_warning
 
     if (warning := training_split_warning(spec.data.tasks)) is not None:

@@ -141,7 +141,7 @@ against 256 in 9 s calibrating batch 64 alone; ≈ 24,600 tokens and 34–46 dec
 
 def precision_toploc(worker_dtype: str, measured: ToplocSpec | None = None) -> ToplocSpec:
     """The ``[toploc]`` section fit for workers computing in ``worker_dtype`` against float32 validators:
-    the defaults (``eps-v1``) for float32; for bfloat16 the ``logit-bound-v2`` section measured on the
+    the defaults (``eps-v1``) for float32; for bfloat16 the ``logit-bound-v3`` section measured on the
     run's base (:func:`node.precision.cached_measurement` → :meth:`~node.precision.PrecisionMeasurement.toploc`).
     The one place a devnet chooses its verification tolerances by precision.
 

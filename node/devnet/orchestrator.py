@@ -299,7 +299,7 @@ class Devnet:
                                sampling_rule=self.o.sampling_rule, **env_kw)
 
         spec = make() if WORKER_DTYPES[self.o.worker_dtype] == "float32" else make(self._measure_precision(make(ToplocSpec(
-            replay_rule="logit-bound-v2", replay_logit_bound=1.0, worker_dtype="bfloat16"))))
+            replay_rule="logit-bound-v3", replay_logit_bound=1.0, worker_dtype="bfloat16"))))
         signed = sign_run_spec(spec, coord)
         self.run_id = signed.run_id.hex()
         write_marker(self.out, {"seed": self.seed, "run_id": self.run_id, "started": round(time.time(), 3)})

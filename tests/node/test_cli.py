@@ -12,7 +12,7 @@ PEER_ID = re.compile(r"12D3KooW[1-9A-HJ-NP-Za-km-z]{44}")
 
 
 def cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "node", *args], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([sys.executable, "-m", "node", *args], capture_output=True, text=True, timeout=120, env=env, check=False)
 
 
 def test_help_lists_commands_and_is_fast():
@@ -139,3 +139,37 @@ def test_bad_gossip_flags_are_one_line_errors_in_every_role(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+@pytest.mark.slow
+def test_spec_init_gumbel_v2_needs_a_logit_replay_rule(tmp_path):
+    """``--sampling-rule gumbel-v2`` is replayed under a logit bound: without one the spec is refused in one line naming
+    ``toploc.replay_rule`` and the flags that set it; with them, or with ``--measure-precision`` (which writes
+    ``logit-bound-v3`` and δ), it is written."""
+    key = tmp_path / "coord"
+    cli("keygen", "--key", str(key))
+    for opt in ([], ["--replay-rule", "eps-v1"]):
+        bad = cli("spec", "init", "--coordinator-key", str(key), "--out", str(tmp_path / "bad.toml"), "--sampling-rule", "gumbel-v2", *opt)
+        lines = bad.stderr.strip().splitlines()
+        assert bad.returncode == 2 and len(lines) == 1 and "Traceback" not in bad.stderr, bad.stderr
+        assert "toploc.replay_rule" in lines[0] and "--replay-rule logit-bound-v" in lines[0] and "--measure-precision" in lines[0], lines
+        assert not (tmp_path / "bad.toml").exists()
+    ok = cli("spec", "init", "--coordinator-key", str(key), "--out", str(tmp_path / "g.toml"), "--sampling-rule", "gumbel-v2",
+             "--replay-rule", "logit-bound-v2", "--replay-logit-bound", "0.7", "--worker-dtype", "bfloat16")
+    assert ok.returncode == 0, ok.stderr
+    show = cli("spec", "show", str(tmp_path / "g.toml")).stdout
+    assert 'rule = "gumbel-v2"' in show and 'replay_rule = "logit-bound-v2"' in show and "replay_logit_bound = 0.7" in show, show
+    measured = cli("spec", "init", "--coordinator-key", str(key), "--out", str(tmp_path / "m.toml"), "--sampling-rule", "gumbel-v2",
+                   "--measure-precision", "bfloat16", "--fp32-logits", "--measure-submissions", "1")
+    assert measured.returncode == 0, measured.stderr
+    show = cli("spec", "show", str(tmp_path / "m.toml")).stdout
+    assert 'rule = "gumbel-v2"' in show and 'replay_rule = "logit-bound-v3"' in show and 'worker_dtype = "bfloat16"' in show, show
+
+
+def test_spec_errors_carry_no_pydantic_prefix(tmp_path):
+    """A spec's own refusal reads as its message, without pydantic's ``Value error,`` prefix."""
+    key = tmp_path / "coord"
+    cli("keygen", "--key", str(key))
+    bad = cli("spec", "init", "--coordinator-key", str(key), "--out", str(tmp_path / "bad.toml"), "--replay-rule", "logit-bound-v2")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: invalid option: toploc.replay_rule logit-bound-v2 needs toploc.replay_logit_bound > 0 (nats)"], bad.stderr

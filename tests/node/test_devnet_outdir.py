@@ -60,3 +60,15 @@ def test_missing_model_directory_is_reported_as_missing(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "no such directory" in r.stderr and "config.json" not in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_gumbel_v2_without_bf16_workers_is_refused_in_one_line(tmp_path):
+    """``devnet --sampling-rule gumbel-v2`` replays under a logit bound, which only bf16 workers' specs carry: without
+    ``--worker-dtype bf16`` it stops before starting anything, in one line naming the flag to add."""
+    r = subprocess.run([sys.executable, "-m", "node", "devnet", "--sampling-rule", "gumbel-v2", "--out", str(tmp_path / "out"),
+                        "--no-dashboard"], capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "gumbel-v2" in lines[0] and "--worker-dtype bf16" in lines[0], lines
+    assert not (tmp_path / "out").exists()

@@ -28,7 +28,7 @@ def test_delta_is_three_times_the_worst_gap_within_the_dtypes_floor_and_the_cap(
     m = measured(dtype, gap)
     spec = m.toploc(ToplocSpec(), temperature=1.0)
     assert spec.replay_logit_bound == pytest.approx(delta, abs=1e-4)
-    assert spec.replay_rule == "logit-bound-v2" and spec.worker_dtype == dtype
+    assert spec.replay_rule == "logit-bound-v3" and spec.worker_dtype == dtype
     floor_line = [line for line in m.lines(spec) if "the bf16 floor" in line]
     assert bool(floor_line) == (delta == BF16_DELTA_FLOOR and dtype == "bfloat16")
 

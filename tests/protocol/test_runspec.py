@@ -135,7 +135,7 @@ def test_replay_rule_is_versioned_in_the_spec():
     signed = sign_run_spec(spec(), COORD)
     unsigned = dump_run_spec(signed)[: dump_run_spec(signed).index("[signature]")]
     assert 'replay_rule = "eps-v1"' in unsigned and "eos_prob_slack = 0.01" in unsigned
-    with pytest.raises(RunSpecError, match=r"^run spec field toploc\.replay_rule: Input should be 'eps-v1', 'logit-bound-v1' or 'logit-bound-v2'$"):
+    with pytest.raises(RunSpecError, match=r"^run spec field toploc\.replay_rule: Input should be 'eps-v1', 'logit-bound-v1', 'logit-bound-v2' or 'logit-bound-v3'$"):
         parse_run_spec(unsigned.replace('replay_rule = "eps-v1"', 'replay_rule = "logit-bound-v9"'), require_signature=False)
     # the content as a spec before the rule was written hashes to the same run ID
     old = signed.spec.model_dump(mode="python")

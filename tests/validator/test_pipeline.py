@@ -552,6 +552,31 @@ def test_logit_bound_v2_rejects_a_value_within_the_hard_factor_as_precision_beyo
     assert_rejected(world.checker(spec=v1).check(_logprobs_shifted(env1, v1, last(0.15))), {"logprobs"})
 
 
+def test_logit_bound_v3_judges_one_tokens_log_prob_tail_soft_and_a_shaded_submission_hard(world: World) -> None:
+    """``logit-bound-v3`` (docs/toploc.md §6.4): one token's log-prob off by 4.25 nats — what two 40-step bf16
+    devnets under ``-v2`` saw from honest workers at an attention flip, and banned them for — is a benign
+    ``precision`` finding, where ``-v2`` still calls the same edit the ``logprobs`` cheat (old specs keep their
+    meaning); log-probs shaded at every token of the submission beyond ``hard_factor`` × the mean bound are the
+    cheat."""
+    toploc = ToplocSpec(replay_rule="logit-bound-v3", replay_logit_bound=0.5, logprob_max_abs=0.1, logprob_mean_abs=0.1, hard_factor=2.0)
+    v3 = RunSpec(run=SPEC.run, data=SPEC.data, sampling=SPEC.sampling, rl=SPEC.rl, toploc=toploc)
+    v2 = RunSpec(run=SPEC.run, data=SPEC.data, sampling=SPEC.sampling, rl=SPEC.rl, toploc=toploc.model_copy(update={"replay_rule": "logit-bound-v2"}))
+    env = honest(world, 41, spec=v3)
+    assert world.checker(spec=v3).check(env).accepted
+    one_token = _logprobs_shifted(env, v3, lambda i, n: 4.25 if i == n - 1 else 0.0)
+    soft = world.checker(spec=v3).check(one_token)
+    assert soft.reason == "precision" and soft.evidence["finding"] == "logprobs", (soft.reason, soft.evidence)
+    env2 = honest(world, 41, spec=v2)
+    assert_rejected(world.checker(spec=v2).check(_logprobs_shifted(env2, v2, lambda i, n: 4.25 if i == n - 1 else 0.0)), {"logprobs"})
+    rollouts = [r.model_copy(update={"logprobs": pack_f32([x - 0.25 for x in unpack_f32(r.logprobs)])}) for r in env.body.rollouts]
+    shaded = opened(seal(WORKER, v3.run_id, env.body.model_copy(update={"rollouts": rollouts})), v3.run_id)
+    hard = world.checker(spec=v3).check(shaded)
+    assert_rejected(hard, {"logprobs"})
+    assert hard.evidence["mean_abs_diff"] == pytest.approx(0.25, abs=0.01) and hard.evidence["max_submission_mean"] == pytest.approx(0.2)
+    # a non-finite log-prob never reaches the soft path: refused on its bounds first
+    assert_rejected(world.checker(spec=v3).check(_logprobs_shifted(env, v3, lambda i, n: math.inf if i == 0 else 0.0)), {"bounds"})
+
+
 def test_a_gumbel_run_is_replayed_by_its_own_rule(world: World) -> None:
     """A run naming ``sampling.rule = "gumbel-v2"`` (with its logit replay rule) is generated and replayed by
     that rule: an honest worker's submission is accepted with every check run, and the same tasks decoded by
