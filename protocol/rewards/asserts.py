@@ -39,6 +39,7 @@ import ast
 import json
 import math
 import operator
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -241,12 +242,23 @@ class _Rewriter(ast.NodeTransformer):
         return True
 
 
+_PARSE_LOCK = threading.Lock()
+"""``ast.parse`` one thread at a time: CPython 3.11 keeps the AST constructor's recursion depth per
+interpreter, so two threads parsing at once can fail with ``SystemError: AST constructor recursion depth
+mismatch`` (python/cpython#106905; seen in the suite's two-thread canonical-solution test)."""
+
+
+def _parse(source: str, filename: str = "<unknown>") -> ast.Module:
+    with _PARSE_LOCK:
+        return ast.parse(source, filename=filename)
+
+
 def _bound_names(sources: list[str]) -> frozenset[str]:
     """Names that the task's own code binds (definitions, assignments, imports)."""
     names: set[str] = set()
     for source in sources:
         try:
-            tree = ast.parse(source)
+            tree = _parse(source)
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             continue  # reported by plan_asserts
         for node in ast.walk(tree):
@@ -285,7 +297,7 @@ def plan_asserts(assert_tests: tuple[str, ...] | list[str], setup_code: str, pre
         if not source:
             return ""
         try:
-            tree = ast.parse(source, filename=where)
+            tree = _parse(source, where)
         except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
             raise RewardError(f"task {where} does not parse: {type(e).__name__}") from None
         return ast.unparse(ast.fix_missing_locations(rewriter.visit(tree)))
