@@ -551,7 +551,7 @@ class RunSpec(_Section):
         if self.toploc.max_mismatches > self.toploc.topk:
             raise ValueError("toploc.max_mismatches exceeds toploc.topk")
         if self.sampling.rule == "gumbel-v2" and self.toploc.replay_rule not in LOGIT_BOUND_RULES:
-            raise ValueError("sampling.rule gumbel-v2 is replayed under a logit bound: set toploc.replay_rule logit-bound-v1 or -v2 "
+            raise ValueError("sampling.rule gumbel-v2 is replayed under a logit bound: set toploc.replay_rule logit-bound-v1, -v2 or -v3 "
                              "with toploc.replay_logit_bound (docs/toploc.md §5.3)")
         if (self.data.tasks == ENV_TASKS) != bool(self.env.name):
             raise ValueError('data.tasks "environment" and env.name go together: the tasks of a run with an environment are its own')

@@ -428,7 +428,7 @@ class ReplayParams:
         object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
         _replay_widening(self.replay_rule, self.logit_bound, self.temperature)  # raises on an unknown rule or a bad bound
         if self.rule == RULE_GUMBEL and self.replay_rule == REPLAY_RULE_EPS:
-            raise ValueError(f"sampling rule {RULE_GUMBEL} is replayed under a logit bound (logit-bound-v1 or -v2), not {REPLAY_RULE_EPS}")
+            raise ValueError(f"sampling rule {RULE_GUMBEL} is replayed under a logit bound (logit-bound-v1, -v2 or -v3), not {REPLAY_RULE_EPS}")
         if not (self.eps > 0.0 and math.isfinite(self.eps)):
             raise ValueError(f"replay eps must be a finite number > 0, got {self.eps}")
         if not 1.0 <= self.hard_factor < math.inf:

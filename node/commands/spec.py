@@ -49,7 +49,7 @@ def _spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     init.add_argument("--top-p", type=float, default=None, help="nucleus mass (default 1.0)")
     init.add_argument("--sampling-rule", choices=["icdf-v1", "gumbel-v2"], default=None,
                       help="sampling rule (docs/toploc.md §5; default icdf-v1; gumbel-v2 for bf16 workers, with --replay-rule "
-                           "logit-bound-v1 or -v2: a smaller window per token, §5.3)")
+                           "logit-bound-v1, -v2 or -v3: a smaller window per token, §5.3)")
     init.add_argument("--target-length", type=int, action="append", default=[], metavar="TOKENS",
                       help="length-control target (repeatable; INTELLECT-2 style 'Think for N tokens')")
     init.add_argument("--length-penalty", type=float, default=None, help="λ of the length penalty (INTELLECT-2: 0.0003)")
