@@ -106,9 +106,13 @@ def judge_reward(
         score: computes the reward of the completion once (a fresh sandbox per call).
         reported_task: the worker's task reward; reported_reward: its reward after the length penalty.
         reward_tol: tolerance on the reward, absolute.
-        budget_s: wall seconds the re-runs may take together; a re-run starts only where the re-runs so far
-            plus the longest scoring so far fit in it, else the verdict is ``limit_hit`` (a slow program
-            is rejected, never banned on a short count).
+        budget_s: wall seconds the re-runs may take together, as predicted: a re-run starts only where the
+            re-runs so far plus the longest scoring so far fit in it, else the verdict is ``limit_hit`` (a slow
+            program is rejected, never banned on a short count). A run is not stopped by this budget, only by
+            its sandbox, so a re-run slower than every run before it ends past it: the re-runs take at most
+            ``budget_s`` − (the longest run before the last) + one run's sandbox limit, and the whole judgement
+            at most ``budget_s`` + that limit (with the pipeline's ``budget_s`` = the 60 s sandbox wall limit:
+            ≤ 120 s; e.g. nine 6.6 s runs then a 59.9 s one: 119.3 s, re-runs 112.7 s).
         reruns: extra scorings before a disagreement counts as deterministic (k).
         environment: the task is an environment task: a score that does not reproduce is the
             environment's (``environment``), not a program's (``nondeterministic``).

@@ -63,6 +63,24 @@ def test_a_slower_later_run_counts_for_the_next_prediction(clock: Clock) -> None
     assert (judged.reason, len(done)) == ("limit_hit", 3)  # re-runs: 0 + 1 ≤ 60, 25 + 25 ≤ 60, 50 + 25 > 60
 
 
+@pytest.mark.parametrize("durations_s", [
+    [0.01, 59.9],  # a fast first run, then a slow one: started on the first's prediction
+    [6.6] * 9 + [59.9],  # nine short runs fill the budget's prediction, the tenth is near the wall limit
+    [1.0, 25.0, 30.0, 59.9],
+    [30.0, 29.9, 59.9],
+])
+def test_a_rerun_slower_than_every_earlier_one_overruns_by_at_most_one_run(clock: Clock, durations_s: list[float]) -> None:
+    """A run is stopped only by its sandbox (here ≤ 60 s), never by the re-run budget: a re-run slower than all
+    before it ends past the budget, by at most one run, so one judgement costs at most ``budget_s`` + one
+    sandbox limit (120 s in the pipeline) — the bound ``validator/pipeline.py`` adds to a submission's reward budget."""
+    score, done = program(clock, lambda n: durations_s[min(n, len(durations_s) - 1)])
+    start_s = clock.now_s
+    vr.judge_reward(score, 1.0, 1.0, reward_tol=1e-6, budget_s=60.0)
+    total_s = clock.now_s - start_s
+    assert total_s <= 60.0 + max(durations_s[: len(done)]) + 1e-9, (total_s, len(done))
+    assert total_s <= 120.0
+
+
 def test_a_run_that_differs_is_nondeterministic_whatever_the_budget(clock: Clock) -> None:
     other = RewardResult(task_reward=0.0, reward=0.0, detail="test 2 failed", outcome="e" * 64)
     results = [FAIL, FAIL, other]
