@@ -730,9 +730,12 @@ def _icdf_sample_rows(
 def _gumbel_of(words: list[torch.Tensor], word: torch.Tensor) -> torch.Tensor:
     """``g = −ln(−ln u)``, ``u = (w + 1/2) / 2^32`` of the chosen Philox word (``word`` in 0…3, broadcastable
     to the words' shape): float64, in ``[−3.10, 22.18]`` (``u`` is never 0 or 1)."""
-    w = torch.stack(words, dim=-1).gather(-1, word.expand(words[0].shape)[..., None])[..., 0]
-    u = (w.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)
-    return -torch.log(-torch.log(u))
+    return _gumbel_from(torch.stack(words, dim=-1).gather(-1, word.expand(words[0].shape)[..., None])[..., 0])
+
+
+def _gumbel_from(w: torch.Tensor) -> torch.Tensor:
+    """``−ln(−ln((w + 1/2) / 2^32))`` of int64 Philox words ``w`` in ``[0, 2^32)``, float64."""
+    return -torch.log(-torch.log((w.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)))
 
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor | int) -> torch.Tensor:
@@ -754,8 +757,7 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor
     if isinstance(ids, int):
         blocks = torch.arange(-(-ids // 4), dtype=torch.int64, device=seeds.device).reshape(1, -1)
         words = _philox_words(seeds, positions, blocks, GUMBEL_COUNTER_TAG, use_numpy=use_numpy)
-        u = torch.stack(words, dim=-1).flatten(-2)[:, :ids]  # [B, V]: word v mod 4 of block v div 4
-        return -torch.log(-torch.log((u.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)))
+        return _gumbel_from(torch.stack(words, dim=-1).flatten(-2)[:, :ids])  # [B, V]: word v mod 4 of block v div 4
     ids = ids.to(device=seeds.device, dtype=torch.int64)
     words = _philox_words(seeds, positions, ids >> 2, GUMBEL_COUNTER_TAG, use_numpy=use_numpy)
     return _gumbel_of(words, ids & 3)
@@ -901,6 +903,23 @@ class ReplayResult:
         return int(differs.sum()), [int((differs & (self.gaps > e)).sum()) for e in edges]
 
 
+def _kept_ids(ids: torch.Tensor, limit: int, floor: torch.Tensor, e: torch.Tensor, nucleus: _Nucleus | None,
+              eos_idx: torch.Tensor | None, p_eos: torch.Tensor | None, widen: float | None) -> torch.Tensor:
+    """Whether token ids ``[b, Q]`` are kept, ``[b, Q]`` bool, as both replays judge it: ``limit`` 0 surely kept,
+    1 exactly, 2 possibly (the nucleus at that limit of :class:`_Nucleus`; under a logit rule, ``widen`` = ``2δ/T``
+    given, surely kept even at weight ``e^{−d}`` and possibly kept at ``e^{d}``), and no EOS id where ``p_eos`` (``[b]``)
+    is below ``floor`` (``[b]``)."""
+    if nucleus is None:
+        out = torch.ones_like(ids, dtype=torch.bool)
+    elif widen is None or limit == 1:
+        out = nucleus.kept(ids, limit)
+    else:
+        out = nucleus.beyond(e.gather(1, ids) * _odds_scale(widen if limit == 2 else -widen), limit, inclusive=limit == 2)
+    if eos_idx is not None and p_eos is not None:
+        out = out & ~(torch.isin(ids, eos_idx) & (p_eos < floor)[:, None])
+    return out
+
+
 def _icdf_replay(
     logits: torch.Tensor, safe: torch.Tensor, in_vocab: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
     temperature: float, top_p: float, nucleus_slack: float, eos_list: list[int], floors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -988,15 +1007,7 @@ def _icdf_replay(
 
         def kept(ids: torch.Tensor, limit: int, floor: torch.Tensor, nucleus: _Nucleus | None = nucleus, p_eos: torch.Tensor | None = p_eos,
                  e: torch.Tensor = e) -> torch.Tensor:
-            if nucleus is None:
-                out = torch.ones_like(ids, dtype=torch.bool)
-            elif widen is None or limit == 1:
-                out = nucleus.kept(ids, limit)
-            else:  # surely kept: even at weight e^-d; possibly kept: at weight e^d
-                out = nucleus.beyond(e.gather(1, ids) * _odds_scale(widen if limit == 2 else -widen), limit, inclusive=limit == 2)
-            if eos_idx is not None and p_eos is not None:
-                out = out & ~(torch.isin(ids, eos_idx) & (p_eos < floor)[:, None])
-            return out
+            return _kept_ids(ids, limit, floor, e, nucleus, eos_idx, p_eos, widen)
 
         fe, fs, fl = floor_exact[lo:hi], floor_strict[lo:hi], floor_loose[lo:hi]
         kx = kept(draws, 1, fe)  # [b, K]
@@ -1104,16 +1115,8 @@ def _gumbel_replay(
         fe, fs, fl = floor_exact[lo:hi], floor_strict[lo:hi], floor_loose[lo:hi]
 
         def kept(q: torch.Tensor, limit: int, floor: torch.Tensor, nucleus: _Nucleus | None = nucleus, p_eos: torch.Tensor | None = p_eos,
-                 e: torch.Tensor = e) -> torch.Tensor:  # limit 0: surely kept, 1: exactly, 2: possibly
-            if nucleus is None:
-                out = torch.ones_like(q, dtype=torch.bool)
-            elif limit == 1:
-                out = nucleus.kept(q, 1)
-            else:
-                out = nucleus.beyond(e.gather(1, q) * _odds_scale(widen if limit == 2 else -widen), limit, inclusive=limit == 2)
-            if eos_idx is not None and p_eos is not None:
-                out = out & ~(torch.isin(q, eos_idx) & (p_eos < floor)[:, None])
-            return out
+                 e: torch.Tensor = e) -> torch.Tensor:
+            return _kept_ids(q, limit, floor, e, nucleus, eos_idx, p_eos, widen)
 
         # The bound's scores use unfloored tempered logits: the sampler floors z at −87, which lifts a far token's score
         # (with 2δ/T past ≈ 62, T < 0.032 at δ = 1, every token passed, logit −inf included). An honest worker's choice
