@@ -10,6 +10,7 @@ Qwen2 warm-started on the task answers, shipped in the package: the same bytes o
 from __future__ import annotations
 
 import collections
+import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -575,6 +576,25 @@ def test_logit_bound_v3_judges_one_tokens_log_prob_tail_soft_and_a_shaded_submis
     assert hard.evidence["mean_abs_diff"] == pytest.approx(0.25, abs=0.01) and hard.evidence["max_submission_mean"] == pytest.approx(0.2)
     # a non-finite log-prob never reaches the soft path: refused on its bounds first
     assert_rejected(world.checker(spec=v3).check(_logprobs_shifted(env, v3, lambda i, n: math.inf if i == 0 else 0.0)), {"bounds"})
+
+
+def test_logit_bound_v3_one_tokens_tail_is_soft_up_to_the_submissions_whole_mean_budget_and_evidence_stays_finite(world: World) -> None:
+    """A hostile worker under ``logit-bound-v3`` may put the whole submission's mean budget on one token: with
+    hard_factor 2 and logprob_mean_abs 0.1 over T tokens, one log-prob off by up to 0.2·T nats is the benign
+    ``precision`` (never accepted, never a ban: the soft path hides nothing from training), beyond it the
+    ``logprobs`` cheat; a finite but absurd value (3e38 nats, float32's edge) is the cheat, and every evidence
+    field is a finite number that JSON writes without NaN/inf."""
+    toploc = ToplocSpec(replay_rule="logit-bound-v3", replay_logit_bound=0.5, logprob_max_abs=0.1, logprob_mean_abs=0.1, hard_factor=2.0)
+    v3 = RunSpec(run=SPEC.run, data=SPEC.data, sampling=SPEC.sampling, rl=SPEC.rl, toploc=toploc)
+    env = honest(world, 43, spec=v3)
+    tokens = sum(len(unpack_f32(r.logprobs)) for r in env.body.rollouts)
+    for shift, reason in ((0.2 * tokens - 0.05, "precision"), (0.2 * tokens + 0.05, "logprobs"), (3e38, "logprobs")):
+        result = world.checker(spec=v3).check(_logprobs_shifted(env, v3, lambda i, n, s=shift: s if i == 0 else 0.0))
+        assert result.reason == reason, (shift, tokens, result.reason, result.evidence)
+        assert result.evidence.get("finding", "logprobs") == "logprobs"
+        json.dumps(result.evidence, allow_nan=False)
+        if reason == "logprobs":
+            assert result.evidence["tokens"] == tokens and result.evidence["mean_abs_diff"] > 0.2
 
 
 def test_a_gumbel_run_is_replayed_by_its_own_rule(world: World) -> None:
