@@ -32,6 +32,9 @@ def _logits(p_eos: float) -> torch.Tensor:
     return z.float()
 
 
+@pytest.mark.xfail(strict=True, reason="open (docs/toploc.md §11.3 What remains (1)): a claimed EOS is replayed with the EOS gate "
+                   "off, so a stop the float32 sampler gated is the replay's own token; counting it changes near-tie verdicts "
+                   "under v1 and eps-v1, so the fix needs a versioned replay rule")
 @pytest.mark.parametrize("rule", [sampling.RULE_ICDF, sampling.RULE_GUMBEL])
 def test_gated_eos_claim_counts_as_differing(rule: str) -> None:
     params = sampling.ReplayParams(temperature=T, top_p=1.0, eos_ids=(EOS,), min_eos_prob=FLOOR, rule=rule,
